@@ -1,0 +1,3 @@
+from omnibal.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,57 @@
+"""``omnibal`` command line: one module per subcommand under ``omnibal.cli``.
+
+Each subcommand module defines ``HELP`` (one line), ``DESCRIPTION``, ``add_arguments(parser)`` and
+``run(args) -> int``. Modules import heavy dependencies (torch, matplotlib) inside ``run`` so that
+``omnibal --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from omnibal import __version__
+from omnibal.errors import InputError, NotBuiltError, OmnibalError
+
+# Order is the data flow: stats -> balance -> profile -> plan -> simulate -> train -> report.
+COMMANDS = ("stats", "balance", "profile", "plan", "simulate", "train", "report")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="omnibal",
+        description="Balance data, pipeline partition and memory for distributed VLM training (OmniBal).",
+    )
+    parser.add_argument("--version", action="version", version=f"omnibal {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in COMMANDS:
+        mod = importlib.import_module(f"omnibal.cli.{name}")
+        p = sub.add_parser(
+            name,
+            help=mod.HELP,
+            description=getattr(mod, "DESCRIPTION", mod.HELP),
+            formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        )
+        mod.add_arguments(p)
+        p.set_defaults(_run=mod.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args._run(args) or 0)
+    except NotBuiltError as exc:
+        print(f"omnibal {args.command}: not built yet: {exc}", file=sys.stderr)
+        return 3
+    except InputError as exc:
+        print(f"omnibal {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except OmnibalError as exc:
+        print(f"omnibal {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"omnibal {args.command}: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,1 @@
+"""Cost model: model specs, hardware specs, analytic per-layer costs, measured profiles."""

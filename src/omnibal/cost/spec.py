@@ -1,0 +1,162 @@
+"""Model specs: a VLM as a chain of layers with kinds and dimensions.
+
+The chain is what the planner cuts into pipeline stages, so its module names are the reference trainer's
+module names (``omnibal.train.model``): a plan's stage ranges map onto real modules one to one.
+
+Chain order and module names::
+
+    vision.embed            patch embedding (+ class token, + position embedding) of every tile
+    vision.blocks.{i}       ViT transformer blocks, i = 0 .. vision.num_layers - 1
+    projector               pixel shuffle (downsample_ratio) + LayerNorm + MLP into the LLM width
+    llm.embed               token embedding; image features are scattered into the image-token slots
+    llm.blocks.{i}          decoder blocks, i = 0 .. llm.num_layers - 1
+    llm.head                final norm + LM head (+ loss)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from omnibal.errors import InputError
+
+LayerKind = Literal["vision_embed", "vision_block", "projector", "llm_embed", "llm_block", "lm_head"]
+LAYER_KINDS: tuple[str, ...] = ("vision_embed", "vision_block", "projector", "llm_embed", "llm_block", "lm_head")
+
+
+@dataclass(frozen=True, kw_only=True)
+class VisionSpec:
+    """A ViT encoder (InternViT, CLIP)."""
+
+    num_layers: int
+    """Transformer blocks that run (InternVL drops none; LLaVA stops at the second to last)."""
+    hidden: int
+    """Model width."""
+    num_heads: int
+    """Attention heads."""
+    mlp_hidden: int
+    """MLP inner width."""
+    image_size: int = 448
+    """Tile side in pixels."""
+    patch_size: int = 14
+    """Patch side in pixels."""
+    class_token: bool = True
+    """Whether a class token is prepended (1025 = 32*32 + 1 tokens per 448px tile)."""
+
+    @property
+    def patches_per_side(self) -> int:
+        return self.image_size // self.patch_size
+
+    @property
+    def tokens_per_tile(self) -> int:
+        return self.patches_per_side**2 + int(self.class_token)
+
+    def validate(self, where: str) -> None:
+        _positive(where, num_layers=self.num_layers, hidden=self.hidden, num_heads=self.num_heads,
+                  mlp_hidden=self.mlp_hidden, image_size=self.image_size, patch_size=self.patch_size)
+        if self.hidden % self.num_heads:
+            raise InputError(f"hidden {self.hidden} not divisible by num_heads {self.num_heads}",
+                             source=where, field="vision.num_heads")
+        if self.image_size % self.patch_size:
+            raise InputError(f"image_size {self.image_size} not divisible by patch_size {self.patch_size}",
+                             source=where, field="vision.patch_size")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LLMSpec:
+    """A decoder-only LLM (InternLM2, Llama/Vicuna, Yi)."""
+
+    num_layers: int
+    """Decoder blocks."""
+    hidden: int
+    """Model width."""
+    num_heads: int
+    """Query heads."""
+    num_kv_heads: int
+    """Key/value heads (grouped-query attention when fewer than num_heads)."""
+    mlp_hidden: int
+    """SwiGLU inner width."""
+    vocab_size: int
+    """Vocabulary size (embedding rows and LM-head columns)."""
+    tie_embeddings: bool = False
+    """Whether the LM head shares the embedding matrix."""
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.num_heads
+
+    def validate(self, where: str) -> None:
+        _positive(where, num_layers=self.num_layers, hidden=self.hidden, num_heads=self.num_heads,
+                  num_kv_heads=self.num_kv_heads, mlp_hidden=self.mlp_hidden, vocab_size=self.vocab_size)
+        if self.hidden % self.num_heads:
+            raise InputError(f"hidden {self.hidden} not divisible by num_heads {self.num_heads}",
+                             source=where, field="llm.num_heads")
+        if self.num_heads % self.num_kv_heads:
+            raise InputError(f"num_heads {self.num_heads} not divisible by num_kv_heads {self.num_kv_heads}",
+                             source=where, field="llm.num_kv_heads")
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One link of the layer chain."""
+
+    index: int
+    """Position in the chain (0-based)."""
+    kind: str
+    """One of LAYER_KINDS."""
+    name: str
+    """Module name in the reference trainer's model."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """A VLM: vision encoder -> projector -> LLM."""
+
+    name: str
+    """Preset or user name; profiles and plans record it to refuse being applied to another model."""
+    vision: VisionSpec
+    """The vision encoder."""
+    llm: LLMSpec
+    """The language model."""
+    downsample_ratio: float = 0.5
+    """Pixel-shuffle ratio of the projector (0.5: 1024 patches -> 256 LLM tokens per tile)."""
+    freeze_vision: bool = False
+    """Whether the vision encoder is frozen (no weight gradients, no optimizer state)."""
+
+    def __post_init__(self) -> None:
+        self.vision.validate(self.name)
+        self.llm.validate(self.name)
+        side = self.vision.patches_per_side * self.downsample_ratio
+        if not (0 < self.downsample_ratio <= 1) or side != int(side):
+            raise InputError(f"downsample_ratio {self.downsample_ratio} must be in (0, 1] and divide the "
+                             f"{self.vision.patches_per_side}-patch grid evenly", source=self.name,
+                             field="downsample_ratio")
+
+    @property
+    def llm_tokens_per_tile(self) -> int:
+        """Image tokens the LLM sees per tile (256 for InternVL-1.5)."""
+        return int(self.vision.patches_per_side * self.downsample_ratio) ** 2
+
+    @property
+    def projector_in(self) -> int:
+        """Projector input width after pixel shuffle."""
+        return int(round(self.vision.hidden / self.downsample_ratio**2))
+
+    def layers(self) -> tuple[LayerSpec, ...]:
+        """The layer chain in execution order (see the module docstring)."""
+        names: list[tuple[str, str]] = [("vision_embed", "vision.embed")]
+        names += [("vision_block", f"vision.blocks.{i}") for i in range(self.vision.num_layers)]
+        names += [("projector", "projector"), ("llm_embed", "llm.embed")]
+        names += [("llm_block", f"llm.blocks.{i}") for i in range(self.llm.num_layers)]
+        names += [("lm_head", "llm.head")]
+        return tuple(LayerSpec(i, kind, name) for i, (kind, name) in enumerate(names))
+
+    @property
+    def num_layers(self) -> int:
+        return self.vision.num_layers + self.llm.num_layers + 4
+
+
+def _positive(where: str, **values: int) -> None:
+    for key, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise InputError(f"must be a positive integer, got {value!r}", source=where, field=key)

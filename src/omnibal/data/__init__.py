@@ -1,0 +1,1 @@
+"""Balanced data: packing, assignment to ranks and micro-batches, metrics, sampler, collate."""

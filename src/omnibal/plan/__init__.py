@@ -1,0 +1,1 @@
+"""Planning: pipeline partition, per-stage recompute, the Plan and its exports."""

@@ -1,0 +1,1 @@
+"""Step-time simulation of DP x PP schedules, and reports."""

@@ -1,0 +1,1 @@
+"""Reference trainer: single-device model code, plus distributed wrapping applied from a plan."""
