@@ -1,0 +1,104 @@
+"""The contract between the cost model and everything that uses it (balancer, planner, simulator).
+
+Every per-layer cost of one micro-batch (time, activation memory, bytes crossing a stage boundary) is
+linear in four features of the micro-batch:
+
+    one         1 (fixed per-micro-batch overhead: kernel launches, norms of tiny tensors)
+    tiles       vision tiles in the micro-batch (each tile is a fixed-length ViT sequence)
+    tokens      LLM tokens in the micro-batch (padded tokens count when the batch is padded)
+    tokens_sq   sum over the micro-batch's attention segments of length**2 (causal attention cost;
+                varlen packing: sum of t_i**2 per sample; padding to t_max: B * t_max**2)
+
+so a whole epoch of micro-batches is costed by one matrix product: ``features @ coef.T``. The analytic
+model (FLOPs / achievable rate) and the measured profiles (fitted per layer kind) both produce a
+:class:`LayerCostTable`; consumers never care which.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+FEATURES: tuple[str, ...] = ("one", "tiles", "tokens", "tokens_sq")
+NUM_FEATURES = len(FEATURES)
+
+
+def microbatch_features(tiles, tokens, tokens_sq) -> np.ndarray:
+    """Stack per-micro-batch sums into an ``[N, 4]`` float64 feature matrix (any array shape works:
+    the result has shape ``tiles.shape + (4,)``)."""
+    tiles = np.asarray(tiles, dtype=np.float64)
+    return np.stack(
+        [np.ones_like(tiles), tiles, np.asarray(tokens, np.float64), np.asarray(tokens_sq, np.float64)],
+        axis=-1,
+    )
+
+
+def pack_features(tiles: np.ndarray, tokens: np.ndarray, pack_offsets: np.ndarray) -> np.ndarray:
+    """Features of packs given in CSR form: pack ``k`` holds samples ``order[pack_offsets[k]:pack_offsets[k+1]]``
+    and ``tiles``/``tokens`` are already gathered in that order. Varlen attention (sum of squares)."""
+    starts = np.asarray(pack_offsets[:-1], dtype=np.int64)
+    t = np.asarray(tokens, dtype=np.float64)
+    if len(t) == 0:
+        return np.zeros((len(starts), NUM_FEATURES))
+    sums = lambda x: np.add.reduceat(x, starts) if len(starts) else np.zeros(0)  # noqa: E731
+    empty = np.diff(pack_offsets) == 0
+    out = microbatch_features(sums(np.asarray(tiles, np.float64)), sums(t), sums(t * t))
+    out[empty, 1:] = 0.0  # reduceat repeats the next element for empty segments
+    return out
+
+
+@dataclass(frozen=True, eq=False)
+class LayerCostTable:
+    """Per-layer cost coefficients for one model on one device type (after the tensor-parallel split).
+
+    Arrays with a trailing axis of 4 are coefficients over ``FEATURES``: ``value = coef @ features``.
+    Times are seconds, memory is bytes, all per device.
+    """
+
+    names: tuple[str, ...]
+    """Module names of the layer chain (``ModelSpec.layers()``)."""
+    kinds: tuple[str, ...]
+    """Layer kinds, parallel to ``names``."""
+    fwd_time: np.ndarray
+    """``[L, 4]`` forward time."""
+    bwd_time: np.ndarray
+    """``[L, 4]`` backward time (input and weight gradients; recomputation not included)."""
+    act_bytes: np.ndarray
+    """``[L, 4]`` activation bytes a layer keeps for its backward when it is not checkpointed."""
+    ckpt_bytes: np.ndarray
+    """``[L, 4]`` bytes it keeps when checkpointed (its input; the rest is recomputed)."""
+    out_bytes: np.ndarray
+    """``[L, 4]`` bytes of its output (what crosses a pipeline boundary placed after it)."""
+    param_bytes: np.ndarray
+    """``[L]`` parameter bytes (training dtype)."""
+    grad_bytes: np.ndarray
+    """``[L]`` gradient bytes (0 for frozen layers)."""
+    optim_bytes: np.ndarray
+    """``[L]`` optimizer-state bytes before ZeRO sharding (fp32 master + Adam moments; 0 when frozen)."""
+    tp_comm_time: np.ndarray | None = None
+    """``[L, 4]`` tensor-parallel collective time inside the layer (forward + backward); None when TP = 1."""
+
+    def __post_init__(self) -> None:
+        num_layers = len(self.names)
+        assert len(self.kinds) == num_layers
+        for name in ("fwd_time", "bwd_time", "act_bytes", "ckpt_bytes", "out_bytes"):
+            arr = np.asarray(getattr(self, name), dtype=np.float64)
+            assert arr.shape == (num_layers, NUM_FEATURES), (name, arr.shape)
+            object.__setattr__(self, name, arr)
+        for name in ("param_bytes", "grad_bytes", "optim_bytes"):
+            arr = np.asarray(getattr(self, name), dtype=np.float64)
+            assert arr.shape == (num_layers,), (name, arr.shape)
+            object.__setattr__(self, name, arr)
+        if self.tp_comm_time is not None:
+            arr = np.asarray(self.tp_comm_time, dtype=np.float64)
+            assert arr.shape == (num_layers, NUM_FEATURES)
+            object.__setattr__(self, "tp_comm_time", arr)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.names)
+
+    def evaluate(self, name: str, features: np.ndarray) -> np.ndarray:
+        """``features [..., 4]`` -> ``[..., L]`` values of coefficient array ``name``."""
+        return np.asarray(features, dtype=np.float64) @ getattr(self, name).T
