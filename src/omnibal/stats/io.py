@@ -1,0 +1,528 @@
+"""Read and write `SampleStats` files.
+
+Formats (``format=`` names; auto-detected from the extension, and for ``.json`` from the first record):
+
+``jsonl``          one record per line: ``{"key": int|str, "tiles": int, "tokens": int, "images": int}``.
+``json``           a JSON list of the same records.
+``parquet``        columns ``tiles``, ``tokens``, ``images`` (integers) and ``key`` (uint64).
+``token-lengths``  the public OmniBal token-length format: a JSON list of
+                   ``{"vit_num": int, "token_num": int, "image_flags": int}`` with no sample ids.
+
+``key`` is optional: a string id is turned into a stable 64-bit key with :func:`hash_key`; a record
+without one gets ``index_keys(<file name>, n)[i]`` (its index in the file), so keys survive skipping.
+
+The token-length format stores ``image_flags``, which in the published files always equals ``vit_num``: it
+counts the tiles flagged as coming from a real image (InternVL's per-tile ``image_flags``), not images. A
+text-only sample that carries a dummy tile has ``image_flags`` 0. So on reading, ``images = 1 if
+image_flags > 0 else 0`` (one image per sample: the published subsets are single-image), and on writing,
+``image_flags = tiles if images > 0 else 0``; the published files round-trip exactly.
+
+Bad input raises :class:`~omnibal.errors.InputError` naming the file, the record (``line N`` for JSONL and
+JSON syntax errors, ``index N`` for list entries and parquet rows) and the field. With ``on_error="skip"``
+bad records are dropped, counted and reported in a :class:`LoadReport` (and by a warning from
+:func:`load_stats`); a file with no valid record is always an error.
+
+Speed: JSONL goes through pyarrow's multithreaded JSON reader when the file is well formed (a strict
+fast path whose result is checked: one row per line); anything it refuses is re-read line by line by the
+reference parser, which finds the exact bad spot. JSON lists are loaded whole with :mod:`json`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import tempfile
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from omnibal.errors import InputError
+from omnibal.stats.table import MAX_IMAGES, MAX_TILES, MAX_TOKENS, SampleStats, hash_key, index_keys
+
+FORMATS = ("jsonl", "json", "parquet", "token-lengths")
+ON_ERROR = ("raise", "skip")
+
+_EXTENSIONS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet", ".pq": "parquet"}
+# Kept in the report; the count covers all of them.
+MAX_REPORTED_ERRORS = 20
+_UINT64_MAX = (1 << 64) - 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadReport:
+    """What a load read and what it skipped (``on_error="skip"``)."""
+
+    source: str
+    """The file read."""
+    format: str
+    """The format it was read as."""
+    num_records: int
+    """Records found in the file (valid or not)."""
+    num_loaded: int
+    """Records that made it into the table."""
+    num_skipped: int
+    """Records dropped as invalid."""
+    errors: tuple[InputError, ...] = field(default=())
+    """The first :data:`MAX_REPORTED_ERRORS` reasons, in file order."""
+
+    def summary(self) -> str:
+        head = f"{self.source}: loaded {self.num_loaded} of {self.num_records} records ({self.format})"
+        if not self.num_skipped:
+            return head
+        lines = [f"{head}; skipped {self.num_skipped} invalid record(s):"]
+        lines += [f"  {e}" for e in self.errors]
+        if self.num_skipped > len(self.errors):
+            lines.append(f"  ... and {self.num_skipped - len(self.errors)} more")
+        return "\n".join(lines)
+
+
+class _Schema:
+    """Field names of a format; ``images_from_flags`` marks the token-length format."""
+
+    def __init__(self, tiles: str, tokens: str, images: str, *, images_from_flags: bool) -> None:
+        self.tiles, self.tokens, self.images = tiles, tokens, images
+        self.images_from_flags = images_from_flags
+
+    @property
+    def fields(self) -> tuple[str, str, str]:
+        return (self.tiles, self.tokens, self.images)
+
+
+_OMNIBAL = _Schema("tiles", "tokens", "images", images_from_flags=False)
+_TOKEN_LENGTHS = _Schema("vit_num", "token_num", "image_flags", images_from_flags=True)
+_LIMITS = {"tiles": (0, MAX_TILES), "tokens": (1, MAX_TOKENS), "images": (0, MAX_IMAGES)}
+
+
+# ------------------------------------------------------------------------------------------------ API
+def detect_format(path: str | os.PathLike) -> str:
+    """The format of ``path`` from its extension; ``.json`` files are told apart by their first record."""
+    p = Path(path)
+    fmt = _EXTENSIONS.get(p.suffix.lower())
+    if fmt is None:
+        raise InputError(
+            f"cannot tell the format from the extension {p.suffix!r}; pass format= one of {FORMATS}",
+            source=str(p),
+        )
+    if fmt == "json" and p.is_file():
+        with open(p, "rb") as f:
+            head = f.read(4096)
+        m = re.match(rb'\s*\[\s*\{\s*"([^"\\]*)"', head)
+        if m and m.group(1).decode("utf-8", "replace") in _TOKEN_LENGTHS.fields:
+            return "token-lengths"
+    return fmt
+
+
+def load_stats(path: str | os.PathLike, *, format: str | None = None, on_error: str = "raise") -> SampleStats:
+    """Read a stats file. ``on_error="skip"`` drops invalid records and warns how many (see :func:`read_stats`)."""
+    stats, report = read_stats(path, format=format, on_error=on_error)
+    if report.num_skipped:
+        warnings.warn(report.summary(), SkippedRecordsWarning, stacklevel=2)
+    return stats
+
+
+def read_stats(
+    path: str | os.PathLike, *, format: str | None = None, on_error: str = "raise"
+) -> tuple[SampleStats, LoadReport]:
+    """Read a stats file and say what was read and skipped."""
+    source = str(path)
+    if on_error not in ON_ERROR:
+        raise InputError(f"must be one of {ON_ERROR}, got {on_error!r}", source="on_error")
+    fmt = format or detect_format(path)
+    if fmt not in FORMATS:
+        raise InputError(f"unknown format {fmt!r}; one of {FORMATS}", source="format")
+    if not Path(path).is_file():
+        raise InputError("no such file", source=source)
+    if fmt == "parquet":
+        cols = _read_parquet(source)
+    else:
+        data = Path(path).read_bytes()
+        if not data.strip():
+            raise InputError("empty file: no records", source=source)
+        if fmt == "jsonl":
+            cols = (_is_utf8(data) and _jsonl_fast(data, source)) or _jsonl_records(data, source, on_error)
+        else:
+            schema = _TOKEN_LENGTHS if fmt == "token-lengths" else _OMNIBAL
+            cols = _json_records(_decode_utf8(data, source), source, schema, on_error)
+    return _finish(cols, source, fmt, on_error)
+
+
+def save_stats(stats: SampleStats, path: str | os.PathLike, *, format: str | None = None) -> Path:
+    """Write ``stats`` (atomically: a temporary file renamed into place). Returns the path written."""
+    p = Path(path)
+    fmt = format or _EXTENSIONS.get(p.suffix.lower())
+    if fmt not in FORMATS:
+        raise InputError(f"cannot tell the format of {p.name!r}; pass format= one of {FORMATS}", source=str(p))
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        if fmt == "parquet":
+            _write_parquet(stats, tmp)
+        else:
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.write(_render_json(stats, fmt))
+        os.replace(tmp, p)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return p
+
+
+class SkippedRecordsWarning(UserWarning):
+    """Invalid records were skipped (``on_error="skip"``); the message says how many and why."""
+
+
+# ------------------------------------------------------------------------------------------ writing
+def _render_json(stats: SampleStats, fmt: str) -> str:
+    tiles, tokens, images = stats.tiles.tolist(), stats.tokens.tolist(), stats.images.tolist()
+    if fmt == "token-lengths":
+        rows = [
+            f'{{"vit_num": {t}, "token_num": {n}, "image_flags": {t if i > 0 else 0}}}'
+            for t, n, i in zip(tiles, tokens, images)
+        ]
+    else:
+        rows = [
+            f'{{"key": {k}, "tiles": {t}, "tokens": {n}, "images": {i}}}'
+            for k, t, n, i in zip(stats.keys.tolist(), tiles, tokens, images)
+        ]
+    if fmt == "jsonl":
+        return "\n".join(rows) + "\n"
+    return "[\n" + ",\n".join(rows) + "\n]\n"
+
+
+def _write_parquet(stats: SampleStats, path: str) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table(
+        {
+            "key": pa.array(stats.keys, type=pa.uint64()),
+            "tiles": pa.array(stats.tiles, type=pa.int32()),
+            "tokens": pa.array(stats.tokens, type=pa.int32()),
+            "images": pa.array(stats.images, type=pa.int32()),
+        }
+    )
+    pq.write_table(table, path)
+
+
+# ------------------------------------------------------------------------------------------ reading
+class _Columns:
+    """Parsed records: int64 columns, keys, per-row locators, and rows already known bad."""
+
+    def __init__(self, *, schema: _Schema, num_records: int, tiles, tokens, images, keys, locate, errors) -> None:
+        self.schema = schema
+        self.num_records = num_records
+        self.tiles, self.tokens, self.images, self.keys = tiles, tokens, images, keys
+        self.locate = locate  # row -> "line N" / index
+        self.errors: dict[int, InputError] = errors  # row -> first error (structure / type)
+
+
+def _decode_utf8(data: bytes, source: str) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise InputError(f"not UTF-8 text (byte {exc.start})", source=source, record=f"line {line}") from None
+
+
+def _is_utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _json_error(exc: Exception, source: str, line_offset: int = 0) -> InputError:
+    if isinstance(exc, json.JSONDecodeError):
+        return InputError(
+            f"malformed JSON: {exc.msg} (column {exc.colno})", source=source, record=f"line {exc.lineno + line_offset}"
+        )
+    if isinstance(exc, RecursionError):
+        return InputError("malformed JSON: nested too deeply", source=source)
+    return InputError(f"malformed JSON: {exc}", source=source)
+
+
+def _jsonl_fast(data: bytes, source: str) -> _Columns | None:
+    """pyarrow's JSON reader on a clean file; ``None`` sends the file to the line-by-line reader.
+
+    Accepted only when every line is a non-blank record and pyarrow returns exactly one row per line (it
+    would otherwise read two objects on one line as two rows), all four fields are present and integer.
+    """
+    import pyarrow as pa
+    import pyarrow.json as pj
+
+    raw = np.frombuffer(data, dtype=np.uint8)
+    starts = np.flatnonzero(raw == ord("\n")) + 1
+    starts = np.concatenate([[0], starts[starts < len(raw)]])
+    num_lines = len(starts)
+    # every line must open a record at its first byte: no blank lines (line numbers stay exact) and, with
+    # the row count checked below, no line that pyarrow could split into two rows
+    if num_lines < 1000 or not (raw[starts] == ord("{")).all():
+        return None
+    schema = pa.schema([("key", pa.uint64()), ("tiles", pa.int64()), ("tokens", pa.int64()), ("images", pa.int64())])
+    opts = pj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore")
+    try:
+        table = pj.read_json(pa.BufferReader(data), parse_options=opts)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, ValueError):
+        return None
+    if table.num_rows != num_lines:
+        return None
+    cols = {}
+    for name in ("tiles", "tokens", "images"):
+        col = table.column(name)
+        if col.null_count:
+            return None
+        cols[name] = col.to_numpy().astype(np.int64, copy=False)
+    key_col = table.column("key")
+    if key_col.null_count == 0:
+        keys = key_col.to_numpy()
+    elif key_col.null_count == table.num_rows:
+        keys = index_keys(Path(source).name, table.num_rows)
+    else:
+        return None
+    return _Columns(
+        schema=_OMNIBAL, num_records=table.num_rows, keys=np.asarray(keys, dtype=np.uint64),
+        locate=lambda i: f"line {i + 1}", errors={}, **cols,
+    )  # fmt: skip
+
+
+def _jsonl_records(data: bytes, source: str, on_error: str) -> _Columns:
+    """The reference JSONL reader: one ``json.loads`` per non-blank line."""
+    records, lines, errors = [], [], {}
+    for lineno, raw_line in enumerate(data.split(b"\n"), start=1):
+        if not raw_line.strip():
+            continue
+        try:
+            records.append(json.loads(raw_line.decode("utf-8")))
+        except UnicodeDecodeError as exc:
+            err = InputError(f"not UTF-8 text (byte {exc.start} of the line)", source=source, record=f"line {lineno}")
+        except (ValueError, RecursionError) as exc:
+            err = _json_error(exc, source, lineno - 1)
+        else:
+            lines.append(lineno)
+            continue
+        if on_error == "raise":
+            raise err from None
+        errors[len(records)] = err
+        records.append(None)
+        lines.append(lineno)
+    if not records:
+        raise InputError("no records", source=source)
+    return _columns_from_records(records, source, _OMNIBAL, lambda i: f"line {lines[i]}", errors)
+
+
+def _json_records(text: str, source: str, schema: _Schema, on_error: str) -> _Columns:
+    try:
+        records = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise _json_error(exc, source) from None  # a broken list has no records to skip to
+    if not isinstance(records, list):
+        raise InputError(f"expected a JSON list of records, got {type(records).__name__}", source=source)
+    if not records:
+        raise InputError("no records (empty list)", source=source)
+    return _columns_from_records(records, source, schema, lambda i: i, {})
+
+
+def _columns_from_records(records: list, source: str, schema: _Schema, locate, errors: dict) -> _Columns:
+    n = len(records)
+    fast = None if errors else _records_fast(records, schema)
+    if fast is not None:
+        tiles, tokens, images, raw_keys = fast
+    else:
+        tiles, tokens, images = (np.zeros(n, np.int64) for _ in range(3))
+        raw_keys = [None] * n
+        for i, rec in enumerate(records):
+            if i in errors:
+                continue
+            try:
+                tiles[i], tokens[i], images[i], raw_keys[i] = _record_values(rec, schema)
+            except _FieldError as exc:
+                errors[i] = InputError(exc.message, source=source, record=locate(i), field=exc.field)
+    keys = _keys(raw_keys, source, n)
+    return _Columns(schema=schema, num_records=n, tiles=tiles, tokens=tokens, images=images, keys=keys,
+                    locate=locate, errors=errors)  # fmt: skip
+
+
+def _records_fast(records: list, schema: _Schema):
+    """Columns by whole-list passes when every record is a dict of plain ints; ``None`` otherwise."""
+    if not all(type(r) is dict for r in records):
+        return None
+    out = []
+    for name in schema.fields:
+        try:
+            vals = [r[name] for r in records]
+        except KeyError:
+            return None
+        if set(map(type, vals)) != {int}:
+            return None
+        try:
+            out.append(np.array(vals, dtype=np.int64))
+        except OverflowError:
+            return None
+    if schema.images_from_flags:
+        raw_keys = [None] * len(records)
+    else:
+        raw_keys = [r.get("key") for r in records]
+        if not set(map(type, raw_keys)) <= {int, str, type(None)}:
+            return None
+        int_keys = [k for k in raw_keys if type(k) is int]
+        if int_keys and not (min(int_keys) >= 0 and max(int_keys) <= _UINT64_MAX):
+            return None
+    return (*out, raw_keys)
+
+
+class _FieldError(Exception):
+    def __init__(self, message: str, field: str | None = None) -> None:
+        self.message, self.field = message, field
+
+
+def _record_values(rec, schema: _Schema):
+    if not isinstance(rec, dict):
+        raise _FieldError(f"expected a JSON object, got {type(rec).__name__}")
+    values = []
+    for name in schema.fields:
+        if name not in rec:
+            raise _FieldError("missing", name)
+        values.append(_as_int(rec[name], name))
+    key = None
+    if not schema.images_from_flags and "key" in rec:
+        key = rec["key"]
+        if isinstance(key, bool) or not isinstance(key, (int, str)):
+            raise _FieldError(f"must be an integer or a string id, got {_show(key)}", "key")
+        if isinstance(key, int) and not 0 <= key <= _UINT64_MAX:
+            raise _FieldError(f"integer key must be in [0, 2**64), got {_show(key)}", "key")
+    return (*values, key)
+
+
+def _as_int(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _FieldError(f"must be an integer, got {_show(value)}", name)
+    if isinstance(value, float):
+        if not math.isfinite(value) or value != int(value):
+            raise _FieldError(f"must be a whole number, got {value!r}", name)
+        value = int(value)
+    if not -(1 << 62) <= value <= (1 << 62):
+        raise _FieldError(f"absurd value {_show(value)}", name)
+    return value
+
+
+def _show(value) -> str:
+    text = repr(value) if not isinstance(value, int) or value.bit_length() < 200 else f"<{value.bit_length()}-bit int>"
+    text = text if len(text) <= 60 else text[:57] + "..."
+    return f"{text} ({type(value).__name__})"
+
+
+def _keys(raw_keys: list, source: str, n: int) -> np.ndarray:
+    kinds = set(map(type, raw_keys))
+    if kinds == {int}:
+        return np.array(raw_keys, dtype=np.uint64)
+    keys = index_keys(Path(source).name, n)
+    if kinds == {type(None)}:
+        return keys
+    for i, k in enumerate(raw_keys):
+        if isinstance(k, bool):
+            continue
+        if isinstance(k, int) and 0 <= k <= _UINT64_MAX:
+            keys[i] = k
+        elif isinstance(k, str):
+            keys[i] = hash_key(k)
+    return keys
+
+
+def _read_parquet(source: str) -> _Columns:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(source)
+    except (pa.ArrowException, OSError) as exc:
+        raise InputError(f"not a readable parquet file: {exc}", source=source) from None
+    if table.num_rows == 0:
+        raise InputError("no records (0 rows)", source=source)
+    cols = {}
+    for name in ("tiles", "tokens", "images", "key"):
+        if name not in table.column_names:
+            if name == "key":
+                continue
+            raise InputError(f"missing column (has {table.column_names})", source=source, field=name)
+        col = table.column(name)
+        if not (pa.types.is_integer(col.type)):
+            raise InputError(f"column must be integers, got {col.type}", source=source, field=name)
+        if col.null_count:
+            i = int(np.flatnonzero(col.is_null().to_numpy(zero_copy_only=False))[0])
+            raise InputError("null value", source=source, record=i, field=name)
+        arr = col.to_numpy()
+        if name == "key":
+            if arr.dtype.kind == "i" and (arr < 0).any():
+                i = int(np.flatnonzero(arr < 0)[0])
+                raise InputError(f"key must be >= 0, got {arr[i]}", source=source, record=i, field=name)
+            cols["keys"] = arr.astype(np.uint64)
+        else:
+            if arr.dtype == np.uint64 and (arr > np.uint64(1 << 62)).any():
+                i = int(np.flatnonzero(arr > np.uint64(1 << 62))[0])
+                raise InputError(f"absurd value {arr[i]}", source=source, record=i, field=name)
+            cols[name] = arr.astype(np.int64)
+    if "keys" not in cols:
+        cols["keys"] = index_keys(Path(source).name, table.num_rows)
+    return _Columns(schema=_OMNIBAL, num_records=table.num_rows, locate=lambda i: i, errors={}, **cols)
+
+
+# ------------------------------------------------------------------------------------------ checking
+def _value_errors(cols: _Columns, source: str) -> np.ndarray:
+    """Vectorised range and consistency checks; records the first reason per bad row in ``cols.errors``."""
+    s = cols.schema
+    n = cols.num_records
+    bad = np.zeros(n, dtype=bool)
+    if cols.errors:
+        bad[list(cols.errors)] = True
+    images_limit = (0, MAX_TILES) if s.images_from_flags else _LIMITS["images"]
+    checks = [
+        (cols.tiles, s.tiles, *_LIMITS["tiles"]),
+        (cols.tokens, s.tokens, *_LIMITS["tokens"]),
+        (cols.images, s.images, *images_limit),
+    ]
+    for values, name, lo, hi in checks:
+        rows = (values < lo) | (values > hi)
+        _note(cols, rows & ~bad, lambda i, v=values, nm=name, lo=lo, hi=hi: (f"must be in [{lo}, {hi}], got {v[i]}", nm))
+        bad |= rows
+    over = cols.images > cols.tiles
+    what = "image tiles" if s.images_from_flags else "images"
+    _note(cols, over & ~bad, lambda i: (
+        f"{what} {cols.images[i]} > {s.tiles} {cols.tiles[i]} (every image has at least one tile)", s.images))
+    bad |= over
+    return bad
+
+
+def _note(cols: _Columns, rows: np.ndarray, reason) -> None:
+    idx = np.flatnonzero(rows)
+    # only the earliest rows need a message: raise reports the first, skip reports the first few
+    for i in idx[: MAX_REPORTED_ERRORS + 1].tolist():
+        msg, name = reason(i)
+        cols.errors.setdefault(i, InputError(msg, source=cols.source_name, record=cols.locate(i), field=name))
+
+
+def _finish(cols: _Columns, source: str, fmt: str, on_error: str) -> tuple[SampleStats, LoadReport]:
+    cols.source_name = source
+    bad = _value_errors(cols, source)
+    num_bad = int(bad.sum())
+    if num_bad and on_error == "raise":
+        raise cols.errors[min(cols.errors)]
+    keep = ~bad
+    if num_bad == cols.num_records:
+        first = cols.errors[min(cols.errors)]
+        raise InputError(f"no valid records ({num_bad} skipped; first: {first})", source=source)
+    images = cols.images[keep]
+    if cols.schema.images_from_flags:
+        images = (images > 0).astype(np.int64)
+    stats = SampleStats(
+        tiles=cols.tiles[keep], tokens=cols.tokens[keep], images=images, keys=cols.keys[keep], source=source
+    )
+    errors = tuple(cols.errors[i] for i in sorted(cols.errors)[:MAX_REPORTED_ERRORS])
+    report = LoadReport(source=source, format=fmt, num_records=cols.num_records, num_loaded=len(stats),
+                        num_skipped=num_bad, errors=errors)  # fmt: skip
+    return stats, report
