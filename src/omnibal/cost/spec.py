@@ -15,8 +15,12 @@ Chain order and module names::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+import numpy as np
 
 from omnibal.errors import InputError
 
@@ -122,6 +126,8 @@ class ModelSpec:
     """Pixel-shuffle ratio of the projector (0.5: 1024 patches -> 256 LLM tokens per tile)."""
     freeze_vision: bool = False
     """Whether the vision encoder is frozen (no weight gradients, no optimizer state)."""
+    projector_norm: bool = True
+    """Whether the projector starts with a LayerNorm over its input (InternVL: yes; LLaVA's mlp2x_gelu: no)."""
 
     def __post_init__(self) -> None:
         self.vision.validate(self.name)
@@ -154,6 +160,45 @@ class ModelSpec:
     @property
     def num_layers(self) -> int:
         return self.vision.num_layers + self.llm.num_layers + 4
+
+    def sample_tokens(self, tiles, tokens, *, source_tokens_per_tile: int = 256) -> np.ndarray:
+        """LLM sequence lengths of samples under this model, from statistics that counted
+        ``source_tokens_per_tile`` image tokens per tile (InternVL-1.5 statistics count 256).
+
+        The text part is kept; each tile contributes :attr:`llm_tokens_per_tile` instead. Presets with
+        256 tokens per tile return ``tokens`` unchanged; the ``tiny`` preset (16 per tile) shortens them.
+        """
+        tiles = np.asarray(tiles, dtype=np.int64)
+        tokens = np.asarray(tokens, dtype=np.int64)
+        out = tokens + (self.llm_tokens_per_tile - int(source_tokens_per_tile)) * tiles
+        if out.size and out.min() < 0:
+            bad = int(np.argmin(out))
+            raise InputError(f"tokens {int(tokens.flat[bad])} < {source_tokens_per_tile} x tiles "
+                             f"{int(tiles.flat[bad])}: the statistics do not count {source_tokens_per_tile} "
+                             "image tokens per tile", source="tokens", record=bad, field="tokens")
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-data form (JSON-able); :meth:`from_dict` inverts it."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, source: str = "model spec") -> "ModelSpec":
+        try:
+            fields = dict(data)
+            fields["vision"] = VisionSpec(**fields["vision"])
+            fields["llm"] = LLMSpec(**fields["llm"])
+            return cls(**fields)
+        except (KeyError, TypeError) as exc:
+            raise InputError(f"not a model spec: {exc}", source=source, field="model") from exc
+
+    def fingerprint(self) -> str:
+        """Stable hash of every dimension except the name: a profile or plan records it so that it is
+        never applied to a model of another shape."""
+        data = self.to_dict()
+        data.pop("name")
+        blob = json.dumps(data, sort_keys=True).encode()
+        return hashlib.blake2b(blob, digest_size=8).hexdigest()
 
 
 def _positive(where: str, **values: int) -> None:

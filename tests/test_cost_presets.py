@@ -1,0 +1,83 @@
+import dataclasses
+
+import numpy as np
+import pytest
+
+from omnibal.cost.params import layer_param_counts, param_counts
+from omnibal.cost.presets import PUBLISHED_PARAMS, get_model_preset, preset_names
+from omnibal.cost.spec import ModelSpec
+from omnibal.errors import InputError
+
+
+def test_unknown_preset_lists_known_names():
+    with pytest.raises(InputError) as exc:
+        get_model_preset("internvl-9000")
+    assert exc.value.field == "name"
+    for name in ("internvl-chat-1.5", "llava-1.5-7b", "tiny"):
+        assert name in str(exc.value)
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMS))
+def test_param_counts_match_published_totals(name):
+    counts = param_counts(get_model_preset(name))
+    for part, published in PUBLISHED_PARAMS[name].items():
+        assert counts[part] == pytest.approx(published, rel=0.02), (name, part, counts[part], published)
+
+
+def test_component_counts_match_published_backbones():
+    # InternViT-6B-448px-V1-5: 5.54B; InternLM2-20B: 19.86B; CLIP ViT-L/14-336 with all 24 blocks: 0.304B.
+    c15 = param_counts(get_model_preset("internvl-chat-1.5"))
+    assert c15["vision"] == pytest.approx(5.54e9, rel=0.01)
+    assert c15["llm"] == pytest.approx(19.86e9, rel=0.01)
+    llava = get_model_preset("llava-1.5-7b")
+    full_clip = dataclasses.replace(llava, vision=dataclasses.replace(llava.vision, num_layers=24))
+    assert param_counts(full_clip)["vision"] == pytest.approx(0.304e9, rel=0.01)
+    assert llava.vision.num_layers == 23  # LLaVA uses the second to last block's output
+
+
+def test_token_geometry_of_presets():
+    internvl = get_model_preset("internvl-chat-1.5")
+    assert internvl.vision.tokens_per_tile == 1025 and internvl.llm_tokens_per_tile == 256
+    assert internvl.projector_in == 12800
+    llava = get_model_preset("llava-1.5-13b")
+    assert llava.vision.tokens_per_tile == 577 and llava.llm_tokens_per_tile == 576
+    assert llava.projector_in == 1024 and not llava.projector_norm
+    tiny = get_model_preset("tiny")
+    assert tiny.vision.tokens_per_tile == 65 and tiny.llm_tokens_per_tile == 16
+
+
+def test_layer_counts_follow_the_chain():
+    for name in preset_names():
+        spec = get_model_preset(name)
+        counts = layer_param_counts(spec)
+        assert counts.shape == (spec.num_layers,) and (counts > 0).all()
+
+
+def test_sample_tokens_converts_statistics():
+    tiny = get_model_preset("tiny")
+    tokens = tiny.sample_tokens(np.array([3, 1]), np.array([1000, 300]))
+    assert tokens.tolist() == [1000 - 240 * 3, 300 - 240]
+    internvl = get_model_preset("internvl-chat-1.5")
+    assert internvl.sample_tokens([3], [1000]).tolist() == [1000]
+    with pytest.raises(InputError) as exc:
+        tiny.sample_tokens([4], [100])
+    assert exc.value.field == "tokens" and exc.value.record == "index 0"
+
+
+def test_spec_roundtrip_and_fingerprint():
+    spec = get_model_preset("internvl2-8b")
+    again = ModelSpec.from_dict(spec.to_dict())
+    assert again == spec and again.fingerprint() == spec.fingerprint()
+    renamed = dataclasses.replace(spec, name="other")
+    assert renamed.fingerprint() == spec.fingerprint()  # the name is a label, not a shape
+    wider = dataclasses.replace(spec, llm=dataclasses.replace(spec.llm, mlp_hidden=14400))
+    assert wider.fingerprint() != spec.fingerprint()
+    with pytest.raises(InputError):
+        ModelSpec.from_dict({"name": "x"})
+
+
+def test_bad_dimensions_name_the_field():
+    spec = get_model_preset("tiny")
+    with pytest.raises(InputError) as exc:
+        dataclasses.replace(spec, llm=dataclasses.replace(spec.llm, num_kv_heads=3))
+    assert exc.value.field == "llm.num_kv_heads"
