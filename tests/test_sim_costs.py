@@ -158,3 +158,16 @@ def test_bad_inputs_are_named():
         stage_costs(table, [0, 6], np.ones(5, bool), random_features(1, 1, 2), SimConfig())
     with pytest.raises(ValueError, match="pp_size"):
         even_cuts(3, 4)
+
+
+def test_p2p_occupancy_keeps_both_ends_busy():
+    table = random_table(6)
+    feats = random_features(2, 1, 3)
+    cuts = [0, 2, 4, 6]
+    base = stage_costs(table, cuts, None, feats, SimConfig(p2p_bandwidth=1e8))
+    occ = stage_costs(table, cuts, None, feats, SimConfig(p2p_bandwidth=1e8, p2p_occupancy=0.5))
+    np.testing.assert_allclose(occ.fwd[..., 0] - base.fwd[..., 0], 0.5 * base.p2p[..., 0])
+    np.testing.assert_allclose(occ.bwd[..., 1] - base.bwd[..., 1], 0.5 * (base.p2p[..., 0] + base.p2p[..., 1]))
+    np.testing.assert_allclose(occ.fwd[..., 2] - base.fwd[..., 2], 0.5 * base.p2p[..., 1])
+    with pytest.raises(InputError, match="p2p_occupancy"):
+        SimConfig(p2p_occupancy=1.5).validate()

@@ -41,6 +41,9 @@ class SimConfig:
     """Bytes one device may use (OOM flags); None: no limit."""
     step_overhead: float = 0.0
     """Fixed seconds per step outside the pipeline (optimizer step, launch; set by calibration)."""
+    p2p_occupancy: float = 0.0
+    """Share of a transfer's time that also keeps the sending and the receiving device busy: 0 for
+    asynchronous copies (GPU with NCCL), up to 1 where the host CPU moves the bytes itself (gloo on CPU)."""
 
     def validate(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -55,6 +58,9 @@ class SimConfig:
         for name in ("p2p_bandwidth", "dp_bandwidth"):
             if not getattr(self, name) > 0:
                 raise InputError(f"must be positive, got {getattr(self, name)!r}", source=name, field=name)
+        if not 0.0 <= self.p2p_occupancy <= 1.0:
+            raise InputError(f"must be in [0, 1], got {self.p2p_occupancy!r}", source="p2p_occupancy",
+                             field="p2p_occupancy")
         for name in ("p2p_latency", "dp_latency", "step_overhead"):
             if not getattr(self, name) >= 0:
                 raise InputError(f"must be >= 0, got {getattr(self, name)!r}", source=name, field=name)
@@ -166,6 +172,12 @@ def stage_costs(table: LayerCostTable, cuts, recompute_mask, features: np.ndarra
     parts = np.split(values, np.cumsum(widths)[:-1], axis=-1)
     fwd, bwd, recompute, act, p2p, trans_u = parts
     p2p = p2p + config.p2p_latency
+    if config.p2p_occupancy > 0 and num_stages > 1:
+        # stage s sends/receives over boundary s-1 and s, in the forward (activation) and backward (gradient)
+        pad = np.zeros(p2p.shape[:-1] + (1,))
+        held = config.p2p_occupancy * (np.concatenate([pad, p2p], -1) + np.concatenate([p2p, pad], -1))
+        fwd = fwd + held
+        bwd = bwd + held
     if len(uniq) == 1:
         transient = np.broadcast_to(trans_u, act.shape) * present[:, 0]
     else:
@@ -178,3 +190,27 @@ def stage_costs(table: LayerCostTable, cuts, recompute_mask, features: np.ndarra
         optim / dp if config.zero_stage >= 1 else optim)
     return StageCosts(fwd=fwd, bwd=bwd, recompute=recompute, p2p=p2p, act_bytes=act, transient_bytes=transient,
                       static_bytes=static, grad_bytes=grad)
+
+
+def config_for_hardware(hardware, *, dp_size: int, pp_size: int, tp_size: int = 1, schedule: str = "1f1b",
+                        zero_stage: int = 1, memory_fraction: float | None = 0.95, step_overhead: float = 0.0,
+                        p2p_occupancy: float | None = None) -> SimConfig:
+    """A :class:`SimConfig` for ``hardware`` (an ``omnibal.cost.hardware.HardwareSpec``: anything with
+    ``link(inter_node=...)``, ``gpus_per_node`` and ``memory_bytes``).
+
+    Ranks are laid out as Megatron does by default (tensor-parallel innermost, then data-parallel, pipeline
+    outermost): the DP ring stays inside a node while ``tp * dp <= gpus_per_node``, and neighbouring
+    pipeline stages share a node only while the whole ``tp * dp * pp`` job fits in one node. CPU "devices"
+    (one process per rank, gloo) copy the bytes themselves, so there transfers also occupy both ends.
+    """
+    per_node = int(getattr(hardware, "gpus_per_node", 8))
+    p2p_bw, p2p_lat = hardware.link(inter_node=tp_size * dp_size * pp_size > per_node)
+    dp_bw, dp_lat = hardware.link(inter_node=tp_size * dp_size > per_node)
+    if p2p_occupancy is None:
+        p2p_occupancy = 1.0 if str(getattr(hardware, "name", "")).startswith("cpu") else 0.0
+    budget = None if memory_fraction is None else float(hardware.memory_bytes) * memory_fraction
+    config = SimConfig(schedule=schedule, dp_size=dp_size, tp_size=tp_size, zero_stage=zero_stage,
+                       p2p_bandwidth=p2p_bw, p2p_latency=p2p_lat, dp_bandwidth=dp_bw, dp_latency=dp_lat,
+                       memory_budget_bytes=budget, step_overhead=step_overhead, p2p_occupancy=p2p_occupancy)
+    config.validate()
+    return config
