@@ -1,0 +1,216 @@
+"""Glue from the cost contract to the schedule engine: per-micro-batch, per-stage op times and bytes.
+
+Given a :class:`~omnibal.cost.table.LayerCostTable`, a partition (cut points), a per-layer recompute mask
+and micro-batch features ``[..., M, 4]``, every per-stage quantity is a sum of layer coefficient rows, so
+all of them come out of one matrix product ``features @ C`` with ``C`` the stacked per-stage coefficients.
+Inputs are plain arrays and one small config, so the planner can call this thousands of times.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from omnibal.cost.table import NUM_FEATURES, LayerCostTable
+from omnibal.errors import InputError
+from omnibal.sim.schedule import SCHEDULES
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimConfig:
+    """How the cluster runs a step (everything but the partition, the recompute set and the data)."""
+
+    schedule: str = "1f1b"
+    """Pipeline schedule: ``gpipe`` or ``1f1b``."""
+    dp_size: int = 1
+    """Data-parallel size (the features' DP axis must match; ZeRO shards over it)."""
+    tp_size: int = 1
+    """Tensor-parallel size (the cost table is already per device after the TP split; counts GPUs)."""
+    zero_stage: int = 1
+    """0: nothing sharded; 1: optimizer state sharded over DP; 2: optimizer state and gradients."""
+    p2p_bandwidth: float = 25e9
+    """Bytes/s of the point-to-point link between neighbouring stages."""
+    p2p_latency: float = 20e-6
+    """Seconds of fixed cost per point-to-point transfer."""
+    dp_bandwidth: float = 25e9
+    """Bytes/s per rank of the data-parallel gradient all-reduce (ring bus bandwidth)."""
+    dp_latency: float = 20e-6
+    """Seconds of latency per ring step of the all-reduce."""
+    memory_budget_bytes: float | None = None
+    """Bytes one device may use (OOM flags); None: no limit."""
+    step_overhead: float = 0.0
+    """Fixed seconds per step outside the pipeline (optimizer step, launch; set by calibration)."""
+    p2p_occupancy: float = 0.0
+    """Share of a transfer's time that also keeps the sending and the receiving device busy: 0 for
+    asynchronous copies (GPU with NCCL), up to 1 where the host CPU moves the bytes itself (gloo on CPU)."""
+
+    def validate(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise InputError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}",
+                             source="schedule", field="schedule")
+        for name in ("dp_size", "tp_size"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+                raise InputError(f"must be a positive integer, got {value!r}", source=name, field=name)
+        if self.zero_stage not in (0, 1, 2):
+            raise InputError(f"must be 0, 1 or 2, got {self.zero_stage!r}", source="zero_stage", field="zero_stage")
+        for name in ("p2p_bandwidth", "dp_bandwidth"):
+            if not getattr(self, name) > 0:
+                raise InputError(f"must be positive, got {getattr(self, name)!r}", source=name, field=name)
+        if not 0.0 <= self.p2p_occupancy <= 1.0:
+            raise InputError(f"must be in [0, 1], got {self.p2p_occupancy!r}", source="p2p_occupancy",
+                             field="p2p_occupancy")
+        for name in ("p2p_latency", "dp_latency", "step_overhead"):
+            if not getattr(self, name) >= 0:
+                raise InputError(f"must be >= 0, got {getattr(self, name)!r}", source=name, field=name)
+        if self.memory_budget_bytes is not None and not self.memory_budget_bytes > 0:
+            raise InputError(f"must be positive, got {self.memory_budget_bytes!r}", source="memory_budget",
+                             field="memory_budget_bytes")
+
+
+def even_cuts(num_layers: int, num_stages: int) -> np.ndarray:
+    """``[P+1]`` cut points splitting ``num_layers`` layers into ``num_stages`` stages of (nearly) equal count."""
+    if not 1 <= num_stages <= num_layers:
+        raise InputError(f"cannot split {num_layers} layers into {num_stages} stages", source="pp_size",
+                         field="num_stages")
+    return np.round(np.linspace(0, num_layers, num_stages + 1)).astype(np.int64)
+
+
+def cuts_from_starts(starts, num_layers: int) -> np.ndarray:
+    """Stage start layer indices ``[P]`` (first is 0) -> cut points ``[P+1]``."""
+    return validate_cuts(np.append(np.asarray(starts, dtype=np.int64), num_layers), num_layers)
+
+
+def validate_cuts(cuts, num_layers: int, source: str = "partition") -> np.ndarray:
+    """Check cut points ``[P+1]``: start at 0, end at ``num_layers``, strictly increasing (no empty stage)."""
+    arr = np.asarray(cuts)
+    if arr.ndim != 1 or len(arr) < 2 or not np.issubdtype(arr.dtype, np.integer):
+        raise InputError(f"cut points must be a list of P+1 integers, got {cuts!r}", source=source, field="cuts")
+    if arr[0] != 0 or arr[-1] != num_layers:
+        raise InputError(f"cut points must start at 0 and end at the layer count {num_layers}, got "
+                         f"{arr.tolist()}", source=source, field="cuts")
+    bad = np.flatnonzero(np.diff(arr) <= 0)
+    if len(bad):
+        raise InputError(f"stage {int(bad[0])} is empty or reversed: cut points {arr.tolist()}", source=source,
+                         record=int(bad[0]), field="cuts")
+    return arr.astype(np.int64)
+
+
+def recompute_mask_from_counts(cuts, counts) -> np.ndarray:
+    """Per-stage counts of recomputed layers -> a per-layer mask (each stage checkpoints its first layers)."""
+    cuts = np.asarray(cuts, dtype=np.int64)
+    counts = np.asarray(counts, dtype=np.int64)
+    sizes = np.diff(cuts)
+    if counts.shape != sizes.shape:
+        raise InputError(f"need one count per stage ({len(sizes)}), got {counts.tolist()}", source="recompute",
+                         field="recompute")
+    bad = np.flatnonzero((counts < 0) | (counts > sizes))
+    if len(bad):
+        s = int(bad[0])
+        raise InputError(f"stage {s} has {sizes[s]} layers, cannot recompute {counts[s]}", source="recompute",
+                         record=s, field="recompute")
+    pos = np.arange(cuts[-1]) - np.repeat(cuts[:-1], sizes)
+    return pos < np.repeat(counts, sizes)
+
+
+@dataclass(frozen=True, eq=False)
+class StageCosts:
+    """Per-micro-batch, per-stage inputs of the schedule engine (leading axes as the features')."""
+
+    fwd: np.ndarray
+    """``[..., M, P]`` forward seconds."""
+    bwd: np.ndarray
+    """``[..., M, P]`` backward seconds."""
+    recompute: np.ndarray
+    """``[..., M, P]`` seconds re-running checkpointed forwards before the backward."""
+    p2p: np.ndarray
+    """``[..., M, P-1]`` seconds to move a boundary activation (and, backward, its gradient)."""
+    act_bytes: np.ndarray
+    """``[..., M, P]`` bytes a micro-batch keeps on a stage between its forward and backward."""
+    transient_bytes: np.ndarray
+    """``[..., M, P]`` extra bytes while its backward runs (the biggest recomputed layer's activations)."""
+    static_bytes: np.ndarray
+    """``[P]`` parameters + gradients + optimizer state per device (after ZeRO sharding)."""
+    grad_bytes: np.ndarray
+    """``[P]`` gradient bytes each stage all-reduces over DP."""
+
+
+def stage_costs(table: LayerCostTable, cuts, recompute_mask, features: np.ndarray, config: SimConfig) -> StageCosts:
+    """Per-stage op times and bytes of every micro-batch in ``features [..., M, 4]``."""
+    num_layers = table.num_layers
+    cuts = validate_cuts(cuts, num_layers)
+    num_stages = len(cuts) - 1
+    rec = np.zeros(num_layers, bool) if recompute_mask is None else np.asarray(recompute_mask, dtype=bool)
+    if rec.shape != (num_layers,):
+        raise InputError(f"recompute mask needs {num_layers} entries, got shape {rec.shape}", source="recompute",
+                         field="recompute_mask")
+    features = np.asarray(features, dtype=np.float64)
+    if features.ndim < 2 or features.shape[-1] != NUM_FEATURES:
+        raise InputError(f"features must be [..., M, {NUM_FEATURES}], got {features.shape}", source="features",
+                         field="shape")
+
+    stage_of = np.repeat(np.arange(num_stages), np.diff(cuts))
+    assign = (stage_of[None, :] == np.arange(num_stages)[:, None]).astype(np.float64)  # [P, L]
+    tp_half = 0.0 if table.tp_comm_time is None else 0.5 * table.tp_comm_time  # forward and backward collectives
+    fwd_l = table.fwd_time + tp_half
+    bwd_l = table.bwd_time + tp_half
+    act_l = np.where(rec[:, None], table.ckpt_bytes, table.act_bytes)
+    # while a checkpointed layer's backward runs, its full activations exist again on top of what is held
+    extra_l = np.maximum(table.act_bytes - table.ckpt_bytes, 0.0) * rec[:, None]
+    uniq, inverse = np.unique(extra_l, axis=0, return_inverse=True)
+    inverse = inverse.reshape(-1)
+    present = np.zeros((num_stages, len(uniq)), bool)  # which distinct transient rows each stage has
+    present[stage_of, inverse] = True
+
+    boundary = table.out_bytes[cuts[1:-1] - 1]  # [P-1, 4] activation leaving each stage
+    blocks = [assign @ fwd_l, assign @ bwd_l, assign @ (fwd_l * rec[:, None]), assign @ act_l,
+              boundary / config.p2p_bandwidth, uniq]
+    widths = [len(b) for b in blocks]
+    coef = np.concatenate(blocks, axis=0).T  # [4, K]
+    values = features @ coef
+    parts = np.split(values, np.cumsum(widths)[:-1], axis=-1)
+    fwd, bwd, recompute, act, p2p, trans_u = parts
+    p2p = p2p + config.p2p_latency
+    if config.p2p_occupancy > 0 and num_stages > 1:
+        # stage s sends/receives over boundary s-1 and s, in the forward (activation) and backward (gradient)
+        pad = np.zeros(p2p.shape[:-1] + (1,))
+        held = config.p2p_occupancy * (np.concatenate([pad, p2p], -1) + np.concatenate([p2p, pad], -1))
+        fwd = fwd + held
+        bwd = bwd + held
+    if len(uniq) == 1:
+        transient = np.broadcast_to(trans_u, act.shape) * present[:, 0]
+    else:
+        transient = np.where(present, trans_u[..., None, :], 0.0).max(axis=-1)
+
+    dp = config.dp_size
+    grad = assign @ table.grad_bytes
+    optim = assign @ table.optim_bytes
+    static = assign @ table.param_bytes + (grad / dp if config.zero_stage >= 2 else grad) + (
+        optim / dp if config.zero_stage >= 1 else optim)
+    return StageCosts(fwd=fwd, bwd=bwd, recompute=recompute, p2p=p2p, act_bytes=act, transient_bytes=transient,
+                      static_bytes=static, grad_bytes=grad)
+
+
+def config_for_hardware(hardware, *, dp_size: int, pp_size: int, tp_size: int = 1, schedule: str = "1f1b",
+                        zero_stage: int = 1, memory_fraction: float | None = 0.95, step_overhead: float = 0.0,
+                        p2p_occupancy: float | None = None) -> SimConfig:
+    """A :class:`SimConfig` for ``hardware`` (an ``omnibal.cost.hardware.HardwareSpec``: anything with
+    ``link(inter_node=...)``, ``gpus_per_node`` and ``memory_bytes``).
+
+    Ranks are laid out as Megatron does by default (tensor-parallel innermost, then data-parallel, pipeline
+    outermost): the DP ring stays inside a node while ``tp * dp <= gpus_per_node``, and neighbouring
+    pipeline stages share a node only while the whole ``tp * dp * pp`` job fits in one node. CPU "devices"
+    (one process per rank, gloo) copy the bytes themselves, so there transfers also occupy both ends.
+    """
+    per_node = int(getattr(hardware, "gpus_per_node", 8))
+    p2p_bw, p2p_lat = hardware.link(inter_node=tp_size * dp_size * pp_size > per_node)
+    dp_bw, dp_lat = hardware.link(inter_node=tp_size * dp_size > per_node)
+    if p2p_occupancy is None:
+        p2p_occupancy = 1.0 if str(getattr(hardware, "name", "")).startswith("cpu") else 0.0
+    budget = None if memory_fraction is None else float(hardware.memory_bytes) * memory_fraction
+    config = SimConfig(schedule=schedule, dp_size=dp_size, tp_size=tp_size, zero_stage=zero_stage,
+                       p2p_bandwidth=p2p_bw, p2p_latency=p2p_lat, dp_bandwidth=dp_bw, dp_latency=dp_lat,
+                       memory_budget_bytes=budget, step_overhead=step_overhead, p2p_occupancy=p2p_occupancy)
+    config.validate()
+    return config

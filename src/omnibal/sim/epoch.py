@@ -1,0 +1,213 @@
+"""An epoch of DP x PP steps from a cost table, a plan (cut points + recompute mask) and micro-batch features.
+
+``simulate_epoch`` is the full result (per step, rank and stage); ``score_plan`` is the planner's fast path
+(a few numbers per candidate); ``simulate_one_step`` keeps the op timeline of one step for the picture.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from omnibal.cost.table import NUM_FEATURES, LayerCostTable
+from omnibal.errors import InputError
+from omnibal.sim.costs import SimConfig, StageCosts, stage_costs, validate_cuts
+from omnibal.sim.schedule import peak_inflight
+from omnibal.sim.step import StepTimes, ring_allreduce_time, simulate_steps
+
+SECONDS_PER_DAY = 86400.0
+
+
+@dataclass(frozen=True, eq=False)
+class EpochResult:
+    """Simulated epoch. Axes: S steps, D DP ranks, P stages."""
+
+    config: SimConfig
+    """The cluster configuration simulated."""
+    cuts: np.ndarray
+    """``[P+1]`` partition cut points."""
+    recompute_mask: np.ndarray
+    """``[L]`` checkpointed layers."""
+    step_time: np.ndarray
+    """``[S]`` seconds per step."""
+    makespan: np.ndarray
+    """``[S, D]`` pipeline makespan per rank (before the gradient sync)."""
+    bubble: np.ndarray
+    """``[S, D]`` pipeline bubble share per rank."""
+    busy: np.ndarray
+    """``[S, D, P]`` compute seconds per device."""
+    sync_wait: np.ndarray
+    """``[S, D, P]`` seconds a device waits for slower DP ranks before its gradient sync."""
+    peak_memory: np.ndarray
+    """``[S, D, P]`` peak bytes per device."""
+    oom: np.ndarray | None
+    """``[S, D, P]`` peak above the memory budget (None without a budget)."""
+    allreduce_time: np.ndarray
+    """``[P]`` gradient sync seconds per stage group."""
+    static_bytes: np.ndarray
+    """``[P]`` params + grads + optimizer bytes per device."""
+    peak_inflight: np.ndarray
+    """``[P]`` most micro-batches a stage holds at once."""
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.cuts) - 1
+
+    @property
+    def num_gpus(self) -> int:
+        return self.config.dp_size * self.num_stages * self.config.tp_size
+
+    @property
+    def total_time(self) -> float:
+        """Seconds for the whole epoch."""
+        return float(self.step_time.sum())
+
+    @property
+    def gpu_days(self) -> float:
+        return self.total_time * self.num_gpus / SECONDS_PER_DAY
+
+    @property
+    def idle(self) -> np.ndarray:
+        """``[S, D, P]`` seconds per device not computing."""
+        return self.step_time[:, None, None] - self.busy
+
+    def summary(self) -> dict:
+        """JSON-ready totals and per-stage means/peaks."""
+        out = {
+            "num_steps": int(len(self.step_time)),
+            "dp_size": self.config.dp_size,
+            "pp_size": self.num_stages,
+            "tp_size": self.config.tp_size,
+            "num_gpus": self.num_gpus,
+            "schedule": self.config.schedule,
+            "total_time_s": self.total_time,
+            "gpu_days": self.gpu_days,
+            "step_time_mean_s": float(self.step_time.mean()) if len(self.step_time) else 0.0,
+            "step_time_max_s": float(self.step_time.max()) if len(self.step_time) else 0.0,
+            "bubble_mean": float(self.bubble.mean()) if self.bubble.size else 0.0,
+            "cuts": self.cuts.tolist(),
+            "recompute_layers": np.flatnonzero(self.recompute_mask).tolist(),
+            "stages": [],
+            "config": asdict(self.config),
+        }
+        for s in range(self.num_stages):
+            out["stages"].append({
+                "layers": [int(self.cuts[s]), int(self.cuts[s + 1])],
+                "busy_mean_s": float(self.busy[..., s].mean()),
+                "idle_mean_s": float(self.idle[..., s].mean()),
+                "sync_wait_mean_s": float(self.sync_wait[..., s].mean()),
+                "allreduce_s": float(self.allreduce_time[s]),
+                "static_bytes": float(self.static_bytes[s]),
+                "peak_memory_bytes": float(self.peak_memory[..., s].max()),
+                "peak_inflight": int(self.peak_inflight[s]),
+                "oom_steps": None if self.oom is None else int(self.oom[..., s].any(axis=-1).sum()),
+            })
+        out["oom_steps"] = None if self.oom is None else int(self.oom.any(axis=(1, 2)).sum())
+        return out
+
+
+def _check_features(features: np.ndarray, config: SimConfig) -> np.ndarray:
+    features = np.asarray(features, dtype=np.float64)
+    if features.ndim != 4 or features.shape[-1] != NUM_FEATURES:
+        raise InputError(f"micro-batch features must be [num_steps, dp_size, M, {NUM_FEATURES}], got "
+                         f"{features.shape}", source="features", field="shape")
+    if features.shape[1] != config.dp_size:
+        raise InputError(f"features have {features.shape[1]} DP ranks but dp_size is {config.dp_size}",
+                         source="features", field="dp_size")
+    if features.shape[2] < 1:
+        raise InputError("need at least one micro-batch per step", source="features", field="num_microbatches")
+    return features
+
+
+def _run(table: LayerCostTable, cuts, recompute_mask, features: np.ndarray, config: SimConfig,
+         keep_timeline: bool) -> tuple[StageCosts, StepTimes]:
+    costs = stage_costs(table, cuts, recompute_mask, features, config)
+    ar = ring_allreduce_time(costs.grad_bytes, config.dp_size, config.dp_bandwidth, config.dp_latency)
+    steps = simulate_steps(
+        costs.fwd, costs.bwd, costs.recompute, costs.p2p, costs.p2p, schedule=config.schedule,
+        allreduce_time=ar, step_overhead=config.step_overhead, act_bytes=costs.act_bytes,
+        transient_bytes=costs.transient_bytes, static_bytes=costs.static_bytes,
+        memory_budget=config.memory_budget_bytes, keep_timeline=keep_timeline)
+    return costs, steps
+
+
+def simulate_epoch(
+    table: LayerCostTable,
+    cuts,
+    recompute_mask,
+    features: np.ndarray,
+    config: SimConfig,
+    *,
+    max_chunk_microbatches: int = 1 << 19,
+    progress: bool = False,
+) -> EpochResult:
+    """Simulate every step of ``features [num_steps, dp_size, M, 4]``; steps are processed in chunks of at
+    most ``max_chunk_microbatches`` micro-batches to bound memory (``progress``: a tqdm bar on stderr)."""
+    config.validate()
+    cuts = validate_cuts(cuts, table.num_layers)
+    rec = np.zeros(table.num_layers, bool) if recompute_mask is None else np.asarray(recompute_mask, bool)
+    features = _check_features(features, config)
+    num_steps, dp, num_mb, _ = features.shape
+    chunk = max(1, max_chunk_microbatches // (dp * num_mb))
+    starts = range(0, num_steps, chunk)
+    if progress:
+        from tqdm import tqdm
+
+        starts = tqdm(starts, desc="simulate", unit="chunk", total=-(-num_steps // chunk), leave=False)
+    pieces: list[tuple[StageCosts, StepTimes]] = [
+        _run(table, cuts, rec, features[i:i + chunk], config, keep_timeline=False) for i in starts]
+    if not pieces:  # zero steps: an empty but well-formed result
+        pieces = [_run(table, cuts, rec, np.zeros((0, dp, num_mb, NUM_FEATURES)), config, False)]
+    cat = lambda get: np.concatenate([get(st) for _, st in pieces], axis=0)  # noqa: E731
+    costs0, steps0 = pieces[0]
+    return EpochResult(
+        config=config, cuts=cuts, recompute_mask=rec,
+        step_time=cat(lambda st: st.step_time),
+        makespan=cat(lambda st: st.pipeline.makespan),
+        bubble=cat(lambda st: st.pipeline.bubble),
+        busy=cat(lambda st: st.pipeline.busy),
+        sync_wait=cat(lambda st: st.sync_wait),
+        peak_memory=cat(lambda st: np.broadcast_to(st.peak_memory, st.pipeline.stage_end.shape)),
+        oom=None if steps0.oom is None else cat(lambda st: st.oom),
+        allreduce_time=steps0.allreduce_time,
+        static_bytes=costs0.static_bytes,
+        peak_inflight=peak_inflight(config.schedule, len(cuts) - 1, num_mb),
+    )
+
+
+@dataclass(frozen=True)
+class PlanScore:
+    """What the planner needs to rank a candidate (partition, recompute)."""
+
+    total_time: float
+    """Epoch seconds."""
+    step_time_mean: float
+    """Mean seconds per step."""
+    bubble_mean: float
+    """Mean pipeline bubble share."""
+    peak_memory: tuple[float, ...]
+    """Per stage, the highest peak bytes over all steps and ranks."""
+    oom: bool
+    """Whether any device of any step exceeds the memory budget."""
+
+
+def score_plan(table: LayerCostTable, cuts, recompute_mask, features: np.ndarray, config: SimConfig) -> PlanScore:
+    """Fast path for the planner: one candidate over an epoch's (or a sample of steps') features."""
+    res = simulate_epoch(table, cuts, recompute_mask, features, config)
+    peak = res.peak_memory.max(axis=(0, 1)) if len(res.step_time) else res.static_bytes
+    return PlanScore(
+        total_time=res.total_time,
+        step_time_mean=float(res.step_time.mean()) if len(res.step_time) else 0.0,
+        bubble_mean=float(res.bubble.mean()) if res.bubble.size else 0.0,
+        peak_memory=tuple(float(x) for x in peak),
+        oom=bool(res.oom.any()) if res.oom is not None else False,
+    )
+
+
+def simulate_one_step(table: LayerCostTable, cuts, recompute_mask, step_features: np.ndarray,
+                      config: SimConfig) -> tuple[StageCosts, StepTimes]:
+    """One step ``[dp_size, M, 4]`` with the full op timeline (for the pipeline picture)."""
+    config.validate()
+    feats = _check_features(np.asarray(step_features, np.float64)[None], config)
+    return _run(table, validate_cuts(cuts, table.num_layers), recompute_mask, feats, config, keep_timeline=True)
