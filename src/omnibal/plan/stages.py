@@ -126,15 +126,17 @@ def layer_quantities(table: LayerCostTable, features: np.ndarray, config: StageM
     config.validate(table.num_layers)
     mean, mem = representative_features(features, config.memory_quantile)
     compute = table.evaluate("fwd_time", mean) + table.evaluate("bwd_time", mean)
-    if table.tp_comm_time is not None:
-        compute = compute + table.evaluate("tp_comm_time", mean)
+    recompute = table.evaluate("fwd_time", mean)
+    if table.tp_comm_time is not None:  # half of the collectives are in the forward, which recompute repeats
+        tp = table.evaluate("tp_comm_time", mean)
+        compute, recompute = compute + tp, recompute + 0.5 * tp
     optim = table.optim_bytes / (config.dp_size if config.zero_stage >= 1 else 1)
     grads = table.grad_bytes / (config.dp_size if config.zero_stage >= 2 else 1)
     out = table.evaluate("out_bytes", mean)[:-1]
     boundary = 2.0 * (config.p2p_latency + out / config.p2p_bandwidth)
     return LayerQuantities(
         names=tuple(table.names), kinds=tuple(table.kinds),
-        compute_time=compute, recompute_time=table.evaluate("fwd_time", mean),
+        compute_time=compute, recompute_time=recompute,
         act_bytes=table.evaluate("act_bytes", mem), ckpt_bytes=table.evaluate("ckpt_bytes", mem),
         static_bytes=table.param_bytes + grads + optim, boundary_time=boundary,
         compute_features=mean, memory_features=mem,
