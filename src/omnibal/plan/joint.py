@@ -108,7 +108,10 @@ class JointPlanner:
         self._act = _interval_sum(q.act_bytes)
         self._saving = _interval_sum(q.saving_bytes)
         self._working = _interval_max(q.saving_bytes)
+        self._full_recompute = _interval_sum(np.where(q.saving_bytes > 0, q.recompute_time, 0.0))
         self.in_flight = tuple(config.in_flight(s) for s in range(config.num_stages))
+        self.num_solved = 0
+        """Knapsacks solved exactly by the last :meth:`plan` (the rest were pruned)."""
 
     # ---- evaluation of given cut points ----------------------------------------------------------
     def stage_plan(self, stage: int, start: int, stop: int, recompute: str) -> StagePlan | None:
@@ -175,9 +178,13 @@ class JointPlanner:
             source="memory_budget", record=f"stage {worst}", field="memory_budget_bytes")
 
     # ---- the joint optimum ---------------------------------------------------------------------
-    def time_matrix(self, stage: int, upper_bound: float = np.inf) -> np.ndarray:
-        """``T_s[i, j]``: stage time including the least recompute that fits (inf: cannot fit, or cannot
-        beat ``upper_bound``)."""
+    def time_matrix(self, stage: int, upper_bound: float = np.inf, lower_bound: float = -np.inf) -> np.ndarray:
+        """``T_s[i, j]``: stage time including the least recompute that fits (inf: cannot fit).
+
+        Cells that cannot change the min-max optimum are not solved exactly: above ``upper_bound`` (a
+        feasible plan's bottleneck) they are inf; where even full recompute stays within ``lower_bound``
+        (a bound the optimum cannot beat) the full-recompute time stands in (it is at most the bound, so
+        no partition's value, and hence neither the optimum's value nor its feasibility, changes)."""
         budget = self.config.memory_budget_bytes
         base = self.base_time.copy()
         if budget is None:
@@ -185,10 +192,12 @@ class JointPlanner:
         k = self.in_flight[stage]
         no_recompute = fits(self._static + k * self._act, budget)
         possible = fits(self.min_memory_matrix(stage), budget)
-        out = np.where(no_recompute, base, np.inf)
-        todo = np.argwhere(~no_recompute & possible & (base <= upper_bound))
+        full_time = base + self._full_recompute
+        out = np.where(no_recompute, base, np.where(possible & (full_time <= lower_bound), full_time, np.inf))
+        todo = np.argwhere(~no_recompute & possible & (base <= upper_bound) & (full_time > lower_bound))
+        self.num_solved += len(todo)
         for i, j in todo:
-            choice = self.solver.solve(int(i), int(j), k, budget)
+            choice = self.solver.solve(int(i), int(j), k, budget, with_layers=False, known_feasible=True)
             assert choice is not None
             out[i, j] = base[i, j] + choice.recompute_time
         out[~np.isfinite(base)] = np.inf
@@ -205,12 +214,15 @@ class JointPlanner:
             if cand is not None:
                 upper = min(upper, cand.bottleneck)
         assert np.isfinite(upper), "the min-memory partition fits, so adaptive recompute finds a plan"
+        # recompute only adds time, so the optimum is at least the min-max without it
+        lower = min_max_partition_matrices([self.base_time] * self.config.num_stages).bottleneck
+        self.num_solved = 0
         cache: dict[int, np.ndarray] = {}
         mats = []
         for s in range(self.config.num_stages):
             k = self.in_flight[s]
             if k not in cache:
-                cache[k] = self.time_matrix(s, upper * (1 + 1e-9))
+                cache[k] = self.time_matrix(s, upper * (1 + 1e-9), lower * (1 - 1e-9))
             mats.append(cache[k])
         part = min_max_partition_matrices(mats)
         result = self.evaluate(part.parts, "adaptive")

@@ -18,6 +18,7 @@ this is at most a few hundred combinations per stage.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -91,12 +92,14 @@ class RecomputeSolver:
                 - in_flight * float(self.saving_prefix[stop] - self.saving_prefix[start]) + working)
 
     # ---- the knapsack ---------------------------------------------------------------------------
-    def solve(self, start: int, stop: int, in_flight: int, budget: float | None) -> StageRecompute | None:
-        """Least-recompute checkpoint set for layers ``[start, stop)``; None when no choice fits."""
+    def solve(self, start: int, stop: int, in_flight: int, budget: float | None, *,
+              with_layers: bool = True, known_feasible: bool = False) -> StageRecompute | None:
+        """Least-recompute checkpoint set for layers ``[start, stop)``; None when no choice fits.
+        ``with_layers=False`` skips naming the layers (the joint search needs only the time)."""
         base = self.memory_without_recompute(start, stop, in_flight)
         if fits(base, budget):
             return StageRecompute(checkpointed=(), recompute_time=0.0, memory_bytes=base)
-        if not fits(self.min_memory(start, stop, in_flight), budget):
+        if not known_feasible and not fits(self.min_memory(start, stop, in_flight), budget):
             return None
         counts = self.count_prefix[stop] - self.count_prefix[start]
         present = np.flatnonzero(counts > 0)
@@ -107,8 +110,7 @@ class RecomputeSolver:
         if num_combos > MAX_COMBINATIONS:
             raise OmnibalError(f"stage [{start}, {stop}) has {len(present)} distinct layer classes: exact "
                                f"recompute search would enumerate {num_combos} combinations")
-        grid = (np.stack(np.meshgrid(*[np.arange(n) for n in sizes], indexing="ij"), axis=-1).reshape(-1, len(others))
-                if len(others) else np.zeros((1, 0), dtype=np.int64))
+        grid = _count_grid(tuple(int(n) for n in sizes))
         k = float(in_flight)
         sav_o, time_o = self.class_saving[others], self.class_time[others]
         saved_o = grid @ sav_o
@@ -137,7 +139,7 @@ class RecomputeSolver:
         chosen = np.zeros(len(self.class_time), dtype=np.int64)
         chosen[others] = grid[combo]
         chosen[free] = 0 if best < len(grid) else int(c_f[combo])
-        layers = self._first_layers(start, stop, chosen)
+        layers = self._first_layers(start, stop, chosen) if with_layers else ()
         return StageRecompute(checkpointed=layers, recompute_time=float(cost[best]), memory_bytes=float(mem[best]))
 
     def _first_layers(self, start: int, stop: int, chosen: np.ndarray) -> tuple[int, ...]:
@@ -148,6 +150,17 @@ class RecomputeSolver:
         for c in np.flatnonzero(chosen):
             out.extend((start + np.flatnonzero(cls == c)[: chosen[c]]).tolist())
         return tuple(sorted(out))
+
+
+@functools.lru_cache(maxsize=4096)
+def _count_grid(sizes: tuple[int, ...]) -> np.ndarray:
+    """Every combination of counts ``0 .. sizes[c] - 1`` as rows of an int array (read-only, cached)."""
+    if not sizes:
+        grid = np.zeros((1, 0), dtype=np.int64)
+    else:
+        grid = np.stack(np.meshgrid(*[np.arange(n) for n in sizes], indexing="ij"), axis=-1).reshape(-1, len(sizes))
+    grid.setflags(write=False)
+    return grid
 
 
 def full_recompute(q: LayerQuantities, start: int, stop: int) -> tuple[int, ...]:
