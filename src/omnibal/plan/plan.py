@@ -1,0 +1,329 @@
+"""The ``Plan``: what to run (data caps, stage ranges, recompute sets), what it is predicted to cost, and what
+it was made from. Plain data with a versioned JSON form; loading validates every field and names the bad one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omnibal.errors import InputError
+
+PLAN_FORMAT = "omnibal.plan"
+PLAN_VERSION = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanInputs:
+    """Everything the plan was computed from (a plan applied to another model or cluster is refused)."""
+
+    model: str
+    """Model preset or spec name."""
+    model_spec: dict
+    """The model spec as a dict (``dataclasses.asdict(ModelSpec)``)."""
+    hardware: str
+    """Hardware preset name."""
+    num_gpus: int
+    """dp_size * pp_size * tp_size."""
+    dp_size: int
+    """Data-parallel size."""
+    pp_size: int
+    """Pipeline stages."""
+    tp_size: int
+    """Tensor-parallel size."""
+    zero_stage: int
+    """ZeRO stage over the DP group (1: optimizer state sharded)."""
+    num_microbatches: int
+    """Micro-batches per step per DP rank."""
+    memory_budget_bytes: float | None
+    """Bytes per device the plan must fit (None: unlimited)."""
+    stats_source: str
+    """Where the per-sample statistics came from (file path or the synthetic generator and its seed)."""
+    stats_fingerprint: str
+    """``SampleStats.fingerprint()`` of those statistics."""
+    num_samples: int
+    """Samples in the epoch."""
+    profile: str | None = None
+    """Measured profile the cost table was calibrated with (None: analytic model)."""
+    omnibal_version: str = ""
+    """Version of omnibal that made the plan."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataPlan:
+    """How micro-batches are formed: the balancer and its settings (caps), and its metrics on the epoch."""
+
+    method: str
+    """Balancer method (``omnibal``, ``isf``, ``random``, ``length-grouped``)."""
+    settings: dict
+    """The balancer's config (caps such as max tiles / max tokens per pack, seed, ...)."""
+    num_steps: int
+    """Steps in the epoch."""
+    metrics: dict = field(default_factory=dict)
+    """Balance metrics (pad ratio, dist ratios, max/mean per step)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanStage:
+    """One pipeline stage."""
+
+    stage: int
+    """Stage index (0 = first)."""
+    layers: tuple[int, int]
+    """Layer range ``[start, stop)`` in the model's layer chain."""
+    modules: tuple[str, ...]
+    """Module names of those layers (the reference trainer's names)."""
+    recompute: tuple[str, ...]
+    """Module names to wrap in activation checkpointing."""
+    in_flight: int
+    """Micro-batches whose activations the stage holds at its peak (1F1B: min(P - s, M))."""
+    compute_time_s: float
+    """Forward + backward seconds of the mean micro-batch."""
+    boundary_time_s: float
+    """Point-to-point seconds per micro-batch at its boundaries."""
+    recompute_time_s: float
+    """Recompute seconds per mean micro-batch."""
+    memory_bytes: float
+    """Planned peak bytes per device (largest micro-batches in flight)."""
+    simulated_peak_memory_bytes: float | None = None
+    """Peak bytes per device the simulator saw over the epoch."""
+
+    @property
+    def time_s(self) -> float:
+        return self.compute_time_s + self.boundary_time_s + self.recompute_time_s
+
+
+@dataclass(frozen=True, kw_only=True)
+class Prediction:
+    """The simulator's prediction for the plan over the epoch."""
+
+    step_time_s: float
+    """Mean seconds per step."""
+    epoch_time_s: float
+    """Seconds for the epoch."""
+    gpu_days: float
+    """epoch_time_s * num_gpus / 86400."""
+    bubble: float
+    """Mean pipeline bubble share."""
+    num_steps: int
+    """Steps simulated."""
+    oom: bool = False
+    """Whether the simulator saw any device exceed the memory budget."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """A complete plan. ``to_json``/``from_json`` round-trip it exactly."""
+
+    inputs: PlanInputs
+    data: DataPlan
+    stages: tuple[PlanStage, ...]
+    prediction: Prediction
+    search: dict = field(default_factory=dict)
+    """How the partition was found: anchor cut points, candidates scored, the chosen candidate's rank."""
+    version: int = PLAN_VERSION
+
+    @property
+    def parts(self) -> tuple[int, ...]:
+        return tuple([st.layers[0] for st in self.stages] + [self.stages[-1].layers[1]])
+
+    @property
+    def num_layers(self) -> int:
+        return self.stages[-1].layers[1]
+
+    def recompute_modules(self) -> tuple[str, ...]:
+        return tuple(m for st in self.stages for m in st.recompute)
+
+    def to_dict(self) -> dict:
+        from omnibal.plan.exports import export_all
+
+        out = {"format": PLAN_FORMAT, "version": self.version, "inputs": asdict(self.inputs),
+               "data": asdict(self.data), "stages": [], "prediction": asdict(self.prediction),
+               "search": self.search}
+        for st in self.stages:
+            d = asdict(st)
+            d["layers"] = list(st.layers)
+            d["modules"], d["recompute"] = list(st.modules), list(st.recompute)
+            out["stages"].append(d)
+        out["exports"] = export_all(self)  # derived, for copy-paste; ignored on load
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps(_finite(self.to_dict()), indent=2, sort_keys=False) + "\n"
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(self.to_json())
+        return path
+
+    @classmethod
+    def from_json(cls, text: str, source: str = "plan.json") -> Plan:
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise InputError(f"not valid JSON: {exc.msg}", source=source, record=f"line {exc.lineno}") from None
+        return cls.from_dict(raw, source=source)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        path = Path(path)
+        if not path.is_file():
+            raise InputError("no such file", source=str(path))
+        return cls.from_json(path.read_text(), source=str(path))
+
+    @classmethod
+    def from_dict(cls, raw: Any, source: str = "plan") -> Plan:
+        r = _Reader(source)
+        r.obj(raw, "")
+        if raw.get("format") != PLAN_FORMAT:
+            raise InputError(f"not an omnibal plan (format {raw.get('format')!r}, expected {PLAN_FORMAT!r})",
+                             source=source, field="format")
+        version = r.get(raw, "version", int, "")
+        if version != PLAN_VERSION:
+            raise InputError(f"plan format version {version} is not supported (this omnibal reads version "
+                             f"{PLAN_VERSION})", source=source, field="version")
+        inputs = _read_dataclass(r, raw, "inputs", PlanInputs, {
+            "model": str, "model_spec": dict, "hardware": str, "num_gpus": int, "dp_size": int, "pp_size": int,
+            "tp_size": int, "zero_stage": int, "num_microbatches": int, "memory_budget_bytes": (float, None),
+            "stats_source": str, "stats_fingerprint": str, "num_samples": int, "profile": (str, None),
+            "omnibal_version": str})
+        if inputs.num_gpus != inputs.dp_size * inputs.pp_size * inputs.tp_size:
+            raise InputError(f"num_gpus {inputs.num_gpus} != dp_size * pp_size * tp_size "
+                             f"({inputs.dp_size} * {inputs.pp_size} * {inputs.tp_size})", source=source,
+                             field="inputs.num_gpus")
+        data = _read_dataclass(r, raw, "data", DataPlan, {"method": str, "settings": dict, "num_steps": int,
+                                                          "metrics": dict})
+        prediction = _read_dataclass(r, raw, "prediction", Prediction, {
+            "step_time_s": float, "epoch_time_s": float, "gpu_days": float, "bubble": float, "num_steps": int,
+            "oom": bool})
+        stages_raw = r.get(raw, "stages", list, "")
+        if not stages_raw:
+            raise InputError("a plan needs at least one stage", source=source, field="stages")
+        if len(stages_raw) != inputs.pp_size:
+            raise InputError(f"{len(stages_raw)} stages but pp_size is {inputs.pp_size}", source=source,
+                             field="stages")
+        stages = []
+        expected_start = 0
+        for s, st in enumerate(stages_raw):
+            where = f"stages[{s}]"
+            r.obj(st, where)
+            layers = r.get(st, "layers", list, where)
+            if len(layers) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in layers):
+                raise InputError("must be [start, stop] integers", source=source, record=where, field="layers")
+            start, stop = layers
+            if start != expected_start or stop <= start:
+                raise InputError(f"layer range [{start}, {stop}) does not continue the previous stage (expected "
+                                 f"to start at {expected_start} and be non-empty)", source=source, record=where,
+                                 field="layers")
+            expected_start = stop
+            modules = tuple(r.str_list(st, "modules", where))
+            if len(modules) != stop - start:
+                raise InputError(f"{len(modules)} module names for {stop - start} layers", source=source,
+                                 record=where, field="modules")
+            recompute = tuple(r.str_list(st, "recompute", where))
+            unknown = [m for m in recompute if m not in modules]
+            if unknown:
+                raise InputError(f"recompute names modules not in this stage: {unknown}", source=source,
+                                 record=where, field="recompute")
+            if r.get(st, "stage", int, where) != s:
+                raise InputError(f"stage index {st['stage']} at position {s}", source=source, record=where,
+                                 field="stage")
+            stages.append(PlanStage(
+                stage=s, layers=(start, stop), modules=modules, recompute=recompute,
+                in_flight=r.get(st, "in_flight", int, where),
+                compute_time_s=r.get(st, "compute_time_s", float, where),
+                boundary_time_s=r.get(st, "boundary_time_s", float, where),
+                recompute_time_s=r.get(st, "recompute_time_s", float, where),
+                memory_bytes=r.get(st, "memory_bytes", float, where),
+                simulated_peak_memory_bytes=r.get(st, "simulated_peak_memory_bytes", (float, None), where,
+                                                  default=None)))
+        search = r.get(raw, "search", dict, "", default={})
+        return cls(inputs=inputs, data=data, stages=tuple(stages), prediction=prediction, search=search,
+                   version=version)
+
+
+def plan_stages(names, stage_plans, simulated_peak_memory=None) -> tuple[PlanStage, ...]:
+    """``PlanStage`` records from a :class:`omnibal.plan.joint.StagePlanSet` and the layer chain's names."""
+    out = []
+    for st in stage_plans.stages:
+        peak = None if simulated_peak_memory is None else float(simulated_peak_memory[st.stage])
+        out.append(PlanStage(
+            stage=st.stage, layers=(st.start, st.stop), modules=tuple(names[st.start:st.stop]),
+            recompute=tuple(names[i] for i in st.checkpointed), in_flight=st.in_flight,
+            compute_time_s=st.compute_time, boundary_time_s=st.boundary_time, recompute_time_s=st.recompute_time,
+            memory_bytes=st.memory_bytes, simulated_peak_memory_bytes=peak))
+    return tuple(out)
+
+
+def _finite(obj):
+    """JSON has no inf/nan: write them as null (loading then reports the field if it is required)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+_MISSING = object()
+
+
+class _Reader:
+    def __init__(self, source: str) -> None:
+        self.source = source
+
+    def obj(self, value: Any, where: str) -> None:
+        if not isinstance(value, dict):
+            raise InputError(f"must be a JSON object, got {type(value).__name__}", source=self.source,
+                             record=where or None, field=where or None)
+
+    def get(self, d: dict, key: str, kind, where: str, default=_MISSING):
+        name = f"{where}.{key}" if where else key
+        if key not in d:
+            if default is not _MISSING:
+                return default
+            raise InputError("missing", source=self.source, field=name)
+        value = d[key]
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        for k in kinds:
+            if k is None and value is None:
+                return None
+            if k is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+                return float(value)
+            if k is int and isinstance(value, int) and not isinstance(value, bool):
+                return value
+            if k not in (None, float, int) and isinstance(value, k):
+                return value
+        names = " or ".join("null" if k is None else k.__name__ for k in kinds)
+        raise InputError(f"must be {names}, got {value!r:.60}", source=self.source, field=name)
+
+    def str_list(self, d: dict, key: str, where: str) -> list[str]:
+        values = self.get(d, key, list, where)
+        bad = [v for v in values if not isinstance(v, str)]
+        if bad:
+            raise InputError(f"must be a list of strings, found {bad[0]!r}", source=self.source,
+                             field=f"{where}.{key}")
+        return values
+
+
+def _read_dataclass(r: _Reader, raw: dict, key: str, cls, schema: dict):
+    section = r.get(raw, key, dict, "")
+    values = {}
+    for name, kind in schema.items():
+        has_default = cls.__dataclass_fields__[name].default is not _dataclass_missing() or \
+            cls.__dataclass_fields__[name].default_factory is not _dataclass_missing()
+        if has_default and name not in section:
+            continue
+        values[name] = r.get(section, name, kind, key)
+    return cls(**values)
+
+
+def _dataclass_missing():
+    import dataclasses
+
+    return dataclasses.MISSING

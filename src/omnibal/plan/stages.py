@@ -1,0 +1,165 @@
+"""Per-layer quantities the planner works with, derived once from a :class:`LayerCostTable`.
+
+The planner reduces the epoch's micro-batches to two feature vectors:
+
+* ``compute_features``: the **mean** micro-batch. Every time in the cost contract is linear in the
+  features, so the mean time per micro-batch of any set of layers is exactly the time of the mean features.
+  Pipeline throughput over an epoch is governed by these averages (the simulator later scores candidates
+  on the real per-micro-batch distribution).
+* ``memory_features``: a **high quantile (default: the maximum), taken per feature**, of the micro-batches.
+  Memory is a hard limit: the step that holds the largest micro-batches in flight decides whether the job
+  runs out of memory, and the allocator keeps that peak for the rest of the run. Sizing by the mean would
+  run out of memory on about half the steps. All activation coefficients are non-negative, so the
+  per-feature maximum bounds every micro-batch; for balanced packs it is the pack caps (the fixed buffer
+  shapes a pipeline allocates anyway), so the bound is tight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from omnibal.cost.table import NUM_FEATURES, LayerCostTable
+from omnibal.errors import InputError
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageModelConfig:
+    """How stages run and what they may hold: everything of the cluster the partition depends on."""
+
+    num_stages: int
+    """Pipeline stages (PP size)."""
+    num_microbatches: int
+    """Micro-batches per step on each DP rank (1F1B keeps min(P - s, M) of them in flight on stage s)."""
+    dp_size: int = 1
+    """Data-parallel size (ZeRO shards optimizer state, and with stage 2 gradients, over it)."""
+    zero_stage: int = 1
+    """0: nothing sharded; 1: optimizer state sharded over DP; 2: optimizer state and gradients."""
+    memory_budget_bytes: float | None = None
+    """Bytes one device may use for parameters, gradients, optimizer state and activations (None: no limit)."""
+    p2p_bandwidth: float = 25e9
+    """Bytes/s of the point-to-point link between neighbouring stages."""
+    p2p_latency: float = 20e-6
+    """Seconds of fixed cost per point-to-point transfer."""
+    memory_quantile: float = 1.0
+    """Per-feature quantile of the micro-batches used to size activation memory (1.0: the maximum)."""
+
+    def validate(self, num_layers: int) -> None:
+        for name in ("num_stages", "num_microbatches", "dp_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InputError(f"must be a positive integer, got {value!r}", source=name, field=name)
+        if self.num_stages > num_layers:
+            raise InputError(f"{self.num_stages} pipeline stages but the model has only {num_layers} layers "
+                             "(each stage needs at least one)", source="num_stages", field="num_stages")
+        if self.zero_stage not in (0, 1, 2):
+            raise InputError(f"must be 0, 1 or 2, got {self.zero_stage!r}", source="zero_stage", field="zero_stage")
+        if self.memory_budget_bytes is not None and not self.memory_budget_bytes > 0:
+            raise InputError(f"must be positive, got {self.memory_budget_bytes!r}", source="memory_budget",
+                             field="memory_budget_bytes")
+        if not self.p2p_bandwidth > 0 or not self.p2p_latency >= 0:
+            raise InputError("p2p bandwidth must be positive and latency non-negative", source="hardware",
+                             field="p2p_bandwidth")
+        if not 0.0 < self.memory_quantile <= 1.0:
+            raise InputError(f"must be in (0, 1], got {self.memory_quantile!r}", source="memory_quantile",
+                             field="memory_quantile")
+
+    def in_flight(self, stage: int) -> int:
+        """Micro-batches whose activations stage ``stage`` holds at its peak under 1F1B."""
+        return min(self.num_stages - stage, self.num_microbatches)
+
+
+@dataclass(frozen=True, eq=False)
+class LayerQuantities:
+    """Per-layer numbers for one (table, features, config): what partition and recompute optimise."""
+
+    names: tuple[str, ...]
+    kinds: tuple[str, ...]
+    compute_time: np.ndarray
+    """``[L]`` forward + backward (+ tensor-parallel collectives) seconds of the mean micro-batch."""
+    recompute_time: np.ndarray
+    """``[L]`` seconds to recompute the layer's forward when it is checkpointed."""
+    act_bytes: np.ndarray
+    """``[L]`` activation bytes kept for backward per in-flight micro-batch (memory features)."""
+    ckpt_bytes: np.ndarray
+    """``[L]`` bytes kept per in-flight micro-batch when the layer is checkpointed."""
+    static_bytes: np.ndarray
+    """``[L]`` parameters + gradients + optimizer state per device after ZeRO sharding."""
+    boundary_time: np.ndarray
+    """``[L - 1]`` seconds a stage spends per micro-batch on a boundary placed after layer ``l``:
+    sending/receiving the activation forward and its gradient backward."""
+    compute_features: np.ndarray
+    """``[4]`` the mean micro-batch."""
+    memory_features: np.ndarray
+    """``[4]`` the per-feature quantile micro-batch."""
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.names)
+
+    @property
+    def saving_bytes(self) -> np.ndarray:
+        """``[L]`` bytes per in-flight micro-batch that checkpointing a layer frees (never negative)."""
+        return np.maximum(self.act_bytes - self.ckpt_bytes, 0.0)
+
+
+def representative_features(features: np.ndarray, memory_quantile: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """``(mean, quantile)`` feature vectors of micro-batch features of any shape ``[..., 4]``.
+
+    Empty micro-batches (all-zero rows, e.g. padding slots of a schedule) are left out: they cost nothing
+    and would bias the mean down.
+    """
+    flat = np.asarray(features, dtype=np.float64).reshape(-1, NUM_FEATURES)
+    flat = flat[np.any(flat[:, 1:] > 0, axis=1)]
+    if len(flat) == 0:
+        raise InputError("no non-empty micro-batch in the features", source="features")
+    if not np.all(np.isfinite(flat)) or np.any(flat < 0):
+        raise InputError("micro-batch features must be finite and non-negative", source="features")
+    mean = flat.mean(axis=0)
+    mem = flat.max(axis=0) if memory_quantile >= 1.0 else np.quantile(flat, memory_quantile, axis=0)
+    return mean, mem
+
+
+def layer_quantities(table: LayerCostTable, features: np.ndarray, config: StageModelConfig) -> LayerQuantities:
+    """Reduce a cost table and the epoch's micro-batch features ``[..., 4]`` to per-layer numbers."""
+    config.validate(table.num_layers)
+    mean, mem = representative_features(features, config.memory_quantile)
+    compute = table.evaluate("fwd_time", mean) + table.evaluate("bwd_time", mean)
+    recompute = table.evaluate("fwd_time", mean)
+    if table.tp_comm_time is not None:  # half of the collectives are in the forward, which recompute repeats
+        tp = table.evaluate("tp_comm_time", mean)
+        compute, recompute = compute + tp, recompute + 0.5 * tp
+    optim = table.optim_bytes / (config.dp_size if config.zero_stage >= 1 else 1)
+    grads = table.grad_bytes / (config.dp_size if config.zero_stage >= 2 else 1)
+    out = table.evaluate("out_bytes", mean)[:-1]
+    boundary = 2.0 * (config.p2p_latency + out / config.p2p_bandwidth)
+    return LayerQuantities(
+        names=tuple(table.names), kinds=tuple(table.kinds),
+        compute_time=compute, recompute_time=recompute,
+        act_bytes=table.evaluate("act_bytes", mem), ckpt_bytes=table.evaluate("ckpt_bytes", mem),
+        static_bytes=table.param_bytes + grads + optim, boundary_time=boundary,
+        compute_features=mean, memory_features=mem,
+    )
+
+
+def stage_boundary_time(q: LayerQuantities, start: int, stop: int) -> float:
+    """Per-micro-batch p2p seconds of the stage holding layers ``[start, stop)`` (its two boundaries)."""
+    left = q.boundary_time[start - 1] if start > 0 else 0.0
+    right = q.boundary_time[stop - 1] if stop < q.num_layers else 0.0
+    return float(left + right)
+
+
+def stage_memory(q: LayerQuantities, start: int, stop: int, in_flight: int, checkpointed: np.ndarray) -> float:
+    """Peak bytes of the stage ``[start, stop)`` holding ``in_flight`` micro-batches, with the layers where
+    ``checkpointed`` (a bool mask over the stage's layers) is true checkpointed.
+
+    Peak = static + in_flight * (kept activations) + the working set of recomputing one checkpointed layer
+    (its full activations exist again for one micro-batch while its backward runs).
+    """
+    ckpt = np.asarray(checkpointed, dtype=bool)
+    assert ckpt.shape == (stop - start,)
+    saving = q.saving_bytes[start:stop]
+    kept = q.act_bytes[start:stop] - np.where(ckpt, saving, 0.0)
+    working = float(saving[ckpt].max()) if ckpt.any() else 0.0
+    return float(q.static_bytes[start:stop].sum() + in_flight * kept.sum() + working)

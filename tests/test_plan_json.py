@@ -1,0 +1,101 @@
+import json
+
+import pytest
+
+from omnibal.errors import InputError
+from omnibal.plan.exports import export_all, megatron_layout
+from omnibal.plan.joint import JointPlanner
+from omnibal.plan.plan import DataPlan, Plan, PlanInputs, Prediction, plan_stages
+from omnibal.plan.stages import StageModelConfig, layer_quantities
+from plan_helpers import uniform_features, vlm_like_table
+
+VLM_NAMES = (["vision.embed"] + [f"vision.blocks.{i}" for i in range(6)] + ["projector", "llm.embed"]
+             + [f"llm.blocks.{i}" for i in range(8)] + ["llm.head"])
+
+
+def small_plan(budget_scale=None) -> Plan:
+    table = vlm_like_table()
+    cfg = StageModelConfig(num_stages=3, num_microbatches=6, dp_size=2)
+    q = layer_quantities(table, uniform_features(), cfg)
+    if budget_scale is not None:
+        lo = JointPlanner(q, cfg).min_memory_partition().bottleneck
+        cfg = StageModelConfig(num_stages=3, num_microbatches=6, dp_size=2, memory_budget_bytes=lo * budget_scale)
+    sp = JointPlanner(q, cfg).plan()
+    inputs = PlanInputs(model="tiny-vlm", model_spec={"name": "tiny-vlm"}, hardware="a100-80g", num_gpus=6,
+                        dp_size=2, pp_size=3, tp_size=1, zero_stage=1, num_microbatches=6,
+                        memory_budget_bytes=cfg.memory_budget_bytes, stats_source="synthetic(seed=0)",
+                        stats_fingerprint="abc", num_samples=100, omnibal_version="0.1.0")
+    return Plan(inputs=inputs, data=DataPlan(method="omnibal", settings={"max_tiles": 9}, num_steps=10,
+                                             metrics={"pad_ratio": 0.0}),
+                stages=plan_stages(VLM_NAMES, sp, [1.0, 2.0, 3.0]),
+                prediction=Prediction(step_time_s=1.5, epoch_time_s=15.0, gpu_days=0.001, bubble=0.2, num_steps=10),
+                search={"anchor_parts": list(sp.parts)})
+
+
+def test_round_trip_is_exact(tmp_path):
+    plan = small_plan(budget_scale=1.1)
+    path = plan.save(tmp_path / "plan.json")
+    again = Plan.load(path)
+    assert again == plan
+    assert again.to_json() == plan.to_json()
+    assert any(st.recompute for st in again.stages)  # the tight budget forced some checkpoints
+
+
+def test_exports_match_the_stages():
+    plan = small_plan()
+    ex = export_all(plan)
+    assert ex["deepspeed"]["parts"] == list(plan.parts)
+    flat = [m for stage in ex["torchtitan"]["module_names_per_stage"] for m in stage]
+    assert flat == VLM_NAMES
+    layout = ex["megatron"]["pipeline_model_parallel_layout"]
+    assert layout.count("|") == 2
+    assert layout.replace("|", "").replace("*", "") != ""
+    # expanding the run-length string gives back one letter per layer
+    expanded = ""
+    for stage in layout.split("|"):
+        i = 0
+        while i < len(stage):
+            letter = stage[i]
+            if i + 1 < len(stage) and stage[i + 1] == "*":
+                j = i + 2
+                while j < len(stage) and stage[j].isdigit():
+                    j += 1
+                expanded += letter * int(stage[i + 2:j])
+                i = j
+            else:
+                expanded += letter
+                i += 1
+    assert expanded == "V" + "v" * 6 + "PE" + "t" * 8 + "L"
+    assert set(megatron_layout(plan, vision_letters=False)) <= set("EtL*|0123456789")
+
+
+def _mutate(plan: Plan, fn):
+    raw = json.loads(plan.to_json())
+    fn(raw)
+    return json.dumps(raw)
+
+
+@pytest.mark.parametrize("fn,field,match", [
+    (lambda r: r.pop("inputs"), "inputs", "missing"),
+    (lambda r: r["inputs"].__setitem__("dp_size", "two"), "inputs.dp_size", "must be int"),
+    (lambda r: r["inputs"].__setitem__("num_gpus", 7), "inputs.num_gpus", "dp_size"),
+    (lambda r: r.__setitem__("version", 99), "version", "not supported"),
+    (lambda r: r.__setitem__("format", "x"), "format", "not an omnibal plan"),
+    (lambda r: r["stages"][1].__setitem__("layers", [0, 3]), "layers", "does not continue"),
+    (lambda r: r["stages"][0].__setitem__("recompute", ["llm.blocks.7"]), "recompute", "not in this stage"),
+    (lambda r: r["stages"][2].pop("memory_bytes"), "stages[2].memory_bytes", "missing"),
+    (lambda r: r["prediction"].__setitem__("step_time_s", None), "prediction.step_time_s", "must be float"),
+])
+def test_bad_plan_files_name_the_field(fn, field, match):
+    text = _mutate(small_plan(), fn)
+    with pytest.raises(InputError, match=match) as exc:
+        Plan.from_json(text, source="my-plan.json")
+    assert exc.value.field == field
+    assert "my-plan.json" in str(exc.value)
+
+
+def test_not_json_and_missing_file(tmp_path):
+    with pytest.raises(InputError, match="line 1"):
+        Plan.from_json("{oops", source="p.json")
+    with pytest.raises(InputError, match="no such file"):
+        Plan.load(tmp_path / "nope.json")
