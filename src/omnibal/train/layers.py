@@ -35,7 +35,7 @@ class Options:
         self.compute_tail = compute_tail
 
 
-def _active(sizes: torch.Tensor, which: int, limit: int, opts: Options) -> int:
+def active_count(sizes: torch.Tensor, which: int, limit: int, opts: Options) -> int:
     return limit if opts.compute_tail else int(sizes[0, which])
 
 
@@ -54,7 +54,7 @@ class VisionEmbed(nn.Module):
 
     def forward(self, pixels, token_meta, sizes):
         q_v = pixels.shape[1]
-        n = _active(sizes, SIZE_TILES, q_v, self.opts)
+        n = active_count(sizes, SIZE_TILES, q_v, self.opts)
         x = self.patch(pixels[0, :max(n, 1)].to(self.patch.weight.dtype)).flatten(2).transpose(1, 2)
         if self.cls is not None:
             x = torch.cat([self.cls.expand(x.shape[0], -1, -1), x], dim=1)
@@ -89,7 +89,7 @@ class VisionBlock(nn.Module):
         return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
 
     def forward(self, x, token_meta, sizes):
-        n = _active(sizes, SIZE_TILES, x.shape[1], self.opts)
+        n = active_count(sizes, SIZE_TILES, x.shape[1], self.opts)
         y = self._block(x[0, :max(n, 1)])
         if n == 0:
             y = y * 0
@@ -119,7 +119,7 @@ class Projector(nn.Module):
 
     def forward(self, x, token_meta, sizes):
         q_v = x.shape[1]
-        n = _active(sizes, SIZE_TILES, q_v, self.opts)
+        n = active_count(sizes, SIZE_TILES, q_v, self.opts)
         h = x[0, :max(n, 1)]
         if self.class_token:
             h = h[:, 1:]
@@ -221,7 +221,7 @@ class LLMBlock(nn.Module):
         self.down = nn.Linear(c.mlp_hidden, c.hidden, bias=False)
 
     def forward(self, x, token_meta, sizes):
-        n = _active(sizes, SIZE_TOKENS, x.shape[1], self.opts)
+        n = active_count(sizes, SIZE_TOKENS, x.shape[1], self.opts)
         h = x[0, :n]
         hd = self.head_dim
         a = self.norm1(h)
@@ -248,7 +248,7 @@ class LMHead(nn.Module):
         self.out = nn.Linear(spec.llm.hidden, spec.llm.vocab_size, bias=False)
 
     def forward(self, x, token_meta, sizes):
-        n = _active(sizes, SIZE_TOKENS, x.shape[1], self.opts)
+        n = active_count(sizes, SIZE_TOKENS, x.shape[1], self.opts)
         logits = self.out(self.norm(x[0, :n]))
         if logits.dtype in (torch.float16, torch.bfloat16):  # the loss is always summed in at least fp32
             logits = logits.float()

@@ -13,7 +13,10 @@ The carry is ``(activation, token_meta, sizes)`` at every boundary (see :func:`c
 :mod:`omnibal.train.model` for the activation per boundary kind, and :mod:`omnibal.data.collate` for
 ``token_meta``/``sizes``); the last stage returns ``(loss_sum [1] float32, num_targets [1] int64)``. For the
 global-token normalisation use a loss_fn like ``lambda out, _: out[0].sum() / global_num_targets`` with
-``scale_grads=False``. All shapes depend only on (Q_v, Q_t), so they never change across steps.
+``scale_grads=False`` (and divide by nothing else: DDP's averaging over DP ranks must be undone, or the count
+taken per rank times dp_size). The schedule needs a ``target`` on the last stage even when the loss_fn
+ignores it: pass e.g. ``torch.tensor([mb.num_targets for mb in micro_batches])``. Checked with
+Schedule1F1B and ScheduleGPipe on 2 gloo ranks: gradients match the single-process model to ~1e-7. All shapes depend only on (Q_v, Q_t), so they never change across steps.
 
 ``model`` is anything with ``chain() -> [(LayerSpec, module)]`` and ``boundary_activation(start, ...)``:
 the reference :class:`~omnibal.train.model.VLM` or a Hugging Face model wrapped by
@@ -47,7 +50,7 @@ class Stage(nn.Module):
         self.recompute: frozenset[str] = frozenset()
         self._layers = [module for _, module in layers]  # plain list: registration happens below by name
         for name, module in layers:
-            _attach(self, name, module)
+            attach_module(self, name, module)
 
     @property
     def is_first(self) -> bool:
@@ -69,7 +72,8 @@ class Stage(nn.Module):
         return f"layers [{self.start}, {self.end}) of {self.num_layers}, recompute {sorted(self.recompute)}"
 
 
-def _attach(root: nn.Module, dotted: str, module: nn.Module) -> None:
+def attach_module(root: nn.Module, dotted: str, module: nn.Module) -> None:
+    """Register ``module`` under the dotted name, creating plain containers on the way."""
     parts = dotted.split(".")
     parent = root
     for part in parts[:-1]:
