@@ -1,0 +1,239 @@
+"""Hugging Face adapter: a transformers VLM exposed as omnibal's layer chain, so a plan splits it.
+
+Users bring their own model; :func:`from_llava` wraps a ``LlavaForConditionalGeneration`` (transformers
+5.x) without copying weights: each chain link is a thin module around the HF module(s) it names, taking and
+returning the same carry as the reference model (:mod:`omnibal.train.stage`), so ``build_stage``,
+``example_carry``, ``apply_checkpointing`` and the collator work unchanged.
+
+==================  ====================================================================================
+chain name          Llava modules (transformers 5.x)
+==================  ====================================================================================
+vision.embed        model.vision_tower.embeddings, model.vision_tower.pre_layrnorm
+vision.blocks.{i}   model.vision_tower.encoder.layers.{i}, i < the layer ``vision_feature_layer`` selects
+projector           model.multi_modal_projector (after dropping the class token: strategy ``default``)
+llm.embed           model.language_model.embed_tokens (image features fill the image-token slots)
+llm.blocks.{i}      model.language_model.layers.{i} (+ the shared model.language_model.rotary_emb)
+llm.head            model.language_model.norm, lm_head (+ summed token loss)
+==================  ====================================================================================
+
+Llava reads the vision features at ``vision_feature_layer`` (default -2, before ``post_layernorm``), so the
+encoder layers after it and ``post_layernorm`` never run: they are left out of the chain (they get no
+gradient in HF either). Each tile slot is one Llava image. Packed samples are kept apart by a
+block-diagonal causal mask given to the HF attention (its cost is quadratic in the active tokens, not
+varlen); positions restart in each sample.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from omnibal.cost.spec import LayerSpec, LLMSpec, ModelSpec, VisionSpec
+from omnibal.data.collate import (IGNORE_INDEX, META_IMAGE_INDEX, META_INPUT_IDS, META_LABELS,
+                                  META_POSITION_IDS, META_SEGMENT_IDS, SIZE_TILES, SIZE_TOKENS, CollateConfig)
+from omnibal.errors import InputError
+from omnibal.train.layers import Options, active_count
+from omnibal.train.model import carry_activation_shape
+from omnibal.train.stage import attach_module
+
+
+def _pad_tiles(y: torch.Tensor, x: torch.Tensor, n: int) -> torch.Tensor:
+    """Put the computed tiles ``y`` back in front of the untouched tail of the buffer ``x``."""
+    if n == 0:
+        y = y * 0  # keep gradients defined when a micro-batch has no image
+    return torch.cat([y.unsqueeze(0), x[:, y.shape[0]:]], dim=1) if x is not None else y.unsqueeze(0)
+
+
+class _VisionEmbed(nn.Module):
+    def __init__(self, embeddings: nn.Module, pre_norm: nn.Module, opts: Options) -> None:
+        super().__init__()
+        self.embeddings, self.pre_norm, self.opts = embeddings, pre_norm, opts
+
+    def forward(self, pixels, token_meta, sizes):
+        q_v = pixels.shape[1]
+        n = active_count(sizes, SIZE_TILES, q_v, self.opts)
+        y = self.pre_norm(self.embeddings(pixels[0, :max(n, 1)]))
+        if n == 0:
+            y = y * 0
+        out = torch.cat([y.unsqueeze(0), y.new_zeros(1, q_v - y.shape[0], *y.shape[1:])], dim=1)
+        return out, token_meta, sizes
+
+
+class _VisionBlock(nn.Module):
+    def __init__(self, layer: nn.Module, opts: Options) -> None:
+        super().__init__()
+        self.layer, self.opts = layer, opts
+
+    def forward(self, x, token_meta, sizes):
+        n = active_count(sizes, SIZE_TILES, x.shape[1], self.opts)
+        y = self.layer(x[0, :max(n, 1)], attention_mask=None)
+        y = y[0] if isinstance(y, tuple) else y
+        return _pad_tiles(y, x, n), token_meta, sizes
+
+
+class _Projector(nn.Module):
+    def __init__(self, projector: nn.Module, opts: Options) -> None:
+        super().__init__()
+        self.projector, self.opts = projector, opts
+
+    def forward(self, x, token_meta, sizes):
+        q_v = x.shape[1]
+        n = active_count(sizes, SIZE_TILES, q_v, self.opts)
+        y = self.projector(x[0, :max(n, 1), 1:])  # strategy "default": drop the class token
+        if n == 0:
+            y = y * 0
+        out = torch.cat([y.unsqueeze(0), y.new_zeros(1, q_v - y.shape[0], *y.shape[1:])], dim=1)
+        return out, token_meta, sizes
+
+
+class _TextEmbed(nn.Module):
+    def __init__(self, embed_tokens: nn.Module, opts: Options) -> None:
+        super().__init__()
+        self.embed_tokens, self.opts = embed_tokens, opts
+
+    def forward(self, features, token_meta, sizes):
+        h = self.embed_tokens(token_meta[0, META_INPUT_IDS])
+        slot = token_meta[0, META_IMAGE_INDEX]
+        img = features.reshape(-1, features.shape[-1]).to(h.dtype)[slot.clamp(min=0)]
+        return torch.where((slot >= 0).unsqueeze(-1), img, h).unsqueeze(0), token_meta, sizes
+
+
+def packed_causal_mask(segment_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Additive [1, 1, n, n] mask: 0 where a token may attend (same segment, not in the future), else the
+    dtype's minimum (what HF's eager and SDPA attention both accept)."""
+    n = segment_ids.shape[0]
+    idx = torch.arange(n, device=segment_ids.device)
+    allowed = (segment_ids[:, None] == segment_ids[None, :]) & (idx[None, :] <= idx[:, None])
+    mask = torch.zeros(n, n, dtype=dtype, device=segment_ids.device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
+
+
+class _TextBlock(nn.Module):
+    def __init__(self, layer: nn.Module, rotary: nn.Module, opts: Options) -> None:
+        super().__init__()
+        self.layer, self.opts = layer, opts
+        self._rotary = [rotary]  # shared, parameter-free: kept out of the module tree (no duplicate buffers)
+
+    def forward(self, x, token_meta, sizes):
+        n = active_count(sizes, SIZE_TOKENS, x.shape[1], self.opts)
+        h = x[:, :n]
+        position_ids = token_meta[:, META_POSITION_IDS, :n]
+        rotary = self._rotary[0]
+        if rotary.inv_freq.device != h.device:
+            rotary.to(h.device)
+        cos_sin = rotary(h, position_ids)
+        mask = packed_causal_mask(token_meta[0, META_SEGMENT_IDS, :n], h.dtype)
+        y = self.layer(h, attention_mask=mask, position_ids=position_ids, position_embeddings=cos_sin)
+        y = y[0] if isinstance(y, tuple) else y
+        return torch.cat([y, x[:, n:]], dim=1), token_meta, sizes
+
+
+class _Head(nn.Module):
+    def __init__(self, norm: nn.Module, lm_head: nn.Module, opts: Options) -> None:
+        super().__init__()
+        self.norm, self.lm_head, self.opts = norm, lm_head, opts
+
+    def forward(self, x, token_meta, sizes):
+        n = active_count(sizes, SIZE_TOKENS, x.shape[1], self.opts)
+        logits = self.lm_head(self.norm(x[0, :n]))
+        if logits.dtype in (torch.float16, torch.bfloat16):
+            logits = logits.float()
+        labels = token_meta[0, META_LABELS, :n]
+        loss = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+        return loss.reshape(1), (labels != IGNORE_INDEX).sum().reshape(1)
+
+
+class HFChain(nn.Module):
+    """A Hugging Face VLM as omnibal's layer chain (``chain()``, ``boundary_activation()``, ``spec``).
+
+    The HF model stays the owner of the weights (``hf_model``; save and load it the HF way); ``spec`` is the
+    :class:`ModelSpec` the planner and cost model use for it, and ``hf_module_names`` maps every chain name
+    to the HF modules it runs.
+    """
+
+    def __init__(self, hf_model: nn.Module, spec: ModelSpec, links: list[tuple[str, nn.Module]],
+                 hf_module_names: dict[str, tuple[str, ...]], *, image_token_id: int, opts: Options) -> None:
+        super().__init__()
+        self.spec = spec
+        self.options = opts
+        self.image_token_id = image_token_id
+        self.hf_module_names = hf_module_names
+        self._hf = [hf_model]  # not a submodule: parameters are reached through the chain links only
+        for link_name, module in links:
+            attach_module(self, link_name, module)
+        assert [n for n, _ in links] == [layer.name for layer in spec.layers()]
+
+    @property
+    def hf_model(self) -> nn.Module:
+        return self._hf[0]
+
+    def chain(self) -> list[tuple[LayerSpec, nn.Module]]:
+        return [(layer, self.get_submodule(layer.name)) for layer in self.spec.layers()]
+
+    def forward(self, pixel_values, token_meta, sizes):
+        carry = (pixel_values, token_meta, sizes)
+        for _, module in self.chain():
+            carry = module(*carry)
+        return carry
+
+    def boundary_activation(self, start: int, *, num_tiles: int, num_tokens: int):
+        return carry_activation_shape(self.spec, start, num_tiles=num_tiles, num_tokens=num_tokens)
+
+    def collate_config(self, *, num_tiles: int, num_tokens: int, mode: str = "pack",
+                       pad_token_id: int = 0) -> CollateConfig:
+        return CollateConfig(num_tiles=num_tiles, num_tokens=num_tokens, image_size=self.spec.vision.image_size,
+                             tokens_per_tile=self.spec.llm_tokens_per_tile, image_token_id=self.image_token_id,
+                             pad_token_id=pad_token_id, mode=mode)  # type: ignore[arg-type]
+
+
+def from_llava(model: nn.Module, *, name: str = "hf-llava", compute_tail: bool = False) -> HFChain:
+    """Wrap a transformers ``LlavaForConditionalGeneration`` (5.x module names) as a layer chain."""
+    cfg = model.config
+    vc, tc = cfg.vision_config, cfg.text_config
+    where = f"{type(model).__name__} config"
+    layer = cfg.vision_feature_layer
+    if not isinstance(layer, int):
+        raise InputError(f"only a single vision_feature_layer is supported, got {layer!r}", source=where,
+                         field="vision_feature_layer")
+    if cfg.vision_feature_select_strategy != "default":
+        raise InputError(f"only vision_feature_select_strategy 'default' is supported, got "
+                         f"{cfg.vision_feature_select_strategy!r}", source=where, field="vision_feature_select_strategy")
+    num_vision = vc.num_hidden_layers
+    used = layer if layer >= 0 else num_vision + 1 + layer  # hidden_states[k] is the output of k layers
+    if not 1 <= used <= num_vision:
+        raise InputError(f"vision_feature_layer {layer} selects no encoder layer of {num_vision}", source=where,
+                         field="vision_feature_layer")
+    try:
+        inner = model.model
+        tower, projector, text = inner.vision_tower, inner.multi_modal_projector, inner.language_model
+        vision_layers, text_layers = tower.encoder.layers, text.layers
+    except AttributeError as e:
+        raise InputError(f"not a transformers 5.x Llava model ({e})", source=type(model).__name__) from e
+    spec = ModelSpec(
+        name=name,
+        vision=VisionSpec(num_layers=used, hidden=vc.hidden_size, num_heads=vc.num_attention_heads,
+                          mlp_hidden=vc.intermediate_size, image_size=vc.image_size, patch_size=vc.patch_size,
+                          class_token=True),
+        llm=LLMSpec(num_layers=tc.num_hidden_layers, hidden=tc.hidden_size, num_heads=tc.num_attention_heads,
+                    num_kv_heads=tc.num_key_value_heads, mlp_hidden=tc.intermediate_size,
+                    vocab_size=tc.vocab_size, tie_embeddings=model.lm_head.weight is text.embed_tokens.weight),
+        downsample_ratio=1.0,
+    )
+    opts = Options(attn_impl="mask", compute_tail=compute_tail)
+    tower_name, text_name = "model.vision_tower", "model.language_model"
+    links: list[tuple[str, nn.Module]] = [("vision.embed", _VisionEmbed(tower.embeddings, tower.pre_layrnorm, opts))]
+    names: dict[str, tuple[str, ...]] = {"vision.embed": (f"{tower_name}.embeddings", f"{tower_name}.pre_layrnorm")}
+    for i in range(used):
+        links.append((f"vision.blocks.{i}", _VisionBlock(vision_layers[i], opts)))
+        names[f"vision.blocks.{i}"] = (f"{tower_name}.encoder.layers.{i}",)
+    links.append(("projector", _Projector(projector, opts)))
+    names["projector"] = ("model.multi_modal_projector",)
+    links.append(("llm.embed", _TextEmbed(text.embed_tokens, opts)))
+    names["llm.embed"] = (f"{text_name}.embed_tokens",)
+    for i in range(tc.num_hidden_layers):
+        links.append((f"llm.blocks.{i}", _TextBlock(text_layers[i], text.rotary_emb, opts)))
+        names[f"llm.blocks.{i}"] = (f"{text_name}.layers.{i}",)
+    links.append(("llm.head", _Head(text.norm, model.lm_head, opts)))
+    names["llm.head"] = (f"{text_name}.norm", "lm_head")
+    return HFChain(model, spec, links, names, image_token_id=int(cfg.image_token_id), opts=opts)

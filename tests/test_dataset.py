@@ -1,0 +1,41 @@
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from omnibal.data.collate import IGNORE_INDEX, PackCollator
+from omnibal.errors import InputError
+from train_helpers import collate_cfg, tiny_dataset, tiny_spec
+
+SPEC = tiny_spec()
+
+
+def test_samples_have_the_stats_shapes_and_are_deterministic():
+    tiles, tokens = [0, 1, 3, 2], [5, 9, 40, 30]
+    ds = tiny_dataset(SPEC, tiles, tokens, seed=7)
+    for i, (v, t) in enumerate(zip(tiles, tokens)):
+        s = ds[i]
+        assert s["pixel_values"].shape == (v, 3, 32, 32) and s["input_ids"].shape == (t,) == s["labels"].shape
+        assert int((s["input_ids"] == SPEC.llm.vocab_size - 1).sum()) == v * SPEC.llm_tokens_per_tile
+        text = t - v * SPEC.llm_tokens_per_tile
+        assert int((s["labels"] != IGNORE_INDEX).sum()) == min(round(0.5 * text), text - 1)
+        again = tiny_dataset(SPEC, tiles, tokens, seed=7)[i]
+        assert all(torch.equal(s[k], again[k]) for k in ("pixel_values", "input_ids", "labels"))
+    other = tiny_dataset(SPEC, tiles, tokens, seed=8)[2]
+    assert not torch.equal(other["input_ids"], ds[2]["input_ids"])
+
+
+def test_too_few_tokens_for_the_tiles_is_named():
+    with pytest.raises(InputError, match=r"index 1.*'tokens'"):
+        tiny_dataset(SPEC, [1, 2], [9, 8])
+
+
+def test_dataloader_workers_with_the_pack_collator():
+    ds = tiny_dataset(SPEC, [1, 0, 2, 1], [9, 5, 12, 7])
+    packs = [[0, 1], [2, 3]]
+    loader = DataLoader(ds, batch_sampler=packs, num_workers=2, collate_fn=PackCollator(collate_cfg(SPEC, 4, 24)),
+                        multiprocessing_context="fork")
+    batches = list(loader)
+    assert [b.sample_indices for b in batches] == [(0, 1), (2, 3)]
+    assert [b.sizes.tolist() for b in batches] == [[[1, 14]], [[3, 19]]]
