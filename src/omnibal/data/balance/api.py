@@ -153,7 +153,7 @@ def _balance_omnibal(stats, dp_size, num_microbatches, seed, epoch, config: Bala
     if len(regular):
         choice = choose_caps(tiles, tokens, slots_per_step=per_step, target_samples=config.target_samples,
                              max_tiles=config.max_tiles, max_tokens=config.max_tokens,
-                             token_slack=config.token_slack, token_multiple=config.token_multiple)
+                             token_slack=config.token_slack, token_multiple=config.token_multiple, rng=rng)
         num_regular_packs = choice.num_packs
         # room for own packs: more steps, the regular samples spread over what is left
         num_total = -(-(num_regular_packs + len(alone)) // per_step) * per_step

@@ -4,9 +4,14 @@ The number of packs is a multiple of ``dp_size * num_microbatches`` (so every ra
 steps and micro-batches, with no pack left over), chosen among the counts that give a mean of
 ``target_samples`` samples per micro-batch (+-10%) by the lowest predicted padding:
 
-* tile pad: ``1 - (V/P) / ceil(V/P)`` -- packs can be exactly full only when V/P is just under an integer;
+* tile pad: ``1 - (V/P) / Q_v`` with ``Q_v = ceil(V/P / (1 - tile_slack))``: the packer needs a little room
+  (``tile_slack``) to fill tiles and tokens at once, and V/P lands just under an integer for some counts;
 * feasibility: a pack of Q_v tiles holds at most ``k`` samples larger than ``Q_v/(k+1)`` tiles, so counts
   whose cap cannot hold the big samples are skipped (the same for tokens).
+
+The few best-predicted counts (with Q_v and Q_v + 1) are then tried by dealing a 16k-sample subsample and
+measuring the padding: with odd tile counts (1, 3, 5 tiles) a pack of 4 samples cannot reach an odd cap,
+which no closed formula here predicts.
 
 Fixed caps (``max_tiles``/``max_tokens``, a memory budget) instead give the smallest pack count whose mean
 load leaves the packer ``token_slack`` of room. Everything here is O(N log N) once plus O(1) per candidate.
@@ -62,7 +67,10 @@ def choose_caps(
     max_tiles: int | None = None,
     max_tokens: int | None = None,
     token_slack: float = 0.015,
+    tile_slack: float = 0.008,
     token_multiple: int = 8,
+    rng: np.random.Generator | None = None,
+    max_trials: int = 5,
 ) -> CapChoice:
     """Pick the pack count and the caps (see the module docstring). ``slots_per_step = dp_size * M``."""
     n = len(tiles)
@@ -76,7 +84,8 @@ def choose_caps(
 
     def caps_for(steps: int) -> tuple[int, int]:
         p = steps * slots_per_step
-        qv = max_tiles if max_tiles is not None else max(int(math.ceil(total_v / p - 1e-9)), int(v_desc[0]))
+        qv = max_tiles if max_tiles is not None else max(int(math.ceil(total_v / p / (1 - tile_slack) - 1e-9)),
+                                                         int(v_desc[0]))
         qt = max_tokens if max_tokens is not None else max(
             _round_up(total_t / p / (1 - token_slack), token_multiple), int(t_desc[0]))
         return qv, qt
@@ -116,6 +125,48 @@ def choose_caps(
         off = abs(math.log(n / p / target_samples)) if max_tiles is None and max_tokens is None else 0.0
         return pad_v + pad_t + 0.05 * off
 
-    steps = min(candidates, key=score)
-    qv, qt = caps_for(steps)
+    ranked = sorted(candidates, key=score)[:max_trials]
+    trials = []
+    for steps in ranked:
+        qv, qt = caps_for(steps)
+        options = [qv] if max_tiles is not None else [qv, qv + 1]
+        for q in options:
+            if not _feasible(v_desc, q, steps * slots_per_step):
+                continue
+            trials.append((steps, q, qt))
+    if not trials:
+        steps = ranked[0]
+        qv, qt = caps_for(steps)
+        return CapChoice(num_steps=steps, num_packs=steps * slots_per_step, max_tiles=qv, max_tokens=qt)
+    if rng is None or len(trials) == 1:
+        steps, qv, qt = trials[0]
+    else:
+        steps, qv, qt = min(trials, key=lambda tr: _trial_pad(tiles, tokens, tr, slots_per_step, rng, target_samples,
+                                                              max_tiles is None and max_tokens is None))
     return CapChoice(num_steps=steps, num_packs=steps * slots_per_step, max_tiles=qv, max_tokens=qt)
+
+
+def _trial_pad(tiles, tokens, trial, slots_per_step, rng, target_samples, use_target, sub_size=16384) -> float:
+    """Measured padding of a trial (steps, Q_v, Q_t): deal a subsample into proportionally fewer packs
+    and read off how full both buffers are (tile counts are integers, so whether packs can be filled
+    exactly depends on which sizes the data has -- cheaper to measure than to predict)."""
+    from omnibal.data.balance.packer import _deal
+
+    steps, qv, qt = trial
+    n = len(tiles)
+    p = steps * slots_per_step
+    if n > sub_size:
+        rows = np.sort(np.random.default_rng(12345).choice(n, sub_size, replace=False))
+        p_sub = max(1, int(round(p * sub_size / n)))
+    else:
+        rows, p_sub = np.arange(n), p
+    v = np.asarray(tiles, np.float64)[rows]
+    t = np.asarray(tokens, np.float64)[rows]
+    slots = _deal(v, t, t, p_sub, qv, qt, np.random.default_rng(0))
+    pv = np.append(v, 0.0)[slots].sum(1)
+    pt = np.append(t, 0.0)[slots].sum(1)
+    # a few stragglers get repaired later; the bulk sets the buffer
+    cap_v = max(float(qv) if (pv > qv).mean() < 0.002 else pv.max(), 1.0)
+    cap_t = max(float(qt) if (pt > qt).mean() < 0.01 else np.percentile(pt, 99.5), 1.0)
+    off = abs(math.log(n / p / target_samples)) if use_target else 0.0
+    return (1 - pv.mean() / cap_v) + (1 - pt.mean() / cap_t) + 0.05 * off

@@ -60,7 +60,10 @@ class _Packs:
         samples against up to two (``group=2``, used for the few packs a single swap cannot repair).
         Returns the number of pairs changed."""
         changed = 0
-        width = self.slots.shape[1]
+        # only the occupied slots plus one free one matter: compact the rows of this pass's packs
+        both = np.concatenate([a, b])
+        self.slots[both] = np.sort(self.slots[both], axis=1)  # the empty marker n sorts last
+        width = min(self.slots.shape[1], int((self.slots[both] < self.n).sum(1).max()) + 1)
         if group == 1:
             sel = np.arange(width)[:, None]
         else:
@@ -70,7 +73,7 @@ class _Packs:
         chunk = max(1, _CHUNK_PAIRS * width * width // (k * k))
         for c0 in range(0, len(a), chunk):
             ca, cb = a[c0:c0 + chunk], b[c0:c0 + chunk]
-            sa, sb = self.slots[ca], self.slots[cb]
+            sa, sb = self.slots[ca, :width], self.slots[cb, :width]
             ga, gb = sa[:, sel], sb[:, sel]  # [h, k, group] sample ids per candidate subset
             dv = self.vv[ga].sum(2)[:, :, None] - self.vv[gb].sum(2)[:, None, :]  # a sends minus receives
             dt = self.tt[ga].sum(2)[:, :, None] - self.tt[gb].sum(2)[:, None, :]
