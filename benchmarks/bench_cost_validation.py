@@ -73,7 +73,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--profile", type=Path, default=None, help="reuse this calibration profile")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--statistic", default="median", choices=("median", "min"))
+    parser.add_argument("--statistic", default="median", choices=("median", "min", "cpu"))
     parser.add_argument("--packs", type=int, default=12)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=RESULTS, help="results folder")

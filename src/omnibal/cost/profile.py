@@ -3,9 +3,11 @@
 per-kind coefficients over ``(one, tiles, tokens, tokens_sq)`` and save everything as JSON.
 
 Timing: CUDA events on a GPU; on a CPU the wall clock with a fixed torch thread count. Each shape is run
-``warmup`` times untimed and ``repeats`` times timed; the median is kept as ``fwd_s``/``bwd_s`` (or the
-minimum with ``statistic="min"``, the least disturbed run, for a machine shared with other jobs; both are
-recorded, with the load average before and after). Memory: the bytes autograd saves for backward, measured with
+``warmup`` times untimed and ``repeats`` times timed; the median is kept as ``fwd_s``/``bwd_s``. On a machine
+shared with other jobs, ``statistic="min"`` keeps the least disturbed run instead, and ``statistic="cpu"``
+the median process CPU time (CPU only; with one torch thread it is the wall time the work would take on an
+idle core, without the time other jobs took the core away). All three are recorded, with the load average
+before and after. Memory: the bytes autograd saves for backward, measured with
 ``torch.autograd.graph.saved_tensors_hooks`` (exact and device-independent: unique storages, parameters
 excluded, the layer's input included as in the analytic accounting); on a GPU also the peak of
 ``torch.cuda.max_memory_allocated`` above the pre-forward level.
@@ -51,6 +53,7 @@ FIT_COLUMNS: dict[str, tuple[int, ...]] = {
     "lm_head": (ONE, TOKENS),
 }
 VISION_KINDS = ("vision_embed", "vision_block", "projector")
+STATISTICS = ("median", "min", "cpu")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -188,15 +191,20 @@ class _Runner:
         t2 = clock() if clock else None
         return t0, t1, t2
 
-    def time(self, kind: str, carry, *, warmup: int, repeats: int) -> tuple[float, float, float, float]:
-        """Median forward and backward seconds, then the minima (the least disturbed runs)."""
+    def time(self, kind: str, carry, *, warmup: int, repeats: int) -> dict[str, float]:
+        """Forward and backward seconds: median and minimum of the wall clock (CUDA events on a GPU), and on a
+        CPU the median process CPU time (``cpu``: unaffected by other jobs taking the cores away)."""
         import time as _time
 
         torch = self.torch
         for _ in range(warmup):
             self._forward_backward(kind, carry, None)
         self._sync()
-        fwd, bwd = [], []
+        fwd, bwd, fwd_cpu, bwd_cpu = [], [], [], []
+
+        def both_clocks():
+            return _time.perf_counter(), _time.process_time()
+
         for _ in range(repeats):
             if self.is_cuda:
                 events = []
@@ -212,10 +220,16 @@ class _Runner:
                 fwd.append(events[0].elapsed_time(events[1]) / 1e3)
                 bwd.append(events[1].elapsed_time(events[2]) / 1e3)
             else:
-                t0, t1, t2 = self._forward_backward(kind, carry, _time.perf_counter)
-                fwd.append(t1 - t0)
-                bwd.append(t2 - t1)
-        return statistics.median(fwd), statistics.median(bwd), min(fwd), min(bwd)
+                t0, t1, t2 = self._forward_backward(kind, carry, both_clocks)
+                fwd.append(t1[0] - t0[0])
+                bwd.append(t2[0] - t1[0])
+                fwd_cpu.append(t1[1] - t0[1])
+                bwd_cpu.append(t2[1] - t1[1])
+        out = {"fwd_median_s": statistics.median(fwd), "bwd_median_s": statistics.median(bwd),
+               "fwd_min_s": min(fwd), "bwd_min_s": min(bwd)}
+        if fwd_cpu:
+            out.update(fwd_cpu_s=statistics.median(fwd_cpu), bwd_cpu_s=statistics.median(bwd_cpu))
+        return out
 
     def saved_bytes(self, kind: str, carry) -> int:
         """Bytes of the distinct storages autograd saves for backward in one forward (parameters excluded)."""
@@ -293,8 +307,9 @@ def measure_points(spec: ModelSpec, points: list[Point], *, device: str = "cpu",
     """Measure each point on the real layer modules; one row per point (seconds, saved bytes)."""
     import torch
 
-    if statistic not in ("median", "min"):
-        raise InputError(f"must be median or min, got {statistic!r}", source="statistic", field="statistic")
+    if statistic not in STATISTICS:
+        raise InputError(f"must be one of {', '.join(STATISTICS)}, got {statistic!r}", source="statistic",
+                         field="statistic")
     dtype = _check_measure_args(device, dtype, {p.kind for p in points}, repeats, threads)
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -308,12 +323,11 @@ def measure_points(spec: ModelSpec, points: list[Point], *, device: str = "cpu",
             tokens = int(sum(point.lengths))
             bar.set_postfix_str(f"{point.kind} {point.tiles} tiles {tokens} tokens")
             carry = runner.carry(point.kind, point.tiles, list(point.lengths))
-            fwd, bwd, fwd_min, bwd_min = runner.time(point.kind, carry, warmup=warmup, repeats=repeats)
+            times = runner.time(point.kind, carry, warmup=warmup, repeats=repeats)
+            key = statistic if statistic != "cpu" or "fwd_cpu_s" in times else "median"
             row = dict(kind=point.kind, tiles=point.tiles, tokens=tokens,
                        segments=_compress_lengths(point.lengths), features=point.features.tolist(),
-                       fwd_s=fwd if statistic == "median" else fwd_min,
-                       bwd_s=bwd if statistic == "median" else bwd_min,
-                       fwd_median_s=fwd, bwd_median_s=bwd, fwd_min_s=fwd_min, bwd_min_s=bwd_min,
+                       fwd_s=times[f"fwd_{key}_s"], bwd_s=times[f"bwd_{key}_s"], **times,
                        saved_bytes=runner.saved_bytes(point.kind, carry))
             peak = runner.peak_bytes(point.kind, carry)
             if peak is not None:
