@@ -171,3 +171,21 @@ def test_p2p_occupancy_keeps_both_ends_busy():
     np.testing.assert_allclose(occ.fwd[..., 2] - base.fwd[..., 2], 0.5 * base.p2p[..., 1])
     with pytest.raises(InputError, match="p2p_occupancy"):
         SimConfig(p2p_occupancy=1.5).validate()
+
+
+def test_config_for_hardware_picks_links_by_rank_layout():
+    from omnibal.cost.hardware import get_hardware
+    from omnibal.sim.costs import config_for_hardware
+
+    hw = get_hardware("a100-80g")
+    intra_bw, intra_lat = hw.link(inter_node=False)
+    inter_bw, inter_lat = hw.link(inter_node=True)
+    small = config_for_hardware(hw, dp_size=2, pp_size=4)  # 8 GPUs: one node
+    assert (small.p2p_bandwidth, small.dp_bandwidth) == (intra_bw, intra_bw)
+    big = config_for_hardware(hw, dp_size=128, pp_size=4, tp_size=1)
+    assert (big.p2p_bandwidth, big.p2p_latency) == (inter_bw, inter_lat)
+    assert big.dp_bandwidth == inter_bw
+    assert big.memory_budget_bytes == pytest.approx(0.95 * hw.memory_bytes)
+    assert big.p2p_occupancy == 0.0
+    with pytest.raises(InputError, match="dp_size"):
+        config_for_hardware(hw, dp_size=0, pp_size=4)

@@ -14,6 +14,7 @@ Layers, cheapest first:
 from omnibal.sim.costs import (
     SimConfig,
     StageCosts,
+    config_for_hardware,
     cuts_from_starts,
     even_cuts,
     recompute_mask_from_counts,
@@ -26,7 +27,7 @@ from omnibal.sim.step import StepTimes, ring_allreduce_time, simulate_steps
 
 __all__ = [
     "SCHEDULES", "EpochResult", "PipelineTimes", "PlanScore", "SimConfig", "StageCosts", "StepTimes",
-    "cuts_from_starts", "even_cuts", "peak_inflight", "recompute_mask_from_counts", "ring_allreduce_time",
+    "config_for_hardware", "cuts_from_starts", "even_cuts", "peak_inflight", "recompute_mask_from_counts", "ring_allreduce_time",
     "score_plan", "simulate_epoch", "simulate_one_step", "simulate_pipeline", "simulate_steps", "stage_costs",
     "validate_cuts",
 ]

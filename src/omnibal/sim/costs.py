@@ -168,7 +168,8 @@ def stage_costs(table: LayerCostTable, cuts, recompute_mask, features: np.ndarra
               boundary / config.p2p_bandwidth, uniq]
     widths = [len(b) for b in blocks]
     coef = np.concatenate(blocks, axis=0).T  # [4, K]
-    values = features @ coef
+    # one 2-D product: a stacked [..., M, 4] @ [4, K] would loop over the batch axes in small matmuls
+    values = (features.reshape(-1, NUM_FEATURES) @ coef).reshape(features.shape[:-1] + (coef.shape[1],))
     parts = np.split(values, np.cumsum(widths)[:-1], axis=-1)
     fwd, bwd, recompute, act, p2p, trans_u = parts
     p2p = p2p + config.p2p_latency
@@ -178,10 +179,10 @@ def stage_costs(table: LayerCostTable, cuts, recompute_mask, features: np.ndarra
         held = config.p2p_occupancy * (np.concatenate([pad, p2p], -1) + np.concatenate([p2p, pad], -1))
         fwd = fwd + held
         bwd = bwd + held
-    if len(uniq) == 1:
-        transient = np.broadcast_to(trans_u, act.shape) * present[:, 0]
-    else:
-        transient = np.where(present, trans_u[..., None, :], 0.0).max(axis=-1)
+    transient = np.zeros_like(act)
+    for k in range(len(uniq)):  # a handful of distinct rows (one per layer kind)
+        if uniq[k].any():
+            np.maximum(transient, trans_u[..., k:k + 1] * present[:, k], out=transient)
 
     dp = config.dp_size
     grad = assign @ table.grad_bytes
