@@ -49,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--batch-size", type=int, default=4, help="samples per micro-batch of the random and "
                    "length-grouped baselines")
     g.add_argument("--padding", choices=PADDINGS, default="auto", help="how a micro-batch runs; auto: the "
-                   "fixed buffer when pp > 1 (pipelines need one shape), else the schedule's own")
+                   "schedule's own for compute, and with pp > 1 the fixed buffer (the caps) for p2p transfers")
     g.add_argument("--seed", type=int, default=0, help="seed of the balancer / synthetic data")
     g.add_argument("--epoch", type=int, default=0, help="epoch to balance")
 
@@ -219,13 +219,17 @@ def run(args: argparse.Namespace) -> int:
     _say(args, f"balancing {len(stats):,} samples ({args.balance if not args.schedule_file else args.schedule_file})"
                f" for dp {cluster['dp']} x {cluster['microbatches']} micro-batches ...")
     sched = _schedule(args, stats, table, cluster)
-    padding = args.padding
-    if padding == "auto":
-        padding = "fixed_buffer" if cluster["pp"] > 1 else sched.padding
+    padding = sched.padding if args.padding == "auto" else args.padding
     features = sched.features(stats, padding=padding)
+    buffer = None
+    if args.padding == "auto" and cluster["pp"] > 1:
+        # a pipeline sends one fixed buffer shape (the caps) between stages; compute skips the padding
+        buffer = sched.features(stats, padding="fixed_buffer")
+        padding += " (p2p: fixed buffer)"
     _say(args, f"simulating {features.shape[0]} steps x {cluster['dp']} ranks x {cluster['microbatches']} "
                f"micro-batches x {cluster['pp']} stages ...")
-    result = simulate_epoch(table, cuts, rec, features, config, progress=not args.quiet and sys.stderr.isatty())
+    result = simulate_epoch(table, cuts, rec, features, config, buffer_features=buffer,
+                            progress=not args.quiet and sys.stderr.isatty())
     if len(result.step_time) == 0:
         raise InputError("the schedule has no steps", source="--stats", field="samples")
 
@@ -238,7 +242,8 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= step_index < len(result.step_time):
         raise InputError(f"step {step_index} is outside 0..{len(result.step_time) - 1}", source="--timeline-step",
                          field="timeline_step")
-    costs, step = simulate_one_step(table, cuts, rec, features[step_index], config)
+    costs, step = simulate_one_step(table, cuts, rec, features[step_index], config,
+                                    None if buffer is None else buffer[step_index])
     header = {
         "model": spec.name, "hardware": hardware.name, "dp x pp x tp": f"{cluster['dp']} x {cluster['pp']} x "
         f"{cluster['tp']}", "micro-batches per step": cluster["microbatches"], "schedule": args.schedule,
