@@ -219,6 +219,7 @@ def from_llava(model: nn.Module, *, name: str = "hf-llava", compute_tail: bool =
                     num_kv_heads=tc.num_key_value_heads, mlp_hidden=tc.intermediate_size,
                     vocab_size=tc.vocab_size, tie_embeddings=model.lm_head.weight is text.embed_tokens.weight),
         downsample_ratio=1.0,
+        projector_norm=False,
     )
     opts = Options(attn_impl="mask", compute_tail=compute_tail)
     tower_name, text_name = "model.vision_tower", "model.language_model"
