@@ -122,3 +122,12 @@ def test_dataloader_workers_can_pickle_the_dataset(example):
     ds = RealDataset(root / "train.jsonl", _config(root))
     clone = pickle.loads(pickle.dumps(ds))
     assert torch.equal(clone[0]["input_ids"], ds[0]["input_ids"])
+
+
+def test_stats_property_measures_every_sample(example):
+    root, _ = example
+    ds = RealDataset(root / "train.jsonl", _config(root))
+    st = ds.stats
+    assert st.tiles.tolist() == [ds[i]["pixel_values"].shape[0] for i in range(len(ds))]
+    assert st.tokens.tolist() == [len(ds[i]["input_ids"]) for i in range(len(ds))]
+    assert st.images.tolist() == [1, 1, 2, 0]

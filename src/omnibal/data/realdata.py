@@ -22,6 +22,7 @@ The image, marker and template token ids default to ids just past the tokenizer'
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import dataclass, field
@@ -204,7 +205,12 @@ class RealDataset(Dataset):
         arr = (arr - np.array(IMAGENET_MEAN, np.float32)) / np.array(IMAGENET_STD, np.float32)
         return torch.from_numpy(np.ascontiguousarray(arr.transpose(0, 3, 1, 2)))
 
+    @functools.cached_property
     def stats(self) -> SampleStats:
+        """Per-sample sizes (what the balancer and the trainer read); see :meth:`measure_stats`."""
+        return self.measure_stats()
+
+    def measure_stats(self) -> SampleStats:
         """Sizes of every sample, by building it (slow: decodes every image; ``omnibal stats`` reads headers).
         Used to check that the two agree."""
         samples = [self[i] for i in range(len(self))]
