@@ -218,7 +218,7 @@ class RealDataset(Dataset):
                   for r in self.records]
         return SampleStats.from_arrays(tiles=[s["pixel_values"].shape[0] for s in samples],
                                        tokens=[len(s["input_ids"]) for s in samples], images=images,
-                                       keys=[s["key"] for s in samples], source=str(self.path))
+                                       keys=np.array([s["key"] for s in samples], dtype=np.uint64), source=str(self.path))
 
 
 def _read_records(path: Path) -> tuple[list[dict], list[str]]:
