@@ -111,6 +111,14 @@ def init_world(*, dp_size: int, pp_size: int, device: str = "cpu", timeout_s: fl
                  dp_group=mesh["dp"].get_group(), pp_group=mesh["pp"].get_group())
 
 
+def local_world(device: str = "cpu", timeout_s: float = 60.0) -> World:
+    """A world of one process (dp 1 x pp 1) that needs no process group: `omnibal train` without --nproc,
+    and single-process tests."""
+    torch_device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+    return World(rank=0, world_size=1, dp_rank=0, dp_size=1, pp_rank=0, pp_size=1, device=torch_device,
+                 backend=backend_for(device), timeout_s=timeout_s, mesh=None, dp_group=None, pp_group=None)
+
+
 def destroy_world() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
