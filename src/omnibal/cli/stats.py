@@ -51,6 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ann.add_argument("--no-dummy-tile", action="store_true", help="text-only samples get 0 tiles instead of InternVL's dummy tile")
     ann.add_argument("--split-max-tiles", action="store_true", help="multi-image samples: max-tiles // images per image (InternVL2)")
     ann.add_argument("--ignore-exif", action="store_true", help="do not swap sides for EXIF orientations 5-8")
+    ann.add_argument("--allow-outside-root", action="store_true", help="accept image paths leading outside the image root (../, absolute, symlinks)")
     ann.add_argument("--workers", type=int, default=0, help="worker processes (default 0: one per available core)")
     ann.add_argument("--chunk-size", type=int, default=256, help="records per worker task (default 256)")
 
@@ -146,6 +147,7 @@ def _from_annotations(args: argparse.Namespace):
         count_dummy_tile=not args.no_dummy_tile,
         split_max_tiles=args.split_max_tiles,
         apply_exif=not args.ignore_exif,
+        allow_outside_root=args.allow_outside_root,
         workers=workers,
         chunk_size=args.chunk_size,
         on_error=args.on_error,

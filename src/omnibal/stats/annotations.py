@@ -66,6 +66,9 @@ class AnnotationConfig:
     multi-image rule); False: every image may use ``max_tiles``."""
     apply_exif: bool = True
     """EXIF orientations 5-8 swap width and height (False: raw header size, as InternVL's loader sees it)."""
+    allow_outside_root: bool = False
+    """Accept image paths that lead outside the image root (``../``, absolute paths, symlinks pointing
+    out). Refused by default: an annotation file from elsewhere should not make omnibal open any file."""
     workers: int = 1
     """Worker processes (1: in this process)."""
     chunk_size: int = 256
@@ -346,6 +349,7 @@ def _process_chunk(task) -> _ChunkResult:
     source, items = task
     config: AnnotationConfig = _STATE["config"]
     root = Path(config.image_root) if config.image_root else Path(source).parent
+    real_root = os.path.realpath(root)
     errors, parsed = [], []
     counts = collections.Counter()
     for locator, index, payload in items:
@@ -355,8 +359,10 @@ def _process_chunk(task) -> _ChunkResult:
             sizes = []
             for k, img in enumerate(p["images"]):
                 given = p["sizes"][k] if p["sizes"] else None
+                path = root / img  # an absolute img replaces the root, as in InternVL's os.path.join
+                if not config.allow_outside_root:
+                    _check_inside(path, img, real_root, source, locator)
                 if given is None:
-                    path = Path(img) if os.path.isabs(img) else root / img
                     sizes.append(image_size(path, source=source, record=locator, apply_exif=config.apply_exif))
                 else:
                     sizes.append(given)
@@ -410,6 +416,16 @@ def _process_chunk(task) -> _ChunkResult:
         has_id=np.array([p["key"] is not None for _, _, p, _ in parsed], dtype=bool)[keep],
         errors=errors, counts=dict(counts), method=_STATE["counter"].method,
     )  # fmt: skip
+
+
+def _check_inside(path: Path, img: str, real_root: str, source: str, locator: str) -> None:
+    real = os.path.realpath(path)  # resolves ``..`` and every symlink on the way
+    if os.path.commonpath([real, real_root]) != real_root:
+        raise InputError(
+            f"image path {img!r} leads outside the image root {real_root} (to {real}); "
+            "pass --allow-outside-root (AnnotationConfig.allow_outside_root) if that is intended",
+            source=source, record=locator, field="image",
+        )  # fmt: skip
 
 
 def _parse_json_line(line: bytes):
