@@ -348,20 +348,22 @@ class _RecordError(Exception):
 def _process_chunk(task) -> _ChunkResult:
     source, items = task
     config: AnnotationConfig = _STATE["config"]
-    root = Path(config.image_root) if config.image_root else Path(source).parent
+    root = config.image_root if config.image_root else os.path.dirname(source)
     real_root = os.path.realpath(root)
+    real_dirs: dict[str, str] = {}
+    file_name = os.path.basename(source)
     errors, parsed = [], []
     counts = collections.Counter()
     for locator, index, payload in items:
         try:
             rec = _parse_json_line(payload) if isinstance(payload, bytes) else payload
-            p = _parse_record(rec, Path(source).name)
+            p = _parse_record(rec, file_name)
             sizes = []
             for k, img in enumerate(p["images"]):
                 given = p["sizes"][k] if p["sizes"] else None
-                path = root / img  # an absolute img replaces the root, as in InternVL's os.path.join
+                path = os.path.join(root, img)  # an absolute img replaces the root, as InternVL's loader does
                 if not config.allow_outside_root:
-                    _check_inside(path, img, real_root, source, locator)
+                    _check_inside(path, img, real_root, real_dirs, source, locator)
                 if given is None:
                     sizes.append(image_size(path, source=source, record=locator, apply_exif=config.apply_exif))
                 else:
@@ -418,9 +420,22 @@ def _process_chunk(task) -> _ChunkResult:
     )  # fmt: skip
 
 
-def _check_inside(path: Path, img: str, real_root: str, source: str, locator: str) -> None:
-    real = os.path.realpath(path)  # resolves ``..`` and every symlink on the way
-    if os.path.commonpath([real, real_root]) != real_root:
+def _check_inside(path: str, img: str, real_root: str, real_dirs: dict, source: str, locator: str) -> None:
+    """Refuse a path whose real location (``..`` and every symlink resolved) is outside ``real_root``.
+
+    Resolving every component costs an ``lstat`` each; folders repeat across records, so their real
+    paths are cached per chunk and only the file itself is checked for being a link (one ``lstat``)."""
+    folder, name = os.path.split(path)
+    if name in ("", ".", ".."):
+        real = os.path.realpath(path)
+    else:
+        real_folder = real_dirs.get(folder)
+        if real_folder is None:
+            real_folder = real_dirs[folder] = os.path.realpath(folder)
+        real = os.path.join(real_folder, name)
+        if os.path.islink(real):
+            real = os.path.realpath(real)
+    if real != real_root and not real.startswith(real_root.rstrip(os.sep) + os.sep):
         raise InputError(
             f"image path {img!r} leads outside the image root {real_root} (to {real}); "
             "pass --allow-outside-root (AnnotationConfig.allow_outside_root) if that is intended",
