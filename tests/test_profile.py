@@ -107,6 +107,8 @@ def test_measured_saved_bytes_match_the_analytic_accounting(tmp_path):
     kinds = {r["kind"] for r in profile["measurements"]}
     assert kinds == {layer.kind for layer in spec.layers()}
     assert all(r["fwd_s"] > 0 and r["bwd_s"] > 0 for r in profile["measurements"])
+    assert all(r["fwd_s"] == r["fwd_median_s"] and r["fwd_min_s"] <= r["fwd_median_s"] and r["fwd_cpu_s"] > 0
+               for r in profile["measurements"])
     work = layer_work(spec, dtype="fp32")
     i = [layer.kind for layer in spec.layers()].index("vision_block")
     for row in profile["measurements"]:
