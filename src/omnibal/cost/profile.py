@@ -306,17 +306,20 @@ def check_profile_model(profile: dict[str, Any], spec: ModelSpec, *, source: str
 
 
 def cost_table_from_profile(spec: ModelSpec, profile: dict[str, Any], *, hardware: HardwareSpec | None = None,
-                            tp_size: int = 1) -> LayerCostTable:
+                            tp_size: int = 1, tp_vision: bool = True) -> LayerCostTable:
     """A :class:`LayerCostTable` whose times and activation bytes are the profile's fits (per kind);
     checkpoint, boundary and parameter bytes come from the analytic model in the profile's dtype.
 
-    The profile is measured without tensor parallelism, so ``tp_size`` must be 1; ``hardware`` is accepted
-    for symmetry with :func:`~omnibal.cost.analytic.analytic_cost_table` and is not needed then.
+    A profile is measured on one device. For ``tp_size > 1`` (needs ``hardware``) each fitted coefficient is
+    scaled by the analytic model's ratio (tensor-parallel / single-device, per layer and feature) and the
+    tensor-parallel communication time is the analytic one on ``hardware``.
     """
+    from omnibal.cost.analytic import analytic_cost_table
+
     check_profile_model(profile, spec)
-    if tp_size != 1:
-        raise InputError("a measured profile has no tensor parallelism; use analytic_cost_table (calibrated "
-                         "with omnibal.cost.calibrate) for tp_size > 1", source="tp_size", field="tp_size")
+    if tp_size != 1 and hardware is None:
+        raise InputError("tensor parallelism needs the hardware (its links and rates)", source="hardware",
+                         field="hardware")
     fits = profile["fit"]
     kinds = [layer.kind for layer in spec.layers()]
     missing = sorted(set(kinds) - set(fits))
@@ -327,14 +330,21 @@ def cost_table_from_profile(spec: ModelSpec, profile: dict[str, Any], *, hardwar
     def coef(name: str) -> np.ndarray:
         return np.array([fits[k][name]["coef"] for k in kinds], dtype=np.float64)
 
-    work = layer_work(spec, dtype=dtype)
-    act = coef("act_bytes")
+    fwd, bwd, act = coef("fwd_time"), coef("bwd_time"), coef("act_bytes")
+    tp_comm = None
+    work = layer_work(spec, dtype=dtype, tp_size=tp_size, tp_vision=tp_vision)
+    if tp_size != 1:
+        single = analytic_cost_table(spec, hardware, dtype=dtype)
+        split = analytic_cost_table(spec, hardware, dtype=dtype, tp_size=tp_size, tp_vision=tp_vision)
+        for mine, name in ((fwd, "fwd_time"), (bwd, "bwd_time"), (act, "act_bytes")):
+            one, many = getattr(single, name), getattr(split, name)
+            mine *= np.divide(many, one, out=np.ones_like(one), where=one > 0)
+        tp_comm = split.tp_comm_time
     act[~work.trainable] = 0.0
-    param, grad, optim = layer_param_bytes(spec, dtype=dtype)
-    bwd = coef("bwd_time")
     bwd[~work.trainable] = 0.0
+    param, grad, optim = layer_param_bytes(spec, dtype=dtype, tp_size=tp_size, tp_vision=tp_vision)
     return LayerCostTable(
-        names=tuple(layer.name for layer in spec.layers()), kinds=tuple(kinds), fwd_time=coef("fwd_time"),
-        bwd_time=bwd, act_bytes=act, ckpt_bytes=np.minimum(work.ckpt_bytes, act), out_bytes=work.out_bytes,
-        param_bytes=param, grad_bytes=grad, optim_bytes=optim, tp_comm_time=None,
+        names=tuple(layer.name for layer in spec.layers()), kinds=tuple(kinds), fwd_time=fwd, bwd_time=bwd,
+        act_bytes=act, ckpt_bytes=np.minimum(work.ckpt_bytes, act), out_bytes=work.out_bytes,
+        param_bytes=param, grad_bytes=grad, optim_bytes=optim, tp_comm_time=tp_comm,
     )
