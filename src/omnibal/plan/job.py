@@ -14,7 +14,6 @@ Flow (each phase is a pure call into the layer that owns it):
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
@@ -190,6 +189,27 @@ def _stats(config: PlanJobConfig):
     return stats, stats.source
 
 
+def _check_static_memory(table, config: PlanJobConfig, budget: float | None) -> None:
+    """Fail before balancing when parameters, gradients and optimizer state alone cannot fit (the exact
+    check, activations included, follows once the micro-batches are known)."""
+    if budget is None:
+        return
+    from omnibal.plan.partition import min_max_partition
+
+    dp = config.dp_size
+    static = (table.param_bytes + table.grad_bytes / (dp if config.zero_stage >= 2 else 1)
+              + table.optim_bytes / (dp if config.zero_stage >= 1 else 1))
+    part = min_max_partition(static, config.pp_size)
+    if part.bottleneck > budget:
+        worst = int(np.argmax(part.stage_costs))
+        raise InputError(
+            f"parameters, gradients and optimizer state alone need at least {part.bottleneck / GiB:.2f} GiB on "
+            f"stage {worst} of the best split into {config.pp_size} stages (ZeRO-{config.zero_stage} over DP "
+            f"{dp}), more than the {budget / GiB:.2f} GiB budget; use more pipeline stages, tensor parallelism, "
+            f"a higher ZeRO stage or a larger budget", source="--memory-budget", record=f"stage {worst}",
+            field="memory_budget_gib")
+
+
 def vision_first_partition(kinds: tuple[str, ...], num_stages: int) -> tuple[int, ...]:
     """Vision encoder + projector on stage 0, the LLM layers split evenly (by count) over the others."""
     check_num_stages(num_stages, len(kinds))
@@ -200,9 +220,14 @@ def vision_first_partition(kinds: tuple[str, ...], num_stages: int) -> tuple[int
     return (0, *(first_llm + c for c in rest))
 
 
-def run_plan_job(config: PlanJobConfig, *, progress: bool = False,
-                 log: Callable[[str], None] | None = None) -> PlanJobResult:
-    """Run the whole job (see the module docstring)."""
+def run_plan_job(config: PlanJobConfig, *, progress: bool = False, stats=None,
+                 cache: dict | None = None) -> PlanJobResult:
+    """Run the whole job (see the module docstring).
+
+    ``stats``: a ``SampleStats`` to use instead of ``config.stats_path`` / the synthetic mixture (its
+    ``source`` is recorded). ``cache``: a dict kept between calls (benchmarks running several variants)
+    that memoises the synthetic stats and the balanced schedules by their inputs.
+    """
     from omnibal import __version__
     from omnibal.cost.hardware import get_hardware
     from omnibal.cost.presets import get_model_preset
@@ -227,9 +252,19 @@ def run_plan_job(config: PlanJobConfig, *, progress: bool = False,
         if config.memory_budget_gib is not None:
             sim_config = replace(sim_config, memory_budget_bytes=config.memory_budget_gib * GiB)
         budget = sim_config.memory_budget_bytes
+        _check_static_memory(table, config, budget)
 
         phases.start("stats", "statistics")
-        stats, stats_source = _stats(config)
+        if stats is not None:
+            stats_source = stats.source
+        else:
+            key = ("stats", config.stats_path, config.num_samples, config.seed)
+            if cache is not None and key in cache:
+                stats, stats_source = cache[key]
+            else:
+                stats, stats_source = _stats(config)
+                if cache is not None:
+                    cache[key] = (stats, stats_source)
         full_samples = len(stats)
         if config.balance_samples is not None and config.balance_samples < full_samples:
             rows = np.sort(np.random.default_rng(config.seed).choice(full_samples, config.balance_samples,
@@ -239,12 +274,21 @@ def run_plan_job(config: PlanJobConfig, *, progress: bool = False,
 
         phases.start("balance", "balancing (baseline and omnibal)")
         cost = BalanceCost.from_cost_table(table, name=f"analytic:{spec.name}@{hw.name}")
-        base_sched = balance(stats, dp_size=config.dp_size, num_microbatches=config.num_microbatches,
-                             seed=config.seed, config=BalanceConfig(method="random",
-                                                                    batch_size=config.baseline_batch_size, cost=cost))
+
+        def balanced(bconfig):
+            key = ("balance", stats.fingerprint(), config.dp_size, config.num_microbatches, config.seed,
+                   repr(bconfig.to_dict()))
+            if cache is not None and key in cache:
+                return cache[key]
+            sched = balance(stats, dp_size=config.dp_size, num_microbatches=config.num_microbatches,
+                            seed=config.seed, config=bconfig)
+            if cache is not None:
+                cache[key] = sched
+            return sched
+
+        base_sched = balanced(BalanceConfig(method="random", batch_size=config.baseline_batch_size, cost=cost))
         bal_config = BalanceConfig(method=config.balance_method, cost=cost)
-        bal_sched = balance(stats, dp_size=config.dp_size, num_microbatches=config.num_microbatches,
-                            seed=config.seed, config=bal_config)
+        bal_sched = balanced(bal_config)
         padding_base = "pad_to_longest"
         padding_bal = config.padding if config.balance_method != "random" else "pad_to_longest"
         features = {"baseline": base_sched.features(stats, padding=padding_base),
