@@ -300,7 +300,7 @@ def run_plan_job(config: PlanJobConfig, *, progress: bool = False, stats=None,
         stage_config = StageModelConfig(num_stages=config.pp_size, num_microbatches=config.num_microbatches,
                                         dp_size=config.dp_size, zero_stage=config.zero_stage,
                                         memory_budget_bytes=budget, p2p_bandwidth=sim_config.p2p_bandwidth,
-                                        p2p_latency=sim_config.p2p_latency)
+                                        p2p_latency=sim_config.p2p_latency, schedule=config.schedule)
         q_bal = layer_quantities(table, features["balanced"], stage_config)
         planner = JointPlanner(q_bal, stage_config)
         anchor_joint = planner.plan()
