@@ -140,7 +140,8 @@ class Plan:
     def to_dict(self) -> dict:
         from omnibal.plan.exports import export_all
 
-        out = {"format": PLAN_FORMAT, "version": self.version, "inputs": asdict(self.inputs),
+        # "model" at the top is what the reference trainer checks before applying a plan
+        out = {"format": PLAN_FORMAT, "version": self.version, "model": self.inputs.model, "inputs": asdict(self.inputs),
                "data": asdict(self.data), "stages": [], "prediction": asdict(self.prediction),
                "search": self.search}
         for st in self.stages:
