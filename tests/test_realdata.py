@@ -131,3 +131,31 @@ def test_stats_property_measures_every_sample(example):
     assert st.tiles.tolist() == [ds[i]["pixel_values"].shape[0] for i in range(len(ds))]
     assert st.tokens.tolist() == [len(ds[i]["input_ids"]) for i in range(len(ds))]
     assert st.images.tolist() == [1, 1, 2, 0]
+
+
+def test_the_project_examples_have_exactly_the_sizes_omnibal_stats_computes():
+    examples = pytest.importorskip("omnibal.examples")
+    annotations = pytest.importorskip("omnibal.stats.annotations")
+    from omnibal.stats.tokens import TokenConfig
+
+    # small tiles keep the test fast; the rule and the token layout are what is compared
+    ann = annotations.AnnotationConfig(tokenizer=str(examples.TOKENIZER), tiles=TileConfig(tile_size=28),
+                                       tokens=TokenConfig(tokens_per_tile=4, image_marker_tokens=2, tokens_per_turn=2,
+                                                          tokens_per_sample=1))
+    expected, _ = annotations.compute_stats(examples.ANNOTATIONS, ann)
+    ds = RealDataset(examples.ANNOTATIONS, RealDataConfig.like_stats(ann))
+    assert len(ds) == len(expected) >= 10
+    assert ds.image_token_id == 3 and ds.image_start_id == 1  # the tokenizer's own <IMG_CONTEXT>, <img>
+    checked = 0
+    for i in range(len(ds)):
+        rec = ds.records[i]
+        if "width" in rec:  # sizes given in the record and no image file: stats need no pixels, samples do
+            with pytest.raises(InputError, match="image not found"):
+                ds[i]
+            continue
+        s = ds[i]
+        assert s["pixel_values"].shape[0] == expected.tiles[i], rec.get("id")
+        assert len(s["input_ids"]) == expected.tokens[i], rec.get("id")
+        assert s["key"] == int(expected.keys[i]), rec.get("id")
+        checked += 1
+    assert checked >= 12
