@@ -159,3 +159,23 @@ def test_the_project_examples_have_exactly_the_sizes_omnibal_stats_computes():
         assert s["key"] == int(expected.keys[i]), rec.get("id")
         checked += 1
     assert checked >= 12
+
+
+def test_real_samples_train_the_reference_model(example):
+    from omnibal.cost.spec import LLMSpec, ModelSpec, VisionSpec
+    from omnibal.train.model import VLM
+
+    root, _ = example
+    ds = RealDataset(root / "train.jsonl", _config(root))
+    spec = ModelSpec(name="real-tiny", vision=VisionSpec(num_layers=1, hidden=32, num_heads=4, mlp_hidden=64,
+                                                          image_size=32, patch_size=8),
+                     llm=LLMSpec(num_layers=1, hidden=32, num_heads=4, num_kv_heads=2, mlp_hidden=64,
+                                 vocab_size=ds.vocab_size_needed))
+    model = VLM(spec)
+    assert spec.llm_tokens_per_tile == ds.config.tokens_per_tile
+    cfg = model.collate_config(num_tiles=16, num_tokens=256, image_token_id=ds.image_token_id)
+    batch = collate([ds[i] for i in range(len(ds))], cfg)
+    loss, count = model.loss(batch)
+    loss.backward()
+    assert int(count) == batch.num_targets > 0 and torch.isfinite(loss).all()
+    assert model.vision.embed.patch.weight.grad.abs().sum() > 0  # the real image tiles reached the loss
