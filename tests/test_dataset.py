@@ -39,3 +39,20 @@ def test_dataloader_workers_with_the_pack_collator():
     batches = list(loader)
     assert [b.sample_indices for b in batches] == [(0, 1), (2, 3)]
     assert [b.sizes.tolist() for b in batches] == [[[1, 14]], [[3, 19]]]
+
+
+def test_text_only_rows_with_a_dummy_tile_run_the_encoder_but_fill_no_slot():
+    from omnibal.data.collate import collate
+    from omnibal.stats.table import SampleStats
+    from omnibal.data.dataset import SyntheticConfig, SyntheticVLMDataset
+
+    stats = SampleStats.from_arrays(tiles=[1, 2], tokens=[6, 12], images=[0, 1], source="dummy")
+    ds = SyntheticVLMDataset(stats, SyntheticConfig(image_size=32, tokens_per_tile=4, vocab_size=64,
+                                                    image_token_id=63))
+    s0 = ds[0]
+    assert s0["pixel_values"].shape[0] == 1 and not (s0["input_ids"] == 63).any()
+    mb = collate([s0, ds[1]], collate_cfg(SPEC, 4, 24))
+    assert mb.sizes.tolist() == [[3, 18]]
+    img = mb.image_index[0]
+    # the dummy tile is slot 0; the second sample's two tiles fill rows 4..11
+    assert img[img >= 0].tolist() == list(range(4, 12))

@@ -136,8 +136,12 @@ class StageCosts:
     """``[P]`` gradient bytes each stage all-reduces over DP."""
 
 
-def stage_costs(table: LayerCostTable, cuts, recompute_mask, features: np.ndarray, config: SimConfig) -> StageCosts:
-    """Per-stage op times and bytes of every micro-batch in ``features [..., M, 4]``."""
+def stage_costs(table: LayerCostTable, cuts, recompute_mask, features: np.ndarray, config: SimConfig,
+                buffer_features: np.ndarray | None = None) -> StageCosts:
+    """Per-stage op times and bytes of every micro-batch in ``features [..., M, 4]``.
+
+    ``buffer_features`` (same shape, default ``features``): what crosses a stage boundary when a pipeline
+    sends fixed-shape buffers (the caps) while compute skips the padding."""
     num_layers = table.num_layers
     cuts = validate_cuts(cuts, num_layers)
     num_stages = len(cuts) - 1
@@ -149,6 +153,8 @@ def stage_costs(table: LayerCostTable, cuts, recompute_mask, features: np.ndarra
     if features.ndim < 2 or features.shape[-1] != NUM_FEATURES:
         raise InputError(f"features must be [..., M, {NUM_FEATURES}], got {features.shape}", source="features",
                          field="shape")
+    if buffer_features is not None:
+        buffer_features = np.broadcast_to(np.asarray(buffer_features, dtype=np.float64), features.shape)
 
     stage_of = np.repeat(np.arange(num_stages), np.diff(cuts))
     assign = (stage_of[None, :] == np.arange(num_stages)[:, None]).astype(np.float64)  # [P, L]
@@ -168,9 +174,13 @@ def stage_costs(table: LayerCostTable, cuts, recompute_mask, features: np.ndarra
               boundary / config.p2p_bandwidth, uniq]
     widths = [len(b) for b in blocks]
     coef = np.concatenate(blocks, axis=0).T  # [4, K]
-    values = features @ coef
+    # one 2-D product: a stacked [..., M, 4] @ [4, K] would loop over the batch axes in small matmuls
+    values = (features.reshape(-1, NUM_FEATURES) @ coef).reshape(features.shape[:-1] + (coef.shape[1],))
     parts = np.split(values, np.cumsum(widths)[:-1], axis=-1)
     fwd, bwd, recompute, act, p2p, trans_u = parts
+    if buffer_features is not None and num_stages > 1:
+        flat = buffer_features.reshape(-1, NUM_FEATURES)
+        p2p = (flat @ (boundary / config.p2p_bandwidth).T).reshape(p2p.shape)
     p2p = p2p + config.p2p_latency
     if config.p2p_occupancy > 0 and num_stages > 1:
         # stage s sends/receives over boundary s-1 and s, in the forward (activation) and backward (gradient)
@@ -178,10 +188,10 @@ def stage_costs(table: LayerCostTable, cuts, recompute_mask, features: np.ndarra
         held = config.p2p_occupancy * (np.concatenate([pad, p2p], -1) + np.concatenate([p2p, pad], -1))
         fwd = fwd + held
         bwd = bwd + held
-    if len(uniq) == 1:
-        transient = np.broadcast_to(trans_u, act.shape) * present[:, 0]
-    else:
-        transient = np.where(present, trans_u[..., None, :], 0.0).max(axis=-1)
+    transient = np.zeros_like(act)
+    for k in range(len(uniq)):  # a handful of distinct rows (one per layer kind)
+        if uniq[k].any():
+            np.maximum(transient, trans_u[..., k:k + 1] * present[:, k], out=transient)
 
     dp = config.dp_size
     grad = assign @ table.grad_bytes

@@ -121,8 +121,8 @@ def _check_features(features: np.ndarray, config: SimConfig) -> np.ndarray:
 
 
 def _run(table: LayerCostTable, cuts, recompute_mask, features: np.ndarray, config: SimConfig,
-         keep_timeline: bool) -> tuple[StageCosts, StepTimes]:
-    costs = stage_costs(table, cuts, recompute_mask, features, config)
+         keep_timeline: bool, buffer_features: np.ndarray | None = None) -> tuple[StageCosts, StepTimes]:
+    costs = stage_costs(table, cuts, recompute_mask, features, config, buffer_features)
     ar = ring_allreduce_time(costs.grad_bytes, config.dp_size, config.dp_bandwidth, config.dp_latency)
     steps = simulate_steps(
         costs.fwd, costs.bwd, costs.recompute, costs.p2p, costs.p2p, schedule=config.schedule,
@@ -139,11 +139,13 @@ def simulate_epoch(
     features: np.ndarray,
     config: SimConfig,
     *,
+    buffer_features: np.ndarray | None = None,
     max_chunk_microbatches: int = 1 << 19,
     progress: bool = False,
 ) -> EpochResult:
     """Simulate every step of ``features [num_steps, dp_size, M, 4]``; steps are processed in chunks of at
-    most ``max_chunk_microbatches`` micro-batches to bound memory (``progress``: a tqdm bar on stderr)."""
+    most ``max_chunk_microbatches`` micro-batches to bound memory (``progress``: a tqdm bar on stderr).
+    ``buffer_features``: fixed-shape buffers a pipeline sends between stages (see ``stage_costs``)."""
     config.validate()
     cuts = validate_cuts(cuts, table.num_layers)
     rec = np.zeros(table.num_layers, bool) if recompute_mask is None else np.asarray(recompute_mask, bool)
@@ -155,8 +157,11 @@ def simulate_epoch(
         from tqdm import tqdm
 
         starts = tqdm(starts, desc="simulate", unit="chunk", total=-(-num_steps // chunk), leave=False)
+    if buffer_features is not None:
+        buffer_features = np.broadcast_to(np.asarray(buffer_features, np.float64), features.shape)
     pieces: list[tuple[StageCosts, StepTimes]] = [
-        _run(table, cuts, rec, features[i:i + chunk], config, keep_timeline=False) for i in starts]
+        _run(table, cuts, rec, features[i:i + chunk], config, False,
+             None if buffer_features is None else buffer_features[i:i + chunk]) for i in starts]
     if not pieces:  # zero steps: an empty but well-formed result
         pieces = [_run(table, cuts, rec, np.zeros((0, dp, num_mb, NUM_FEATURES)), config, False)]
     cat = lambda get: np.concatenate([get(st) for _, st in pieces], axis=0)  # noqa: E731
@@ -192,9 +197,10 @@ class PlanScore:
     """Whether any device of any step exceeds the memory budget."""
 
 
-def score_plan(table: LayerCostTable, cuts, recompute_mask, features: np.ndarray, config: SimConfig) -> PlanScore:
+def score_plan(table: LayerCostTable, cuts, recompute_mask, features: np.ndarray, config: SimConfig,
+               buffer_features: np.ndarray | None = None) -> PlanScore:
     """Fast path for the planner: one candidate over an epoch's (or a sample of steps') features."""
-    res = simulate_epoch(table, cuts, recompute_mask, features, config)
+    res = simulate_epoch(table, cuts, recompute_mask, features, config, buffer_features=buffer_features)
     peak = res.peak_memory.max(axis=(0, 1)) if len(res.step_time) else res.static_bytes
     return PlanScore(
         total_time=res.total_time,
@@ -206,8 +212,9 @@ def score_plan(table: LayerCostTable, cuts, recompute_mask, features: np.ndarray
 
 
 def simulate_one_step(table: LayerCostTable, cuts, recompute_mask, step_features: np.ndarray,
-                      config: SimConfig) -> tuple[StageCosts, StepTimes]:
+                      config: SimConfig, buffer_features: np.ndarray | None = None) -> tuple[StageCosts, StepTimes]:
     """One step ``[dp_size, M, 4]`` with the full op timeline (for the pipeline picture)."""
     config.validate()
     feats = _check_features(np.asarray(step_features, np.float64)[None], config)
-    return _run(table, validate_cuts(cuts, table.num_layers), recompute_mask, feats, config, keep_timeline=True)
+    buf = None if buffer_features is None else np.asarray(buffer_features, np.float64)[None]
+    return _run(table, validate_cuts(cuts, table.num_layers), recompute_mask, feats, config, True, buf)

@@ -98,7 +98,7 @@ class VisionBlock(nn.Module):
 
 class Projector(nn.Module):
     """Drop the class token, pixel-shuffle the patch grid by ``downsample_ratio`` (channels x 1/r^2),
-    LayerNorm, Linear, GELU, Linear into the LLM width. Carry [1, Q_v, T_v, Dv] -> [1, Q_v, tpt, D]."""
+    LayerNorm (if ``spec.projector_norm``), Linear, GELU, Linear into the LLM width. Carry [1, Q_v, T_v, Dv] -> [1, Q_v, tpt, D]."""
 
     def __init__(self, spec: ModelSpec, opts: Options) -> None:
         super().__init__()
@@ -106,7 +106,7 @@ class Projector(nn.Module):
         self.class_token = spec.vision.class_token
         self.side = spec.vision.patches_per_side
         self.factor = int(round(1 / spec.downsample_ratio))
-        self.norm = nn.LayerNorm(spec.projector_in)
+        self.norm = nn.LayerNorm(spec.projector_in) if spec.projector_norm else nn.Identity()
         self.fc1 = nn.Linear(spec.projector_in, spec.llm.hidden)
         self.fc2 = nn.Linear(spec.llm.hidden, spec.llm.hidden)
 

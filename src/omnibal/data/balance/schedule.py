@@ -1,0 +1,271 @@
+"""`Schedule`: the result of balancing one epoch -- packs and their (step, dp_rank, micro-batch) slots.
+
+Packs are stored in CSR form: pack ``k`` holds the stats rows ``pack_samples[pack_offsets[k]:pack_offsets[k+1]]``.
+``pack_ids[step, dp_rank, micro]`` names the pack that rank ``dp_rank`` runs as micro-batch ``micro`` of
+``step``. Every rank has the same number of steps and micro-batches (a pipeline needs it); a pack may be
+empty only where documented (a baseline whose sample count does not fill the last step).
+
+The stable JSON form (``to_json``) is the one the issue specifies, with metadata keys beside it::
+
+    {"dp_size": N, "num_microbatches": M, "caps": {"tiles": Q_v, "tokens": Q_t},
+     "steps": [ [ [ [i, ...] per micro-batch ] per rank ] per step ], ...metadata}
+
+where ``i`` is the row index of the sample in the stats file.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from omnibal.cost.table import NUM_FEATURES, microbatch_features, pack_features
+from omnibal.errors import InputError
+
+FORMAT = "omnibal.schedule/1"
+PADDINGS = ("varlen", "pad_to_longest", "fixed_buffer")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Caps:
+    """The fixed per-micro-batch buffer: at most ``tiles`` vision tiles and ``tokens`` LLM tokens."""
+
+    tiles: int
+    """Q_v: vision tiles per micro-batch."""
+    tokens: int
+    """Q_t: LLM tokens per micro-batch."""
+
+    def to_dict(self) -> dict:
+        return {"tiles": int(self.tiles), "tokens": int(self.tokens)}
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class Schedule:
+    """One epoch of micro-batches for every DP rank (see the module docstring)."""
+
+    dp_size: int
+    """Data-parallel ranks."""
+    num_microbatches: int
+    """Micro-batches per rank per step (gradient accumulation / pipeline micro-batches)."""
+    caps: Caps
+    """The per-micro-batch buffer the packs respect (packs of ``own_pack`` oversize samples excepted)."""
+    pack_samples: np.ndarray
+    """Flat stats row indices of all packs (int64), pack after pack."""
+    pack_offsets: np.ndarray
+    """``[num_packs + 1]`` CSR offsets into ``pack_samples``."""
+    pack_ids: np.ndarray
+    """``[num_steps, dp_size, num_microbatches]`` pack index of every micro-batch slot."""
+    num_samples: int
+    """Rows of the stats the schedule was built from."""
+    padding: str = "varlen"
+    """How a micro-batch runs: ``varlen`` (concatenated, per-sample attention), ``pad_to_longest``
+    (a B x t_max batch), ``fixed_buffer`` (padded to the caps, per-sample attention)."""
+    method: str = "omnibal"
+    """Balancer that produced it."""
+    seed: int = 0
+    """Seed of the shuffle."""
+    epoch: int = 0
+    """Epoch it was built for (reshuffled per epoch)."""
+    stats_fingerprint: str = ""
+    """``SampleStats.fingerprint()`` of the stats it was built from."""
+    dropped: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    """Rows left out on purpose (``oversize='drop'``); never silent: listed here and in the metrics."""
+    meta: dict = field(default_factory=dict)
+    """JSON-able extras (config, timings, cost model name)."""
+
+    def __post_init__(self) -> None:
+        samples = np.ascontiguousarray(self.pack_samples, dtype=np.int64)
+        offsets = np.ascontiguousarray(self.pack_offsets, dtype=np.int64)
+        ids = np.ascontiguousarray(self.pack_ids, dtype=np.int64)
+        dropped = np.ascontiguousarray(self.dropped, dtype=np.int64)
+        assert offsets.ndim == 1 and offsets[0] == 0 and offsets[-1] == len(samples), "bad CSR offsets"
+        assert np.all(np.diff(offsets) >= 0), "offsets must not decrease"
+        assert ids.ndim == 3 and ids.shape[1:] == (self.dp_size, self.num_microbatches), ids.shape
+        assert self.padding in PADDINGS, self.padding
+        for name, arr in (("pack_samples", samples), ("pack_offsets", offsets), ("pack_ids", ids),
+                          ("dropped", dropped)):
+            arr.setflags(write=False)
+            object.__setattr__(self, name, arr)
+
+    # -- shape --------------------------------------------------------------------------------------
+    @property
+    def num_packs(self) -> int:
+        return len(self.pack_offsets) - 1
+
+    @property
+    def num_steps(self) -> int:
+        return int(self.pack_ids.shape[0])
+
+    def pack(self, k: int) -> np.ndarray:
+        return self.pack_samples[self.pack_offsets[k]:self.pack_offsets[k + 1]]
+
+    def microbatch(self, step: int, dp_rank: int, micro: int) -> np.ndarray:
+        """Stats row indices of one micro-batch."""
+        return self.pack(int(self.pack_ids[step, dp_rank, micro]))
+
+    def pack_sizes(self) -> np.ndarray:
+        return np.diff(self.pack_offsets)
+
+    def sample_counts(self) -> np.ndarray:
+        """How many times each stats row is scheduled (1 everywhere for a valid epoch, 0 for dropped rows)."""
+        used = self.pack_samples.reshape(-1)
+        scheduled = np.zeros(len(self.pack_offsets) - 1, bool)
+        scheduled[self.pack_ids.reshape(-1)] = True
+        sizes = self.pack_sizes()
+        rows = used[np.repeat(scheduled, sizes)]
+        return np.bincount(rows, minlength=self.num_samples)
+
+    # -- costs --------------------------------------------------------------------------------------
+    def features(self, stats, padding: str | None = None) -> np.ndarray:
+        """Cost features ``[num_steps, dp_size, num_microbatches, 4]`` of every micro-batch as it runs
+        (``padding`` defaults to the schedule's own): ``(one, tiles, tokens, tokens_sq)``."""
+        self._check_stats(stats)
+        padding = padding or self.padding
+        tiles = stats.tiles[self.pack_samples].astype(np.float64)
+        tokens = stats.tokens[self.pack_samples].astype(np.float64)
+        if padding == "varlen":
+            per_pack = pack_features(tiles, tokens, self.pack_offsets)
+        elif padding == "pad_to_longest":
+            per_pack = pack_features(tiles, tokens, self.pack_offsets)
+            sizes = self.pack_sizes().astype(np.float64)
+            t_max = _segment_max(tokens, self.pack_offsets)
+            per_pack[:, 2] = sizes * t_max
+            per_pack[:, 3] = sizes * t_max * t_max
+        elif padding == "fixed_buffer":
+            per_pack = pack_features(tiles, tokens, self.pack_offsets)
+            pad = np.clip(self.caps.tokens - per_pack[:, 2], 0, None)
+            # Padding fills the token buffer as one extra masked segment; the ViT runs on Q_v tiles.
+            per_pack[:, 1] = np.maximum(per_pack[:, 1], self.caps.tiles)
+            per_pack[:, 2] = per_pack[:, 2] + pad
+            per_pack[:, 3] = per_pack[:, 3] + pad * pad
+        else:
+            raise InputError(f"unknown padding {padding!r}; choose one of {PADDINGS}", field="padding")
+        if self.num_packs == 0:
+            per_pack = np.zeros((0, NUM_FEATURES))
+        return per_pack[self.pack_ids]
+
+    def _check_stats(self, stats) -> None:
+        if len(stats) != self.num_samples:
+            raise InputError(f"schedule was built for {self.num_samples} samples, stats have {len(stats)}",
+                             source=getattr(stats, "source", None), field="num_samples")
+        if self.stats_fingerprint and stats.fingerprint() != self.stats_fingerprint:
+            raise InputError("stats fingerprint does not match the schedule's (different or changed stats)",
+                             source=getattr(stats, "source", None), field="fingerprint")
+
+    # -- JSON ---------------------------------------------------------------------------------------
+    def steps_nested(self) -> list:
+        """``steps[step][rank][micro] = [row, ...]`` as plain lists (the stable JSON form)."""
+        packs = np.split(self.pack_samples, self.pack_offsets[1:-1]) if self.num_packs else []
+        pack_lists = [p.tolist() for p in packs]
+        return [[[pack_lists[k] for k in rank] for rank in step] for step in self.pack_ids.tolist()]
+
+    def to_dict(self) -> dict:
+        return {
+            "dp_size": int(self.dp_size),
+            "num_microbatches": int(self.num_microbatches),
+            "caps": self.caps.to_dict(),
+            "steps": self.steps_nested(),
+            "format": FORMAT,
+            "num_samples": int(self.num_samples),
+            "padding": self.padding,
+            "method": self.method,
+            "seed": int(self.seed),
+            "epoch": int(self.epoch),
+            "stats_fingerprint": self.stats_fingerprint,
+            "dropped": self.dropped.tolist(),
+            "meta": self.meta,
+        }
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        text = json.dumps(self.to_dict(), separators=(",", ":"))
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    @classmethod
+    def from_dict(cls, d: dict, *, source: str = "<schedule>") -> "Schedule":
+        for key in ("dp_size", "num_microbatches", "caps", "steps"):
+            if key not in d:
+                raise InputError(f"missing key {key!r}", source=source, field=key)
+        dp, m = int(d["dp_size"]), int(d["num_microbatches"])
+        steps = d["steps"]
+        samples: list[int] = []
+        offsets = [0]
+        for s, step in enumerate(steps):
+            if len(step) != dp or any(len(rank) != m for rank in step):
+                raise InputError(f"step must have {dp} ranks x {m} micro-batches", source=source,
+                                 record=f"step {s}", field="steps")
+            for rank in step:
+                for mb in rank:
+                    samples.extend(mb)
+                    offsets.append(len(samples))
+        arr = np.asarray(samples, dtype=np.int64)
+        num_samples = int(d.get("num_samples", int(arr.max()) + 1 if len(arr) else 0))
+        if len(arr) and (arr.min() < 0 or arr.max() >= num_samples):
+            raise InputError(f"sample index out of range [0, {num_samples})", source=source, field="steps")
+        caps = d["caps"]
+        return cls(
+            dp_size=dp,
+            num_microbatches=m,
+            caps=Caps(tiles=int(caps["tiles"]), tokens=int(caps["tokens"])),
+            pack_samples=arr,
+            pack_offsets=np.asarray(offsets, dtype=np.int64),
+            pack_ids=np.arange(len(steps) * dp * m, dtype=np.int64).reshape(len(steps), dp, m),
+            num_samples=num_samples,
+            padding=d.get("padding", "varlen"),
+            method=d.get("method", "unknown"),
+            seed=int(d.get("seed", 0)),
+            epoch=int(d.get("epoch", 0)),
+            stats_fingerprint=d.get("stats_fingerprint", ""),
+            dropped=np.asarray(d.get("dropped", []), dtype=np.int64),
+            meta=d.get("meta", {}),
+        )
+
+    @classmethod
+    def from_json(cls, text_or_path: str | Path) -> "Schedule":
+        source = "<json>"
+        text = str(text_or_path)
+        if isinstance(text_or_path, Path) or not text.lstrip().startswith("{"):
+            source = str(text_or_path)
+            try:
+                text = Path(text_or_path).read_text()
+            except OSError as exc:
+                raise InputError(f"cannot read schedule: {exc}", source=source) from exc
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise InputError(f"not valid JSON: {exc.msg}", source=source, record=f"line {exc.lineno}") from exc
+        return cls.from_dict(d, source=source)
+
+    def equals(self, other: "Schedule") -> bool:
+        """Same micro-batches in the same slots (packs compared by content, not by numbering)."""
+        if (self.dp_size, self.num_microbatches, self.num_steps) != (other.dp_size, other.num_microbatches,
+                                                                      other.num_steps):
+            return False
+        return self.steps_nested() == other.steps_nested() and self.caps == other.caps
+
+
+def _segment_max(values: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """Max of each CSR segment (0 for empty ones)."""
+    out = np.zeros(len(offsets) - 1)
+    sizes = np.diff(offsets)
+    nonempty = sizes > 0
+    if len(values):
+        out[nonempty] = np.maximum.reduceat(values, offsets[:-1][nonempty])
+    return out
+
+
+def build_schedule(*, pack_of: np.ndarray, num_packs: int, pack_ids: np.ndarray, **kwargs) -> Schedule:
+    """CSR packs from a per-sample pack label (``-1`` = not in any pack) with a stable in-pack order."""
+    pack_of = np.asarray(pack_of, dtype=np.int64)
+    rows = np.flatnonzero(pack_of >= 0)
+    order = rows[np.argsort(pack_of[rows], kind="stable")]
+    counts = np.bincount(pack_of[rows], minlength=num_packs)
+    offsets = np.zeros(num_packs + 1, np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    return Schedule(pack_samples=order, pack_offsets=offsets, pack_ids=pack_ids, **kwargs)
+
+
+__all__ = ["Caps", "Schedule", "FORMAT", "PADDINGS", "build_schedule", "microbatch_features"]
