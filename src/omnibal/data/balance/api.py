@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -83,6 +82,10 @@ def _check_layout(stats, dp_size: int, num_microbatches: int, seed: int, epoch: 
                              ("seed", seed, 0), ("epoch", epoch, 0)):
         if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low:
             raise InputError(f"must be an integer >= {low}, got {value!r}", source=name, field=name)
+    if len(stats) < dp_size * num_microbatches:
+        raise InputError(f"dp_size x num_microbatches = {dp_size * num_microbatches} micro-batches per step, but "
+                         f"only {len(stats)} samples: some ranks would get no data", source="dp_size",
+                         field="dp_size")
 
 
 def epoch_rng(seed: int, epoch: int, stream: int = 0) -> np.random.Generator:
@@ -123,7 +126,6 @@ def balance(stats, *, dp_size: int, num_microbatches: int = 1, seed: int = 0, ep
     """
     config = config or BalanceConfig()
     _check_layout(stats, dp_size, num_microbatches, seed, epoch)
-    t0 = time.perf_counter()
     if config.method == "omnibal":
         sched = _balance_omnibal(stats, dp_size, num_microbatches, seed, epoch, config)
     else:
@@ -138,7 +140,6 @@ def balance(stats, *, dp_size: int, num_microbatches: int = 1, seed: int = 0, ep
         else:
             sched = baselines.balance_length_grouped(stats, dp_size=dp_size, num_microbatches=num_microbatches,
                                                      seed=seed, epoch=epoch, config=config)
-    sched.meta.setdefault("seconds", round(time.perf_counter() - t0, 4))
     return sched
 
 
