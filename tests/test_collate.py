@@ -62,7 +62,7 @@ def test_overflow_names_the_sample():
     with pytest.raises(InputError, match=r"sample 1.*'tokens'"):  # rows of 12: the second row overflows
         pack(SPEC, samples, num_tiles=8, num_tokens=23, mode="pad_to_longest")
     bad = dict(samples[0], input_ids=samples[0]["input_ids"].clone())
-    bad["input_ids"][bad["input_ids"] == IMG] = 1
+    bad["input_ids"][int(torch.nonzero(bad["input_ids"] == IMG)[0])] = 1  # one slot short
     with pytest.raises(InputError, match="image tokens"):
         pack(SPEC, [bad])
     with pytest.raises(InputError, match="mode"):

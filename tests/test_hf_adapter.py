@@ -7,7 +7,7 @@ transformers = pytest.importorskip("transformers")
 
 from omnibal.errors import InputError  # noqa: E402
 from omnibal.data.collate import collate  # noqa: E402
-from omnibal.train.hf_adapter import from_llava  # noqa: E402
+from omnibal.train.hf_adapter import from_hf, from_llava  # noqa: E402
 from omnibal.train.stage import apply_checkpointing, example_carry, split_model  # noqa: E402
 from train_helpers import rel_err, tiny_dataset  # noqa: E402
 
@@ -24,6 +24,18 @@ def _llava(seed=0, **overrides):
     cfg = LlavaConfig(vision_config=vc, text_config=tc, image_token_id=63, **overrides)
     torch.manual_seed(seed)
     return LlavaForConditionalGeneration(cfg).float()
+
+
+def _internvl(seed=0, tie=False, **overrides):
+    from transformers import InternVLConfig, InternVLForConditionalGeneration, InternVLVisionConfig, Qwen2Config
+
+    vc = InternVLVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                              image_size=[32, 32], patch_size=[8, 8])
+    tc = Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=64, tie_word_embeddings=tie)
+    cfg = InternVLConfig(vision_config=vc, text_config=tc, image_token_id=63, tie_word_embeddings=tie, **overrides)
+    torch.manual_seed(seed)
+    return InternVLForConditionalGeneration(cfg).float()
 
 
 def _samples(chain, tiles, tokens):
@@ -58,11 +70,13 @@ def test_chain_maps_llava_modules_and_skips_the_unused_last_vision_layer():
         from_llava(_llava(vision_feature_select_strategy="full"))
 
 
-@pytest.mark.parametrize("bounds", [[0, 2, 7, 9], [0, 4, 9]])
-def test_split_llava_matches_the_unsplit_hf_model(bounds):
-    model = _llava(seed=1)
-    chain = from_llava(model)
-    assert chain.spec.num_layers == 9
+@pytest.mark.parametrize("kind,bounds", [("llava", [0, 2, 7, 9]), ("llava", [0, 4, 9]),
+                                         ("internvl", [0, 2, 6, 10]), ("internvl", [0, 5, 10])])
+def test_split_chain_matches_the_unsplit_hf_model(kind, bounds):
+    model = _llava(seed=1) if kind == "llava" else _internvl(seed=1)
+    chain = from_hf(model)
+    assert chain.spec.num_layers == bounds[-1]
+    assert chain.spec.llm_tokens_per_tile == (16 if kind == "llava" else 4)
     samples = _samples(chain, tiles=[1, 0, 2], tokens=[24, 7, 40])
     ref_loss, ref_grads = _hf_reference(model, samples)
 
@@ -81,10 +95,23 @@ def test_split_llava_matches_the_unsplit_hf_model(bounds):
     assert rel_err(loss.detach(), torch.tensor([ref_loss])) <= 1e-5
     got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     assert got.keys() == ref_grads.keys()
-    unused = [n for n, _ in model.named_parameters() if n not in got]
-    assert unused and all("layers.2" in n or "post_layernorm" in n for n in unused)
+    if kind == "llava":  # vision_feature_layer=-2: the last encoder layer never runs
+        unused = [n for n, _ in model.named_parameters() if n not in got]
+        assert unused and all("layers.2" in n or "post_layernorm" in n for n in unused)
     scale = max(float(g.norm()) for g in ref_grads.values())
     for name, g in got.items():
         # key-projection biases have a zero true gradient (softmax ignores them): compare to the global scale
         ref = ref_grads[name]
         assert rel_err(g, ref) <= 1e-5 or float((g - ref).norm()) <= 1e-7 * scale, name
+
+
+def test_tied_internvl_splits_only_with_embedding_and_head_together():
+    from omnibal.train.stage import build_stage
+
+    chain = from_hf(_internvl(tie=True))
+    assert chain.spec.llm.tie_embeddings
+    with pytest.raises(InputError, match="tied"):
+        split_model(chain, [0, 6, 10])
+    assert build_stage(chain, 5, 10).is_last
+    with pytest.raises(InputError, match="no adapter"):
+        from_hf(torch.nn.Linear(2, 2))

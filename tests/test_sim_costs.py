@@ -171,3 +171,59 @@ def test_p2p_occupancy_keeps_both_ends_busy():
     np.testing.assert_allclose(occ.fwd[..., 2] - base.fwd[..., 2], 0.5 * base.p2p[..., 1])
     with pytest.raises(InputError, match="p2p_occupancy"):
         SimConfig(p2p_occupancy=1.5).validate()
+
+
+def test_config_for_hardware_picks_links_by_rank_layout():
+    from omnibal.cost.hardware import get_hardware
+    from omnibal.sim.costs import config_for_hardware
+
+    hw = get_hardware("a100-80g")
+    intra_bw, intra_lat = hw.link(inter_node=False)
+    inter_bw, inter_lat = hw.link(inter_node=True)
+    small = config_for_hardware(hw, dp_size=2, pp_size=4)  # 8 GPUs: one node
+    assert (small.p2p_bandwidth, small.dp_bandwidth) == (intra_bw, intra_bw)
+    big = config_for_hardware(hw, dp_size=128, pp_size=4, tp_size=1)
+    assert (big.p2p_bandwidth, big.p2p_latency) == (inter_bw, inter_lat)
+    assert big.dp_bandwidth == inter_bw
+    assert big.memory_budget_bytes == pytest.approx(0.95 * hw.memory_bytes)
+    assert big.p2p_occupancy == 0.0
+    with pytest.raises(InputError, match="dp_size"):
+        config_for_hardware(hw, dp_size=0, pp_size=4)
+
+
+def test_buffer_features_set_only_the_transfer_bytes():
+    table = random_table(6)
+    feats = random_features(2, 2, 3)
+    buf = np.broadcast_to(feats.max(axis=(0, 1, 2)), feats.shape)
+    cfg = SimConfig(dp_size=2, p2p_bandwidth=1e8)
+    plain = stage_costs(table, [0, 3, 6], None, feats, cfg)
+    fixed = stage_costs(table, [0, 3, 6], None, feats, cfg, buffer_features=buf)
+    np.testing.assert_allclose(fixed.fwd, plain.fwd)
+    np.testing.assert_allclose(fixed.act_bytes, plain.act_bytes)
+    np.testing.assert_allclose(fixed.p2p[..., 0], table.evaluate("out_bytes", buf)[..., 2] / 1e8 + cfg.p2p_latency)
+    assert (fixed.p2p >= plain.p2p).all()
+    a = simulate_epoch(table, [0, 3, 6], None, feats, cfg, buffer_features=buf)
+    b = simulate_epoch(table, [0, 3, 6], None, feats, cfg, buffer_features=buf, max_chunk_microbatches=6)
+    np.testing.assert_allclose(a.step_time, b.step_time)
+    assert (a.step_time >= simulate_epoch(table, [0, 3, 6], None, feats, cfg).step_time - 1e-12).all()
+
+
+def test_interleaved_epoch_counts_devices_and_chunk_memory():
+    table = random_table(16)
+    feats = random_features(3, 2, 4)
+    cuts = even_cuts(16, 8)  # 4 devices x 2 chunks
+    cfg = SimConfig(dp_size=2, schedule="interleaved", num_chunks=2)
+    res = simulate_epoch(table, cuts, None, feats, cfg)
+    assert res.num_stages == 4 and res.num_gpus == 8
+    assert res.busy.shape == (3, 2, 4) and res.peak_memory.shape == (3, 2, 4)
+    costs = stage_costs(table, cuts, None, feats, cfg)
+    np.testing.assert_allclose(res.static_bytes, costs.static_bytes[:4] + costs.static_bytes[4:])
+    np.testing.assert_allclose(res.busy.sum(-1), (costs.fwd + costs.bwd).sum(axis=(-1, -2)))
+    assert res.summary()["stages"][1]["layers"] == [[int(cuts[1]), int(cuts[2])], [int(cuts[5]), int(cuts[6])]]
+    # interleaving shrinks the bubble against plain 1F1B on the same 4 devices
+    plain = simulate_epoch(table, even_cuts(16, 4), None, feats, SimConfig(dp_size=2))
+    assert res.bubble.mean() < plain.bubble.mean()
+    with pytest.raises(InputError, match="num_chunks"):
+        SimConfig(schedule="interleaved").validate()
+    with pytest.raises(InputError, match="chunks per pipeline"):
+        simulate_epoch(table, even_cuts(16, 7), None, feats, cfg)

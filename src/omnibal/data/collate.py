@@ -21,7 +21,8 @@ fixed buffer costs memory but no compute in either mode; what the baseline pays 
 
 Sample format (what :mod:`omnibal.data.dataset` and :mod:`omnibal.data.realdata` yield): a dict with
 ``pixel_values`` float [tiles, 3, S, S], ``input_ids`` int64 [tokens] (image slots hold
-``image_token_id``, ``tokens_per_tile`` of them per tile, in tile order), ``labels`` int64 [tokens]
+``image_token_id``, ``tokens_per_tile`` of them per tile, in tile order; or none at all: a text-only sample's *dummy* tiles
+run through the vision encoder, as in InternVL, but fill no slot), ``labels`` int64 [tokens]
 (unshifted, Hugging Face style: the token id where the token is a target, ``IGNORE_INDEX`` elsewhere) and
 ``index`` (the dataset index, for error messages).
 
@@ -187,7 +188,7 @@ def collate(samples: Sequence[dict], config: CollateConfig) -> MicroBatch:
             raise InputError(f"pixel_values shape {tuple(pix.shape)} is not [tiles, 3, {cfg.image_size}, "
                              f"{cfg.image_size}]", source=cfg.source, record=f"sample {idx}", field="pixel_values")
         num_img = int((ids == cfg.image_token_id).sum())
-        if num_img != pix.shape[0] * cfg.tokens_per_tile:
+        if num_img not in (0, pix.shape[0] * cfg.tokens_per_tile):
             raise InputError(f"{num_img} image tokens but {pix.shape[0]} tiles x {cfg.tokens_per_tile} tokens",
                              source=cfg.source, record=f"sample {idx}", field="input_ids")
         lengths.append(int(ids.shape[0]))

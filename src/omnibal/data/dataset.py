@@ -6,7 +6,8 @@ the real data's size distribution while pixels and token ids are random. Everyth
 
 Token layout, like an InternVL SFT sample: one BOS-like text token, the image slots (``tokens_per_tile``
 per tile), the prompt's text, then the answer; the last ``target_fraction`` of the text tokens are the answer
-(the targets).
+(the targets). A row with ``images == 0`` is text-only: its tiles (InternVL's dummy tile, which the real
+statistics count) run through the vision encoder but fill no token slot, so all its tokens are text.
 """
 
 from __future__ import annotations
@@ -40,6 +41,26 @@ class SyntheticConfig:
     """Seed; sample i is a function of (seed, i)."""
 
 
+def stats_for_model(stats: SampleStats, tokens_per_tile: int, *, source_tokens_per_tile: int = 256) -> SampleStats:
+    """The same samples under a model with ``tokens_per_tile`` LLM tokens per tile, from statistics that
+    counted ``source_tokens_per_tile`` (InternVL-1.5: 256): the text is kept, each tile of a row with images
+    contributes ``tokens_per_tile`` instead. Rows without images (a dummy tile, no image tokens) keep their
+    tokens. Keys are kept, so the result still identifies the same samples."""
+    has_images = stats.images > 0
+    delta = (int(tokens_per_tile) - int(source_tokens_per_tile)) * stats.tiles.astype(np.int64) * has_images
+    tokens = stats.tokens.astype(np.int64) + delta
+    text = tokens - int(tokens_per_tile) * stats.tiles.astype(np.int64) * has_images
+    bad = np.flatnonzero(text < 1)
+    if len(bad):
+        i = int(bad[0])
+        raise InputError(f"{int(stats.tokens[i])} tokens leave no text after {int(stats.tiles[i])} tiles x "
+                         f"{source_tokens_per_tile} image tokens: the statistics do not count "
+                         f"{source_tokens_per_tile} per tile ({len(bad)} such rows)", source=stats.source, record=i,
+                         field="tokens")
+    return SampleStats(tiles=stats.tiles, tokens=tokens.astype(np.int32), images=stats.images, keys=stats.keys,
+                       source=f"{stats.source} ({tokens_per_tile} tokens per tile)")
+
+
 class SyntheticVLMDataset(Dataset):
     """``dataset[i]`` -> ``{"pixel_values", "input_ids", "labels", "index", "key"}`` (see
     :mod:`omnibal.data.collate` for the format); sizes from ``stats`` row ``i``."""
@@ -53,11 +74,11 @@ class SyntheticVLMDataset(Dataset):
         if not 0 <= config.image_token_id < config.vocab_size or config.vocab_size < 2:
             raise InputError(f"image_token_id {config.image_token_id} not in a vocabulary of {config.vocab_size}",
                              source="SyntheticConfig", field="image_token_id")
-        need = stats.tiles.astype(np.int64) * config.tokens_per_tile + 1
+        need = stats.tiles.astype(np.int64) * config.tokens_per_tile * (stats.images > 0) + 1
         bad = np.flatnonzero(stats.tokens < need)
         if len(bad):
             i = int(bad[0])
-            raise InputError(f"{int(stats.tokens[i])} tokens cannot hold {int(stats.tiles[i])} tiles x "
+            raise InputError(f"{int(stats.tokens[i])} tokens cannot hold {int(stats.tiles[i])} image tiles x "
                              f"{config.tokens_per_tile} image tokens + 1 text token ({len(bad)} such rows)",
                              source=stats.source, record=i, field="tokens")
 
@@ -74,7 +95,7 @@ class SyntheticVLMDataset(Dataset):
         rng = np.random.default_rng([cfg.seed, index])
         gen = torch.Generator().manual_seed(int(rng.integers(0, 2**62)))
         pixels = torch.randn(tiles, 3, cfg.image_size, cfg.image_size, generator=gen)
-        num_image = tiles * cfg.tokens_per_tile
+        num_image = tiles * cfg.tokens_per_tile if int(self.stats.images[index]) > 0 else 0
         num_text = tokens - num_image
         text = rng.integers(0, cfg.vocab_size - 1, size=num_text)
         text[text >= cfg.image_token_id] += 1  # skip the image token id

@@ -11,9 +11,11 @@ Layers, cheapest first:
 * :mod:`omnibal.sim.report`: markdown + PNG (pipeline timeline, per-rank load histograms).
 """
 
+from omnibal.sim.calibrate import Calibration, CalibrationRun, calibrate
 from omnibal.sim.costs import (
     SimConfig,
     StageCosts,
+    config_for_hardware,
     cuts_from_starts,
     even_cuts,
     recompute_mask_from_counts,
@@ -25,8 +27,8 @@ from omnibal.sim.schedule import SCHEDULES, PipelineTimes, peak_inflight, simula
 from omnibal.sim.step import StepTimes, ring_allreduce_time, simulate_steps
 
 __all__ = [
-    "SCHEDULES", "EpochResult", "PipelineTimes", "PlanScore", "SimConfig", "StageCosts", "StepTimes",
-    "cuts_from_starts", "even_cuts", "peak_inflight", "recompute_mask_from_counts", "ring_allreduce_time",
+    "SCHEDULES", "Calibration", "CalibrationRun", "EpochResult", "PipelineTimes", "PlanScore", "SimConfig", "StageCosts", "StepTimes",
+    "config_for_hardware", "calibrate", "cuts_from_starts", "even_cuts", "peak_inflight", "recompute_mask_from_counts", "ring_allreduce_time",
     "score_plan", "simulate_epoch", "simulate_one_step", "simulate_pipeline", "simulate_steps", "stage_costs",
     "validate_cuts",
 ]

@@ -46,9 +46,10 @@ def _pad_tiles(y: torch.Tensor, x: torch.Tensor, n: int) -> torch.Tensor:
 
 
 class _VisionEmbed(nn.Module):
-    def __init__(self, embeddings: nn.Module, pre_norm: nn.Module, opts: Options) -> None:
+    def __init__(self, embeddings: nn.Module, pre_norm: nn.Module | None, opts: Options) -> None:
         super().__init__()
-        self.embeddings, self.pre_norm, self.opts = embeddings, pre_norm, opts
+        self.embeddings, self.opts = embeddings, opts
+        self.pre_norm = pre_norm if pre_norm is not None else nn.Identity()
 
     def forward(self, pixels, token_meta, sizes):
         q_v = pixels.shape[1]
@@ -61,13 +62,14 @@ class _VisionEmbed(nn.Module):
 
 
 class _VisionBlock(nn.Module):
-    def __init__(self, layer: nn.Module, opts: Options) -> None:
+    def __init__(self, layer: nn.Module, opts: Options, *, takes_mask: bool) -> None:
         super().__init__()
-        self.layer, self.opts = layer, opts
+        self.layer, self.opts, self.takes_mask = layer, opts, takes_mask
 
     def forward(self, x, token_meta, sizes):
         n = active_count(sizes, SIZE_TILES, x.shape[1], self.opts)
-        y = self.layer(x[0, :max(n, 1)], attention_mask=None)
+        h = x[0, :max(n, 1)]
+        y = self.layer(h, attention_mask=None) if self.takes_mask else self.layer(h)
         y = y[0] if isinstance(y, tuple) else y
         return _pad_tiles(y, x, n), token_meta, sizes
 
@@ -81,6 +83,30 @@ class _Projector(nn.Module):
         q_v = x.shape[1]
         n = active_count(sizes, SIZE_TILES, q_v, self.opts)
         y = self.projector(x[0, :max(n, 1), 1:])  # strategy "default": drop the class token
+        if n == 0:
+            y = y * 0
+        out = torch.cat([y.unsqueeze(0), y.new_zeros(1, q_v - y.shape[0], *y.shape[1:])], dim=1)
+        return out, token_meta, sizes
+
+
+class _InternVLProjector(nn.Module):
+    """InternVL: (final vision norm when the last layer is read), drop the class token, pixel shuffle by
+    ``downsample_ratio`` (InternVLModel.pixel_shuffle), multi_modal_projector."""
+
+    def __init__(self, final_norm: nn.Module | None, projector: nn.Module, shuffle_owner: nn.Module,
+                 ratio: float, opts: Options) -> None:
+        super().__init__()
+        self.final_norm = final_norm if final_norm is not None else nn.Identity()
+        self.projector, self.ratio, self.opts = projector, ratio, opts
+        self._owner = [shuffle_owner]  # the InternVLModel, for its pixel_shuffle method (no parameters)
+
+    def forward(self, x, token_meta, sizes):
+        q_v = x.shape[1]
+        n = active_count(sizes, SIZE_TILES, q_v, self.opts)
+        h = self.final_norm(x[0, :max(n, 1)])[:, 1:]
+        side = int(round(h.shape[1] ** 0.5))
+        h = self._owner[0].pixel_shuffle(h.reshape(h.shape[0], side, side, -1), scale_factor=self.ratio)
+        y = self.projector(h.reshape(h.shape[0], -1, h.shape[-1]))
         if n == 0:
             y = y * 0
         out = torch.cat([y.unsqueeze(0), y.new_zeros(1, q_v - y.shape[0], *y.shape[1:])], dim=1)
@@ -192,22 +218,14 @@ def from_llava(model: nn.Module, *, name: str = "hf-llava", compute_tail: bool =
     cfg = model.config
     vc, tc = cfg.vision_config, cfg.text_config
     where = f"{type(model).__name__} config"
-    layer = cfg.vision_feature_layer
-    if not isinstance(layer, int):
-        raise InputError(f"only a single vision_feature_layer is supported, got {layer!r}", source=where,
-                         field="vision_feature_layer")
     if cfg.vision_feature_select_strategy != "default":
         raise InputError(f"only vision_feature_select_strategy 'default' is supported, got "
                          f"{cfg.vision_feature_select_strategy!r}", source=where, field="vision_feature_select_strategy")
-    num_vision = vc.num_hidden_layers
-    used = layer if layer >= 0 else num_vision + 1 + layer  # hidden_states[k] is the output of k layers
-    if not 1 <= used <= num_vision:
-        raise InputError(f"vision_feature_layer {layer} selects no encoder layer of {num_vision}", source=where,
-                         field="vision_feature_layer")
+    used = _used_vision_layers(cfg.vision_feature_layer, vc.num_hidden_layers, where)
     try:
         inner = model.model
         tower, projector, text = inner.vision_tower, inner.multi_modal_projector, inner.language_model
-        vision_layers, text_layers = tower.encoder.layers, text.layers
+        vision_layers = tower.encoder.layers
     except AttributeError as e:
         raise InputError(f"not a transformers 5.x Llava model ({e})", source=type(model).__name__) from e
     spec = ModelSpec(
@@ -215,25 +233,103 @@ def from_llava(model: nn.Module, *, name: str = "hf-llava", compute_tail: bool =
         vision=VisionSpec(num_layers=used, hidden=vc.hidden_size, num_heads=vc.num_attention_heads,
                           mlp_hidden=vc.intermediate_size, image_size=vc.image_size, patch_size=vc.patch_size,
                           class_token=True),
-        llm=LLMSpec(num_layers=tc.num_hidden_layers, hidden=tc.hidden_size, num_heads=tc.num_attention_heads,
-                    num_kv_heads=tc.num_key_value_heads, mlp_hidden=tc.intermediate_size,
-                    vocab_size=tc.vocab_size, tie_embeddings=model.lm_head.weight is text.embed_tokens.weight),
+        llm=_text_spec(tc, model, text),
         downsample_ratio=1.0,
+        projector_norm=False,
     )
     opts = Options(attn_impl="mask", compute_tail=compute_tail)
-    tower_name, text_name = "model.vision_tower", "model.language_model"
+    tower_name = "model.vision_tower"
     links: list[tuple[str, nn.Module]] = [("vision.embed", _VisionEmbed(tower.embeddings, tower.pre_layrnorm, opts))]
     names: dict[str, tuple[str, ...]] = {"vision.embed": (f"{tower_name}.embeddings", f"{tower_name}.pre_layrnorm")}
     for i in range(used):
-        links.append((f"vision.blocks.{i}", _VisionBlock(vision_layers[i], opts)))
+        links.append((f"vision.blocks.{i}", _VisionBlock(vision_layers[i], opts, takes_mask=True)))
         names[f"vision.blocks.{i}"] = (f"{tower_name}.encoder.layers.{i}",)
     links.append(("projector", _Projector(projector, opts)))
     names["projector"] = ("model.multi_modal_projector",)
+    _add_text_links(links, names, model, text, tc.num_hidden_layers, opts)
+    return HFChain(model, spec, links, names, image_token_id=int(cfg.image_token_id), opts=opts)
+
+
+def _add_text_links(links, names, model, text, num_layers: int, opts: Options) -> None:
+    text_name = "model.language_model"
     links.append(("llm.embed", _TextEmbed(text.embed_tokens, opts)))
     names["llm.embed"] = (f"{text_name}.embed_tokens",)
-    for i in range(tc.num_hidden_layers):
-        links.append((f"llm.blocks.{i}", _TextBlock(text_layers[i], text.rotary_emb, opts)))
+    for i in range(num_layers):
+        links.append((f"llm.blocks.{i}", _TextBlock(text.layers[i], text.rotary_emb, opts)))
         names[f"llm.blocks.{i}"] = (f"{text_name}.layers.{i}",)
     links.append(("llm.head", _Head(text.norm, model.lm_head, opts)))
     names["llm.head"] = (f"{text_name}.norm", "lm_head")
+
+
+def _text_spec(tc, model, text) -> LLMSpec:
+    return LLMSpec(num_layers=tc.num_hidden_layers, hidden=tc.hidden_size, num_heads=tc.num_attention_heads,
+                   num_kv_heads=tc.num_key_value_heads, mlp_hidden=tc.intermediate_size, vocab_size=tc.vocab_size,
+                   tie_embeddings=model.lm_head.weight is text.embed_tokens.weight)
+
+
+def _used_vision_layers(layer, num_vision: int, where: str) -> int:
+    if not isinstance(layer, int):
+        raise InputError(f"only a single vision_feature_layer is supported, got {layer!r}", source=where,
+                         field="vision_feature_layer")
+    used = layer if layer >= 0 else num_vision + 1 + layer  # hidden_states[k] is the output of k layers
+    if not 1 <= used <= num_vision:
+        raise InputError(f"vision_feature_layer {layer} selects no encoder layer of {num_vision}", source=where,
+                         field="vision_feature_layer")
+    return used
+
+
+def from_internvl(model: nn.Module, *, name: str = "hf-internvl", compute_tail: bool = False) -> HFChain:
+    """Wrap a transformers ``InternVLForConditionalGeneration`` (5.x) as a layer chain.
+
+    Chain -> modules: ``vision.embed`` model.vision_tower.embeddings; ``vision.blocks.{i}``
+    model.vision_tower.encoder.layer.{i}; ``projector`` (model.vision_tower.layernorm when the last layer is
+    read,) pixel shuffle, model.multi_modal_projector; the text links as for Llava. InternVL ties
+    ``lm_head`` to ``embed_tokens`` by default: such a model splits only with both in one stage."""
+    cfg = model.config
+    vc, tc = cfg.vision_config, cfg.text_config
+    where = f"{type(model).__name__} config"
+    if cfg.vision_feature_select_strategy != "default":
+        raise InputError(f"only vision_feature_select_strategy 'default' is supported, got "
+                         f"{cfg.vision_feature_select_strategy!r}", source=where, field="vision_feature_select_strategy")
+    num_vision = vc.num_hidden_layers
+    used = _used_vision_layers(cfg.vision_feature_layer, num_vision, where)
+    try:
+        inner = model.model
+        tower, projector, text = inner.vision_tower, inner.multi_modal_projector, inner.language_model
+        vision_layers = tower.encoder.layer
+    except AttributeError as e:
+        raise InputError(f"not a transformers 5.x InternVL model ({e})", source=type(model).__name__) from e
+    side = lambda v: int(v[0] if isinstance(v, (list, tuple)) else v)  # noqa: E731
+    spec = ModelSpec(
+        name=name,
+        vision=VisionSpec(num_layers=used, hidden=vc.hidden_size, num_heads=vc.num_attention_heads,
+                          mlp_hidden=vc.intermediate_size, image_size=side(vc.image_size),
+                          patch_size=side(vc.patch_size), class_token=True),
+        llm=_text_spec(tc, model, text),
+        downsample_ratio=float(cfg.downsample_ratio),
+        projector_norm=True,
+    )
+    opts = Options(attn_impl="mask", compute_tail=compute_tail)
+    tower_name = "model.vision_tower"
+    links: list[tuple[str, nn.Module]] = [("vision.embed", _VisionEmbed(tower.embeddings, None, opts))]
+    names: dict[str, tuple[str, ...]] = {"vision.embed": (f"{tower_name}.embeddings",)}
+    for i in range(used):
+        links.append((f"vision.blocks.{i}", _VisionBlock(vision_layers[i], opts, takes_mask=False)))
+        names[f"vision.blocks.{i}"] = (f"{tower_name}.encoder.layer.{i}",)
+    reads_last = used == num_vision and cfg.vision_feature_layer == -1
+    links.append(("projector", _InternVLProjector(tower.layernorm if reads_last else None, projector, inner,
+                                                  float(cfg.downsample_ratio), opts)))
+    names["projector"] = ((f"{tower_name}.layernorm",) if reads_last else ()) + ("model.multi_modal_projector",)
+    _add_text_links(links, names, model, text, tc.num_hidden_layers, opts)
     return HFChain(model, spec, links, names, image_token_id=int(cfg.image_token_id), opts=opts)
+
+
+def from_hf(model: nn.Module, **kwargs) -> HFChain:
+    """The adapter for ``model``'s class: Llava or InternVL (transformers 5.x)."""
+    kind = type(model).__name__
+    if kind.startswith("Llava"):
+        return from_llava(model, **kwargs)
+    if kind.startswith("InternVL"):
+        return from_internvl(model, **kwargs)
+    raise InputError(f"no adapter for {kind} (supported: LlavaForConditionalGeneration, "
+                     "InternVLForConditionalGeneration)", source=kind)

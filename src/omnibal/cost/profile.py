@@ -1,0 +1,350 @@
+"""Measured layer profiles: time forward and backward of each layer kind of the reference trainer's model
+(:mod:`omnibal.train.layers`, the real modules) over a grid of shapes, record activation memory, fit the
+per-kind coefficients over ``(one, tiles, tokens, tokens_sq)`` and save everything as JSON.
+
+Timing: CUDA events on a GPU; on a CPU the wall clock with a fixed torch thread count. Each shape is run
+``warmup`` times untimed and ``repeats`` times timed; the median is kept as ``fwd_s``/``bwd_s``. On a machine
+shared with other jobs, ``statistic="min"`` keeps the least disturbed run instead, and ``statistic="cpu"``
+the median process CPU time (CPU only; with one torch thread it is the wall time the work would take on an
+idle core, without the time other jobs took the core away). All three are recorded, with the load average
+before and after. Memory: the bytes autograd saves for backward, measured with
+``torch.autograd.graph.saved_tensors_hooks`` (exact and device-independent: unique storages, parameters
+excluded, the layer's input included as in the analytic accounting); on a GPU also the peak of
+``torch.cuda.max_memory_allocated`` above the pre-forward level.
+
+Grid per kind (features that vary):
+
+- ``vision_embed``, ``vision_block``, ``projector``: tiles (one micro-batch of ``tiles`` tiles).
+- ``llm_embed``: tokens x (1 tile, or half of the tokens as image slots).
+- ``llm_block``: tokens x attention-segment length (segments of equal length, the last one shorter): the
+  fit separates the linear from the quadratic (``tokens_sq``) cost.
+- ``lm_head``: tokens (every token a target).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from omnibal.cost.analytic import DTYPE_BYTES, layer_param_bytes, layer_work
+from omnibal.cost.fit import fit_linear
+from omnibal.cost.hardware import HardwareSpec
+from omnibal.cost.runner import LayerRunner, segment_lengths
+from omnibal.cost.spec import LAYER_KINDS, ModelSpec
+from omnibal.cost.table import FEATURES, LayerCostTable
+from omnibal.errors import InputError
+
+FORMAT = "omnibal-profile/1"
+ONE, TILES, TOKENS, TOKENS_SQ = range(len(FEATURES))
+FIT_COLUMNS: dict[str, tuple[int, ...]] = {
+    "vision_embed": (ONE, TILES),
+    "vision_block": (ONE, TILES),
+    "projector": (ONE, TILES),
+    "llm_embed": (ONE, TILES, TOKENS),
+    "llm_block": (ONE, TOKENS, TOKENS_SQ),
+    "lm_head": (ONE, TOKENS),
+}
+VISION_KINDS = ("vision_embed", "vision_block", "projector")
+STATISTICS = ("median", "min", "cpu")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProfileGrid:
+    """Shapes to measure."""
+
+    tiles: tuple[int, ...] = (1, 2, 4, 8, 12, 16)
+    """Tiles per micro-batch for the vision layers and the projector."""
+    tokens: tuple[int, ...] = (256, 512, 1024, 1536, 2048)
+    """LLM tokens per micro-batch."""
+    segments: tuple[int, ...] = (64, 256, 512, 1024)
+    """Attention-segment lengths for ``llm_block`` (those <= tokens; tokens itself when none is)."""
+
+    def __post_init__(self) -> None:
+        for name in ("tiles", "tokens", "segments"):
+            values = getattr(self, name)
+            if not values or any(not isinstance(v, int) or v < 1 for v in values):
+                raise InputError(f"must be a non-empty list of positive integers, got {values!r}",
+                                 source="grid", field=name)
+
+    def shapes(self, kind: str, spec: ModelSpec) -> list[dict[str, int]]:
+        """The measurement points of ``kind``: dicts with tiles, tokens, segment (length)."""
+        if kind in VISION_KINDS:
+            return [dict(tiles=t, tokens=0, segment=0) for t in self.tiles]
+        if kind == "llm_embed":  # two image-slot counts per token count, so tiles and tokens separate
+            tpt = spec.llm_tokens_per_tile
+            return [dict(tiles=t, tokens=n, segment=n) for n in self.tokens
+                    for t in sorted({1, max(1, n // (2 * tpt))})]
+        if kind == "lm_head":
+            return [dict(tiles=0, tokens=n, segment=n) for n in self.tokens]
+        out = []
+        for n in self.tokens:
+            for seg in sorted({s for s in self.segments if s <= n} or {n}):
+                out.append(dict(tiles=0, tokens=n, segment=seg))
+        return out
+
+    def to_dict(self) -> dict[str, list[int]]:
+        return {"tiles": list(self.tiles), "tokens": list(self.tokens), "segments": list(self.segments)}
+
+
+CPU_GRID = ProfileGrid()
+GPU_GRID = ProfileGrid(tiles=(1, 2, 4, 8, 16, 24, 32), tokens=(1024, 2048, 4096, 8192, 16384),
+                       segments=(256, 1024, 2048, 4096, 8192))
+
+
+@dataclass(frozen=True)
+class Point:
+    """One measurement: a layer kind on a micro-batch of ``tiles`` tiles and attention segments ``lengths``."""
+
+    kind: str
+    tiles: int
+    lengths: tuple[int, ...]
+
+    @property
+    def features(self) -> np.ndarray:
+        return np.array([1.0, self.tiles, float(sum(self.lengths)), float(sum(n * n for n in self.lengths))])
+
+
+def grid_points(grid: ProfileGrid, spec: ModelSpec, kinds: tuple[str, ...]) -> list[Point]:
+    return [Point(kind, sh["tiles"], tuple(segment_lengths(sh["tokens"], sh["segment"])) if sh["tokens"] else ())
+            for kind in kinds for sh in grid.shapes(kind, spec)]
+
+
+def _check_measure_args(device: str, dtype: str | None, kinds, repeats: int, threads: int) -> str:
+    import torch
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise InputError("CUDA is not available on this machine", source="device", field="device")
+    if not (device == "cpu" or device.startswith("cuda")):
+        raise InputError(f"unknown device {device!r}; use cpu or cuda[:N]", source="device", field="device")
+    dtype = dtype or ("bf16" if device.startswith("cuda") else "fp32")
+    if dtype not in DTYPE_BYTES:
+        raise InputError(f"unknown dtype {dtype!r}; use bf16, fp16 or fp32", source="dtype", field="dtype")
+    for kind in kinds:
+        if kind not in LAYER_KINDS:
+            raise InputError(f"unknown layer kind {kind!r}; known: {', '.join(LAYER_KINDS)}", source="kinds",
+                             field="kinds")
+    for name, value in (("repeats", repeats), ("threads", threads)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InputError(f"must be a positive integer, got {value!r}", source=name, field=name)
+    return dtype
+
+
+def measure_points(spec: ModelSpec, points: list[Point], *, device: str = "cpu", dtype: str | None = None,
+                   threads: int = 1, warmup: int = 2, repeats: int = 5, progress: bool = False,
+                   seed: int = 0, statistic: str = "median") -> list[dict[str, Any]]:
+    """Measure each point on the real layer modules; one row per point (seconds, saved bytes)."""
+    import torch
+
+    if statistic not in STATISTICS:
+        raise InputError(f"must be one of {', '.join(STATISTICS)}, got {statistic!r}", source="statistic",
+                         field="statistic")
+    dtype = _check_measure_args(device, dtype, {p.kind for p in points}, repeats, threads)
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    runner = LayerRunner(spec, device=device, dtype=dtype, seed=seed)
+    rows = []
+    try:
+        from tqdm import tqdm
+
+        bar = tqdm(points, desc="profile", unit="shape", disable=not progress, file=sys.stderr)
+        for point in bar:
+            tokens = int(sum(point.lengths))
+            bar.set_postfix_str(f"{point.kind} {point.tiles} tiles {tokens} tokens")
+            carry = runner.carry(point.kind, point.tiles, list(point.lengths))
+            times = runner.time(point.kind, carry, warmup=warmup, repeats=repeats)
+            key = statistic if statistic != "cpu" or "fwd_cpu_s" in times else "median"
+            row = dict(kind=point.kind, tiles=point.tiles, tokens=tokens,
+                       segments=_compress_lengths(point.lengths), features=point.features.tolist(),
+                       fwd_s=times[f"fwd_{key}_s"], bwd_s=times[f"bwd_{key}_s"], **times,
+                       saved_bytes=runner.saved_bytes(point.kind, carry))
+            peak = runner.peak_bytes(point.kind, carry)
+            if peak is not None:
+                row["peak_bytes"] = peak
+            rows.append(row)
+    finally:
+        torch.set_num_threads(old_threads)
+    return rows
+
+
+def _compress_lengths(lengths: tuple[int, ...]) -> list[list[int]]:
+    """Run-length form [[length, count], ...] (a 16k-token grid point has up to 256 equal segments)."""
+    out: list[list[int]] = []
+    for n in lengths:
+        if out and out[-1][0] == n:
+            out[-1][1] += 1
+        else:
+            out.append([n, 1])
+    return out
+
+
+def measure(spec: ModelSpec, *, device: str = "cpu", dtype: str | None = None, threads: int = 1,
+            grid: ProfileGrid | None = None, kinds: tuple[str, ...] = LAYER_KINDS, warmup: int = 2,
+            repeats: int = 5, progress: bool = False, seed: int = 0, statistic: str = "median") -> dict[str, Any]:
+    """Measure every kind over the grid and fit it; returns the profile (JSON-able dict, see
+    :func:`save_profile` and docs/cost.md for the format)."""
+    import torch
+
+    dtype = _check_measure_args(device, dtype, kinds, repeats, threads)
+    grid = grid or (GPU_GRID if device.startswith("cuda") else CPU_GRID)
+    load_before = _loadavg()
+    started = _dt.datetime.now(_dt.timezone.utc)
+    rows = measure_points(spec, grid_points(grid, spec, kinds), device=device, dtype=dtype, threads=threads,
+                          warmup=warmup, repeats=repeats, progress=progress, seed=seed, statistic=statistic)
+    profile = {
+        "format": FORMAT,
+        "model": {"name": spec.name, "fingerprint": spec.fingerprint(), "spec": spec.to_dict()},
+        "device": _device_info(device, threads),
+        "dtype": dtype,
+        "threads": threads,
+        "torch_version": torch.__version__,
+        "created": started.isoformat(timespec="seconds"),
+        "seconds": round((_dt.datetime.now(_dt.timezone.utc) - started).total_seconds(), 2),
+        "load_average": {"before": load_before, "after": _loadavg()},
+        "warmup": warmup,
+        "repeats": repeats,
+        "statistic": statistic,
+        "grid": grid.to_dict(),
+        "measurements": rows,
+    }
+    profile["fit"] = fit_profile(rows)
+    return profile
+
+
+def fit_profile(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per kind: non-negative fits of forward time, backward time and saved bytes over its feature columns,
+    with their in-sample relative errors."""
+    fits: dict[str, Any] = {}
+    for kind in LAYER_KINDS:
+        sel = [r for r in rows if r["kind"] == kind]
+        if not sel:
+            continue
+        feats = np.array([r["features"] for r in sel])
+        cols = FIT_COLUMNS[kind]
+        entry: dict[str, Any] = {"columns": [FEATURES[c] for c in cols]}
+        for key, name in (("fwd_s", "fwd_time"), ("bwd_s", "bwd_time"), ("saved_bytes", "act_bytes")):
+            values = np.array([r[key] for r in sel], dtype=np.float64)
+            if not np.any(values > 0):
+                entry[name] = {"coef": [0.0] * len(FEATURES), "mean_rel_error": 0.0, "max_rel_error": 0.0}
+                continue
+            res = fit_linear(feats, values, cols)
+            entry[name] = {"coef": res.coef.tolist(), "mean_rel_error": res.mean_rel_error,
+                           "max_rel_error": res.max_rel_error}
+        fits[kind] = entry
+    return fits
+
+
+def _loadavg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def _device_info(device: str, threads: int) -> dict[str, Any]:
+    import torch
+
+    if device.startswith("cuda"):
+        idx = torch.device(device).index or 0
+        return {"type": "cuda", "name": torch.cuda.get_device_name(idx),
+                "memory_bytes": torch.cuda.get_device_properties(idx).total_memory}
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    name = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {"type": "cpu", "name": name, "threads": threads, "cpu_count": os.cpu_count()}
+
+
+# ----------------------------------------------------------------------------------------- load / use
+def save_profile(profile: dict[str, Any], path: str | Path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(profile, indent=1) + "\n")
+
+
+def load_profile(path: str | Path, spec: ModelSpec | None = None) -> dict[str, Any]:
+    """Read a profile; with ``spec``, refuse one measured on another model (InputError naming the field)."""
+    path = Path(path)
+    try:
+        profile = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise InputError("no such file", source=str(path), field="path") from None
+    except json.JSONDecodeError as exc:
+        raise InputError(f"not JSON: {exc}", source=str(path), record=f"line {exc.lineno}") from None
+    if not isinstance(profile, dict) or profile.get("format") != FORMAT:
+        raise InputError(f"not an omnibal profile (expected format {FORMAT!r})", source=str(path), field="format")
+    for key in ("model", "fit", "dtype", "measurements"):
+        if key not in profile:
+            raise InputError("missing", source=str(path), field=key)
+    if spec is not None:
+        check_profile_model(profile, spec, source=str(path))
+    return profile
+
+
+def check_profile_model(profile: dict[str, Any], spec: ModelSpec, *, source: str = "profile") -> None:
+    model = profile["model"]
+    if model.get("fingerprint") != spec.fingerprint():
+        raise InputError(f"profile was measured on model {model.get('name')!r} (fingerprint "
+                         f"{model.get('fingerprint')}), not on {spec.name!r} ({spec.fingerprint()})",
+                         source=source, field="model.fingerprint")
+    if model.get("name") != spec.name:
+        raise InputError(f"profile was measured on model {model.get('name')!r}, not {spec.name!r} (same shape; "
+                         "rename the spec or the profile's model.name if that is intended)",
+                         source=source, field="model.name")
+
+
+def cost_table_from_profile(spec: ModelSpec, profile: dict[str, Any], *, hardware: HardwareSpec | None = None,
+                            tp_size: int = 1, tp_vision: bool = True) -> LayerCostTable:
+    """A :class:`LayerCostTable` whose times and activation bytes are the profile's fits (per kind);
+    checkpoint, boundary and parameter bytes come from the analytic model in the profile's dtype.
+
+    A profile is measured on one device. For ``tp_size > 1`` (needs ``hardware``) each fitted coefficient is
+    scaled by the analytic model's ratio (tensor-parallel / single-device, per layer and feature) and the
+    tensor-parallel communication time is the analytic one on ``hardware``.
+    """
+    from omnibal.cost.analytic import analytic_cost_table
+
+    check_profile_model(profile, spec)
+    if tp_size != 1 and hardware is None:
+        raise InputError("tensor parallelism needs the hardware (its links and rates)", source="hardware",
+                         field="hardware")
+    fits = profile["fit"]
+    kinds = [layer.kind for layer in spec.layers()]
+    missing = sorted(set(kinds) - set(fits))
+    if missing:
+        raise InputError(f"profile has no fit for layer kinds {missing}", source="profile", field="fit")
+    dtype = profile["dtype"]
+
+    def coef(name: str) -> np.ndarray:
+        return np.array([fits[k][name]["coef"] for k in kinds], dtype=np.float64)
+
+    fwd, bwd, act = coef("fwd_time"), coef("bwd_time"), coef("act_bytes")
+    tp_comm = None
+    work = layer_work(spec, dtype=dtype, tp_size=tp_size, tp_vision=tp_vision)
+    if tp_size != 1:
+        single = analytic_cost_table(spec, hardware, dtype=dtype)
+        split = analytic_cost_table(spec, hardware, dtype=dtype, tp_size=tp_size, tp_vision=tp_vision)
+        for mine, name in ((fwd, "fwd_time"), (bwd, "bwd_time"), (act, "act_bytes")):
+            one, many = getattr(single, name), getattr(split, name)
+            mine *= np.divide(many, one, out=np.ones_like(one), where=one > 0)
+        tp_comm = split.tp_comm_time
+    act[~work.trainable] = 0.0
+    bwd[~work.trainable] = 0.0
+    param, grad, optim = layer_param_bytes(spec, dtype=dtype, tp_size=tp_size, tp_vision=tp_vision)
+    return LayerCostTable(
+        names=tuple(layer.name for layer in spec.layers()), kinds=tuple(kinds), fwd_time=fwd, bwd_time=bwd,
+        act_bytes=act, ckpt_bytes=np.minimum(work.ckpt_bytes, act), out_bytes=work.out_bytes,
+        param_bytes=param, grad_bytes=grad, optim_bytes=optim, tp_comm_time=tp_comm,
+    )

@@ -1,0 +1,145 @@
+"""Fit the simulator's compute scale to measured step times of single-process (DP 1 x PP 1) runs.
+
+On one device a step is the sum of its micro-batches' forward, recompute and backward times plus a fixed
+overhead, so it is *linear* in a few scale factors of the cost table:
+
+    step = sum_g a_g * (F_g + R_g) + b_g * B_g + c
+
+where, per layer group g (vision, LLM), ``F_g``/``R_g``/``B_g`` are the table's forward / recompute /
+backward seconds of the step's micro-batches, ``a_g``, ``b_g`` the fitted scales and ``c`` the per-step
+overhead (optimizer step, data, launch). Runs with and without recomputation separate ``a`` from ``b``.
+The fit is non-negative least squares over all steps of all calibration runs; apply it to a table with
+:meth:`Calibration.apply` and pass ``step_overhead`` to :class:`~omnibal.sim.costs.SimConfig`.
+Pipeline and DP runs are *not* used here (their step time is a max, not a sum): they are what the
+calibrated simulator is validated against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from omnibal.cost.table import NUM_FEATURES, LayerCostTable
+from omnibal.errors import InputError
+
+GROUPS: dict[str, tuple[str, ...]] = {
+    "vision": ("vision_embed", "vision_block"),
+    "llm": ("projector", "llm_embed", "llm_block", "lm_head"),
+}
+"""Layer kinds of each group that gets its own forward and backward scale."""
+
+
+@dataclass(frozen=True)
+class CalibrationRun:
+    """One measured single-process run."""
+
+    features: np.ndarray
+    """``[S, M, 4]`` features of each step's micro-batches (as the run computed them)."""
+    recompute_mask: np.ndarray
+    """``[L]`` layers the run checkpointed."""
+    step_times: np.ndarray
+    """``[S]`` measured seconds per step."""
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Scales per layer group and the per-step overhead (see the module docstring)."""
+
+    groups: tuple[str, ...]
+    """Group names (keys of :data:`GROUPS`)."""
+    fwd_scale: tuple[float, ...]
+    """Forward (and recompute) time scale per group."""
+    bwd_scale: tuple[float, ...]
+    """Backward time scale per group."""
+    step_overhead: float
+    """Seconds per step outside the layers."""
+    rel_rms_error: float
+    """Root-mean-square relative error of the fit on the calibration steps."""
+    num_steps: int
+    """Calibration steps used."""
+
+    def apply(self, table: LayerCostTable) -> LayerCostTable:
+        """``table`` with each group's forward/backward time coefficients scaled."""
+        fwd_mult, bwd_mult = np.ones(table.num_layers), np.ones(table.num_layers)
+        for g, name in enumerate(self.groups):
+            mask = _group_mask(table, name)
+            fwd_mult[mask] = self.fwd_scale[g]
+            bwd_mult[mask] = self.bwd_scale[g]
+        return replace(table, fwd_time=table.fwd_time * fwd_mult[:, None], bwd_time=table.bwd_time * bwd_mult[:, None])
+
+    def to_dict(self) -> dict:
+        return {"groups": list(self.groups), "fwd_scale": list(self.fwd_scale), "bwd_scale": list(self.bwd_scale),
+                "step_overhead": self.step_overhead, "rel_rms_error": self.rel_rms_error,
+                "num_steps": self.num_steps}
+
+
+def _group_mask(table: LayerCostTable, name: str) -> np.ndarray:
+    if name not in GROUPS:
+        raise InputError(f"unknown layer group {name!r}; known: {', '.join(GROUPS)}", source="groups", field="groups")
+    return np.isin(np.asarray(table.kinds), GROUPS[name])
+
+
+def design_matrix(table: LayerCostTable, run: CalibrationRun, groups: tuple[str, ...]) -> np.ndarray:
+    """``[S, 2 G + 1]`` columns: per group (forward + recompute) seconds, per group backward seconds, 1."""
+    feats = np.asarray(run.features, dtype=np.float64)
+    if feats.ndim != 3 or feats.shape[-1] != NUM_FEATURES:
+        raise InputError(f"features must be [steps, M, {NUM_FEATURES}], got {feats.shape}", source="calibration",
+                         field="features")
+    rec = np.asarray(run.recompute_mask, dtype=bool)
+    if rec.shape != (table.num_layers,):
+        raise InputError(f"recompute mask needs {table.num_layers} entries", source="calibration",
+                         field="recompute_mask")
+    step_feats = feats.sum(axis=1)  # every cost is linear: a step's sum is the cost of its summed features
+    cols_f, cols_b = [], []
+    for name in groups:
+        mask = _group_mask(table, name)
+        fwd = table.fwd_time[mask].sum(axis=0) + table.fwd_time[mask & rec].sum(axis=0)
+        cols_f.append(step_feats @ fwd)
+        cols_b.append(step_feats @ table.bwd_time[mask].sum(axis=0))
+    return np.stack(cols_f + cols_b + [np.ones(len(step_feats))], axis=1)
+
+
+def nonneg_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Least squares with x >= 0 (active set: drop negative coefficients and refit until none is left)."""
+    free = np.ones(a.shape[1], bool)
+    x = np.zeros(a.shape[1])
+    for _ in range(a.shape[1] + 1):
+        sol, *_ = np.linalg.lstsq(a[:, free], b, rcond=None)
+        x[:] = 0.0
+        x[free] = sol
+        if (sol >= 0).all():
+            return x
+        free[np.flatnonzero(free)[sol < 0]] = False
+    return np.maximum(x, 0.0)
+
+
+def calibrate(table: LayerCostTable, runs: list[CalibrationRun], groups: tuple[str, ...] = ("vision", "llm"),
+              weight_relative: bool = True) -> Calibration:
+    """Fit the group scales and the step overhead to the measured steps of ``runs``.
+
+    ``weight_relative``: minimise relative rather than absolute errors (long and short steps count alike).
+    """
+    if not runs:
+        raise InputError("need at least one calibration run", source="calibration", field="runs")
+    rows, ys = [], []
+    for k, run in enumerate(runs):
+        y = np.asarray(run.step_times, dtype=np.float64)
+        x = design_matrix(table, run, groups)
+        if len(y) != len(x):
+            raise InputError(f"{len(y)} step times for {len(x)} steps", source="calibration", record=k,
+                             field="step_times")
+        if (y <= 0).any() or not np.isfinite(y).all():
+            raise InputError("step times must be positive", source="calibration", record=k, field="step_times")
+        rows.append(x)
+        ys.append(y)
+    x, y = np.concatenate(rows), np.concatenate(ys)
+    if len(y) < x.shape[1]:
+        raise InputError(f"{len(y)} steps cannot fit {x.shape[1]} parameters", source="calibration", field="runs")
+    w = 1.0 / y if weight_relative else np.ones_like(y)
+    coef = nonneg_lstsq(x * w[:, None], y * w)
+    pred = x @ coef
+    g = len(groups)
+    return Calibration(groups=tuple(groups), fwd_scale=tuple(float(c) for c in coef[:g]),
+                       bwd_scale=tuple(float(c) for c in coef[g:2 * g]), step_overhead=float(coef[-1]),
+                       rel_rms_error=float(np.sqrt(np.mean(((pred - y) / y) ** 2))), num_steps=int(len(y)))

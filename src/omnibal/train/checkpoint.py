@@ -1,0 +1,205 @@
+"""Step checkpoints: model + optimizer per pipeline stage, sampler state and step, with a checksum manifest.
+
+Layout (the folder must be shared by all ranks, e.g. a network file system on several nodes)::
+
+    <dir>/step_00000012/stage_0.pt        model and optimizer state of stage 0 (written by dp rank 0)
+    <dir>/step_00000012/stage_1.pt
+    <dir>/step_00000012/manifest.json     written last: the commit point of the checkpoint
+
+Every file is written to a temporary name, fsynced and renamed, so a crash leaves either the old state
+or a complete new file, never a half-written one under the final name. The manifest records each file's
+size and SHA-256, the world (dp, pp), the model identity, the stage layer ranges, the step and the
+sampler state. A step folder without a manifest, or whose files do not match it, is *corrupt*: resuming
+skips it with a warning and takes the newest valid one. A valid checkpoint of another world size, model
+or stage layout is refused with an InputError (resuming it would silently train something else).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from omnibal.errors import InputError
+
+FORMAT = 1
+MANIFEST = "manifest.json"
+_STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+def step_dir(root: str | Path, step: int) -> Path:
+    return Path(root) / f"step_{step:08d}"
+
+
+def stage_file(stage: int) -> str:
+    return f"stage_{stage}.pt"
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` via a temporary file + fsync + rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def param_signature(module: torch.nn.Module) -> list[list]:
+    """Names, shapes and dtypes of a module's state: what a checkpoint must match to be loaded."""
+    return [[name, list(t.shape), str(t.dtype).removeprefix("torch.")] for name, t in module.state_dict().items()]
+
+
+def write_stage_file(root: str | Path, step: int, stage: int, *, model: torch.nn.Module,
+                     optimizer: torch.optim.Optimizer | None) -> dict:
+    """Save one stage's state atomically; returns its manifest record (name, bytes, sha256, signature)."""
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": None if optimizer is None else optimizer.state_dict()}, buf)
+    data = buf.getvalue()
+    path = step_dir(root, step) / stage_file(stage)
+    atomic_write_bytes(path, data)
+    return {"file": path.name, "stage": stage, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
+            "params": param_signature(model)}
+
+
+def write_manifest(root: str | Path, step: int, *, stage_records: list[dict], world: dict, model_id: str,
+                   stage_layers: list[list[int]], sampler: dict, extra: dict | None = None) -> Path:
+    """Commit a checkpoint: write its manifest (after every stage file is in place)."""
+    doc = {"format": FORMAT, "step": step, "world": world, "model_id": model_id, "stage_layers": stage_layers,
+           "sampler": sampler, "files": sorted(stage_records, key=lambda r: r["stage"]), **(extra or {})}
+    path = step_dir(root, step) / MANIFEST
+    atomic_write_bytes(path, json.dumps(doc, indent=1).encode())
+    return path
+
+
+@dataclass
+class Found:
+    """The checkpoint chosen for resuming, and the corrupt ones skipped on the way."""
+
+    path: Path | None
+    manifest: dict | None
+    skipped: list[str] = field(default_factory=list)
+    """One line per skipped (corrupt or incomplete) newer checkpoint."""
+
+
+def verify(path: Path) -> dict:
+    """Load and check a checkpoint folder's manifest and files; raises InputError when corrupt."""
+    mpath = path / MANIFEST
+    if not mpath.is_file():
+        raise InputError("no manifest: the checkpoint was not completed (crash while writing?)", source=str(path))
+    try:
+        doc = json.loads(mpath.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InputError(f"unreadable manifest: {exc}", source=str(mpath)) from exc
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("files"), list):
+        raise InputError(f"not an omnibal checkpoint manifest of format {FORMAT}", source=str(mpath), field="format")
+    for rec in doc["files"]:
+        fpath = path / rec["file"]
+        if not fpath.is_file():
+            raise InputError("file listed in the manifest is missing", source=str(fpath))
+        size = fpath.stat().st_size
+        if size != rec["bytes"]:
+            raise InputError(f"size {size} bytes, manifest says {rec['bytes']} (truncated?)", source=str(fpath),
+                             field="bytes")
+        if sha256_file(fpath) != rec["sha256"]:
+            raise InputError("SHA-256 does not match the manifest (corrupt file)", source=str(fpath),
+                             field="sha256")
+    return doc
+
+
+def check_compatible(doc: dict, *, source: str, world: dict, model_id: str, stage_layers: list[list[int]]) -> None:
+    """Refuse a valid checkpoint made for another world, model or stage layout."""
+    if doc.get("world") != world:
+        raise InputError(f"checkpoint was written by world {doc.get('world')}, this run is {world}; resume with "
+                         f"the same dp x pp", source=source, field="world")
+    if doc.get("model_id") != model_id:
+        raise InputError(f"checkpoint is of model {doc.get('model_id')!r}, this run trains {model_id!r}",
+                         source=source, field="model_id")
+    if doc.get("stage_layers") != stage_layers:
+        raise InputError(f"checkpoint stage layers {doc.get('stage_layers')} differ from this run's {stage_layers}",
+                         source=source, field="stage_layers")
+
+
+def list_steps(root: str | Path) -> list[int]:
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    steps = [int(m.group(1)) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
+    return sorted(steps)
+
+
+def find_latest_valid(root: str | Path, *, world: dict, model_id: str, stage_layers: list[list[int]]) -> Found:
+    """Newest checkpoint whose files match their manifest; corrupt ones are skipped (and listed).
+
+    A valid checkpoint that is incompatible with this run raises InputError instead of being skipped.
+    """
+    found = Found(None, None)
+    for step in reversed(list_steps(root)):
+        path = step_dir(root, step)
+        try:
+            doc = verify(path)
+        except InputError as exc:
+            found.skipped.append(f"skipped corrupt checkpoint: {exc}")
+            continue
+        check_compatible(doc, source=str(path), world=world, model_id=model_id, stage_layers=stage_layers)
+        found.path, found.manifest = path, doc
+        return found
+    return found
+
+
+def load_stage_file(path: Path, manifest: dict, stage: int, *, model: torch.nn.Module,
+                    optimizer: torch.optim.Optimizer | None, map_location: Any = "cpu") -> None:
+    """Load one stage's model and optimizer state after checking the parameter signature."""
+    rec = next((r for r in manifest["files"] if r["stage"] == stage), None)
+    if rec is None:
+        raise InputError(f"checkpoint has no file for stage {stage}", source=str(path), field="files")
+    mine = param_signature(model)
+    if rec["params"] != mine:
+        diff = next(((a, b) for a, b in zip(rec["params"], mine) if a != b), None)
+        raise InputError(f"stage {stage} parameters differ from the checkpoint's (first difference: checkpoint "
+                         f"{diff[0] if diff else rec['params'][len(mine):][:1]}, model "
+                         f"{diff[1] if diff else mine[len(rec['params']):][:1]})", source=str(path / rec["file"]),
+                         field="params")
+    state = torch.load(path / rec["file"], map_location=map_location, weights_only=True)
+    model.load_state_dict(state["model"])
+    if optimizer is not None and state.get("optimizer") is not None:
+        optimizer.load_state_dict(state["optimizer"])
+
+
+def prune(root: str | Path, keep: int) -> None:
+    """Remove all but the newest ``keep`` complete checkpoints (never an incomplete newer one being written)."""
+    import shutil
+
+    steps = list_steps(root)
+    for step in steps[:-keep] if keep > 0 else []:
+        shutil.rmtree(step_dir(root, step), ignore_errors=True)

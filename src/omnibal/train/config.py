@@ -1,0 +1,121 @@
+"""`TrainConfig`: everything the reference trainer needs to run, as one keyword-only dataclass.
+
+The CLI (`omnibal train`, `python -m omnibal.train`) builds it from arguments; tests build it directly.
+Validation here covers what can be checked without the model or the world: ranges, names, combinations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+from omnibal.errors import InputError
+
+MODES = ("baseline", "omnibal")
+SCHEDULES = ("1f1b", "gpipe")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """One training run of the reference DP x PP trainer."""
+
+    mode: Literal["baseline", "omnibal"] = "omnibal"
+    """`baseline`: random fixed micro-batches of `baseline_batch_size` samples padded to their longest
+    sample, even layer split, every block recomputed. `omnibal`: the balanced schedule's packs, the
+    plan's (or the given) partition and recompute sets."""
+    dp_size: int = 1
+    """Data-parallel degree (ranks with different data)."""
+    pp_size: int = 1
+    """Pipeline-parallel degree (stages); world size = dp_size * pp_size."""
+    num_microbatches: int = 4
+    """Micro-batches per DP rank per step (must match the schedule file when one is given)."""
+    pipeline_schedule: Literal["1f1b", "gpipe"] = "1f1b"
+    """Pipeline schedule (torch.distributed.pipelining Schedule1F1B or ScheduleGPipe)."""
+    stage_layers: tuple[tuple[int, int], ...] | None = None
+    """Explicit half-open layer ranges [start, end) per stage over ModelSpec.layers(); None: from the
+    plan, else an even split of the chain."""
+    recompute: tuple[tuple[str, ...], ...] | None = None
+    """Per stage, the layer names whose activations are recomputed; None: the plan's sets in omnibal mode,
+    every block in baseline mode."""
+    plan_path: str | None = None
+    """Plan JSON (from `omnibal plan`) giving the stage ranges and recompute sets."""
+    model: str = "tiny"
+    """Model preset name (omnibal.cost presets) the reference VLM is built from."""
+    stats_path: str | None = None
+    """Per-sample statistics (a SampleStats file) the synthetic dataset reproduces the shapes of."""
+    schedule_path: str | None = None
+    """Balanced schedule JSON (`omnibal balance`) for omnibal mode."""
+    max_samples: int | None = None
+    """Train on a seeded random subset of this many rows of the statistics (None: all rows)."""
+    stats_tokens_per_tile: int = 256
+    """Image tokens per tile the statistics counted (InternVL-1.5: 256); token counts are rescaled to the
+    model's own tokens per tile (``ModelSpec.sample_tokens``)."""
+    baseline_batch_size: int = 4
+    """Samples per micro-batch in baseline mode."""
+    num_steps: int = 10
+    """Optimizer steps to run (in total, counting resumed ones)."""
+    lr: float = 1e-4
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    seed: int = 0
+    """Seed of the model initialisation and of the baseline's random micro-batches."""
+    device: Literal["cpu", "cuda"] = "cpu"
+    """Device type; the backend follows from it (gloo on cpu, nccl on cuda)."""
+    timeout_s: float = 60.0
+    """Seconds any collective or p2p operation may block before the rank fails with a clear error
+    (a dead or stuck peer); also bounds the rendezvous."""
+    torch_threads: int = 1
+    """torch intra-op threads per rank (1 for honest timings with one rank per core)."""
+    checkpoint_dir: str | None = None
+    """Folder of step checkpoints (shared by all ranks); None: no checkpoints."""
+    checkpoint_every: int = 0
+    """Write a checkpoint every this many steps (0: only at the end when checkpoint_dir is set)."""
+    resume: bool = False
+    """Continue from the newest valid checkpoint in checkpoint_dir."""
+    log_path: str | None = None
+    """JSONL metrics log (one line per step, written by global rank 0)."""
+    summary_path: str | None = None
+    """Write the end-of-run summary (throughput, per-rank compute/wait, memory) as JSON here (rank 0)."""
+    quiet: bool = False
+    """No progress bar and no summary table on stderr."""
+
+    def __post_init__(self) -> None:
+        src = "train config"
+        if self.mode not in MODES:
+            raise InputError(f"must be one of {MODES}, got {self.mode!r}", source=src, field="mode")
+        if self.pipeline_schedule not in SCHEDULES:
+            raise InputError(f"must be one of {SCHEDULES}, got {self.pipeline_schedule!r}", source=src,
+                             field="pipeline_schedule")
+        if self.device not in ("cpu", "cuda"):
+            raise InputError(f"must be 'cpu' or 'cuda', got {self.device!r}", source=src, field="device")
+        for name in ("dp_size", "pp_size", "num_microbatches", "baseline_batch_size", "num_steps", "torch_threads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InputError(f"must be a positive integer, got {value!r}", source=src, field=name)
+        if self.checkpoint_every < 0:
+            raise InputError(f"must be >= 0, got {self.checkpoint_every}", source=src, field="checkpoint_every")
+        if not self.timeout_s > 0:
+            raise InputError(f"must be > 0, got {self.timeout_s}", source=src, field="timeout_s")
+        if self.lr <= 0:
+            raise InputError(f"must be > 0, got {self.lr}", source=src, field="lr")
+        if self.num_microbatches < self.pp_size:
+            raise InputError(f"{self.num_microbatches} micro-batches cannot fill {self.pp_size} pipeline stages",
+                             source=src, field="num_microbatches")
+        if self.stage_layers is not None and len(self.stage_layers) != self.pp_size:
+            raise InputError(f"{len(self.stage_layers)} ranges given for {self.pp_size} stages", source=src,
+                             field="stage_layers")
+        if self.recompute is not None and len(self.recompute) != self.pp_size:
+            raise InputError(f"{len(self.recompute)} recompute sets given for {self.pp_size} stages", source=src,
+                             field="recompute")
+        if self.max_samples is not None and self.max_samples < 1:
+            raise InputError(f"must be >= 1, got {self.max_samples}", source=src, field="max_samples")
+        if self.resume and not self.checkpoint_dir:
+            raise InputError("resume needs checkpoint_dir", source=src, field="resume")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_size * self.pp_size
+
+    def to_dict(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,236 @@
+"""The process world of one training run: DP x PP device mesh, process groups, backend, timeouts.
+
+Rank layout is the mesh's row-major order: ``rank = dp_rank * pp_size + pp_rank``, so the stages of one
+pipeline are consecutive ranks (on one node when ``pp_size`` divides the GPUs per node, which keeps the
+heavy p2p traffic off the network) and each DP group holds one stage's replicas.
+
+Every collective and p2p operation inherits ``timeout_s``: a peer that dies closes its sockets and the
+others fail at once; a peer that hangs makes them fail after ``timeout_s``. Either way the error is turned
+into a :class:`PeerFailure` that names the rank, its mesh coordinates and what it was doing.
+
+``spawn_local`` starts the ranks of a single-node run as local processes (what ``omnibal train --nproc``
+and the multi-process tests use); under ``torchrun`` the environment already holds RANK/WORLD_SIZE.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue as queue_mod
+import socket
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from omnibal.errors import InputError, OmnibalError
+
+
+class PeerFailure(OmnibalError):
+    """A collective or p2p operation failed or timed out: another rank died or stopped responding."""
+
+
+def backend_for(device_type: str) -> str:
+    """gloo on CPU, NCCL on CUDA."""
+    if device_type == "cpu":
+        return "gloo"
+    if device_type == "cuda":
+        return "nccl"
+    raise InputError(f"no process-group backend for device {device_type!r} (cpu or cuda)", source="device")
+
+
+@dataclass(frozen=True)
+class World:
+    """This rank's place in the DP x PP mesh and the groups it talks on."""
+
+    rank: int
+    world_size: int
+    dp_rank: int
+    dp_size: int
+    pp_rank: int
+    pp_size: int
+    device: torch.device
+    backend: str
+    timeout_s: float
+    mesh: Any
+    """torch DeviceMesh with dims ("dp", "pp")."""
+    dp_group: Any
+    """Process group of this stage's replicas (gradient all-reduce)."""
+    pp_group: Any
+    """Process group of this DP rank's pipeline (activation p2p)."""
+
+    @property
+    def where(self) -> str:
+        return f"rank {self.rank} (dp {self.dp_rank}/{self.dp_size}, pp {self.pp_rank}/{self.pp_size})"
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+
+def init_world(*, dp_size: int, pp_size: int, device: str = "cpu", timeout_s: float = 60.0) -> World:
+    """Join the process group (env:// rendezvous: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and build
+    the ("dp", "pp") mesh. Fails with an InputError when the launched world does not match dp x pp."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise InputError(f"environment lacks {', '.join(missing)}: launch with torchrun or `omnibal train "
+                         f"--nproc N`", source="environment")
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if world_size != dp_size * pp_size:
+        raise InputError(f"launched with {world_size} processes but dp {dp_size} x pp {pp_size} = "
+                         f"{dp_size * pp_size}", source="WORLD_SIZE", field="dp_size/pp_size")
+    backend = backend_for(device)
+    if device == "cuda":
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        torch_device = torch.device("cuda", local_rank)
+    else:
+        torch_device = torch.device("cpu")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    try:
+        if not dist.is_initialized():
+            dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
+        mesh = init_device_mesh(device, (dp_size, pp_size), mesh_dim_names=("dp", "pp"))
+    except (RuntimeError, dist.DistError) as exc:  # rendezvous timeout, refused connection
+        raise PeerFailure(f"rank {rank}: could not join the {world_size}-rank world at "
+                          f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} within {timeout_s:g} s: "
+                          f"{_first_line(exc)}") from exc
+    coords = mesh.get_coordinate()
+    assert coords is not None and coords[0] * pp_size + coords[1] == rank, (coords, rank)
+    return World(rank=rank, world_size=world_size, dp_rank=coords[0], dp_size=dp_size, pp_rank=coords[1],
+                 pp_size=pp_size, device=torch_device, backend=backend, timeout_s=timeout_s, mesh=mesh,
+                 dp_group=mesh["dp"].get_group(), pp_group=mesh["pp"].get_group())
+
+
+def local_world(device: str = "cpu", timeout_s: float = 60.0) -> World:
+    """A world of one process (dp 1 x pp 1) that needs no process group: `omnibal train` without --nproc,
+    and single-process tests."""
+    torch_device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+    return World(rank=0, world_size=1, dp_rank=0, dp_size=1, pp_rank=0, pp_size=1, device=torch_device,
+                 backend=backend_for(device), timeout_s=timeout_s, mesh=None, dp_group=None, pp_group=None)
+
+
+def destroy_world() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def peer_failure(world: World, what: str, exc: BaseException) -> PeerFailure:
+    """Turn a backend error (connection reset, timeout) into one message a user can act on."""
+    return PeerFailure(f"{world.where}: {what} failed: a peer rank died or stopped responding "
+                       f"(operations time out after {world.timeout_s:g} s; check the other ranks' logs): "
+                       f"{_first_line(exc)}")
+
+
+def is_comm_error(exc: BaseException) -> bool:
+    """Whether an exception comes from the communication backend rather than from user code."""
+    if isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    text = str(exc)
+    markers = ("gloo", "Connection reset", "Connection closed", "Timed out", "NCCL", "timed out", "Broken pipe",
+               "DistBackendError", "ProcessGroup")
+    return isinstance(exc, RuntimeError) and any(m in text for m in markers)
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else type(exc).__name__
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class RankResult:
+    """How one spawned rank ended."""
+
+    rank: int
+    exitcode: int | None
+    """Process exit code (None: killed by spawn_local after its deadline)."""
+    error: str | None
+    """Formatted exception when the rank's function raised."""
+    value: Any = None
+    """What the rank's function returned (must be picklable)."""
+
+
+def spawn_local(fn: Callable[..., Any], world_size: int, *, args: tuple = (), deadline_s: float = 600.0,
+                master_port: int | None = None, env: dict[str, str] | None = None,
+                start_method: str = "spawn") -> list[RankResult]:
+    """Run ``fn(*args)`` in ``world_size`` fresh processes with the env:// rendezvous variables set.
+
+    Returns one RankResult per rank. Ranks still alive ``deadline_s`` after the start are killed (their
+    exitcode is None), so a hang never outlives the deadline. ``start_method="fork"`` skips re-importing
+    torch in every child (much faster on few cores); only use it from a parent that has not started a
+    process group or torch worker threads.
+    """
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context(start_method)
+    port = master_port or free_port()
+    results: Any = ctx.Queue()
+    procs = []
+    for rank in range(world_size):
+        rank_env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                    "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size),
+                    **(env or {})}
+        proc = ctx.Process(target=_rank_main, args=(fn, args, rank_env, results), daemon=False)
+        proc.start()
+        procs.append(proc)
+    deadline = time.monotonic() + deadline_s
+    reported: dict[int, tuple[str | None, Any]] = {}
+    # drain the queue while waiting: a rank blocks on exit until its (possibly large) result is read
+    while time.monotonic() < deadline:
+        try:
+            rank, error, value = results.get(timeout=0.1)
+            reported[rank] = (error, value)
+            continue
+        except queue_mod.Empty:
+            pass
+        if all(not p.is_alive() for p in procs):
+            break
+    while True:
+        try:
+            rank, error, value = results.get(timeout=0.2)
+        except queue_mod.Empty:
+            break
+        reported[rank] = (error, value)
+    out = []
+    for rank, proc in enumerate(procs):
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
+            out.append(RankResult(rank, None, f"rank {rank} still running after {deadline_s:g} s: killed"))
+            continue
+        error, value = reported.get(rank, (None, None))
+        if error is None and proc.exitcode != 0:
+            error = f"rank {rank} exited with code {proc.exitcode}"
+        out.append(RankResult(rank, proc.exitcode, error, value))
+    results.close()
+    return out
+
+
+def _rank_main(fn: Callable[..., Any], args: tuple, env: dict[str, str], results: Any) -> None:
+    os.environ.update(env)
+    rank = int(env["RANK"])
+    try:
+        value = fn(*args)
+    except BaseException as exc:  # report everything, including KeyboardInterrupt, then exit non-zero
+        results.put((rank, "".join(traceback.format_exception(exc)), None))
+        results.close()
+        results.join_thread()
+        os._exit(1)  # no destroy_process_group: with a dead peer it may block; exiting frees the sockets
+    results.put((rank, None, value))
+    results.close()
+    results.join_thread()

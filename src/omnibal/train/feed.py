@@ -1,0 +1,175 @@
+"""What each rank feeds into its pipeline: schedules of sample indices and the micro-batches built from them.
+
+A *schedule* says, for every step, DP rank and micro-batch, which dataset samples form that micro-batch.
+It is the balancer's output (``omnibal.data.balance.Schedule``; JSON
+``{"dp_size", "num_microbatches", "caps": {"tiles", "tokens"}, "steps": [[[[i, ...]]]]}``) in omnibal mode,
+or :func:`random_microbatch_schedule` (fixed B random samples per micro-batch) in baseline mode. Anything
+with ``dp_size``, ``num_microbatches``, ``num_steps`` and ``microbatch(step, dp_rank, micro)`` works.
+
+Data path: only pipeline stage 0 of each DP rank reads samples and collates them; the labels travel
+inside the carry (``token_meta``) to the last stage, so later stages touch no data and need no dataset.
+The schedule is deterministic, so the sampler state of a checkpoint is just the next step index plus the
+schedule's fingerprint: resuming continues the exact sample stream.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, Sequence
+
+import numpy as np
+
+from omnibal.errors import InputError
+
+
+class ScheduleLike(Protocol):
+    dp_size: int
+    num_microbatches: int
+
+    @property
+    def num_steps(self) -> int: ...
+
+    def microbatch(self, step: int, dp_rank: int, micro: int) -> np.ndarray: ...
+
+
+@dataclass(frozen=True, eq=False)
+class IndexSchedule:
+    """A schedule held as nested index arrays (the JSON form, or the baseline's random micro-batches)."""
+
+    dp_size: int
+    num_microbatches: int
+    steps: tuple  # steps[step][dp_rank][micro] -> np.ndarray of sample indices
+    caps: dict | None = None
+    source: str = "<schedule>"
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.steps)
+
+    def microbatch(self, step: int, dp_rank: int, micro: int) -> np.ndarray:
+        return self.steps[step][dp_rank][micro]
+
+    def to_dict(self) -> dict:
+        return {"dp_size": self.dp_size, "num_microbatches": self.num_microbatches, "caps": self.caps,
+                "steps": [[[mb.tolist() for mb in rank] for rank in step] for step in self.steps]}
+
+    @classmethod
+    def from_dict(cls, doc: Any, *, source: str = "<schedule>") -> "IndexSchedule":
+        if not isinstance(doc, dict):
+            raise InputError("a schedule is a JSON object", source=source)
+        for key in ("dp_size", "num_microbatches", "steps"):
+            if key not in doc:
+                raise InputError("missing field", source=source, field=key)
+        dp, m = doc["dp_size"], doc["num_microbatches"]
+        if not (isinstance(dp, int) and dp >= 1 and isinstance(m, int) and m >= 1):
+            raise InputError(f"dp_size {dp!r} and num_microbatches {m!r} must be positive integers", source=source,
+                             field="dp_size")
+        steps = []
+        for s, step in enumerate(doc["steps"]):
+            if not isinstance(step, list) or len(step) != dp:
+                raise InputError(f"needs {dp} ranks", source=source, record=f"step {s}", field="steps")
+            ranks = []
+            for r, rank in enumerate(step):
+                if not isinstance(rank, list) or len(rank) != m:
+                    raise InputError(f"needs {m} micro-batches", source=source, record=f"step {s} rank {r}",
+                                     field="steps")
+                mbs = []
+                for k, mb in enumerate(rank):
+                    arr = np.asarray(mb)
+                    if arr.ndim != 1 or len(arr) == 0 or arr.dtype.kind not in "iu":
+                        raise InputError("a micro-batch is a non-empty list of sample indices", source=source,
+                                         record=f"step {s} rank {r} micro-batch {k}", field="steps")
+                    mbs.append(arr.astype(np.int64))
+                ranks.append(tuple(mbs))
+            steps.append(tuple(ranks))
+        return cls(dp, m, tuple(steps), doc.get("caps"), source)
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "IndexSchedule":
+        try:
+            doc = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise InputError(f"cannot read schedule: {exc}", source=str(path)) from exc
+        return cls.from_dict(doc, source=str(path))
+
+
+def load_schedule(path: str | Path) -> ScheduleLike:
+    """The balancer's Schedule class when available (it validates more), else the plain JSON reader."""
+    try:
+        from omnibal.data.balance.schedule import Schedule  # type: ignore
+    except ImportError:
+        return IndexSchedule.from_json(path)
+    return Schedule.from_json(Path(path))
+
+
+def schedule_fingerprint(schedule: ScheduleLike) -> str:
+    """SHA-256 over every micro-batch's indices: a checkpoint resumes only the schedule it was made with."""
+    h = hashlib.sha256(f"{schedule.dp_size},{schedule.num_microbatches},{schedule.num_steps}".encode())
+    for s in range(schedule.num_steps):
+        for r in range(schedule.dp_size):
+            for k in range(schedule.num_microbatches):
+                h.update(np.ascontiguousarray(schedule.microbatch(s, r, k), dtype=np.int64).tobytes())
+                h.update(b"|")
+    return h.hexdigest()[:32]
+
+
+def check_schedule(schedule: ScheduleLike, *, dp_size: int, num_microbatches: int, num_samples: int,
+                   source: str) -> None:
+    """Refuse a schedule for another world or dataset (indices out of range)."""
+    if schedule.dp_size != dp_size:
+        raise InputError(f"schedule is for dp_size {schedule.dp_size}, the run has {dp_size}", source=source,
+                         field="dp_size")
+    if schedule.num_microbatches != num_microbatches:
+        raise InputError(f"schedule has {schedule.num_microbatches} micro-batches per rank, the run "
+                         f"{num_microbatches}", source=source, field="num_microbatches")
+    for s in range(schedule.num_steps):
+        for r in range(dp_size):
+            for k in range(num_microbatches):
+                mb = schedule.microbatch(s, r, k)
+                if len(mb) and (mb.min() < 0 or mb.max() >= num_samples):
+                    raise InputError(f"sample index {int(mb.max() if mb.max() >= num_samples else mb.min())} "
+                                     f"outside the dataset of {num_samples}", source=source,
+                                     record=f"step {s} rank {r} micro-batch {k}", field="steps")
+
+
+def random_microbatch_schedule(num_samples: int, *, dp_size: int, num_microbatches: int, batch_size: int,
+                               seed: int, num_steps: int | None = None) -> IndexSchedule:
+    """The InternVL-style baseline: shuffle the dataset, deal fixed micro-batches of ``batch_size`` samples.
+
+    Step ``s``, rank ``r``, micro-batch ``k`` takes the next ``batch_size`` samples of one seeded
+    permutation; the tail that does not fill a whole step is left out (and reported by the caller).
+    """
+    per_step = dp_size * num_microbatches * batch_size
+    available = num_samples // per_step
+    if available == 0:
+        raise InputError(f"{num_samples} samples cannot fill one step of {dp_size} x {num_microbatches} x "
+                         f"{batch_size}", source="baseline schedule", field="baseline_batch_size")
+    steps = available if num_steps is None else min(num_steps, available)
+    perm = np.random.default_rng(seed).permutation(num_samples)[: steps * per_step]
+    grid = perm.reshape(steps, dp_size, num_microbatches, batch_size)
+    return IndexSchedule(dp_size, num_microbatches,
+                         tuple(tuple(tuple(grid[s, r, k] for k in range(num_microbatches)) for r in range(dp_size))
+                               for s in range(steps)), None, f"random micro-batches of {batch_size}, seed {seed}")
+
+
+def buffer_shape(schedule: ScheduleLike, tiles: np.ndarray, tokens: np.ndarray, *, pad_to_longest: bool,
+                 steps: Sequence[int] | None = None) -> tuple[int, int]:
+    """The smallest fixed (tiles, tokens) buffer that holds every micro-batch of the schedule.
+
+    Packs: sums of tiles and tokens. Padded micro-batches: sum of tiles, B x longest sample. A pipeline
+    needs one fixed shape, so the baseline pays for its worst micro-batch's buffer (memory and p2p bytes;
+    the model skips the unused tail, so not compute).
+    """
+    max_tiles = max_tokens = 1
+    for s in steps if steps is not None else range(schedule.num_steps):
+        for r in range(schedule.dp_size):
+            for k in range(schedule.num_microbatches):
+                mb = schedule.microbatch(s, r, k)
+                t = tokens[mb]
+                need_tokens = int(len(mb) * t.max()) if pad_to_longest else int(t.sum())
+                max_tiles = max(max_tiles, int(tiles[mb].sum()))
+                max_tokens = max(max_tokens, need_tokens)
+    return max_tiles, max_tokens

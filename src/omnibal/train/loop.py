@@ -1,0 +1,394 @@
+"""The training loop of one rank: data -> global target count -> pipeline step -> DP sync -> optimizer.
+
+    world = init_world(dp_size=2, pp_size=2, device="cpu", timeout_s=60)
+    trainer = Trainer(world=world, model=VLM(spec, seed=0), layout=layout, schedule=schedule,
+                      dataset=dataset, mode="omnibal", num_microbatches=4)
+    trainer.maybe_resume(checkpoint_dir)          # optional
+    summary = trainer.run(num_steps)
+
+One step on every rank:
+
+1. stage 0 of each DP rank reads its micro-batches from the schedule and collates them (the others wait);
+2. one all-reduce over the whole world of (targets, samples, tokens, ...): the global number of target
+   tokens, so every micro-batch's loss is ``loss_sum / global_targets`` and packing does not change the
+   gradient; it also starts the step on all ranks together;
+3. the pipeline schedule (or plain accumulation when pp = 1) runs forward + backward;
+4. gradients are summed over the DP group (one flat all-reduce), then the optimizer steps;
+5. all ranks' timings are gathered to global rank 0, which logs the step (outside the timed region).
+
+Any backend failure (a peer died, a timeout) becomes a PeerFailure naming this rank and the step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from omnibal.errors import InputError
+from omnibal.train import checkpoint as ckpt
+from omnibal.train.distributed import PeerFailure, World, is_comm_error, peer_failure
+from omnibal.train.feed import ScheduleLike, buffer_shape, check_schedule, schedule_fingerprint
+from omnibal.train.metrics_log import (MetricsLog, RankTimes, StepRecord, format_summary, process_memory,
+                                       progress_bar, summarize)
+from omnibal.train.pipeline import GradSync, StageLayout, StageRunner
+
+_COUNT_FIELDS = ("targets", "samples", "tokens", "tiles", "buffer_tokens", "buffer_tiles")
+
+
+def model_identity(spec) -> str:
+    """Name plus a hash of the full spec: checkpoints refuse to load into another architecture."""
+    return f"{spec.name}:{hashlib.sha256(repr(spec).encode()).hexdigest()[:12]}"
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """Fixed micro-batch buffer (tiles, tokens); None on a 1-stage run sizes each micro-batch exactly."""
+
+    tiles: int
+    tokens: int
+
+
+class Trainer:
+    """One rank of a DP x PP run of the reference VLM (see the module docstring)."""
+
+    def __init__(self, *, world: World, model, layout: StageLayout, schedule: ScheduleLike, dataset,
+                 mode: str, num_microbatches: int, pipeline_schedule: str = "1f1b", lr: float = 1e-4,
+                 weight_decay: float = 0.0, buffer: Buffer | None = None, log_path: str | None = None,
+                 quiet: bool = True, checkpoint_dir: str | None = None, checkpoint_every: int = 0,
+                 run_info: dict | None = None):
+        from omnibal.train.stage import apply_checkpointing, build_stage, example_carry
+
+        self.world = world
+        self.spec = model.spec
+        self.layout = layout
+        self.schedule = schedule
+        self.dataset = dataset
+        self.mode = mode
+        self.num_microbatches = num_microbatches
+        self.quiet = quiet
+        self.checkpoint_dir = checkpoint_dir
+        self.checkpoint_every = checkpoint_every
+        self.model_id = model_identity(self.spec)
+        self.pad_to_longest = mode == "baseline"
+        self.step = 0
+        """Steps completed (the next step to run)."""
+        self.skipped_checkpoints: list[str] = []
+
+        layer_names = [spec.name for spec, _ in model.chain()]
+        if layout.ranges[-1][1] != len(layer_names) or len(layout.ranges) != world.pp_size:
+            raise InputError(f"stage layout {layout.ranges} does not split the {len(layer_names)}-layer model into "
+                             f"{world.pp_size} stages", source="stage_layers")
+        if dataset is not None:
+            check_schedule(schedule, dp_size=world.dp_size, num_microbatches=num_microbatches,
+                           num_samples=len(dataset), source=getattr(schedule, "source", "schedule"))
+        self.schedule_id = schedule_fingerprint(schedule)
+
+        start, end = layout.ranges[world.pp_rank]
+        self.stage_module = build_stage(model, start, end)
+        apply_checkpointing(self.stage_module, layout.recompute[world.pp_rank])
+        self.stage_module.to(world.device)
+
+        if world.pp_size > 1 and buffer is None:
+            raise InputError("a pipeline needs one fixed micro-batch buffer (tiles, tokens)", source="buffer")
+        self.buffer = buffer
+        example_in = example_out = None
+        if world.pp_size > 1:
+            kw = dict(num_tiles=buffer.tiles, num_tokens=buffer.tokens, device=world.device)
+            example_in = example_carry(model, start, **kw)
+            example_out = example_carry(model, end, **kw)
+        self.runner = StageRunner(self.stage_module, stage_index=world.pp_rank, num_stages=world.pp_size,
+                                  device=world.device, num_microbatches=num_microbatches,
+                                  schedule=pipeline_schedule, pp_group=world.pp_group,
+                                  example_inputs=example_in, example_outputs=example_out)
+        params = [p for p in self.stage_module.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay) if params else None
+        self.grad_sync = GradSync(params, world.dp_group, world.dp_size)
+        self._collate_base = model.collate_config(num_tiles=1, num_tokens=1) if hasattr(model, "collate_config") else None
+        self.log = MetricsLog(log_path if world.rank == 0 else None, append=False,
+                              header={**(run_info or {}), "world": {"dp": world.dp_size, "pp": world.pp_size},
+                                      "model_id": self.model_id, "stage_layers": [list(r) for r in layout.ranges],
+                                      "recompute": [list(r) for r in layout.recompute], "mode": mode})
+        self.consumed: list[list[int]] = []
+        """Per completed step, the sample indices this rank's stage 0 fed (for resume checks)."""
+
+    # ---------------------------------------------------------------------------------------------- data
+
+    def _collate_config(self, mb_indices: Sequence[np.ndarray]):
+        from dataclasses import replace
+
+        if self.buffer is not None:
+            tiles, tokens = self.buffer.tiles, self.buffer.tokens
+        else:  # one stage: each micro-batch sized exactly (the baseline pads only to its own longest sample)
+            stats = self.dataset.stats
+            tiles = max(1, max(int(stats.tiles[mb].sum()) for mb in mb_indices))
+            tokens = max(int(len(mb) * stats.tokens[mb].max()) if self.pad_to_longest else int(stats.tokens[mb].sum())
+                         for mb in mb_indices)
+        return replace(self._collate_base, num_tiles=tiles, num_tokens=tokens,
+                       mode="pad_to_longest" if self.pad_to_longest else "pack",
+                       source=getattr(self.schedule, "source", "schedule"))
+
+    def load_microbatches(self, step: int):
+        """Stage 0: this DP rank's micro-batches of ``step`` (collated MicroBatch objects)."""
+        from omnibal.data.collate import collate
+
+        indices = [np.asarray(self.schedule.microbatch(step, self.world.dp_rank, k))
+                   for k in range(self.num_microbatches)]
+        cfg = self._collate_config(indices)
+        out = []
+        for k, mb in enumerate(indices):
+            try:
+                out.append(collate([self.dataset[int(i)] for i in mb], cfg))
+            except InputError as exc:
+                raise InputError(f"step {step}, dp rank {self.world.dp_rank}, micro-batch {k}: {exc.message}",
+                                 source=exc.source, record=exc.record, field=exc.field) from exc
+        return out
+
+    # ---------------------------------------------------------------------------------------------- step
+
+    def forward_backward(self):
+        """Steps 1-4 of the next step (data, global count, pipeline forward/backward, DP gradient sum);
+        leaves the summed gradients in the stage's parameters. Returns the StepResult; the timings and
+        counts of this call are kept for :meth:`train_step`."""
+        from omnibal.data.collate import SIZE_TILES, SIZE_TOKENS
+
+        w = self.world
+        step = self.step
+        if step >= self.schedule.num_steps:
+            raise InputError(f"the schedule has {self.schedule.num_steps} steps; step {step} was requested",
+                             source=getattr(self.schedule, "source", "schedule"), field="steps")
+        times = RankTimes()
+        self._t_start = t_start = time.perf_counter()
+        self._cpu_start = time.process_time()
+        counts = torch.zeros(len(_COUNT_FIELDS), dtype=torch.float64)
+        carries = None
+        if w.is_first_stage:
+            batches = self.load_microbatches(step)
+            carries = [b.carry() for b in batches]
+            tiles = sum(int(b.sizes[0, SIZE_TILES]) for b in batches)
+            counts += torch.tensor([
+                sum(b.num_targets for b in batches), sum(len(b.sample_indices) for b in batches),
+                sum(b.num_real_tokens for b in batches), tiles, sum(int(b.sizes[0, SIZE_TOKENS]) for b in batches),
+                tiles], dtype=torch.float64)
+            self._fed = [int(i) for b in batches for i in b.sample_indices]
+        times.data_s = time.perf_counter() - t_start
+        try:
+            self._all_reduce(counts)
+            self._counts = dict(zip(_COUNT_FIELDS, counts.tolist()))
+            result = self.runner.run_step(carries, global_targets=self._counts["targets"])
+            t_sync = time.perf_counter()
+            self.grad_sync()
+            times.dp_sync_s = time.perf_counter() - t_sync
+        except InputError:
+            raise
+        except Exception as exc:
+            if is_comm_error(exc) or _caused_by_comm_error(exc):
+                raise peer_failure(w, f"step {step}", exc) from exc
+            raise
+        times.compute_s = result.compute_s
+        self._times, self._result = times, result
+        return result
+
+    def train_step(self) -> StepRecord | None:
+        """Run the next step on this rank; global rank 0 returns the step's record, the others None."""
+        self.forward_backward()
+        times, result, step = self._times, self._result, self.step
+        t_opt = time.perf_counter()
+        if self.optimizer is not None:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        times.optim_s = time.perf_counter() - t_opt
+        times.step_s = time.perf_counter() - self._t_start
+        times.cpu_s = time.process_time() - self._cpu_start
+        times.wait_s = max(0.0, times.step_s - times.compute_s - times.dp_sync_s - times.optim_s - times.data_s)
+        times.mem_bytes, times.peak_mem_bytes = process_memory(self.world.device.type)
+        if self.world.is_first_stage:
+            self.consumed.append(self._fed)
+        self.step += 1
+        return self._gather_record(step, times, result.loss_sum, self._counts)
+
+    def _all_reduce(self, tensor: torch.Tensor) -> None:
+        if self.world.world_size > 1:
+            dist.all_reduce(tensor)
+
+    def _gather_record(self, step: int, times: RankTimes, loss_sum: float, counts: dict) -> StepRecord | None:
+        w = self.world
+        mine = torch.tensor(times.as_list() + [loss_sum], dtype=torch.float64)
+        if w.world_size > 1:
+            gathered = [torch.zeros_like(mine) for _ in range(w.world_size)]
+            try:
+                dist.all_gather(gathered, mine)
+            except Exception as exc:
+                if is_comm_error(exc):
+                    raise peer_failure(w, f"step {step} (metrics)", exc) from exc
+                raise
+        else:
+            gathered = [mine]
+        if w.rank != 0:
+            return None
+        ranks = []
+        for r, row in enumerate(gathered):
+            vals = row.tolist()
+            ranks.append({"rank": r, "dp": r // w.pp_size, "pp": r % w.pp_size,
+                          **RankTimes.from_list(vals[:-1]).__dict__})
+        record = StepRecord(step=step, loss=float(sum(row[-1].item() for row in gathered)),
+                            step_s=max(r["step_s"] for r in ranks), samples=int(counts["samples"]),
+                            tokens=int(counts["tokens"]), tiles=int(counts["tiles"]),
+                            buffer_tokens=int(counts["buffer_tokens"]), buffer_tiles=int(counts["buffer_tiles"]),
+                            targets=int(counts["targets"]), ranks=ranks)
+        self.log.add(record)
+        return record
+
+    # ---------------------------------------------------------------------------------------------- run
+
+    def run(self, num_steps: int, *, warmup: int = 1) -> dict:
+        """Train until ``num_steps`` steps are done in total (resumed ones count); returns the summary
+        (on global rank 0; an empty dict elsewhere)."""
+        if num_steps > self.schedule.num_steps:
+            raise InputError(f"{num_steps} steps requested but the schedule has {self.schedule.num_steps}",
+                             source=getattr(self.schedule, "source", "schedule"), field="num_steps")
+        bar = progress_bar(num_steps, self.step, quiet=self.quiet or self.world.rank != 0)
+        try:
+            while self.step < num_steps:
+                record = self.train_step()
+                if record is not None:
+                    bar.set_postfix(loss=f"{record.loss:.3f}", sps=f"{record.samples_per_s:.1f}")
+                bar.update(1)
+                if self.checkpoint_dir and ((self.checkpoint_every and self.step % self.checkpoint_every == 0)
+                                            or self.step == num_steps):
+                    self.save_checkpoint()
+        finally:
+            bar.close()
+            self.log.close()
+        if self.world.rank != 0:
+            return {}
+        summary = summarize(self.log.records, warmup=warmup)
+        if not self.quiet:
+            print(format_summary(summary, f"{self.mode} dp{self.world.dp_size} x pp{self.world.pp_size}"),
+                  file=sys.stderr)
+        return summary
+
+    # ---------------------------------------------------------------------------------------------- checkpoints
+
+    def _world_doc(self) -> dict:
+        return {"dp_size": self.world.dp_size, "pp_size": self.world.pp_size}
+
+    def sampler_state(self) -> dict:
+        return {"next_step": self.step, "schedule_fingerprint": self.schedule_id}
+
+    def save_checkpoint(self) -> None:
+        """Write this step's checkpoint: each stage's dp-rank-0 writes its file, rank 0 the manifest."""
+        w = self.world
+        record = None
+        if w.dp_rank == 0:
+            record = ckpt.write_stage_file(self.checkpoint_dir, self.step, w.pp_rank, model=self.stage_module,
+                                           optimizer=self.optimizer)
+        records = self._gather_objects(record, "checkpoint")
+        if w.rank == 0:
+            ckpt.write_manifest(self.checkpoint_dir, self.step, stage_records=[r for r in records if r is not None],
+                                world=self._world_doc(), model_id=self.model_id,
+                                stage_layers=[list(r) for r in self.layout.ranges], sampler=self.sampler_state(),
+                                extra={"mode": self.mode})
+        self._barrier("checkpoint")
+
+    def maybe_resume(self, checkpoint_dir: str | None = None) -> bool:
+        """Load the newest valid checkpoint (corrupt newer ones are skipped and listed in
+        ``skipped_checkpoints``); returns False when there is none. Incompatible ones raise InputError."""
+        root = checkpoint_dir or self.checkpoint_dir
+        w = self.world
+        decision: dict[str, Any] = {}
+        if w.rank == 0:
+            try:
+                found = ckpt.find_latest_valid(root, world=self._world_doc(), model_id=self.model_id,
+                                               stage_layers=[list(r) for r in self.layout.ranges])
+                decision = {"path": str(found.path) if found.path else None, "manifest": found.manifest,
+                            "skipped": found.skipped}
+                if found.manifest is not None:
+                    fp = found.manifest.get("sampler", {}).get("schedule_fingerprint")
+                    if fp != self.schedule_id:
+                        raise InputError(f"checkpoint was trained on schedule {fp}, this run uses {self.schedule_id}: "
+                                         f"resuming would not continue the same sample stream",
+                                         source=str(found.path), field="sampler")
+            except InputError as exc:
+                decision = {"error": exc.message, "source": exc.source, "field": exc.field}
+        decision = self._broadcast_object(decision)
+        if "error" in decision:
+            raise InputError(decision["error"], source=decision["source"], field=decision["field"])
+        self.skipped_checkpoints = decision["skipped"]
+        if not self.quiet and w.rank == 0:
+            for line in self.skipped_checkpoints:
+                print(f"omnibal train: {line}", file=sys.stderr)
+        if decision["path"] is None:
+            return False
+        from pathlib import Path
+
+        ckpt.load_stage_file(Path(decision["path"]), decision["manifest"], w.pp_rank, model=self.stage_module,
+                             optimizer=self.optimizer, map_location=w.device)
+        self.step = int(decision["manifest"]["sampler"]["next_step"])
+        if self.log.path is not None:  # keep the log of the steps before the checkpoint
+            self.log.close()
+            self.log = MetricsLog(self.log.path, append=True)
+        return True
+
+    def _gather_objects(self, obj: Any, what: str) -> list:
+        if self.world.world_size == 1:
+            return [obj]
+        out: list = [None] * self.world.world_size
+        try:
+            dist.all_gather_object(out, obj)
+        except Exception as exc:
+            if is_comm_error(exc):
+                raise peer_failure(self.world, what, exc) from exc
+            raise
+        return out
+
+    def _broadcast_object(self, obj: Any) -> Any:
+        if self.world.world_size == 1:
+            return obj
+        box = [obj]
+        try:
+            dist.broadcast_object_list(box, src=0)
+        except Exception as exc:
+            if is_comm_error(exc):
+                raise peer_failure(self.world, "resume", exc) from exc
+            raise
+        return box[0]
+
+    def _barrier(self, what: str) -> None:
+        if self.world.world_size == 1:
+            return
+        try:
+            dist.barrier()
+        except Exception as exc:
+            if is_comm_error(exc):
+                raise peer_failure(self.world, what, exc) from exc
+            raise
+
+
+def _caused_by_comm_error(exc: BaseException) -> bool:
+    seen = exc.__cause__ or exc.__context__
+    while seen is not None:
+        if is_comm_error(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def fixed_buffer(schedule: ScheduleLike, stats, *, mode: str) -> Buffer:
+    """The pipeline's fixed micro-batch buffer: the balancer's caps in omnibal mode (every pack fits them by
+    construction; one that does not is refused by the collator), else the tightest buffer that holds every
+    micro-batch of the schedule (the baseline pays for its worst padded micro-batch)."""
+    caps = getattr(schedule, "caps", None)
+    if mode == "omnibal" and caps is not None:
+        tiles = caps["tiles"] if isinstance(caps, dict) else caps.tiles
+        tokens = caps["tokens"] if isinstance(caps, dict) else caps.tokens
+        if tiles and tokens:
+            return Buffer(int(tiles), int(tokens))
+    tiles, tokens = buffer_shape(schedule, stats.tiles, stats.tokens, pad_to_longest=mode == "baseline")
+    return Buffer(tiles, tokens)

@@ -1,0 +1,196 @@
+"""Per-step metrics: JSONL log, end-of-run summary table, progress bar.
+
+Each rank measures its own step: ``compute_s`` (forward + backward of its stage), ``dp_sync_s`` (blocked in
+the DP gradient all-reduce: where a rank that finished early waits for the slowest replica), ``optim_s``,
+``data_s`` (loading + collating on stage 0) and ``wait_s`` = step time - everything else (pipeline p2p
+and bubbles: time the stage sat idle waiting for activations or gradients). Global rank 0 gathers all
+ranks' numbers once per step (outside the timed region) and writes one JSON line per step.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import statistics
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+RANK_FIELDS = ("step_s", "compute_s", "wait_s", "dp_sync_s", "optim_s", "data_s", "cpu_s", "mem_bytes",
+               "peak_mem_bytes")
+
+
+@dataclass
+class RankTimes:
+    """One rank's share of one step (seconds; memory in bytes)."""
+
+    step_s: float = 0.0
+    compute_s: float = 0.0
+    wait_s: float = 0.0
+    dp_sync_s: float = 0.0
+    optim_s: float = 0.0
+    data_s: float = 0.0
+    cpu_s: float = 0.0
+    """CPU seconds the process used during the step (all its threads, including the backend's): on a
+    loaded machine, wall times stretch but this does not."""
+    mem_bytes: float = 0.0
+    """Resident memory now (CPU RSS) or allocated device memory (CUDA)."""
+    peak_mem_bytes: float = 0.0
+    """Peak resident memory of the process (CPU) or peak allocated device memory (CUDA)."""
+
+    def as_list(self) -> list[float]:
+        return [float(getattr(self, f)) for f in RANK_FIELDS]
+
+    @classmethod
+    def from_list(cls, values: Sequence[float]) -> "RankTimes":
+        return cls(**dict(zip(RANK_FIELDS, (float(v) for v in values))))
+
+
+@dataclass
+class StepRecord:
+    """One step of the whole world, as written to the JSONL log."""
+
+    step: int
+    loss: float
+    """Mean loss per target token over the global batch."""
+    step_s: float
+    """Wall time of the step (the slowest rank's)."""
+    samples: int
+    """Real samples in the global batch."""
+    tokens: int
+    """Real (unpadded) LLM tokens in the global batch."""
+    tiles: int
+    """Real image tiles in the global batch."""
+    buffer_tokens: int
+    """LLM token slots computed (real + padding)."""
+    buffer_tiles: int
+    """Tile slots computed by the vision encoder (real + padding)."""
+    targets: int
+    """Target (loss) tokens in the global batch."""
+    ranks: list[dict] = field(default_factory=list)
+    """Per rank: rank, dp, pp and the RankTimes fields."""
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.step_s if self.step_s > 0 else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.step_s if self.step_s > 0 else 0.0
+
+    def to_json(self) -> dict:
+        doc = asdict(self)
+        doc["samples_per_s"] = self.samples_per_s
+        doc["tokens_per_s"] = self.tokens_per_s
+        doc["token_pad_ratio"] = 1 - self.tokens / self.buffer_tokens if self.buffer_tokens else 0.0
+        doc["tile_pad_ratio"] = 1 - self.tiles / self.buffer_tiles if self.buffer_tiles else 0.0
+        return doc
+
+
+def process_memory(device_type: str = "cpu") -> tuple[float, float]:
+    """(current, peak) memory in bytes: RSS for CPU runs, allocated device memory for CUDA."""
+    if device_type == "cuda":
+        import torch
+
+        return float(torch.cuda.memory_allocated()), float(torch.cuda.max_memory_allocated())
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0  # KiB on Linux
+    try:
+        with open("/proc/self/statm") as f:
+            rss_pages = int(f.read().split()[1])
+        import os
+
+        now = rss_pages * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        now = peak
+    return float(now), float(peak)
+
+
+class MetricsLog:
+    """Appends StepRecords to a JSONL file and keeps them for the summary."""
+
+    def __init__(self, path: str | Path | None, *, append: bool = False, header: dict | None = None):
+        self.path = Path(path) if path else None
+        self.records: list[StepRecord] = []
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "a" if append else "w", encoding="utf-8")
+            if header is not None:
+                self._file.write(json.dumps({"run": header}) + "\n")
+                self._file.flush()
+        else:
+            self._file = None
+
+    def add(self, record: StepRecord) -> None:
+        self.records.append(record)
+        if self._file is not None:
+            self._file.write(json.dumps(record.to_json()) + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def summarize(records: Sequence[StepRecord], *, warmup: int = 1) -> dict:
+    """Throughput and per-rank time shares over the steps after ``warmup`` (all of them if too few)."""
+    use = list(records[warmup:]) if len(records) > warmup else list(records)
+    if not use:
+        return {}
+    total_s = sum(r.step_s for r in use)
+    ranks: dict[int, dict] = {}
+    for rec in use:
+        for rk in rec.ranks:
+            acc = ranks.setdefault(rk["rank"], {"rank": rk["rank"], "dp": rk["dp"], "pp": rk["pp"], "n": 0,
+                                                **{f: 0.0 for f in RANK_FIELDS if "mem" not in f},
+                                                "peak_mem_bytes": 0.0})
+            acc["n"] += 1
+            for f in RANK_FIELDS:
+                if f == "peak_mem_bytes":
+                    acc[f] = max(acc[f], rk[f])
+                elif f != "mem_bytes":
+                    acc[f] += rk[f]
+    per_rank = []
+    for acc in sorted(ranks.values(), key=lambda a: a["rank"]):
+        n = acc.pop("n")
+        per_rank.append({**acc, **{f: acc[f] / n for f in RANK_FIELDS if "mem" not in f}})
+    return {
+        "steps": len(use),
+        "warmup_steps_excluded": len(records) - len(use),
+        "median_step_s": statistics.median(r.step_s for r in use),
+        "mean_step_s": total_s / len(use),
+        "samples_per_s": sum(r.samples for r in use) / total_s if total_s else 0.0,
+        "tokens_per_s": sum(r.tokens for r in use) / total_s if total_s else 0.0,
+        "token_pad_ratio": 1 - sum(r.tokens for r in use) / max(1, sum(r.buffer_tokens for r in use)),
+        "tile_pad_ratio": 1 - sum(r.tiles for r in use) / max(1, sum(r.buffer_tiles for r in use)),
+        "final_loss": use[-1].loss,
+        "per_rank": per_rank,
+    }
+
+
+def format_summary(summary: dict, title: str = "training summary") -> str:
+    """Markdown table of the summary (per-rank compute / wait / DP sync in mean seconds per step)."""
+    if not summary:
+        return f"{title}: no steps"
+    lines = [f"## {title}", "",
+             f"steps {summary['steps']} (+{summary['warmup_steps_excluded']} warm-up), median step "
+             f"{summary['median_step_s'] * 1e3:.1f} ms, {summary['samples_per_s']:.2f} samples/s, "
+             f"{summary['tokens_per_s']:.0f} tokens/s (real), pad: tokens {summary['token_pad_ratio']:.1%}, "
+             f"tiles {summary['tile_pad_ratio']:.1%}, final loss {summary['final_loss']:.4f}", "",
+             "| rank | dp | pp | step ms | compute ms | pipeline wait ms | dp sync ms | optim ms | data ms | cpu ms "
+             "| peak MiB |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in summary["per_rank"]:
+        lines.append(f"| {r['rank']} | {r['dp']} | {r['pp']} | {r['step_s'] * 1e3:.1f} | {r['compute_s'] * 1e3:.1f} | "
+                     f"{r['wait_s'] * 1e3:.1f} | {r['dp_sync_s'] * 1e3:.1f} | {r['optim_s'] * 1e3:.1f} | "
+                     f"{r['data_s'] * 1e3:.1f} | {r['cpu_s'] * 1e3:.1f} | {r['peak_mem_bytes'] / 2**20:.0f} |")
+    return "\n".join(lines)
+
+
+def progress_bar(total: int, initial: int, *, quiet: bool, desc: str = "train"):
+    """tqdm on stderr; disabled when quiet or stderr is not a terminal."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, desc=desc, unit="step", file=sys.stderr,
+                disable=quiet or not sys.stderr.isatty(), dynamic_ncols=True)

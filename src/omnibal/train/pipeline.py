@@ -1,0 +1,373 @@
+"""Pipeline stages from layer ranges, and the per-step forward/backward of one rank.
+
+A stage is a contiguous half-open range ``[start, end)`` of the model's layer chain
+(``ModelSpec.layers()``). Ranges come from a plan, from ``--stage-layers``, or from an even split.
+
+``StageRunner.run_step`` executes one step's micro-batches on this rank and returns the summed loss
+(last stage only) plus compute time. With ``pp_size > 1`` it drives a torch.distributed.pipelining
+``PipelineStage`` under ``Schedule1F1B`` / ``ScheduleGPipe``; with ``pp_size == 1`` it runs a plain
+gradient-accumulation loop (no fixed shapes needed, so the baseline there pads each micro-batch only to
+its own longest sample, as InternVL does without a pipeline).
+
+Loss scaling: every micro-batch's stage output ends in ``(loss_sum, num_targets)``; the loss fed to
+backward is ``loss_sum / global_targets`` where ``global_targets`` counts target tokens over all DP ranks
+and micro-batches of the step, and the schedule runs with ``scale_grads=False``. Gradients are then
+*summed* over DP (see :class:`GradSync`), so the update equals the single-process gradient of the
+global-token-normalised loss, whatever the packing.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from omnibal.errors import InputError
+
+
+def even_split(num_layers: int, num_stages: int) -> tuple[tuple[int, int], ...]:
+    """Contiguous ranges with layer counts differing by at most one (earlier stages get the extra)."""
+    if num_stages > num_layers:
+        raise InputError(f"cannot split {num_layers} layers into {num_stages} non-empty stages",
+                         source="pp_size", field="pp_size")
+    base, extra = divmod(num_layers, num_stages)
+    ranges, start = [], 0
+    for s in range(num_stages):
+        end = start + base + (1 if s < extra else 0)
+        ranges.append((start, end))
+        start = end
+    return tuple(ranges)
+
+
+def validate_stage_layers(ranges: Sequence[Sequence[int]], num_layers: int, *, source: str,
+                          num_stages: int | None = None) -> tuple[tuple[int, int], ...]:
+    """Check that ranges are non-empty, contiguous and cover exactly ``[0, num_layers)``."""
+    out: list[tuple[int, int]] = []
+    if num_stages is not None and len(ranges) != num_stages:
+        raise InputError(f"{len(ranges)} stage ranges for {num_stages} pipeline stages", source=source,
+                         field="stage_layers")
+    expect = 0
+    for s, rng in enumerate(ranges):
+        if len(rng) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in rng):
+            raise InputError(f"a stage range is [start, end) of two integers, got {rng!r}", source=source,
+                             record=f"stage {s}", field="stage_layers")
+        start, end = int(rng[0]), int(rng[1])
+        if start != expect:
+            raise InputError(f"stage starts at layer {start}, expected {expect} (ranges must be contiguous "
+                             f"from 0)", source=source, record=f"stage {s}", field="stage_layers")
+        if end <= start:
+            raise InputError(f"empty stage [{start}, {end})", source=source, record=f"stage {s}",
+                             field="stage_layers")
+        out.append((start, end))
+        expect = end
+    if expect != num_layers:
+        raise InputError(f"stages cover layers [0, {expect}) but the model has {num_layers} layers",
+                         source=source, field="stage_layers")
+    return tuple(out)
+
+
+def parse_stage_layers(text: str) -> tuple[tuple[int, int], ...]:
+    """Parse ``--stage-layers "0:9,9:20"`` (half-open ranges)."""
+    ranges = []
+    for k, part in enumerate(p for p in text.split(",") if p.strip()):
+        try:
+            a, b = part.split(":")
+            ranges.append((int(a), int(b)))
+        except ValueError:
+            raise InputError(f"expected START:END, got {part.strip()!r}", source="--stage-layers",
+                             record=f"stage {k}") from None
+    return tuple(ranges)
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    """Layer ranges and recompute sets of every stage, checked against the model's layer chain."""
+
+    ranges: tuple[tuple[int, int], ...]
+    recompute: tuple[tuple[str, ...], ...]
+    """Per stage, the names of the layers whose activations are recomputed in backward."""
+
+    def names(self, layer_names: Sequence[str], stage: int) -> tuple[str, ...]:
+        start, end = self.ranges[stage]
+        return tuple(layer_names[start:end])
+
+
+def load_plan_layout(path: str | Path, layer_names: Sequence[str], *, pp_size: int,
+                     model_name: str | None = None) -> StageLayout:
+    """Read stage ranges and recompute sets from a Plan JSON.
+
+    Accepted stage records: ``{"layers": [start, end]}`` or ``{"start": s, "end": e}`` plus optional
+    ``"modules"`` (names, checked against the model), ``"recompute"`` (layer names). A plan made for
+    another model (``"model"`` field) or another number of stages is refused.
+    """
+    src = str(path)
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise InputError(f"cannot read plan: {exc}", source=src) from exc
+    if not isinstance(doc, dict) or not isinstance(doc.get("stages"), list):
+        raise InputError("a plan is a JSON object with a 'stages' list", source=src, field="stages")
+    plan_model = doc.get("model") if isinstance(doc.get("model"), str) else (doc.get("model") or {}).get("name")
+    if plan_model is None and isinstance(doc.get("inputs"), dict):  # omnibal.plan.Plan JSON
+        plan_model = doc["inputs"].get("model")
+    if model_name is not None and plan_model is not None and plan_model != model_name:
+        raise InputError(f"plan was made for model {plan_model!r}, this run trains {model_name!r}", source=src,
+                         field="model")
+    ranges, recompute = [], []
+    for s, stage in enumerate(doc["stages"]):
+        if not isinstance(stage, dict):
+            raise InputError("stage record must be an object", source=src, record=f"stage {s}")
+        if "layers" in stage:
+            rng = stage["layers"]
+        elif "start" in stage and "end" in stage:
+            rng = [stage["start"], stage["end"]]
+        else:
+            raise InputError("stage record needs 'layers': [start, end]", source=src, record=f"stage {s}",
+                             field="layers")
+        ranges.append(rng)
+        recompute.append(tuple(stage.get("recompute", ())))
+    checked = validate_stage_layers(ranges, len(layer_names), source=src, num_stages=pp_size)
+    for s, ((start, end), stage) in enumerate(zip(checked, doc["stages"])):
+        own = list(layer_names[start:end])
+        if "modules" in stage and list(stage["modules"]) != own:
+            raise InputError(f"plan names modules {stage['modules']} for layers [{start}, {end}) but the model "
+                             f"has {own}", source=src, record=f"stage {s}", field="modules")
+        unknown = [n for n in recompute[s] if n not in own]
+        if unknown:
+            raise InputError(f"recompute names layers not in this stage: {unknown}", source=src,
+                             record=f"stage {s}", field="recompute")
+    return StageLayout(checked, tuple(recompute))
+
+
+def resolve_layout(layer_names: Sequence[str], *, pp_size: int, mode: str,
+                   stage_layers: Sequence[Sequence[int]] | None = None,
+                   recompute: Sequence[Sequence[str]] | None = None, plan_path: str | None = None,
+                   model_name: str | None = None, recomputable: Sequence[str] | None = None) -> StageLayout:
+    """The stage layout of a run. Precedence: explicit ranges > plan (omnibal mode) > even split.
+
+    Recompute: explicit sets > plan sets (omnibal mode) > every recomputable layer (baseline: full
+    recompute, InternVL's default) > none.
+    """
+    num_layers = len(layer_names)
+    plan = None
+    if plan_path is not None and mode == "omnibal":
+        plan = load_plan_layout(plan_path, layer_names, pp_size=pp_size, model_name=model_name)
+    if stage_layers is not None:
+        ranges = validate_stage_layers(stage_layers, num_layers, source="--stage-layers", num_stages=pp_size)
+    elif plan is not None:
+        ranges = plan.ranges
+    else:
+        ranges = even_split(num_layers, pp_size)
+    if recompute is not None:
+        sets = tuple(tuple(r) for r in recompute)
+        for s, names in enumerate(sets):
+            own = layer_names[ranges[s][0]:ranges[s][1]]
+            bad = [n for n in names if n not in own]
+            if bad:
+                raise InputError(f"recompute names layers not in stage {s}: {bad}", source="--recompute",
+                                 record=f"stage {s}")
+    elif plan is not None and stage_layers is None:
+        sets = plan.recompute
+    elif mode == "baseline":
+        allowed = set(recomputable if recomputable is not None else layer_names)
+        sets = tuple(tuple(n for n in layer_names[a:b] if n in allowed) for a, b in ranges)
+    else:
+        sets = tuple(() for _ in ranges)
+    return StageLayout(tuple(ranges), sets)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# One rank's step
+
+
+def _make_timed_stage_class():
+    from torch.distributed.pipelining import PipelineStage
+
+    class TimedPipelineStage(PipelineStage):
+        """PipelineStage that accumulates the seconds spent computing (everything else is waiting)."""
+
+        compute_s: float = 0.0
+
+        def _sync(self) -> None:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+
+        def forward_one_chunk(self, *args, **kwargs):
+            self._sync()
+            t0 = time.perf_counter()
+            out = super().forward_one_chunk(*args, **kwargs)
+            self._sync()
+            self.compute_s += time.perf_counter() - t0
+            return out
+
+        def backward_one_chunk(self, *args, **kwargs):
+            self._sync()
+            t0 = time.perf_counter()
+            out = super().backward_one_chunk(*args, **kwargs)
+            self._sync()
+            self.compute_s += time.perf_counter() - t0
+            return out
+
+    return TimedPipelineStage
+
+
+class ShapeGuard(nn.Module):
+    """Wraps a stage module and refuses outputs whose shapes differ from the fixed pipeline buffers.
+
+    torch.distributed.pipelining sizes its receive buffers once; a different shape later corrupts or
+    aborts far away. This check is a few tuple comparisons per micro-batch.
+    """
+
+    def __init__(self, inner: nn.Module, stage_index: int, expected: Sequence[torch.Tensor] | None):
+        super().__init__()
+        self.inner = inner
+        self.stage_index = stage_index
+        self.expected = None if expected is None else [(tuple(t.shape), t.dtype) for t in expected]
+
+    def forward(self, *carry):
+        out = self.inner(*carry)
+        if self.expected is not None:
+            got = [(tuple(t.shape), t.dtype) for t in out]
+            if got != self.expected:
+                raise InputError(f"stage {self.stage_index} produced {got}, but the pipeline buffers are fixed "
+                                 f"at {self.expected}: every micro-batch must have the shapes of the first",
+                                 source=f"stage {self.stage_index}", field="carry shapes")
+        return out
+
+
+@dataclass
+class StepResult:
+    """What one rank did in one step."""
+
+    loss_sum: float
+    """Sum of the per-micro-batch losses this rank computed (last stage only; 0 elsewhere), already
+    divided by the global target count."""
+    compute_s: float
+    """Seconds of forward + backward compute on this rank."""
+
+
+class StageRunner:
+    """Runs one rank's stage for a step: the pipeline schedule (pp > 1) or gradient accumulation."""
+
+    def __init__(self, stage_module: nn.Module, *, stage_index: int, num_stages: int, device: torch.device,
+                 num_microbatches: int, schedule: str = "1f1b", pp_group=None,
+                 example_inputs: Sequence[torch.Tensor] | None = None,
+                 example_outputs: Sequence[torch.Tensor] | None = None):
+        self.module = stage_module
+        self.stage_index = stage_index
+        self.num_stages = num_stages
+        self.device = device
+        self.num_microbatches = num_microbatches
+        self._scale = 1.0
+        self._input_shapes = None if example_inputs is None else [(tuple(t.shape), t.dtype) for t in example_inputs]
+        if num_stages == 1:
+            self.stage = None
+            self.schedule = None
+            return
+        from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
+        if example_inputs is None or example_outputs is None:
+            raise ValueError("a pipeline stage needs example inputs and outputs (fixed shapes)")
+        guarded = ShapeGuard(stage_module, stage_index, None if stage_index == num_stages - 1 else example_outputs)
+        self._guarded = guarded
+        stage_cls = _make_timed_stage_class()
+        self.stage = stage_cls(guarded, stage_index, num_stages, device, input_args=tuple(example_inputs),
+                               output_args=tuple(example_outputs), group=pp_group)
+        cls = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule]
+        self.schedule = cls(self.stage, num_microbatches, loss_fn=self._loss_fn, scale_grads=False)
+
+    def _loss_fn(self, output, target):
+        return output[0] * self._scale
+
+    def check_inputs(self, microbatches: Sequence[Sequence[torch.Tensor]]) -> None:
+        """First-stage input check: M micro-batches of exactly the fixed shapes (pipelines only)."""
+        if len(microbatches) != self.num_microbatches:
+            raise InputError(f"{len(microbatches)} micro-batches for a {self.num_microbatches}-micro-batch "
+                             f"schedule", source="schedule", field="num_microbatches")
+        if self.num_stages == 1 or self._input_shapes is None:
+            return
+        for k, mb in enumerate(microbatches):
+            got = [(tuple(t.shape), t.dtype) for t in mb]
+            if got != self._input_shapes:
+                raise InputError(f"micro-batch shapes {got} differ from the fixed pipeline buffer "
+                                 f"{self._input_shapes}", source="collate", record=f"micro-batch {k}")
+
+    def run_step(self, microbatches: Sequence[Sequence[torch.Tensor]] | None, *, global_targets: float) -> StepResult:
+        """Forward + backward of this step's micro-batches; gradients accumulate in the module's params.
+
+        ``microbatches`` is needed on the first stage only (stage inputs); other stages pass None.
+        """
+        if global_targets <= 0:
+            raise InputError("the global batch has no target tokens (every label is ignored)", source="data",
+                             field="labels")
+        self._scale = 1.0 / float(global_targets)
+        if self.num_stages == 1:
+            return self._accumulate(microbatches)
+        self.stage.compute_s = 0.0
+        args = ()
+        if self.stage_index == 0:
+            assert microbatches is not None
+            self.check_inputs(microbatches)
+            args = tuple(torch.cat([mb[j] for mb in microbatches], dim=0).to(self.device)
+                         for j in range(len(microbatches[0])))
+        losses: list[torch.Tensor] = []
+        if self.stage_index == self.num_stages - 1:
+            dummy_target = torch.zeros(self.num_microbatches, device=self.device)
+            self.schedule.step(*args, target=dummy_target, losses=losses, return_outputs=False)
+        else:
+            self.schedule.step(*args, return_outputs=False)
+        loss_sum = float(sum(l.detach().float().item() for l in losses)) if losses else 0.0
+        return StepResult(loss_sum=loss_sum, compute_s=self.stage.compute_s)
+
+    def _accumulate(self, microbatches) -> StepResult:
+        assert microbatches is not None
+        self.check_inputs(microbatches)
+        compute = 0.0
+        loss_sum = 0.0
+        for mb in microbatches:
+            _sync(self.device)
+            t0 = time.perf_counter()
+            out = self.module(*[t.to(self.device) for t in mb])
+            loss = out[0] * self._scale
+            loss.backward()
+            _sync(self.device)
+            compute += time.perf_counter() - t0
+            loss_sum += float(loss.detach().item())
+        return StepResult(loss_sum=loss_sum, compute_s=compute)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class GradSync:
+    """Sums gradients over the DP group in one flat all-reduce per step (DDP's reduction, made explicit
+    so the time blocked in it is measured: a rank that finished early waits here for the slowest)."""
+
+    def __init__(self, params: Sequence[nn.Parameter], dp_group, dp_size: int):
+        self.params = [p for p in params if p.requires_grad]
+        self.group = dp_group
+        self.dp_size = dp_size
+
+    def __call__(self) -> None:
+        if self.dp_size == 1 or not self.params:
+            return
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
+        offset = 0
+        for p, g in zip(self.params, grads):
+            n = g.numel()
+            chunk = flat[offset:offset + n].view_as(g)
+            if p.grad is None:
+                p.grad = chunk.clone()
+            else:
+                p.grad.copy_(chunk)
+            offset += n

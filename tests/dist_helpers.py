@@ -1,0 +1,166 @@
+"""Helpers for the multi-process trainer tests: a tiny model, data, schedules, and rank functions.
+
+Rank functions run in spawned processes (``omnibal.train.distributed.spawn_local``); they return plain
+picklable values (numpy arrays, floats, strings) that the test compares against a single-process run.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import torch
+
+from omnibal.cost.spec import LLMSpec, ModelSpec, VisionSpec
+from omnibal.stats.table import SampleStats
+
+TIMEOUT_S = 20.0
+NUM_STEPS = 6
+
+
+def tiny_spec(vision_layers: int = 2, llm_layers: int = 2) -> ModelSpec:
+    return ModelSpec(
+        name="dist-test-tiny",
+        vision=VisionSpec(num_layers=vision_layers, hidden=32, num_heads=4, mlp_hidden=64, image_size=32,
+                          patch_size=8),
+        llm=LLMSpec(num_layers=llm_layers, hidden=32, num_heads=4, num_kv_heads=2, mlp_hidden=64, vocab_size=64),
+        downsample_ratio=0.5,
+    )
+
+
+def tiny_stats(num_samples: int = 160, seed: int = 0) -> SampleStats:
+    rng = np.random.default_rng(seed)
+    tiles = rng.integers(1, 4, num_samples)
+    tokens = tiles * 4 + 1 + rng.integers(4, 24, num_samples)
+    return SampleStats.from_arrays(tiles=tiles, tokens=tokens, source="dist-test-stats")
+
+
+def tiny_dataset(spec: ModelSpec, stats: SampleStats, seed: int = 0):
+    from omnibal.data.dataset import SyntheticConfig, SyntheticVLMDataset
+
+    cfg = SyntheticConfig(image_size=spec.vision.image_size, tokens_per_tile=spec.llm_tokens_per_tile,
+                          vocab_size=spec.llm.vocab_size, image_token_id=spec.llm.vocab_size - 1, seed=seed)
+    return SyntheticVLMDataset(stats, cfg)
+
+
+def pack_schedule(stats: SampleStats, *, dp_size: int, num_microbatches: int, num_steps: int, seed: int = 0):
+    """Packs of 1-4 shuffled samples (uneven on purpose: the loss normalisation must not care), dealt to
+    (step, rank, micro-batch) in order."""
+    from omnibal.train.feed import IndexSchedule
+
+    rng = np.random.default_rng(seed)
+    perm = rng.permutation(len(stats))
+    sizes = rng.integers(1, 5, num_steps * dp_size * num_microbatches)
+    assert sizes.sum() <= len(perm), (sizes.sum(), len(perm))
+    bounds = np.concatenate([[0], np.cumsum(sizes)])
+    packs = [perm[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+    it = iter(packs)
+    steps = tuple(tuple(tuple(next(it) for _ in range(num_microbatches)) for _ in range(dp_size))
+                  for _ in range(num_steps))
+    return IndexSchedule(dp_size, num_microbatches, steps, None, "test packs")
+
+
+def make_trainer(world, *, mode="omnibal", num_microbatches=4, num_steps=NUM_STEPS, pipeline_schedule="1f1b",
+                 stage_layers=None, checkpoint_dir=None, checkpoint_every=0, lr=1e-3, recompute=None):
+    from omnibal.train.loop import Trainer, fixed_buffer
+    from omnibal.train.model import VLM
+    from omnibal.train.pipeline import resolve_layout
+
+    spec = tiny_spec()
+    stats = tiny_stats()
+    dataset = tiny_dataset(spec, stats)
+    schedule = pack_schedule(stats, dp_size=world.dp_size, num_microbatches=num_microbatches, num_steps=num_steps)
+    model = VLM(spec, seed=0)
+    names = [s.name for s, _ in model.chain()]
+    layout = resolve_layout(names, pp_size=world.pp_size, mode=mode, stage_layers=stage_layers, recompute=recompute)
+    buffer = fixed_buffer(schedule, stats, mode=mode) if world.pp_size > 1 else None
+    return Trainer(world=world, model=model, layout=layout, schedule=schedule, dataset=dataset, mode=mode,
+                   num_microbatches=num_microbatches, pipeline_schedule=pipeline_schedule, lr=lr, buffer=buffer,
+                   checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every)
+
+
+def single_process_reference(*, dp_size: int, num_microbatches: int, step: int = 0):
+    """Loss and gradients of the whole global batch of ``step`` on one process (no torch.distributed)."""
+    from omnibal.data.collate import collate
+    from omnibal.train.model import VLM
+
+    spec = tiny_spec()
+    stats = tiny_stats()
+    dataset = tiny_dataset(spec, stats)
+    schedule = pack_schedule(stats, dp_size=dp_size, num_microbatches=num_microbatches, num_steps=NUM_STEPS)
+    model = VLM(spec, seed=0)
+    base = model.collate_config(num_tiles=1, num_tokens=1)
+    from dataclasses import replace
+
+    batches = []
+    for r in range(dp_size):
+        for k in range(num_microbatches):
+            mb = schedule.microbatch(step, r, k)
+            cfg = replace(base, num_tiles=int(stats.tiles[mb].sum()), num_tokens=int(stats.tokens[mb].sum()))
+            batches.append(collate([dataset[int(i)] for i in mb], cfg))
+    total = sum(b.num_targets for b in batches)
+    loss = torch.zeros(())
+    for b in batches:
+        loss_sum, _ = model(*b.carry())
+        loss = loss + loss_sum.sum()
+    loss = loss / total
+    loss.backward()
+    grads = {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)).numpy()
+             for n, p in model.named_parameters()}
+    return float(loss.detach()), grads
+
+
+# ------------------------------------------------------------------------------------------------ rank fns
+
+
+def rank_forward_backward(dp: int, pp: int, schedule: str):
+    """One step's forward/backward + DP sync (no optimizer): this rank's loss part and stage gradients."""
+    torch.set_num_threads(1)
+    from omnibal.train.distributed import destroy_world, init_world
+
+    world = init_world(dp_size=dp, pp_size=pp, timeout_s=TIMEOUT_S)
+    trainer = make_trainer(world, pipeline_schedule=schedule)
+    result = trainer.forward_backward()
+    grads = {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)).numpy()
+             for n, p in trainer.stage_module.named_parameters()}
+    destroy_world()
+    return {"rank": world.rank, "loss_part": result.loss_sum, "grads": grads}
+
+
+def rank_dies_after_one_step(dp: int, pp: int, victim: int):
+    torch.set_num_threads(1)
+    from omnibal.train.distributed import init_world
+
+    world = init_world(dp_size=dp, pp_size=pp, timeout_s=TIMEOUT_S)
+    trainer = make_trainer(world)
+    trainer.train_step()
+    if world.rank == victim:
+        os._exit(7)  # a crash: no clean-up, sockets close
+    t0 = time.monotonic()
+    try:
+        trainer.train_step()
+    except Exception as exc:
+        return {"error_type": type(exc).__name__, "message": str(exc), "elapsed": time.monotonic() - t0}
+    return {"error_type": None, "message": "", "elapsed": time.monotonic() - t0}
+
+
+def rank_train_steps(dp: int, pp: int, checkpoint_dir: str, num_steps: int, resume: bool, every: int):
+    torch.set_num_threads(1)
+    from omnibal.train.distributed import destroy_world, init_world
+
+    world = init_world(dp_size=dp, pp_size=pp, timeout_s=TIMEOUT_S)
+    trainer = make_trainer(world, checkpoint_dir=checkpoint_dir, checkpoint_every=every)
+    resumed_from = trainer.step
+    if resume:
+        trainer.maybe_resume()
+        resumed_from = trainer.step
+    losses = []
+    while trainer.step < num_steps:
+        record = trainer.train_step()
+        losses.append(None if record is None else record.loss)
+        if every and trainer.step % every == 0:
+            trainer.save_checkpoint()
+    destroy_world()
+    return {"rank": world.rank, "resumed_from": resumed_from, "losses": losses, "consumed": trainer.consumed,
+            "skipped": trainer.skipped_checkpoints}

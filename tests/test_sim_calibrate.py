@@ -1,0 +1,82 @@
+"""Calibration of the simulator's compute scales from single-process step times."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from sim_helpers import random_features, random_table
+
+from omnibal.errors import InputError
+from omnibal.sim.calibrate import Calibration, CalibrationRun, calibrate, nonneg_lstsq
+from omnibal.sim.costs import SimConfig
+from omnibal.sim.epoch import simulate_epoch
+
+
+def _kinds_table(num_layers=9, seed=0):
+    table = random_table(num_layers, seed=seed)
+    num_vision = num_layers // 3
+    from dataclasses import replace
+
+    kinds = tuple(["vision_embed"] + ["vision_block"] * (num_vision - 1) + ["llm_embed"]
+                  + ["llm_block"] * (num_layers - num_vision - 2) + ["lm_head"])
+    return replace(table, kinds=kinds)
+
+
+def _measure(true_table, feats, rec, overhead):
+    res = simulate_epoch(true_table, [0, true_table.num_layers], rec, feats, SimConfig(step_overhead=overhead))
+    return res.step_time
+
+
+def test_recovers_known_scales_and_overhead():
+    table = _kinds_table()
+    truth = Calibration(groups=("vision", "llm"), fwd_scale=(1.7, 0.6), bwd_scale=(2.2, 0.9), step_overhead=0.3,
+                        rel_rms_error=0.0, num_steps=0)
+    true_table = truth.apply(table)
+    runs = []
+    for seed, rec in ((1, np.zeros(9, bool)), (2, np.ones(9, bool))):
+        feats = random_features(12, 1, 4, seed=seed)
+        runs.append(CalibrationRun(feats[:, 0], rec, _measure(true_table, feats, rec, 0.3)))
+    cal = calibrate(table, runs)
+    np.testing.assert_allclose(cal.fwd_scale, truth.fwd_scale, rtol=1e-6)
+    np.testing.assert_allclose(cal.bwd_scale, truth.bwd_scale, rtol=1e-6)
+    assert cal.step_overhead == pytest.approx(0.3, rel=1e-6)
+    assert cal.rel_rms_error < 1e-9
+    # the calibrated table predicts a held-out run exactly
+    feats = random_features(5, 1, 3, seed=9)
+    rec = np.arange(9) % 2 == 0
+    pred = simulate_epoch(cal.apply(table), [0, 9], rec, feats, SimConfig(step_overhead=cal.step_overhead))
+    np.testing.assert_allclose(pred.step_time, _measure(true_table, feats, rec, 0.3))
+
+
+def test_noisy_measurements_give_close_scales():
+    table = _kinds_table(seed=3)
+    truth = Calibration(groups=("vision", "llm"), fwd_scale=(1.0, 1.0), bwd_scale=(2.0, 2.0), step_overhead=0.05,
+                        rel_rms_error=0.0, num_steps=0)
+    rng = np.random.default_rng(0)
+    runs = []
+    for seed, rec in ((1, np.zeros(9, bool)), (2, np.ones(9, bool))):
+        feats = random_features(40, 1, 4, seed=seed)
+        y = _measure(truth.apply(table), feats, rec, 0.05) * rng.normal(1.0, 0.02, 40)
+        runs.append(CalibrationRun(feats[:, 0], rec, y))
+    cal = calibrate(table, runs)
+    assert 0.01 < cal.rel_rms_error < 0.05
+    np.testing.assert_allclose(cal.bwd_scale, 2.0, rtol=0.15)
+
+
+def test_nonneg_lstsq_never_negative():
+    rng = np.random.default_rng(0)
+    a = rng.random((30, 4))
+    b = a @ np.array([1.0, -2.0, 0.5, 0.0]) + 3
+    x = nonneg_lstsq(a, b)
+    assert (x >= 0).all()
+
+
+def test_bad_calibration_inputs():
+    table = _kinds_table()
+    feats = random_features(3, 1, 2)[:, 0]
+    with pytest.raises(InputError, match="runs"):
+        calibrate(table, [])
+    with pytest.raises(InputError, match="step_times"):
+        calibrate(table, [CalibrationRun(feats, np.zeros(9, bool), np.ones(2))])
+    with pytest.raises(InputError, match="groups"):
+        calibrate(table, [CalibrationRun(feats, np.zeros(9, bool), np.ones(3))], groups=("audio",))

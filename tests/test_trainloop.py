@@ -1,0 +1,178 @@
+"""Single-process trainer: layouts and plans, schedules, fixed buffers, the loop, its log and its errors."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from dist_helpers import make_trainer, pack_schedule, tiny_spec, tiny_stats
+from omnibal.errors import InputError
+from omnibal.train.config import TrainConfig
+from omnibal.train.distributed import local_world
+from omnibal.train.feed import IndexSchedule, buffer_shape, check_schedule, random_microbatch_schedule
+from omnibal.train.metrics_log import format_summary
+from omnibal.train.pipeline import (even_split, load_plan_layout, parse_stage_layers, resolve_layout,
+                                    validate_stage_layers)
+
+NAMES = [layer.name for layer in tiny_spec().layers()]  # 8 layers
+
+
+# ------------------------------------------------------------------------------------------- layouts, plans
+
+
+def test_even_split_and_parsing():
+    assert even_split(8, 3) == ((0, 3), (3, 6), (6, 8))
+    assert parse_stage_layers("0:5, 5:8") == ((0, 5), (5, 8))
+    with pytest.raises(InputError, match="START:END"):
+        parse_stage_layers("0-5")
+    with pytest.raises(InputError, match="non-empty"):
+        even_split(2, 3)
+
+
+@pytest.mark.parametrize("ranges,msg", [([(0, 4), (5, 8)], "expected 4"), ([(0, 4), (4, 7)], "model has 8"),
+                                        ([(0, 0), (0, 8)], "empty stage"), ([(0, 8)], "1 stage ranges for 2")])
+def test_bad_stage_ranges_are_refused(ranges, msg):
+    with pytest.raises(InputError, match=msg):
+        validate_stage_layers(ranges, 8, source="--stage-layers", num_stages=2)
+
+
+def _plan(tmp_path, stages, model="dist-test-tiny"):
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({"model": model, "stages": stages}))
+    return path
+
+
+def test_plan_layout_and_its_errors(tmp_path):
+    good = [{"layers": [0, 3], "modules": NAMES[0:3], "recompute": ["vision.blocks.0"]},
+            {"layers": [3, 8], "modules": NAMES[3:8], "recompute": []}]
+    layout = load_plan_layout(_plan(tmp_path, good), NAMES, pp_size=2, model_name="dist-test-tiny")
+    assert layout.ranges == ((0, 3), (3, 8)) and layout.recompute == (("vision.blocks.0",), ())
+    bad_modules = [dict(good[0], modules=["vision.embed", "vision.blocks.0", "vision.blocks.7"]), good[1]]
+    with pytest.raises(InputError, match="vision.blocks.7") as err:
+        load_plan_layout(_plan(tmp_path, bad_modules), NAMES, pp_size=2)
+    assert err.value.field == "modules" and err.value.record == "stage 0"
+    with pytest.raises(InputError, match="model has 8 layers"):
+        load_plan_layout(_plan(tmp_path, [{"layers": [0, 3]}, {"layers": [3, 10]}]), NAMES, pp_size=2)
+    with pytest.raises(InputError, match="3 stage ranges for 2"):
+        load_plan_layout(_plan(tmp_path, [{"layers": [0, 3]}, {"layers": [3, 5]}, {"layers": [5, 8]}]), NAMES,
+                         pp_size=2)
+    with pytest.raises(InputError, match="made for model 'other'"):
+        load_plan_layout(_plan(tmp_path, good, model="other"), NAMES, pp_size=2, model_name="dist-test-tiny")
+    with pytest.raises(InputError, match="not in this stage"):
+        load_plan_layout(_plan(tmp_path, [dict(good[0], recompute=["llm.blocks.0"]), good[1]]), NAMES, pp_size=2)
+
+
+def test_resolve_layout_modes(tmp_path):
+    base = resolve_layout(NAMES, pp_size=2, mode="baseline")
+    assert base.ranges == ((0, 4), (4, 8))
+    assert base.recompute == (tuple(NAMES[0:4]), tuple(NAMES[4:8]))  # full recompute
+    assert resolve_layout(NAMES, pp_size=2, mode="omnibal").recompute == ((), ())
+    explicit = resolve_layout(NAMES, pp_size=2, mode="omnibal", stage_layers=[(0, 3), (3, 8)],
+                              recompute=[["vision.blocks.1"], []])
+    assert explicit.ranges == ((0, 3), (3, 8)) and explicit.recompute == (("vision.blocks.1",), ())
+    with pytest.raises(InputError, match="not in stage 1"):
+        resolve_layout(NAMES, pp_size=2, mode="omnibal", stage_layers=[(0, 3), (3, 8)],
+                       recompute=[[], ["vision.blocks.1"]])
+
+
+# ------------------------------------------------------------------------------------------- schedules
+
+
+def test_schedule_json_is_checked(tmp_path):
+    stats = tiny_stats()
+    sched = pack_schedule(stats, dp_size=2, num_microbatches=2, num_steps=3)
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps(sched.to_dict()))
+    back = IndexSchedule.from_json(path)
+    assert back.num_steps == 3 and np.array_equal(back.microbatch(2, 1, 1), sched.microbatch(2, 1, 1))
+    with pytest.raises(InputError, match="dp_size 2, the run has 4"):
+        check_schedule(back, dp_size=4, num_microbatches=2, num_samples=len(stats), source=str(path))
+    with pytest.raises(InputError, match="outside the dataset") as err:
+        check_schedule(back, dp_size=2, num_microbatches=2, num_samples=3, source=str(path))
+    assert err.value.record.startswith("step 0")
+    doc = sched.to_dict()
+    doc["steps"][1][0] = doc["steps"][1][0][:1]
+    with pytest.raises(InputError, match="needs 2 micro-batches") as err:
+        IndexSchedule.from_dict(doc, source="s.json")
+    assert err.value.record == "step 1 rank 0"
+
+
+def test_random_baseline_schedule_is_deterministic_and_disjoint():
+    a = random_microbatch_schedule(100, dp_size=2, num_microbatches=3, batch_size=4, seed=1)
+    b = random_microbatch_schedule(100, dp_size=2, num_microbatches=3, batch_size=4, seed=1)
+    assert a.num_steps == 100 // 24
+    flat = np.concatenate([a.microbatch(s, r, k) for s in range(a.num_steps) for r in range(2) for k in range(3)])
+    assert len(np.unique(flat)) == len(flat) == a.num_steps * 24
+    assert all(np.array_equal(a.microbatch(s, 1, 2), b.microbatch(s, 1, 2)) for s in range(a.num_steps))
+
+
+def test_buffer_shape_pays_for_the_worst_padded_microbatch():
+    tiles = np.array([1, 3, 2, 1])
+    tokens = np.array([10, 40, 20, 5])
+    sched = IndexSchedule(1, 2, (((np.array([0, 1]), np.array([2, 3])),),), None)
+    assert buffer_shape(sched, tiles, tokens, pad_to_longest=False) == (4, 50)
+    assert buffer_shape(sched, tiles, tokens, pad_to_longest=True) == (4, 80)  # 2 rows x 40
+
+
+def test_config_validation():
+    assert TrainConfig(dp_size=2, pp_size=2).world_size == 4
+    with pytest.raises(InputError, match="cannot fill 4 pipeline stages"):
+        TrainConfig(pp_size=4, num_microbatches=2)
+    with pytest.raises(InputError) as err:
+        TrainConfig(mode="fast")
+    assert err.value.field == "mode"
+    with pytest.raises(InputError, match="resume needs checkpoint_dir"):
+        TrainConfig(resume=True)
+
+
+# ------------------------------------------------------------------------------------------- the loop
+
+
+def test_single_process_loop_logs_and_pads(tmp_path):
+    torch.set_num_threads(1)
+    trainer = make_trainer(local_world(), num_microbatches=2, num_steps=3)
+    trainer.log.__init__(tmp_path / "log.jsonl")
+    summary = trainer.run(3, warmup=1)
+    lines = [json.loads(l) for l in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert len(lines) == 3 and [l["step"] for l in lines] == [0, 1, 2]
+    fed = sum(len(trainer.schedule.microbatch(s, 0, k)) for s in range(3) for k in range(2))
+    assert sum(l["samples"] for l in lines) == fed
+    assert all(l["token_pad_ratio"] == 0 for l in lines)  # packs: no padding inside the active prefix
+    assert np.isfinite(summary["final_loss"]) and summary["samples_per_s"] > 0
+    rank = summary["per_rank"][0]
+    assert rank["compute_s"] > 0 and rank["compute_s"] <= rank["step_s"]
+    assert "| rank | dp | pp |" in format_summary(summary)
+
+    base = make_trainer(local_world(), mode="baseline", num_microbatches=2, num_steps=3)
+    record = base.train_step()
+    assert record.buffer_tokens > record.tokens  # padded to the longest sample of each micro-batch
+
+
+def test_microbatch_that_does_not_fit_the_fixed_buffer_is_refused():
+    from omnibal.train.loop import Buffer
+
+    trainer = make_trainer(local_world(), num_microbatches=2, num_steps=2)
+    trainer.buffer = Buffer(tiles=2, tokens=30)
+    with pytest.raises(InputError, match="the buffer holds 2 / 30") as err:
+        trainer.train_step()
+    assert "step 0, dp rank 0, micro-batch" in str(err.value)
+
+
+def test_single_process_checkpoint_resume(tmp_path):
+    torch.set_num_threads(1)
+    a = make_trainer(local_world(), num_microbatches=2, num_steps=4, checkpoint_dir=str(tmp_path))
+    a.run(2)
+    losses = [a.train_step().loss for _ in range(2)]
+    b = make_trainer(local_world(), num_microbatches=2, num_steps=4, checkpoint_dir=str(tmp_path))
+    assert b.maybe_resume() and b.step == 2
+    assert [b.train_step().loss for _ in range(2)] == pytest.approx(losses, rel=1e-6)
+    assert b.consumed == a.consumed[2:]
+    # a checkpoint of another stage layout is refused
+    c = make_trainer(local_world(), num_microbatches=2, num_steps=4, checkpoint_dir=str(tmp_path))
+    c.layout = type(c.layout)(((0, 8),), ((),))
+    c.model_id = "other:0"
+    with pytest.raises(InputError, match="model"):
+        c.maybe_resume()
