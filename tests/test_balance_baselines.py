@@ -52,8 +52,9 @@ def test_isf_packs_are_full_and_cover_everything():
 def test_isf_reference_layout_keeps_the_remainder():
     ids = contiguous_blocks(10, 4, 1)
     assert ids.shape == (3, 4, 1)
-    assert ids[:, 0, 0].tolist() == [0, 1, 2]  # rank 0: a contiguous block in filter order
-    assert (ids == 10).sum() == 2  # the reference would drop 2 packs; here they are empty slots
+    assert ids[:2, 0, 0].tolist() == [0, 1] and ids[:2, 1, 0].tolist() == [2, 3]  # contiguous rank blocks
+    assert ids[2, :, 0].tolist() == [8, 9, 10, 10]  # the reference drops packs 8, 9; here: one last step
+    assert contiguous_blocks(3, 4, 1).shape == (1, 4, 1)
     stats = random_stats(300, seed=2, max_tiles=4)
     sched = balance(stats, dp_size=4, config=BalanceConfig(method="isf", max_tiles=16, max_tokens=4096))
     assert_exactly_once(sched)
