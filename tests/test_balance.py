@@ -148,3 +148,11 @@ def test_cost_defaults_and_cost_table():
     assert np.allclose(vis + llm, table.evaluate("fwd_time", feats).sum(-1) * 3)
     with pytest.raises(InputError):
         BalanceCost(vision_coef=(0, -1, 0, 0), llm_coef=(0, 0, 1, 0))
+
+
+def test_token_budget_only():
+    stats = random_stats(3000, seed=9, max_tiles=4)
+    sched = balance(stats, dp_size=4, config=BalanceConfig(max_tokens=6000))
+    f = sched.features(stats)
+    assert sched.caps.tokens == 6000 and (f[..., 2] <= 6000).all() and (f[..., 1] <= sched.caps.tiles).all()
+    assert_exactly_once(sched)
