@@ -165,6 +165,7 @@ class Trainer:
                              source=getattr(self.schedule, "source", "schedule"), field="steps")
         times = RankTimes()
         self._t_start = t_start = time.perf_counter()
+        self._cpu_start = time.process_time()
         counts = torch.zeros(len(_COUNT_FIELDS), dtype=torch.float64)
         carries = None
         if w.is_first_stage:
@@ -204,6 +205,7 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
         times.optim_s = time.perf_counter() - t_opt
         times.step_s = time.perf_counter() - self._t_start
+        times.cpu_s = time.process_time() - self._cpu_start
         times.wait_s = max(0.0, times.step_s - times.compute_s - times.dp_sync_s - times.optim_s - times.data_s)
         times.mem_bytes, times.peak_mem_bytes = process_memory(self.world.device.type)
         if self.world.is_first_stage:
