@@ -128,7 +128,8 @@ def rank_forward_backward(dp: int, pp: int, schedule: str):
     return {"rank": world.rank, "loss_part": result.loss_sum, "grads": grads}
 
 
-def rank_dies_after_one_step(dp: int, pp: int, victim: int):
+def rank_dies_mid_step(dp: int, pp: int, victim: int):
+    """The victim rank crashes inside step 1, in the forward of its second micro-batch (mid-pipeline)."""
     torch.set_num_threads(1)
     from omnibal.train.distributed import init_world
 
@@ -136,7 +137,14 @@ def rank_dies_after_one_step(dp: int, pp: int, victim: int):
     trainer = make_trainer(world)
     trainer.train_step()
     if world.rank == victim:
-        os._exit(7)  # a crash: no clean-up, sockets close
+        calls = []
+
+        def crash(module, args):
+            calls.append(1)
+            if len(calls) == 2:
+                os._exit(7)  # a crash: no clean-up, the sockets close
+
+        trainer.stage_module.register_forward_pre_hook(crash)
     t0 = time.monotonic()
     try:
         trainer.train_step()
