@@ -133,10 +133,10 @@ def test_config_validation():
 
 def test_single_process_loop_logs_and_pads(tmp_path):
     torch.set_num_threads(1)
-    trainer = make_trainer(local_world(), num_microbatches=2, num_steps=3)
-    trainer.log.__init__(tmp_path / "log.jsonl")
+    trainer = make_trainer(local_world(), num_microbatches=2, num_steps=3, log_path=str(tmp_path / "log.jsonl"))
     summary = trainer.run(3, warmup=1)
-    lines = [json.loads(l) for l in (tmp_path / "log.jsonl").read_text().splitlines()]
+    header, *lines = [json.loads(l) for l in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert header["run"]["stage_layers"] == [[0, 8]]
     assert len(lines) == 3 and [l["step"] for l in lines] == [0, 1, 2]
     fed = sum(len(trainer.schedule.microbatch(s, 0, k)) for s in range(3) for k in range(2))
     assert sum(l["samples"] for l in lines) == fed
@@ -204,10 +204,13 @@ def test_cli_one_process_run_writes_log_and_summary(tmp_path):
     assert doc["recompute"][0]  # baseline: every block recomputed
     assert len((tmp_path / "log.jsonl").read_text().splitlines()) == 3  # header + 2 steps
     assert (tmp_path / "ck" / "step_00000002" / "manifest.json").is_file()
-    # resuming a finished run trains nothing more and keeps the log
-    rc = main(["train", "--mode", "baseline", "--stats", str(stats), "--steps", "2", "--microbatches", "1",
-               "--batch-size", "2", "--checkpoint-dir", str(tmp_path / "ck"), "--resume", "--quiet"])
+    # resuming continues at step 2 and appends to the log
+    rc = main(["train", "--mode", "baseline", "--stats", str(stats), "--steps", "3", "--microbatches", "1",
+               "--batch-size", "2", "--log", str(tmp_path / "log.jsonl"), "--checkpoint-dir", str(tmp_path / "ck"),
+               "--resume", "--quiet"])
     assert rc == 0
+    lines = [json.loads(l) for l in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert [l.get("step") for l in lines] == [None, 0, 1, None, 2] and lines[3]["run"]["resumed_at_step"] == 2
 
 
 def test_cli_bad_input_exits_2(tmp_path, capsys):
