@@ -11,6 +11,7 @@ from omnibal.errors import InputError
 from omnibal.sim.schedule import (
     BWD,
     FWD,
+    device_op_order,
     global_op_order,
     peak_inflight,
     simulate_pipeline,
@@ -69,23 +70,48 @@ def test_transient_bytes_add_only_during_backward():
     np.testing.assert_allclose(out.peak_act_bytes, [12.0, 11.0])
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
-def test_op_order_respects_dependencies_and_covers_every_op(schedule):
+@pytest.mark.parametrize("schedule,chunks", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3)])
+def test_op_order_respects_dependencies_and_covers_every_op(schedule, chunks):
     for p in (1, 2, 5):
-        for m in (1, 2, 7):
-            order = global_op_order(schedule, p, m)
-            assert len(order) == len(set(order)) == 2 * p * m
+        for m in (1, 2, 7) if chunks == 1 else (p, 2 * p, 3 * p):
+            order = global_op_order(schedule, p, m, chunks)
+            v = p * chunks
+            assert len(order) == len(set(order)) == 2 * v * m
             seen = set()
-            for s, kind, mb in order:
-                if kind == FWD and s > 0:
-                    assert (s - 1, FWD, mb) in seen
+            for d, kind, mb, k in order:
+                assert k % p == d
+                if kind == FWD and k > 0:
+                    assert (FWD, mb, k - 1) in seen
                 if kind == BWD:
-                    assert (s, FWD, mb) in seen
-                    if s < p - 1:
-                        assert (s + 1, BWD, mb) in seen
-                seen.add((s, kind, mb))
-            for s in range(p):
-                assert [o for o in order if o[0] == s] == [(s, k, mb) for k, mb in stage_op_order(schedule, p, m, s)]
+                    assert (FWD, mb, k) in seen
+                    if k < v - 1:
+                        assert (BWD, mb, k + 1) in seen
+                seen.add((kind, mb, k))
+            for d in range(p):
+                assert [o[1:] for o in order if o[0] == d] == list(device_op_order(schedule, p, m, d, chunks))
+
+
+@pytest.mark.parametrize("p,v,m", [(2, 2, 2), (2, 3, 4), (4, 2, 8), (4, 3, 4), (4, 4, 16), (8, 2, 16)])
+def test_interleaved_bubble_formula(p, v, m):
+    f, b = 1.0, 2.0  # a device's whole forward / backward per micro-batch, split over its v chunks
+    out = simulate_pipeline(np.full((m, p * v), f / v), np.full((m, p * v), b / v), schedule="interleaved",
+                            num_chunks=v)
+    assert out.makespan == pytest.approx(m * (f + b) + (p - 1) * (f + b) / v)
+    assert out.bubble == pytest.approx((p - 1) / (v * m + p - 1))
+    np.testing.assert_allclose(out.busy, m * (f + b))
+    # a device holds its warm-up chunks plus one (Megatron: 2 (P - d - 1) + (v - 1) P + 1); with M == P
+    # Megatron runs every forward first (all M * v chunks in flight)
+    expected = [m * v if m == p else min(2 * (p - d - 1) + (v - 1) * p + 1, m * v) for d in range(p)]
+    np.testing.assert_array_equal(out.peak_inflight, expected)
+
+
+def test_interleaved_layout_is_checked():
+    with pytest.raises(InputError, match="divisible"):
+        simulate_pipeline(np.ones((3, 4)), np.ones((3, 4)), schedule="interleaved", num_chunks=2)
+    with pytest.raises(InputError, match="num_chunks"):
+        simulate_pipeline(np.ones((2, 4)), np.ones((2, 4)), schedule="1f1b", num_chunks=2)
+    with pytest.raises(InputError, match="chunks"):
+        simulate_pipeline(np.ones((2, 4)), np.ones((2, 4)), schedule="interleaved", num_chunks=1)
 
 
 def test_p2p_delays_receiver():
@@ -150,6 +176,12 @@ shapes = st.tuples(st.integers(1, 5), st.integers(1, 6))  # (P, M)
 @st.composite
 def pipelines(draw):
     p, m = draw(shapes)
+    schedule = draw(st.sampled_from(SCHEDULES + ("interleaved",)))
+    chunks = 1
+    if schedule == "interleaved":
+        chunks = draw(st.integers(2, 3))
+        m = p * draw(st.integers(1, 3))
+        p = p * chunks  # virtual stages
     seed = draw(st.integers(0, 2**31 - 1))
     rng = np.random.default_rng(seed)
     batch = draw(st.integers(1, 4))
@@ -160,7 +192,8 @@ def pipelines(draw):
         recompute=rng.uniform(0.0, 1.0, (batch, m, p)) * (rng.random((batch, m, p)) > 0.5),
         p2p_fwd=rng.uniform(0.0, 0.5, (batch, m, p - 1)),
         p2p_bwd=rng.uniform(0.0, 0.5, (batch, m, p - 1)),
-        schedule=draw(st.sampled_from(SCHEDULES)),
+        schedule=schedule,
+        num_chunks=chunks,
     )
 
 
@@ -169,7 +202,9 @@ def pipelines(draw):
 def test_makespan_bounds(case):
     out = simulate_pipeline(**case)
     f, b, r = case["fwd"], case["bwd"], case["recompute"]
-    busy = (f + b + r).sum(axis=-2)
+    busy_v = (f + b + r).sum(axis=-2)
+    busy = busy_v.reshape(busy_v.shape[:-1] + (case["num_chunks"], -1)).sum(axis=-2)  # per device
+    np.testing.assert_allclose(out.busy, busy)
     assert (out.makespan >= busy.max(axis=-1) - 1e-9).all()
     # critical path of each micro-batch: forward through all stages and back, with its transfers
     chain = (f + b + r).sum(axis=-1) + case["p2p_fwd"].sum(axis=-1) + case["p2p_bwd"].sum(axis=-1)
@@ -213,10 +248,11 @@ def test_timeline_is_consistent(case):
     out = simulate_pipeline(**case, keep_timeline=True)
     np.testing.assert_allclose(out.fwd_end - out.fwd_start, case["fwd"])
     np.testing.assert_allclose(out.bwd_end - out.bwd_start, case["bwd"] + case["recompute"])
-    # no two ops of one stage overlap
-    p, m = case["fwd"].shape[-1], case["fwd"].shape[-2]
-    for s in range(p):
-        ops = stage_op_order(case["schedule"], p, m, s)
-        starts = np.stack([(out.fwd_start if k == FWD else out.bwd_start)[..., mb, s] for k, mb in ops], -1)
-        ends = np.stack([(out.fwd_end if k == FWD else out.bwd_end)[..., mb, s] for k, mb in ops], -1)
+    # no two ops of one device overlap
+    v, m = case["num_chunks"], case["fwd"].shape[-2]
+    p = case["fwd"].shape[-1] // v
+    for d in range(p):
+        ops = device_op_order(case["schedule"], p, m, d, v)
+        starts = np.stack([(out.fwd_start if k == FWD else out.bwd_start)[..., mb, vs] for k, mb, vs in ops], -1)
+        ends = np.stack([(out.fwd_end if k == FWD else out.bwd_end)[..., mb, vs] for k, mb, vs in ops], -1)
         assert (starts[..., 1:] >= ends[..., :-1] - 1e-9).all()

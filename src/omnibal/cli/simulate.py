@@ -29,7 +29,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default 1)")
     g.add_argument("--microbatches", type=int, default=None, help="micro-batches per DP rank per step "
                    "(default 4)")
-    g.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b", help="pipeline schedule")
+    g.add_argument("--schedule", choices=("1f1b", "gpipe", "interleaved"), default="1f1b",
+                   help="pipeline schedule (interleaved: Megatron's interleaved 1F1B, with --chunks)")
+    g.add_argument("--chunks", type=int, default=None, help="model chunks per pipeline stage for "
+                   "--schedule interleaved (default 2); partition and recompute lists then name pp x chunks "
+                   "virtual stages")
     g.add_argument("--zero-stage", type=int, choices=(0, 1, 2), default=None,
                    help="ZeRO stage over DP (default 1: optimizer state sharded)")
     g.add_argument("--memory-fraction", type=float, default=0.95,
@@ -197,7 +201,15 @@ def run(args: argparse.Namespace) -> int:
     if cluster["pp"] > table.num_layers:
         raise InputError(f"{cluster['pp']} stages for {table.num_layers} layers", source="--pp", field="pp")
 
+    chunks = args.chunks if args.chunks is not None else (2 if args.schedule == "interleaved" else 1)
+    num_virtual = cluster["pp"] * chunks
+    if num_virtual > table.num_layers:
+        raise InputError(f"{num_virtual} virtual stages for {table.num_layers} layers", source="--chunks",
+                         field="chunks")
     if plan is not None:
+        if chunks != 1:
+            raise InputError("a plan describes one layer range per stage; it cannot be run interleaved",
+                             source=args.plan, field="schedule")
         if plan.num_layers != table.num_layers:
             raise InputError(f"plan has {plan.num_layers} layers, model {spec.name} has {table.num_layers}",
                              source=args.plan, field="stages")
@@ -205,13 +217,13 @@ def run(args: argparse.Namespace) -> int:
         names = set(plan.recompute_modules())
         rec = np.array([n in names for n in table.names])
     else:
-        cuts = parse_partition(args.partition, table.num_layers, cluster["pp"])
+        cuts = parse_partition(args.partition, table.num_layers, num_virtual)
         rec = parse_recompute(args.recompute, cuts)
     if args.memory_fraction is not None and not 0 < args.memory_fraction <= 1:
         raise InputError(f"must be in (0, 1], got {args.memory_fraction}", source="--memory-fraction",
                          field="memory_fraction")
     config = config_for_hardware(hardware, dp_size=cluster["dp"], pp_size=cluster["pp"], tp_size=cluster["tp"],
-                                 schedule=args.schedule, zero_stage=cluster["zero_stage"],
+                                 schedule=args.schedule, num_chunks=chunks, zero_stage=cluster["zero_stage"],
                                  memory_fraction=args.memory_fraction, step_overhead=args.step_overhead)
 
     _say(args, f"stats: {'synthetic mixture' if not args.stats else args.stats} ...")
@@ -246,7 +258,8 @@ def run(args: argparse.Namespace) -> int:
                                     None if buffer is None else buffer[step_index])
     header = {
         "model": spec.name, "hardware": hardware.name, "dp x pp x tp": f"{cluster['dp']} x {cluster['pp']} x "
-        f"{cluster['tp']}", "micro-batches per step": cluster["microbatches"], "schedule": args.schedule,
+        f"{cluster['tp']}", "micro-batches per step": cluster["microbatches"],
+        "schedule": args.schedule + (f" ({chunks} chunks per stage)" if chunks > 1 else ""),
         "data": f"{stats.source}, {len(stats):,} samples", "balance": sched.method, "padding": padding,
         "caps (tiles, tokens)": f"{sched.caps.tiles}, {sched.caps.tokens}",
         "plan": args.plan or f"partition {args.partition}, recompute {args.recompute}",

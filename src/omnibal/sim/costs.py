@@ -22,7 +22,10 @@ class SimConfig:
     """How the cluster runs a step (everything but the partition, the recompute set and the data)."""
 
     schedule: str = "1f1b"
-    """Pipeline schedule: ``gpipe`` or ``1f1b``."""
+    """Pipeline schedule: ``gpipe``, ``1f1b`` or ``interleaved`` (Megatron's interleaved 1F1B)."""
+    num_chunks: int = 1
+    """Model chunks per pipeline device (``interleaved`` only, >= 2): the cut points then describe
+    ``P * num_chunks`` virtual stages, virtual stage ``c * P + d`` living on device ``d``."""
     dp_size: int = 1
     """Data-parallel size (the features' DP axis must match; ZeRO shards over it)."""
     tp_size: int = 1
@@ -49,12 +52,15 @@ class SimConfig:
         if self.schedule not in SCHEDULES:
             raise InputError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}",
                              source="schedule", field="schedule")
-        for name in ("dp_size", "tp_size"):
+        for name in ("dp_size", "tp_size", "num_chunks"):
             value = getattr(self, name)
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
                 raise InputError(f"must be a positive integer, got {value!r}", source=name, field=name)
         if self.zero_stage not in (0, 1, 2):
             raise InputError(f"must be 0, 1 or 2, got {self.zero_stage!r}", source="zero_stage", field="zero_stage")
+        if (self.schedule == "interleaved") != (self.num_chunks > 1):
+            raise InputError(f"schedule {self.schedule!r} with {self.num_chunks} model chunks per device: only "
+                             "'interleaved' runs (and needs) more than one", source="num_chunks", field="num_chunks")
         for name in ("p2p_bandwidth", "dp_bandwidth"):
             if not getattr(self, name) > 0:
                 raise InputError(f"must be positive, got {getattr(self, name)!r}", source=name, field=name)
@@ -131,9 +137,14 @@ class StageCosts:
     transient_bytes: np.ndarray
     """``[..., M, P]`` extra bytes while its backward runs (the biggest recomputed layer's activations)."""
     static_bytes: np.ndarray
-    """``[P]`` parameters + gradients + optimizer state per device (after ZeRO sharding)."""
+    """``[V]`` parameters + gradients + optimizer state per (virtual) stage (after ZeRO sharding)."""
     grad_bytes: np.ndarray
-    """``[P]`` gradient bytes each stage all-reduces over DP."""
+    """``[V]`` gradient bytes each (virtual) stage all-reduces over DP."""
+
+    def per_device(self, values: np.ndarray, num_chunks: int) -> np.ndarray:
+        """``[..., V]`` per virtual stage -> ``[..., P]`` per device (sum over its chunks)."""
+        values = np.asarray(values)
+        return values.reshape(values.shape[:-1] + (num_chunks, -1)).sum(axis=-2)
 
 
 def stage_costs(table: LayerCostTable, cuts, recompute_mask, features: np.ndarray, config: SimConfig,
@@ -203,7 +214,7 @@ def stage_costs(table: LayerCostTable, cuts, recompute_mask, features: np.ndarra
 
 
 def config_for_hardware(hardware, *, dp_size: int, pp_size: int, tp_size: int = 1, schedule: str = "1f1b",
-                        zero_stage: int = 1, memory_fraction: float | None = 0.95, step_overhead: float = 0.0,
+                        num_chunks: int = 1, zero_stage: int = 1, memory_fraction: float | None = 0.95, step_overhead: float = 0.0,
                         p2p_occupancy: float | None = None) -> SimConfig:
     """A :class:`SimConfig` for ``hardware`` (an ``omnibal.cost.hardware.HardwareSpec``: anything with
     ``link(inter_node=...)``, ``gpus_per_node`` and ``memory_bytes``).
@@ -219,7 +230,7 @@ def config_for_hardware(hardware, *, dp_size: int, pp_size: int, tp_size: int = 
     if p2p_occupancy is None:
         p2p_occupancy = 1.0 if str(getattr(hardware, "name", "")).startswith("cpu") else 0.0
     budget = None if memory_fraction is None else float(hardware.memory_bytes) * memory_fraction
-    config = SimConfig(schedule=schedule, dp_size=dp_size, tp_size=tp_size, zero_stage=zero_stage,
+    config = SimConfig(schedule=schedule, num_chunks=num_chunks, dp_size=dp_size, tp_size=tp_size, zero_stage=zero_stage,
                        p2p_bandwidth=p2p_bw, p2p_latency=p2p_lat, dp_bandwidth=dp_bw, dp_latency=dp_lat,
                        memory_budget_bytes=budget, step_overhead=step_overhead, p2p_occupancy=p2p_occupancy)
     config.validate()

@@ -26,7 +26,7 @@ class EpochResult:
     config: SimConfig
     """The cluster configuration simulated."""
     cuts: np.ndarray
-    """``[P+1]`` partition cut points."""
+    """``[V+1]`` partition cut points (V = P stages, or P * num_chunks virtual stages when interleaved)."""
     recompute_mask: np.ndarray
     """``[L]`` checkpointed layers."""
     step_time: np.ndarray
@@ -52,7 +52,13 @@ class EpochResult:
 
     @property
     def num_stages(self) -> int:
-        return len(self.cuts) - 1
+        """Pipeline devices P (each holding ``config.num_chunks`` layer ranges)."""
+        return (len(self.cuts) - 1) // self.config.num_chunks
+
+    def stage_layers(self, stage: int) -> list[list[int]]:
+        """Layer ranges ``[start, stop)`` of pipeline device ``stage`` (one per model chunk)."""
+        p = self.num_stages
+        return [[int(self.cuts[c * p + stage]), int(self.cuts[c * p + stage + 1])] for c in range(self.config.num_chunks)]
 
     @property
     def num_gpus(self) -> int:
@@ -81,6 +87,7 @@ class EpochResult:
             "tp_size": self.config.tp_size,
             "num_gpus": self.num_gpus,
             "schedule": self.config.schedule,
+            "num_chunks": self.config.num_chunks,
             "total_time_s": self.total_time,
             "gpu_days": self.gpu_days,
             "step_time_mean_s": float(self.step_time.mean()) if len(self.step_time) else 0.0,
@@ -93,7 +100,7 @@ class EpochResult:
         }
         for s in range(self.num_stages):
             out["stages"].append({
-                "layers": [int(self.cuts[s]), int(self.cuts[s + 1])],
+                "layers": self.stage_layers(s),
                 "busy_mean_s": float(self.busy[..., s].mean()),
                 "idle_mean_s": float(self.idle[..., s].mean()),
                 "sync_wait_mean_s": float(self.sync_wait[..., s].mean()),
@@ -120,14 +127,24 @@ def _check_features(features: np.ndarray, config: SimConfig) -> np.ndarray:
     return features
 
 
+def _check_cuts(cuts, table: LayerCostTable, config: SimConfig) -> np.ndarray:
+    cuts = validate_cuts(cuts, table.num_layers)
+    if (len(cuts) - 1) % config.num_chunks:
+        raise InputError(f"{len(cuts) - 1} layer ranges do not split into {config.num_chunks} chunks per pipeline "
+                         "device", source="partition", field="cuts")
+    return cuts
+
+
 def _run(table: LayerCostTable, cuts, recompute_mask, features: np.ndarray, config: SimConfig,
          keep_timeline: bool, buffer_features: np.ndarray | None = None) -> tuple[StageCosts, StepTimes]:
     costs = stage_costs(table, cuts, recompute_mask, features, config, buffer_features)
-    ar = ring_allreduce_time(costs.grad_bytes, config.dp_size, config.dp_bandwidth, config.dp_latency)
+    v = config.num_chunks
+    ar = ring_allreduce_time(costs.per_device(costs.grad_bytes, v), config.dp_size, config.dp_bandwidth,
+                             config.dp_latency)
     steps = simulate_steps(
-        costs.fwd, costs.bwd, costs.recompute, costs.p2p, costs.p2p, schedule=config.schedule,
+        costs.fwd, costs.bwd, costs.recompute, costs.p2p, costs.p2p, schedule=config.schedule, num_chunks=v,
         allreduce_time=ar, step_overhead=config.step_overhead, act_bytes=costs.act_bytes,
-        transient_bytes=costs.transient_bytes, static_bytes=costs.static_bytes,
+        transient_bytes=costs.transient_bytes, static_bytes=costs.per_device(costs.static_bytes, v),
         memory_budget=config.memory_budget_bytes, keep_timeline=keep_timeline)
     return costs, steps
 
@@ -147,7 +164,7 @@ def simulate_epoch(
     most ``max_chunk_microbatches`` micro-batches to bound memory (``progress``: a tqdm bar on stderr).
     ``buffer_features``: fixed-shape buffers a pipeline sends between stages (see ``stage_costs``)."""
     config.validate()
-    cuts = validate_cuts(cuts, table.num_layers)
+    cuts = _check_cuts(cuts, table, config)
     rec = np.zeros(table.num_layers, bool) if recompute_mask is None else np.asarray(recompute_mask, bool)
     features = _check_features(features, config)
     num_steps, dp, num_mb, _ = features.shape
@@ -166,6 +183,7 @@ def simulate_epoch(
         pieces = [_run(table, cuts, rec, np.zeros((0, dp, num_mb, NUM_FEATURES)), config, False)]
     cat = lambda get: np.concatenate([get(st) for _, st in pieces], axis=0)  # noqa: E731
     costs0, steps0 = pieces[0]
+    v = config.num_chunks
     return EpochResult(
         config=config, cuts=cuts, recompute_mask=rec,
         step_time=cat(lambda st: st.step_time),
@@ -176,8 +194,8 @@ def simulate_epoch(
         peak_memory=cat(lambda st: np.broadcast_to(st.peak_memory, st.pipeline.stage_end.shape)),
         oom=None if steps0.oom is None else cat(lambda st: st.oom),
         allreduce_time=steps0.allreduce_time,
-        static_bytes=costs0.static_bytes,
-        peak_inflight=peak_inflight(config.schedule, len(cuts) - 1, num_mb),
+        static_bytes=costs0.per_device(costs0.static_bytes, v),
+        peak_inflight=peak_inflight(config.schedule, (len(cuts) - 1) // v, num_mb, v),
     )
 
 
@@ -217,4 +235,4 @@ def simulate_one_step(table: LayerCostTable, cuts, recompute_mask, step_features
     config.validate()
     feats = _check_features(np.asarray(step_features, np.float64)[None], config)
     buf = None if buffer_features is None else np.asarray(buffer_features, np.float64)[None]
-    return _run(table, validate_cuts(cuts, table.num_layers), recompute_mask, feats, config, True, buf)
+    return _run(table, _check_cuts(cuts, table, config), recompute_mask, feats, config, True, buf)

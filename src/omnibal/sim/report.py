@@ -34,7 +34,7 @@ def stage_table(result: EpochResult) -> list[list[str]]:
              "static GiB", "peak GiB", "OOM steps"]]
     for st in result.summary()["stages"]:
         rows.append([
-            str(len(rows) - 1), f"{st['layers'][0]}-{st['layers'][1] - 1}", f"{st['busy_mean_s']:.4g}",
+            str(len(rows) - 1), " + ".join(f"{a}-{b - 1}" for a, b in st["layers"]), f"{st['busy_mean_s']:.4g}",
             f"{st['idle_mean_s']:.4g}", f"{st['sync_wait_mean_s']:.4g}", f"{st['allreduce_s']:.4g}",
             str(st["peak_inflight"]), _gib(st["static_bytes"]), _gib(st["peak_memory_bytes"]),
             "-" if st["oom_steps"] is None else str(st["oom_steps"]),
@@ -98,39 +98,46 @@ def plot_timeline(costs: StageCosts, step: StepTimes, path: str | Path, *, ranks
     from matplotlib.patches import Patch
 
     pipe = step.pipeline
-    fs, fe, bs, be = (x[0] for x in (pipe.fwd_start, pipe.fwd_end, pipe.bwd_start, pipe.bwd_end))  # [D, M, P]
+    fs, fe, bs, be = (x[0] for x in (pipe.fwd_start, pipe.fwd_end, pipe.bwd_start, pipe.bwd_end))  # [D, M, V]
     rec = np.broadcast_to(costs.recompute[0], fs.shape)
     p2p = np.broadcast_to(costs.p2p[0], fs.shape[:-1] + (fs.shape[-1] - 1,))
-    num_dp, num_mb, num_stages = fs.shape
+    num_dp, num_mb, num_virtual = fs.shape
+    num_stages = pipe.stage_end.shape[-1]
     ranks = pick_ranks(pipe.busy[0]) if ranks is None else ranks
     step_time = float(step.step_time[0])
     group_end = pipe.stage_end[0].max(axis=0)
     rows = [(d, s) for d in ranks for s in range(num_stages)]
+    row_of = {key: y for y, key in enumerate(rows)}
     fig_h = 1.2 + 0.42 * len(rows)
     fig, ax = plt.subplots(figsize=(13, fig_h))
-    label_mb = num_mb <= 16
+    label_mb = num_mb * pipe.num_chunks <= 24
     edge = dict(edgecolor="white", linewidth=0.4)
-    for y, (d, s) in enumerate(rows):
+    for (d, s), y in row_of.items():
         ax.broken_barh([(0, step_time)], (y - 0.4, 0.8), color=COLOURS["idle"])
-        for m in range(num_mb):
-            ax.broken_barh([(fs[d, m, s], fe[d, m, s] - fs[d, m, s])], (y - 0.4, 0.8), color=COLOURS["forward"],
-                           **edge)
-            r = rec[d, m, s]
-            if r > 0:
-                ax.broken_barh([(bs[d, m, s], r)], (y - 0.4, 0.8), color=COLOURS["recompute"], **edge)
-            ax.broken_barh([(bs[d, m, s] + r, be[d, m, s] - bs[d, m, s] - r)], (y - 0.4, 0.8),
-                           color=COLOURS["backward"], **edge)
-            if s > 0 and p2p[d, m, s - 1] > 0:  # activation arriving from the previous stage
-                ax.broken_barh([(fe[d, m, s - 1], p2p[d, m, s - 1])], (y - 0.4, 0.15), color=COLOURS["p2p"])
-            if s < num_stages - 1 and p2p[d, m, s] > 0:  # gradient arriving from the next stage
-                ax.broken_barh([(be[d, m, s + 1], p2p[d, m, s])], (y + 0.25, 0.15), color=COLOURS["p2p"])
-            if label_mb:
-                for start, end in ((fs[d, m, s], fe[d, m, s]), (bs[d, m, s], be[d, m, s])):
-                    if end - start > step_time / 80:
-                        ax.text((start + end) / 2, y, str(m), ha="center", va="center", fontsize=6, color="white")
         ar = step.allreduce_time[s]
         if ar > 0:
             ax.broken_barh([(group_end[s], ar)], (y - 0.4, 0.8), color=COLOURS["allreduce"])
+    for d in ranks:
+        for k in range(num_virtual):
+            y = row_of[(d, k % num_stages)]
+            tag = "" if pipe.num_chunks == 1 else f".{k // num_stages}"
+            for m in range(num_mb):
+                ax.broken_barh([(fs[d, m, k], fe[d, m, k] - fs[d, m, k])], (y - 0.4, 0.8), color=COLOURS["forward"],
+                               **edge)
+                r = rec[d, m, k]
+                if r > 0:
+                    ax.broken_barh([(bs[d, m, k], r)], (y - 0.4, 0.8), color=COLOURS["recompute"], **edge)
+                ax.broken_barh([(bs[d, m, k] + r, be[d, m, k] - bs[d, m, k] - r)], (y - 0.4, 0.8),
+                               color=COLOURS["backward"], **edge)
+                if k > 0 and p2p[d, m, k - 1] > 0:  # activation arriving from the previous stage
+                    ax.broken_barh([(fe[d, m, k - 1], p2p[d, m, k - 1])], (y - 0.4, 0.15), color=COLOURS["p2p"])
+                if k < num_virtual - 1 and p2p[d, m, k] > 0:  # gradient arriving from the next stage
+                    ax.broken_barh([(be[d, m, k + 1], p2p[d, m, k])], (y + 0.25, 0.15), color=COLOURS["p2p"])
+                if label_mb:
+                    for start, end in ((fs[d, m, k], fe[d, m, k]), (bs[d, m, k], be[d, m, k])):
+                        if end - start > step_time / 80:
+                            ax.text((start + end) / 2, y, f"{m}{tag}", ha="center", va="center", fontsize=6,
+                                    color="white")
     ax.set_yticks(range(len(rows)), [f"rank {d} / stage {s}" for d, s in rows], fontsize=8)
     ax.invert_yaxis()
     ax.set_xlim(0, step_time * 1.01)

@@ -27,82 +27,133 @@ import numpy as np
 
 from omnibal.errors import InputError
 
-ScheduleKind = Literal["gpipe", "1f1b"]
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b")
+ScheduleKind = Literal["gpipe", "1f1b", "interleaved"]
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved")
 
 FWD, BWD = 0, 1
 
 
-def stage_op_order(schedule: str, num_stages: int, num_microbatches: int, stage: int) -> tuple[tuple[int, int], ...]:
-    """Ops of one stage in execution order as ``(FWD|BWD, micro_batch)`` pairs."""
-    m = num_microbatches
+def _unknown(schedule: str) -> InputError:
+    return InputError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}",
+                      source="schedule", field="schedule")
+
+
+def check_layout(schedule: str, num_stages: int, num_microbatches: int, num_chunks: int) -> None:
+    """Refuse a (schedule, P, M, chunks) combination the schedule cannot run."""
+    if schedule not in SCHEDULES:
+        raise _unknown(schedule)
+    if schedule == "interleaved":
+        if num_chunks < 2:
+            raise InputError(f"interleaved 1F1B needs >= 2 model chunks per stage, got {num_chunks}",
+                             source="num_chunks", field="num_chunks")
+        if num_microbatches % num_stages:
+            raise InputError(f"interleaved 1F1B needs micro-batches ({num_microbatches}) divisible by the "
+                             f"pipeline stages ({num_stages})", source="num_microbatches", field="num_microbatches")
+    elif num_chunks != 1:
+        raise InputError(f"{schedule} runs one model chunk per stage, got {num_chunks}", source="num_chunks",
+                         field="num_chunks")
+
+
+def device_op_order(schedule: str, num_stages: int, num_microbatches: int, device: int,
+                    num_chunks: int = 1) -> tuple[tuple[int, int, int], ...]:
+    """Ops of one pipeline device in execution order as ``(FWD|BWD, micro_batch, virtual_stage)``.
+
+    Virtual stage ``c * P + d`` is model chunk ``c`` of device ``d`` (one chunk per device except for
+    ``interleaved``, Megatron's interleaved 1F1B: micro-batches go through the chunks in groups of P)."""
+    p, m, v = num_stages, num_microbatches, num_chunks
+    check_layout(schedule, p, m, v)
     if schedule == "gpipe":
-        return tuple((FWD, i) for i in range(m)) + tuple((BWD, i) for i in range(m))
+        return tuple((FWD, i, device) for i in range(m)) + tuple((BWD, i, device) for i in range(m))
     if schedule == "1f1b":
-        warmup = min(num_stages - 1 - stage, m)
-        ops = [(FWD, i) for i in range(warmup)]
-        for i in range(m - warmup):  # steady state: one forward, one backward
-            ops += [(FWD, warmup + i), (BWD, i)]
-        ops += [(BWD, i) for i in range(m - warmup, m)]
-        return tuple(ops)
-    raise InputError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}",
-                     source="schedule", field="schedule")
+        warmup = min(p - 1 - device, m)
+        fwd = [(FWD, i, device) for i in range(m)]
+        bwd = [(BWD, i, device) for i in range(m)]
+    else:
+        total = m * v
+        group = p * v
+
+        def chunk(k: int, forward: bool) -> int:
+            c = (k % group) // p
+            return c if forward else v - 1 - c
+
+        mb = [(k // group) * p + k % p for k in range(total)]
+        fwd = [(FWD, mb[k], chunk(k, True) * p + device) for k in range(total)]
+        bwd = [(BWD, mb[k], chunk(k, False) * p + device) for k in range(total)]
+        warmup = total if m == p else min((p - device - 1) * 2 + (v - 1) * p, total)
+        m = total
+    ops = fwd[:warmup]
+    for i in range(m - warmup):  # steady state: one forward, one backward
+        ops += [fwd[warmup + i], bwd[i]]
+    ops += bwd[m - warmup:]
+    return tuple(ops)
+
+
+def stage_op_order(schedule: str, num_stages: int, num_microbatches: int, stage: int) -> tuple[tuple[int, int], ...]:
+    """Ops of one stage (one chunk per stage) in execution order as ``(FWD|BWD, micro_batch)`` pairs."""
+    return tuple((kind, mb) for kind, mb, _ in device_op_order(schedule, num_stages, num_microbatches, stage))
 
 
 @lru_cache(maxsize=256)
-def global_op_order(schedule: str, num_stages: int, num_microbatches: int) -> tuple[tuple[int, int, int], ...]:
-    """All ops as ``(stage, FWD|BWD, micro_batch)`` in an order where every op follows its dependencies.
+def global_op_order(schedule: str, num_stages: int, num_microbatches: int,
+                    num_chunks: int = 1) -> tuple[tuple[int, int, int, int], ...]:
+    """All ops as ``(device, FWD|BWD, micro_batch, virtual_stage)`` in an order where every op follows its
+    dependencies.
 
-    Built by sweeping the stages round-robin and taking each stage's next op once its cross-stage input
-    has been produced; a sweep without progress means the per-stage orders deadlock (a bug, asserted).
+    Built by sweeping the devices round-robin and taking each device's next op once its cross-stage input
+    has been produced; a sweep without progress means the per-device orders deadlock (a bug, asserted).
     """
-    per_stage = [stage_op_order(schedule, num_stages, num_microbatches, s) for s in range(num_stages)]
+    per_dev = [device_op_order(schedule, num_stages, num_microbatches, d, num_chunks) for d in range(num_stages)]
+    last = num_stages * num_chunks - 1
     pos = [0] * num_stages
-    done = np.zeros((2, num_microbatches, num_stages), dtype=bool)
-    order: list[tuple[int, int, int]] = []
-    total = sum(len(ops) for ops in per_stage)
+    done = np.zeros((2, num_microbatches, last + 1), dtype=bool)
+    order: list[tuple[int, int, int, int]] = []
+    total = sum(len(ops) for ops in per_dev)
     while len(order) < total:
         progressed = False
-        for s in range(num_stages):
-            while pos[s] < len(per_stage[s]):
-                kind, mb = per_stage[s][pos[s]]
+        for d in range(num_stages):
+            while pos[d] < len(per_dev[d]):
+                kind, mb, vs = per_dev[d][pos[d]]
                 if kind == FWD:
-                    ready = s == 0 or done[FWD, mb, s - 1]
+                    ready = vs == 0 or done[FWD, mb, vs - 1]
                 else:
-                    ready = done[FWD, mb, s] and (s == num_stages - 1 or done[BWD, mb, s + 1])
+                    ready = done[FWD, mb, vs] and (vs == last or done[BWD, mb, vs + 1])
                 if not ready:
                     break
-                done[kind, mb, s] = True
-                order.append((s, kind, mb))
-                pos[s] += 1
+                done[kind, mb, vs] = True
+                order.append((d, kind, mb, vs))
+                pos[d] += 1
                 progressed = True
-        assert progressed, f"schedule {schedule} deadlocks at P={num_stages}, M={num_microbatches}"
+        assert progressed, f"schedule {schedule} deadlocks at P={num_stages}, M={num_microbatches}, v={num_chunks}"
     return tuple(order)
 
 
 @lru_cache(maxsize=256)
-def inflight_masks(schedule: str, num_stages: int, num_microbatches: int) -> tuple[np.ndarray, ...]:
-    """Per stage, a ``[K, M]`` 0/1 matrix: row k marks the micro-batches whose activations are held while
-    the stage runs its k-th op (forward started, backward not yet finished; the op's own micro-batch is in)."""
+def inflight_masks(schedule: str, num_stages: int, num_microbatches: int,
+                   num_chunks: int = 1) -> tuple[np.ndarray, ...]:
+    """Per device, a ``[K, M * v]`` 0/1 matrix: row k marks the (micro-batch, chunk) pairs — column
+    ``mb * v + chunk`` — whose activations are held while the device runs its k-th op (forward started,
+    backward not yet finished; the op's own micro-batch is in)."""
     masks = []
-    for s in range(num_stages):
-        held = np.zeros(num_microbatches)
+    for d in range(num_stages):
+        held = np.zeros(num_microbatches * num_chunks)
         rows = []
-        for kind, mb in stage_op_order(schedule, num_stages, num_microbatches, s):
+        for kind, mb, vs in device_op_order(schedule, num_stages, num_microbatches, d, num_chunks):
+            col = mb * num_chunks + vs // num_stages
             if kind == FWD:
-                held[mb] = 1.0
+                held[col] = 1.0
             rows.append(held.copy())
             if kind == BWD:
-                held[mb] = 0.0
+                held[col] = 0.0
         mask = np.array(rows)
         mask.setflags(write=False)
         masks.append(mask)
     return tuple(masks)
 
 
-def peak_inflight(schedule: str, num_stages: int, num_microbatches: int) -> np.ndarray:
-    """``[P]`` most micro-batches whose activations a stage holds at once (1F1B: min(P - s, M))."""
-    return np.array([int(m.sum(axis=1).max()) for m in inflight_masks(schedule, num_stages, num_microbatches)])
+def peak_inflight(schedule: str, num_stages: int, num_microbatches: int, num_chunks: int = 1) -> np.ndarray:
+    """``[P]`` most micro-batch chunks whose activations a device holds at once (1F1B: min(P - s, M))."""
+    return np.array([int(m.sum(axis=1).max())
+                     for m in inflight_masks(schedule, num_stages, num_microbatches, num_chunks)])
 
 
 @dataclass(frozen=True, eq=False)
@@ -111,6 +162,8 @@ class PipelineTimes:
 
     schedule: str
     """Schedule kind."""
+    num_chunks: int
+    """Model chunks per device (virtual stages = P * num_chunks; > 1 only for ``interleaved``)."""
     stage_end: np.ndarray
     """``[..., P]`` time each stage finishes its last op (its gradients are complete then)."""
     makespan: np.ndarray
@@ -120,18 +173,18 @@ class PipelineTimes:
     bubble: np.ndarray
     """``[...]`` idle share of the pipeline: 1 - sum(busy) / (P * makespan); 0 when nothing runs."""
     peak_inflight: np.ndarray
-    """``[P]`` most micro-batches whose activations a stage holds at once (fixed by the schedule)."""
+    """``[P]`` most micro-batch chunks whose activations a device holds at once (fixed by the schedule)."""
     peak_act_bytes: np.ndarray | None
     """``[..., P]`` peak activation bytes per stage (held micro-batches + the running op's transient), or
     None when no activation bytes were given."""
     fwd_start: np.ndarray | None = None
-    """``[..., M, P]`` start of each forward (None unless ``keep_timeline``)."""
+    """``[..., M, V]`` start of each forward (None unless ``keep_timeline``)."""
     fwd_end: np.ndarray | None = None
-    """``[..., M, P]`` end of each forward."""
+    """``[..., M, V]`` end of each forward."""
     bwd_start: np.ndarray | None = None
-    """``[..., M, P]`` start of each backward op (its recompute runs first, then the backward proper)."""
+    """``[..., M, V]`` start of each backward op (its recompute runs first, then the backward proper)."""
     bwd_end: np.ndarray | None = None
-    """``[..., M, P]`` end of each backward op."""
+    """``[..., M, V]`` end of each backward op."""
 
 
 def _front(x: np.ndarray) -> np.ndarray:
@@ -151,34 +204,39 @@ def simulate_pipeline(
     p2p_bwd: np.ndarray | None = None,
     *,
     schedule: str = "1f1b",
+    num_chunks: int = 1,
     act_bytes: np.ndarray | None = None,
     transient_bytes: np.ndarray | None = None,
     keep_timeline: bool = False,
 ) -> PipelineTimes:
     """Simulate one pipeline per batch item.
 
-    ``fwd``, ``bwd``, ``recompute``: ``[..., M, P]`` seconds. ``p2p_fwd`` / ``p2p_bwd``: ``[..., M, P-1]``
-    seconds to send the activation of boundary s -> s+1 forward / its gradient s+1 -> s backward (default:
-    ``p2p_bwd = p2p_fwd``, which is 0 when not given). ``act_bytes``: ``[..., M, P]`` bytes a micro-batch
-    keeps on a stage from its forward until its backward ends; ``transient_bytes``: ``[..., M, P]`` extra
-    bytes only while its backward runs (the recomputed layer's full activations). Leading axes broadcast.
+    ``fwd``, ``bwd``, ``recompute``: ``[..., M, V]`` seconds per virtual stage (V = P * num_chunks; with
+    one chunk per device, V = P stages). ``p2p_fwd`` / ``p2p_bwd``: ``[..., M, V-1]`` seconds to send the
+    activation of boundary k -> k+1 forward / its gradient k+1 -> k backward (default: ``p2p_bwd =
+    p2p_fwd``, which is 0 when not given). ``act_bytes``: ``[..., M, V]`` bytes a micro-batch keeps on a
+    stage from its forward until its backward ends; ``transient_bytes``: ``[..., M, V]`` extra bytes only
+    while its backward runs (the recomputed layer's full activations). Leading axes broadcast. Per-device
+    results (``stage_end``, ``busy``, memory) have P entries; the timeline keeps V.
     """
-    if schedule not in SCHEDULES:
-        raise InputError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}",
-                         source="schedule", field="schedule")
     fwd = np.asarray(fwd, dtype=np.float64)
     bwd = np.asarray(bwd, dtype=np.float64)
     if fwd.ndim < 2:
         raise InputError(f"fwd must be [..., M, P], got shape {fwd.shape}", source="fwd", field="shape")
-    num_mb, num_stages = fwd.shape[-2:]
-    if num_mb < 1 or num_stages < 1:
-        raise InputError(f"need at least one micro-batch and one stage, got M={num_mb}, P={num_stages}",
+    num_mb, num_virtual = fwd.shape[-2:]
+    if num_mb < 1 or num_virtual < 1:
+        raise InputError(f"need at least one micro-batch and one stage, got M={num_mb}, P={num_virtual}",
                          source="fwd", field="shape")
+    if num_chunks < 1 or num_virtual % num_chunks:
+        raise InputError(f"{num_virtual} virtual stages do not split into {num_chunks} chunks per device",
+                         source="num_chunks", field="num_chunks")
+    num_stages = num_virtual // num_chunks
+    check_layout(schedule, num_stages, num_mb, num_chunks)
     rec = np.zeros((1, 1)) if recompute is None else np.asarray(recompute, dtype=np.float64)
-    pf = np.zeros((1, max(num_stages - 1, 0))) if p2p_fwd is None else np.asarray(p2p_fwd, dtype=np.float64)
+    pf = np.zeros((1, max(num_virtual - 1, 0))) if p2p_fwd is None else np.asarray(p2p_fwd, dtype=np.float64)
     pb = pf if p2p_bwd is None else np.asarray(p2p_bwd, dtype=np.float64)
-    for name, arr, width in (("bwd", bwd, num_stages), ("recompute", rec, num_stages),
-                             ("p2p_fwd", pf, num_stages - 1), ("p2p_bwd", pb, num_stages - 1)):
+    for name, arr, width in (("bwd", bwd, num_virtual), ("recompute", rec, num_virtual),
+                             ("p2p_fwd", pf, num_virtual - 1), ("p2p_bwd", pb, num_virtual - 1)):
         if arr.ndim < 2 or arr.shape[-1] not in (width, 1) or arr.shape[-2] not in (num_mb, 1):
             raise InputError(f"expected [..., {num_mb}, {width}], got {arr.shape}", source=name, field="shape")
     for name, arr in (("fwd", fwd), ("bwd", bwd), ("recompute", rec), ("p2p_fwd", pf), ("p2p_bwd", pb)):
@@ -186,8 +244,8 @@ def simulate_pipeline(
             raise InputError("durations must be finite and >= 0", source=name, field="value")
 
     batch_shape = np.broadcast_shapes(fwd.shape[:-2], bwd.shape[:-2], rec.shape[:-2], pf.shape[:-2], pb.shape[:-2])
-    full = batch_shape + (num_mb, num_stages)
-    link = batch_shape + (num_mb, max(num_stages - 1, 0))
+    full = batch_shape + (num_mb, num_virtual)
+    link = batch_shape + (num_mb, max(num_virtual - 1, 0))
     F = _front(np.broadcast_to(fwd, full))
     Bt = _front(np.broadcast_to(bwd, full) + np.broadcast_to(rec, full))  # a backward op = recompute + backward
     PF = _front(np.broadcast_to(pf, link))
@@ -197,23 +255,24 @@ def simulate_pipeline(
     fe = np.empty_like(F)
     bs = np.empty_like(F)
     be = np.empty_like(F)
-    stage_free = [np.zeros(batch_shape) for _ in range(num_stages)]
-    last = num_stages - 1
-    for s, kind, m in global_op_order(schedule, num_stages, num_mb):
+    free = [np.zeros(batch_shape) for _ in range(num_stages)]
+    last = num_virtual - 1
+    for d, kind, m, k in global_op_order(schedule, num_stages, num_mb, num_chunks):
         if kind == FWD:
-            start = stage_free[s] if s == 0 else np.maximum(stage_free[s], fe[m, s - 1] + PF[m, s - 1])
-            fs[m, s] = start
-            fe[m, s] = start + F[m, s]
-            stage_free[s] = fe[m, s]
+            start = free[d] if k == 0 else np.maximum(free[d], fe[m, k - 1] + PF[m, k - 1])
+            fs[m, k] = start
+            fe[m, k] = start + F[m, k]
+            free[d] = fe[m, k]
         else:
-            start = stage_free[s] if s == last else np.maximum(stage_free[s], be[m, s + 1] + PB[m, s])
-            bs[m, s] = start
-            be[m, s] = start + Bt[m, s]
-            stage_free[s] = be[m, s]
+            start = free[d] if k == last else np.maximum(free[d], be[m, k + 1] + PB[m, k])
+            bs[m, k] = start
+            be[m, k] = start + Bt[m, k]
+            free[d] = be[m, k]
 
-    stage_end = np.stack(stage_free, axis=-1)
+    stage_end = np.stack(free, axis=-1)
     makespan = stage_end.max(axis=-1)
-    busy = _back(F).sum(axis=-2) + _back(Bt).sum(axis=-2)
+    busy_v = _back(F).sum(axis=-2) + _back(Bt).sum(axis=-2)  # [..., V]
+    busy = busy_v.reshape(busy_v.shape[:-1] + (num_chunks, num_stages)).sum(axis=-2)
     with np.errstate(invalid="ignore", divide="ignore"):
         bubble = np.where(makespan > 0, 1.0 - busy.sum(axis=-1) / (num_stages * makespan), 0.0)
 
@@ -223,12 +282,14 @@ def simulate_pipeline(
         trans = None if transient_bytes is None else _front(
             np.broadcast_to(np.asarray(transient_bytes, np.float64), full))
         peaks = []
-        for s, mask in enumerate(inflight_masks(schedule, num_stages, num_mb)):
-            held = np.tensordot(mask, act[:, s], axes=(1, 0))  # [K, ...]
+        for d, mask in enumerate(inflight_masks(schedule, num_stages, num_mb, num_chunks)):
+            chunks = [c * num_stages + d for c in range(num_chunks)]
+            held_act = act[:, chunks].reshape((num_mb * num_chunks,) + batch_shape)  # column mb * v + chunk
+            held = np.tensordot(mask, held_act, axes=(1, 0))  # [K, ...]
             if trans is not None:
-                ops = stage_op_order(schedule, num_stages, num_mb, s)
-                rows = [k for k, (kind, _) in enumerate(ops) if kind == BWD]
-                held[rows] += trans[[ops[k][1] for k in rows], s]
+                ops = device_op_order(schedule, num_stages, num_mb, d, num_chunks)
+                rows = [i for i, op in enumerate(ops) if op[0] == BWD]
+                held[rows] += trans[[ops[i][1] for i in rows], [ops[i][2] for i in rows]]
             peaks.append(held.max(axis=0))
         peak_act = np.stack(peaks, axis=-1)
 
@@ -236,6 +297,7 @@ def simulate_pipeline(
     if keep_timeline:
         timeline = dict(fwd_start=_back(fs), fwd_end=_back(fe), bwd_start=_back(bs), bwd_end=_back(be))
     return PipelineTimes(
-        schedule=schedule, stage_end=stage_end, makespan=makespan, busy=busy, bubble=bubble,
-        peak_inflight=peak_inflight(schedule, num_stages, num_mb), peak_act_bytes=peak_act, **timeline,
+        schedule=schedule, num_chunks=num_chunks, stage_end=stage_end, makespan=makespan, busy=busy,
+        bubble=bubble, peak_inflight=peak_inflight(schedule, num_stages, num_mb, num_chunks),
+        peak_act_bytes=peak_act, **timeline,
     )

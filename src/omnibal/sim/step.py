@@ -84,6 +84,7 @@ def simulate_steps(
     p2p_bwd: np.ndarray | None = None,
     *,
     schedule: str = "1f1b",
+    num_chunks: int = 1,
     allreduce_time: np.ndarray | float = 0.0,
     step_overhead: float = 0.0,
     act_bytes: np.ndarray | None = None,
@@ -92,7 +93,8 @@ def simulate_steps(
     memory_budget: float | None = None,
     keep_timeline: bool = False,
 ) -> StepTimes:
-    """Simulate steps from per-op durations shaped ``[S, D, M, P]`` (see :func:`simulate_pipeline`).
+    """Simulate steps from per-op durations shaped ``[S, D, M, V]`` (see :func:`simulate_pipeline`; V = P
+    unless ``num_chunks`` > 1 for interleaved 1F1B).
 
     ``allreduce_time``: ``[P]`` (or scalar) gradient sync seconds per stage group (see
     :func:`ring_allreduce_time`); ``static_bytes``: ``[P]`` params + grads + optimizer state per device;
@@ -103,7 +105,8 @@ def simulate_steps(
         raise InputError(f"fwd must be [..., D, M, P], got shape {fwd.shape}", source="fwd", field="shape")
     if step_overhead < 0:
         raise InputError(f"must be >= 0, got {step_overhead}", source="step_overhead", field="step_overhead")
-    pipe = simulate_pipeline(fwd, bwd, recompute, p2p_fwd, p2p_bwd, schedule=schedule, act_bytes=act_bytes,
+    pipe = simulate_pipeline(fwd, bwd, recompute, p2p_fwd, p2p_bwd, schedule=schedule, num_chunks=num_chunks,
+                             act_bytes=act_bytes,
                              transient_bytes=transient_bytes, keep_timeline=keep_timeline)
     num_stages = pipe.stage_end.shape[-1]
     ar = np.broadcast_to(np.asarray(allreduce_time, dtype=np.float64), (num_stages,))
