@@ -97,7 +97,7 @@ def parse_partition(text: str, num_layers: int, num_stages: int):
     if len(starts) != num_stages:
         raise InputError(f"{len(starts)} stage starts for {num_stages} pipeline stages", source="--partition",
                          field="partition")
-    return cuts_from_starts(starts, num_layers)
+    return cuts_from_starts(starts, num_layers, source="--partition")
 
 
 def parse_recompute(text: str, cuts):
@@ -116,7 +116,7 @@ def parse_recompute(text: str, cuts):
     except ValueError:
         raise InputError(f"expected 'full', 'none' or comma-separated counts, got {text!r}", source="--recompute",
                          field="recompute") from None
-    return recompute_mask_from_counts(cuts, counts)
+    return recompute_mask_from_counts(cuts, counts, source="--recompute")
 
 
 def _load_plan(path: str):
@@ -148,6 +148,8 @@ def _resolve_cluster(args, plan) -> dict:
 
 def _stats(args, spec):
     """The stats the balancer sees, with LLM tokens as this model counts them."""
+    import numpy as np
+
     from omnibal.stats.table import SampleStats
 
     if args.stats:
@@ -160,7 +162,8 @@ def _stats(args, spec):
         from omnibal.stats.synthetic import synthetic_internvl_mixture
 
         stats = synthetic_internvl_mixture(_positive("samples", args.samples or 1_200_000), seed=args.seed)
-    tokens = spec.sample_tokens(stats.tiles, stats.tokens)
+    # a text-only row's dummy tile runs through the encoder but has no image tokens to re-count
+    tokens = spec.sample_tokens(np.where(stats.images > 0, stats.tiles, 0), stats.tokens)
     if (tokens != stats.tokens).any():
         stats = SampleStats(tiles=stats.tiles, tokens=tokens, images=stats.images, keys=stats.keys,
                             source=f"{stats.source} (tokens for {spec.name})")
