@@ -48,3 +48,14 @@ def test_cpu_is_measured():
     assert cpu.name == "cpu-1t"
     with pytest.raises(InputError):
         measure_cpu(threads=0)
+
+
+@pytest.mark.multiprocess
+def test_gloo_link_is_measured():
+    from omnibal.cost.linkbench import measure_gloo_link
+
+    bandwidth, latency, points = measure_gloo_link(sizes=(1 << 10, 1 << 20), repeats=3, timeout_s=120)
+    assert bandwidth > 1e7 and 0 <= latency < 0.05
+    assert points[1 << 20] > points[1 << 10] > 0  # a megabyte takes longer than a kilobyte
+    with pytest.raises(InputError):
+        measure_gloo_link(sizes=(1024,))

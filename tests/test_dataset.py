@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader
@@ -56,3 +57,34 @@ def test_text_only_rows_with_a_dummy_tile_run_the_encoder_but_fill_no_slot():
     img = mb.image_index[0]
     # the dummy tile is slot 0; the second sample's two tiles fill rows 4..11
     assert img[img >= 0].tolist() == list(range(4, 12))
+
+
+def test_stats_for_model_swaps_the_image_token_count_of_image_rows_only():
+    from omnibal.data.dataset import stats_for_model
+    from omnibal.stats.table import SampleStats
+
+    stats = SampleStats.from_arrays(tiles=[1, 3, 1], tokens=[300, 800, 40], images=[1, 1, 0], source="s")
+    out = stats_for_model(stats, 16)
+    assert out.tokens.tolist() == [300 - 240, 800 - 3 * 240, 40]
+    assert np.array_equal(out.keys, stats.keys) and np.array_equal(out.tiles, stats.tiles)
+    with pytest.raises(InputError, match=r"index 0.*'tokens'"):
+        stats_for_model(SampleStats.from_arrays(tiles=[2], tokens=[500], source="s"), 16)
+
+
+def test_real_statistics_make_a_dataset_for_the_tiny_preset(shared_stats_dir):
+    from omnibal.cost.presets import get_model_preset
+    from omnibal.data.dataset import SyntheticConfig, SyntheticVLMDataset, stats_for_model
+    from omnibal.stats.io import load_stats
+
+    loaded = load_stats(shared_stats_dir / "ai2d_train_12k_wh_token_lengths.json")
+    stats = loaded[0] if isinstance(loaded, tuple) else loaded
+    spec = get_model_preset("tiny")
+    model_stats = stats_for_model(stats, spec.llm_tokens_per_tile)
+    ds = SyntheticVLMDataset(model_stats, SyntheticConfig(image_size=spec.vision.image_size,
+                                                          tokens_per_tile=spec.llm_tokens_per_tile,
+                                                          vocab_size=spec.llm.vocab_size,
+                                                          image_token_id=spec.llm.vocab_size - 1))
+    for i in (0, len(ds) // 2, len(ds) - 1):
+        s = ds[i]
+        assert s["pixel_values"].shape[0] == stats.tiles[i]
+        assert len(s["input_ids"]) == model_stats.tokens[i] == stats.tokens[i] - 240 * stats.tiles[i]

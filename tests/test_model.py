@@ -90,3 +90,21 @@ def test_loss_is_a_sum_over_targets():
     assert int(count) == batch.num_targets == 8  # 16 text tokens, half of them answer
     # an untrained model predicts ~uniformly: each target costs about log(vocab)
     assert abs(float(loss) / int(count) - torch.log(torch.tensor(64.0)).item()) < 0.3
+
+
+@pytest.mark.gpu
+def test_cuda_matches_cpu_and_bf16_runs():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    spec = tiny_spec()
+    ds = tiny_dataset(spec, tiles=[2, 1], tokens=[14, 9])
+    batch = pack(spec, [ds[0], ds[1]])
+    cpu_loss, _ = VLM(spec, seed=3, attn_impl="varlen").loss(batch)
+    gpu = VLM(spec, seed=3, attn_impl="varlen").cuda()
+    gpu_loss, _ = gpu.loss(batch.to("cuda"))
+    assert rel_err(gpu_loss.detach().cpu(), cpu_loss.detach()) < 1e-4
+    half = VLM(spec, seed=3).cuda().to(torch.bfloat16)  # attn_impl auto: flash-attn varlen when installed
+    loss, count = half.loss(batch.to("cuda"))
+    loss.backward()
+    assert loss.dtype == torch.float32 and torch.isfinite(loss).all() and int(count) == batch.num_targets
+    assert rel_err(loss.detach().cpu(), cpu_loss.detach()) < 5e-2

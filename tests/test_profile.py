@@ -6,6 +6,7 @@ import pytest
 
 from omnibal.cli import main
 from omnibal.cost.analytic import layer_work
+from omnibal.cost.hardware import get_hardware
 from omnibal.cost.presets import get_model_preset
 from omnibal.cost.profile import (FORMAT, ProfileGrid, check_profile_model, cost_table_from_profile, fit_profile,
                                   load_profile, save_profile)
@@ -51,7 +52,15 @@ def test_cost_table_from_profile_uses_the_fits(tmp_path):
     assert (table.ckpt_bytes <= table.act_bytes + 1e-9).all()
     with pytest.raises(InputError) as exc:
         cost_table_from_profile(spec, profile, tp_size=2)
-    assert exc.value.field == "tp_size"
+    assert exc.value.field == "hardware"
+    tp2 = cost_table_from_profile(spec, profile, tp_size=2, hardware=get_hardware("a100-80g"))
+    # LLM GEMMs dominate a block: close to half the time per token; the all-reduces come on top.
+    assert 0.4 < tp2.fwd_time[block][2] / table.fwd_time[block][2] < 0.75
+    assert tp2.tp_comm_time is not None and tp2.tp_comm_time[block][2] > 0
+    assert np.allclose(tp2.param_bytes[block], table.param_bytes[block] / 2)
+    with pytest.raises(InputError) as exc:
+        cost_table_from_profile(spec, profile, tp_size=3, hardware=get_hardware("a100-80g"))
+    assert exc.value.field == "llm.num_heads"
     frozen = dataclasses.replace(spec, freeze_vision=True)
     with pytest.raises(InputError):  # another shape of training: another fingerprint
         cost_table_from_profile(frozen, profile)
@@ -107,6 +116,8 @@ def test_measured_saved_bytes_match_the_analytic_accounting(tmp_path):
     kinds = {r["kind"] for r in profile["measurements"]}
     assert kinds == {layer.kind for layer in spec.layers()}
     assert all(r["fwd_s"] > 0 and r["bwd_s"] > 0 for r in profile["measurements"])
+    assert all(r["fwd_s"] == r["fwd_median_s"] and r["fwd_min_s"] <= r["fwd_median_s"] and r["fwd_cpu_s"] > 0
+               for r in profile["measurements"])
     work = layer_work(spec, dtype="fp32")
     i = [layer.kind for layer in spec.layers()].index("vision_block")
     for row in profile["measurements"]:
@@ -120,3 +131,18 @@ def test_cli_rejects_bad_input(tmp_path, capsys):
     assert main(["profile", "--preset", "nope", "-o", str(tmp_path / "x.json"), "--quiet"]) == 2
     assert "unknown model preset" in capsys.readouterr().err
     assert main(["profile", "--spec", str(tmp_path / "missing.json"), "--quiet"]) == 2
+
+
+@pytest.mark.gpu
+def test_cuda_profile_uses_events_and_records_peak_memory():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from omnibal.cost.profile import measure
+
+    spec = small_spec()
+    profile = measure(spec, device="cuda", grid=ProfileGrid(tiles=(1, 2), tokens=(64, 128), segments=(32, 64)),
+                      repeats=2, warmup=1)
+    assert profile["device"]["type"] == "cuda" and profile["dtype"] == "bf16"
+    assert all(r["peak_bytes"] > 0 and r["fwd_s"] > 0 for r in profile["measurements"])
+    assert cost_table_from_profile(spec, profile).fwd_time.shape == (spec.num_layers, 4)

@@ -131,3 +131,71 @@ def test_stats_property_measures_every_sample(example):
     assert st.tiles.tolist() == [ds[i]["pixel_values"].shape[0] for i in range(len(ds))]
     assert st.tokens.tolist() == [len(ds[i]["input_ids"]) for i in range(len(ds))]
     assert st.images.tolist() == [1, 1, 2, 0]
+
+
+def test_the_project_examples_have_exactly_the_sizes_omnibal_stats_computes():
+    examples = pytest.importorskip("omnibal.examples")
+    annotations = pytest.importorskip("omnibal.stats.annotations")
+    from omnibal.stats.tokens import TokenConfig
+
+    # small tiles keep the test fast; the rule and the token layout are what is compared
+    ann = annotations.AnnotationConfig(tokenizer=str(examples.TOKENIZER), tiles=TileConfig(tile_size=28),
+                                       tokens=TokenConfig(tokens_per_tile=4, image_marker_tokens=2, tokens_per_turn=2,
+                                                          tokens_per_sample=1))
+    expected, _ = annotations.compute_stats(examples.ANNOTATIONS, ann)
+    ds = RealDataset(examples.ANNOTATIONS, RealDataConfig.like_stats(ann))
+    assert len(ds) == len(expected) >= 10
+    assert ds.image_token_id == 3 and ds.image_start_id == 1  # the tokenizer's own <IMG_CONTEXT>, <img>
+    checked = 0
+    for i in range(len(ds)):
+        rec = ds.records[i]
+        if "width" in rec:  # sizes given in the record and no image file: stats need no pixels, samples do
+            with pytest.raises(InputError, match="image not found"):
+                ds[i]
+            continue
+        s = ds[i]
+        assert s["pixel_values"].shape[0] == expected.tiles[i], rec.get("id")
+        assert len(s["input_ids"]) == expected.tokens[i], rec.get("id")
+        assert s["key"] == int(expected.keys[i]), rec.get("id")
+        checked += 1
+    assert checked >= 12
+
+
+def test_real_samples_train_the_reference_model(example):
+    from omnibal.cost.spec import LLMSpec, ModelSpec, VisionSpec
+    from omnibal.train.model import VLM
+
+    root, _ = example
+    ds = RealDataset(root / "train.jsonl", _config(root))
+    spec = ModelSpec(name="real-tiny", vision=VisionSpec(num_layers=1, hidden=32, num_heads=4, mlp_hidden=64,
+                                                          image_size=32, patch_size=8),
+                     llm=LLMSpec(num_layers=1, hidden=32, num_heads=4, num_kv_heads=2, mlp_hidden=64,
+                                 vocab_size=ds.vocab_size_needed))
+    model = VLM(spec)
+    assert spec.llm_tokens_per_tile == ds.config.tokens_per_tile
+    cfg = model.collate_config(num_tiles=16, num_tokens=256, image_token_id=ds.image_token_id)
+    batch = collate([ds[i] for i in range(len(ds))], cfg)
+    loss, count = model.loss(batch)
+    loss.backward()
+    assert int(count) == batch.num_targets > 0 and torch.isfinite(loss).all()
+    assert model.vision.embed.patch.weight.grad.abs().sum() > 0  # the real image tiles reached the loss
+
+
+def test_default_internvl_settings_equal_the_omnibal_stats_cli(tmp_path):
+    """448 px tiles, 256 tokens per tile, max 12 + thumbnail: what `omnibal stats` writes for the examples."""
+    examples = pytest.importorskip("omnibal.examples")
+    from omnibal.cli import main
+    from omnibal.stats.io import load_stats
+
+    out = tmp_path / "stats.jsonl"
+    assert main(["stats", str(examples.ANNOTATIONS), "--tokenizer", str(examples.TOKENIZER), "--out", str(out),
+                 "--quiet"]) == 0
+    loaded = load_stats(out)
+    expected = loaded[0] if isinstance(loaded, tuple) else loaded
+    ds = RealDataset(examples.ANNOTATIONS, RealDataConfig(tokenizer=str(examples.TOKENIZER)))
+    for i in range(len(ds)):
+        if "width" in ds.records[i]:
+            continue  # size given, image file absent: only the statistics can be made
+        s = ds[i]
+        assert (s["pixel_values"].shape[0], len(s["input_ids"])) == (expected.tiles[i], expected.tokens[i]), i
+        assert s["pixel_values"].shape[1:] == (3, 448, 448)

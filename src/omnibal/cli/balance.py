@@ -3,16 +3,97 @@
 from __future__ import annotations
 
 import argparse
-
-from omnibal.errors import NotBuiltError
+import json
+import sys
+import time
 
 HELP = "pack samples into balanced micro-batches and assign them to (step, dp_rank, micro-batch)"
-DESCRIPTION = HELP + " (not built yet: issue 3)"
+DESCRIPTION = (HELP + ". Reads per-sample statistics (any format `omnibal stats` loaders read; without "
+               "--stats the synthetic default mixture), writes the schedule JSON "
+               '{"dp_size", "num_microbatches", "caps": {"tiles", "tokens"}, "steps": [[[[row, ...] per '
+               "micro-batch] per rank] per step]} and prints the balance metrics.")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    parser.add_argument("--stats", help="per-sample statistics file (json/jsonl/parquet/OmniBal token-length)")
+    parser.add_argument("--synthetic-samples", type=int, default=1_200_000,
+                        help="rows of the synthetic default mixture used when --stats is not given")
+    parser.add_argument("--dp-size", type=int, required=True, help="data-parallel ranks")
+    parser.add_argument("--num-microbatches", type=int, default=1, help="micro-batches per rank per step")
+    parser.add_argument("--target-samples", type=float, default=4.5, help="mean samples per micro-batch")
+    parser.add_argument("--max-tiles", type=int, default=None, help="fixed Q_v (default: cap search)")
+    parser.add_argument("--max-tokens", type=int, default=None, help="fixed Q_t / token budget (default: cap search)")
+    parser.add_argument("--oversize", choices=("error", "own_pack", "drop"), default="error",
+                        help="samples over a fixed cap")
+    parser.add_argument("--method", choices=("omnibal", "isf", "isf+assign", "random", "length-grouped"),
+                        default="omnibal")
+    parser.add_argument("--batch-size", type=int, default=4, help="samples per micro-batch (random, length-grouped)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--epoch", type=int, default=0)
+    parser.add_argument("--out", help="write the schedule JSON here")
+    parser.add_argument("--metrics-json", help="write the metrics as JSON here")
+    parser.add_argument("--plot", help="PNG of per-rank vision and LLM load per step")
+    parser.add_argument("--quiet", action="store_true", help="no table on stdout")
+
+
+def _load(path: str | None, synthetic_samples: int):
+    if path is None:
+        from omnibal.stats.synthetic import synthetic_internvl_mixture
+
+        return synthetic_internvl_mixture(synthetic_samples, seed=0)
+    from omnibal.stats.io import load_stats
+
+    return load_stats(path)
+
+
+def plot_loads(schedule, stats, path: str, cost=None) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from omnibal.data.balance.cost import DEFAULT_COST
+
+    vis, llm = (cost or DEFAULT_COST).evaluate(schedule.features(stats))
+    fig, axes = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
+    for ax, load, name in ((axes[0], vis.sum(2), "vision"), (axes[1], llm.sum(2), "LLM")):
+        mean = load.mean(1, keepdims=True)
+        rel = load / mean
+        steps = range(load.shape[0])
+        ax.plot(steps, rel.max(1), label="slowest rank / mean", lw=1)
+        ax.plot(steps, rel.min(1), label="fastest rank / mean", lw=1)
+        ax.set_ylabel(f"{name} cost / step mean")
+        ax.legend(loc="upper right", fontsize=8)
+    axes[1].set_xlabel("step")
+    fig.suptitle(f"{schedule.method}: per-rank load, dp={schedule.dp_size}, M={schedule.num_microbatches}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def run(args: argparse.Namespace) -> int:
-    raise NotBuiltError("issue 3")
+    from omnibal.data.balance import BalanceConfig, balance
+    from omnibal.data.metrics import format_table, schedule_metrics
+
+    stats = _load(args.stats, args.synthetic_samples)
+    config = BalanceConfig(method=args.method, target_samples=args.target_samples, max_tiles=args.max_tiles,
+                           max_tokens=args.max_tokens, oversize=args.oversize, batch_size=args.batch_size)
+    t0 = time.perf_counter()
+    schedule = balance(stats, dp_size=args.dp_size, num_microbatches=args.num_microbatches, seed=args.seed,
+                       epoch=args.epoch, config=config)
+    seconds = time.perf_counter() - t0
+    metrics = schedule_metrics(schedule, stats, config.cost)
+    if args.out:
+        schedule.to_json(args.out)
+    if args.metrics_json:
+        with open(args.metrics_json, "w") as fh:
+            json.dump(metrics, fh, indent=1)
+    if args.plot:
+        plot_loads(schedule, stats, args.plot, config.cost)
+    if not args.quiet:
+        keys = ["method", "dp_size", "num_steps", "caps_tiles", "caps_tokens", "samples_per_microbatch_mean",
+                "vision_max_mean_ranks", "llm_max_mean_ranks", "total_max_mean_ranks", "buffer_pad_tiles",
+                "buffer_pad_tokens", "useful_fraction", "coverage_ok"]
+        sys.stdout.write(f"{len(stats)} samples from {stats.source}; balanced in {seconds:.2f} s\n")
+        sys.stdout.write(format_table([metrics], keys))
+    return 0 if metrics["coverage_ok"] else 1

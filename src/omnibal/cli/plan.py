@@ -3,16 +3,134 @@
 from __future__ import annotations
 
 import argparse
-
-from omnibal.errors import NotBuiltError
+import json
+import sys
+import time
+from pathlib import Path
 
 HELP = "plan data caps, pipeline partition and per-stage recompute for a model on a cluster"
-DESCRIPTION = HELP + " (not built yet: issue 5)"
+DESCRIPTION = (
+    "Plan a VLM training job the OmniBal way: balanced micro-batches (data), the exact min-max pipeline "
+    "partition searched jointly with per-stage activation checkpointing (model + memory), scored by the "
+    "step-time simulator. With no arguments: InternVL-Chat-1.5 (InternViT-6B + InternLM2-20B) on 128 A100-80G "
+    "(DP 32 x PP 4 x TP 1, ZeRO-1, 8 micro-batches per step) with a synthetic InternVL-like 1.2M-sample "
+    "dataset. Prints the plan and the paper's ablation (baseline -> + data balance -> + balanced partition -> "
+    "+ adaptive recompute) and writes plan.json, ablation.json, report.md and PNGs into --out."
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    g = parser.add_argument_group("model and cluster")
+    g.add_argument("--preset", default="internvl-chat-1.5", help="model preset (omnibal.cost.presets)")
+    g.add_argument("--hardware", default="a100-80g", help="hardware preset (a100-40g, a100-80g, h100, h200)")
+    g.add_argument("--gpus", type=int, default=128, help="devices in the job; DP x PP x TP must equal it")
+    g.add_argument("--dp", type=int, default=None, help="data-parallel size (default: gpus / (pp x tp))")
+    g.add_argument("--pp", type=int, default=4, help="pipeline stages")
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    g.add_argument("--zero-stage", type=int, default=1, choices=(0, 1, 2), help="ZeRO stage over DP")
+    g.add_argument("--num-microbatches", type=int, default=8, help="micro-batches per step per DP rank")
+    g.add_argument("--memory-budget", type=float, default=None, metavar="GIB",
+                   help="bytes per device the plan may use, in GiB (default: 95%% of the device memory)")
+    g.add_argument("--profile", default=None, metavar="FILE",
+                   help="measured layer profile (omnibal profile) to use instead of the analytic cost model")
+    g.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe"), help="pipeline schedule")
+    d = parser.add_argument_group("data")
+    d.add_argument("--stats", default=None, metavar="FILE",
+                   help="per-sample statistics (omnibal stats); default: synthetic InternVL-like mixture")
+    d.add_argument("--samples", type=int, default=1_200_000, help="size of the synthetic mixture")
+    d.add_argument("--balance-samples", default="200000", metavar="N",
+                   help="balance a uniform random subset of N samples and scale the epoch to the whole "
+                        "dataset ('all': every sample; balancing 1.2M samples takes ~30 s of CPU)")
+    d.add_argument("--balance-method", default="omnibal", help="balancer of the planned job")
+    d.add_argument("--padding", default="varlen", choices=("varlen", "fixed_buffer"),
+                   help="how balanced packs run: variable length, or padded to the caps (static shapes)")
+    d.add_argument("--baseline-batch-size", type=int, default=4, help="samples per baseline micro-batch")
+    s = parser.add_argument_group("search")
+    s.add_argument("--radius", type=int, default=2, help="move each stage boundary by up to this many layers")
+    s.add_argument("--top-k", type=int, default=8, help="candidates scored with the simulator")
+    s.add_argument("--search-steps", type=int, default=192, help="steps the simulator scores candidates on")
+    s.add_argument("--baseline-partition", default="even", choices=("even", "vision-first"),
+                   help="the baseline's layer split")
+    s.add_argument("--seed", type=int, default=0, help="seed of data, shuffles and step sample")
+    o = parser.add_argument_group("output")
+    o.add_argument("--out", default="omnibal-out", metavar="DIR", help="folder for plan.json, report.md and PNGs")
+    o.add_argument("--no-timelines", action="store_true", help="skip the per-row pipeline timeline PNGs")
+    o.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def job_config(args: argparse.Namespace):
+    from omnibal.errors import InputError
+    from omnibal.plan.job import PlanJobConfig
+    from omnibal.plan.search import SearchConfig
+
+    for name in ("gpus", "pp", "tp"):
+        value = getattr(args, name)
+        if value is None or value < 1:
+            raise InputError(f"must be a positive integer, got {value!r}", source=f"--{name}", field=name)
+    dp = args.dp
+    if dp is None:
+        if args.gpus % (args.pp * args.tp):
+            raise InputError(f"{args.gpus} devices do not split into PP {args.pp} x TP {args.tp} x DP: "
+                             f"{args.gpus} is not a multiple of {args.pp * args.tp}", source="--gpus", field="gpus")
+        dp = args.gpus // (args.pp * args.tp)
+    if str(args.balance_samples).lower() == "all":
+        balance_samples = None
+    else:
+        try:
+            balance_samples = int(args.balance_samples)
+        except ValueError:
+            raise InputError(f"must be a number of samples or 'all', got {args.balance_samples!r}",
+                             source="--balance-samples", field="balance_samples") from None
+    if args.radius < 0 or args.top_k < 1 or args.search_steps < 1:
+        raise InputError("--radius must be >= 0, --top-k and --search-steps >= 1", source="--radius",
+                         field="radius")
+    return PlanJobConfig(
+        preset=args.preset, hardware=args.hardware, num_gpus=args.gpus, dp_size=dp, pp_size=args.pp,
+        tp_size=args.tp, zero_stage=args.zero_stage, num_microbatches=args.num_microbatches,
+        baseline_batch_size=args.baseline_batch_size, memory_budget_gib=args.memory_budget,
+        stats_path=args.stats, num_samples=args.samples, balance_samples=balance_samples, seed=args.seed,
+        profile_path=args.profile, balance_method=args.balance_method, padding=args.padding,
+        baseline_partition=args.baseline_partition, schedule=args.schedule,
+        search=SearchConfig(radius=args.radius, top_k=args.top_k, sample_steps=args.search_steps, seed=args.seed))
 
 
 def run(args: argparse.Namespace) -> int:
-    raise NotBuiltError("issue 5")
+    from omnibal.plan.ablation import ablation_markdown
+    from omnibal.plan.exports import export_all
+    from omnibal.plan.job import run_plan_job
+    from omnibal.plan.report import balance_rows, stage_rows, text_table, write_job_outputs
+
+    t0 = time.perf_counter()
+    config = job_config(args)
+    progress = not args.quiet and sys.stderr.isatty()
+    inp = config
+    print(f"omnibal plan: {inp.preset} on {inp.dp_size * inp.pp_size * inp.tp_size} x {inp.hardware} "
+          f"(DP {inp.dp_size} x PP {inp.pp_size} x TP {inp.tp_size}, ZeRO-{inp.zero_stage}, "
+          f"{inp.num_microbatches} micro-batches per step)", flush=True)
+    result = run_plan_job(config, progress=progress)
+    plan = result.plan
+    t_report = time.perf_counter()
+    files = write_job_outputs(result, args.out, timelines=not args.no_timelines)
+    result.timings["report"] = round(time.perf_counter() - t_report, 3)
+    (Path(args.out) / "ablation.json").write_text(json.dumps(
+        {**json.loads((Path(args.out) / "ablation.json").read_text()), "timings": result.timings}, indent=2) + "\n")
+    p = plan.inputs
+    note = ""
+    if result.epoch_scale != 1.0:
+        note = (f"; balanced a uniform random subset of {plan.data.settings['balanced_samples']:,} and scaled the "
+                f"epoch x{result.epoch_scale:.2f} (--balance-samples all: every sample)")
+    print(f"data: {p.stats_source}, {p.num_samples:,} samples{note}")
+    print(f"memory budget: {p.memory_budget_bytes / 2**30:.1f} GiB per device\n")
+    print("Ablation (predicted; paper: OmniBal, 6B+20B on Megatron-DeepSpeed, measured on A100):")
+    print(ablation_markdown(result.ablation))
+    print(f"\nPlan: {plan.prediction.step_time_s:.2f} s per step, {plan.prediction.gpu_days:.1f} GPU days per epoch, "
+          f"bubble {plan.prediction.bubble:.1%}")
+    print(text_table(stage_rows(plan)))
+    ex = export_all(plan)
+    print(f"\nDeepSpeed parts: {ex['deepspeed']['parts']}")
+    print(f"Megatron-style layout: {ex['megatron']['pipeline_model_parallel_layout']}")
+    print("\nBalance:")
+    print(text_table(balance_rows(result.balance_metrics)))
+    print(f"\nwrote {files['plan']}, {files['report']} and {sum(1 for k in files if k not in ('plan', 'report', 'ablation'))} "
+          f"PNGs into {args.out}/ ({time.perf_counter() - t0:.1f} s)")
+    return 0

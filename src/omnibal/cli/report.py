@@ -3,16 +3,33 @@
 from __future__ import annotations
 
 import argparse
-
-from omnibal.errors import NotBuiltError
+from pathlib import Path
 
 HELP = "render a markdown + PNG report from plan/simulation/training outputs"
-DESCRIPTION = HELP + " (not built yet: issue 5)"
+DESCRIPTION = (
+    "Render report.md and PNGs from a plan.json written by `omnibal plan` (its ablation.json beside it is "
+    "picked up), optionally with an `omnibal simulate` summary JSON and a training metrics log (JSON lines "
+    "with step_time_s) to compare the prediction with them."
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    parser.add_argument("plan", nargs="?", default="omnibal-out/plan.json",
+                        help="plan.json, or the folder holding it")
+    parser.add_argument("--ablation", default=None, metavar="FILE",
+                        help="ablation.json (default: the one beside the plan, if any)")
+    parser.add_argument("--simulate", default=None, metavar="FILE", help="omnibal simulate summary JSON")
+    parser.add_argument("--train", default=None, metavar="FILE", help="training metrics log (JSON lines)")
+    parser.add_argument("--out", default=None, metavar="DIR", help="output folder (default: the plan's folder)")
 
 
 def run(args: argparse.Namespace) -> int:
-    raise NotBuiltError("issue 5")
+    from omnibal.plan.report import render_report
+
+    path = Path(args.plan)
+    if path.is_dir():
+        path = path / "plan.json"
+    files = render_report(path, args.out, ablation_path=args.ablation, simulate_path=args.simulate,
+                          train_path=args.train)
+    print(f"wrote {files['report']} and {len(files) - 1} PNGs")
+    return 0

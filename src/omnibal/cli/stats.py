@@ -1,18 +1,165 @@
-"""``omnibal stats``: compute per-sample statistics (tiles, tokens, images) from annotations or convert stats files"""
+"""``omnibal stats``: per-sample statistics (tiles, tokens, images) from annotations, or from/to stats files."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import sys
+from pathlib import Path
 
-from omnibal.errors import NotBuiltError
+from omnibal.errors import InputError
 
 HELP = "compute per-sample statistics (tiles, tokens, images) from annotations or convert stats files"
-DESCRIPTION = HELP + " (not built yet: issue 2)"
+DESCRIPTION = """\
+Compute per-sample statistics (vision tiles, LLM tokens, images) and print their summary.
+
+Four modes:
+  omnibal stats ANNOTATION... --image-root DIR [--tokenizer PATH] --out stats.jsonl
+      from LLaVA/InternVL-style annotation files (.json list or .jsonl); tiles by the InternVL
+      dynamic-resolution rule from image headers (or the record's width/height), tokens with a local
+      Hugging Face tokenizer, or a labelled estimate without one
+  omnibal stats --summary FILE            summarise an existing stats file
+  omnibal stats --convert IN --out OUT    convert between stats formats (jsonl, json, parquet, token-lengths)
+  omnibal stats --synthetic N --seed S --out FILE
+                                          write the synthetic InternVL-like mixture
+
+Stats formats are chosen by extension (.jsonl, .json, .parquet) or --format; 'token-lengths' is the
+public OmniBal format (a JSON list of {vit_num, token_num, image_flags})."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("annotations", nargs="*", metavar="ANNOTATION", help="annotation files (.json or .jsonl)")
+    mode = parser.add_argument_group("other modes (instead of annotation files)")
+    mode.add_argument("--summary", metavar="FILE", help="summarise an existing stats file")
+    mode.add_argument("--convert", metavar="IN", help="convert stats file IN to --out")
+    mode.add_argument("--synthetic", type=int, metavar="N", help="generate the synthetic InternVL-like mixture of N samples")
+    mode.add_argument("--seed", type=int, default=0, help="seed of --synthetic (default 0)")
+
+    ann = parser.add_argument_group("annotations")
+    ann.add_argument("--image-root", metavar="DIR", help="folder image paths are relative to (default: each annotation file's folder)")
+    ann.add_argument("--tokenizer", metavar="PATH", help="local tokenizer.json or tokenizer folder (default: a labelled estimate)")
+    ann.add_argument("--min-tiles", type=int, default=1, help="smallest tile grid (default 1)")
+    ann.add_argument("--max-tiles", type=int, default=12, help="largest tile grid, thumbnail not counted (default 12)")
+    ann.add_argument("--tile-size", type=int, default=448, help="tile side in pixels (default 448)")
+    ann.add_argument("--no-thumbnail", action="store_true", help="no thumbnail tile for multi-tile images")
+    ann.add_argument("--tokens-per-tile", type=int, default=256, help="LLM tokens per tile (default 256)")
+    ann.add_argument("--image-marker-tokens", type=int, default=2, help="tokens around each image, <img></img> (default 2)")
+    ann.add_argument("--tokens-per-turn", type=int, default=0, help="chat-template tokens per turn (default 0)")
+    ann.add_argument("--tokens-per-sample", type=int, default=0, help="tokens once per sample, e.g. a system prompt (default 0)")
+    ann.add_argument("--no-dummy-tile", action="store_true", help="text-only samples get 0 tiles instead of InternVL's dummy tile")
+    ann.add_argument("--split-max-tiles", action="store_true", help="multi-image samples: max-tiles // images per image (InternVL2)")
+    ann.add_argument("--ignore-exif", action="store_true", help="do not swap sides for EXIF orientations 5-8")
+    ann.add_argument("--allow-outside-root", action="store_true", help="accept image paths leading outside the image root (../, absolute, symlinks)")
+    ann.add_argument("--workers", type=int, default=0, help="worker processes (default 0: one per available core)")
+    ann.add_argument("--chunk-size", type=int, default=256, help="records per worker task (default 256)")
+
+    out = parser.add_argument_group("output")
+    out.add_argument("--out", metavar="FILE", help="write the statistics here (.jsonl, .json, .parquet)")
+    out.add_argument("--format", choices=("jsonl", "json", "parquet", "token-lengths"), help="format of --out (default: by extension)")
+    out.add_argument("--input-format", choices=("jsonl", "json", "parquet", "token-lengths"), help="format of --summary/--convert input (default: detected)")
+    out.add_argument("--on-error", choices=("raise", "skip"), default="raise", help="stop at the first bad record, or skip bad records and report them (default raise)")
+    out.add_argument("--report", metavar="FILE", help="write the summary (and the run report) as JSON")
+    out.add_argument("--plot", metavar="PNG", help="write histograms of tiles and tokens as a PNG")
+    out.add_argument("--quiet", action="store_true", help="no progress bar and no summary table")
 
 
 def run(args: argparse.Namespace) -> int:
-    raise NotBuiltError("issue 2")
+    from omnibal.stats.io import read_stats, save_stats
+    from omnibal.stats.summary import plot_histograms, summarize
+
+    modes = [m for m, on in (("annotations", bool(args.annotations)), ("--summary", args.summary is not None),
+                             ("--convert", args.convert is not None), ("--synthetic", args.synthetic is not None)) if on]  # fmt: skip
+    if len(modes) != 1:
+        raise InputError(
+            "give annotation files, or exactly one of --summary, --convert, --synthetic"
+            + (f" (got {', '.join(modes)})" if modes else ""),
+            source="arguments",
+        )
+    mode = modes[0]
+    if mode in ("--convert", "--synthetic") and not args.out:
+        raise InputError(f"{mode} needs --out", source="--out")
+
+    extra: dict = {}
+    if mode == "--summary" or mode == "--convert":
+        path = args.summary or args.convert
+        stats, load_report = read_stats(path, format=args.input_format, on_error=args.on_error)
+        if load_report.num_skipped:
+            print(f"omnibal stats: warning: {load_report.summary()}", file=sys.stderr)
+        extra["load"] = {"source": load_report.source, "format": load_report.format,
+                         "num_records": load_report.num_records, "num_skipped": load_report.num_skipped,
+                         "errors": [str(e) for e in load_report.errors]}  # fmt: skip
+    elif mode == "--synthetic":
+        from omnibal.stats.synthetic import synthetic_internvl_mixture
+
+        if args.synthetic < 1:
+            raise InputError(f"must be >= 1, got {args.synthetic}", source="--synthetic")
+        stats = synthetic_internvl_mixture(args.synthetic, seed=args.seed)
+    else:
+        stats, report = _from_annotations(args)
+        extra["run"] = report.to_dict()
+        if report.token_count_method == "estimate":
+            print(
+                "omnibal stats: warning: no --tokenizer given: text tokens are an ESTIMATE "
+                "(ceil(ascii chars / 4) + non-ascii chars); pass a local tokenizer for exact counts",
+                file=sys.stderr,
+            )
+        if report.num_skipped:
+            print(f"omnibal stats: warning: skipped {report.num_skipped:,} invalid record(s) (--on-error skip):",
+                  file=sys.stderr)  # fmt: skip
+            for err in report.errors:
+                print(f"  {err}", file=sys.stderr)
+            if report.num_skipped > len(report.errors):
+                print(f"  ... and {report.num_skipped - len(report.errors):,} more", file=sys.stderr)
+        if not args.quiet:
+            print(report.summary().splitlines()[0], file=sys.stderr)
+
+    if args.out:
+        written = save_stats(stats, args.out, format=args.format)
+        print(f"wrote {len(stats):,} rows to {written}", file=sys.stderr)
+    summary = summarize(stats)
+    if not args.quiet:
+        print(summary.to_text())
+    if args.report:
+        Path(args.report).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.report).write_text(json.dumps({"summary": summary.to_dict(), **extra}, indent=2) + "\n")
+    if args.plot:
+        plot_histograms(stats, args.plot)
+    return 0
+
+
+def _from_annotations(args: argparse.Namespace):
+    from omnibal.stats.annotations import AnnotationConfig, compute_stats
+    from omnibal.stats.tiles import TileConfig
+    from omnibal.stats.tokens import TokenConfig
+
+    workers = args.workers or _available_cores()
+    if workers < 1:
+        raise InputError(f"must be >= 0, got {args.workers}", source="--workers")
+    config = AnnotationConfig(
+        image_root=args.image_root,
+        tokenizer=args.tokenizer,
+        tiles=TileConfig(min_tiles=args.min_tiles, max_tiles=args.max_tiles, tile_size=args.tile_size,
+                         use_thumbnail=not args.no_thumbnail),
+        tokens=TokenConfig(tokens_per_tile=args.tokens_per_tile, image_marker_tokens=args.image_marker_tokens,
+                           tokens_per_turn=args.tokens_per_turn, tokens_per_sample=args.tokens_per_sample),
+        count_dummy_tile=not args.no_dummy_tile,
+        split_max_tiles=args.split_max_tiles,
+        apply_exif=not args.ignore_exif,
+        allow_outside_root=args.allow_outside_root,
+        workers=workers,
+        chunk_size=args.chunk_size,
+        on_error=args.on_error,
+        progress=not args.quiet,
+    )  # fmt: skip
+    if args.image_root and not Path(args.image_root).is_dir():
+        raise InputError("not a folder", source="--image-root")
+    return compute_stats(args.annotations, config)
+
+
+def _available_cores() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:
+        return max(1, os.cpu_count() or 1)

@@ -1,18 +1,105 @@
-"""``omnibal train``: run the reference DP x PP trainer (baseline or omnibal mode) on a plan"""
+"""``omnibal train``: run the reference DP x PP trainer (baseline or omnibal mode).
+
+One process (dp = pp = 1) runs in place; a larger world on one machine is started as local processes
+(``--nproc`` defaults to dp x pp); under ``torchrun`` use ``python -m omnibal.train`` with the same
+arguments (it reads RANK / WORLD_SIZE from the environment, also across nodes).
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
-from omnibal.errors import NotBuiltError
+from omnibal.errors import InputError
 
 HELP = "run the reference DP x PP trainer (baseline or omnibal mode) on a plan"
-DESCRIPTION = HELP + " (not built yet: issue 6)"
+DESCRIPTION = (HELP + ". Examples: `omnibal train --stats stats.json --dp 2 --mode omnibal --steps 20`; "
+               "`torchrun --nproc-per-node 4 -m omnibal.train --stats stats.json --dp 2 --pp 2 --plan plan.json`.")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    g = parser.add_argument_group("run")
+    g.add_argument("--mode", choices=("baseline", "omnibal"), default="omnibal",
+                   help="baseline: random padded micro-batches, even split, full recompute; omnibal: balanced "
+                        "packs, planned partition and recompute")
+    g.add_argument("--model", default="tiny", help="model preset (omnibal.cost.presets)")
+    g.add_argument("--stats", dest="stats_path", help="per-sample statistics the synthetic data follows")
+    g.add_argument("--max-samples", type=int, help="seeded random subset of the statistics")
+    g.add_argument("--stats-tokens-per-tile", type=int, default=256,
+                   help="image tokens per tile counted in the statistics (rescaled to the model's)")
+    g.add_argument("--steps", dest="num_steps", type=int, default=10, help="optimizer steps in total")
+    g.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate")
+    g.add_argument("--seed", type=int, default=0, help="model init and baseline sampling seed")
+    w = parser.add_argument_group("world")
+    w.add_argument("--dp", dest="dp_size", type=int, default=1, help="data-parallel degree")
+    w.add_argument("--pp", dest="pp_size", type=int, default=1, help="pipeline stages")
+    w.add_argument("--nproc", type=int, help="local processes to start (default dp x pp; not under torchrun)")
+    w.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="gloo on cpu, NCCL on cuda")
+    w.add_argument("--timeout", dest="timeout_s", type=float, default=60.0,
+                   help="seconds a collective may block before the rank fails (dead or stuck peer)")
+    w.add_argument("--threads", dest="torch_threads", type=int, default=1, help="torch threads per rank")
+    p = parser.add_argument_group("pipeline and data")
+    p.add_argument("--microbatches", dest="num_microbatches", type=int, default=4, help="micro-batches per rank per step")
+    p.add_argument("--pipeline-schedule", choices=("1f1b", "gpipe"), default="1f1b")
+    p.add_argument("--plan", dest="plan_path", help="Plan JSON (stage ranges and recompute sets; omnibal mode)")
+    p.add_argument("--stage-layers", help='explicit half-open layer ranges per stage, e.g. "0:9,9:20"')
+    p.add_argument("--recompute", help='per-stage layer names to recompute: stages split by ";", names by ",", '
+                                       'e.g. "vision.blocks.0,vision.blocks.1;" (empty stage: none)')
+    p.add_argument("--schedule", dest="schedule_path", help="balanced schedule JSON (omnibal mode; default: "
+                                                            "balance the statistics now)")
+    p.add_argument("--batch-size", dest="baseline_batch_size", type=int, default=4,
+                   help="samples per micro-batch in baseline mode")
+    o = parser.add_argument_group("output")
+    o.add_argument("--log", dest="log_path", help="JSONL metrics log (one line per step)")
+    o.add_argument("--summary-json", dest="summary_path", help="write the end-of-run summary as JSON")
+    o.add_argument("--checkpoint-dir", help="folder of step checkpoints (shared by all ranks)")
+    o.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: at the end)")
+    o.add_argument("--resume", action="store_true", help="continue from the newest valid checkpoint")
+    o.add_argument("--quiet", action="store_true", help="no progress bar, no summary table")
+
+
+def config_from_args(args: argparse.Namespace):
+    from omnibal.train.config import TrainConfig
+    from omnibal.train.pipeline import parse_stage_layers
+
+    stage_layers = parse_stage_layers(args.stage_layers) if args.stage_layers else None
+    recompute = None
+    if args.recompute is not None:
+        recompute = tuple(tuple(n.strip() for n in part.split(",") if n.strip()) for part in args.recompute.split(";"))
+    return TrainConfig(
+        mode=args.mode, dp_size=args.dp_size, pp_size=args.pp_size, num_microbatches=args.num_microbatches,
+        pipeline_schedule=args.pipeline_schedule, stage_layers=stage_layers, recompute=recompute,
+        plan_path=args.plan_path, model=args.model, stats_path=args.stats_path, schedule_path=args.schedule_path,
+        max_samples=args.max_samples, stats_tokens_per_tile=args.stats_tokens_per_tile,
+        baseline_batch_size=args.baseline_batch_size, num_steps=args.num_steps, lr=args.lr, seed=args.seed,
+        device=args.device, timeout_s=args.timeout_s, torch_threads=args.torch_threads,
+        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, resume=args.resume,
+        log_path=args.log_path, summary_path=args.summary_path, quiet=args.quiet)
 
 
 def run(args: argparse.Namespace) -> int:
-    raise NotBuiltError("issue 6")
+    from omnibal.train.run import preflight, train_rank
+
+    cfg = config_from_args(args)
+    preflight(cfg)
+    nproc = args.nproc or cfg.world_size
+    if nproc != cfg.world_size:
+        raise InputError(f"--nproc {nproc} but dp {cfg.dp_size} x pp {cfg.pp_size} = {cfg.world_size}",
+                         source="--nproc")
+    if nproc == 1 or "RANK" in os.environ:
+        train_rank(cfg)
+        return 0
+    from omnibal.train.distributed import spawn_local
+
+    results = spawn_local(train_rank, nproc, args=(cfg,), deadline_s=7 * 24 * 3600.0)
+    failed = [r for r in results if r.error]
+    if not failed:
+        return 0
+    input_errors = [r for r in failed if "omnibal.errors.InputError:" in (r.error or "")]
+    if input_errors and len(input_errors) == len(failed):
+        raise InputError(input_errors[0].error.strip().splitlines()[-1].split("InputError: ", 1)[-1])
+    for r in failed:
+        last = (r.error or "").strip().splitlines()[-1] if r.error else f"exit code {r.exitcode}"
+        print(f"omnibal train: rank {r.rank}: {last}", file=sys.stderr)
+    return 1

@@ -148,12 +148,17 @@ def get_hardware(name: str, *, threads: int = 1) -> HardwareSpec:
                          source="hardware", field="name") from None
 
 
-def measure_cpu(*, threads: int = 1, repeats: int = 5) -> HardwareSpec:
+def measure_cpu(*, threads: int = 1, repeats: int = 5, links: bool = False) -> HardwareSpec:
     """Measure this CPU: fp32 and bf16 matmul rates (512^3 and 2048x256x512 GEMMs) and the copy bandwidth
-    of a 64 MiB tensor, with ``threads`` torch threads (restored afterwards). Takes well under a second once torch is imported.
+    of a 64 MiB tensor, with ``threads`` torch threads (restored afterwards); the best of ``repeats`` runs, on
+    the process CPU clock when ``threads == 1`` (robust to other jobs), else the wall clock. Takes well
+    under a second once torch is imported.
 
-    CPU "links" are gloo over loopback TCP; their figures are the ones measured on this project's 2-core
-    machine (``facts.md``: ~1-2.5 ms per point-to-point micro-batch transfer), not re-measured here.
+    CPU "links" are gloo over loopback TCP. With ``links=True`` they are measured too (two spawned processes
+    ping-pong tensors, :func:`omnibal.cost.linkbench.measure_gloo_link`; several seconds of process start-up);
+    otherwise the defaults are what a pipeline transfer costs on this project's 2-core machine: 1.6 GB/s
+    (raw gloo send/recv, measured) and 1 ms per transfer (``facts.md``: ~1-2.5 ms per micro-batch through
+    torch.distributed.pipelining; raw gloo alone is ~0.07 ms).
     """
     import torch
 
@@ -168,12 +173,12 @@ def measure_cpu(*, threads: int = 1, repeats: int = 5) -> HardwareSpec:
             for m, k, n in ((512, 512, 512), (2048, 256, 512)):
                 a = torch.randn(m, k, dtype=dtype)
                 b = torch.randn(k, n, dtype=dtype)
-                seconds = _best_time(lambda: a @ b, repeats)
+                seconds = _best_time(lambda: a @ b, repeats, cpu_clock=threads == 1)
                 best = max(best, 2.0 * m * k * n / seconds)
             rates[dtype] = best
         src = torch.empty(8 << 20, dtype=torch.float64).fill_(1.0)  # 64 MiB
         dst = torch.empty_like(src)
-        seconds = _best_time(lambda: dst.copy_(src), repeats)
+        seconds = _best_time(lambda: dst.copy_(src), repeats, cpu_clock=threads == 1)
         bandwidth = 2.0 * src.numel() * src.element_size() / seconds  # read + write
     finally:
         torch.set_num_threads(old_threads)
@@ -183,20 +188,29 @@ def measure_cpu(*, threads: int = 1, repeats: int = 5) -> HardwareSpec:
         memory = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     except (ValueError, OSError, AttributeError):
         memory = 8.0 * GiB
+    link_bandwidth, link_latency = 1.6e9, 1e-3
+    if links:
+        from omnibal.cost.linkbench import measure_gloo_link
+
+        link_bandwidth, link_latency, _ = measure_gloo_link()
     return HardwareSpec(
         name=f"cpu-{threads}t", peak_bf16_flops=rates[torch.bfloat16], peak_fp32_flops=rates[torch.float32],
-        memory_bytes=memory, memory_bandwidth=bandwidth, intra_node_bandwidth=2e9, intra_node_latency=1e-3,
-        inter_node_bandwidth=1e9, inter_node_latency=2e-3, gpus_per_node=1,
+        memory_bytes=memory, memory_bandwidth=bandwidth, intra_node_bandwidth=link_bandwidth,
+        intra_node_latency=link_latency, inter_node_bandwidth=link_bandwidth, inter_node_latency=link_latency,
+        gpus_per_node=1,
         # The rates above are achieved GEMM rates, so matmul efficiency is relative to them.
         eff_matmul=0.8, eff_attention=0.4, eff_memory=0.5, eff_comm=1.0, layer_overhead_s=1e-4,
     )
 
 
-def _best_time(fn, repeats: int) -> float:
+def _best_time(fn, repeats: int, *, cpu_clock: bool = False) -> float:
+    """Fastest of ``repeats`` runs after one warm-up. With ``cpu_clock`` (one thread) the process CPU time
+    is used: on a machine shared with other jobs it excludes the time they took the core away."""
+    clock = time.process_time if cpu_clock else time.perf_counter
     fn()
     best = math.inf
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = clock()
         fn()
-        best = min(best, time.perf_counter() - start)
+        best = min(best, clock() - start)
     return max(best, 1e-9)

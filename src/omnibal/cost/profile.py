@@ -4,10 +4,10 @@ per-kind coefficients over ``(one, tiles, tokens, tokens_sq)`` and save everythi
 
 Timing: CUDA events on a GPU; on a CPU the wall clock with a fixed torch thread count. Each shape is run
 ``warmup`` times untimed and ``repeats`` times timed; the median is kept as ``fwd_s``/``bwd_s``. On a machine
-shared with other jobs, ``statistic="min"`` keeps the least disturbed run instead, and ``statistic="cpu"``
-the median process CPU time (CPU only; with one torch thread it is the wall time the work would take on an
-idle core, without the time other jobs took the core away). All three are recorded, with the load average
-before and after. Memory: the bytes autograd saves for backward, measured with
+shared with other jobs, ``statistic="min"`` keeps the least disturbed run instead, ``statistic="cpu"`` the
+median process CPU time (CPU only; with one torch thread it is the wall time the work would take on an
+idle core, without the time other jobs took the core away) and ``cpu_min`` its minimum. All are recorded,
+with the load average before and after. Memory: the bytes autograd saves for backward, measured with
 ``torch.autograd.graph.saved_tensors_hooks`` (exact and device-independent: unique storages, parameters
 excluded, the layer's input included as in the analytic accounting); on a GPU also the peak of
 ``torch.cuda.max_memory_allocated`` above the pre-forward level.
@@ -27,17 +27,17 @@ import datetime as _dt
 import json
 import os
 import platform
-import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
 from omnibal.cost.analytic import DTYPE_BYTES, layer_param_bytes, layer_work
 from omnibal.cost.fit import fit_linear
 from omnibal.cost.hardware import HardwareSpec
+from omnibal.cost.runner import LayerRunner, segment_lengths
 from omnibal.cost.spec import LAYER_KINDS, ModelSpec
 from omnibal.cost.table import FEATURES, LayerCostTable
 from omnibal.errors import InputError
@@ -53,7 +53,7 @@ FIT_COLUMNS: dict[str, tuple[int, ...]] = {
     "lm_head": (ONE, TOKENS),
 }
 VISION_KINDS = ("vision_embed", "vision_block", "projector")
-STATISTICS = ("median", "min", "cpu")
+STATISTICS = ("median", "min", "cpu", "cpu_min")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,170 +97,6 @@ class ProfileGrid:
 CPU_GRID = ProfileGrid()
 GPU_GRID = ProfileGrid(tiles=(1, 2, 4, 8, 16, 24, 32), tokens=(1024, 2048, 4096, 8192, 16384),
                        segments=(256, 1024, 2048, 4096, 8192))
-
-
-def segment_lengths(tokens: int, segment: int) -> list[int]:
-    full, rest = divmod(tokens, segment)
-    return [segment] * full + ([rest] if rest else [])
-
-
-# ------------------------------------------------------------------------------------------ measuring
-class _Runner:
-    """Builds one real layer of a kind and the carry for a shape; times forward/backward."""
-
-    def __init__(self, spec: ModelSpec, *, device: str, dtype: str, seed: int = 0) -> None:
-        import torch
-
-        from omnibal.train import layers as L
-
-        self.torch = torch
-        self.L = L
-        self.spec = spec
-        self.device = torch.device(device)
-        self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
-        self.opts = L.Options(attn_impl="auto", compute_tail=False)
-        self.seed = seed
-        self.is_cuda = self.device.type == "cuda"
-        self._modules: dict[str, Any] = {}
-
-    def module(self, kind: str):
-        if kind not in self._modules:
-            cls = {"vision_embed": self.L.VisionEmbed, "vision_block": self.L.VisionBlock,
-                   "projector": self.L.Projector, "llm_embed": self.L.LLMEmbed, "llm_block": self.L.LLMBlock,
-                   "lm_head": self.L.LMHead}[kind]
-            mod = cls(self.spec, self.opts)
-            self.L.init_parameters(mod, self.seed)
-            mod.to(device=self.device, dtype=self.dtype)
-            if self.spec.freeze_vision and kind in ("vision_embed", "vision_block"):
-                mod.requires_grad_(False)
-            self._modules[kind] = mod
-        return self._modules[kind]
-
-    def carry(self, kind: str, tiles: int, lengths: list[int]):
-        """Inputs of one layer of ``kind`` for a micro-batch of ``tiles`` tiles and LLM attention segments
-        of the given ``lengths`` (the packed samples)."""
-        torch, spec = self.torch, self.spec
-        from omnibal.data import collate as C
-
-        dev, dt = self.device, self.dtype
-        gen = torch.Generator().manual_seed(1234)
-        v = spec.vision
-        tokens = int(sum(lengths))
-        sizes = torch.tensor([[tiles, tokens]], dtype=torch.int64, device=dev)
-        needs_grad = not (spec.freeze_vision and kind in ("vision_embed", "vision_block"))
-        meta = torch.zeros(1, C.NUM_META_ROWS, max(tokens, 1), dtype=torch.int64)
-        if tokens:
-            meta[0, C.META_POSITION_IDS] = torch.cat([torch.arange(n) for n in lengths])
-            meta[0, C.META_SEGMENT_IDS] = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
-            meta[0, C.META_INPUT_IDS] = torch.randint(0, spec.llm.vocab_size - 1, (tokens,), generator=gen)
-            meta[0, C.META_LABELS] = torch.randint(0, spec.llm.vocab_size - 1, (tokens,), generator=gen)
-            meta[0, C.META_IMAGE_INDEX] = -1
-            image_slots = min(tokens, tiles * spec.llm_tokens_per_tile) if kind == "llm_embed" else 0
-            meta[0, C.META_IMAGE_INDEX, :image_slots] = torch.arange(image_slots)
-        meta = meta.to(dev)
-        if kind == "vision_embed":
-            x = torch.randn(1, tiles, 3, v.image_size, v.image_size, generator=gen).to(dev, dt)
-        elif kind in ("vision_block", "projector"):
-            x = torch.randn(1, tiles, v.tokens_per_tile, v.hidden, generator=gen).to(dev, dt)
-            x.requires_grad_(needs_grad)
-        elif kind == "llm_embed":
-            x = torch.randn(1, tiles, spec.llm_tokens_per_tile, spec.llm.hidden, generator=gen).to(dev, dt)
-            x.requires_grad_(True)
-        else:
-            x = torch.randn(1, tokens, spec.llm.hidden, generator=gen).to(dev, dt).requires_grad_(True)
-        return x, meta, sizes
-
-    def _sync(self) -> None:
-        if self.is_cuda:
-            self.torch.cuda.synchronize(self.device)
-
-    def _forward_backward(self, kind: str, carry, clock: Callable[[], Any] | None):
-        """Forward then backward; returns (t0, t1, t2) marks of ``clock`` (None: untimed)."""
-        torch = self.torch
-        mod = self.module(kind)
-        t0 = clock() if clock else None
-        out = mod(*carry)
-        t1 = clock() if clock else None
-        if kind == "lm_head":
-            target, grad = out[0], None
-        else:
-            target = out[0]
-            grad = torch.ones_like(target) if target.requires_grad else None
-        if target.requires_grad:
-            torch.autograd.backward(target, grad)
-        t2 = clock() if clock else None
-        return t0, t1, t2
-
-    def time(self, kind: str, carry, *, warmup: int, repeats: int) -> dict[str, float]:
-        """Forward and backward seconds: median and minimum of the wall clock (CUDA events on a GPU), and on a
-        CPU the median process CPU time (``cpu``: unaffected by other jobs taking the cores away)."""
-        import time as _time
-
-        torch = self.torch
-        for _ in range(warmup):
-            self._forward_backward(kind, carry, None)
-        self._sync()
-        fwd, bwd, fwd_cpu, bwd_cpu = [], [], [], []
-
-        def both_clocks():
-            return _time.perf_counter(), _time.process_time()
-
-        for _ in range(repeats):
-            if self.is_cuda:
-                events = []
-
-                def clock():
-                    ev = torch.cuda.Event(enable_timing=True)
-                    ev.record()
-                    events.append(ev)
-                    return ev
-
-                self._forward_backward(kind, carry, clock)
-                self._sync()
-                fwd.append(events[0].elapsed_time(events[1]) / 1e3)
-                bwd.append(events[1].elapsed_time(events[2]) / 1e3)
-            else:
-                t0, t1, t2 = self._forward_backward(kind, carry, both_clocks)
-                fwd.append(t1[0] - t0[0])
-                bwd.append(t2[0] - t1[0])
-                fwd_cpu.append(t1[1] - t0[1])
-                bwd_cpu.append(t2[1] - t1[1])
-        out = {"fwd_median_s": statistics.median(fwd), "bwd_median_s": statistics.median(bwd),
-               "fwd_min_s": min(fwd), "bwd_min_s": min(bwd)}
-        if fwd_cpu:
-            out.update(fwd_cpu_s=statistics.median(fwd_cpu), bwd_cpu_s=statistics.median(bwd_cpu))
-        return out
-
-    def saved_bytes(self, kind: str, carry) -> int:
-        """Bytes of the distinct storages autograd saves for backward in one forward (parameters excluded)."""
-        torch = self.torch
-        mod = self.module(kind)
-        param_ptrs = {p.untyped_storage().data_ptr() for p in mod.parameters()}
-        seen: dict[int, int] = {}
-
-        def pack(t):
-            storage = t.untyped_storage()
-            ptr = storage.data_ptr()
-            if ptr not in param_ptrs and ptr not in seen:
-                seen[ptr] = storage.nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = mod(*carry)
-        del out
-        return int(sum(seen.values()))
-
-    def peak_bytes(self, kind: str, carry) -> int | None:
-        """GPU only: peak allocated bytes during forward + backward above the level before it."""
-        if not self.is_cuda:
-            return None
-        torch = self.torch
-        self._sync()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        base = torch.cuda.memory_allocated(self.device)
-        self._forward_backward(kind, carry, None)
-        self._sync()
-        return int(torch.cuda.max_memory_allocated(self.device) - base)
 
 
 @dataclass(frozen=True)
@@ -313,7 +149,7 @@ def measure_points(spec: ModelSpec, points: list[Point], *, device: str = "cpu",
     dtype = _check_measure_args(device, dtype, {p.kind for p in points}, repeats, threads)
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
-    runner = _Runner(spec, device=device, dtype=dtype, seed=seed)
+    runner = LayerRunner(spec, device=device, dtype=dtype, seed=seed)
     rows = []
     try:
         from tqdm import tqdm
@@ -324,7 +160,7 @@ def measure_points(spec: ModelSpec, points: list[Point], *, device: str = "cpu",
             bar.set_postfix_str(f"{point.kind} {point.tiles} tiles {tokens} tokens")
             carry = runner.carry(point.kind, point.tiles, list(point.lengths))
             times = runner.time(point.kind, carry, warmup=warmup, repeats=repeats)
-            key = statistic if statistic != "cpu" or "fwd_cpu_s" in times else "median"
+            key = statistic if not statistic.startswith("cpu") or "fwd_cpu_s" in times else "median"
             row = dict(kind=point.kind, tiles=point.tiles, tokens=tokens,
                        segments=_compress_lengths(point.lengths), features=point.features.tolist(),
                        fwd_s=times[f"fwd_{key}_s"], bwd_s=times[f"bwd_{key}_s"], **times,
@@ -470,17 +306,20 @@ def check_profile_model(profile: dict[str, Any], spec: ModelSpec, *, source: str
 
 
 def cost_table_from_profile(spec: ModelSpec, profile: dict[str, Any], *, hardware: HardwareSpec | None = None,
-                            tp_size: int = 1) -> LayerCostTable:
+                            tp_size: int = 1, tp_vision: bool = True) -> LayerCostTable:
     """A :class:`LayerCostTable` whose times and activation bytes are the profile's fits (per kind);
     checkpoint, boundary and parameter bytes come from the analytic model in the profile's dtype.
 
-    The profile is measured without tensor parallelism, so ``tp_size`` must be 1; ``hardware`` is accepted
-    for symmetry with :func:`~omnibal.cost.analytic.analytic_cost_table` and is not needed then.
+    A profile is measured on one device. For ``tp_size > 1`` (needs ``hardware``) each fitted coefficient is
+    scaled by the analytic model's ratio (tensor-parallel / single-device, per layer and feature) and the
+    tensor-parallel communication time is the analytic one on ``hardware``.
     """
+    from omnibal.cost.analytic import analytic_cost_table
+
     check_profile_model(profile, spec)
-    if tp_size != 1:
-        raise InputError("a measured profile has no tensor parallelism; use analytic_cost_table (calibrated "
-                         "with omnibal.cost.calibrate) for tp_size > 1", source="tp_size", field="tp_size")
+    if tp_size != 1 and hardware is None:
+        raise InputError("tensor parallelism needs the hardware (its links and rates)", source="hardware",
+                         field="hardware")
     fits = profile["fit"]
     kinds = [layer.kind for layer in spec.layers()]
     missing = sorted(set(kinds) - set(fits))
@@ -491,14 +330,21 @@ def cost_table_from_profile(spec: ModelSpec, profile: dict[str, Any], *, hardwar
     def coef(name: str) -> np.ndarray:
         return np.array([fits[k][name]["coef"] for k in kinds], dtype=np.float64)
 
-    work = layer_work(spec, dtype=dtype)
-    act = coef("act_bytes")
+    fwd, bwd, act = coef("fwd_time"), coef("bwd_time"), coef("act_bytes")
+    tp_comm = None
+    work = layer_work(spec, dtype=dtype, tp_size=tp_size, tp_vision=tp_vision)
+    if tp_size != 1:
+        single = analytic_cost_table(spec, hardware, dtype=dtype)
+        split = analytic_cost_table(spec, hardware, dtype=dtype, tp_size=tp_size, tp_vision=tp_vision)
+        for mine, name in ((fwd, "fwd_time"), (bwd, "bwd_time"), (act, "act_bytes")):
+            one, many = getattr(single, name), getattr(split, name)
+            mine *= np.divide(many, one, out=np.ones_like(one), where=one > 0)
+        tp_comm = split.tp_comm_time
     act[~work.trainable] = 0.0
-    param, grad, optim = layer_param_bytes(spec, dtype=dtype)
-    bwd = coef("bwd_time")
     bwd[~work.trainable] = 0.0
+    param, grad, optim = layer_param_bytes(spec, dtype=dtype, tp_size=tp_size, tp_vision=tp_vision)
     return LayerCostTable(
-        names=tuple(layer.name for layer in spec.layers()), kinds=tuple(kinds), fwd_time=coef("fwd_time"),
-        bwd_time=bwd, act_bytes=act, ckpt_bytes=np.minimum(work.ckpt_bytes, act), out_bytes=work.out_bytes,
-        param_bytes=param, grad_bytes=grad, optim_bytes=optim, tp_comm_time=None,
+        names=tuple(layer.name for layer in spec.layers()), kinds=tuple(kinds), fwd_time=fwd, bwd_time=bwd,
+        act_bytes=act, ckpt_bytes=np.minimum(work.ckpt_bytes, act), out_bytes=work.out_bytes,
+        param_bytes=param, grad_bytes=grad, optim_bytes=optim, tp_comm_time=tp_comm,
     )

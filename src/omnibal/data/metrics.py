@@ -12,6 +12,8 @@ the sum over its M micro-batches):
 * ``{vision,llm,total}_max_mean_ranks``: per step max/mean over ranks of the cost (the slowest rank's
   slowdown), averaged over steps; ``..._p95``/``..._worst`` give the 95th percentile and worst step.
   ``..._max_mean_microbatches``: the same over all N x M micro-batches of a step (what a pipeline sees).
+  Steps with empty micro-batches (a baseline's partial last step) are left out of these averages and
+  counted in ``steps_with_empty_microbatches``.
 * ``useful_fraction``: real (varlen, unpadded) cost of all samples / (sum over steps of N x the slowest
   rank's cost as it runs, padding included): 1.0 means no padding and no waiting.
 * ``samples_per_microbatch_*``: mean, std, min, max over micro-batches.
@@ -52,13 +54,18 @@ def schedule_metrics(schedule, stats, cost: BalanceCost | None = None) -> dict:
                  "num_microbatches": schedule.num_microbatches, "num_steps": schedule.num_steps,
                  "caps_tiles": schedule.caps.tiles, "caps_tokens": schedule.caps.tokens,
                  "padding": schedule.padding}
+    # a step with empty micro-batches (a baseline's partial last step) would dominate the averages with
+    # one huge ratio; it is counted apart and left out of the per-step averages
+    sizes_mb = schedule.pack_sizes()[schedule.pack_ids]  # [S, N, M]
+    full = (sizes_mb > 0).all(axis=(1, 2))
+    out["steps_with_empty_microbatches"] = int((~full).sum())
     for name, per_rank, per_mb in (("vision", rank_v, vis), ("llm", rank_l, llm), ("total", rank_tot, total)):
-        out.update(_summary(f"{name}_max_mean_ranks", _max_mean(per_rank, 1)))
-        flat = per_mb.reshape(per_mb.shape[0], -1)
+        out.update(_summary(f"{name}_max_mean_ranks", _max_mean(per_rank[full], 1)))
+        flat = per_mb[full].reshape(int(full.sum()), schedule.dp_size * schedule.num_microbatches)
         out.update(_summary(f"{name}_max_mean_microbatches", _max_mean(flat, 1)))
     # dist ratios on raw tiles / tokens per rank (as the reference computes them)
     tiles_rank, tokens_rank = real[..., 1].sum(2), real[..., 2].sum(2)
-    for name, x in (("vision", tiles_rank), ("text", tokens_rank)):
+    for name, x in (("vision", tiles_rank[full]), ("text", tokens_rank[full])):
         mx = x.max(1)
         dr = np.where(mx > 0, 1 - x.mean(1) / np.where(mx > 0, mx, 1), 0.0)
         out[f"dist_ratio_{name}"] = float(dr.mean()) if dr.size else 0.0

@@ -16,7 +16,8 @@ tokens per tile, put where its placeholder was (at the start of the first turn w
 A text-only sample carries one dummy tile (zeros) that fills no token slot, like InternVL's.
 Labels: the text tokens of assistant turns (``from`` = ``gpt`` / ``assistant``); everything else is ignored.
 
-The image, marker and template token ids default to ids just past the tokenizer's vocabulary
+The image and marker token ids default to the tokenizer's own ``<IMG_CONTEXT>``, ``<img>``, ``</img>``
+tokens when it has them, else (and the template id always) to ids just past its vocabulary
 (:attr:`RealDataset.vocab_size_needed` says how many embedding rows the model needs).
 """
 
@@ -38,6 +39,7 @@ from omnibal.stats.table import SampleStats, hash_key, index_keys
 from omnibal.stats.tiles import TileConfig, choose_grids
 
 IMAGE_PLACEHOLDER = "<image>"
+IMAGE_CONTEXT_TOKEN, IMAGE_START_TOKEN, IMAGE_END_TOKEN = "<IMG_CONTEXT>", "<img>", "</img>"  # InternVL's
 ASSISTANT_ROLES = ("gpt", "assistant")
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -68,13 +70,29 @@ class RealDataConfig:
     apply_exif: bool = True
     """Rotate by the EXIF orientation before tiling (False: InternVL's loader, raw pixels)."""
     image_token_id: int | None = None
-    """Id of an image slot (None: tokenizer vocabulary size)."""
+    """Id of an image slot (None: the tokenizer's ``<IMG_CONTEXT>``, else its vocabulary size)."""
     image_start_id: int | None = None
-    """Id of the opening image marker (None: vocabulary size + 1)."""
+    """Id of the opening image marker (None: ``<img>``, else vocabulary size + 1)."""
     image_end_id: int | None = None
-    """Id of the closing image marker (None: vocabulary size + 2)."""
+    """Id of the closing image marker (None: ``</img>``, else vocabulary size + 2)."""
     template_token_id: int | None = None
     """Id written into template slots (None: vocabulary size + 3)."""
+
+
+    @classmethod
+    def like_stats(cls, annotation_config, **overrides) -> "RealDataConfig":
+        """The settings of an ``omnibal.stats.annotations.AnnotationConfig`` (same tokenizer, tile rule, token
+        layout), so the samples have exactly the sizes ``omnibal stats`` computed with it."""
+        a = annotation_config
+        if a.tokenizer is None:
+            raise InputError("the statistics were made with the token estimate; samples need a real tokenizer",
+                             source="AnnotationConfig", field="tokenizer")
+        fields = dict(tokenizer=str(a.tokenizer), image_root=a.image_root, tiles=a.tiles,
+                      tokens_per_tile=a.tokens.tokens_per_tile, image_marker_tokens=a.tokens.image_marker_tokens,
+                      tokens_per_turn=a.tokens.tokens_per_turn, tokens_per_sample=a.tokens.tokens_per_sample,
+                      count_dummy_tile=a.count_dummy_tile, split_max_tiles=a.split_max_tiles, apply_exif=a.apply_exif)
+        fields.update(overrides)
+        return cls(**fields)
 
 
 class RealDataset(Dataset):
@@ -88,11 +106,17 @@ class RealDataset(Dataset):
         self.image_root = Path(config.image_root) if config.image_root else self.path.parent
         self._tokenizer = _load_tokenizer(config.tokenizer)
         base = self._tokenizer.get_vocab_size(with_added_tokens=True)
-        pick = lambda value, offset: base + offset if value is None else int(value)  # noqa: E731
-        self.image_token_id = pick(config.image_token_id, 0)
-        self.image_start_id = pick(config.image_start_id, 1)
-        self.image_end_id = pick(config.image_end_id, 2)
-        self.template_token_id = pick(config.template_token_id, 3)
+
+        def pick(value, token: str | None, offset: int) -> int:
+            if value is not None:
+                return int(value)
+            own = self._tokenizer.token_to_id(token) if token else None
+            return own if own is not None else base + offset
+
+        self.image_token_id = pick(config.image_token_id, IMAGE_CONTEXT_TOKEN, 0)
+        self.image_start_id = pick(config.image_start_id, IMAGE_START_TOKEN, 1)
+        self.image_end_id = pick(config.image_end_id, IMAGE_END_TOKEN, 2)
+        self.template_token_id = pick(config.template_token_id, None, 3)
         self.vocab_size_needed = max(base, self.image_token_id + 1, self.image_start_id + 1, self.image_end_id + 1,
                                      self.template_token_id + 1)
 

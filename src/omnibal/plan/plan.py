@@ -140,7 +140,8 @@ class Plan:
     def to_dict(self) -> dict:
         from omnibal.plan.exports import export_all
 
-        out = {"format": PLAN_FORMAT, "version": self.version, "inputs": asdict(self.inputs),
+        # "model" at the top is what the reference trainer checks before applying a plan
+        out = {"format": PLAN_FORMAT, "version": self.version, "model": self.inputs.model, "inputs": asdict(self.inputs),
                "data": asdict(self.data), "stages": [], "prediction": asdict(self.prediction),
                "search": self.search}
         for st in self.stages:
@@ -166,6 +167,10 @@ class Plan:
             raw = json.loads(text)
         except json.JSONDecodeError as exc:
             raise InputError(f"not valid JSON: {exc.msg}", source=source, record=f"line {exc.lineno}") from None
+        except RecursionError:
+            raise InputError("not valid JSON: nested too deeply", source=source) from None
+        except ValueError as exc:  # e.g. an integer beyond Python's int-from-string digit limit
+            raise InputError(f"not valid JSON: {exc}", source=source) from None
         return cls.from_dict(raw, source=source)
 
     @classmethod
@@ -173,7 +178,13 @@ class Plan:
         path = Path(path)
         if not path.is_file():
             raise InputError("no such file", source=str(path))
-        return cls.from_json(path.read_text(), source=str(path))
+        data = path.read_bytes()
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            line = data.count(b"\n", 0, exc.start) + 1
+            raise InputError(f"not UTF-8 text (byte {exc.start})", source=str(path), record=f"line {line}") from None
+        return cls.from_json(text, source=str(path))
 
     @classmethod
     def from_dict(cls, raw: Any, source: str = "plan") -> Plan:
@@ -242,8 +253,40 @@ class Plan:
                 simulated_peak_memory_bytes=r.get(st, "simulated_peak_memory_bytes", (float, None), where,
                                                   default=None)))
         search = r.get(raw, "search", dict, "", default={})
-        return cls(inputs=inputs, data=data, stages=tuple(stages), prediction=prediction, search=search,
+        plan = cls(inputs=inputs, data=data, stages=tuple(stages), prediction=prediction, search=search,
                    version=version)
+        _check_values(plan, source)
+        return plan
+
+
+def _check_values(plan: Plan, source: str) -> None:
+    """Refuse values no run can have (JSON types alone let ``-2`` DP ranks or a ``NaN`` step time through)."""
+    def need(ok: bool, message: str, field: str, record: str | None = None) -> None:
+        if not ok:
+            raise InputError(message, source=source, record=record, field=field)
+
+    def finite(v: float) -> bool:
+        return math.isfinite(v) and v >= 0
+
+    i = plan.inputs
+    for name in ("num_gpus", "dp_size", "pp_size", "tp_size", "num_microbatches", "num_samples"):
+        need(getattr(i, name) >= 1, f"must be >= 1, got {getattr(i, name)}", f"inputs.{name}")
+    need(i.zero_stage in (0, 1, 2), f"must be 0, 1 or 2, got {i.zero_stage}", "inputs.zero_stage")
+    need(i.memory_budget_bytes is None or (math.isfinite(i.memory_budget_bytes) and i.memory_budget_bytes > 0),
+         f"must be a positive number of bytes or null, got {i.memory_budget_bytes}", "inputs.memory_budget_bytes")
+    need(plan.data.num_steps >= 0, f"must be >= 0, got {plan.data.num_steps}", "data.num_steps")
+    for st in plan.stages:
+        where = f"stages[{st.stage}]"
+        need(st.in_flight >= 1, f"must be >= 1, got {st.in_flight}", "in_flight", where)
+        for name in ("compute_time_s", "boundary_time_s", "recompute_time_s", "memory_bytes"):
+            need(finite(getattr(st, name)), f"must be finite and >= 0, got {getattr(st, name)}", name, where)
+        peak = st.simulated_peak_memory_bytes
+        need(peak is None or finite(peak), f"must be finite and >= 0 or null, got {peak}",
+             "simulated_peak_memory_bytes", where)
+    p = plan.prediction
+    for name in ("step_time_s", "epoch_time_s", "gpu_days", "bubble"):
+        need(finite(getattr(p, name)), f"must be finite and >= 0, got {getattr(p, name)}", f"prediction.{name}")
+    need(p.num_steps >= 0, f"must be >= 0, got {p.num_steps}", "prediction.num_steps")
 
 
 def plan_stages(names, stage_plans, simulated_peak_memory=None) -> tuple[PlanStage, ...]:

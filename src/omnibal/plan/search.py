@@ -81,15 +81,16 @@ def model_step_time(plan: StagePlanSet, num_microbatches: int) -> float:
     return (num_microbatches - 1) * max(times) + sum(times)
 
 
-def rank_candidates(planner: JointPlanner, anchor: StagePlanSet, config: SearchConfig) -> list[Candidate]:
-    """All feasible neighbours with their least-recompute checkpoints, best stage-model estimate first
-    (the anchor first among ties)."""
+def rank_candidates(planner: JointPlanner, anchor: StagePlanSet, config: SearchConfig,
+                    recompute: str = "adaptive") -> list[Candidate]:
+    """All feasible neighbours with checkpoints chosen by ``recompute`` (``adaptive``: the least that fits
+    each stage), best stage-model estimate first (the anchor first among ties)."""
     num_mb = planner.config.num_microbatches
     cands = [Candidate(anchor, model_step_time(anchor, num_mb))]
     for parts in neighbour_parts(anchor.parts, config.radius, config.max_candidates):
         if parts == anchor.parts:
             continue
-        sp = planner.evaluate(parts, "adaptive")
+        sp = planner.evaluate(parts, recompute)
         if sp is not None:
             cands.append(Candidate(sp, model_step_time(sp, num_mb)))
     order = sorted(range(len(cands)), key=lambda i: (cands[i].model_step_time, i))
@@ -105,10 +106,11 @@ def sample_steps(features: np.ndarray, num: int | None, seed: int) -> np.ndarray
 
 
 def search(planner: JointPlanner, anchor: StagePlanSet, score: Callable[[StagePlanSet], tuple[float, bool]],
-           config: SearchConfig, progress: Callable[[int, int], None] | None = None) -> tuple[Candidate, list[Candidate], int]:
+           config: SearchConfig, progress: Callable[[int, int], None] | None = None,
+           recompute: str = "adaptive") -> tuple[Candidate, list[Candidate], int]:
     """Rank the neighbours of ``anchor`` and score the best ``top_k`` (the anchor always among them) with
     ``score(plan) -> (mean step seconds, oom)``. Returns (winner, scored candidates, number enumerated)."""
-    ranked = rank_candidates(planner, anchor, config)
+    ranked = rank_candidates(planner, anchor, config, recompute)
     chosen = ranked[: config.top_k]
     if not any(c.plan.parts == anchor.parts for c in chosen):
         chosen = chosen[: max(config.top_k - 1, 0)] + [next(c for c in ranked if c.plan.parts == anchor.parts)]

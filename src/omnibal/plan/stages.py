@@ -44,6 +44,8 @@ class StageModelConfig:
     """Seconds of fixed cost per point-to-point transfer."""
     memory_quantile: float = 1.0
     """Per-feature quantile of the micro-batches used to size activation memory (1.0: the maximum)."""
+    schedule: str = "1f1b"
+    """Pipeline schedule: ``1f1b`` (stage s holds min(P - s, M) micro-batches) or ``gpipe`` (all M)."""
 
     def validate(self, num_layers: int) -> None:
         for name in ("num_stages", "num_microbatches", "dp_size"):
@@ -61,12 +63,16 @@ class StageModelConfig:
         if not self.p2p_bandwidth > 0 or not self.p2p_latency >= 0:
             raise InputError("p2p bandwidth must be positive and latency non-negative", source="hardware",
                              field="p2p_bandwidth")
+        if self.schedule not in ("1f1b", "gpipe"):
+            raise InputError(f"must be 1f1b or gpipe, got {self.schedule!r}", source="schedule", field="schedule")
         if not 0.0 < self.memory_quantile <= 1.0:
             raise InputError(f"must be in (0, 1], got {self.memory_quantile!r}", source="memory_quantile",
                              field="memory_quantile")
 
     def in_flight(self, stage: int) -> int:
-        """Micro-batches whose activations stage ``stage`` holds at its peak under 1F1B."""
+        """Micro-batches whose activations stage ``stage`` holds at its peak (1F1B: min(P - s, M); GPipe: M)."""
+        if self.schedule == "gpipe":
+            return self.num_microbatches
         return min(self.num_stages - stage, self.num_microbatches)
 
 

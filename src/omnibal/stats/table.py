@@ -41,8 +41,11 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
 
 
 def hash_key(text: str) -> int:
-    """Stable 64-bit key of a string (blake2b; not Python's salted ``hash``)."""
-    return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little")
+    """Stable 64-bit key of a string (blake2b; not Python's salted ``hash``).
+
+    ``surrogatepass``: a JSON id may hold a lone surrogate escape (``"\\ud800"``); it still gets a key
+    (every other string encodes exactly as UTF-8, so existing keys do not change)."""
+    return int.from_bytes(hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little")
 
 
 def index_keys(source: str, num_samples: int, *, start: int = 0) -> np.ndarray:

@@ -123,18 +123,24 @@ def image_size(
 
     Reads no pixel data. Errors name ``source`` (the annotation file) and ``record`` as well as the image.
     """
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image
 
+    saved_limit = Image.MAX_IMAGE_PIXELS
     try:
+        # the decompression-bomb guard protects decoding; only the header is read here, and a huge scan
+        # is a real (large) image to count, not an attack
+        Image.MAX_IMAGE_PIXELS = None
         with Image.open(path) as img:
             width, height = img.size
             orientation = _orientation(img) if apply_exif else 1
     except FileNotFoundError:
         raise InputError(f"image not found: {path}", source=source, record=record, field="image") from None
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
+    except Exception as exc:  # Pillow's plugins raise many kinds on corrupt headers; all mean "unreadable"
         raise InputError(
-            f"unreadable image header {path}: {exc}", source=source, record=record, field="image"
+            f"unreadable image header {path}: {type(exc).__name__}: {exc}", source=source, record=record, field="image"
         ) from None
+    finally:
+        Image.MAX_IMAGE_PIXELS = saved_limit
     if not (1 <= width <= MAX_SIDE and 1 <= height <= MAX_SIDE):
         raise InputError(f"absurd image size {width}x{height}: {path}", source=source, record=record, field="image")
     if orientation in (5, 6, 7, 8):

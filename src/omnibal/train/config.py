@@ -45,6 +45,11 @@ class TrainConfig:
     """Per-sample statistics (a SampleStats file) the synthetic dataset reproduces the shapes of."""
     schedule_path: str | None = None
     """Balanced schedule JSON (`omnibal balance`) for omnibal mode."""
+    max_samples: int | None = None
+    """Train on a seeded random subset of this many rows of the statistics (None: all rows)."""
+    stats_tokens_per_tile: int = 256
+    """Image tokens per tile the statistics counted (InternVL-1.5: 256); token counts are rescaled to the
+    model's own tokens per tile (``ModelSpec.sample_tokens``)."""
     baseline_batch_size: int = 4
     """Samples per micro-batch in baseline mode."""
     num_steps: int = 10
@@ -70,6 +75,8 @@ class TrainConfig:
     """Continue from the newest valid checkpoint in checkpoint_dir."""
     log_path: str | None = None
     """JSONL metrics log (one line per step, written by global rank 0)."""
+    summary_path: str | None = None
+    """Write the end-of-run summary (throughput, per-rank compute/wait, memory) as JSON here (rank 0)."""
     quiet: bool = False
     """No progress bar and no summary table on stderr."""
 
@@ -101,6 +108,8 @@ class TrainConfig:
         if self.recompute is not None and len(self.recompute) != self.pp_size:
             raise InputError(f"{len(self.recompute)} recompute sets given for {self.pp_size} stages", source=src,
                              field="recompute")
+        if self.max_samples is not None and self.max_samples < 1:
+            raise InputError(f"must be >= 1, got {self.max_samples}", source=src, field="max_samples")
         if self.resume and not self.checkpoint_dir:
             raise InputError("resume needs checkpoint_dir", source=src, field="resume")
 

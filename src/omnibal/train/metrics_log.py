@@ -17,7 +17,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-RANK_FIELDS = ("step_s", "compute_s", "wait_s", "dp_sync_s", "optim_s", "data_s", "mem_bytes", "peak_mem_bytes")
+RANK_FIELDS = ("step_s", "compute_s", "wait_s", "dp_sync_s", "optim_s", "data_s", "cpu_s", "mem_bytes",
+               "peak_mem_bytes")
 
 
 @dataclass
@@ -30,6 +31,9 @@ class RankTimes:
     dp_sync_s: float = 0.0
     optim_s: float = 0.0
     data_s: float = 0.0
+    cpu_s: float = 0.0
+    """CPU seconds the process used during the step (all its threads, including the backend's): on a
+    loaded machine, wall times stretch but this does not."""
     mem_bytes: float = 0.0
     """Resident memory now (CPU RSS) or allocated device memory (CUDA)."""
     peak_mem_bytes: float = 0.0
@@ -174,12 +178,13 @@ def format_summary(summary: dict, title: str = "training summary") -> str:
              f"{summary['median_step_s'] * 1e3:.1f} ms, {summary['samples_per_s']:.2f} samples/s, "
              f"{summary['tokens_per_s']:.0f} tokens/s (real), pad: tokens {summary['token_pad_ratio']:.1%}, "
              f"tiles {summary['tile_pad_ratio']:.1%}, final loss {summary['final_loss']:.4f}", "",
-             "| rank | dp | pp | step ms | compute ms | pipeline wait ms | dp sync ms | optim ms | data ms | peak MiB |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| rank | dp | pp | step ms | compute ms | pipeline wait ms | dp sync ms | optim ms | data ms | cpu ms "
+             "| peak MiB |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in summary["per_rank"]:
         lines.append(f"| {r['rank']} | {r['dp']} | {r['pp']} | {r['step_s'] * 1e3:.1f} | {r['compute_s'] * 1e3:.1f} | "
                      f"{r['wait_s'] * 1e3:.1f} | {r['dp_sync_s'] * 1e3:.1f} | {r['optim_s'] * 1e3:.1f} | "
-                     f"{r['data_s'] * 1e3:.1f} | {r['peak_mem_bytes'] / 2**20:.0f} |")
+                     f"{r['data_s'] * 1e3:.1f} | {r['cpu_s'] * 1e3:.1f} | {r['peak_mem_bytes'] / 2**20:.0f} |")
     return "\n".join(lines)
 
 

@@ -114,6 +114,8 @@ def load_plan_layout(path: str | Path, layer_names: Sequence[str], *, pp_size: i
     if not isinstance(doc, dict) or not isinstance(doc.get("stages"), list):
         raise InputError("a plan is a JSON object with a 'stages' list", source=src, field="stages")
     plan_model = doc.get("model") if isinstance(doc.get("model"), str) else (doc.get("model") or {}).get("name")
+    if plan_model is None and isinstance(doc.get("inputs"), dict):  # omnibal.plan.Plan JSON
+        plan_model = doc["inputs"].get("model")
     if model_name is not None and plan_model is not None and plan_model != model_name:
         raise InputError(f"plan was made for model {plan_model!r}, this run trains {model_name!r}", source=src,
                          field="model")

@@ -126,15 +126,15 @@ class Schedule:
         tiles = stats.tiles[self.pack_samples].astype(np.float64)
         tokens = stats.tokens[self.pack_samples].astype(np.float64)
         if padding == "varlen":
-            per_pack = pack_features(tiles, tokens, self.pack_offsets)
+            per_pack = _csr_features(tiles, tokens, self.pack_offsets)
         elif padding == "pad_to_longest":
-            per_pack = pack_features(tiles, tokens, self.pack_offsets)
+            per_pack = _csr_features(tiles, tokens, self.pack_offsets)
             sizes = self.pack_sizes().astype(np.float64)
             t_max = _segment_max(tokens, self.pack_offsets)
             per_pack[:, 2] = sizes * t_max
             per_pack[:, 3] = sizes * t_max * t_max
         elif padding == "fixed_buffer":
-            per_pack = pack_features(tiles, tokens, self.pack_offsets)
+            per_pack = _csr_features(tiles, tokens, self.pack_offsets)
             pad = np.clip(self.caps.tokens - per_pack[:, 2], 0, None)
             # Padding fills the token buffer as one extra masked segment; the ViT runs on Q_v tiles.
             per_pack[:, 1] = np.maximum(per_pack[:, 1], self.caps.tiles)
@@ -245,6 +245,18 @@ class Schedule:
                                                                       other.num_steps):
             return False
         return self.steps_nested() == other.steps_nested() and self.caps == other.caps
+
+
+def _csr_features(tiles: np.ndarray, tokens: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """Varlen features of CSR packs; like ``cost.table.pack_features`` but safe for empty packs anywhere
+    (``np.add.reduceat`` rejects an empty pack at the end)."""
+    sizes = np.diff(offsets)
+    if len(tiles) == 0 or not (sizes == 0).any():
+        return pack_features(tiles, tokens, offsets)
+    label = np.repeat(np.arange(len(sizes)), sizes)
+    num = len(sizes)
+    return microbatch_features(np.bincount(label, tiles, num), np.bincount(label, tokens, num),
+                               np.bincount(label, tokens * tokens, num))
 
 
 def _segment_max(values: np.ndarray, offsets: np.ndarray) -> np.ndarray:

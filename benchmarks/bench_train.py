@@ -1,0 +1,285 @@
+"""Measured throughput of the reference trainer: omnibal vs baseline mode, DP2xPP1 and DP1xPP2, on CPU.
+
+    PYTHONPATH=src python benchmarks/bench_train.py [--samples 3000] [--steps 8] [--repeats 3]
+
+Same model (the ``tiny`` preset), same data (a seeded subset of the real InternVL-1.2M statistics in
+../shared/data, synthetic pixels/tokens of exactly those sizes), same world, one torch thread per rank:
+
+- baseline: random micro-batches of 4 samples padded to their longest, even layer split, full recompute;
+- omnibal: the balancer's packs (``omnibal.data.balance``), the min-max partition of *measured* per-layer
+  forward+backward times (``omnibal.plan.partition``), no recompute (memory is not binding on this host).
+
+Each configuration runs ``--repeats`` times through the real CLI (``omnibal train``, local gloo ranks);
+reported: median real (unpadded) samples/s, the speed-up, per-rank compute / pipeline wait / DP-sync wait
+of the median run, machine load, and the simulator's predicted step time for the same steps (analytic
+cost table on this CPU's measured rates). Writes benchmarks/results/train.json and train.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+_CANDIDATES = [ROOT.parent / "shared", ROOT.parent.parent / "shared"]  # beside the checkout (or a worktree's parent)
+SHARED = Path(os.environ.get("OMNIBAL_SHARED_STATS") or next(
+    (c / "data" / "internvl-1.2m-stats" for c in _CANDIDATES if (c / "data" / "internvl-1.2m-stats").is_dir()),
+    _CANDIDATES[0] / "data" / "internvl-1.2m-stats"))
+FILES = ("ai2d_train_12k_wh_token_lengths.json", "chartqa_train_18k_wh_token_lengths.json")
+LAYOUTS = ((2, 1), (1, 2))
+MODES = ("baseline", "omnibal")
+
+
+def load_subset(num_samples: int, seed: int):
+    """Real statistics: a seeded subset of both files, rows in the original units (256 tokens per tile)."""
+    from omnibal.stats.io import load_stats
+    from omnibal.stats.table import SampleStats
+
+    parts = [load_stats(SHARED / f) for f in FILES]
+    stats = SampleStats.concat(parts, source="internvl-1.2m-stats (ai2d + chartqa)")
+    rows = np.sort(np.random.default_rng(seed).choice(len(stats), num_samples, replace=False))
+    return stats.take(rows)
+
+
+def model_units(stats, spec):
+    from omnibal.stats.table import SampleStats
+
+    tokens = spec.sample_tokens(stats.tiles, stats.tokens).astype(np.int32)
+    return SampleStats(tiles=stats.tiles, tokens=tokens, images=stats.images, keys=stats.keys, source=stats.source)
+
+
+def profile_layers(spec, schedule, stats, *, num_packs: int = 6, repeats: int = 2) -> np.ndarray:
+    """Forward+backward seconds of every chain layer on real-sized balanced packs (one thread, no recompute):
+    each layer is run alone on the carry the layers before it produced."""
+    import torch
+
+    from omnibal.data.collate import collate
+    from omnibal.data.dataset import SyntheticConfig, SyntheticVLMDataset
+    from omnibal.train.model import VLM
+
+    torch.set_num_threads(1)
+    model = VLM(spec, seed=0)
+    ds = SyntheticVLMDataset(stats, SyntheticConfig(image_size=spec.vision.image_size,
+                                                    tokens_per_tile=spec.llm_tokens_per_tile,
+                                                    vocab_size=spec.llm.vocab_size,
+                                                    image_token_id=spec.llm.vocab_size - 1))
+    chain = model.chain()
+    times = np.zeros(len(chain))
+    base = model.collate_config(num_tiles=1, num_tokens=1)
+    for k in range(num_packs):
+        mb = schedule.microbatch(k % schedule.num_steps, 0, k % schedule.num_microbatches)
+        cfg = replace(base, num_tiles=int(stats.tiles[mb].sum()), num_tokens=int(stats.tokens[mb].sum()))
+        carry = collate([ds[int(i)] for i in mb], cfg).carry()
+        for li, (_, module) in enumerate(chain):
+            inp = tuple(t.detach().requires_grad_(t.is_floating_point() and li > 0) for t in carry)
+            best = float("inf")
+            for _ in range(repeats):
+                module.zero_grad(set_to_none=True)
+                t0 = time.perf_counter()
+                out = module(*inp)
+                out[0].float().sum().backward()
+                best = min(best, time.perf_counter() - t0)
+            times[li] += best
+            with torch.no_grad():
+                carry = module(*carry)
+    return times / num_packs
+
+
+def write_plan(path: Path, spec, parts, layer_times) -> None:
+    names = [layer.name for layer in spec.layers()]
+    stages = [{"stage": s, "layers": [a, b], "modules": names[a:b], "recompute": [],
+               "measured_fwd_bwd_s": float(layer_times[a:b].sum())}
+              for s, (a, b) in enumerate(zip(parts[:-1], parts[1:]))]
+    path.write_text(json.dumps({"model": spec.name, "source": "bench_train: min-max partition of measured "
+                                "per-layer times", "stages": stages}, indent=1))
+
+
+def step_features(schedule, stats, steps, *, padded: bool) -> np.ndarray:
+    """Cost features [steps, dp, M, 4] of the micro-batches as they run (padded rows for the baseline)."""
+    from omnibal.cost.table import microbatch_features
+
+    out = np.zeros((len(steps), schedule.dp_size, schedule.num_microbatches, 4))
+    for a, s in enumerate(steps):
+        for r in range(schedule.dp_size):
+            for k in range(schedule.num_microbatches):
+                mb = schedule.microbatch(s, r, k)
+                t = stats.tokens[mb].astype(np.float64)
+                tiles = float(stats.tiles[mb].sum())
+                if padded:
+                    tok, tok_sq = len(mb) * t.max(), len(mb) * t.max() ** 2
+                else:
+                    tok, tok_sq = t.sum(), (t ** 2).sum()
+                out[a, r, k] = microbatch_features(tiles, tok, tok_sq)
+    return out
+
+
+def predict_step_time(spec, hardware, schedule, stats, *, dp, pp, parts, recompute_names, steps, padded) -> float:
+    from omnibal.cost.analytic import analytic_cost_table
+    from omnibal.sim.costs import config_for_hardware
+    from omnibal.sim.epoch import simulate_epoch
+
+    table = analytic_cost_table(spec, hardware, dtype="fp32")
+    rec = np.array([name in recompute_names for name in table.names])
+    config = config_for_hardware(hardware, dp_size=dp, pp_size=pp, memory_fraction=None)
+    res = simulate_epoch(table, np.asarray(parts), rec, step_features(schedule, stats, steps, padded=padded), config)
+    return float(np.mean(res.step_time))
+
+
+def load_avg() -> float:
+    return os.getloadavg()[0]
+
+
+def run_once(args_list, env, out_dir: Path, tag: str) -> dict:
+    summary_path = out_dir / f"{tag}.summary.json"
+    log_path = out_dir / f"{tag}.jsonl"
+    cmd = [sys.executable, "-m", "omnibal", "train", *args_list, "--summary-json", str(summary_path), "--log",
+           str(log_path), "--quiet"]
+    load_before = load_avg()
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+    doc = json.loads(summary_path.read_text())
+    doc["wall_s"] = wall
+    doc["load_before"] = load_before
+    doc["load_after"] = load_avg()
+    return doc
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--samples", type=int, default=3000, help="rows drawn from the real statistics")
+    ap.add_argument("--steps", type=int, default=8, help="steps per run (the first is warm-up)")
+    ap.add_argument("--microbatches", type=int, default=4)
+    ap.add_argument("--batch-size", type=int, default=4, help="baseline samples per micro-batch")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    args = ap.parse_args(argv)
+
+    import torch
+
+    from omnibal.cost.hardware import measure_cpu
+    from omnibal.cost.presets import get_model_preset
+    from omnibal.data.balance import balance
+    from omnibal.plan.partition import even_partition, min_max_partition
+    from omnibal.stats.io import save_stats
+    from omnibal.train.feed import random_microbatch_schedule
+
+    torch.set_num_threads(1)
+    spec = get_model_preset("tiny")
+    raw = load_subset(args.samples, args.seed)
+    stats = model_units(raw, spec)
+    work = Path(tempfile.mkdtemp(prefix="bench_train_"))
+    stats_path = save_stats(raw, work / "stats.jsonl")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    hardware = measure_cpu(threads=1)
+
+    results = {"machine": {"cores": os.cpu_count(), "torch": torch.__version__, "python": sys.version.split()[0]},
+               "model": spec.name, "num_samples": args.samples, "stats": raw.source, "steps": args.steps,
+               "num_microbatches": args.microbatches, "baseline_batch_size": args.batch_size,
+               "repeats": args.repeats, "runs": {}, "table": []}
+    measured_steps = list(range(1, args.steps))  # the first step (warm-up) is left out of the summaries
+    for dp, pp in LAYOUTS:
+        sched_omni = balance(stats, dp_size=dp, num_microbatches=args.microbatches, seed=args.seed)
+        omni_path = work / f"schedule_dp{dp}.json"
+        sched_omni.to_json(omni_path)
+        sched_base = random_microbatch_schedule(len(stats), dp_size=dp, num_microbatches=args.microbatches,
+                                                batch_size=args.batch_size, seed=args.seed)
+        names = [layer.name for layer in spec.layers()]
+        plan_path = None
+        parts_omni = even_partition(len(names), pp)
+        layer_times = None
+        if pp > 1:
+            layer_times = profile_layers(spec, sched_omni, stats)
+            parts_omni = min_max_partition(layer_times, pp).parts
+            plan_path = work / f"plan_pp{pp}.json"
+            write_plan(plan_path, spec, parts_omni, layer_times)
+        common = ["--model", "tiny", "--stats", str(stats_path), "--dp", str(dp), "--pp", str(pp), "--steps",
+                  str(args.steps), "--microbatches", str(args.microbatches), "--seed", str(args.seed),
+                  "--threads", "1", "--timeout", "300"]
+        runs_of: dict[str, list[dict]] = {m: [] for m in MODES}
+        extra_of = {"baseline": ["--batch-size", str(args.batch_size)],
+                    "omnibal": ["--schedule", str(omni_path)] + (["--plan", str(plan_path)] if plan_path else [])}
+        for rep in range(args.repeats):  # modes interleaved, so a change of machine load hits both alike
+            for mode in MODES:
+                tag = f"{mode}_dp{dp}_pp{pp}_r{rep}"
+                print(f"[bench_train] {tag} (load {load_avg():.2f})", file=sys.stderr, flush=True)
+                runs_of[mode].append(run_once(common + ["--mode", mode] + extra_of[mode], env, work, tag))
+        for mode in MODES:
+            runs = runs_of[mode]
+            sps = [r["summary"]["samples_per_s"] for r in runs]
+            median_run = sorted(runs, key=lambda r: r["summary"]["samples_per_s"])[len(runs) // 2]
+            layout_parts = [median_run["stage_layers"][0][0]] + [b for _, b in median_run["stage_layers"]]
+            recompute = [n for stage in median_run["recompute"] for n in stage]
+            schedule = sched_base if mode == "baseline" else sched_omni
+            predicted = predict_step_time(spec, hardware, schedule, stats, dp=dp, pp=pp, parts=layout_parts,
+                                          recompute_names=set(recompute), steps=measured_steps,
+                                          padded=mode == "baseline")
+            entry = {
+                "mode": mode, "dp": dp, "pp": pp, "samples_per_s_runs": sps,
+                "samples_per_s_median": statistics.median(sps),
+                "tokens_per_s_median": statistics.median(r["summary"]["tokens_per_s"] for r in runs),
+                "median_step_s_runs": [r["summary"]["median_step_s"] for r in runs],
+                "median_step_s": statistics.median(r["summary"]["median_step_s"] for r in runs),
+                "mean_step_s_median_run": median_run["summary"]["mean_step_s"],
+                "predicted_step_s": predicted,
+                "token_pad_ratio": median_run["summary"]["token_pad_ratio"],
+                "stage_layers": median_run["stage_layers"], "recompute_layers": len(recompute),
+                "buffer": median_run["buffer"], "per_rank": median_run["summary"]["per_rank"],
+                "load": [[r["load_before"], r["load_after"]] for r in runs],
+            }
+            if layer_times is not None and mode == "omnibal":
+                entry["layer_fwd_bwd_s"] = layer_times.tolist()
+            results["runs"][f"{mode}_dp{dp}_pp{pp}"] = entry
+        base = results["runs"][f"baseline_dp{dp}_pp{pp}"]["samples_per_s_median"]
+        omni = results["runs"][f"omnibal_dp{dp}_pp{pp}"]["samples_per_s_median"]
+        results["table"].append({"layout": f"DP{dp}xPP{pp}", "baseline_sps": base, "omnibal_sps": omni,
+                                 "speedup": omni / base})
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "train.json").write_text(json.dumps(results, indent=1))
+    (out / "train.md").write_text(render_markdown(results))
+    print(render_markdown(results))
+    return 0
+
+
+def render_markdown(res: dict) -> str:
+    lines = ["# Reference trainer: omnibal vs baseline (CPU, gloo, tiny preset)", "",
+             f"{res['num_samples']} samples drawn from {res['stats']}; {res['steps']} steps per run (first = "
+             f"warm-up, excluded), {res['num_microbatches']} micro-batches per rank per step, baseline micro-batch "
+             f"{res['baseline_batch_size']} samples; median of {res['repeats']} runs; one torch thread per rank; "
+             f"{res['machine']['cores']} cores shared with other jobs (load average noted per run).", "",
+             "| layout | baseline samples/s | omnibal samples/s | speed-up |", "| --- | --- | --- | --- |"]
+    for row in res["table"]:
+        lines.append(f"| {row['layout']} | {row['baseline_sps']:.2f} | {row['omnibal_sps']:.2f} | "
+                     f"{row['speedup']:.2f}x |")
+    lines += ["", "Per run (median run of each configuration; per-rank times are mean ms per step):", "",
+              "| run | samples/s (runs) | step ms measured | step ms simulated | token pad | stages | recompute "
+              "layers | rank: compute / pipeline wait / DP-sync wait / data / CPU ms | load (1-min avg) |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for key, e in res["runs"].items():
+        ranks = "; ".join(f"r{r['rank']}: {r['compute_s'] * 1e3:.0f} / {r['wait_s'] * 1e3:.0f} / "
+                          f"{r['dp_sync_s'] * 1e3:.0f} / {r['data_s'] * 1e3:.0f} / {r['cpu_s'] * 1e3:.0f}"
+                          for r in e["per_rank"])
+        loads = ", ".join(f"{a:.1f}-{b:.1f}" for a, b in e["load"])
+        lines.append(f"| {key} | {', '.join(f'{x:.2f}' for x in e['samples_per_s_runs'])} | "
+                     f"{e['median_step_s'] * 1e3:.0f} | {e['predicted_step_s'] * 1e3:.0f} | "
+                     f"{e['token_pad_ratio']:.1%} | {e['stage_layers']} | {e['recompute_layers']} | {ranks} | "
+                     f"{loads} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,175 @@
+"""Runs one real layer of the reference model (:mod:`omnibal.train.layers`) on a synthetic micro-batch:
+builds the module and its input carry for a shape, times forward and backward, and measures the bytes
+autograd saves for backward (see :mod:`omnibal.cost.profile` for how the results are used)."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any, Callable
+
+from omnibal.cost.spec import ModelSpec
+
+
+def segment_lengths(tokens: int, segment: int) -> list[int]:
+    full, rest = divmod(tokens, segment)
+    return [segment] * full + ([rest] if rest else [])
+
+
+class LayerRunner:
+    """Builds one real layer of a kind and the carry for a shape; times forward/backward."""
+
+    def __init__(self, spec: ModelSpec, *, device: str, dtype: str, seed: int = 0) -> None:
+        import torch
+
+        from omnibal.train import layers as L
+
+        self.torch = torch
+        self.L = L
+        self.spec = spec
+        self.device = torch.device(device)
+        self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+        self.opts = L.Options(attn_impl="auto", compute_tail=False)
+        self.seed = seed
+        self.is_cuda = self.device.type == "cuda"
+        self._modules: dict[str, Any] = {}
+
+    def module(self, kind: str):
+        if kind not in self._modules:
+            cls = {"vision_embed": self.L.VisionEmbed, "vision_block": self.L.VisionBlock,
+                   "projector": self.L.Projector, "llm_embed": self.L.LLMEmbed, "llm_block": self.L.LLMBlock,
+                   "lm_head": self.L.LMHead}[kind]
+            mod = cls(self.spec, self.opts)
+            self.L.init_parameters(mod, self.seed)
+            mod.to(device=self.device, dtype=self.dtype)
+            if self.spec.freeze_vision and kind in ("vision_embed", "vision_block"):
+                mod.requires_grad_(False)
+            self._modules[kind] = mod
+        return self._modules[kind]
+
+    def carry(self, kind: str, tiles: int, lengths: list[int]):
+        """Inputs of one layer of ``kind`` for a micro-batch of ``tiles`` tiles and LLM attention segments
+        of the given ``lengths`` (the packed samples)."""
+        torch, spec = self.torch, self.spec
+        from omnibal.data import collate as C
+
+        dev, dt = self.device, self.dtype
+        gen = torch.Generator().manual_seed(1234)
+        v = spec.vision
+        tokens = int(sum(lengths))
+        sizes = torch.tensor([[tiles, tokens]], dtype=torch.int64, device=dev)
+        needs_grad = not (spec.freeze_vision and kind in ("vision_embed", "vision_block"))
+        meta = torch.zeros(1, C.NUM_META_ROWS, max(tokens, 1), dtype=torch.int64)
+        if tokens:
+            meta[0, C.META_POSITION_IDS] = torch.cat([torch.arange(n) for n in lengths])
+            meta[0, C.META_SEGMENT_IDS] = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
+            meta[0, C.META_INPUT_IDS] = torch.randint(0, spec.llm.vocab_size - 1, (tokens,), generator=gen)
+            meta[0, C.META_LABELS] = torch.randint(0, spec.llm.vocab_size - 1, (tokens,), generator=gen)
+            meta[0, C.META_IMAGE_INDEX] = -1
+            image_slots = min(tokens, tiles * spec.llm_tokens_per_tile) if kind == "llm_embed" else 0
+            meta[0, C.META_IMAGE_INDEX, :image_slots] = torch.arange(image_slots)
+        meta = meta.to(dev)
+        if kind == "vision_embed":
+            x = torch.randn(1, tiles, 3, v.image_size, v.image_size, generator=gen).to(dev, dt)
+        elif kind in ("vision_block", "projector"):
+            x = torch.randn(1, tiles, v.tokens_per_tile, v.hidden, generator=gen).to(dev, dt)
+            x.requires_grad_(needs_grad)
+        elif kind == "llm_embed":
+            x = torch.randn(1, tiles, spec.llm_tokens_per_tile, spec.llm.hidden, generator=gen).to(dev, dt)
+            x.requires_grad_(True)
+        else:
+            x = torch.randn(1, tokens, spec.llm.hidden, generator=gen).to(dev, dt).requires_grad_(True)
+        return x, meta, sizes
+
+    def _sync(self) -> None:
+        if self.is_cuda:
+            self.torch.cuda.synchronize(self.device)
+
+    def _forward_backward(self, kind: str, carry, clock: Callable[[], Any] | None):
+        """Forward then backward; returns (t0, t1, t2) marks of ``clock`` (None: untimed)."""
+        torch = self.torch
+        mod = self.module(kind)
+        t0 = clock() if clock else None
+        out = mod(*carry)
+        t1 = clock() if clock else None
+        if kind == "lm_head":
+            target, grad = out[0], None
+        else:
+            target = out[0]
+            grad = torch.ones_like(target) if target.requires_grad else None
+        if target.requires_grad:
+            torch.autograd.backward(target, grad)
+        t2 = clock() if clock else None
+        return t0, t1, t2
+
+    def time(self, kind: str, carry, *, warmup: int, repeats: int) -> dict[str, float]:
+        """Forward and backward seconds: median and minimum of the wall clock (CUDA events on a GPU), and on a
+        CPU the median and minimum process CPU time (``cpu``, ``cpu_min``: unaffected by other jobs taking the
+        cores away)."""
+        import time as _time
+
+        torch = self.torch
+        for _ in range(warmup):
+            self._forward_backward(kind, carry, None)
+        self._sync()
+        fwd, bwd, fwd_cpu, bwd_cpu = [], [], [], []
+
+        def both_clocks():
+            return _time.perf_counter(), _time.process_time()
+
+        for _ in range(repeats):
+            if self.is_cuda:
+                events = []
+
+                def clock():
+                    ev = torch.cuda.Event(enable_timing=True)
+                    ev.record()
+                    events.append(ev)
+                    return ev
+
+                self._forward_backward(kind, carry, clock)
+                self._sync()
+                fwd.append(events[0].elapsed_time(events[1]) / 1e3)
+                bwd.append(events[1].elapsed_time(events[2]) / 1e3)
+            else:
+                t0, t1, t2 = self._forward_backward(kind, carry, both_clocks)
+                fwd.append(t1[0] - t0[0])
+                bwd.append(t2[0] - t1[0])
+                fwd_cpu.append(t1[1] - t0[1])
+                bwd_cpu.append(t2[1] - t1[1])
+        out = {"fwd_median_s": statistics.median(fwd), "bwd_median_s": statistics.median(bwd),
+               "fwd_min_s": min(fwd), "bwd_min_s": min(bwd)}
+        if fwd_cpu:
+            out.update(fwd_cpu_s=statistics.median(fwd_cpu), bwd_cpu_s=statistics.median(bwd_cpu),
+                       fwd_cpu_min_s=min(fwd_cpu), bwd_cpu_min_s=min(bwd_cpu))
+        return out
+
+    def saved_bytes(self, kind: str, carry) -> int:
+        """Bytes of the distinct storages autograd saves for backward in one forward (parameters excluded)."""
+        torch = self.torch
+        mod = self.module(kind)
+        param_ptrs = {p.untyped_storage().data_ptr() for p in mod.parameters()}
+        seen: dict[int, int] = {}
+
+        def pack(t):
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr not in param_ptrs and ptr not in seen:
+                seen[ptr] = storage.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = mod(*carry)
+        del out
+        return int(sum(seen.values()))
+
+    def peak_bytes(self, kind: str, carry) -> int | None:
+        """GPU only: peak allocated bytes during forward + backward above the level before it."""
+        if not self.is_cuda:
+            return None
+        torch = self.torch
+        self._sync()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        self._forward_backward(kind, carry, None)
+        self._sync()
+        return int(torch.cuda.max_memory_allocated(self.device) - base)

@@ -1,0 +1,103 @@
+"""The paper's ablation, predicted: baseline -> + data balance -> + balanced partition -> + adaptive recompute.
+
+Each row changes one thing over the row before it, exactly as in OmniBal's Table (6B + 20B on
+Megatron-DeepSpeed: 61.8 -> 51.9 -> 29.0 -> 21.3 GPU days):
+
+1. **baseline**: random fixed micro-batches (4 samples, padded to the longest), the layer chain split
+   evenly by layer count, every layer checkpointed (full recompute);
+2. **+ data balance**: omnibal's balanced packs (variable sample count, equal vision and LLM cost per
+   micro-batch and per rank), same split, full recompute;
+3. **+ balanced partition**: the exact min-max partition (stage times include the full recompute) and the
+   simulator-scored neighbour search, still full recompute;
+4. **+ adaptive recompute**: the joint partition + least-recompute plan under the memory budget, with
+   the same search.
+
+Every row is simulated over the whole epoch with its own data, so step counts may differ between rows
+(the balancer packs a different number of samples per step); GPU days compare whole epochs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+PAPER_GPU_DAYS = {"baseline": 61.8, "+ data balance": 51.9, "+ balanced partition": 29.0,
+                  "+ adaptive recompute": 21.3}
+"""OmniBal, InternVL-Chat-1.5 (6B + 20B), Megatron-DeepSpeed, A100 (the paper's ablation)."""
+ROW_NAMES = tuple(PAPER_GPU_DAYS)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AblationRow:
+    """One configuration of the ablation, simulated over its whole epoch."""
+
+    name: str
+    """Row label (one of ROW_NAMES)."""
+    data: str
+    """How micro-batches are formed."""
+    partition: str
+    """How layers are split into stages."""
+    recompute: str
+    """How checkpoints are chosen."""
+    parts: tuple[int, ...]
+    """Cut points."""
+    num_checkpointed: int
+    """Layers checkpointed in total (over all stages)."""
+    num_steps: int
+    """Steps in the epoch."""
+    step_time_s: float
+    """Mean simulated seconds per step."""
+    epoch_time_s: float
+    """Simulated seconds for the epoch."""
+    gpu_days: float
+    """epoch_time_s * num_gpus / 86400."""
+    bubble: float
+    """Mean pipeline bubble share."""
+    peak_memory_bytes: tuple[float, ...]
+    """Per stage, the highest simulated peak over the epoch."""
+    oom: bool
+    """Whether the simulator saw any device above the memory budget."""
+    speedup: float = 1.0
+    """Baseline GPU days / this row's GPU days."""
+    paper_gpu_days: float | None = None
+    """The paper's figure for this row."""
+
+    @property
+    def paper_speedup(self) -> float | None:
+        if self.paper_gpu_days is None:
+            return None
+        return PAPER_GPU_DAYS["baseline"] / self.paper_gpu_days
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["parts"] = list(self.parts)
+        out["peak_memory_bytes"] = list(self.peak_memory_bytes)
+        out["paper_speedup"] = self.paper_speedup
+        return out
+
+
+def with_speedups(rows: list[AblationRow]) -> list[AblationRow]:
+    """Fill ``speedup`` (vs the first row) and the paper's figures."""
+    from dataclasses import replace
+
+    base = rows[0].gpu_days
+    return [replace(r, speedup=base / r.gpu_days if r.gpu_days > 0 else float("nan"),
+                    paper_gpu_days=PAPER_GPU_DAYS.get(r.name)) for r in rows]
+
+
+def ablation_markdown(rows: list[AblationRow], *, show_paper: bool = True) -> str:
+    """The ablation as a markdown table (what ``omnibal plan`` prints and the report embeds)."""
+    head = "| step | partition (cut points) | checkpointed layers | step time (s) | bubble | GPU days | speed-up |"
+    sep = "| --- | --- | --- | --- | --- | --- | --- |"
+    if show_paper:
+        head += " paper GPU days | paper speed-up |"
+        sep += " --- | --- |"
+    lines = [head, sep]
+    for r in rows:
+        line = (f"| {r.name} | {list(r.parts)} | {r.num_checkpointed} | {r.step_time_s:.2f} | {r.bubble:.1%} | "
+                f"{r.gpu_days:.1f}{' (OOM)' if r.oom else ''} | {r.speedup:.2f}x |")
+        if show_paper:
+            paper = "" if r.paper_gpu_days is None else f"{r.paper_gpu_days:.1f}"
+            ps = "" if r.paper_speedup is None else f"{r.paper_speedup:.2f}x"
+            line += f" {paper} | {ps} |"
+        lines.append(line)
+    return "\n".join(lines)

@@ -1,0 +1,133 @@
+"""Build one rank's run from a :class:`TrainConfig` and train: model preset, statistics, dataset, schedule,
+stage layout, world. What ``omnibal train`` and ``python -m omnibal.train`` execute on every rank.
+
+Same model, same data, same world for both modes; they differ only in what the modes are defined by:
+
+``baseline``  random fixed micro-batches of ``baseline_batch_size`` samples, each padded to its longest
+              sample; even layer split; every layer recomputed (InternVL's defaults).
+``omnibal``   the balancer's packs (``--schedule`` file, else ``omnibal.data.balance.balance``), the plan's
+              (or ``--stage-layers``) partition and recompute sets.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from omnibal.errors import InputError
+from omnibal.train.config import TrainConfig
+from omnibal.train.distributed import World, init_world, local_world
+
+
+def load_training_stats(cfg: TrainConfig, spec):
+    """The statistics the synthetic dataset reproduces: a seeded subset, token counts in the model's units."""
+    from omnibal.stats.io import load_stats
+    from omnibal.stats.table import SampleStats
+
+    if cfg.stats_path is None:
+        raise InputError("no statistics given: pass --stats FILE (SampleStats or the OmniBal token-length JSON)",
+                         source="--stats")
+    stats = load_stats(cfg.stats_path)
+    if cfg.max_samples is not None and cfg.max_samples < len(stats):
+        rows = np.sort(np.random.default_rng(cfg.seed).choice(len(stats), cfg.max_samples, replace=False))
+        stats = stats.take(rows)
+    tokens = spec.sample_tokens(stats.tiles, stats.tokens, source_tokens_per_tile=cfg.stats_tokens_per_tile)
+    return SampleStats(tiles=stats.tiles, tokens=tokens.astype(np.int32), images=stats.images, keys=stats.keys,
+                       source=stats.source)
+
+
+def build_schedule(cfg: TrainConfig, stats):
+    """The run's schedule (the same on every rank: a pure function of the inputs)."""
+    from omnibal.train.feed import load_schedule, random_microbatch_schedule
+
+    if cfg.mode == "baseline":
+        return random_microbatch_schedule(len(stats), dp_size=cfg.dp_size, num_microbatches=cfg.num_microbatches,
+                                          batch_size=cfg.baseline_batch_size, seed=cfg.seed)
+    if cfg.schedule_path is not None:
+        return load_schedule(cfg.schedule_path)
+    try:
+        from omnibal.data.balance import balance
+    except ImportError:
+        raise InputError("omnibal mode needs a balanced schedule: pass --schedule FILE (from `omnibal balance`)",
+                         source="--schedule") from None
+    return balance(stats, dp_size=cfg.dp_size, num_microbatches=cfg.num_microbatches, seed=cfg.seed)
+
+
+def build_trainer(cfg: TrainConfig, world: World):
+    from omnibal.cost.presets import get_model_preset
+    from omnibal.data.dataset import SyntheticConfig, SyntheticVLMDataset
+    from omnibal.train.loop import Trainer, fixed_buffer
+    from omnibal.train.model import VLM
+    from omnibal.train.pipeline import resolve_layout
+
+    spec = get_model_preset(cfg.model)
+    stats = load_training_stats(cfg, spec)
+    schedule = build_schedule(cfg, stats)
+    model = VLM(spec, seed=cfg.seed)
+    names = [layer.name for layer, _ in model.chain()]
+    recomputable = [layer.name for layer, _ in model.chain() if layer.kind in ("vision_block", "llm_block")]
+    layout = resolve_layout(names, pp_size=cfg.pp_size, mode=cfg.mode, stage_layers=cfg.stage_layers,
+                            recompute=cfg.recompute, plan_path=cfg.plan_path, model_name=spec.name,
+                            recomputable=recomputable)
+    dataset = None
+    if world.is_first_stage:  # only stage 0 reads data; the labels reach the last stage in the carry
+        dataset = SyntheticVLMDataset(stats, SyntheticConfig(
+            image_size=spec.vision.image_size, tokens_per_tile=spec.llm_tokens_per_tile,
+            vocab_size=spec.llm.vocab_size, image_token_id=spec.llm.vocab_size - 1, seed=cfg.seed))
+    buffer = fixed_buffer(schedule, stats, mode=cfg.mode) if world.pp_size > 1 else None
+    info = {"config": cfg.to_dict(), "num_samples": len(stats), "schedule_steps": schedule.num_steps,
+            "buffer": None if buffer is None else [buffer.tiles, buffer.tokens]}
+    trainer = Trainer(world=world, model=model, layout=layout, schedule=schedule, dataset=dataset, mode=cfg.mode,
+                      num_microbatches=cfg.num_microbatches, pipeline_schedule=cfg.pipeline_schedule, lr=cfg.lr,
+                      weight_decay=cfg.weight_decay, buffer=buffer, log_path=cfg.log_path, quiet=cfg.quiet,
+                      checkpoint_dir=cfg.checkpoint_dir, checkpoint_every=cfg.checkpoint_every, run_info=info)
+    del model  # the stage holds its own layers; the rest of the model is freed
+    return trainer
+
+
+def preflight(cfg: TrainConfig) -> None:
+    """Checks that need no process group (model preset, stage layout, plan, files), run once before ranks
+    are started, so a bad argument fails in a second instead of in every rank."""
+    from pathlib import Path
+
+    from omnibal.cost.presets import get_model_preset
+    from omnibal.train.pipeline import resolve_layout
+
+    spec = get_model_preset(cfg.model)
+    layers = spec.layers()
+    resolve_layout([l.name for l in layers], pp_size=cfg.pp_size, mode=cfg.mode, stage_layers=cfg.stage_layers,
+                   recompute=cfg.recompute, plan_path=cfg.plan_path, model_name=spec.name,
+                   recomputable=[l.name for l in layers if l.kind in ("vision_block", "llm_block")])
+    for flag, path in (("--stats", cfg.stats_path), ("--schedule", cfg.schedule_path)):
+        if path is not None and not Path(path).is_file():
+            raise InputError("no such file", source=path, field=flag)
+    if cfg.stats_path is None:
+        raise InputError("no statistics given: pass --stats FILE", source="--stats")
+
+
+def train_rank(cfg: TrainConfig) -> dict:
+    """Everything one rank does: join the world, build, resume, train; returns the summary on rank 0."""
+    torch.set_num_threads(cfg.torch_threads)
+    if cfg.world_size == 1 and "RANK" not in __import__("os").environ:
+        world = local_world(cfg.device, cfg.timeout_s)
+    else:
+        world = init_world(dp_size=cfg.dp_size, pp_size=cfg.pp_size, device=cfg.device, timeout_s=cfg.timeout_s)
+    trainer = build_trainer(cfg, world)
+    if cfg.resume:
+        trainer.maybe_resume()
+    summary = trainer.run(cfg.num_steps)
+    if summary and cfg.summary_path:
+        import json
+        from pathlib import Path
+
+        Path(cfg.summary_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(cfg.summary_path).write_text(json.dumps({"config": cfg.to_dict(), "summary": summary,
+                                                      "skipped_checkpoints": trainer.skipped_checkpoints,
+                                                      "stage_layers": [list(r) for r in trainer.layout.ranges],
+                                                      "recompute": [list(r) for r in trainer.layout.recompute],
+                                                      "buffer": None if trainer.buffer is None else
+                                                      [trainer.buffer.tiles, trainer.buffer.tokens]}, indent=1))
+    from omnibal.train.distributed import destroy_world
+
+    destroy_world()
+    return summary
