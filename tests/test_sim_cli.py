@@ -90,3 +90,11 @@ def test_schedule_file_must_match_the_cluster(tmp_path, capsys):
     assert main(BASE + ["--model", "internvl-chat-1.5", "--dp", "2", "--pp", "4", "--microbatches", "4",
                         "--schedule-file", str(path), "--no-report"]) == 0
     assert np.isfinite(float(capsys.readouterr().out.count("GPU days")))
+
+
+def test_profile_from_another_model_is_refused(tmp_path, capsys):
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({"format": "omnibal-profile/1", "model": {"name": "other", "fingerprint": "x"},
+                                "fit": {}, "dtype": "fp32", "measurements": []}))
+    assert main(BASE + ["--profile", str(path), "--no-report"]) == 2
+    assert "profile.json" in capsys.readouterr().err

@@ -41,6 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--step-overhead", type=float, default=0.0,
                    help="fixed seconds per step outside the pipeline (optimizer, launch)")
     g.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"), help="training dtype")
+    g.add_argument("--profile", default=None, help="measured layer profile JSON (omnibal profile) instead of the "
+                   "analytic cost model")
 
     g = parser.add_argument_group("data")
     g.add_argument("--stats", default=None, help="per-sample stats file (default: the synthetic "
@@ -200,7 +202,12 @@ def run(args: argparse.Namespace) -> int:
     cluster = _resolve_cluster(args, plan)
     spec = get_model_preset(cluster["model"])
     hardware = get_hardware(cluster["hardware"])
-    table = analytic_cost_table(spec, hardware, tp_size=cluster["tp"], dtype=args.dtype)
+    if args.profile:
+        from omnibal.cost.profile import cost_table_from_profile, load_profile
+
+        table = cost_table_from_profile(spec, load_profile(args.profile, spec), tp_size=cluster["tp"])
+    else:
+        table = analytic_cost_table(spec, hardware, tp_size=cluster["tp"], dtype=args.dtype)
     if cluster["pp"] > table.num_layers:
         raise InputError(f"{cluster['pp']} stages for {table.num_layers} layers", source="--pp", field="pp")
 
@@ -266,6 +273,7 @@ def run(args: argparse.Namespace) -> int:
         "data": f"{stats.source}, {len(stats):,} samples", "balance": sched.method, "padding": padding,
         "caps (tiles, tokens)": f"{sched.caps.tiles}, {sched.caps.tokens}",
         "plan": args.plan or f"partition {args.partition}, recompute {args.recompute}",
+        "costs": f"profile {args.profile}" if args.profile else f"analytic ({args.dtype})",
     }
     paths = write_report(result, costs, step, step_index, args.out, header=header, layer_names=table.names)
     _say(args, f"report: {paths['markdown']} (+ {paths['timeline'].name}, {paths['load'].name}, "
