@@ -62,7 +62,7 @@ def load_stats(num_samples: int, seed: int):
     stats = SampleStats.concat(parts, source="internvl-1.2m-stats(ai2d+chartqa)")
     rows = np.sort(np.random.default_rng(seed).choice(len(stats), size=num_samples, replace=False))
     stats = stats.take(rows)
-    tokens = spec.sample_tokens(stats.tiles, stats.tokens)
+    tokens = spec.sample_tokens(np.where(stats.images > 0, stats.tiles, 0), stats.tokens)
     return SampleStats(tiles=stats.tiles, tokens=tokens, images=stats.images, keys=stats.keys,
                        source=f"{stats.source} subset {num_samples} seed {seed}, tokens for {MODEL}")
 
@@ -323,7 +323,9 @@ def write_results(out: Path, links, cal, cal_rows, rows, args) -> None:
                        zip(cal.groups, cal.fwd_scale, cal.bwd_scale))
     lines += ["", f"Fitted scales: {scales}; step overhead {cal.step_overhead * 1e3:.1f} ms; "
               f"fit RMS error {cal.rel_rms_error:.1%} over {cal.num_steps} steps. Links (`sim_links.py`, ping-pong "
-              f"and all-reduce of 16 KiB-16 MiB): p2p {links['p2p_latency'] * 1e3:.2f} ms + bytes / "
+              f"and all-reduce of 16 KiB-16 MiB, divided by the slowdown a compute probe saw at the time, like the "
+              f"steps; wall clock: p2p {links['wall_clock']['p2p_latency'] * 1e3:.2f} ms + bytes / "
+              f"{links['wall_clock']['p2p_bandwidth'] / 1e9:.2f} GB/s): p2p {links['p2p_latency'] * 1e3:.2f} ms + bytes / "
               f"{links['p2p_bandwidth'] / 1e9:.2f} GB/s, all-reduce {links['dp_latency'] * 1e3:.2f} ms per ring step "
               f"+ bytes / {links['dp_bandwidth'] / 1e9:.2f} GB/s.",
               "", f"## Validation (data seed {VAL_SEED})", "",
