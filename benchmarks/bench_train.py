@@ -31,7 +31,10 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED = Path(os.environ.get("OMNIBAL_SHARED_STATS", ROOT.parent / "shared" / "data" / "internvl-1.2m-stats"))
+_CANDIDATES = [ROOT.parent / "shared", ROOT.parent.parent / "shared"]  # beside the checkout (or a worktree's parent)
+SHARED = Path(os.environ.get("OMNIBAL_SHARED_STATS") or next(
+    (c / "data" / "internvl-1.2m-stats" for c in _CANDIDATES if (c / "data" / "internvl-1.2m-stats").is_dir()),
+    _CANDIDATES[0] / "data" / "internvl-1.2m-stats"))
 FILES = ("ai2d_train_12k_wh_token_lengths.json", "chartqa_train_18k_wh_token_lengths.json")
 LAYOUTS = ((2, 1), (1, 2))
 MODES = ("baseline", "omnibal")

@@ -133,10 +133,10 @@ def test_config_validation():
 
 def test_single_process_loop_logs_and_pads(tmp_path):
     torch.set_num_threads(1)
-    trainer = make_trainer(local_world(), num_microbatches=2, num_steps=3)
-    trainer.log.__init__(tmp_path / "log.jsonl")
+    trainer = make_trainer(local_world(), num_microbatches=2, num_steps=3, log_path=str(tmp_path / "log.jsonl"))
     summary = trainer.run(3, warmup=1)
-    lines = [json.loads(l) for l in (tmp_path / "log.jsonl").read_text().splitlines()]
+    header, *lines = [json.loads(l) for l in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert header["run"]["stage_layers"] == [[0, 8]]
     assert len(lines) == 3 and [l["step"] for l in lines] == [0, 1, 2]
     fed = sum(len(trainer.schedule.microbatch(s, 0, k)) for s in range(3) for k in range(2))
     assert sum(l["samples"] for l in lines) == fed
@@ -176,3 +176,60 @@ def test_single_process_checkpoint_resume(tmp_path):
     c.model_id = "other:0"
     with pytest.raises(InputError, match="model"):
         c.maybe_resume()
+
+
+# ------------------------------------------------------------------------------------------- CLI
+
+
+def _stats_file(tmp_path, num_samples=40):
+    from omnibal.stats.io import save_stats
+    from omnibal.stats.table import SampleStats
+
+    rng = np.random.default_rng(0)
+    tiles = rng.integers(1, 4, num_samples)
+    tokens = tiles * 256 + rng.integers(20, 120, num_samples)  # InternVL units: 256 image tokens per tile
+    return save_stats(SampleStats.from_arrays(tiles=tiles, tokens=tokens, source="cli-test"), tmp_path / "s.jsonl")
+
+
+def test_cli_one_process_run_writes_log_and_summary(tmp_path):
+    from omnibal.cli import main
+
+    stats = _stats_file(tmp_path)
+    rc = main(["train", "--mode", "baseline", "--stats", str(stats), "--steps", "2", "--microbatches", "1",
+               "--batch-size", "2", "--log", str(tmp_path / "log.jsonl"), "--summary-json", str(tmp_path / "sum.json"),
+               "--checkpoint-dir", str(tmp_path / "ck"), "--quiet"])
+    assert rc == 0
+    doc = json.loads((tmp_path / "sum.json").read_text())
+    assert doc["summary"]["steps"] == 1 and doc["summary"]["samples_per_s"] > 0
+    assert doc["recompute"][0]  # baseline: every block recomputed
+    assert len((tmp_path / "log.jsonl").read_text().splitlines()) == 3  # header + 2 steps
+    assert (tmp_path / "ck" / "step_00000002" / "manifest.json").is_file()
+    # resuming continues at step 2 and appends to the log
+    rc = main(["train", "--mode", "baseline", "--stats", str(stats), "--steps", "3", "--microbatches", "1",
+               "--batch-size", "2", "--log", str(tmp_path / "log.jsonl"), "--checkpoint-dir", str(tmp_path / "ck"),
+               "--resume", "--quiet"])
+    assert rc == 0
+    lines = [json.loads(l) for l in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert [l.get("step") for l in lines] == [None, 0, 1, None, 2] and lines[3]["run"]["resumed_at_step"] == 2
+
+
+def test_cli_bad_input_exits_2(tmp_path, capsys):
+    from omnibal.cli import main
+
+    stats = _stats_file(tmp_path)
+    assert main(["train", "--stats", str(stats), "--dp", "2", "--nproc", "3"]) == 2
+    assert "--nproc 3" in capsys.readouterr().err
+    assert main(["train", "--mode", "baseline", "--stats", str(stats), "--pp", "2", "--stage-layers", "0:4,5:15"]) == 2
+    assert "expected 4" in capsys.readouterr().err
+    assert main(["train", "--mode", "omnibal", "--stats", str(tmp_path / "none.json")]) == 2
+    assert "none.json" in capsys.readouterr().err
+
+
+def test_module_entry_point_help():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "omnibal.train", "--help"], capture_output=True, text=True,
+                         env={**__import__("os").environ, "PYTHONPATH": str(__import__("pathlib").Path(__file__)
+                                                                            .resolve().parents[1] / "src")})
+    assert out.returncode == 0 and "--stage-layers" in out.stdout and "torchrun" in out.stdout

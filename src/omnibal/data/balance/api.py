@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -83,6 +82,10 @@ def _check_layout(stats, dp_size: int, num_microbatches: int, seed: int, epoch: 
                              ("seed", seed, 0), ("epoch", epoch, 0)):
         if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low:
             raise InputError(f"must be an integer >= {low}, got {value!r}", source=name, field=name)
+    if len(stats) < dp_size * num_microbatches:
+        raise InputError(f"dp_size x num_microbatches = {dp_size * num_microbatches} micro-batches per step, but "
+                         f"only {len(stats)} samples: some ranks would get no data", source="dp_size",
+                         field="dp_size")
 
 
 def epoch_rng(seed: int, epoch: int, stream: int = 0) -> np.random.Generator:
@@ -123,7 +126,6 @@ def balance(stats, *, dp_size: int, num_microbatches: int = 1, seed: int = 0, ep
     """
     config = config or BalanceConfig()
     _check_layout(stats, dp_size, num_microbatches, seed, epoch)
-    t0 = time.perf_counter()
     if config.method == "omnibal":
         sched = _balance_omnibal(stats, dp_size, num_microbatches, seed, epoch, config)
     else:
@@ -138,7 +140,6 @@ def balance(stats, *, dp_size: int, num_microbatches: int = 1, seed: int = 0, ep
         else:
             sched = baselines.balance_length_grouped(stats, dp_size=dp_size, num_microbatches=num_microbatches,
                                                      seed=seed, epoch=epoch, config=config)
-    sched.meta.setdefault("seconds", round(time.perf_counter() - t0, 4))
     return sched
 
 
@@ -175,13 +176,16 @@ def _balance_omnibal(stats, dp_size, num_microbatches, seed, epoch, config: Bala
         q_v, q_t = config.max_tiles or 1, config.max_tokens or 1
     if len(alone):
         pack_of[alone] = num_regular_packs + np.arange(len(alone))
-    if config.max_tiles is not None and config.max_tokens is not None:
-        # a fixed buffer is a promise: packs the exchange could not bring under it are a bug, not data
-        over_v = np.bincount(pack_of[regular], weights=stats.tiles[regular], minlength=num_total)
-        over_t = np.bincount(pack_of[regular], weights=stats.tokens[regular], minlength=num_total)
-        if (over_v > q_v).any() or (over_t > q_t).any():
-            raise InputError(f"could not pack under the fixed caps tiles={q_v} tokens={q_t}; raise them or "
-                             f"lower target_samples", source="caps", field="max_tokens")
+    if config.max_tiles is not None or config.max_tokens is not None:
+        # a fixed buffer is a promise: if the exchange could not bring every pack under it, say so
+        reg = pack_of[regular]
+        load_v = np.bincount(reg, weights=stats.tiles[regular], minlength=num_total)
+        load_t = np.bincount(reg, weights=stats.tokens[regular], minlength=num_total)
+        if (load_v > q_v).any() or (load_t > q_t).any():
+            raise InputError(f"could not pack under the fixed caps tiles={q_v} tokens={q_t} "
+                             f"({int((load_v > q_v).sum() + (load_t > q_t).sum())} packs over); raise the caps "
+                             f"or lower target_samples", source="caps",
+                             field="max_tokens" if (load_t > q_t).any() else "max_tiles")
     # pack loads for the assignment (own packs and any empty packs included)
     p_tiles = np.bincount(pack_of[pack_of >= 0], weights=stats.tiles[pack_of >= 0], minlength=num_total)
     all_v, all_l = config.cost.sample_costs(stats.tiles, stats.tokens)
