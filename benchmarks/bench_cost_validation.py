@@ -61,7 +61,7 @@ def whole_model_errors(spec, table, rows, packs) -> dict[str, float]:
     for tiles, lengths in packs:
         feats = Point("x", tiles, lengths).features
         sel = {r["kind"]: r for r in rows if r["tiles"] == tiles and r["tokens"] == sum(lengths)
-               and r.get("pack") == (tiles, list(lengths))}
+               and r.get("pack") is not None and list(r["pack"][1]) == list(lengths)}
         measured.append(sum(sel[k]["fwd_s"] + sel[k]["bwd_s"] for k in layer_kinds))
         predicted.append(float((table.fwd_time + table.bwd_time).sum(axis=0) @ feats))
     err = relative_errors(np.array(predicted), np.array(measured))
@@ -108,7 +108,7 @@ def one_trial(spec, args, packs, progress, profile=None) -> tuple[dict, dict]:
     load_after = load_now()
     for row, point in zip(rows, points):
         row["pack"] = (point.tiles, list(point.lengths))
-    statistics = [args.statistic] + [st for st in ("median", "min", "cpu") if st != args.statistic
+    statistics = [args.statistic] + [st for st in ("median", "min", "cpu", "cpu_min") if st != args.statistic
                                      and f"fwd_{st}_s" in profile["measurements"][0]]
     by_stat = {st: evaluate(spec, with_statistic(profile["measurements"], st), with_statistic(rows, st), packs, cpu,
                             profile["dtype"]) for st in statistics}
@@ -132,7 +132,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--profile", type=Path, default=None, help="reuse this calibration profile (one trial)")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--statistic", default="median", choices=("median", "min", "cpu"))
+    parser.add_argument("--statistic", default="median", choices=("median", "min", "cpu", "cpu_min"))
     parser.add_argument("--packs", type=int, default=12)
     parser.add_argument("--trials", type=int, default=1, help="independent calibration + validation runs")
     parser.add_argument("--seed", type=int, default=0)
@@ -220,6 +220,12 @@ def render(result, profile) -> str:
                          f"{result['trial_loads'][i]:.1f} | {st} | {whole['profile fit']['step_mean_abs']:.1%} | "
                          f"{whole['analytic, calibrated']['step_mean_abs']:.1%} | "
                          f"{whole['analytic, default efficiencies']['step_mean_abs']:.1%} |")
+    if len(result["trials"]) > 1:
+        for st in result["trials"][0]["by_statistic"]:
+            med = {name: float(np.median([t["by_statistic"][st][name]["step_mean_abs"] for t in result["trials"]]))
+                   for name in ("profile fit", "analytic, calibrated", "analytic, default efficiencies")}
+            lines.append(f"| median of trials | - | {st} | {med['profile fit']:.1%} | "
+                         f"{med['analytic, calibrated']:.1%} | {med['analytic, default efficiencies']:.1%} |")
     if result["retest_profile"]:
         lines += ["", "Run-to-run variation of the same shapes (median |difference| of fwd+bwd vs trial 1), the noise "
                   f"floor under this load: calibration grid {', '.join(f'{x:.1%}' for x in result['retest_profile'])}; "

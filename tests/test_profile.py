@@ -131,3 +131,18 @@ def test_cli_rejects_bad_input(tmp_path, capsys):
     assert main(["profile", "--preset", "nope", "-o", str(tmp_path / "x.json"), "--quiet"]) == 2
     assert "unknown model preset" in capsys.readouterr().err
     assert main(["profile", "--spec", str(tmp_path / "missing.json"), "--quiet"]) == 2
+
+
+@pytest.mark.gpu
+def test_cuda_profile_uses_events_and_records_peak_memory():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from omnibal.cost.profile import measure
+
+    spec = small_spec()
+    profile = measure(spec, device="cuda", grid=ProfileGrid(tiles=(1, 2), tokens=(64, 128), segments=(32, 64)),
+                      repeats=2, warmup=1)
+    assert profile["device"]["type"] == "cuda" and profile["dtype"] == "bf16"
+    assert all(r["peak_bytes"] > 0 and r["fwd_s"] > 0 for r in profile["measurements"])
+    assert cost_table_from_profile(spec, profile).fwd_time.shape == (spec.num_layers, 4)

@@ -80,3 +80,15 @@ def test_bad_calibration_inputs():
         calibrate(table, [CalibrationRun(feats, np.zeros(9, bool), np.ones(2))])
     with pytest.raises(InputError, match="groups"):
         calibrate(table, [CalibrationRun(feats, np.zeros(9, bool), np.ones(3))], groups=("audio",))
+
+
+def test_one_scale_per_group_keeps_the_backward_ratio():
+    table = _kinds_table(seed=5)
+    truth = Calibration(groups=("vision", "llm"), fwd_scale=(1.5, 0.8), bwd_scale=(1.5, 0.8), step_overhead=0.1,
+                        rel_rms_error=0.0, num_steps=0)
+    feats = random_features(6, 1, 4, seed=4)
+    rec = np.zeros(9, bool)
+    cal = calibrate(table, [CalibrationRun(feats[:, 0], rec, _measure(truth.apply(table), feats, rec, 0.1))],
+                    separate_backward=False)
+    np.testing.assert_allclose(cal.fwd_scale, (1.5, 0.8), rtol=1e-6)
+    assert cal.bwd_scale == cal.fwd_scale

@@ -40,9 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads while measuring")
     parser.add_argument("--warmup", type=int, default=2, help="untimed runs per shape")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per shape")
-    parser.add_argument("--statistic", default="median", choices=("median", "min", "cpu"),
+    parser.add_argument("--statistic", default="median", choices=("median", "min", "cpu", "cpu_min"),
                         help="what to fit: median wall time; min: the least disturbed run; cpu: median process "
-                             "CPU time (CPU only; robust when other jobs share the cores)")
+                             "CPU time (CPU only; robust when other jobs share the cores); cpu_min: its minimum")
     parser.add_argument("--tiles", type=_int_list, default=None, help="tiles grid, e.g. 1,2,4,8")
     parser.add_argument("--tokens", type=_int_list, default=None, help="LLM tokens grid, e.g. 256,1024")
     parser.add_argument("--segments", type=_int_list, default=None, help="attention segment lengths grid")

@@ -4,10 +4,10 @@ per-kind coefficients over ``(one, tiles, tokens, tokens_sq)`` and save everythi
 
 Timing: CUDA events on a GPU; on a CPU the wall clock with a fixed torch thread count. Each shape is run
 ``warmup`` times untimed and ``repeats`` times timed; the median is kept as ``fwd_s``/``bwd_s``. On a machine
-shared with other jobs, ``statistic="min"`` keeps the least disturbed run instead, and ``statistic="cpu"``
-the median process CPU time (CPU only; with one torch thread it is the wall time the work would take on an
-idle core, without the time other jobs took the core away). All three are recorded, with the load average
-before and after. Memory: the bytes autograd saves for backward, measured with
+shared with other jobs, ``statistic="min"`` keeps the least disturbed run instead, ``statistic="cpu"`` the
+median process CPU time (CPU only; with one torch thread it is the wall time the work would take on an
+idle core, without the time other jobs took the core away) and ``cpu_min`` its minimum. All are recorded,
+with the load average before and after. Memory: the bytes autograd saves for backward, measured with
 ``torch.autograd.graph.saved_tensors_hooks`` (exact and device-independent: unique storages, parameters
 excluded, the layer's input included as in the analytic accounting); on a GPU also the peak of
 ``torch.cuda.max_memory_allocated`` above the pre-forward level.
@@ -53,7 +53,7 @@ FIT_COLUMNS: dict[str, tuple[int, ...]] = {
     "lm_head": (ONE, TOKENS),
 }
 VISION_KINDS = ("vision_embed", "vision_block", "projector")
-STATISTICS = ("median", "min", "cpu")
+STATISTICS = ("median", "min", "cpu", "cpu_min")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -160,7 +160,7 @@ def measure_points(spec: ModelSpec, points: list[Point], *, device: str = "cpu",
             bar.set_postfix_str(f"{point.kind} {point.tiles} tiles {tokens} tokens")
             carry = runner.carry(point.kind, point.tiles, list(point.lengths))
             times = runner.time(point.kind, carry, warmup=warmup, repeats=repeats)
-            key = statistic if statistic != "cpu" or "fwd_cpu_s" in times else "median"
+            key = statistic if not statistic.startswith("cpu") or "fwd_cpu_s" in times else "median"
             row = dict(kind=point.kind, tiles=point.tiles, tokens=tokens,
                        segments=_compress_lengths(point.lengths), features=point.features.tolist(),
                        fwd_s=times[f"fwd_{key}_s"], bwd_s=times[f"bwd_{key}_s"], **times,

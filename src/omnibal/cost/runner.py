@@ -103,7 +103,8 @@ class LayerRunner:
 
     def time(self, kind: str, carry, *, warmup: int, repeats: int) -> dict[str, float]:
         """Forward and backward seconds: median and minimum of the wall clock (CUDA events on a GPU), and on a
-        CPU the median process CPU time (``cpu``: unaffected by other jobs taking the cores away)."""
+        CPU the median and minimum process CPU time (``cpu``, ``cpu_min``: unaffected by other jobs taking the
+        cores away)."""
         import time as _time
 
         torch = self.torch
@@ -138,7 +139,8 @@ class LayerRunner:
         out = {"fwd_median_s": statistics.median(fwd), "bwd_median_s": statistics.median(bwd),
                "fwd_min_s": min(fwd), "bwd_min_s": min(bwd)}
         if fwd_cpu:
-            out.update(fwd_cpu_s=statistics.median(fwd_cpu), bwd_cpu_s=statistics.median(bwd_cpu))
+            out.update(fwd_cpu_s=statistics.median(fwd_cpu), bwd_cpu_s=statistics.median(bwd_cpu),
+                       fwd_cpu_min_s=min(fwd_cpu), bwd_cpu_min_s=min(bwd_cpu))
         return out
 
     def saved_bytes(self, kind: str, carry) -> int:
