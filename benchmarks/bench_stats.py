@@ -39,20 +39,23 @@ SHARED = Path(os.environ.get("OMNIBAL_SHARED_STATS", ROOT.parent / "shared" / "d
 REAL = ["ai2d_train_12k_wh_token_lengths.json", "chartqa_train_18k_wh_token_lengths.json"]
 EXT = {"jsonl": "jsonl", "json": "json", "parquet": "parquet", "token-lengths": "json"}
 
+# Peak RSS from VmHWM: ru_maxrss would carry over the parent's resident size across fork + exec.
 LOAD_CHILD = """
-import resource, sys, time, json
+import sys, time, json
 sys.path.insert(0, {src!r})
 from omnibal.stats.io import load_stats
 times = []
 for _ in range({repeats}):
     t = time.perf_counter(); s = load_stats({path!r}); times.append(time.perf_counter() - t)
-print(json.dumps({{"times": times, "rows": len(s), "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}}))
+hwm = [l for l in open("/proc/self/status") if l.startswith("VmHWM")][0].split()[1]
+print(json.dumps({{"times": times, "rows": len(s), "peak_rss_mb": int(hwm) / 1024}}))
 """
 IMPORT_CHILD = """
-import resource, sys, json
+import sys, json
 sys.path.insert(0, {src!r})
 import omnibal.stats.io, pyarrow.json, pyarrow.parquet
-print(json.dumps({{"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}}))
+hwm = [l for l in open("/proc/self/status") if l.startswith("VmHWM")][0].split()[1]
+print(json.dumps({{"peak_rss_mb": int(hwm) / 1024}}))
 """
 
 
@@ -137,13 +140,16 @@ def bench_throughput(num_samples: int, repeats: int, work: Path) -> list[dict]:
                 subprocess.run(cmd, check=True, capture_output=True, env={**os.environ, "PYTHONPATH": str(SRC)})
                 wall = time.perf_counter() - t
                 run = json.loads(report.read_text())["run"]
-                runs.append({"seconds": run["seconds"], "wall": wall, "load_avg": [before, load_avg()]})
+                runs.append({"seconds": run["seconds"], "cpu": run["cpu_seconds"], "wall": wall,
+                             "load_avg": [before, load_avg()]})  # fmt: skip
             best = min(runs, key=lambda r: r["seconds"])
             out.append({
                 "samples": num_samples, "tokens": "tokenizer" if tokenizer else "estimate", "workers": workers,
                 "seconds_min": round(best["seconds"], 2),
                 "seconds_median": round(statistics.median(r["seconds"] for r in runs), 2),
                 "samples_per_s": round(num_samples / best["seconds"]),
+                "cpu_s_min": round(min(r["cpu"] for r in runs), 2),
+                "samples_per_cpu_s": round(num_samples / min(r["cpu"] for r in runs)),
                 "wall_s_min": round(min(r["wall"] for r in runs), 2),
                 "headers_read": run["num_headers_read"], "load_avg": [r["load_avg"] for r in runs],
             })  # fmt: skip
@@ -199,15 +205,19 @@ def markdown(res: dict) -> str:
         "given size; 16 images per 15 records); every record has its own image files (hard links to the "
         "example PNG/JPEGs under distinct names), whose headers are read. "
         "samples/s = records / the run's own time (file to table); wall includes interpreter start and "
-        "writing the parquet output.",
+        "writing the parquet output. CPU s = CPU time of the run in the main process and its workers "
+        "(independent of the machine's load): with W workers, wall time on an idle machine with W free "
+        "cores approaches CPU s / W plus the main process's share.",
         "",
-        "| tokens | workers | samples/s | run s (min) | run s (median) | wall s (min) | headers read |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| tokens | workers | samples/s | run s (min) | run s (median) | CPU s (min) | samples per CPU s | wall s (min) | headers read | load avg (start-end of each run) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for r in t:
+        loads = ", ".join(f"{a}-{b}" for a, b in r["load_avg"])
         lines.append(
             f"| {r['tokens']} | {r['workers']} | {r['samples_per_s']:,} | {r['seconds_min']} | "
-            f"{r['seconds_median']} | {r['wall_s_min']} | {r['headers_read']:,} |"
+            f"{r['seconds_median']} | {r['cpu_s_min']} | {r['samples_per_cpu_s']:,} | {r['wall_s_min']} | "
+            f"{r['headers_read']:,} | {loads} |"
         )
     s = res["synthetic"]
     lines += [

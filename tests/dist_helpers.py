@@ -62,7 +62,7 @@ def pack_schedule(stats: SampleStats, *, dp_size: int, num_microbatches: int, nu
 
 
 def make_trainer(world, *, mode="omnibal", num_microbatches=4, num_steps=NUM_STEPS, pipeline_schedule="1f1b",
-                 stage_layers=None, checkpoint_dir=None, checkpoint_every=0, lr=1e-3, recompute=None):
+                 stage_layers=None, checkpoint_dir=None, checkpoint_every=0, lr=1e-3, recompute=None, log_path=None):
     from omnibal.train.loop import Trainer, fixed_buffer
     from omnibal.train.model import VLM
     from omnibal.train.pipeline import resolve_layout
@@ -77,7 +77,7 @@ def make_trainer(world, *, mode="omnibal", num_microbatches=4, num_steps=NUM_STE
     buffer = fixed_buffer(schedule, stats, mode=mode) if world.pp_size > 1 else None
     return Trainer(world=world, model=model, layout=layout, schedule=schedule, dataset=dataset, mode=mode,
                    num_microbatches=num_microbatches, pipeline_schedule=pipeline_schedule, lr=lr, buffer=buffer,
-                   checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every)
+                   checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, log_path=log_path)
 
 
 def single_process_reference(*, dp_size: int, num_microbatches: int, step: int = 0):
@@ -128,7 +128,8 @@ def rank_forward_backward(dp: int, pp: int, schedule: str):
     return {"rank": world.rank, "loss_part": result.loss_sum, "grads": grads}
 
 
-def rank_dies_after_one_step(dp: int, pp: int, victim: int):
+def rank_dies_mid_step(dp: int, pp: int, victim: int):
+    """The victim rank crashes inside step 1, in the forward of its second micro-batch (mid-pipeline)."""
     torch.set_num_threads(1)
     from omnibal.train.distributed import init_world
 
@@ -136,7 +137,14 @@ def rank_dies_after_one_step(dp: int, pp: int, victim: int):
     trainer = make_trainer(world)
     trainer.train_step()
     if world.rank == victim:
-        os._exit(7)  # a crash: no clean-up, sockets close
+        calls = []
+
+        def crash(module, args):
+            calls.append(1)
+            if len(calls) == 2:
+                os._exit(7)  # a crash: no clean-up, the sockets close
+
+        trainer.stage_module.register_forward_pre_hook(crash)
     t0 = time.monotonic()
     try:
         trainer.train_step()

@@ -97,3 +97,11 @@ def test_segments_positions_and_targets_property(sizes, mode):
     assert mb.num_targets == sum(int((s["labels"][1:] != IGNORE_INDEX).sum()) for s in samples)
     img = mb.token_meta[0, META_IMAGE_INDEX]
     assert sorted(img[img >= 0].tolist()) == list(range(sum(tiles) * TPT))
+
+
+def test_image_slots_are_never_targets_even_if_the_sample_labels_them():
+    s = _samples([1], [10])[0]
+    s = dict(s, labels=s["input_ids"].clone())  # a careless dataset: every token labelled
+    mb = pack(SPEC, [s], num_tiles=2, num_tokens=16)
+    assert mb.num_targets == 10 - 1 - TPT
+    assert not (mb.labels == IMG).any()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dist_helpers import (NUM_STEPS, TIMEOUT_S, rank_dies_after_one_step, rank_forward_backward, rank_train_steps,
+from dist_helpers import (NUM_STEPS, TIMEOUT_S, rank_dies_mid_step, rank_forward_backward, rank_train_steps,
                           single_process_reference)
 from omnibal.train.distributed import spawn_local
 
@@ -38,8 +38,9 @@ def test_step_matches_single_process(dp, pp, schedule):
 
 
 def test_dead_rank_fails_fast_with_clear_error():
-    """Rank 1 crashes after step 0; rank 0 must raise a PeerFailure naming itself, not hang."""
-    results = spawn_local(rank_dies_after_one_step, 2, args=(1, 2, 1), deadline_s=90, start_method="fork")
+    """Rank 1 crashes in the middle of step 1's pipeline; rank 0 must raise a PeerFailure naming itself and
+    the step within the timeout, not hang."""
+    results = spawn_local(rank_dies_mid_step, 2, args=(1, 2, 1), deadline_s=90, start_method="fork")
     assert results[1].exitcode == 7
     survivor = results[0]
     assert survivor.error is None, survivor.error

@@ -179,3 +179,34 @@ def test_real_samples_train_the_reference_model(example):
     loss.backward()
     assert int(count) == batch.num_targets > 0 and torch.isfinite(loss).all()
     assert model.vision.embed.patch.weight.grad.abs().sum() > 0  # the real image tiles reached the loss
+
+
+def test_default_internvl_settings_equal_the_omnibal_stats_cli(tmp_path):
+    """448 px tiles, 256 tokens per tile, max 12 + thumbnail: what `omnibal stats` writes for the examples."""
+    examples = pytest.importorskip("omnibal.examples")
+    from omnibal.cli import main
+    from omnibal.stats.io import load_stats
+
+    out = tmp_path / "stats.jsonl"
+    assert main(["stats", str(examples.ANNOTATIONS), "--tokenizer", str(examples.TOKENIZER), "--out", str(out),
+                 "--quiet"]) == 0
+    loaded = load_stats(out)
+    expected = loaded[0] if isinstance(loaded, tuple) else loaded
+    ds = RealDataset(examples.ANNOTATIONS, RealDataConfig(tokenizer=str(examples.TOKENIZER)))
+    for i in range(len(ds)):
+        if "width" in ds.records[i]:
+            continue  # size given, image file absent: only the statistics can be made
+        s = ds[i]
+        assert (s["pixel_values"].shape[0], len(s["input_ids"])) == (expected.tiles[i], expected.tokens[i]), i
+        assert s["pixel_values"].shape[1:] == (3, 448, 448)
+
+
+def test_records_without_an_id_get_the_key_omnibal_stats_gives(example):
+    from omnibal.stats.table import index_keys
+
+    root, _ = example
+    ds = RealDataset(root / "train.jsonl", _config(root))
+    assert "id" not in ds.records[2]
+    # keys join stats to the dataset, so they must not depend on how the path was spelled
+    assert ds.key(2) == int(index_keys("train.jsonl", 3)[2])
+    assert RealDataset(str(root / "." / "train.jsonl"), _config(root)).key(2) == ds.key(2)

@@ -133,10 +133,10 @@ def test_config_validation():
 
 def test_single_process_loop_logs_and_pads(tmp_path):
     torch.set_num_threads(1)
-    trainer = make_trainer(local_world(), num_microbatches=2, num_steps=3)
-    trainer.log.__init__(tmp_path / "log.jsonl")
+    trainer = make_trainer(local_world(), num_microbatches=2, num_steps=3, log_path=str(tmp_path / "log.jsonl"))
     summary = trainer.run(3, warmup=1)
-    lines = [json.loads(l) for l in (tmp_path / "log.jsonl").read_text().splitlines()]
+    header, *lines = [json.loads(l) for l in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert header["run"]["stage_layers"] == [[0, 8]]
     assert len(lines) == 3 and [l["step"] for l in lines] == [0, 1, 2]
     fed = sum(len(trainer.schedule.microbatch(s, 0, k)) for s in range(3) for k in range(2))
     assert sum(l["samples"] for l in lines) == fed
@@ -176,3 +176,87 @@ def test_single_process_checkpoint_resume(tmp_path):
     c.model_id = "other:0"
     with pytest.raises(InputError, match="model"):
         c.maybe_resume()
+
+
+# ------------------------------------------------------------------------------------------- CLI
+
+
+def _stats_file(tmp_path, num_samples=40):
+    from omnibal.stats.io import save_stats
+    from omnibal.stats.table import SampleStats
+
+    rng = np.random.default_rng(0)
+    tiles = rng.integers(1, 4, num_samples)
+    tokens = tiles * 256 + rng.integers(20, 120, num_samples)  # InternVL units: 256 image tokens per tile
+    return save_stats(SampleStats.from_arrays(tiles=tiles, tokens=tokens, source="cli-test"), tmp_path / "s.jsonl")
+
+
+def test_cli_one_process_run_writes_log_and_summary(tmp_path):
+    from omnibal.cli import main
+
+    stats = _stats_file(tmp_path)
+    rc = main(["train", "--mode", "baseline", "--stats", str(stats), "--steps", "2", "--microbatches", "1",
+               "--batch-size", "2", "--log", str(tmp_path / "log.jsonl"), "--summary-json", str(tmp_path / "sum.json"),
+               "--checkpoint-dir", str(tmp_path / "ck"), "--quiet"])
+    assert rc == 0
+    doc = json.loads((tmp_path / "sum.json").read_text())
+    assert doc["summary"]["steps"] == 1 and doc["summary"]["samples_per_s"] > 0
+    assert doc["recompute"][0]  # baseline: every block recomputed
+    assert len((tmp_path / "log.jsonl").read_text().splitlines()) == 3  # header + 2 steps
+    assert (tmp_path / "ck" / "step_00000002" / "manifest.json").is_file()
+    # resuming continues at step 2 and appends to the log
+    rc = main(["train", "--mode", "baseline", "--stats", str(stats), "--steps", "3", "--microbatches", "1",
+               "--batch-size", "2", "--log", str(tmp_path / "log.jsonl"), "--checkpoint-dir", str(tmp_path / "ck"),
+               "--resume", "--quiet"])
+    assert rc == 0
+    lines = [json.loads(l) for l in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert [l.get("step") for l in lines] == [None, 0, 1, None, 2] and lines[3]["run"]["resumed_at_step"] == 2
+
+
+def test_cli_bad_input_exits_2(tmp_path, capsys):
+    from omnibal.cli import main
+
+    stats = _stats_file(tmp_path)
+    assert main(["train", "--stats", str(stats), "--dp", "2", "--nproc", "3"]) == 2
+    assert "--nproc 3" in capsys.readouterr().err
+    assert main(["train", "--mode", "baseline", "--stats", str(stats), "--pp", "2", "--stage-layers", "0:4,5:15"]) == 2
+    assert "expected 4" in capsys.readouterr().err
+    assert main(["train", "--mode", "omnibal", "--stats", str(tmp_path / "none.json")]) == 2
+    assert "none.json" in capsys.readouterr().err
+
+
+def test_module_entry_point_help():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "omnibal.train", "--help"], capture_output=True, text=True,
+                         env={**__import__("os").environ, "PYTHONPATH": str(__import__("pathlib").Path(__file__)
+                                                                            .resolve().parents[1] / "src")})
+    assert out.returncode == 0 and "--stage-layers" in out.stdout and "torchrun" in out.stdout
+
+
+def test_csr_fast_paths_agree_with_the_generic_loops():
+    """The balancer's Schedule (CSR packs) takes vectorised paths; they must match the per-micro-batch loops."""
+    from types import SimpleNamespace
+
+    from omnibal.train.feed import schedule_fingerprint
+
+    rng = np.random.default_rng(3)
+    sizes = rng.integers(0, 5, 24)  # some empty packs on purpose
+    offsets = np.concatenate([[0], np.cumsum(sizes)])
+    samples = rng.permutation(int(offsets[-1]))
+    pack_ids = rng.permutation(24)[:18].reshape(3, 2, 3)  # 6 packs unused
+    tiles = rng.integers(1, 6, len(samples))
+    tokens = rng.integers(10, 300, len(samples))
+    pack = lambda k: samples[offsets[k]:offsets[k + 1]]  # noqa: E731
+    csr = SimpleNamespace(dp_size=2, num_microbatches=3, num_steps=3, pack_samples=samples, pack_offsets=offsets,
+                          pack_ids=pack_ids, microbatch=lambda s, r, k: pack(int(pack_ids[s, r, k])))
+    plain = SimpleNamespace(dp_size=2, num_microbatches=3, num_steps=3, microbatch=csr.microbatch)
+    for padded in (False, True):
+        fast = buffer_shape(csr, tiles, tokens, pad_to_longest=padded)
+        slow = buffer_shape(plain, tiles, tokens, pad_to_longest=padded)
+        assert fast == slow
+    check_schedule(csr, dp_size=2, num_microbatches=3, num_samples=len(samples), source="csr")
+    with pytest.raises(InputError, match="outside the dataset"):
+        check_schedule(csr, dp_size=2, num_microbatches=3, num_samples=len(samples) - 1, source="csr")
+    assert len(schedule_fingerprint(csr)) == 32

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 HELP = "pack samples into balanced micro-batches and assign them to (step, dp_rank, micro-batch)"
 DESCRIPTION = (HELP + ". Reads per-sample statistics (any format `omnibal stats` loaders read; without "
@@ -77,8 +78,10 @@ def run(args: argparse.Namespace) -> int:
     stats = _load(args.stats, args.synthetic_samples)
     config = BalanceConfig(method=args.method, target_samples=args.target_samples, max_tiles=args.max_tiles,
                            max_tokens=args.max_tokens, oversize=args.oversize, batch_size=args.batch_size)
+    t0 = time.perf_counter()
     schedule = balance(stats, dp_size=args.dp_size, num_microbatches=args.num_microbatches, seed=args.seed,
                        epoch=args.epoch, config=config)
+    seconds = time.perf_counter() - t0
     metrics = schedule_metrics(schedule, stats, config.cost)
     if args.out:
         schedule.to_json(args.out)
@@ -91,6 +94,6 @@ def run(args: argparse.Namespace) -> int:
         keys = ["method", "dp_size", "num_steps", "caps_tiles", "caps_tokens", "samples_per_microbatch_mean",
                 "vision_max_mean_ranks", "llm_max_mean_ranks", "total_max_mean_ranks", "buffer_pad_tiles",
                 "buffer_pad_tokens", "useful_fraction", "coverage_ok"]
-        sys.stdout.write(f"{len(stats)} samples from {stats.source}; {schedule.meta.get('seconds', 0):.2f} s\n")
+        sys.stdout.write(f"{len(stats)} samples from {stats.source}; balanced in {seconds:.2f} s\n")
         sys.stdout.write(format_table([metrics], keys))
     return 0 if metrics["coverage_ok"] else 1

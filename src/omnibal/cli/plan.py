@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
+from pathlib import Path
 
 HELP = "plan data caps, pipeline partition and per-stage recompute for a model on a cluster"
 DESCRIPTION = (
@@ -36,9 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d.add_argument("--stats", default=None, metavar="FILE",
                    help="per-sample statistics (omnibal stats); default: synthetic InternVL-like mixture")
     d.add_argument("--samples", type=int, default=1_200_000, help="size of the synthetic mixture")
-    d.add_argument("--balance-samples", type=int, default=None, metavar="N",
+    d.add_argument("--balance-samples", default="200000", metavar="N",
                    help="balance a uniform random subset of N samples and scale the epoch to the whole "
-                        "dataset (faster; default: all samples)")
+                        "dataset ('all': every sample; balancing 1.2M samples takes ~30 s of CPU)")
     d.add_argument("--balance-method", default="omnibal", help="balancer of the planned job")
     d.add_argument("--padding", default="varlen", choices=("varlen", "fixed_buffer"),
                    help="how balanced packs run: variable length, or padded to the caps (static shapes)")
@@ -71,6 +73,14 @@ def job_config(args: argparse.Namespace):
             raise InputError(f"{args.gpus} devices do not split into PP {args.pp} x TP {args.tp} x DP: "
                              f"{args.gpus} is not a multiple of {args.pp * args.tp}", source="--gpus", field="gpus")
         dp = args.gpus // (args.pp * args.tp)
+    if str(args.balance_samples).lower() == "all":
+        balance_samples = None
+    else:
+        try:
+            balance_samples = int(args.balance_samples)
+        except ValueError:
+            raise InputError(f"must be a number of samples or 'all', got {args.balance_samples!r}",
+                             source="--balance-samples", field="balance_samples") from None
     if args.radius < 0 or args.top_k < 1 or args.search_steps < 1:
         raise InputError("--radius must be >= 0, --top-k and --search-steps >= 1", source="--radius",
                          field="radius")
@@ -78,7 +88,7 @@ def job_config(args: argparse.Namespace):
         preset=args.preset, hardware=args.hardware, num_gpus=args.gpus, dp_size=dp, pp_size=args.pp,
         tp_size=args.tp, zero_stage=args.zero_stage, num_microbatches=args.num_microbatches,
         baseline_batch_size=args.baseline_batch_size, memory_budget_gib=args.memory_budget,
-        stats_path=args.stats, num_samples=args.samples, balance_samples=args.balance_samples, seed=args.seed,
+        stats_path=args.stats, num_samples=args.samples, balance_samples=balance_samples, seed=args.seed,
         profile_path=args.profile, balance_method=args.balance_method, padding=args.padding,
         baseline_partition=args.baseline_partition, schedule=args.schedule,
         search=SearchConfig(radius=args.radius, top_k=args.top_k, sample_steps=args.search_steps, seed=args.seed))
@@ -99,13 +109,17 @@ def run(args: argparse.Namespace) -> int:
           f"{inp.num_microbatches} micro-batches per step)", flush=True)
     result = run_plan_job(config, progress=progress)
     plan = result.plan
+    t_report = time.perf_counter()
     files = write_job_outputs(result, args.out, timelines=not args.no_timelines)
+    result.timings["report"] = round(time.perf_counter() - t_report, 3)
+    (Path(args.out) / "ablation.json").write_text(json.dumps(
+        {**json.loads((Path(args.out) / "ablation.json").read_text()), "timings": result.timings}, indent=2) + "\n")
     p = plan.inputs
     note = ""
     if result.epoch_scale != 1.0:
-        note = (f" (balanced a uniform subset of {plan.data.settings['balanced_samples']} samples; "
-                f"epoch figures scaled x{result.epoch_scale:.2f})")
-    print(f"data: {p.stats_source}, {p.num_samples} samples{note}")
+        note = (f"; balanced a uniform random subset of {plan.data.settings['balanced_samples']:,} and scaled the "
+                f"epoch x{result.epoch_scale:.2f} (--balance-samples all: every sample)")
+    print(f"data: {p.stats_source}, {p.num_samples:,} samples{note}")
     print(f"memory budget: {p.memory_budget_bytes / 2**30:.1f} GiB per device\n")
     print("Ablation (predicted; paper: OmniBal, 6B+20B on Megatron-DeepSpeed, measured on A100):")
     print(ablation_markdown(result.ablation))

@@ -79,9 +79,10 @@ def config_from_args(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from omnibal.train.run import train_rank
+    from omnibal.train.run import preflight, train_rank
 
     cfg = config_from_args(args)
+    preflight(cfg)
     nproc = args.nproc or cfg.world_size
     if nproc != cfg.world_size:
         raise InputError(f"--nproc {nproc} but dp {cfg.dp_size} x pp {cfg.pp_size} = {cfg.world_size}",

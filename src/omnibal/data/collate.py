@@ -230,8 +230,10 @@ def collate(samples: Sequence[dict], config: CollateConfig) -> MicroBatch:
         meta[0, META_INPUT_IDS, start:start + n] = ids
         meta[0, META_POSITION_IDS, start:start + span] = torch.arange(span)
         meta[0, META_SEGMENT_IDS, start:start + span] = seg
-        meta[0, META_LABELS, start:start + n - 1] = s["labels"][1:].to(torch.int64)
-        img_pos = torch.nonzero(ids == cfg.image_token_id).flatten() + start
+        is_image = ids == cfg.image_token_id
+        labels = s["labels"].to(torch.int64).masked_fill(is_image, IGNORE_INDEX)  # image slots are never targets
+        meta[0, META_LABELS, start:start + n - 1] = labels[1:]
+        img_pos = torch.nonzero(is_image).flatten() + start
         meta[0, META_IMAGE_INDEX, img_pos] = torch.arange(len(img_pos)) + tile_at * cfg.tokens_per_tile
         pixel_values[0, tile_at:tile_at + v] = s["pixel_values"]
         tile_mask[0, tile_at:tile_at + v] = True

@@ -61,7 +61,7 @@ def schedule_metrics(schedule, stats, cost: BalanceCost | None = None) -> dict:
     out["steps_with_empty_microbatches"] = int((~full).sum())
     for name, per_rank, per_mb in (("vision", rank_v, vis), ("llm", rank_l, llm), ("total", rank_tot, total)):
         out.update(_summary(f"{name}_max_mean_ranks", _max_mean(per_rank[full], 1)))
-        flat = per_mb[full].reshape(int(full.sum()), -1)
+        flat = per_mb[full].reshape(int(full.sum()), schedule.dp_size * schedule.num_microbatches)
         out.update(_summary(f"{name}_max_mean_microbatches", _max_mean(flat, 1)))
     # dist ratios on raw tiles / tokens per rank (as the reference computes them)
     tiles_rank, tokens_rank = real[..., 1].sum(2), real[..., 2].sum(2)

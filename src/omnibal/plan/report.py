@@ -239,7 +239,7 @@ def plan_markdown(plan: Plan, ablation: list[AblationRow] | None, *, images: dic
 def write_job_outputs(result, out_dir: str | Path, *, timelines: bool = True) -> dict[str, Path]:
     """Write plan.json, ablation.json, report.md and the PNGs of a :class:`PlanJobResult`."""
     from omnibal.sim.epoch import simulate_epoch, simulate_one_step
-    from omnibal.sim.report import plot_timeline
+    from omnibal.sim.report import pick_ranks, plot_timeline
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -260,7 +260,8 @@ def write_job_outputs(result, out_dir: str | Path, *, timelines: bool = True) ->
             median = int(np.argsort(steps)[len(steps) // 2])
             costs, step = simulate_one_step(result.table, parts, mask, feats[median], result.sim_config)
             name = f"timeline_{i}_{row.name.strip('+ ').replace(' ', '_')}.png"
-            plot_timeline(costs, step, out / name,
+            # the slowest and the fastest DP rank of the step: the imbalance, at half the drawing time of four
+            plot_timeline(costs, step, out / name, ranks=pick_ranks(step.pipeline.busy[0], max_ranks=2),
                           title=f"{row.name}: step {median} (median), {row.step_time_s:.1f} s mean step")
             images[f"timeline:{row.name}"] = name
     md = plan_markdown(result.plan, result.ablation, images=images, balance_metrics=result.balance_metrics,

@@ -8,10 +8,12 @@ overhead, so it is *linear* in a few scale factors of the cost table:
 where, per layer group g (vision, LLM), ``F_g``/``R_g``/``B_g`` are the table's forward / recompute /
 backward seconds of the step's micro-batches, ``a_g``, ``b_g`` the fitted scales and ``c`` the per-step
 overhead (optimizer step, data, launch). Runs with and without recomputation separate ``a`` from ``b``.
-The fit is non-negative least squares over all steps of all calibration runs; apply it to a table with
+A run may also cover one pipeline stage's layers only (a rank's own CPU time in a pipeline run), which
+separates the vision from the LLM scale. The fit is non-negative least squares over all steps of all
+calibration runs; apply it to a table with
 :meth:`Calibration.apply` and pass ``step_overhead`` to :class:`~omnibal.sim.costs.SimConfig`.
-Pipeline and DP runs are *not* used here (their step time is a max, not a sum): they are what the
-calibrated simulator is validated against.
+Pipeline and DP step times are *not* used here (they are a max, not a sum): they are what the calibrated
+simulator is validated against.
 """
 
 from __future__ import annotations
@@ -26,8 +28,11 @@ from omnibal.errors import InputError
 GROUPS: dict[str, tuple[str, ...]] = {
     "vision": ("vision_embed", "vision_block"),
     "llm": ("projector", "llm_embed", "llm_block", "lm_head"),
+    "all": ("vision_embed", "vision_block", "projector", "llm_embed", "llm_block", "lm_head"),
 }
-"""Layer kinds of each group that gets its own forward and backward scale."""
+"""Layer kinds of each group that gets its own forward and backward scale. Within one run the vision and
+LLM work grow together with the micro-batch size, so separate group scales need calibration data where
+their mix varies; ``("all",)`` (one scale) suits a measured profile that only needs an overall correction."""
 
 
 @dataclass(frozen=True)
@@ -40,6 +45,9 @@ class CalibrationRun:
     """``[L]`` layers the run checkpointed."""
     step_times: np.ndarray
     """``[S]`` measured seconds per step."""
+    layers: tuple[int, int] | None = None
+    """Layer range ``[start, stop)`` the times cover (one pipeline stage's own compute, e.g. a rank's CPU
+    time in a pipeline run: it separates the stages' layer groups); None: the whole model."""
 
 
 @dataclass(frozen=True)
@@ -80,8 +88,10 @@ def _group_mask(table: LayerCostTable, name: str) -> np.ndarray:
     return np.isin(np.asarray(table.kinds), GROUPS[name])
 
 
-def design_matrix(table: LayerCostTable, run: CalibrationRun, groups: tuple[str, ...]) -> np.ndarray:
-    """``[S, 2 G + 1]`` columns: per group (forward + recompute) seconds, per group backward seconds, 1."""
+def design_matrix(table: LayerCostTable, run: CalibrationRun, groups: tuple[str, ...],
+                  separate_backward: bool = True) -> np.ndarray:
+    """``[S, 2 G + 1]`` columns: per group (forward + recompute) seconds, per group backward seconds, 1
+    (``separate_backward=False``: ``[S, G + 1]``, per group forward + recompute + backward seconds, 1)."""
     feats = np.asarray(run.features, dtype=np.float64)
     if feats.ndim != 3 or feats.shape[-1] != NUM_FEATURES:
         raise InputError(f"features must be [steps, M, {NUM_FEATURES}], got {feats.shape}", source="calibration",
@@ -91,12 +101,22 @@ def design_matrix(table: LayerCostTable, run: CalibrationRun, groups: tuple[str,
         raise InputError(f"recompute mask needs {table.num_layers} entries", source="calibration",
                          field="recompute_mask")
     step_feats = feats.sum(axis=1)  # every cost is linear: a step's sum is the cost of its summed features
+    in_run = np.ones(table.num_layers, bool)
+    if run.layers is not None:
+        start, stop = run.layers
+        if not 0 <= start < stop <= table.num_layers:
+            raise InputError(f"layer range {run.layers} outside the {table.num_layers}-layer model",
+                             source="calibration", field="layers")
+        in_run[:] = False
+        in_run[start:stop] = True
     cols_f, cols_b = [], []
     for name in groups:
-        mask = _group_mask(table, name)
+        mask = _group_mask(table, name) & in_run
         fwd = table.fwd_time[mask].sum(axis=0) + table.fwd_time[mask & rec].sum(axis=0)
         cols_f.append(step_feats @ fwd)
         cols_b.append(step_feats @ table.bwd_time[mask].sum(axis=0))
+    if not separate_backward:
+        return np.stack([f + b for f, b in zip(cols_f, cols_b)] + [np.ones(len(step_feats))], axis=1)
     return np.stack(cols_f + cols_b + [np.ones(len(step_feats))], axis=1)
 
 
@@ -115,17 +135,19 @@ def nonneg_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def calibrate(table: LayerCostTable, runs: list[CalibrationRun], groups: tuple[str, ...] = ("vision", "llm"),
-              weight_relative: bool = True) -> Calibration:
+              weight_relative: bool = True, separate_backward: bool = True) -> Calibration:
     """Fit the group scales and the step overhead to the measured steps of ``runs``.
 
     ``weight_relative``: minimise relative rather than absolute errors (long and short steps count alike).
+    ``separate_backward=False`` fits one scale per group for forward, recompute and backward together
+    (keeps the table's backward/forward ratio; fewer parameters for few or noisy steps).
     """
     if not runs:
         raise InputError("need at least one calibration run", source="calibration", field="runs")
     rows, ys = [], []
     for k, run in enumerate(runs):
         y = np.asarray(run.step_times, dtype=np.float64)
-        x = design_matrix(table, run, groups)
+        x = design_matrix(table, run, groups, separate_backward)
         if len(y) != len(x):
             raise InputError(f"{len(y)} step times for {len(x)} steps", source="calibration", record=k,
                              field="step_times")
@@ -140,6 +162,7 @@ def calibrate(table: LayerCostTable, runs: list[CalibrationRun], groups: tuple[s
     coef = nonneg_lstsq(x * w[:, None], y * w)
     pred = x @ coef
     g = len(groups)
+    bwd = coef[g:2 * g] if separate_backward else coef[:g]
     return Calibration(groups=tuple(groups), fwd_scale=tuple(float(c) for c in coef[:g]),
-                       bwd_scale=tuple(float(c) for c in coef[g:2 * g]), step_overhead=float(coef[-1]),
+                       bwd_scale=tuple(float(c) for c in bwd), step_overhead=float(coef[-1]),
                        rel_rms_error=float(np.sqrt(np.mean(((pred - y) / y) ** 2))), num_steps=int(len(y)))

@@ -28,7 +28,6 @@ from __future__ import annotations
 import collections
 import itertools
 import json
-import math
 import multiprocessing
 import os
 import sys
@@ -39,11 +38,12 @@ from pathlib import Path
 import numpy as np
 
 from omnibal.errors import InputError
-from omnibal.stats.table import MAX_IMAGES, SampleStats, hash_key, index_keys
-from omnibal.stats.tiles import MAX_SIDE, TileConfig, count_tiles, image_size
+from omnibal.stats.records import IMAGE_PLACEHOLDER, RecordError, check_inside, parse_json_line, parse_record
+from omnibal.stats.table import SampleStats, index_keys
+from omnibal.stats.tiles import TileConfig, count_tiles, image_size
 from omnibal.stats.tokens import ESTIMATE, TokenConfig, make_counter
 
-IMAGE_PLACEHOLDER = "<image>"
+__all__ = ["AnnotationConfig", "AnnotationReport", "IMAGE_PLACEHOLDER", "compute_stats"]
 MAX_REPORTED_ERRORS = 20
 
 
@@ -106,6 +106,10 @@ class AnnotationReport:
     """Images whose size the record gave."""
     workers: int = 1
     seconds: float = 0.0
+    """Wall time from opening the files to the finished table."""
+    cpu_seconds: float | None = None
+    """CPU time of this process and its worker processes over the run (None where unmeasurable): a
+    figure that, unlike ``seconds``, does not depend on what else the machine is running."""
 
     def to_dict(self) -> dict:
         return {
@@ -114,13 +118,16 @@ class AnnotationReport:
             "token_count_method": self.token_count_method, "num_images": self.num_images,
             "num_headers_read": self.num_headers_read, "num_sizes_given": self.num_sizes_given,
             "workers": self.workers, "seconds": round(self.seconds, 3),
+            "cpu_seconds": None if self.cpu_seconds is None else round(self.cpu_seconds, 3),
         }  # fmt: skip
 
     def summary(self) -> str:
         rate = self.num_records / self.seconds if self.seconds > 0 else float("nan")
         lines = [
             f"read {self.num_records:,} records from {len(self.sources)} file(s) in {self.seconds:.2f} s "
-            f"({rate:,.0f} samples/s, {self.workers} worker(s)); {self.num_images:,} images "
+            f"({rate:,.0f} samples/s, {self.workers} worker(s)"
+            + ("" if self.cpu_seconds is None else f", {self.cpu_seconds:.2f} CPU s")
+            + f"); {self.num_images:,} images "
             f"({self.num_headers_read:,} headers read, {self.num_sizes_given:,} sizes given); "
             f"tokens: {self.token_count_method}"
         ]
@@ -144,6 +151,7 @@ def compute_stats(paths, config: AnnotationConfig = AnnotationConfig()) -> tuple
     if config.tokenizer is not None:
         make_counter(config.tokenizer)  # fail early, in this process, on a bad tokenizer path
     started = time.perf_counter()
+    cpu_started = _cpu_time()
     parts, errors = [], []
     totals = collections.Counter()
     method = ESTIMATE
@@ -169,7 +177,7 @@ def compute_stats(paths, config: AnnotationConfig = AnnotationConfig()) -> tuple
                     raise InputError("no records (empty annotation file)", source=str(path))
                 parts.append(_assemble(path, part))
     finally:
-        pool.close()
+        pool.close()  # joins the workers, so their CPU time is counted below
     num_records = totals.pop("records")
     if not any(len(p) for p in parts):
         first = errors[0][1] if errors else None
@@ -180,8 +188,18 @@ def compute_stats(paths, config: AnnotationConfig = AnnotationConfig()) -> tuple
         num_skipped=len(errors), errors=tuple(e for _, e in errors[:MAX_REPORTED_ERRORS]),
         token_count_method=method, num_images=totals["images"], num_headers_read=totals["headers"],
         num_sizes_given=totals["given"], workers=config.workers, seconds=time.perf_counter() - started,
+        cpu_seconds=None if cpu_started is None else _cpu_time() - cpu_started,
     )  # fmt: skip
     return stats, report
+
+
+def _cpu_time() -> float | None:
+    try:
+        import resource
+    except ImportError:  # not on Windows
+        return None
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
 def _assemble(path: Path, results) -> SampleStats:
@@ -340,11 +358,6 @@ class _ChunkResult:
     method: str
 
 
-class _RecordError(Exception):
-    def __init__(self, message: str, field: str | None = None) -> None:
-        self.message, self.field = message, field
-
-
 def _process_chunk(task) -> _ChunkResult:
     source, items = task
     config: AnnotationConfig = _STATE["config"]
@@ -356,19 +369,19 @@ def _process_chunk(task) -> _ChunkResult:
     counts = collections.Counter()
     for locator, index, payload in items:
         try:
-            rec = _parse_json_line(payload) if isinstance(payload, bytes) else payload
-            p = _parse_record(rec, file_name)
+            rec = parse_json_line(payload) if isinstance(payload, bytes) else payload
+            p = parse_record(rec, file_name)
             sizes = []
             for k, img in enumerate(p["images"]):
                 given = p["sizes"][k] if p["sizes"] else None
                 path = os.path.join(root, img)  # an absolute img replaces the root, as InternVL's loader does
                 if not config.allow_outside_root:
-                    _check_inside(path, img, real_root, real_dirs, source, locator)
+                    check_inside(path, img, real_root, real_dirs, source, locator)
                 if given is None:
                     sizes.append(image_size(path, source=source, record=locator, apply_exif=config.apply_exif))
                 else:
                     sizes.append(given)
-        except _RecordError as exc:
+        except RecordError as exc:
             errors.append((index, InputError(exc.message, source=source, record=locator, field=exc.field)))
             continue
         except InputError as exc:
@@ -418,108 +431,3 @@ def _process_chunk(task) -> _ChunkResult:
         has_id=np.array([p["key"] is not None for _, _, p, _ in parsed], dtype=bool)[keep],
         errors=errors, counts=dict(counts), method=_STATE["counter"].method,
     )  # fmt: skip
-
-
-def _check_inside(path: str, img: str, real_root: str, real_dirs: dict, source: str, locator: str) -> None:
-    """Refuse a path whose real location (``..`` and every symlink resolved) is outside ``real_root``.
-
-    Resolving every component costs an ``lstat`` each; folders repeat across records, so their real
-    paths are cached per chunk and only the file itself is checked for being a link (one ``lstat``)."""
-    folder, name = os.path.split(path)
-    if name in ("", ".", ".."):
-        real = os.path.realpath(path)
-    else:
-        real_folder = real_dirs.get(folder)
-        if real_folder is None:
-            real_folder = real_dirs[folder] = os.path.realpath(folder)
-        real = os.path.join(real_folder, name)
-        if os.path.islink(real):
-            real = os.path.realpath(real)
-    if real != real_root and not real.startswith(real_root.rstrip(os.sep) + os.sep):
-        raise InputError(
-            f"image path {img!r} leads outside the image root {real_root} (to {real}); "
-            "pass --allow-outside-root (AnnotationConfig.allow_outside_root) if that is intended",
-            source=source, record=locator, field="image",
-        )  # fmt: skip
-
-
-def _parse_json_line(line: bytes):
-    try:
-        return json.loads(line.decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        raise _RecordError(f"not UTF-8 text (byte {exc.start} of the line)") from None
-    except json.JSONDecodeError as exc:
-        raise _RecordError(f"malformed JSON: {exc.msg} (column {exc.colno})") from None
-    except (ValueError, RecursionError) as exc:
-        raise _RecordError(f"malformed JSON: {type(exc).__name__}") from None
-
-
-def _parse_record(rec, file_name: str) -> dict:
-    if not isinstance(rec, dict):
-        raise _RecordError(f"expected a JSON object, got {type(rec).__name__}")
-    convs = rec.get("conversations")
-    if convs is None:
-        raise _RecordError("missing", "conversations")
-    if not isinstance(convs, list) or not convs:
-        raise _RecordError("must be a non-empty list of {from, value} turns", "conversations")
-    texts, placeholders = [], 0
-    for t, turn in enumerate(convs):
-        if not isinstance(turn, dict) or not isinstance(turn.get("value"), str):
-            raise _RecordError(f"turn {t} must be an object with a string 'value'", "conversations")
-        if not isinstance(turn.get("from"), str):
-            raise _RecordError(f"turn {t} must say who speaks ('from')", "conversations")
-        value = turn["value"]
-        placeholders += value.count(IMAGE_PLACEHOLDER)
-        texts.append(value.replace(IMAGE_PLACEHOLDER, ""))
-    image = rec.get("image")
-    if image is None:
-        images = []
-    elif isinstance(image, str):
-        images = [image]
-    elif isinstance(image, list) and all(isinstance(x, str) for x in image):
-        images = list(image)
-    else:
-        raise _RecordError(f"must be a path or a list of paths, got {_short(image)}", "image")
-    if any(not x.strip() for x in images):
-        raise _RecordError("empty image path", "image")
-    if len(images) > MAX_IMAGES:
-        raise _RecordError(f"{len(images)} images is absurd", "image")
-    if placeholders and placeholders != len(images):
-        raise _RecordError(
-            f"{placeholders} {IMAGE_PLACEHOLDER} placeholder(s) but {len(images)} image(s)", "conversations"
-        )
-    sizes = _given_sizes(rec, len(images))
-    key = None
-    if "id" in rec and rec["id"] is not None:
-        if isinstance(rec["id"], bool) or not isinstance(rec["id"], (str, int)):
-            raise _RecordError(f"must be a string or an integer, got {_short(rec['id'])}", "id")
-        key = hash_key(f"{file_name}#{rec['id']}")
-    return {"texts": texts, "images": images, "sizes": sizes, "key": key}
-
-
-def _given_sizes(rec: dict, num_images: int):
-    has_w, has_h = "width" in rec, "height" in rec
-    if not (has_w or has_h):
-        return None
-    if has_w != has_h:
-        raise _RecordError("width and height must be given together", "width" if has_h else "height")
-    if num_images == 0:
-        raise _RecordError("width/height given for a record without an image", "width")
-    out = []
-    ws, hs = rec["width"], rec["height"]
-    if num_images == 1 and not isinstance(ws, list):
-        ws, hs = [ws], [hs]
-    for name, vals in (("width", ws), ("height", hs)):
-        if not isinstance(vals, list) or len(vals) != num_images:
-            raise _RecordError(f"must be one size per image ({num_images}), got {_short(vals)}", name)
-        for v in vals:
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v != int(v):
-                raise _RecordError(f"must be a whole number of pixels, got {_short(v)}", name)
-            if not 1 <= v <= MAX_SIDE:
-                raise _RecordError(f"must be in [1, {MAX_SIDE}] pixels, got {_short(v)}", name)
-    return [(int(w), int(h)) for w, h in zip(ws, hs)]
-
-
-def _short(value) -> str:
-    text = repr(value)
-    return (text if len(text) <= 60 else text[:57] + "...") + f" ({type(value).__name__})"

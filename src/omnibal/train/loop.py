@@ -111,10 +111,12 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay) if params else None
         self.grad_sync = GradSync(params, world.dp_group, world.dp_size)
         self._collate_base = model.collate_config(num_tiles=1, num_tokens=1) if hasattr(model, "collate_config") else None
-        self.log = MetricsLog(log_path if world.rank == 0 else None, append=False,
-                              header={**(run_info or {}), "world": {"dp": world.dp_size, "pp": world.pp_size},
-                                      "model_id": self.model_id, "stage_layers": [list(r) for r in layout.ranges],
-                                      "recompute": [list(r) for r in layout.recompute], "mode": mode})
+        self._log_path = log_path if world.rank == 0 else None
+        self._log_header = {**(run_info or {}), "world": {"dp": world.dp_size, "pp": world.pp_size},
+                            "model_id": self.model_id, "stage_layers": [list(r) for r in layout.ranges],
+                            "recompute": [list(r) for r in layout.recompute], "mode": mode}
+        self.log = MetricsLog(None)
+        """Step records (the JSONL file opens at the first step: appended to when resuming)."""
         self.consumed: list[list[int]] = []
         """Per completed step, the sample indices this rank's stage 0 fed (for resume checks)."""
 
@@ -232,6 +234,9 @@ class Trainer:
             gathered = [mine]
         if w.rank != 0:
             return None
+        if self._log_path is not None and self.log.path is None:
+            header = dict(self._log_header, resumed_at_step=step) if step else self._log_header
+            self.log = MetricsLog(self._log_path, append=step > 0, header=header)
         ranks = []
         for r, row in enumerate(gathered):
             vals = row.tolist()
@@ -331,9 +336,6 @@ class Trainer:
         ckpt.load_stage_file(Path(decision["path"]), decision["manifest"], w.pp_rank, model=self.stage_module,
                              optimizer=self.optimizer, map_location=w.device)
         self.step = int(decision["manifest"]["sampler"]["next_step"])
-        if self.log.path is not None:  # keep the log of the steps before the checkpoint
-            self.log.close()
-            self.log = MetricsLog(self.log.path, append=True)
         return True
 
     def _gather_objects(self, obj: Any, what: str) -> list:

@@ -85,6 +85,26 @@ def build_trainer(cfg: TrainConfig, world: World):
     return trainer
 
 
+def preflight(cfg: TrainConfig) -> None:
+    """Checks that need no process group (model preset, stage layout, plan, files), run once before ranks
+    are started, so a bad argument fails in a second instead of in every rank."""
+    from pathlib import Path
+
+    from omnibal.cost.presets import get_model_preset
+    from omnibal.train.pipeline import resolve_layout
+
+    spec = get_model_preset(cfg.model)
+    layers = spec.layers()
+    resolve_layout([l.name for l in layers], pp_size=cfg.pp_size, mode=cfg.mode, stage_layers=cfg.stage_layers,
+                   recompute=cfg.recompute, plan_path=cfg.plan_path, model_name=spec.name,
+                   recomputable=[l.name for l in layers if l.kind in ("vision_block", "llm_block")])
+    for flag, path in (("--stats", cfg.stats_path), ("--schedule", cfg.schedule_path)):
+        if path is not None and not Path(path).is_file():
+            raise InputError("no such file", source=path, field=flag)
+    if cfg.stats_path is None:
+        raise InputError("no statistics given: pass --stats FILE", source="--stats")
+
+
 def train_rank(cfg: TrainConfig) -> dict:
     """Everything one rank does: join the world, build, resume, train; returns the summary on rank 0."""
     torch.set_num_threads(cfg.torch_threads)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -83,6 +82,10 @@ def _check_layout(stats, dp_size: int, num_microbatches: int, seed: int, epoch: 
                              ("seed", seed, 0), ("epoch", epoch, 0)):
         if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low:
             raise InputError(f"must be an integer >= {low}, got {value!r}", source=name, field=name)
+    if len(stats) < dp_size * num_microbatches:
+        raise InputError(f"dp_size x num_microbatches = {dp_size * num_microbatches} micro-batches per step, but "
+                         f"only {len(stats)} samples: some ranks would get no data", source="dp_size",
+                         field="dp_size")
 
 
 def epoch_rng(seed: int, epoch: int, stream: int = 0) -> np.random.Generator:
@@ -123,7 +126,6 @@ def balance(stats, *, dp_size: int, num_microbatches: int = 1, seed: int = 0, ep
     """
     config = config or BalanceConfig()
     _check_layout(stats, dp_size, num_microbatches, seed, epoch)
-    t0 = time.perf_counter()
     if config.method == "omnibal":
         sched = _balance_omnibal(stats, dp_size, num_microbatches, seed, epoch, config)
     else:
@@ -138,7 +140,6 @@ def balance(stats, *, dp_size: int, num_microbatches: int = 1, seed: int = 0, ep
         else:
             sched = baselines.balance_length_grouped(stats, dp_size=dp_size, num_microbatches=num_microbatches,
                                                      seed=seed, epoch=epoch, config=config)
-    sched.meta.setdefault("seconds", round(time.perf_counter() - t0, 4))
     return sched
 
 
@@ -154,12 +155,20 @@ def _balance_omnibal(stats, dp_size, num_microbatches, seed, epoch, config: Bala
         choice = choose_caps(tiles, tokens, slots_per_step=per_step, target_samples=config.target_samples,
                              max_tiles=config.max_tiles, max_tokens=config.max_tokens,
                              token_slack=config.token_slack, token_multiple=config.token_multiple, rng=rng)
-        num_regular_packs = choice.num_packs
-        # room for own packs: more steps, the regular samples spread over what is left
-        num_total = -(-(num_regular_packs + len(alone)) // per_step) * per_step
-        num_regular_packs = min(num_total - len(alone), len(regular))
-        packed = pack_balanced(tiles, tokens, llm, num_packs=num_regular_packs, max_tiles=choice.max_tiles,
-                               max_tokens=choice.max_tokens, rng=rng)
+        fixed = config.max_tiles is not None or config.max_tokens is not None
+        extra_steps = 0
+        while True:
+            num_regular_packs = choice.num_packs + extra_steps * per_step
+            # room for own packs: more steps, the regular samples spread over what is left
+            num_total = -(-(num_regular_packs + len(alone)) // per_step) * per_step
+            num_regular_packs = min(num_total - len(alone), len(regular))
+            packed = pack_balanced(tiles, tokens, llm, num_packs=num_regular_packs, max_tiles=choice.max_tiles,
+                                   max_tokens=choice.max_tokens, rng=rng)
+            over = (packed.tiles > choice.max_tiles).any() or (packed.tokens > choice.max_tokens).any()
+            # a fixed buffer is a promise: when a few packs stay over it, one more step gives the room
+            if not (fixed and over) or extra_steps >= 3 or num_regular_packs >= len(regular):
+                break
+            extra_steps += 1
         pack_of = np.full(len(stats), -1, np.int64)
         pack_of[regular] = packed.pack_of
         q_v, q_t = choice.max_tiles, choice.max_tokens
@@ -175,13 +184,16 @@ def _balance_omnibal(stats, dp_size, num_microbatches, seed, epoch, config: Bala
         q_v, q_t = config.max_tiles or 1, config.max_tokens or 1
     if len(alone):
         pack_of[alone] = num_regular_packs + np.arange(len(alone))
-    if config.max_tiles is not None and config.max_tokens is not None:
-        # a fixed buffer is a promise: packs the exchange could not bring under it are a bug, not data
-        over_v = np.bincount(pack_of[regular], weights=stats.tiles[regular], minlength=num_total)
-        over_t = np.bincount(pack_of[regular], weights=stats.tokens[regular], minlength=num_total)
-        if (over_v > q_v).any() or (over_t > q_t).any():
-            raise InputError(f"could not pack under the fixed caps tiles={q_v} tokens={q_t}; raise them or "
-                             f"lower target_samples", source="caps", field="max_tokens")
+    if config.max_tiles is not None or config.max_tokens is not None:
+        # still over after the extra steps: say so rather than hand out an over-full buffer
+        reg = pack_of[regular]
+        load_v = np.bincount(reg, weights=stats.tiles[regular], minlength=num_total)
+        load_t = np.bincount(reg, weights=stats.tokens[regular], minlength=num_total)
+        if (load_v > q_v).any() or (load_t > q_t).any():
+            raise InputError(f"could not pack under the fixed caps tiles={q_v} tokens={q_t} "
+                             f"({int((load_v > q_v).sum() + (load_t > q_t).sum())} packs over); raise the caps "
+                             f"or lower target_samples", source="caps",
+                             field="max_tokens" if (load_t > q_t).any() else "max_tiles")
     # pack loads for the assignment (own packs and any empty packs included)
     p_tiles = np.bincount(pack_of[pack_of >= 0], weights=stats.tiles[pack_of >= 0], minlength=num_total)
     all_v, all_l = config.cost.sample_costs(stats.tiles, stats.tokens)

@@ -41,14 +41,15 @@ class CapChoice:
     """Q_t."""
 
 
-def _feasible(sorted_desc: np.ndarray, cap: float, num_packs: int, depth: int = 4) -> bool:
+def _feasible(sorted_asc: np.ndarray, cap: float, num_packs: int, depth: int = 4) -> bool:
     """Necessary condition: at most k samples larger than cap/(k+1) fit in one pack, for k = 0..depth."""
-    if len(sorted_desc) == 0:
+    n = len(sorted_asc)
+    if n == 0:
         return True
-    if sorted_desc[0] > cap:
+    if sorted_asc[-1] > cap:
         return False
     for k in range(1, depth + 1):
-        bigger = int(np.searchsorted(-sorted_desc, -cap / (k + 1), side="left"))
+        bigger = n - int(np.searchsorted(sorted_asc, cap / (k + 1), side="right"))
         if bigger > k * num_packs:
             return False
     return True
@@ -70,7 +71,7 @@ def choose_caps(
     tile_slack: float = 0.008,
     token_multiple: int = 8,
     rng: np.random.Generator | None = None,
-    max_trials: int = 5,
+    max_trials: int = 8,
 ) -> CapChoice:
     """Pick the pack count and the caps (see the module docstring). ``slots_per_step = dp_size * M``."""
     n = len(tiles)
@@ -78,23 +79,23 @@ def choose_caps(
         raise InputError(f"dp_size x num_microbatches = {slots_per_step} micro-batches per step, but only {n} "
                          f"samples: some ranks would get no data", source="dp_size", field="dp_size")
     total_v, total_t = float(np.sum(tiles, dtype=np.int64)), float(np.sum(tokens, dtype=np.int64))
-    v_desc = np.sort(np.asarray(tiles, np.float64))[::-1]
-    t_desc = np.sort(np.asarray(tokens, np.float64))[::-1]
+    v_asc = np.sort(np.asarray(tiles, np.float64))
+    t_asc = np.sort(np.asarray(tokens, np.float64))
     max_steps = n // slots_per_step
 
     def caps_for(steps: int) -> tuple[int, int]:
         p = steps * slots_per_step
         qv = max_tiles if max_tiles is not None else max(int(math.ceil(total_v / p / (1 - tile_slack) - 1e-9)),
-                                                         int(v_desc[0]))
+                                                         int(v_asc[-1]))
         qt = max_tokens if max_tokens is not None else max(
-            _round_up(total_t / p / (1 - token_slack), token_multiple), int(t_desc[0]))
+            _round_up(total_t / p / (1 - token_slack), token_multiple), int(t_asc[-1]))
         return qv, qt
 
     def ok(steps: int) -> bool:
         p = steps * slots_per_step
         qv, qt = caps_for(steps)
         return (total_v <= qv * p and total_t <= qt * p * (1 - token_slack / 2)
-                and _feasible(v_desc, qv, p) and _feasible(t_desc, qt, p))
+                and _feasible(v_asc, qv, p) and _feasible(t_asc, qt, p))
 
     if max_tiles is not None or max_tokens is not None:
         # a budget: the fewest packs that fit, then the next few counts if they pad less
@@ -102,15 +103,17 @@ def choose_caps(
         steps = next((s for s in range(lo, max_steps + 1) if ok(s)), None)
         if steps is None:
             raise InputError(f"no pack count fits the caps tiles={max_tiles} tokens={max_tokens} with "
-                             f"{slots_per_step} micro-batches per step (largest sample: {int(v_desc[0])} tiles, "
-                             f"{int(t_desc[0])} tokens)", source="caps", field="max_tokens")
+                             f"{slots_per_step} micro-batches per step (largest sample: {int(v_asc[-1])} tiles, "
+                             f"{int(t_asc[-1])} tokens)", source="caps", field="max_tokens")
         candidates = [s for s in range(steps, min(max_steps, steps + 3) + 1) if ok(s)]
     else:
         if target_samples <= 0:
             raise InputError(f"must be > 0, got {target_samples}", source="target_samples", field="target_samples")
         centre = n / (target_samples * slots_per_step)
-        lo_s = max(1, int(math.floor(centre / 1.1)))
-        hi_s = max(lo_s, min(max_steps, int(math.ceil(centre * 1.1))))
+        # step counts whose mean pack holds target_samples +- max(0.5, 10%) samples (4-5 for the default)
+        half = max(0.5, 0.1 * target_samples)
+        lo_s = max(1, int(math.ceil(n / ((target_samples + half) * slots_per_step))))
+        hi_s = max(lo_s, min(max_steps, int(math.floor(n / (max(target_samples - half, 0.5) * slots_per_step)))))
         candidates = [s for s in range(lo_s, hi_s + 1) if ok(s)]
         if not candidates:  # widen: any count that is feasible, nearest the target first
             candidates = sorted((s for s in range(1, max_steps + 1) if ok(s)), key=lambda s: abs(s - centre))[:8]
@@ -129,9 +132,10 @@ def choose_caps(
     trials = []
     for steps in ranked:
         qv, qt = caps_for(steps)
-        options = [qv] if max_tiles is not None else [qv, qv + 1]
+        tight = max(int(math.ceil(total_v / (steps * slots_per_step) - 1e-9)), int(v_asc[-1]))
+        options = [qv] if max_tiles is not None else sorted({tight, qv, qv + 1})
         for q in options:
-            if not _feasible(v_desc, q, steps * slots_per_step):
+            if not _feasible(v_asc, q, steps * slots_per_step):
                 continue
             trials.append((steps, q, qt))
     if not trials:

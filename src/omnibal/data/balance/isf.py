@@ -11,8 +11,8 @@ The walk is sequential by nature, but its pack boundaries are a pointer chain ov
 and the chain from 0 is unrolled by pointer doubling in O(N log N) -- identical packs to the walk.
 
 The reference's sampler gives each rank a contiguous block of packs in filter order and drops the last
-``num_packs % dp`` packs; here (``isf``) the blocks are kept but the shortfall is filled with documented
-empty micro-batches at the end of the last ranks' blocks, so nothing is lost. ``isf+assign`` keeps ISF's
+``num_packs % dp`` packs; here (``isf``) the blocks are kept and the remainder runs in one extra last step
+(with documented empty micro-batches in that step only), so nothing is lost. ``isf+assign`` keeps ISF's
 packs and uses omnibal's per-step assignment instead. Samples over a cap follow the oversize policy
 (the reference silently skips them).
 """
@@ -78,14 +78,19 @@ def isf_pack(tiles: np.ndarray, tokens: np.ndarray, *, max_tiles: int, max_token
 
 
 def contiguous_blocks(num_packs: int, dp_size: int, num_microbatches: int) -> np.ndarray:
-    """The reference layout: rank r takes a contiguous block of packs in filter order, M per step. Slots
-    beyond ``num_packs`` (the reference drops that remainder instead) name the empty pack ``num_packs``."""
+    """The reference layout: rank r takes a contiguous block of packs in filter order, M per step. The
+    reference drops the last ``num_packs % (dp_size * M)`` packs; here they run in one extra last step,
+    whose free slots name the empty pack ``num_packs`` (so only that step has empty micro-batches)."""
     per_step = dp_size * num_microbatches
-    num_steps = max(1, -(-num_packs // per_step))
-    slots = np.arange(num_steps * per_step)
-    # rank-major: rank r owns slots [r * steps * M, (r+1) * steps * M)
-    ids = slots.reshape(dp_size, num_steps, num_microbatches).transpose(1, 0, 2)
-    return np.where(ids < num_packs, ids, num_packs)
+    full_steps = num_packs // per_step
+    head = full_steps * per_step
+    ids = np.arange(head).reshape(dp_size, full_steps, num_microbatches).transpose(1, 0, 2)
+    rest = num_packs - head
+    if rest or full_steps == 0:
+        last = np.full(per_step, num_packs, dtype=np.int64)
+        last[:rest] = head + np.arange(rest)
+        ids = np.concatenate([ids, last.reshape(num_microbatches, dp_size).T[None]], axis=0)
+    return ids
 
 
 def _score(tiles, tokens, order, offsets, qv, qt, dp_size) -> float:

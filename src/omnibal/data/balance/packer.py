@@ -54,14 +54,13 @@ class _Packs:
         self.pt = self.tt[slots].sum(1)
         self.pl = self.ll[slots].sum(1)
 
-    def exchange(self, a: np.ndarray, b: np.ndarray, objective, group: int = 1) -> int:
-        """Apply the best exchange between packs ``a[k]`` and ``b[k]`` (disjoint pairs) when it lowers
-        ``objective(pv, pt, pl)`` of the pair: a single swap/move (``group=1``), or any swap of up to two
-        samples against up to two (``group=2``, used for the few packs a single swap cannot repair).
-        Returns the number of pairs changed."""
-        changed = 0
-        # only the occupied slots plus one free one matter: compact the rows of this pass's packs
-        both = np.concatenate([a, b])
+    def best_moves(self, a: np.ndarray, b: np.ndarray, objective, group: int = 1):
+        """For every pair (a[k], b[k]) the best exchange that lowers ``objective(pv, pt, pl)`` of the
+        pair: a single swap/move (``group=1``; moves go through an empty slot) or a swap of up to two
+        samples against up to two (``group=2``). Returns (gain [h], slots sent by a [h, g], slots sent by
+        b [h, g]); gain <= 0 means no improving exchange."""
+        both = np.unique(np.concatenate([a, b]))
+        # only the occupied slots plus one free one matter: compact the rows of these packs
         self.slots[both] = np.sort(self.slots[both], axis=1)  # the empty marker n sorts last
         width = min(self.slots.shape[1], int((self.slots[both] < self.n).sum(1).max()) + 1)
         if group == 1:
@@ -70,11 +69,15 @@ class _Packs:
             i1, i2 = np.triu_indices(width, 1)
             sel = np.stack([i1, i2], axis=1)  # pairs of slots; an empty slot in a pair makes it a single
         k = len(sel)
-        chunk = max(1, _CHUNK_PAIRS * width * width // (k * k))
-        for c0 in range(0, len(a), chunk):
+        h = len(a)
+        gains = np.full(h, -np.inf)
+        best_i = np.zeros((h, sel.shape[1]), np.int64)
+        best_j = np.zeros((h, sel.shape[1]), np.int64)
+        chunk = max(1, _CHUNK_PAIRS * 64 // (k * k))
+        for c0 in range(0, h, chunk):
             ca, cb = a[c0:c0 + chunk], b[c0:c0 + chunk]
             sa, sb = self.slots[ca, :width], self.slots[cb, :width]
-            ga, gb = sa[:, sel], sb[:, sel]  # [h, k, group] sample ids per candidate subset
+            ga, gb = sa[:, sel], sb[:, sel]  # [c, k, group] sample ids per candidate subset
             dv = self.vv[ga].sum(2)[:, :, None] - self.vv[gb].sum(2)[:, None, :]  # a sends minus receives
             dt = self.tt[ga].sum(2)[:, :, None] - self.tt[gb].sum(2)[:, None, :]
             dl = self.ll[ga].sum(2)[:, :, None] - self.ll[gb].sum(2)[:, None, :]
@@ -88,20 +91,29 @@ class _Packs:
             gain[(ga == self.n).all(2)[:, :, None] & (gb == self.n).all(2)[:, None, :]] = -np.inf
             flat = gain.reshape(len(ca), k * k)
             best = np.argmax(flat, axis=1)
-            take = flat[np.arange(len(ca)), best] > 1e-12 * np.maximum(before, 1e-300)
-            if not take.any():
-                continue
-            ca, cb, best = ca[take], cb[take], best[take]
-            i, j = sel[best // k], sel[best % k]  # [h, group] slot positions
-            x = self.slots[ca[:, None], i]
-            y = self.slots[cb[:, None], j]
-            self.slots[ca[:, None], i], self.slots[cb[:, None], j] = y, x
-            for total, per in ((self.pv, self.vv), (self.pt, self.tt), (self.pl, self.ll)):
-                d = per[x].sum(1) - per[y].sum(1)
-                total[ca] -= d
-                total[cb] += d
-            changed += int(take.sum())
-        return changed
+            g = flat[np.arange(len(ca)), best]
+            gains[c0:c0 + chunk] = np.where(g > 1e-12 * np.maximum(before, 1e-300), g, -np.inf)
+            best_i[c0:c0 + chunk] = sel[best // k]
+            best_j[c0:c0 + chunk] = sel[best % k]
+        return gains, best_i, best_j
+
+    def apply(self, a: np.ndarray, b: np.ndarray, i: np.ndarray, j: np.ndarray) -> None:
+        """Swap slots ``i`` of packs ``a`` with slots ``j`` of packs ``b`` (all packs distinct)."""
+        x = self.slots[a[:, None], i]
+        y = self.slots[b[:, None], j]
+        self.slots[a[:, None], i], self.slots[b[:, None], j] = y, x
+        for total, per in ((self.pv, self.vv), (self.pt, self.tt), (self.pl, self.ll)):
+            d = per[x].sum(1) - per[y].sum(1)
+            total[a] -= d
+            total[b] += d
+
+    def exchange(self, a: np.ndarray, b: np.ndarray, objective, group: int = 1) -> int:
+        """Apply the best improving exchange of every disjoint pair (a[k], b[k]); returns pairs changed."""
+        gains, i, j = self.best_moves(a, b, objective, group)
+        take = gains > 0
+        if take.any():
+            self.apply(a[take], b[take], i[take], j[take])
+        return int(take.sum())
 
     def pack_of(self) -> np.ndarray:
         p, width = self.slots.shape
@@ -111,30 +123,34 @@ class _Packs:
         return out
 
 
-def _improve(packs: _Packs, objective, deviation, rng, max_passes: int, group: int = 1) -> int:
+def _improve(packs: _Packs, objective, deviation, rng, max_passes: int, group: int = 1,
+             bad_above: float = 0.0) -> int:
     """Pairwise exchange passes until no pack is off (objective 0) or nothing improves for a while."""
     p = len(packs.pv)
     if p < 2:
         return 0
     stale = 0
     passes = 0
+    g = objective(packs.pv, packs.pt, packs.pl)
     for passes in range(1, max_passes + 1):
-        bad = objective(packs.pv, packs.pt, packs.pl) > 0
+        bad = g > bad_above
         if not bad.any():
             break
         if passes % 2:
-            srt = np.argsort(deviation(packs.pv, packs.pt, packs.pl) + rng.random(p) * 1e-12, kind="stable")
+            # (deterministic for a given input: ties are broken by the random jitter, not by sort order)
+            srt = np.argsort(deviation(packs.pv, packs.pt, packs.pl) + rng.random(p) * 1e-12)
             first, second = srt[: p // 2], srt[::-1][: p // 2]
         else:
             perm = rng.permutation(p)
             first, second = perm[: p // 2], perm[p // 2: 2 * (p // 2)]
         active = bad[first] | bad[second]
-        before = float(objective(packs.pv, packs.pt, packs.pl).sum())
+        before = float(np.maximum(g - bad_above, 0).sum())
         packs.exchange(first[active], second[active], objective, group)
-        after = float(objective(packs.pv, packs.pt, packs.pl).sum())
-        # stop after three passes in a row that gain under 1%: what is left needs moves no pair can make
-        stale = stale + 1 if after > 0.99 * before else 0
-        if stale >= 3:
+        g = objective(packs.pv, packs.pt, packs.pl)
+        after = float(np.maximum(g - bad_above, 0).sum())
+        # stop after two passes in a row that gain under 5%: the tail is left to the targeted repair
+        stale = stale + 1 if after > 0.95 * before else 0
+        if stale >= 2:
             break
     return passes
 
@@ -144,12 +160,22 @@ def _deal(v, t, lc, p, max_tiles, max_tokens, rng) -> np.ndarray:
     LLM cost); a sample that would overflow its pack's buffer waits for the next round. Whatever still
     does not fit when a round places nothing goes to the lightest packs (the repair phases fix those)."""
     n = len(v)
-    order = np.lexsort((rng.random(n), -lc, -v))
+    # one float key per sort (a lexsort of three keys is ~3x slower): tiles first, LLM cost as the tie-break
+    lc_unit = lc / max(float(lc.max()), 1e-300) * 0.45
+    item_key = v + lc_unit + rng.random(n) * 1e-9
+    # text-heavy samples (far more of the token buffer than of the tile buffer) are dealt by their token
+    # share: dealt last by tiles, they would find no pack with token room left
+    share_v = v / max(max_tiles, 1)
+    share_t = t / max(max_tokens, 1)
+    heavy = share_t > 2.0 * share_v + 0.1
+    item_key = np.where(heavy, share_t * max_tiles + 0.45, item_key)
+    order = np.argsort(-item_key)
     width = -(-n // p) + 4
     slots = np.full((p, width), n, dtype=np.int64)
     count = np.zeros(p, dtype=np.int64)
     load_v, load_t, load_l = np.zeros(p), np.zeros(p), np.zeros(p)
-    tie = rng.random(p)
+    tie = rng.random(p) * 1e-9
+    l_scale = 0.45 / max(float(lc.sum()) / p * 1.5, 1e-300)
     pending = np.zeros(0, dtype=np.int64)
     nxt = 0
     force = False
@@ -157,8 +183,11 @@ def _deal(v, t, lc, p, max_tiles, max_tokens, rng) -> np.ndarray:
         take = p - len(pending)
         items = np.concatenate([pending, order[nxt:nxt + take]])
         nxt += max(take, 0)
-        items = items[np.lexsort((lc[items], v[items]))[::-1]]  # largest first
-        packs = np.lexsort((tie, load_l, load_v))[: len(items)]
+        items = items[np.argsort(-item_key[items])]  # largest first
+        # tiles first, but a pack whose tokens are further along than its tiles counts as that full
+        dominant = np.maximum(load_v, load_t / max(max_tokens, 1) * max_tiles)
+        pack_key = dominant + np.minimum(load_l * l_scale, 0.45) + tie
+        packs = np.argsort(pack_key)[: len(items)]
         fits = force | ((load_v[packs] + v[items] <= max_tiles) & (load_t[packs] + t[items] <= max_tokens))
         packs, placed = packs[fits], items[fits]
         if len(packs):
@@ -170,11 +199,50 @@ def _deal(v, t, lc, p, max_tiles, max_tokens, rng) -> np.ndarray:
             load_t[packs] += t[placed]
             load_l[packs] += lc[placed]
         pending = items[~fits]
-        force = len(packs) == 0 and nxt >= n  # nothing fits anywhere any more: place, repair later
+        # nothing (or almost nothing) fits any more once the pool is dealt: place the rest, repair later
+        force = nxt >= n and len(packs) <= max(len(items) // 20, 0)
     need = int(count.max()) + 3  # keep free slots so samples can move between packs
     if slots.shape[1] < need:
         slots = np.concatenate([slots, np.full((p, need - slots.shape[1]), n, dtype=np.int64)], axis=1)
     return slots
+
+
+def _repair(packs: _Packs, objective, deviation, rng, rounds: int, partners: int, group: int,
+            bad_above: float = 0.0) -> int:
+    """For the few packs still off: try ``partners`` packs that are fine, drawn from those with the most
+    room (lowest deviation), for each of them; keep the best improving exchange per off pack (each partner
+    used once per round). Much stronger than one partner per pass when only a tail is left."""
+    for r in range(1, rounds + 1):
+        g = objective(packs.pv, packs.pt, packs.pl)
+        bad = np.flatnonzero(g > bad_above)
+        good = np.flatnonzero(g <= bad_above)
+        if len(bad) == 0 or len(good) == 0:
+            return r - 1
+        # bounded work per round: many partners for a short tail, fewer when many packs are off
+        width = int((packs.slots[bad] < packs.n).sum(1).max()) + 2
+        subsets = width if group == 1 else width * (width - 1) // 2
+        budget = max(16, (1 << 20) // (subsets * subsets))  # ~1M candidate exchanges per round
+        partners_now = max(1, min(partners, budget // len(bad)))
+        if len(bad) > budget:
+            bad = bad[rng.permutation(len(bad))[:budget]]
+        pool_size = min(len(good), max(64, 8 * partners_now * len(bad)))
+        dev = deviation(packs.pv[good], packs.pt[good], packs.pl[good])
+        sign = np.sign(np.median(deviation(packs.pv[bad], packs.pt[bad], packs.pl[bad])))
+        pool = good[np.argsort(sign * dev, kind="stable")[:pool_size]]  # room on the side the off ones need
+        a = np.repeat(bad, partners_now)
+        b = pool[rng.integers(0, len(pool), size=len(a))]
+        gains, i, j = packs.best_moves(a, b, objective, group)
+        order = np.lexsort((-gains, a))  # per off pack, its best partner first
+        first = np.ones(len(order), bool)
+        first[1:] = a[order][1:] != a[order][:-1]
+        pick = order[first & np.isfinite(gains[order]) & (gains[order] > 0)]
+        if len(pick) == 0:
+            return r
+        pick = pick[np.argsort(-gains[pick], kind="stable")]
+        _, once = np.unique(b[pick], return_index=True)  # a partner serves one off pack per round
+        pick = pick[np.sort(once)]
+        packs.apply(a[pick], b[pick], i[pick], j[pick])
+    return rounds
 
 
 def pack_balanced(
@@ -220,26 +288,30 @@ def pack_balanced(
     def token_over(pt):
         return np.maximum(pt - max_tokens, 0) / mean_t
 
-    # -- phase 2: tile repair (LLM deviation only as a faint tie-break) ----------------------------------
+    # -- phase 2: tile repair ----------------------------------
     def tile_objective(pv, pt, pl):
         off = tile_off(pv)
-        return off * off + 1e-6 * ((pl - mean_l) / mean_l) ** 2 * (off > 0)
+        return off * off
 
     def tile_deviation(pv, pt, pl):
         # continuous, so a pack over the range meets one at the low end of it (not one just inside)
         return pv - mean_v
 
     passes_tiles = _improve(packs, tile_objective, tile_deviation, rng, 8)
-    if (tile_off(packs.pv) > 0).any():
-        passes_tiles += _improve(packs, tile_objective, tile_deviation, rng, max_passes, group=2)
+    for group in (1, 2):
+        if (tile_off(packs.pv) > 0).any():
+            passes_tiles += _repair(packs, tile_objective, tile_deviation, rng, rounds=4, partners=24, group=group)
 
     # -- phase 3: token cap + LLM levelling, tiles kept in range ---------------------------------------
     def llm_dev(pv, pl):
         return (pl - mean_l - slope * (pv - mean_v)) / mean_l
 
     def llm_objective(pv, pt, pl):
+        # over the tile cap: forbidden; over the token cap: to be fixed, even by a pack one tile under the
+        # range (a text-heavy sample needs the room of a tile); under the range: a mild cost
         over = token_over(pt)
-        g = 1e6 * tile_off(pv) ** 2 + over * over
+        under = np.maximum(tile_lo - pv, 0)
+        g = 1e6 * np.maximum(pv - tile_hi, 0) ** 2 + 1e4 * over * over + 1e-3 * under * under
         if llm_tol is not None:
             band = np.maximum(np.abs(llm_dev(pv, pl)) - llm_tol, 0)
             g = g + 0.01 * band * band
@@ -248,8 +320,12 @@ def pack_balanced(
     def llm_deviation(pv, pt, pl):
         return llm_dev(pv, pl) + 10.0 * token_over(pt)
 
-    passes_llm = _improve(packs, llm_objective, llm_deviation, rng, max_passes)
-    if (llm_objective(packs.pv, packs.pt, packs.pl) > 0).any():
-        passes_llm += _improve(packs, llm_objective, llm_deviation, rng, max_passes, group=2)
+    # a pack merely one tile under the range is acceptable; only caps make a pack "bad"
+    ok_level = 1e-3 + 1e-9
+    passes_llm = _improve(packs, llm_objective, llm_deviation, rng, max_passes, bad_above=ok_level)
+    for group in (1, 2):
+        if (llm_objective(packs.pv, packs.pt, packs.pl) > ok_level).any():
+            passes_llm += _repair(packs, llm_objective, llm_deviation, rng, rounds=6, partners=24, group=group,
+                                  bad_above=ok_level)
     return PackResult(pack_of=packs.pack_of(), tiles=packs.pv, tokens=packs.pt, llm=packs.pl,
                       passes=(passes_tiles, passes_llm))

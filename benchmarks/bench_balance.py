@@ -1,0 +1,203 @@
+"""Benchmark of the balancers on the real InternVL-1.2M statistics (and 1.2M / 10M rows for speed).
+
+    PYTHONPATH=src python benchmarks/bench_balance.py [--stats-dir DIR] [--quick] [--skip-10m]
+
+Writes benchmarks/results/balance.json and balance.md. Not a test: it reports what it measured, with the
+machine load next to the timings (the machine is shared; CPU seconds are reported beside wall seconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+import numpy as np  # noqa: E402
+
+from omnibal.data.balance import BalanceConfig, balance  # noqa: E402
+from omnibal.data.metrics import schedule_metrics  # noqa: E402
+from omnibal.stats.io import load_stats  # noqa: E402
+from omnibal.stats.table import SampleStats  # noqa: E402
+
+FILES = {"ai2d": "ai2d_train_12k_wh_token_lengths.json", "chartqa": "chartqa_train_18k_wh_token_lengths.json"}
+METHODS = [("random", "random fixed micro-batch of 4"), ("length-grouped", "LLaVA length-grouped (4)"),
+           ("isf", "faithful ISF (argument search)"), ("isf@ref", "faithful ISF at the reference's caps 18/6016"),
+           ("isf+assign", "ISF packs + omnibal assignment"),
+           ("omnibal", "omnibal")]
+KEYS = ["vision_max_mean_ranks", "llm_max_mean_ranks", "total_max_mean_ranks", "vision_max_mean_ranks_worst",
+        "llm_max_mean_ranks_worst", "total_max_mean_microbatches", "buffer_pad_tiles", "buffer_pad_tokens",
+        "pad_ratio_longest", "dist_ratio_vision", "dist_ratio_text", "useful_fraction",
+        "samples_per_microbatch_mean", "samples_per_microbatch_std", "caps_tiles", "caps_tokens", "num_steps",
+        "steps_with_empty_microbatches", "coverage_ok", "coverage_missing", "coverage_repeated"]
+
+_CHILD = r"""
+import json, resource, sys, time
+sys.path.insert(0, {src!r})
+import numpy as np
+from omnibal.data.balance import BalanceConfig, balance
+from omnibal.data.metrics import schedule_metrics
+from omnibal.stats.table import SampleStats
+from omnibal.stats.io import load_stats
+kind, n, dp, method = {kind!r}, {n}, {dp}, {method!r}
+if kind == "real":
+    parts = [load_stats(p) for p in {paths!r}]
+    stats = SampleStats.concat(parts).replicate(n)
+else:
+    from omnibal.stats.synthetic import synthetic_internvl_mixture
+    stats = synthetic_internvl_mixture(n, seed=0)
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+cfg = BalanceConfig(method=method, **{cfg!r})
+w0, c0 = time.perf_counter(), time.process_time()
+sched = balance(stats, dp_size=dp, config=cfg)
+wall, cpu = time.perf_counter() - w0, time.process_time() - c0
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+m = schedule_metrics(sched, stats)
+print(json.dumps({{"rows": len(stats), "wall_s": wall, "cpu_s": cpu, "peak_rss_mib": peak / 1024,
+                  "input_rss_mib": base / 1024, "metrics": {{k: m[k] for k in {keys!r}}}}}))
+"""
+
+
+def run_child(kind: str, n: int, dp: int, method: str, paths: list[str], cfg: dict, timeout: int) -> dict:
+    code = _CHILD.format(src=str(ROOT / "src"), kind=kind, n=n, dp=dp, method=method, paths=paths, cfg=cfg,
+                         keys=KEYS)
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout} s"}
+    if out.returncode:
+        return {"error": out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"rc {out.returncode}"}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def isf_timing(stats: SampleStats, dp: int, iterations: int) -> dict:
+    """Faithful ISF on the big input: one packing run at the caps its search picks on the real rows, and the
+    size of the search (candidates x one run) -- the search itself is what makes the reference slow."""
+    from omnibal.data.balance.isf import isf_pack, search_caps
+
+    small = stats.take(np.arange(min(len(stats), 30730)))
+    t0 = time.perf_counter()
+    qv, qt, tried = search_caps(small.tiles, small.tokens, dp_size=dp, threshold=128, iterations=iterations,
+                                rng=np.random.default_rng(0))
+    search_small = time.perf_counter() - t0
+    w0, c0 = time.perf_counter(), time.process_time()
+    isf_pack(stats.tiles, stats.tokens, max_tiles=qv, max_tokens=qt, threshold=128, iterations=iterations,
+             rng=np.random.default_rng(0))
+    one_wall, one_cpu = time.perf_counter() - w0, time.process_time() - c0
+    return {"caps": [qv, qt], "search_candidates": tried, "one_run_wall_s": one_wall, "one_run_cpu_s": one_cpu,
+            "per_iteration_cpu_s": one_cpu / iterations, "search_on_30k_rows_s": search_small,
+            "search_estimate_cpu_s": tried * one_cpu + one_cpu}
+
+
+def fmt(x) -> str:
+    if isinstance(x, bool):
+        return "yes" if x else "NO"
+    if isinstance(x, float):
+        return f"{x:.3f}" if abs(x) < 100 else f"{x:.0f}"
+    return str(x)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--stats-dir", default=str(ROOT.parent / "shared" / "data" / "internvl-1.2m-stats"))
+    ap.add_argument("--quick", action="store_true", help="fewer ISF iterations, no 1.2M / 10M runs")
+    ap.add_argument("--skip-10m", action="store_true")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    args = ap.parse_args()
+    sd = Path(args.stats_dir)
+    if not sd.is_dir():
+        sd = Path("/work/shared/data/internvl-1.2m-stats")
+    paths = [str(sd / f) for f in FILES.values()]
+    parts = {name: load_stats(str(sd / f)) for name, f in FILES.items()}
+    subsets = {**parts, "merged": SampleStats.concat([parts["ai2d"], parts["chartqa"]])}
+    iters = 10 if args.quick else 50
+    result = {"load_before": os.getloadavg(), "cpu_count": os.cpu_count(), "table": [], "scale": {}}
+    t_start = time.time()
+    for name, stats in subsets.items():
+        for dp in (8, 32, 128):
+            for method, label in METHODS:
+                if method == "isf@ref":
+                    if name != "merged":
+                        continue
+                    cfg = BalanceConfig(method="isf", isf_iterations=iters, max_tiles=18, max_tokens=6016)
+                else:
+                    cfg = BalanceConfig(method=method, isf_iterations=iters)
+                w0, c0 = time.perf_counter(), time.process_time()
+                sched = balance(stats, dp_size=dp, config=cfg)
+                wall, cpu = time.perf_counter() - w0, time.process_time() - c0
+                m = schedule_metrics(sched, stats)
+                row = {"subset": name, "rows": len(stats), "dp_size": dp, "method": method, "label": label,
+                       "caps_source": "fixed" if method == "isf@ref" else "searched",
+                       "wall_s": wall, "cpu_s": cpu, **{k: m[k] for k in KEYS}}
+                result["table"].append(row)
+                print(f"{name:8s} dp={dp:4d} {method:15s} vis {m['vision_max_mean_ranks']:.4f} "
+                      f"llm {m['llm_max_mean_ranks']:.4f} pad {m['buffer_pad_tiles']:.3f}/{m['buffer_pad_tokens']:.3f} "
+                      f"{cpu:.2f}s cpu", file=sys.stderr)
+    if not args.quick:
+        big = run_child("real", 1_200_000, 32, "omnibal", paths, {}, timeout=900)
+        result["scale"]["omnibal_1.2M_dp32"] = big
+        print("1.2M omnibal:", big.get("wall_s"), big.get("cpu_s"), big.get("peak_rss_mib"), file=sys.stderr)
+        for dp in (8, 128):
+            result["scale"][f"omnibal_1.2M_dp{dp}"] = run_child("real", 1_200_000, dp, "omnibal", paths, {}, 900)
+        big_stats = subsets["merged"].replicate(1_200_000)
+        result["scale"]["isf_1.2M_dp32"] = isf_timing(big_stats, 32, 50)
+        print("1.2M isf:", result["scale"]["isf_1.2M_dp32"], file=sys.stderr)
+        if not args.skip_10m:
+            result["scale"]["omnibal_10M_synthetic_dp128"] = run_child("synthetic", 10_000_000, 128, "omnibal", [],
+                                                                       {}, timeout=1800)
+            print("10M:", result["scale"]["omnibal_10M_synthetic_dp128"], file=sys.stderr)
+    result["load_after"] = os.getloadavg()
+    result["bench_minutes"] = (time.time() - t_start) / 60
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "balance.json").write_text(json.dumps(result, indent=1))
+    (out / "balance.md").write_text(render_md(result))
+    print((out / "balance.md").read_text())
+    return 0
+
+
+def render_md(result: dict) -> str:
+    lines = ["# Balance benchmark (benchmarks/bench_balance.py)", "",
+             f"Machine: {result['cpu_count']} cores shared with other jobs; load average before "
+             f"{result['load_before'][0]:.1f}, after {result['load_after'][0]:.1f}. Cost model: analytic "
+             "InternViT-6B + InternLM2-20B (training FLOPs). One micro-batch per rank per step. max/mean columns "
+             "are per-step max/mean across ranks, averaged over steps (worst step beside); pads are against the "
+             "fixed (Q_v, Q_t) buffer; random and length-grouped run padded to their longest sample.", ""]
+    cols = ["subset", "dp_size", "label", "vision_max_mean_ranks", "llm_max_mean_ranks", "total_max_mean_ranks",
+            "llm_max_mean_ranks_worst", "buffer_pad_tiles", "buffer_pad_tokens", "dist_ratio_vision",
+            "dist_ratio_text", "useful_fraction", "samples_per_microbatch_mean", "caps_tiles", "caps_tokens",
+            "coverage_ok", "cpu_s"]
+    heads = ["subset", "DP", "method", "vision max/mean", "LLM max/mean", "total max/mean", "LLM worst step",
+             "tile pad", "token pad", "vision DR", "text DR", "useful", "samples/mb", "Q_v", "Q_t", "exactly once",
+             "CPU s"]
+    lines += ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
+    for row in result["table"]:
+        lines.append("| " + " | ".join(fmt(row[c]) for c in cols) + " |")
+    if result["scale"]:
+        lines += ["", "## Scale", "", "| run | rows | wall s | CPU s | peak RSS MiB | vision max/mean | LLM max/mean "
+                  "| tile pad | token pad |", "|---|---|---|---|---|---|---|---|---|"]
+        for name, r in result["scale"].items():
+            if "metrics" in r:
+                m = r["metrics"]
+                lines.append(f"| {name} | {r['rows']} | {r['wall_s']:.1f} | {r['cpu_s']:.1f} | {r['peak_rss_mib']:.0f} | "
+                             f"{m['vision_max_mean_ranks']:.4f} | {m['llm_max_mean_ranks']:.4f} | "
+                             f"{m['buffer_pad_tiles']:.4f} | {m['buffer_pad_tokens']:.4f} |")
+            elif "one_run_cpu_s" in r:
+                lines.append(f"| {name}: one ISF run (T=50) at its caps {r['caps']} | 1200000 | "
+                             f"{r['one_run_wall_s']:.1f} | {r['one_run_cpu_s']:.1f} | - | - | - | - | - |")
+                lines.append(f"| {name}: argument search, {r['search_candidates']} candidates x one run (estimate) | "
+                             f"1200000 | - | {r['search_estimate_cpu_s']:.0f} | - | - | - | - | - |")
+            else:
+                lines.append(f"| {name} | - | {r.get('error')} | | | | | | |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
