@@ -110,7 +110,26 @@ def run(args: argparse.Namespace) -> int:
     result = run_plan_job(config, progress=progress)
     plan = result.plan
     t_report = time.perf_counter()
-    files = write_job_outputs(result, args.out, timelines=not args.no_timelines)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=1 if args.no_timelines else 5, desc="writing report", leave=False,
+                   bar_format="{desc}: {n_fmt}/{total_fmt} pictures |{bar}| {elapsed}{postfix}")
+
+    def step(label: str) -> None:
+        if bar is not None:
+            if step.started:
+                bar.update(1)
+            step.started = True
+            bar.set_postfix_str(label)
+
+    step.started = False
+    try:
+        files = write_job_outputs(result, args.out, timelines=not args.no_timelines, progress=step)
+    finally:
+        if bar is not None:
+            bar.close()
     result.timings["report"] = round(time.perf_counter() - t_report, 3)
     (Path(args.out) / "ablation.json").write_text(json.dumps(
         {**json.loads((Path(args.out) / "ablation.json").read_text()), "timings": result.timings}, indent=2) + "\n")

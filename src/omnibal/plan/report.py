@@ -236,8 +236,10 @@ def plan_markdown(plan: Plan, ablation: list[AblationRow] | None, *, images: dic
     return "\n".join(lines)
 
 
-def write_job_outputs(result, out_dir: str | Path, *, timelines: bool = True) -> dict[str, Path]:
-    """Write plan.json, ablation.json, report.md and the PNGs of a :class:`PlanJobResult`."""
+def write_job_outputs(result, out_dir: str | Path, *, timelines: bool = True, progress=None) -> dict[str, Path]:
+    """Write plan.json, ablation.json, report.md and the PNGs of a :class:`PlanJobResult`.
+    ``progress(label)`` is called before each picture (for a progress bar)."""
+    progress = progress or (lambda label: None)
     from omnibal.sim.epoch import simulate_epoch, simulate_one_step
     from omnibal.sim.report import pick_ranks, plot_timeline
 
@@ -248,11 +250,13 @@ def write_job_outputs(result, out_dir: str | Path, *, timelines: bool = True) ->
                                                    "balance_metrics": result.balance_metrics,
                                                    "timings": result.timings}, indent=2) + "\n")
     files["ablation"] = out / "ablation.json"
+    progress("ablation and stage charts")
     images = {"ablation": plot_ablation(result.ablation, out / "ablation.png").name,
               "stages": plot_stages(result.plan, out / "stages.png", result.ablation).name}
     if timelines:
         for i, row in enumerate(result.ablation):
             parts, mask = result.row_plans[row.name]
+            progress(f"timeline: {row.name}")
             feats = result.features["baseline" if i == 0 else "balanced"]
             steps = result.row_step_times.get(row.name)
             if steps is None:
