@@ -166,6 +166,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--note", default="", help="free text recorded with the results (e.g. the commits used)")
     args = ap.parse_args(argv)
 
     import torch
@@ -189,7 +190,7 @@ def main(argv=None) -> int:
     results = {"machine": {"cores": os.cpu_count(), "torch": torch.__version__, "python": sys.version.split()[0]},
                "model": spec.name, "num_samples": args.samples, "stats": raw.source, "steps": args.steps,
                "num_microbatches": args.microbatches, "baseline_batch_size": args.batch_size,
-               "repeats": args.repeats, "runs": {}, "table": []}
+               "repeats": args.repeats, "note": args.note, "runs": {}, "table": []}
     measured_steps = list(range(1, args.steps))  # the first step (warm-up) is left out of the summaries
     for dp, pp in LAYOUTS:
         sched_omni = balance(stats, dp_size=dp, num_microbatches=args.microbatches, seed=args.seed)
@@ -260,7 +261,8 @@ def render_markdown(res: dict) -> str:
              f"{res['num_samples']} samples drawn from {res['stats']}; {res['steps']} steps per run (first = "
              f"warm-up, excluded), {res['num_microbatches']} micro-batches per rank per step, baseline micro-batch "
              f"{res['baseline_batch_size']} samples; median of {res['repeats']} runs; one torch thread per rank; "
-             f"{res['machine']['cores']} cores shared with other jobs (load average noted per run).", "",
+             f"{res['machine']['cores']} cores shared with other jobs (load average noted per run).",
+             *([f"", f"Note: {res['note']}"] if res.get("note") else []), "",
              "| layout | baseline samples/s | omnibal samples/s | speed-up |", "| --- | --- | --- | --- |"]
     for row in res["table"]:
         lines.append(f"| {row['layout']} | {row['baseline_sps']:.2f} | {row['omnibal_sps']:.2f} | "

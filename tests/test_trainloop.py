@@ -233,3 +233,30 @@ def test_module_entry_point_help():
                          env={**__import__("os").environ, "PYTHONPATH": str(__import__("pathlib").Path(__file__)
                                                                             .resolve().parents[1] / "src")})
     assert out.returncode == 0 and "--stage-layers" in out.stdout and "torchrun" in out.stdout
+
+
+def test_csr_fast_paths_agree_with_the_generic_loops():
+    """The balancer's Schedule (CSR packs) takes vectorised paths; they must match the per-micro-batch loops."""
+    from types import SimpleNamespace
+
+    from omnibal.train.feed import schedule_fingerprint
+
+    rng = np.random.default_rng(3)
+    sizes = rng.integers(0, 5, 24)  # some empty packs on purpose
+    offsets = np.concatenate([[0], np.cumsum(sizes)])
+    samples = rng.permutation(int(offsets[-1]))
+    pack_ids = rng.permutation(24)[:18].reshape(3, 2, 3)  # 6 packs unused
+    tiles = rng.integers(1, 6, len(samples))
+    tokens = rng.integers(10, 300, len(samples))
+    pack = lambda k: samples[offsets[k]:offsets[k + 1]]  # noqa: E731
+    csr = SimpleNamespace(dp_size=2, num_microbatches=3, num_steps=3, pack_samples=samples, pack_offsets=offsets,
+                          pack_ids=pack_ids, microbatch=lambda s, r, k: pack(int(pack_ids[s, r, k])))
+    plain = SimpleNamespace(dp_size=2, num_microbatches=3, num_steps=3, microbatch=csr.microbatch)
+    for padded in (False, True):
+        fast = buffer_shape(csr, tiles, tokens, pad_to_longest=padded)
+        slow = buffer_shape(plain, tiles, tokens, pad_to_longest=padded)
+        assert fast == slow
+    check_schedule(csr, dp_size=2, num_microbatches=3, num_samples=len(samples), source="csr")
+    with pytest.raises(InputError, match="outside the dataset"):
+        check_schedule(csr, dp_size=2, num_microbatches=3, num_samples=len(samples) - 1, source="csr")
+    assert len(schedule_fingerprint(csr)) == 32

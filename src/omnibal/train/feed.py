@@ -108,6 +108,11 @@ def load_schedule(path: str | Path) -> ScheduleLike:
 def schedule_fingerprint(schedule: ScheduleLike) -> str:
     """SHA-256 over every micro-batch's indices: a checkpoint resumes only the schedule it was made with."""
     h = hashlib.sha256(f"{schedule.dp_size},{schedule.num_microbatches},{schedule.num_steps}".encode())
+    csr = _csr(schedule)
+    if csr is not None:  # the balancer's Schedule: hash its arrays in one go
+        for arr in csr:
+            h.update(np.ascontiguousarray(arr, dtype=np.int64).tobytes())
+        return h.hexdigest()[:32]
     for s in range(schedule.num_steps):
         for r in range(schedule.dp_size):
             for k in range(schedule.num_microbatches):
@@ -125,6 +130,9 @@ def check_schedule(schedule: ScheduleLike, *, dp_size: int, num_microbatches: in
     if schedule.num_microbatches != num_microbatches:
         raise InputError(f"schedule has {schedule.num_microbatches} micro-batches per rank, the run "
                          f"{num_microbatches}", source=source, field="num_microbatches")
+    csr = _csr(schedule)
+    if csr is not None and (len(csr[0]) == 0 or (csr[0].min() >= 0 and csr[0].max() < num_samples)):
+        return  # every index of the balancer's packs is in range (checked in one pass)
     for s in range(schedule.num_steps):
         for r in range(dp_size):
             for k in range(num_microbatches):
@@ -163,13 +171,36 @@ def buffer_shape(schedule: ScheduleLike, tiles: np.ndarray, tokens: np.ndarray, 
     needs one fixed shape, so the baseline pays for its worst micro-batch's buffer (memory and p2p bytes;
     the model skips the unused tail, so not compute).
     """
+    csr = _csr(schedule)
+    if csr is not None and steps is None:  # vectorised over the balancer's CSR packs
+        samples, offsets, pack_ids = csr
+        sizes = np.diff(offsets)
+        packs = np.flatnonzero(sizes > 0)  # strictly increasing starts: reduceat segments are exactly the packs
+        if len(packs) == 0:
+            return 1, 1
+        starts = offsets[:-1][packs]
+        t = tokens[samples].astype(np.int64)
+        need_tiles = np.add.reduceat(tiles[samples].astype(np.int64), starts)
+        need_tokens = np.maximum.reduceat(t, starts) * sizes[packs] if pad_to_longest else np.add.reduceat(t, starts)
+        used = np.isin(packs, pack_ids)
+        if not used.any():
+            return 1, 1
+        return max(1, int(need_tiles[used].max())), max(1, int(need_tokens[used].max()))
     max_tiles = max_tokens = 1
     for s in steps if steps is not None else range(schedule.num_steps):
         for r in range(schedule.dp_size):
             for k in range(schedule.num_microbatches):
                 mb = schedule.microbatch(s, r, k)
+                if len(mb) == 0:
+                    continue
                 t = tokens[mb]
                 need_tokens = int(len(mb) * t.max()) if pad_to_longest else int(t.sum())
                 max_tiles = max(max_tiles, int(tiles[mb].sum()))
                 max_tokens = max(max_tokens, need_tokens)
     return max_tiles, max_tokens
+
+
+def _csr(schedule) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """(pack_samples, pack_offsets, pack_ids) of a balancer Schedule, or None for other schedules."""
+    arrays = [getattr(schedule, name, None) for name in ("pack_samples", "pack_offsets", "pack_ids")]
+    return None if any(a is None for a in arrays) else tuple(np.asarray(a) for a in arrays)  # type: ignore
