@@ -140,7 +140,11 @@ def run(args: argparse.Namespace) -> int:
                 f"epoch x{result.epoch_scale:.2f} (--balance-samples all: every sample)")
     print(f"data: {p.stats_source}, {p.num_samples:,} samples{note}")
     print(f"memory budget: {p.memory_budget_bytes / 2**30:.1f} GiB per device\n")
-    print("Ablation (predicted; paper: OmniBal, 6B+20B on Megatron-DeepSpeed, measured on A100):")
+    if result.ablation[0].paper_gpu_days is not None:
+        print("Ablation (predicted by omnibal's simulator; paper: OmniBal's measured 6B+20B on Megatron-DeepSpeed, "
+              "A100; why they differ: docs/plan.md):")
+    else:
+        print("Ablation (predicted by omnibal's simulator):")
     print(ablation_markdown(result.ablation))
     print(f"\nPlan: {plan.prediction.step_time_s:.2f} s per step, {plan.prediction.gpu_days:.1f} GPU days per epoch, "
           f"bubble {plan.prediction.bubble:.1%}")

@@ -350,7 +350,7 @@ def run_plan_job(config: PlanJobConfig, *, progress: bool = False, stats=None,
                 oom=bool(summary["oom_steps"])))
             row_plans[name] = (sp.parts, mask)
             row_results[name] = res
-        rows = with_speedups(rows)
+        rows = with_speedups(rows, spec.name)
     finally:
         phases.close()
 
