@@ -185,7 +185,7 @@ def plan_markdown(plan: Plan, ablation: list[AblationRow] | None, *, images: dic
              f"- parallelism: DP {inp.dp_size} x PP {inp.pp_size} x TP {inp.tp_size}, ZeRO-{inp.zero_stage}, "
              f"{inp.num_microbatches} micro-batches per step and rank",
              f"- memory budget per device: {_gib(inp.memory_budget_bytes)} GiB",
-             f"- data: {inp.stats_source} ({inp.num_samples} samples, fingerprint {inp.stats_fingerprint})",
+             f"- data: {inp.stats_source} ({inp.num_samples:,} samples, fingerprint {inp.stats_fingerprint})",
              f"- cost model: {'profile ' + inp.profile if inp.profile else 'analytic'}; omnibal {inp.omnibal_version}",
              f"- balancer: {plan.data.method}, caps {plan.data.settings.get('caps')}, "
              f"padding {plan.data.settings.get('padding')}",
