@@ -53,9 +53,10 @@ def test_job_produces_the_four_ablation_rows_and_a_fitting_plan(tiny_result):
 
 def test_outputs_round_trip_and_the_trainer_accepts_the_plan(tiny_result, tmp_path):
     files = write_job_outputs(tiny_result, tmp_path)
-    for key in ("plan", "report", "ablation", "stages"):
+    for key in ("plan", "report", "ablation", "png:ablation", "png:stages"):
         assert files[key].is_file() and files[key].stat().st_size > 0
-    assert sum(1 for k in files if k.startswith("timeline:")) == 4
+    assert files["ablation"].name == "ablation.json"
+    assert sum(1 for k in files if k.startswith("png:timeline:")) == 4
     plan = Plan.load(tmp_path / "plan.json")
     assert plan == tiny_result.plan
     md = (tmp_path / "report.md").read_text()

@@ -154,6 +154,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"Megatron-style layout: {ex['megatron']['pipeline_model_parallel_layout']}")
     print("\nBalance:")
     print(text_table(balance_rows(result.balance_metrics)))
-    print(f"\nwrote {files['plan']}, {files['report']} and {sum(1 for k in files if k not in ('plan', 'report', 'ablation'))} "
+    print(f"\nwrote {files['plan']}, {files['report']} and {sum(1 for k in files if k.startswith('png:'))} "
           f"PNGs into {args.out}/ ({time.perf_counter() - t0:.1f} s)")
     return 0

@@ -280,7 +280,7 @@ def write_job_outputs(result, out_dir: str | Path, *, timelines: bool = True, pr
     (out / "report.md").write_text(md)
     files["report"] = out / "report.md"
     for key, name in images.items():
-        files[key] = out / name
+        files[f"png:{key}"] = out / name
     return files
 
 
@@ -312,7 +312,7 @@ def render_report(plan_path: str | Path, out_dir: str | Path | None = None, *,
     md = plan_markdown(plan, ablation, images=images, balance_metrics=metrics, extra=extra, timings=timings)
     (out / "report.md").write_text(md)
     files = {"report": out / "report.md"}
-    files.update({k: out / v for k, v in images.items()})
+    files.update({f"png:{k}": out / v for k, v in images.items()})
     return files
 
 
