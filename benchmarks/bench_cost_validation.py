@@ -61,7 +61,7 @@ def whole_model_errors(spec, table, rows, packs) -> dict[str, float]:
     for tiles, lengths in packs:
         feats = Point("x", tiles, lengths).features
         sel = {r["kind"]: r for r in rows if r["tiles"] == tiles and r["tokens"] == sum(lengths)
-               and r.get("pack") == (tiles, list(lengths))}
+               and r.get("pack") is not None and list(r["pack"][1]) == list(lengths)}
         measured.append(sum(sel[k]["fwd_s"] + sel[k]["bwd_s"] for k in layer_kinds))
         predicted.append(float((table.fwd_time + table.bwd_time).sum(axis=0) @ feats))
     err = relative_errors(np.array(predicted), np.array(measured))

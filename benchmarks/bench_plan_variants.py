@@ -39,6 +39,8 @@ def real_mixture(num_samples: int, tmp: Path) -> str | None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--balance-samples", type=int, default=None)
+    ap.add_argument("--only", default=None, help="run only variants whose label contains this text "
+                    "(results are merged into the existing JSON)")
     args = ap.parse_args()
     base = PlanJobConfig(balance_samples=args.balance_samples)
     cache: dict = {}
@@ -56,6 +58,12 @@ def main() -> None:
         ]
         if real is not None:
             variants.insert(1, ("real AI2D + ChartQA stats replicated to 1.2M", replace(base, stats_path=real)))
+            variants.insert(2, ("real stats, vision encoder on stage 0 in the baseline",
+                                replace(base, stats_path=real, baseline_partition="vision-first")))
+            variants.insert(3, ("real stats, no memory limit (recompute-free bound)",
+                                replace(base, stats_path=real, memory_budget_gib=1e6)))
+        if args.only:
+            variants = [(label, c) for label, c in variants if args.only in label]
         for label, config in variants:
             t0 = time.perf_counter()
             load = os.getloadavg()[0]
@@ -69,6 +77,9 @@ def main() -> None:
             chain = " -> ".join(f"{r['gpu_days']:.1f}" for r in rows)
             print(f"{label}: {chain} GPU days ({time.perf_counter() - t0:.0f} s)", flush=True)
     results = ROOT / "benchmarks" / "results"
+    if args.only and (results / "plan_variants.json").is_file():
+        done = {v["variant"] for v in out}
+        out = [v for v in json.loads((results / "plan_variants.json").read_text()) if v["variant"] not in done] + out
     (results / "plan_variants.json").write_text(json.dumps(out, indent=2) + "\n")
     lines = ["# `omnibal plan` variants (one input of the default job changed at a time)", "",
              f"Balanced samples per variant: {args.balance_samples or 'all'}; 1-min load while running: "

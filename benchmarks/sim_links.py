@@ -3,6 +3,8 @@
 Used by ``bench_sim_validation.py`` as the communication half of the simulator's calibration (the compute
 half is fitted from a single-process training run). Two ranks, one torch thread each; a least-squares
 line ``time = latency + bytes / bandwidth`` over several message sizes, each the median of repeats.
+On a machine shared with other jobs every time is divided by the slowdown a compute probe sees at that
+moment (wall / own CPU time), as the validation does with step times; the raw wall-clock fit is kept too.
 
     PYTHONPATH=src python benchmarks/sim_links.py
 """
@@ -27,6 +29,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _probe_slowdown(torch) -> float:
+    """Wall time / own CPU time of a short compute loop: how much other jobs slow this process down now."""
+    a = torch.randn(192, 192)
+    t0, c0 = time.perf_counter(), time.thread_time()
+    for _ in range(30):
+        a = torch.tanh(a @ a)
+    return (time.perf_counter() - t0) / max(time.thread_time() - c0, 1e-9)
+
+
 def _rank(rank: int, port: int, queue) -> None:
     import torch
     import torch.distributed as dist
@@ -34,9 +45,10 @@ def _rank(rank: int, port: int, queue) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    out = {"p2p": [], "allreduce": []}
+    out = {"p2p": [], "allreduce": [], "slowdown": []}
     for size in SIZES:
         buf = torch.zeros(size // 4, dtype=torch.float32)
+        out["slowdown"].append(_probe_slowdown(torch))
         times = []
         for _ in range(REPEATS + 2):  # ping-pong: one-way time = round trip / 2
             dist.barrier()
@@ -56,9 +68,9 @@ def _rank(rank: int, port: int, queue) -> None:
             dist.all_reduce(buf)
             times.append(time.perf_counter() - t0)
         out["allreduce"].append((size, float(np.median(times[2:]))))
+        out["slowdown"].append(_probe_slowdown(torch))
     dist.destroy_process_group()
-    if rank == 0:
-        queue.put(out)
+    queue.put((rank, out))
 
 
 def fit_line(points) -> tuple[float, float]:
@@ -79,14 +91,24 @@ def measure_links() -> dict:
     procs = [ctx.Process(target=_rank, args=(r, port, queue)) for r in range(2)]
     for p in procs:
         p.start()
-    raw = queue.get(timeout=300)
+    got = dict(queue.get(timeout=300) for _ in procs)
     for p in procs:
         p.join(60)
-    p2p_lat, p2p_bw = fit_line(raw["p2p"])
+    raw = got[0]
+    # other jobs slow the copies down as they slow compute; the probes (both ranks, before and after each
+    # size) give the factor, so the figures below are for uncontended cores, like the normalised steps
+    slow = np.mean([got[0]["slowdown"], got[1]["slowdown"]], axis=0).reshape(len(SIZES), 2).mean(axis=1)
+    norm = {k: [(size, t / f) for (size, t), f in zip(raw[k], slow)] for k in ("p2p", "allreduce")}
+    p2p_lat, p2p_bw = fit_line(norm["p2p"])
     # a 2-rank ring all-reduce moves 2 (d-1)/d = 1 x the bytes in 2 (d-1) = 2 latency steps
-    ar_lat, ar_bw = fit_line(raw["allreduce"])
-    return {"raw": raw, "p2p_latency": p2p_lat, "p2p_bandwidth": p2p_bw,
-            "dp_latency": ar_lat / 2.0, "dp_bandwidth": ar_bw, "load_1min": os.getloadavg()[0]}
+    ar_lat, ar_bw = fit_line(norm["allreduce"])
+    wall_p2p = fit_line(raw["p2p"])
+    wall_ar = fit_line(raw["allreduce"])
+    return {"raw": raw, "slowdown": slow.tolist(), "p2p_latency": p2p_lat, "p2p_bandwidth": p2p_bw,
+            "dp_latency": ar_lat / 2.0, "dp_bandwidth": ar_bw,
+            "wall_clock": {"p2p_latency": wall_p2p[0], "p2p_bandwidth": wall_p2p[1], "dp_latency": wall_ar[0] / 2.0,
+                           "dp_bandwidth": wall_ar[1]},
+            "load_1min": os.getloadavg()[0]}
 
 
 if __name__ == "__main__":

@@ -199,3 +199,14 @@ def test_default_internvl_settings_equal_the_omnibal_stats_cli(tmp_path):
         s = ds[i]
         assert (s["pixel_values"].shape[0], len(s["input_ids"])) == (expected.tiles[i], expected.tokens[i]), i
         assert s["pixel_values"].shape[1:] == (3, 448, 448)
+
+
+def test_records_without_an_id_get_the_key_omnibal_stats_gives(example):
+    from omnibal.stats.table import index_keys
+
+    root, _ = example
+    ds = RealDataset(root / "train.jsonl", _config(root))
+    assert "id" not in ds.records[2]
+    # keys join stats to the dataset, so they must not depend on how the path was spelled
+    assert ds.key(2) == int(index_keys("train.jsonl", 3)[2])
+    assert RealDataset(str(root / "." / "train.jsonl"), _config(root)).key(2) == ds.key(2)

@@ -41,6 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--step-overhead", type=float, default=0.0,
                    help="fixed seconds per step outside the pipeline (optimizer, launch)")
     g.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"), help="training dtype")
+    g.add_argument("--profile", default=None, help="measured layer profile JSON (omnibal profile) instead of the "
+                   "analytic cost model")
 
     g = parser.add_argument_group("data")
     g.add_argument("--stats", default=None, help="per-sample stats file (default: the synthetic "
@@ -97,7 +99,7 @@ def parse_partition(text: str, num_layers: int, num_stages: int):
     if len(starts) != num_stages:
         raise InputError(f"{len(starts)} stage starts for {num_stages} pipeline stages", source="--partition",
                          field="partition")
-    return cuts_from_starts(starts, num_layers)
+    return cuts_from_starts(starts, num_layers, source="--partition")
 
 
 def parse_recompute(text: str, cuts):
@@ -116,7 +118,7 @@ def parse_recompute(text: str, cuts):
     except ValueError:
         raise InputError(f"expected 'full', 'none' or comma-separated counts, got {text!r}", source="--recompute",
                          field="recompute") from None
-    return recompute_mask_from_counts(cuts, counts)
+    return recompute_mask_from_counts(cuts, counts, source="--recompute")
 
 
 def _load_plan(path: str):
@@ -148,6 +150,8 @@ def _resolve_cluster(args, plan) -> dict:
 
 def _stats(args, spec):
     """The stats the balancer sees, with LLM tokens as this model counts them."""
+    import numpy as np
+
     from omnibal.stats.table import SampleStats
 
     if args.stats:
@@ -160,7 +164,8 @@ def _stats(args, spec):
         from omnibal.stats.synthetic import synthetic_internvl_mixture
 
         stats = synthetic_internvl_mixture(_positive("samples", args.samples or 1_200_000), seed=args.seed)
-    tokens = spec.sample_tokens(stats.tiles, stats.tokens)
+    # a text-only row's dummy tile runs through the encoder but has no image tokens to re-count
+    tokens = spec.sample_tokens(np.where(stats.images > 0, stats.tiles, 0), stats.tokens)
     if (tokens != stats.tokens).any():
         stats = SampleStats(tiles=stats.tiles, tokens=tokens, images=stats.images, keys=stats.keys,
                             source=f"{stats.source} (tokens for {spec.name})")
@@ -197,7 +202,12 @@ def run(args: argparse.Namespace) -> int:
     cluster = _resolve_cluster(args, plan)
     spec = get_model_preset(cluster["model"])
     hardware = get_hardware(cluster["hardware"])
-    table = analytic_cost_table(spec, hardware, tp_size=cluster["tp"], dtype=args.dtype)
+    if args.profile:
+        from omnibal.cost.profile import cost_table_from_profile, load_profile
+
+        table = cost_table_from_profile(spec, load_profile(args.profile, spec), tp_size=cluster["tp"])
+    else:
+        table = analytic_cost_table(spec, hardware, tp_size=cluster["tp"], dtype=args.dtype)
     if cluster["pp"] > table.num_layers:
         raise InputError(f"{cluster['pp']} stages for {table.num_layers} layers", source="--pp", field="pp")
 
@@ -263,6 +273,7 @@ def run(args: argparse.Namespace) -> int:
         "data": f"{stats.source}, {len(stats):,} samples", "balance": sched.method, "padding": padding,
         "caps (tiles, tokens)": f"{sched.caps.tiles}, {sched.caps.tokens}",
         "plan": args.plan or f"partition {args.partition}, recompute {args.recompute}",
+        "costs": f"profile {args.profile}" if args.profile else f"analytic ({args.dtype})",
     }
     paths = write_report(result, costs, step, step_index, args.out, header=header, layer_names=table.names)
     _say(args, f"report: {paths['markdown']} (+ {paths['timeline'].name}, {paths['load'].name}, "

@@ -138,7 +138,7 @@ class RealDataset(Dataset):
         rec = self.records[index]
         if rec.get("id") is not None:
             return hash_key(f"{self.path.name}#{rec['id']}")
-        return int(index_keys(str(self.path), 1, start=index)[0])
+        return int(index_keys(self.path.name, 1, start=index)[0])  # the same key `omnibal stats` gives
 
     def __getitem__(self, index: int) -> dict:
         cfg = self.config

@@ -83,9 +83,9 @@ def even_cuts(num_layers: int, num_stages: int) -> np.ndarray:
     return np.round(np.linspace(0, num_layers, num_stages + 1)).astype(np.int64)
 
 
-def cuts_from_starts(starts, num_layers: int) -> np.ndarray:
+def cuts_from_starts(starts, num_layers: int, source: str = "partition") -> np.ndarray:
     """Stage start layer indices ``[P]`` (first is 0) -> cut points ``[P+1]``."""
-    return validate_cuts(np.append(np.asarray(starts, dtype=np.int64), num_layers), num_layers)
+    return validate_cuts(np.append(np.asarray(starts, dtype=np.int64), num_layers), num_layers, source)
 
 
 def validate_cuts(cuts, num_layers: int, source: str = "partition") -> np.ndarray:
@@ -103,18 +103,18 @@ def validate_cuts(cuts, num_layers: int, source: str = "partition") -> np.ndarra
     return arr.astype(np.int64)
 
 
-def recompute_mask_from_counts(cuts, counts) -> np.ndarray:
+def recompute_mask_from_counts(cuts, counts, source: str = "recompute") -> np.ndarray:
     """Per-stage counts of recomputed layers -> a per-layer mask (each stage checkpoints its first layers)."""
     cuts = np.asarray(cuts, dtype=np.int64)
     counts = np.asarray(counts, dtype=np.int64)
     sizes = np.diff(cuts)
     if counts.shape != sizes.shape:
-        raise InputError(f"need one count per stage ({len(sizes)}), got {counts.tolist()}", source="recompute",
+        raise InputError(f"need one count per stage ({len(sizes)}), got {counts.tolist()}", source=source,
                          field="recompute")
     bad = np.flatnonzero((counts < 0) | (counts > sizes))
     if len(bad):
         s = int(bad[0])
-        raise InputError(f"stage {s} has {sizes[s]} layers, cannot recompute {counts[s]}", source="recompute",
+        raise InputError(f"stage {s} has {sizes[s]} layers, cannot recompute {counts[s]}", source=source,
                          record=s, field="recompute")
     pos = np.arange(cuts[-1]) - np.repeat(cuts[:-1], sizes)
     return pos < np.repeat(counts, sizes)

@@ -155,12 +155,20 @@ def _balance_omnibal(stats, dp_size, num_microbatches, seed, epoch, config: Bala
         choice = choose_caps(tiles, tokens, slots_per_step=per_step, target_samples=config.target_samples,
                              max_tiles=config.max_tiles, max_tokens=config.max_tokens,
                              token_slack=config.token_slack, token_multiple=config.token_multiple, rng=rng)
-        num_regular_packs = choice.num_packs
-        # room for own packs: more steps, the regular samples spread over what is left
-        num_total = -(-(num_regular_packs + len(alone)) // per_step) * per_step
-        num_regular_packs = min(num_total - len(alone), len(regular))
-        packed = pack_balanced(tiles, tokens, llm, num_packs=num_regular_packs, max_tiles=choice.max_tiles,
-                               max_tokens=choice.max_tokens, rng=rng)
+        fixed = config.max_tiles is not None or config.max_tokens is not None
+        extra_steps = 0
+        while True:
+            num_regular_packs = choice.num_packs + extra_steps * per_step
+            # room for own packs: more steps, the regular samples spread over what is left
+            num_total = -(-(num_regular_packs + len(alone)) // per_step) * per_step
+            num_regular_packs = min(num_total - len(alone), len(regular))
+            packed = pack_balanced(tiles, tokens, llm, num_packs=num_regular_packs, max_tiles=choice.max_tiles,
+                                   max_tokens=choice.max_tokens, rng=rng)
+            over = (packed.tiles > choice.max_tiles).any() or (packed.tokens > choice.max_tokens).any()
+            # a fixed buffer is a promise: when a few packs stay over it, one more step gives the room
+            if not (fixed and over) or extra_steps >= 3 or num_regular_packs >= len(regular):
+                break
+            extra_steps += 1
         pack_of = np.full(len(stats), -1, np.int64)
         pack_of[regular] = packed.pack_of
         q_v, q_t = choice.max_tiles, choice.max_tokens
@@ -177,7 +185,7 @@ def _balance_omnibal(stats, dp_size, num_microbatches, seed, epoch, config: Bala
     if len(alone):
         pack_of[alone] = num_regular_packs + np.arange(len(alone))
     if config.max_tiles is not None or config.max_tokens is not None:
-        # a fixed buffer is a promise: if the exchange could not bring every pack under it, say so
+        # still over after the extra steps: say so rather than hand out an over-full buffer
         reg = pack_of[regular]
         load_v = np.bincount(reg, weights=stats.tiles[regular], minlength=num_total)
         load_t = np.bincount(reg, weights=stats.tokens[regular], minlength=num_total)

@@ -163,6 +163,12 @@ def _deal(v, t, lc, p, max_tiles, max_tokens, rng) -> np.ndarray:
     # one float key per sort (a lexsort of three keys is ~3x slower): tiles first, LLM cost as the tie-break
     lc_unit = lc / max(float(lc.max()), 1e-300) * 0.45
     item_key = v + lc_unit + rng.random(n) * 1e-9
+    # text-heavy samples (far more of the token buffer than of the tile buffer) are dealt by their token
+    # share: dealt last by tiles, they would find no pack with token room left
+    share_v = v / max(max_tiles, 1)
+    share_t = t / max(max_tokens, 1)
+    heavy = share_t > 2.0 * share_v + 0.1
+    item_key = np.where(heavy, share_t * max_tiles + 0.45, item_key)
     order = np.argsort(-item_key)
     width = -(-n // p) + 4
     slots = np.full((p, width), n, dtype=np.int64)
@@ -178,7 +184,9 @@ def _deal(v, t, lc, p, max_tiles, max_tokens, rng) -> np.ndarray:
         items = np.concatenate([pending, order[nxt:nxt + take]])
         nxt += max(take, 0)
         items = items[np.argsort(-item_key[items])]  # largest first
-        pack_key = load_v + np.minimum(load_l * l_scale, 0.45) + tie
+        # tiles first, but a pack whose tokens are further along than its tiles counts as that full
+        dominant = np.maximum(load_v, load_t / max(max_tokens, 1) * max_tiles)
+        pack_key = dominant + np.minimum(load_l * l_scale, 0.45) + tie
         packs = np.argsort(pack_key)[: len(items)]
         fits = force | ((load_v[packs] + v[items] <= max_tiles) & (load_t[packs] + t[items] <= max_tokens))
         packs, placed = packs[fits], items[fits]

@@ -1,0 +1,251 @@
+"""Exactly-once data through the resumable sampler (``omnibal.data.sampler.BalancedBatchSampler``): resume on the
+same world, on a different DP size (re-shard the rest of the epoch), across epochs, and through a torch
+DataLoader with a different number of workers after the resume.
+
+Promise (docs/guarantees.md, "Exactly once"): over an epoch, every sample of the statistics (except rows
+dropped on purpose and listed in ``Schedule.dropped``) reaches training exactly once, however often the job
+stops and resumes and whatever DP size or loader workers it resumes with; the order is a pure function of
+(stats, config, seed, epoch) and the resume points.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+import subprocess
+import sys
+
+from omnibal.errors import InputError
+from omnibal.stats.table import SampleStats
+
+sampler_mod = pytest.importorskip("omnibal.data.sampler", reason="the resumable sampler is not on this branch yet")
+BalancedBatchSampler = sampler_mod.BalancedBatchSampler
+
+
+
+def make_stats(n: int, seed: int = 0) -> SampleStats:
+    rng = np.random.default_rng(seed)
+    tiles = rng.integers(1, 4, n)
+    return SampleStats.from_arrays(tiles=tiles, tokens=tiles * 4 + 1 + rng.integers(4, 24, n), source=f"reliab-{n}")
+
+
+def ranks(stats, dp_size: int, num_microbatches: int, **kw) -> list:
+    return [BalancedBatchSampler(stats, dp_rank=r, dp_size=dp_size, num_microbatches=num_microbatches, **kw)
+            for r in range(dp_size)]
+
+
+def take(sampler, num_microbatches: int) -> list[list[int]]:
+    """The next ``num_microbatches`` micro-batches of a sampler (as the training loop consumes them)."""
+    out = []
+    it = iter(sampler)
+    for _ in range(num_microbatches):
+        out.append(next(it))
+    return out
+
+
+def drain(sampler) -> list[list[int]]:
+    return list(iter(sampler))
+
+
+def scheduled_rows(stats, dp_size: int, num_microbatches: int, **kw) -> np.ndarray:
+    sched = ranks(stats, dp_size, num_microbatches, **kw)[0].schedule()[0]
+    return np.flatnonzero(sched.sample_counts() > 0)
+
+
+def assert_exactly_once(trained: list[list[int]], expected: np.ndarray) -> None:
+    counts = Counter(i for mb in trained for i in mb)
+    twice = sorted(i for i, c in counts.items() if c > 1)
+    missing = sorted(set(expected.tolist()) - set(counts))
+    extra = sorted(set(counts) - set(expected.tolist()))
+    assert not twice and not missing and not extra, (
+        f"trained twice: {twice[:10]} ({len(twice)}), never: {missing[:10]} ({len(missing)}), "
+        f"not in the epoch: {extra[:10]}")
+
+
+# ------------------------------------------------------------------------------------ pure logic
+# Configurations are listed, not drawn by hypothesis: the balancer hangs on some small inputs (see
+# test_balancer_terminates_on_small_inputs below) and a hang inside a hypothesis run cannot be bounded.
+@pytest.mark.parametrize("n,dp,micro,frac,seed", [(60, 1, 1, 0.5, 0), (128, 2, 2, 0.3, 0), (200, 3, 1, 0.0, 0),
+                                                  (240, 4, 2, 0.6, 1), (240, 2, 3, 0.99, 0), (97, 2, 1, 0.5, 1)])
+def test_same_world_resume_continues_the_exact_stream(n, dp, micro, frac, seed):
+    stats = make_stats(n, seed)
+    full = [drain(s) for s in ranks(stats, dp, micro, seed=seed)]
+    steps = len(full[0]) // micro
+    k = int(frac * steps) * micro  # stop after whole steps (all ranks in lockstep)
+    first = ranks(stats, dp, micro, seed=seed)
+    done = [take(s, k) for s in first]
+    resumed = ranks(stats, dp, micro, seed=seed)
+    for r, s in enumerate(resumed):
+        s.load_state_dict(first[r].state_dict())
+    rest = [drain(s) for s in resumed]
+    assert [d + r for d, r in zip(done, rest)] == full
+    assert_exactly_once([mb for rank in full for mb in rank], scheduled_rows(stats, dp, micro, seed=seed))
+
+
+@pytest.mark.parametrize("n,dp_old,m_old,dp_new,m_new,frac,seed,from_rank", [
+    (128, 2, 2, 1, 2, 0.4, 0, 0), (128, 2, 2, 3, 1, 0.4, 0, 1), (200, 1, 1, 4, 2, 0.25, 0, 0),
+    (240, 4, 1, 2, 2, 0.5, 1, 3), (240, 3, 2, 3, 1, 0.0, 0, 2), (240, 2, 1, 4, 3, 0.8, 0, 1),
+    (97, 2, 1, 3, 1, 0.6, 1, 0), (60, 1, 2, 2, 2, 0.5, 0, 0),
+])
+def test_reshard_to_another_dp_size_trains_the_rest_exactly_once(n, dp_old, dp_new, m_old, m_new, frac, seed,
+                                                                 from_rank):
+    stats = make_stats(n, seed)
+    old = ranks(stats, dp_old, m_old, seed=seed)
+    steps = len(old[0]) // m_old
+    k = int(frac * steps) * m_old
+    done = [mb for s in old for mb in take(s, k)]
+    state = old[from_rank % dp_old].state_dict()  # any rank's state: they are in lockstep
+    new = ranks(stats, dp_new, m_new, seed=seed)
+    try:
+        for s in new:
+            s.load_state_dict(state, reshard=True)
+    except InputError as exc:  # refused only when too little is left to give every new slot a sample
+        assert "left in the epoch" in str(exc)
+        return
+    rest = [drain(s) for s in new]
+    # every new rank runs the same number of steps (no rank waits forever in a collective)
+    assert len({len(r) for r in rest}) == 1
+    assert_exactly_once(done + [mb for r in rest for mb in r], scheduled_rows(stats, dp_old, m_old, seed=seed))
+    # deterministic: the same state gives the same streams
+    again = ranks(stats, dp_new, m_new, seed=seed)
+    for s in again:
+        s.load_state_dict(state, reshard=True)
+    assert [drain(s) for s in again] == rest
+
+
+def test_reshard_twice_then_back(tmp_path):
+    """dp 2 -> 3 -> 1 within one epoch: still exactly once."""
+    stats = make_stats(300)
+    a = ranks(stats, 2, 2)
+    done = [mb for s in a for mb in take(s, 4)]
+    b = ranks(stats, 3, 1)
+    for s in b:
+        s.load_state_dict(a[0].state_dict(), reshard=True)
+    done += [mb for s in b for mb in take(s, 3)]
+    c = ranks(stats, 1, 2)
+    for s in c:
+        s.load_state_dict(b[1].state_dict(), reshard=True)
+    done += drain(c[0])
+    assert_exactly_once(done, scheduled_rows(stats, 2, 2))
+
+
+def test_other_world_without_reshard_is_refused():
+    stats = make_stats(100)
+    state = ranks(stats, 2, 1)[0].state_dict()
+    with pytest.raises(InputError, match="dp_size") as exc:
+        ranks(stats, 3, 1)[0].load_state_dict(state)
+    assert exc.value.field == "dp_size"
+
+
+@pytest.mark.parametrize("change", ["stats", "seed"])
+def test_state_from_other_stats_or_seed_is_refused(change):
+    stats = make_stats(100)
+    state = ranks(stats, 2, 1)[0].state_dict()
+    other = make_stats(100, seed=1) if change == "stats" else stats
+    with pytest.raises(InputError):
+        BalancedBatchSampler(other, dp_rank=0, dp_size=2, seed=1 if change == "seed" else 0).load_state_dict(state)
+
+
+def test_epochs_reshuffle_and_each_is_exactly_once():
+    stats = make_stats(200)
+    s = ranks(stats, 1, 2)[0]
+    epochs = []
+    for epoch in range(3):
+        s.set_epoch(epoch)
+        epochs.append(drain(s))
+        assert_exactly_once(epochs[-1], scheduled_rows(stats, 1, 2, epoch=epoch))
+    assert epochs[0] != epochs[1] != epochs[2]
+
+
+# ------------------------------------------------------------------------------------ DataLoader workers
+LOADER_FIX = ("balance area, BalancedBatchSampler: state_dict() counts the micro-batches the DataLoader has pulled "
+              "from the sampler, and a DataLoader with workers prefetches (num_workers x prefetch_factor ahead), so "
+              "a checkpoint taken after k trained micro-batches records more than k and the prefetched ones are never "
+              "trained after the resume. The state must count trained micro-batches: e.g. state_dict(consumed=k) or "
+              "a sampler.mark_trained(n) the training loop calls, and the trainer should save that.")
+
+
+def _loader_samples(stats, sampler, num_workers: int):
+    """A real DataLoader over the sampler; yields each micro-batch's sample indices (from the collated data,
+    not from the sampler: what training actually receives)."""
+    import torch
+    from torch.utils.data import DataLoader, Dataset
+
+    class Rows(Dataset):
+        def __len__(self):
+            return len(stats)
+
+        def __getitem__(self, i):
+            return int(i)
+
+    loader = DataLoader(Rows(), batch_sampler=sampler, num_workers=num_workers, collate_fn=list,
+                        multiprocessing_context="fork" if num_workers else None,
+                        prefetch_factor=2 if num_workers else None)
+    torch.set_num_threads(1)
+    return loader
+
+
+
+
+@pytest.mark.parametrize("workers_before,workers_after", [
+    (0, 0), (0, 4),
+    pytest.param(2, 0, marks=pytest.mark.xfail(strict=True, reason=LOADER_FIX)),
+    pytest.param(4, 2, marks=pytest.mark.xfail(strict=True, reason=LOADER_FIX)),
+])
+def test_resume_with_a_different_number_of_loader_workers(workers_before, workers_after):
+    _resume_through_loader(workers_before, workers_after)
+
+
+def _resume_through_loader(workers_before: int, workers_after: int) -> None:
+    stats = make_stats(240)
+    dp, micro = 2, 2
+    expected = scheduled_rows(stats, dp, micro)
+    first = ranks(stats, dp, micro)
+    trained = []
+    states = []
+    for s in first:
+        it = iter(_loader_samples(stats, s, workers_before))
+        for _ in range(6):  # three steps of two micro-batches trained
+            trained.append(next(it))
+        states.append(s.state_dict())  # the checkpoint, taken right after the trained step
+        del it  # the job dies: whatever was prefetched is gone
+    resumed = ranks(stats, dp, micro)
+    for s, state in zip(resumed, states):
+        s.load_state_dict(state)
+        trained += list(_loader_samples(stats, s, workers_after))
+    assert_exactly_once(trained, expected)
+
+
+# ------------------------------------------------------------------------------------ bounded balancing
+HANG_FIX = ("balance area, omnibal.data.balance.packer._deal: when every pending sample fails to fit the p lightest "
+            "packs while unread samples remain (nxt < n), take = p - len(pending) = 0 and force stays False, so the "
+            "loop repeats forever (reached from choose_caps -> _trial_pad). E.g. balance() of 120 small samples "
+            "(tiles 1-3, tokens 4*tiles+5..28, seed 1) at dp 1 x 1, or 120 samples with tokens up to 400 at "
+            "dp 2 x 2. Fix: also force placement when a round places nothing and no new sample can enter "
+            "(len(pending) >= p).")
+
+_HANG_PROBE = """
+import sys, numpy as np
+from omnibal.stats.table import SampleStats
+from omnibal.data.balance import balance
+n, dp, m, seed, wide = map(int, sys.argv[1:])
+rng = np.random.default_rng(seed)
+tiles = rng.integers(1, 6 if wide else 4, n)
+tokens = tiles * 4 + (rng.integers(5, 400, n) if wide else 1 + rng.integers(4, 24, n))
+s = balance(SampleStats.from_arrays(tiles=tiles, tokens=tokens), dp_size=dp, num_microbatches=m, seed=seed)
+assert (s.sample_counts() == 1).all()
+"""
+
+
+@pytest.mark.xfail(strict=True, reason=HANG_FIX)
+@pytest.mark.parametrize("n,dp,m,seed,wide", [(120, 1, 1, 1, 0), (120, 2, 2, 0, 1)])
+def test_balancer_terminates_on_small_inputs(n, dp, m, seed, wide):
+    """balance() of a few hundred samples takes well under a second; 12 s means it never ends."""
+    try:
+        proc = subprocess.run([sys.executable, "-c", _HANG_PROBE, *map(str, (n, dp, m, seed, wide))],
+                              capture_output=True, text=True, timeout=12)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"balance() of {n} samples at dp {dp} x {m} did not finish in 12 s")
+    assert proc.returncode == 0, proc.stderr[-2000:]
