@@ -205,8 +205,9 @@ def main() -> None:
     ap.add_argument("--profile-repeats", type=int, default=3)
     ap.add_argument("--separate-backward", action="store_true",
                     help="fit forward and backward scales separately")
-    ap.add_argument("--groups", default="all", help="layer groups with their own scale: 'all' (one scale, the "
-                    "default: the profile already sets the per-layer ratios) or 'vision,llm'")
+    ap.add_argument("--repeats", type=int, default=2, help="runs per validation configuration (averaged)")
+    ap.add_argument("--groups", default="vision,llm", help="layer groups with their own scale: 'vision,llm' (default; "
+                    "the pipeline calibration run separates them) or 'all'")
     args = ap.parse_args()
 
     from omnibal.cost.analytic import analytic_cost_table
@@ -239,17 +240,20 @@ def main() -> None:
     common = dict(table=table, steps=steps, names=names)
     cal_specs = [("cal: 1x1 baseline, full recompute", dict(dp=1, pp=1, mode="baseline", ranges=None,
                                                              recompute="full")),
-                 ("cal: 1x1 balanced, no recompute", dict(dp=1, pp=1, mode="omnibal", ranges=None, recompute="none"))]
+                 ("cal: 1x1 balanced, no recompute", dict(dp=1, pp=1, mode="omnibal", ranges=None, recompute="none")),
+                 ("cal: 1x2 balanced, even split, no recompute (per-rank CPU)",
+                  dict(dp=1, pp=2, mode="omnibal", ranges=None, recompute="none"))]
     val_specs = [
         ("1x1 baseline, full recompute", dict(dp=1, pp=1, mode="baseline", ranges=None, recompute="full")),
         ("1x1 balanced, no recompute", dict(dp=1, pp=1, mode="omnibal", ranges=None, recompute="none")),
         ("1x2 baseline, even split, full recompute", dict(dp=1, pp=2, mode="baseline", ranges=None, recompute="full")),
-        ("1x2 balanced, even split, no recompute", dict(dp=1, pp=2, mode="omnibal", ranges=None, recompute="none")),
         ("2x1 baseline, full recompute", dict(dp=2, pp=1, mode="baseline", ranges=None, recompute="full")),
         ("2x1 balanced, no recompute", dict(dp=2, pp=1, mode="omnibal", ranges=None, recompute="none")),
     ]
-    rank_specs = [(f"1x2 balanced, cut at {k}", dict(dp=1, pp=2, mode="omnibal", ranges=((0, k), (k, len(names))),
-                                                     recompute="none")) for k in (5, 8, 11)]
+    # the even split of the 15-layer chain is the cut at 8: its run is also the 1x2 balanced validation
+    rank_specs = [(f"1x2 balanced, cut at {k}{' (even split)' if k == 8 else ''}, no recompute",
+                   dict(dp=1, pp=2, mode="omnibal", ranges=((0, k), (k, len(names))), recompute="none"))
+                  for k in (3, 8, 12)]
     if args.quick:
         val_specs = val_specs[2:4]
         rank_specs = []
@@ -259,33 +263,52 @@ def main() -> None:
         run, sched, feats = make_run(name, seed=CAL_SEED, stats=cal_stats, **kw, **common)
         log(f"running {name}")
         records = launch(run, cal_stats, sched)[1:]
-        cpu = np.array([r["cpu_s"][0] for r in records])  # one rank: its CPU time is the uncontended step
         wall = np.array([r["step_s"] for r in records])
-        cal_runs.append(CalibrationRun(feats[1:, 0], np.full(len(names), run["recompute"] == "full"), cpu))
-        cal_rows.append({"name": name, "steps": len(cpu), "cpu_s": float(cpu.sum()), "wall_s": float(wall.sum()),
-                         "load": float(np.mean([r["load"] for r in records]))})
+        rec_mask = np.full(len(names), run["recompute"] == "full")
+        # a rank's own CPU time is its uncontended compute; in a pipeline it covers that stage's layers only
+        for rank, (a, b) in enumerate(run["ranges"]):
+            cpu = np.array([r["cpu_s"][rank] for r in records])
+            layers = None if run["pp"] == 1 else (a, b)
+            cal_runs.append(CalibrationRun(feats[1:, 0], rec_mask, cpu, layers=layers))
+            cal_rows.append({"name": name + ("" if layers is None else f", stage {rank} (layers {a}-{b - 1})"),
+                             "steps": len(cpu), "cpu_s": float(cpu.sum()), "wall_s": float(wall.sum()),
+                             "load": float(np.mean([r["load"] for r in records]))})
     cal = calibrate(table, cal_runs, groups=tuple(args.groups.split(",")), separate_backward=args.separate_backward)
     log(f"calibration: {cal.to_dict()}")
     ctable = cal.apply(table)
 
+    runs = []
+    for rep in range(args.repeats):  # repeats interleaved in time, so a load swing hits every config alike
+        for name, kw in val_specs + rank_specs:
+            run, sched, feats = make_run(name, seed=VAL_SEED, stats=val_stats, **kw, **common)
+            log(f"running {name} (repeat {rep + 1}/{args.repeats})")
+            records = launch(run, val_stats, sched)[1:]
+            wall = np.array([r["step_s"] for r in records])
+            slowdown = np.array([r["slowdown"] for r in records])
+            runs.append((name, run, feats, wall, slowdown, float(np.mean([r["load"] for r in records]))))
+            log(f"{name}: wall {wall.sum():.2f} s, slowdown {slowdown.mean():.2f}, "
+                f"measured {(wall / slowdown).sum():.2f} s")
+
     rows = []
-    for name, kw in val_specs + rank_specs:
-        run, sched, feats = make_run(name, seed=VAL_SEED, stats=val_stats, **kw, **common)
-        log(f"running {name}")
-        records = launch(run, val_stats, sched)[1:]
-        wall = np.array([r["step_s"] for r in records])
-        slowdown = np.array([r["slowdown"] for r in records])
-        measured = wall / slowdown  # the step on uncontended cores (see the module docstring)
+    for name, _kw in val_specs + rank_specs:
+        mine = [r for r in runs if r[0] == name]
+        _, run, feats, _, _, _ = mine[0]
         sim = simulate_run(run, feats[1:], ctable, links, cal.step_overhead)
         pred = sim.step_time
+        per_rep = [(wall / slow).sum() for _, _, _, wall, slow, _ in mine]  # the step on uncontended cores
+        # the same steps on the same data each time: average the repeats step by step
+        wall = np.mean([r[3] for r in mine], axis=0)
+        slowdown = np.mean([r[4] for r in mine], axis=0)
+        measured = np.mean([r[3] / r[4] for r in mine], axis=0)
         rows.append({"name": name, "dp": run["dp"], "pp": run["pp"], "mode": run["mode"], "ranges": run["ranges"],
-                     "recompute": run["recompute"], "steps": len(measured), "wall_s": float(wall.sum()),
+                     "recompute": run["recompute"], "steps": len(measured), "repeats": len(mine),
+                     "measured_repeats_s": [float(x) for x in per_rep], "wall_s": float(wall.sum()),
                      "slowdown": float(slowdown.mean()), "measured_s": float(measured.sum()),
                      "predicted_s": float(pred.sum()), "error": float(pred.sum() / measured.sum() - 1.0),
                      "step_errors": (pred / measured - 1.0).tolist(), "bubble_pred": float(sim.bubble.mean()),
-                     "load": float(np.mean([r["load"] for r in records])), "ranking": name in dict(rank_specs)})
-        log(f"{name}: wall {wall.sum():.2f} s, slowdown {slowdown.mean():.2f}, measured {measured.sum():.2f} s, "
-            f"predicted {pred.sum():.2f} s, error {rows[-1]['error']:+.1%}")
+                     "load": float(np.mean([r[5] for r in mine])), "ranking": name in dict(rank_specs)})
+        log(f"{name}: measured {measured.sum():.2f} s (repeats {np.round(per_rep, 2).tolist()}), predicted "
+            f"{pred.sum():.2f} s, error {rows[-1]['error']:+.1%}")
 
     write_results(Path(args.out), links, cal, cal_rows, rows, args)
 
@@ -302,7 +325,9 @@ def write_results(out: Path, links, cal, cal_rows, rows, args) -> None:
         f"Model `{MODEL}`, {NUM_MB} micro-batches per step, baseline micro-batches of {BATCH} samples padded to the "
         f"longest (full recompute), balanced packs from `omnibal.data.balance` (no recompute); data: {args.samples} "
         "random rows of the real InternVL-1.2M statistics per seed. One torch thread per rank. Each run: one warm-up "
-        f"step, then {args.steps} timed steps; the figures are sums over the timed steps. Produced by "
+        f"step, then {args.steps} timed steps; the figures are sums over the timed steps, averaged over {args.repeats} "
+        "repeats of each validation run (run one after another through the list, so load swings hit all alike). "
+        "Produced by "
         "`benchmarks/bench_sim_validation.py`.", "",
         "**Contention.** The machine has 2 cores shared with other jobs (load average 5-12 during these runs), so a "
         "rank gets only a share of a core. Every rank records its own CPU seconds per step (`time.thread_time`: "
@@ -310,9 +335,10 @@ def write_results(out: Path, links, cal, cal_rows, rows, args) -> None:
         "time (compute + optimizer + data, as the trainer logs it) over their CPU time; *measured* below is the "
         "wall-clock step divided by that slowdown, i.e. the step on uncontended cores. Bubbles, waits for other "
         "stages and ranks, p2p and gradient sync stay in it: only the speed of the busy parts is corrected.", "",
-        f"## Calibration (separate runs, data seed {CAL_SEED}, DP 1 x PP 1)", "",
+        f"## Calibration (separate runs, data seed {CAL_SEED})", "",
         f"Base table: {'measured layer profile (omnibal.cost.profile, CPU time per op)' if args.table == 'profile' else 'analytic model on the measured CPU'}; "
-        "fitted on the calibration runs' per-step CPU time (single process: no waits): per layer group "
+        "fitted on the calibration runs' per-step CPU time (a rank's own compute; in the pipeline run each rank "
+        "covers its stage's layers, which separates the vision from the LLM scale): per layer group "
         f"({', '.join(args.groups.split(','))}) one scale "
         f"({'forward and backward separately' if args.separate_backward else 'forward, recompute and backward together'}) "
         "and a per-step overhead.", "",
@@ -329,11 +355,12 @@ def write_results(out: Path, links, cal, cal_rows, rows, args) -> None:
               f"{links['p2p_bandwidth'] / 1e9:.2f} GB/s, all-reduce {links['dp_latency'] * 1e3:.2f} ms per ring step "
               f"+ bytes / {links['dp_bandwidth'] / 1e9:.2f} GB/s.",
               "", f"## Validation (data seed {VAL_SEED})", "",
-              "| run (DP x PP) | steps | wall s | slowdown | measured s | predicted s | error | worst step | "
+              "| run (DP x PP) | steps | wall s | slowdown | measured s (each repeat) | predicted s | error | worst step | "
               "predicted bubble | load |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         worst = max(r["step_errors"], key=abs)
-        lines.append(f"| {r['name']} | {r['steps']} | {r['wall_s']:.2f} | {r['slowdown']:.2f} | {r['measured_s']:.2f} | "
+        reps = ", ".join(f"{x:.2f}" for x in r["measured_repeats_s"])
+        lines.append(f"| {r['name']} | {r['steps']} | {r['wall_s']:.2f} | {r['slowdown']:.2f} | {r['measured_s']:.2f} ({reps}) | "
                      f"{r['predicted_s']:.2f} | {r['error']:+.1%} | {worst:+.1%} | {r['bubble_pred']:.1%} | "
                      f"{r['load']:.1f} |")
     errs = np.array([abs(r["error"]) for r in rows])

@@ -92,3 +92,23 @@ def test_one_scale_per_group_keeps_the_backward_ratio():
                     separate_backward=False)
     np.testing.assert_allclose(cal.fwd_scale, (1.5, 0.8), rtol=1e-6)
     assert cal.bwd_scale == cal.fwd_scale
+
+
+def test_per_stage_runs_separate_vision_from_llm():
+    table = _kinds_table(seed=6)
+    truth = Calibration(groups=("vision", "llm"), fwd_scale=(1.4, 0.7), bwd_scale=(1.4, 0.7), step_overhead=0.05,
+                        rel_rms_error=0.0, num_steps=0)
+    true_table = truth.apply(table)
+    feats = random_features(6, 1, 4, seed=8)
+    rec = np.zeros(9, bool)
+    runs = []
+    for layers in ((0, 3), (3, 9)):  # one rank's own compute in a 2-stage pipeline
+        sub = simulate_epoch(true_table, [0, 9], rec, feats, SimConfig(step_overhead=0.05))  # whole model
+        part = (true_table.evaluate("fwd_time", feats)[..., layers[0]:layers[1]].sum(axis=(-1, -2))
+                + true_table.evaluate("bwd_time", feats)[..., layers[0]:layers[1]].sum(axis=(-1, -2)))[:, 0]
+        runs.append(CalibrationRun(feats[:, 0], rec, part + 0.05, layers=layers))
+        assert (sub.step_time > part).all()
+    cal = calibrate(table, runs, separate_backward=False)
+    np.testing.assert_allclose(cal.fwd_scale, (1.4, 0.7), rtol=1e-6)
+    with pytest.raises(InputError, match="layers"):
+        calibrate(table, [CalibrationRun(feats[:, 0], rec, part, layers=(5, 12))])

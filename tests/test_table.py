@@ -43,3 +43,16 @@ def test_replicate_take_concat_fingerprint():
 def test_index_keys_stable_across_calls():
     assert np.array_equal(index_keys("a.json", 5), index_keys("a.json", 5))
     assert not np.array_equal(index_keys("a.json", 5), index_keys("b.json", 5))
+
+
+def test_pack_features_sums_packs_and_handles_empty_ones_anywhere():
+    from omnibal.cost.table import pack_features
+
+    tiles, tokens = np.array([1, 2, 3, 4]), np.array([10, 20, 30, 40])
+    f = pack_features(tiles, tokens, np.array([0, 0, 2, 2, 4, 4]))  # empty first, middle and last packs
+    assert f[:, 0].tolist() == [1, 1, 1, 1, 1]
+    assert f[:, 1].tolist() == [0, 3, 0, 7, 0]
+    assert f[:, 2].tolist() == [0, 30, 0, 70, 0]
+    assert f[:, 3].tolist() == [0, 500, 0, 2500, 0]
+    assert pack_features(tiles[:0], tokens[:0], np.array([0, 0])).tolist() == [[1, 0, 0, 0]]
+    assert pack_features(tiles, tokens, np.array([0])).shape == (0, 4)

@@ -37,14 +37,17 @@ def microbatch_features(tiles, tokens, tokens_sq) -> np.ndarray:
 def pack_features(tiles: np.ndarray, tokens: np.ndarray, pack_offsets: np.ndarray) -> np.ndarray:
     """Features of packs given in CSR form: pack ``k`` holds samples ``order[pack_offsets[k]:pack_offsets[k+1]]``
     and ``tiles``/``tokens`` are already gathered in that order. Varlen attention (sum of squares)."""
-    starts = np.asarray(pack_offsets[:-1], dtype=np.int64)
-    t = np.asarray(tokens, dtype=np.float64)
-    if len(t) == 0:
-        return np.zeros((len(starts), NUM_FEATURES))
-    sums = lambda x: np.add.reduceat(x, starts) if len(starts) else np.zeros(0)  # noqa: E731
-    empty = np.diff(pack_offsets) == 0
-    out = microbatch_features(sums(np.asarray(tiles, np.float64)), sums(t), sums(t * t))
-    out[empty, 1:] = 0.0  # reduceat repeats the next element for empty segments
+    offsets = np.asarray(pack_offsets, dtype=np.int64)
+    starts = offsets[:-1]
+    # A trailing zero lets reduceat take a start equal to the data length (an empty last pack).
+    t = np.append(np.asarray(tokens, dtype=np.float64), 0.0)
+    v = np.append(np.asarray(tiles, dtype=np.float64), 0.0)
+    if len(starts) == 0:
+        return np.zeros((0, NUM_FEATURES))
+    out = microbatch_features(
+        np.add.reduceat(v, starts), np.add.reduceat(t, starts), np.add.reduceat(t * t, starts)
+    )
+    out[np.diff(offsets) == 0, 1:] = 0.0  # reduceat yields the element at the start for empty segments
     return out
 
 

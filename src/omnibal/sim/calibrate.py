@@ -8,10 +8,12 @@ overhead, so it is *linear* in a few scale factors of the cost table:
 where, per layer group g (vision, LLM), ``F_g``/``R_g``/``B_g`` are the table's forward / recompute /
 backward seconds of the step's micro-batches, ``a_g``, ``b_g`` the fitted scales and ``c`` the per-step
 overhead (optimizer step, data, launch). Runs with and without recomputation separate ``a`` from ``b``.
-The fit is non-negative least squares over all steps of all calibration runs; apply it to a table with
+A run may also cover one pipeline stage's layers only (a rank's own CPU time in a pipeline run), which
+separates the vision from the LLM scale. The fit is non-negative least squares over all steps of all
+calibration runs; apply it to a table with
 :meth:`Calibration.apply` and pass ``step_overhead`` to :class:`~omnibal.sim.costs.SimConfig`.
-Pipeline and DP runs are *not* used here (their step time is a max, not a sum): they are what the
-calibrated simulator is validated against.
+Pipeline and DP step times are *not* used here (they are a max, not a sum): they are what the calibrated
+simulator is validated against.
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ class CalibrationRun:
     """``[L]`` layers the run checkpointed."""
     step_times: np.ndarray
     """``[S]`` measured seconds per step."""
+    layers: tuple[int, int] | None = None
+    """Layer range ``[start, stop)`` the times cover (one pipeline stage's own compute, e.g. a rank's CPU
+    time in a pipeline run: it separates the stages' layer groups); None: the whole model."""
 
 
 @dataclass(frozen=True)
@@ -96,9 +101,17 @@ def design_matrix(table: LayerCostTable, run: CalibrationRun, groups: tuple[str,
         raise InputError(f"recompute mask needs {table.num_layers} entries", source="calibration",
                          field="recompute_mask")
     step_feats = feats.sum(axis=1)  # every cost is linear: a step's sum is the cost of its summed features
+    in_run = np.ones(table.num_layers, bool)
+    if run.layers is not None:
+        start, stop = run.layers
+        if not 0 <= start < stop <= table.num_layers:
+            raise InputError(f"layer range {run.layers} outside the {table.num_layers}-layer model",
+                             source="calibration", field="layers")
+        in_run[:] = False
+        in_run[start:stop] = True
     cols_f, cols_b = [], []
     for name in groups:
-        mask = _group_mask(table, name)
+        mask = _group_mask(table, name) & in_run
         fwd = table.fwd_time[mask].sum(axis=0) + table.fwd_time[mask & rec].sum(axis=0)
         cols_f.append(step_feats @ fwd)
         cols_b.append(step_feats @ table.bwd_time[mask].sum(axis=0))

@@ -71,7 +71,7 @@ def choose_caps(
     tile_slack: float = 0.008,
     token_multiple: int = 8,
     rng: np.random.Generator | None = None,
-    max_trials: int = 5,
+    max_trials: int = 8,
 ) -> CapChoice:
     """Pick the pack count and the caps (see the module docstring). ``slots_per_step = dp_size * M``."""
     n = len(tiles)
@@ -110,8 +110,10 @@ def choose_caps(
         if target_samples <= 0:
             raise InputError(f"must be > 0, got {target_samples}", source="target_samples", field="target_samples")
         centre = n / (target_samples * slots_per_step)
-        lo_s = max(1, int(math.floor(centre / 1.1)))
-        hi_s = max(lo_s, min(max_steps, int(math.ceil(centre * 1.1))))
+        # step counts whose mean pack holds target_samples +- max(0.5, 10%) samples (4-5 for the default)
+        half = max(0.5, 0.1 * target_samples)
+        lo_s = max(1, int(math.ceil(n / ((target_samples + half) * slots_per_step))))
+        hi_s = max(lo_s, min(max_steps, int(math.floor(n / (max(target_samples - half, 0.5) * slots_per_step)))))
         candidates = [s for s in range(lo_s, hi_s + 1) if ok(s)]
         if not candidates:  # widen: any count that is feasible, nearest the target first
             candidates = sorted((s for s in range(1, max_steps + 1) if ok(s)), key=lambda s: abs(s - centre))[:8]
@@ -130,7 +132,8 @@ def choose_caps(
     trials = []
     for steps in ranked:
         qv, qt = caps_for(steps)
-        options = [qv] if max_tiles is not None else [qv, qv + 1]
+        tight = max(int(math.ceil(total_v / (steps * slots_per_step) - 1e-9)), int(v_asc[-1]))
+        options = [qv] if max_tiles is not None else sorted({tight, qv, qv + 1})
         for q in options:
             if not _feasible(v_asc, q, steps * slots_per_step):
                 continue
