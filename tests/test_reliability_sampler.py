@@ -239,7 +239,6 @@ assert (s.sample_counts() == 1).all()
 """
 
 
-@pytest.mark.xfail(strict=True, reason=HANG_FIX)
 @pytest.mark.parametrize("n,dp,m,seed,wide", [(120, 1, 1, 1, 0), (120, 2, 2, 0, 1)])
 def test_balancer_terminates_on_small_inputs(n, dp, m, seed, wide):
     """balance() of a few hundred samples takes well under a second; 12 s means it never ends."""
