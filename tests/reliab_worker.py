@@ -80,6 +80,8 @@ def main(argv=None) -> int:
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds to wait after each step (gives a "
                    "killer time to aim at a step)")
     p.add_argument("--attempt", type=int, default=None, help="attempt number (default: torchrun's restart count)")
+    p.add_argument("--reshard", action="store_true", help="resume on another DP size (the intended interface: "
+                   "Trainer.maybe_resume(reshard=True))")
     args = p.parse_args(argv)
 
     import torch
@@ -108,22 +110,28 @@ def main(argv=None) -> int:
     trainer = Trainer(world=world, model=model, layout=layout, schedule=schedule, dataset=dataset, mode="omnibal",
                       num_microbatches=args.microbatches, lr=1e-3, buffer=buffer,
                       checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.every)
-    trainer.maybe_resume()
+    if args.reshard:
+        trainer.maybe_resume(reshard=True)
+    else:
+        trainer.maybe_resume()
     ledger.write(event="start", pid=os.getpid(), step=trainer.step, skipped=trainer.skipped_checkpoints,
                  num_steps=schedule.num_steps)
 
     step_fn, save_fn = trainer.train_step, trainer.save_checkpoint
 
-    def logged_step():
-        step = trainer.step
+    def guarded(fn, step):
         t0 = time.monotonic()
         try:
-            record = step_fn()
+            return fn()
         except Exception as exc:
             ledger.write(event="error", step=step, type=type(exc).__name__, message=str(exc),
                          elapsed=time.monotonic() - t0)
             print(f"rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
             os._exit(3)  # like a real job: the error is reported, the process ends (no teardown with dead peers)
+
+    def logged_step():
+        step = trainer.step
+        record = guarded(step_fn, step)
         if world.is_first_stage:
             ledger.write(event="step", step=step, dp_rank=world.dp_rank, samples=trainer.consumed[-1])
         if args.step_sleep:
@@ -131,7 +139,7 @@ def main(argv=None) -> int:
         return record
 
     def logged_save():
-        save_fn()
+        guarded(save_fn, trainer.step)
         ledger.write(event="checkpoint", step=trainer.step)
 
     trainer.train_step, trainer.save_checkpoint = logged_step, logged_save  # the real run() loop, observed

@@ -131,7 +131,6 @@ manifest_keys = st.sampled_from(["format", "step", "world", "model_id", "stage_l
 file_keys = st.sampled_from(["file", "stage", "bytes", "sha256", "params"])
 
 
-@pytest.mark.xfail(strict=True, reason=MANIFEST_FIX)
 @FUZZ_NO_SHRINK
 @given(edits=st.lists(st.one_of(
     st.tuples(st.just("top"), manifest_keys, json_any),
@@ -172,7 +171,6 @@ def test_adversarial_manifest_never_crashes_resume(tmp_path_factory, edits):
         assert found.path == ckpt.step_dir(root, 1) and found.skipped
 
 
-@pytest.mark.xfail(strict=True, reason=MANIFEST_FIX)
 @pytest.mark.parametrize("edit", ["file-entry-without-sha256", "file-entry-without-file", "file-entry-null-file",
                                   "sampler-null", "sampler-missing", "files-of-strings"])
 def test_malformed_manifest_is_skipped_as_corrupt(tmp_path, edit):
@@ -197,7 +195,6 @@ def test_malformed_manifest_is_skipped_as_corrupt(tmp_path, edit):
     assert found.path == ckpt.step_dir(tmp_path, 1) and len(found.skipped) == 1
 
 
-@pytest.mark.xfail(strict=True, reason=MANIFEST_FIX)
 def test_manifest_pointing_outside_the_checkpoint_is_refused(tmp_path):
     """A manifest whose file entry is ``../step_00000001/stage_0.pt`` (or absolute) must not make resume load
     another checkpoint's weights under this step's name."""

@@ -99,3 +99,18 @@ def test_not_json_and_missing_file(tmp_path):
         Plan.from_json("{oops", source="p.json")
     with pytest.raises(InputError, match="no such file"):
         Plan.load(tmp_path / "nope.json")
+
+
+def test_paper_figures_only_next_to_the_papers_model():
+    from omnibal.plan.ablation import AblationRow, ablation_markdown, with_speedups
+
+    rows = [AblationRow(name=n, data="d", partition="p", recompute="r", parts=(0, 1), num_checkpointed=0,
+                        num_steps=1, step_time_s=1.0, epoch_time_s=1.0, gpu_days=g, bubble=0.0,
+                        peak_memory_bytes=(1.0,), oom=False)
+            for n, g in (("baseline", 4.0), ("+ data balance", 2.0))]
+    ours = with_speedups(rows, "internvl-chat-1.5")
+    assert ours[1].speedup == 2.0 and ours[1].paper_gpu_days == 51.9
+    assert ours[1].paper_speedup == pytest.approx(61.8 / 51.9)
+    assert "paper GPU days" in ablation_markdown(ours)
+    other = with_speedups(rows, "tiny")
+    assert other[1].paper_gpu_days is None and "paper" not in ablation_markdown(other)

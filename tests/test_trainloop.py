@@ -260,3 +260,26 @@ def test_csr_fast_paths_agree_with_the_generic_loops():
     with pytest.raises(InputError, match="outside the dataset"):
         check_schedule(csr, dp_size=2, num_microbatches=3, num_samples=len(samples) - 1, source="csr")
     assert len(schedule_fingerprint(csr)) == 32
+
+
+@pytest.mark.parametrize("with_caps", [False, True])
+def test_cli_omnibal_mode_trains_a_schedule_file(tmp_path, with_caps):
+    """omnibal mode on a schedule JSON: the balancer's Schedule when it has caps, the plain reader without."""
+    from omnibal.cli import main
+    from omnibal.stats.io import load_stats
+    from omnibal.train.feed import load_schedule
+
+    stats_path = _stats_file(tmp_path)
+    stats = load_stats(stats_path)
+    doc = pack_schedule(stats, dp_size=1, num_microbatches=2, num_steps=2).to_dict()
+    if with_caps:
+        doc["caps"] = {"tiles": 12, "tokens": 4096}
+    sched_path = tmp_path / "sched.json"
+    sched_path.write_text(json.dumps(doc))
+    loaded = load_schedule(sched_path)
+    assert type(loaded).__name__ == ("Schedule" if with_caps else "IndexSchedule")
+    rc = main(["train", "--mode", "omnibal", "--stats", str(stats_path), "--schedule", str(sched_path), "--steps", "2",
+               "--microbatches", "2", "--summary-json", str(tmp_path / "sum.json"), "--quiet"])
+    assert rc == 0
+    doc = json.loads((tmp_path / "sum.json").read_text())
+    assert doc["summary"]["token_pad_ratio"] == 0 and doc["recompute"] == [[]]

@@ -77,7 +77,8 @@ def run(args: argparse.Namespace) -> int:
 
     stats = _load(args.stats, args.synthetic_samples)
     config = BalanceConfig(method=args.method, target_samples=args.target_samples, max_tiles=args.max_tiles,
-                           max_tokens=args.max_tokens, oversize=args.oversize, batch_size=args.batch_size)
+                           max_tokens=args.max_tokens, oversize=args.oversize, batch_size=args.batch_size,
+                           progress=sys.stderr.isatty() and not args.quiet)
     t0 = time.perf_counter()
     schedule = balance(stats, dp_size=args.dp_size, num_microbatches=args.num_microbatches, seed=args.seed,
                        epoch=args.epoch, config=config)

@@ -110,7 +110,26 @@ def run(args: argparse.Namespace) -> int:
     result = run_plan_job(config, progress=progress)
     plan = result.plan
     t_report = time.perf_counter()
-    files = write_job_outputs(result, args.out, timelines=not args.no_timelines)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=1 if args.no_timelines else 5, desc="writing report", leave=False,
+                   bar_format="{desc}: {n_fmt}/{total_fmt} pictures |{bar}| {elapsed}{postfix}")
+
+    def step(label: str) -> None:
+        if bar is not None:
+            if step.started:
+                bar.update(1)
+            step.started = True
+            bar.set_postfix_str(label)
+
+    step.started = False
+    try:
+        files = write_job_outputs(result, args.out, timelines=not args.no_timelines, progress=step)
+    finally:
+        if bar is not None:
+            bar.close()
     result.timings["report"] = round(time.perf_counter() - t_report, 3)
     (Path(args.out) / "ablation.json").write_text(json.dumps(
         {**json.loads((Path(args.out) / "ablation.json").read_text()), "timings": result.timings}, indent=2) + "\n")
@@ -121,7 +140,11 @@ def run(args: argparse.Namespace) -> int:
                 f"epoch x{result.epoch_scale:.2f} (--balance-samples all: every sample)")
     print(f"data: {p.stats_source}, {p.num_samples:,} samples{note}")
     print(f"memory budget: {p.memory_budget_bytes / 2**30:.1f} GiB per device\n")
-    print("Ablation (predicted; paper: OmniBal, 6B+20B on Megatron-DeepSpeed, measured on A100):")
+    if result.ablation[0].paper_gpu_days is not None:
+        print("Ablation (predicted by omnibal's simulator; paper: OmniBal's measured 6B+20B on Megatron-DeepSpeed, "
+              "A100; why they differ: docs/plan.md):")
+    else:
+        print("Ablation (predicted by omnibal's simulator):")
     print(ablation_markdown(result.ablation))
     print(f"\nPlan: {plan.prediction.step_time_s:.2f} s per step, {plan.prediction.gpu_days:.1f} GPU days per epoch, "
           f"bubble {plan.prediction.bubble:.1%}")
@@ -131,6 +154,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"Megatron-style layout: {ex['megatron']['pipeline_model_parallel_layout']}")
     print("\nBalance:")
     print(text_table(balance_rows(result.balance_metrics)))
-    print(f"\nwrote {files['plan']}, {files['report']} and {sum(1 for k in files if k not in ('plan', 'report', 'ablation'))} "
+    print(f"\nwrote {files['plan']}, {files['report']} and {sum(1 for k in files if k.startswith('png:'))} "
           f"PNGs into {args.out}/ ({time.perf_counter() - t0:.1f} s)")
     return 0

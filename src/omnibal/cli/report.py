@@ -31,5 +31,5 @@ def run(args: argparse.Namespace) -> int:
         path = path / "plan.json"
     files = render_report(path, args.out, ablation_path=args.ablation, simulate_path=args.simulate,
                           train_path=args.train)
-    print(f"wrote {files['report']} and {len(files) - 1} PNGs")
+    print(f"wrote {files['report']} and {sum(1 for k in files if k.startswith('png:'))} PNGs")
     return 0

@@ -53,7 +53,7 @@ _PRESETS: dict[str, ModelSpec] = {
                                projector_norm=False),
     # CPU model for tests and measured runs (see docs/cost.md): 112 px tiles of 8 x 8 patches (65 ViT tokens),
     # pixel shuffle 0.5 -> 16 LLM tokens per tile. Sized so that a micro-batch of ~4 InternVL-like samples
-    # (~12 tiles, ~1,100 LLM tokens after ModelSpec.sample_tokens) takes ~0.2 s forward+backward per stage of a
+    # (~12 tiles, ~1,100 LLM tokens after ModelSpec.sample_tokens) takes ~0.2-0.27 s forward+backward per stage of a
     # 2-stage split on one core, with the vision/LLM time ratio (~0.9) of InternViT-6B + InternLM2-20B.
     "tiny": ModelSpec(name="tiny", vision=TINY_VISION, llm=TINY_LLM, downsample_ratio=0.5),
 }

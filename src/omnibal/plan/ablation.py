@@ -75,17 +75,24 @@ class AblationRow:
         return out
 
 
-def with_speedups(rows: list[AblationRow]) -> list[AblationRow]:
-    """Fill ``speedup`` (vs the first row) and the paper's figures."""
+PAPER_MODEL = "internvl-chat-1.5"
+"""The model of the paper's ablation: its figures are shown only next to plans of this model."""
+
+
+def with_speedups(rows: list[AblationRow], model: str = PAPER_MODEL) -> list[AblationRow]:
+    """Fill ``speedup`` (vs the first row) and, for the paper's model, the paper's figures."""
     from dataclasses import replace
 
     base = rows[0].gpu_days
     return [replace(r, speedup=base / r.gpu_days if r.gpu_days > 0 else float("nan"),
-                    paper_gpu_days=PAPER_GPU_DAYS.get(r.name)) for r in rows]
+                    paper_gpu_days=PAPER_GPU_DAYS.get(r.name) if model == PAPER_MODEL else None) for r in rows]
 
 
-def ablation_markdown(rows: list[AblationRow], *, show_paper: bool = True) -> str:
-    """The ablation as a markdown table (what ``omnibal plan`` prints and the report embeds)."""
+def ablation_markdown(rows: list[AblationRow], *, show_paper: bool | None = None) -> str:
+    """The ablation as a markdown table (what ``omnibal plan`` prints and the report embeds); the paper's
+    columns appear when the rows carry its figures (``show_paper`` None)."""
+    if show_paper is None:
+        show_paper = any(r.paper_gpu_days is not None for r in rows)
     head = "| step | partition (cut points) | checkpointed layers | step time (s) | bubble | GPU days | speed-up |"
     sep = "| --- | --- | --- | --- | --- | --- | --- |"
     if show_paper:

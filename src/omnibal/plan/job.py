@@ -144,7 +144,7 @@ class _Phases:
             from tqdm import tqdm
 
             self.bar = tqdm(total=round(sum(weights.values()), 3), desc="omnibal plan", unit="", leave=False,
-                            bar_format="{desc}: {percentage:3.0f}%|{bar}| {elapsed} {postfix}")
+                            bar_format="{desc}: {percentage:3.0f}%|{bar}| {elapsed}{postfix}")
         self._name, self._t0 = None, time.perf_counter()
 
     def start(self, name: str, label: str) -> None:
@@ -350,7 +350,7 @@ def run_plan_job(config: PlanJobConfig, *, progress: bool = False, stats=None,
                 oom=bool(summary["oom_steps"])))
             row_plans[name] = (sp.parts, mask)
             row_results[name] = res
-        rows = with_speedups(rows)
+        rows = with_speedups(rows, spec.name)
     finally:
         phases.close()
 

@@ -134,10 +134,13 @@ def plot_ablation(rows: list[AblationRow], path: str | Path) -> Path:
     fig, ax = plt.subplots(figsize=(8, 3.8))
     ours = [r.gpu_days for r in rows]
     paper = [r.paper_gpu_days or 0.0 for r in rows]
-    ax.bar(x - 0.2, ours, width=0.4, color="#4C72B0", label="omnibal (predicted)")
-    ax.bar(x + 0.2, paper, width=0.4, color="#C44E52", label="OmniBal paper (measured)")
+    width = 0.4 if any(paper) else 0.6
+    ax.bar(x - (0.2 if any(paper) else 0.0), ours, width=width, color="#4C72B0", label="omnibal (predicted)")
+    if any(paper):
+        ax.bar(x + 0.2, paper, width=0.4, color="#C44E52", label="OmniBal paper (measured)")
     for i, r in enumerate(rows):
-        ax.text(i - 0.2, ours[i], f"{ours[i]:.1f}\n{r.speedup:.2f}x", ha="center", va="bottom", fontsize=7)
+        ax.text(i - (0.2 if any(paper) else 0.0), ours[i], f"{ours[i]:.1f}\n{r.speedup:.2f}x", ha="center",
+                va="bottom", fontsize=7)
         if r.paper_gpu_days:
             ax.text(i + 0.2, paper[i], f"{paper[i]:.1f}\n{r.paper_speedup:.2f}x", ha="center", va="bottom",
                     fontsize=7)
@@ -182,7 +185,7 @@ def plan_markdown(plan: Plan, ablation: list[AblationRow] | None, *, images: dic
              f"- parallelism: DP {inp.dp_size} x PP {inp.pp_size} x TP {inp.tp_size}, ZeRO-{inp.zero_stage}, "
              f"{inp.num_microbatches} micro-batches per step and rank",
              f"- memory budget per device: {_gib(inp.memory_budget_bytes)} GiB",
-             f"- data: {inp.stats_source} ({inp.num_samples} samples, fingerprint {inp.stats_fingerprint})",
+             f"- data: {inp.stats_source} ({inp.num_samples:,} samples, fingerprint {inp.stats_fingerprint})",
              f"- cost model: {'profile ' + inp.profile if inp.profile else 'analytic'}; omnibal {inp.omnibal_version}",
              f"- balancer: {plan.data.method}, caps {plan.data.settings.get('caps')}, "
              f"padding {plan.data.settings.get('padding')}",
@@ -191,8 +194,12 @@ def plan_markdown(plan: Plan, ablation: list[AblationRow] | None, *, images: dic
              f"**{pred.gpu_days:.1f} GPU days**, pipeline bubble {pred.bubble:.1%}"
              f"{', OUT OF MEMORY on some steps' if pred.oom else ''}.", ""]
     if ablation:
-        lines += ["## Ablation (predicted by the simulator, next to the paper's measurements)", "",
-                  ablation_markdown(ablation), ""]
+        paper = ablation[0].paper_gpu_days is not None
+        lines += ["## Ablation (predicted by the simulator" + (", next to the paper's measurements)" if paper else ")"),
+                  "", ablation_markdown(ablation), ""]
+        if paper:
+            lines += ["The paper measured a different dataset and baseline split; docs/plan.md explains each "
+                      "difference from the model (and the variants that reproduce the paper's steps).", ""]
         if "ablation" in images:
             lines += [f"![ablation]({images['ablation']})", ""]
     lines += ["## Stages", "", markdown_table(stage_rows(plan)), ""]
@@ -236,8 +243,10 @@ def plan_markdown(plan: Plan, ablation: list[AblationRow] | None, *, images: dic
     return "\n".join(lines)
 
 
-def write_job_outputs(result, out_dir: str | Path, *, timelines: bool = True) -> dict[str, Path]:
-    """Write plan.json, ablation.json, report.md and the PNGs of a :class:`PlanJobResult`."""
+def write_job_outputs(result, out_dir: str | Path, *, timelines: bool = True, progress=None) -> dict[str, Path]:
+    """Write plan.json, ablation.json, report.md and the PNGs of a :class:`PlanJobResult`.
+    ``progress(label)`` is called before each picture (for a progress bar)."""
+    progress = progress or (lambda label: None)
     from omnibal.sim.epoch import simulate_epoch, simulate_one_step
     from omnibal.sim.report import pick_ranks, plot_timeline
 
@@ -248,11 +257,13 @@ def write_job_outputs(result, out_dir: str | Path, *, timelines: bool = True) ->
                                                    "balance_metrics": result.balance_metrics,
                                                    "timings": result.timings}, indent=2) + "\n")
     files["ablation"] = out / "ablation.json"
+    progress("ablation and stage charts")
     images = {"ablation": plot_ablation(result.ablation, out / "ablation.png").name,
               "stages": plot_stages(result.plan, out / "stages.png", result.ablation).name}
     if timelines:
         for i, row in enumerate(result.ablation):
             parts, mask = result.row_plans[row.name]
+            progress(f"timeline: {row.name}")
             feats = result.features["baseline" if i == 0 else "balanced"]
             steps = result.row_step_times.get(row.name)
             if steps is None:
@@ -269,7 +280,7 @@ def write_job_outputs(result, out_dir: str | Path, *, timelines: bool = True) ->
     (out / "report.md").write_text(md)
     files["report"] = out / "report.md"
     for key, name in images.items():
-        files[key] = out / name
+        files[f"png:{key}"] = out / name
     return files
 
 
@@ -301,7 +312,7 @@ def render_report(plan_path: str | Path, out_dir: str | Path | None = None, *,
     md = plan_markdown(plan, ablation, images=images, balance_metrics=metrics, extra=extra, timings=timings)
     (out / "report.md").write_text(md)
     files = {"report": out / "report.md"}
-    files.update({k: out / v for k, v in images.items()})
+    files.update({f"png:{k}": out / v for k, v in images.items()})
     return files
 
 

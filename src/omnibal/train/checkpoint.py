@@ -123,6 +123,7 @@ def verify(path: Path) -> dict:
         raise InputError(f"unreadable manifest: {exc}", source=str(mpath)) from exc
     if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("files"), list):
         raise InputError(f"not an omnibal checkpoint manifest of format {FORMAT}", source=str(mpath), field="format")
+    _check_schema(doc, str(mpath))
     for rec in doc["files"]:
         fpath = path / rec["file"]
         if not fpath.is_file():
@@ -135,6 +136,48 @@ def verify(path: Path) -> dict:
             raise InputError("SHA-256 does not match the manifest (corrupt file)", source=str(fpath),
                              field="sha256")
     return doc
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_schema(doc: dict, source: str) -> None:
+    """Every field resuming reads, with its type; file names must be plain names inside the folder (a
+    manifest never makes resume read another checkpoint's or any other file)."""
+    def bad(msg: str, field: str) -> InputError:
+        return InputError(msg, source=source, field=field)
+
+    if not _is_int(doc.get("step")) or doc["step"] < 0:
+        raise bad(f"step must be an integer >= 0, got {doc.get('step')!r}", "step")
+    sampler = doc.get("sampler")
+    if not isinstance(sampler, dict) or not _is_int(sampler.get("next_step")) or sampler["next_step"] < 0:
+        raise bad(f"sampler must hold an integer next_step, got {sampler!r}", "sampler")
+    if not isinstance(doc.get("world"), dict) or not isinstance(doc.get("model_id"), str):
+        raise bad("world (object) and model_id (string) are required", "world")
+    if not isinstance(doc.get("stage_layers"), list):
+        raise bad("stage_layers must be a list", "stage_layers")
+    files = doc["files"]
+    if not files:
+        raise bad("lists no files", "files")
+    stages = []
+    for k, rec in enumerate(files):
+        if not isinstance(rec, dict):
+            raise bad(f"file entry {k} is not an object", "files")
+        name = rec.get("file")
+        if (not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name
+                or name == MANIFEST or Path(name).name != name):
+            raise bad(f"file entry {k}: {name!r} is not a file name inside the checkpoint folder", "file")
+        if not _is_int(rec.get("stage")) or not _is_int(rec.get("bytes")) or rec["bytes"] < 0:
+            raise bad(f"file entry {k}: stage and bytes must be integers", "files")
+        sha = rec.get("sha256")
+        if not isinstance(sha, str) or len(sha) != 64 or any(c not in "0123456789abcdef" for c in sha):
+            raise bad(f"file entry {k}: sha256 must be 64 hex digits", "sha256")
+        if not isinstance(rec.get("params"), list):
+            raise bad(f"file entry {k}: params must be a list", "params")
+        stages.append(rec["stage"])
+    if sorted(stages) != list(range(len(files))):
+        raise bad(f"stage files {sorted(stages)} are not one per stage 0..{len(files) - 1}", "files")
 
 
 def check_compatible(doc: dict, *, source: str, world: dict, model_id: str, stage_layers: list[list[int]]) -> None:

@@ -97,12 +97,26 @@ class IndexSchedule:
 
 
 def load_schedule(path: str | Path) -> ScheduleLike:
-    """The balancer's Schedule class when available (it validates more), else the plain JSON reader."""
+    """A schedule JSON: the balancer's ``Schedule`` when the file has caps (it validates more and keeps
+    its CSR arrays), else the plain reader (e.g. a hand-made schedule without caps)."""
     try:
-        from omnibal.data.balance.schedule import Schedule  # type: ignore
-    except ImportError:
-        return IndexSchedule.from_json(path)
-    return Schedule.from_json(Path(path))
+        doc = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise InputError(f"cannot read schedule: {exc}", source=str(path)) from exc
+    caps = doc.get("caps") if isinstance(doc, dict) else None
+    if isinstance(caps, dict) and "tiles" in caps and "tokens" in caps:
+        try:
+            from omnibal.data.balance.schedule import Schedule  # type: ignore
+        except ImportError:
+            pass
+        else:
+            try:
+                return Schedule.from_dict(doc, source=str(path))
+            except (TypeError, ValueError, KeyError) as exc:
+                if isinstance(exc, InputError):
+                    raise
+                raise InputError(f"malformed schedule: {exc}", source=str(path)) from exc
+    return IndexSchedule.from_dict(doc, source=str(path))
 
 
 def schedule_fingerprint(schedule: ScheduleLike) -> str:

@@ -48,6 +48,8 @@ class BalanceConfig:
     """ISF: a pack is full when its tokens reach Q_t - isf_threshold (the paper's Q_t')."""
     isf_search: bool = True
     """ISF without fixed caps: run its own argument search over (Q_v, Q_t)."""
+    progress: bool = False
+    """Show a progress bar (stderr) for long work (the ISF argument search)."""
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -72,6 +74,7 @@ class BalanceConfig:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["cost"] = self.cost.to_dict()
+        d.pop("progress")  # display only: not part of what a schedule depends on
         return d
 
 

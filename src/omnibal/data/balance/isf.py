@@ -19,6 +19,8 @@ packs and uses omnibal's per-step assignment instead. Samples over a cap follow 
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
 from omnibal.data.balance.assign import assign_sorted
@@ -107,25 +109,30 @@ def _score(tiles, tokens, order, offsets, qv, qt, dp_size) -> float:
     return pad + dist(blocks_v) + dist(blocks_t)
 
 
-def search_caps(tiles, tokens, *, dp_size, threshold, iterations, rng, target=(4.0, 5.0)):
+def search_caps(tiles, tokens, *, dp_size, threshold, iterations, rng, target=(4.0, 5.0), progress=False):
     """The reference's argument search: grow (Q_v, Q_t) together; among caps whose mean pack holds
     ``target`` samples, keep the lowest pad + vision dist + text dist. Returns (Q_v, Q_t, candidates tried)."""
     mean_v, mean_t = float(np.mean(tiles)), float(np.mean(tokens))
     per_tile = mean_t / max(mean_v, 1e-9)
     best, tried = None, 0
     qv0 = max(int(np.max(tiles)), int(target[0] * mean_v * 0.8))
-    for qv in range(qv0, max(qv0, int(target[1] * mean_v * 1.3)) + 1):
-        for grow in (1.0, 1.1, 1.2, 1.3):
-            qt = max(int(np.max(tokens)), int(round(qv * per_tile * grow / 128)) * 128)
-            order, offsets = isf_pack(tiles, tokens, max_tiles=qv, max_tokens=qt, threshold=threshold,
-                                      iterations=iterations, rng=np.random.default_rng(rng.integers(1 << 62)))
-            tried += 1
-            mean_samples = len(order) / max(len(offsets) - 1, 1)
-            if not target[0] <= mean_samples <= target[1]:
-                continue
-            s = _score(tiles, tokens, order, offsets, qv, qt, dp_size)
-            if best is None or s < best[0]:
-                best = (s, qv, qt)
+    grid = [(qv, grow) for qv in range(qv0, max(qv0, int(target[1] * mean_v * 1.3)) + 1)
+            for grow in (1.0, 1.1, 1.2, 1.3)]
+    if progress:
+        from tqdm import tqdm
+
+        grid = tqdm(grid, desc="ISF argument search", unit="caps", file=sys.stderr)
+    for qv, grow in grid:
+        qt = max(int(np.max(tokens)), int(round(qv * per_tile * grow / 128)) * 128)
+        order, offsets = isf_pack(tiles, tokens, max_tiles=qv, max_tokens=qt, threshold=threshold,
+                                  iterations=iterations, rng=np.random.default_rng(rng.integers(1 << 62)))
+        tried += 1
+        mean_samples = len(order) / max(len(offsets) - 1, 1)
+        if not target[0] <= mean_samples <= target[1]:
+            continue
+        s = _score(tiles, tokens, order, offsets, qv, qt, dp_size)
+        if best is None or s < best[0]:
+            best = (s, qv, qt)
     if best is None:  # nothing landed in the target: the caps nearest to it
         qv = max(int(np.max(tiles)), int(round(np.mean(target) * mean_v)))
         return qv, max(int(np.max(tokens)), int(round(qv * per_tile / 128 + 1)) * 128), tried
@@ -144,7 +151,8 @@ def balance_isf(stats, *, dp_size, num_microbatches, seed, epoch, config):
     elif config.isf_search:
         # the search is deterministic in seed only: the reference keeps its caps across epochs
         qv, qt, tried = search_caps(tiles, tokens, dp_size=dp_size, threshold=config.isf_threshold,
-                                    iterations=config.isf_iterations, rng=epoch_rng(seed, 0, stream=2))
+                                    iterations=config.isf_iterations, rng=epoch_rng(seed, 0, stream=2),
+                                    progress=config.progress)
     else:
         qv, qt = config.max_tiles or 9, config.max_tokens or 4096  # the reference's defaults
     qv = max(qv, int(tiles.max()) if len(tiles) else 1)
