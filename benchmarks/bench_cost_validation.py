@@ -45,7 +45,7 @@ def validation_packs(spec, num_packs: int, seed: int) -> list[tuple[int, tuple[i
     rng = np.random.default_rng(seed)
     order = rng.permutation(len(stats.tiles))
     tiles = stats.tiles[order].astype(np.int64)
-    tokens = spec.sample_tokens(tiles, stats.tokens[order])
+    tokens = spec.sample_tokens(tiles, stats.tokens[order], images=stats.images[order])
     packs, start = [], 0
     for k in range(num_packs):
         size = 1 + k % 6

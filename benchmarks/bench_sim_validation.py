@@ -62,7 +62,7 @@ def load_stats(num_samples: int, seed: int):
     stats = SampleStats.concat(parts, source="internvl-1.2m-stats(ai2d+chartqa)")
     rows = np.sort(np.random.default_rng(seed).choice(len(stats), size=num_samples, replace=False))
     stats = stats.take(rows)
-    tokens = spec.sample_tokens(np.where(stats.images > 0, stats.tiles, 0), stats.tokens)
+    tokens = spec.sample_tokens(stats.tiles, stats.tokens, images=stats.images)
     return SampleStats(tiles=stats.tiles, tokens=tokens, images=stats.images, keys=stats.keys,
                        source=f"{stats.source} subset {num_samples} seed {seed}, tokens for {MODEL}")
 

@@ -54,7 +54,7 @@ def load_subset(num_samples: int, seed: int):
 def model_units(stats, spec):
     from omnibal.stats.table import SampleStats
 
-    tokens = spec.sample_tokens(stats.tiles, stats.tokens).astype(np.int32)
+    tokens = spec.sample_tokens(stats.tiles, stats.tokens, images=stats.images).astype(np.int32)
     return SampleStats(tiles=stats.tiles, tokens=tokens, images=stats.images, keys=stats.keys, source=stats.source)
 
 

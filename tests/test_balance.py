@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
+import os
+import traceback
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
 
 from balance_helpers import assert_exactly_once, random_stats, real_stats
 from omnibal.cost.table import LayerCostTable, pack_features
 from omnibal.data.balance import DEFAULT_COST, BalanceConfig, BalanceCost, Schedule, balance
 from omnibal.data.balance.caps import choose_caps
+from omnibal.data.balance.packer import _deal
 from omnibal.data.metrics import schedule_metrics
 from omnibal.errors import InputError
 from omnibal.stats.table import SampleStats
@@ -156,3 +162,62 @@ def test_token_budget_only():
     f = sched.features(stats)
     assert sched.caps.tokens == 6000 and (f[..., 2] <= 6000).all() and (f[..., 1] <= sched.caps.tiles).all()
     assert_exactly_once(sched)
+
+
+# ------------------------------------------------------------------------------------ termination
+# A stalled dealing loop once hung balance() forever on a few hundred small samples (choose_caps ->
+# _trial_pad -> _deal). These properties need no time limit in the code under test to fail rather than hang:
+# _deal is checked in-process (it asserts its own round bound), balance() in a forked child with a deadline.
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(1, 150), p_frac=st.floats(0.0, 1.0), seed=st.integers(0, 2**32 - 1),
+       max_v=st.integers(1, 14), max_t=st.integers(1, 900), cap_v=st.integers(1, 40), cap_t=st.integers(1, 6000))
+def test_deal_places_every_sample_once_under_any_caps(n, p_frac, seed, max_v, max_t, cap_v, cap_t):
+    """Whatever the caps (also caps nothing fits), dealing ends and places every sample exactly once."""
+    rng = np.random.default_rng(seed)
+    v = rng.integers(0, max_v + 1, n).astype(np.float64)
+    t = v * 4 + rng.integers(1, max_t + 1, n)
+    p = 1 + int(p_frac * (n - 1))
+    slots = _deal(v, t, t, p, cap_v, cap_t, np.random.default_rng(seed))
+    assert slots.shape[0] == p
+    placed = slots[slots < n]
+    assert np.array_equal(np.sort(placed), np.arange(n))
+
+
+def _balance_in_child(stats, dp, m, seed, config) -> None:
+    """Runs in a forked child: exit 0 (scheduled, exactly once), 3 (a named InputError), 1 (anything else)."""
+    try:
+        sched = balance(stats, dp_size=dp, num_microbatches=m, seed=seed, config=config)
+        assert_exactly_once(sched)
+    except InputError:
+        os._exit(3)
+    except BaseException:
+        traceback.print_exc()
+        os._exit(1)
+    os._exit(0)
+
+
+# no shrinking: every hanging example costs the full deadline, so shrinking one would take many minutes
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow],
+          phases=[Phase.explicit, Phase.reuse, Phase.generate])
+@given(n=st.integers(1, 200), seed=st.integers(0, 10_000), dp=st.integers(1, 4), m=st.integers(1, 3),
+       max_v=st.integers(1, 6), max_text=st.sampled_from([24, 400, 2000]),
+       caps=st.one_of(st.none(), st.tuples(st.integers(2, 24), st.integers(64, 8000))))
+def test_balance_terminates_on_small_random_stats(n, seed, dp, m, max_v, max_text, caps):
+    """balance() of up to 200 samples takes well under a second; a child still running after 20 s is a hang."""
+    rng = np.random.default_rng(seed)
+    tiles = rng.integers(0, max_v + 1, n)
+    tokens = tiles * 4 + rng.integers(5, max_text, n)
+    stats = SampleStats.from_arrays(tiles=tiles, tokens=tokens, source="random")
+    config = BalanceConfig() if caps is None else BalanceConfig(max_tiles=caps[0], max_tokens=caps[1],
+                                                                oversize="own_pack")
+    child = multiprocessing.get_context("fork").Process(target=_balance_in_child,
+                                                        args=(stats, dp, m, seed, config))
+    child.start()
+    child.join(20)
+    if child.is_alive():
+        child.kill()
+        child.join()
+        pytest.fail(f"balance() of {n} samples at dp {dp} x {m} (caps {caps}) did not finish in 20 s")
+    ok = {0} if caps is None and n >= dp * m else {0, 3}  # fixed caps or too few samples may be refused
+    assert child.exitcode in ok, f"balance() failed in the child (exit {child.exitcode}); see its stderr"

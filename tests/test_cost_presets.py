@@ -55,13 +55,28 @@ def test_layer_counts_follow_the_chain():
 
 def test_sample_tokens_converts_statistics():
     tiny = get_model_preset("tiny")
-    tokens = tiny.sample_tokens(np.array([3, 1]), np.array([1000, 300]))
+    tokens = tiny.sample_tokens(np.array([3, 1]), np.array([1000, 300]), images=np.array([1, 2]))
     assert tokens.tolist() == [1000 - 240 * 3, 300 - 240]
     internvl = get_model_preset("internvl-chat-1.5")
-    assert internvl.sample_tokens([3], [1000]).tolist() == [1000]
+    assert internvl.sample_tokens([3], [1000], images=[1]).tolist() == [1000]
     with pytest.raises(InputError) as exc:
-        tiny.sample_tokens([4], [100])
+        tiny.sample_tokens([4], [100], images=[1])
     assert exc.value.field == "tokens" and exc.value.record == "index 0"
+
+
+def test_sample_tokens_keeps_text_only_rows_and_matches_stats_for_model():
+    """A text-only row's dummy tile has no image tokens: nothing to subtract (it used to go negative)."""
+    from omnibal.data.dataset import stats_for_model
+    from omnibal.stats.table import SampleStats
+
+    tiny = get_model_preset("tiny")
+    tiles, tokens, images = np.array([1, 3, 1, 2]), np.array([40, 900, 300, 600]), np.array([0, 1, 1, 2])
+    out = tiny.sample_tokens(tiles, tokens, images=images)
+    assert out.tolist() == [40, 900 - 3 * 240, 300 - 240, 600 - 2 * 240]
+    stats = SampleStats.from_arrays(tiles=tiles, tokens=tokens, images=images, source="s")
+    assert stats_for_model(stats, tiny.llm_tokens_per_tile).tokens.tolist() == out.tolist()
+    with pytest.raises(InputError, match="images"):
+        tiny.sample_tokens(tiles, tokens, images=images[:2])
 
 
 def test_spec_roundtrip_and_fingerprint():

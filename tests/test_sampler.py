@@ -109,3 +109,25 @@ def test_dataloader_with_two_workers():
     got = list(loader)
     assert got == expected
     assert np.isin(np.concatenate([np.array(g) for g in got]), np.arange(256)).all()
+
+
+def test_state_counts_trained_microbatches_not_prefetched_ones():
+    """mark_trained: the state records what the loop trained; a new iteration hands out the rest again."""
+    stats = random_stats(400, seed=4)
+    s = BalancedBatchSampler(stats, dp_rank=0, dp_size=2, num_microbatches=2)
+    full = list(BalancedBatchSampler(stats, dp_rank=0, dp_size=2, num_microbatches=2))
+    it = iter(s)
+    pulled = [next(it) for _ in range(7)]  # what a DataLoader with workers pulls ahead
+    assert s.state_dict()["consumed_microbatches"] == 7  # nothing reported: the handed-out count
+    s.mark_trained(2)  # one step of two micro-batches trained
+    s.mark_trained(2)
+    assert s.trained_microbatches == 4 and s.state_dict()["consumed_microbatches"] == 4
+    with pytest.raises(InputError, match="mark_trained"):
+        s.mark_trained(4)  # only 3 more were handed out
+    with pytest.raises(InputError, match="mark_trained"):
+        s.mark_trained(-1)
+    assert pulled == full[:7]
+    assert list(s) == full[4:]  # the 3 prefetched but untrained micro-batches come again
+    resumed = BalancedBatchSampler(stats, dp_rank=0, dp_size=2, num_microbatches=2)
+    resumed.load_state_dict({**s.state_dict(), "consumed_microbatches": 4})
+    assert list(resumed) == full[4:]

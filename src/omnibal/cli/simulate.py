@@ -165,7 +165,7 @@ def _stats(args, spec):
 
         stats = synthetic_internvl_mixture(_positive("samples", args.samples or 1_200_000), seed=args.seed)
     # a text-only row's dummy tile runs through the encoder but has no image tokens to re-count
-    tokens = spec.sample_tokens(np.where(stats.images > 0, stats.tiles, 0), stats.tokens)
+    tokens = spec.sample_tokens(stats.tiles, stats.tokens, images=stats.images)
     if (tokens != stats.tokens).any():
         stats = SampleStats(tiles=stats.tiles, tokens=tokens, images=stats.images, keys=stats.keys,
                             source=f"{stats.source} (tokens for {spec.name})")

@@ -23,6 +23,7 @@ from typing import Any, Literal
 import numpy as np
 
 from omnibal.errors import InputError
+from omnibal.stats.table import tokens_for_model
 
 LayerKind = Literal["vision_embed", "vision_block", "projector", "llm_embed", "llm_block", "lm_head"]
 LAYER_KINDS: tuple[str, ...] = ("vision_embed", "vision_block", "projector", "llm_embed", "llm_block", "lm_head")
@@ -161,22 +162,17 @@ class ModelSpec:
     def num_layers(self) -> int:
         return self.vision.num_layers + self.llm.num_layers + 4
 
-    def sample_tokens(self, tiles, tokens, *, source_tokens_per_tile: int = 256) -> np.ndarray:
+    def sample_tokens(self, tiles, tokens, *, images, source_tokens_per_tile: int = 256) -> np.ndarray:
         """LLM sequence lengths of samples under this model, from statistics that counted
         ``source_tokens_per_tile`` image tokens per tile (InternVL-1.5 statistics count 256).
 
-        The text part is kept; each tile contributes :attr:`llm_tokens_per_tile` instead. Presets with
-        256 tokens per tile return ``tokens`` unchanged; the ``tiny`` preset (16 per tile) shortens them.
+        The text part is kept; each tile of a row with ``images > 0`` contributes :attr:`llm_tokens_per_tile`
+        instead, and text-only rows (a dummy tile, no image tokens) keep their tokens. Presets with 256
+        tokens per tile return ``tokens`` unchanged; the ``tiny`` preset (16 per tile) shortens image rows.
+        (:func:`omnibal.stats.table.tokens_for_model`, which also serves ``stats_for_model``.)
         """
-        tiles = np.asarray(tiles, dtype=np.int64)
-        tokens = np.asarray(tokens, dtype=np.int64)
-        out = tokens + (self.llm_tokens_per_tile - int(source_tokens_per_tile)) * tiles
-        if out.size and out.min() < 0:
-            bad = int(np.argmin(out))
-            raise InputError(f"tokens {int(tokens.flat[bad])} < {source_tokens_per_tile} x tiles "
-                             f"{int(tiles.flat[bad])}: the statistics do not count {source_tokens_per_tile} "
-                             "image tokens per tile", source="tokens", record=bad, field="tokens")
-        return out
+        return tokens_for_model(tiles, tokens, images, tokens_per_tile=self.llm_tokens_per_tile,
+                                source_tokens_per_tile=source_tokens_per_tile)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-data form (JSON-able); :meth:`from_dict` inverts it."""

@@ -20,7 +20,7 @@ from torch.utils.data import Dataset
 
 from omnibal.data.collate import IGNORE_INDEX
 from omnibal.errors import InputError
-from omnibal.stats.table import SampleStats
+from omnibal.stats.table import SampleStats, tokens_for_model
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,17 +46,8 @@ def stats_for_model(stats: SampleStats, tokens_per_tile: int, *, source_tokens_p
     counted ``source_tokens_per_tile`` (InternVL-1.5: 256): the text is kept, each tile of a row with images
     contributes ``tokens_per_tile`` instead. Rows without images (a dummy tile, no image tokens) keep their
     tokens. Keys are kept, so the result still identifies the same samples."""
-    has_images = stats.images > 0
-    delta = (int(tokens_per_tile) - int(source_tokens_per_tile)) * stats.tiles.astype(np.int64) * has_images
-    tokens = stats.tokens.astype(np.int64) + delta
-    text = tokens - int(tokens_per_tile) * stats.tiles.astype(np.int64) * has_images
-    bad = np.flatnonzero(text < 1)
-    if len(bad):
-        i = int(bad[0])
-        raise InputError(f"{int(stats.tokens[i])} tokens leave no text after {int(stats.tiles[i])} tiles x "
-                         f"{source_tokens_per_tile} image tokens: the statistics do not count "
-                         f"{source_tokens_per_tile} per tile ({len(bad)} such rows)", source=stats.source, record=i,
-                         field="tokens")
+    tokens = tokens_for_model(stats.tiles, stats.tokens, stats.images, tokens_per_tile=tokens_per_tile,
+                              source_tokens_per_tile=source_tokens_per_tile, source=stats.source)
     return SampleStats(tiles=stats.tiles, tokens=tokens.astype(np.int32), images=stats.images, keys=stats.keys,
                        source=f"{stats.source} ({tokens_per_tile} tokens per tile)")
 

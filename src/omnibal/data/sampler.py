@@ -5,11 +5,19 @@ step 1, ... Every rank builds the same schedule from (stats, config, seed, epoch
 torch.distributed call, no communication -- and takes its own row of it. The DataLoader iterates the batch
 sampler in the main process and hands index lists to its workers, so workers need nothing from it.
 
-Resume: ``state_dict()`` records the epoch, the micro-batches this rank has consumed, and what the schedule
+Resume: ``state_dict()`` records the epoch, the micro-batches this rank has *trained*, and what the schedule
 depends on (stats fingerprint, dp_size, micro-batches per step, seed, config). ``load_state_dict`` refuses
 a state from other stats or another world layout with an InputError -- unless ``reshard=True``: then the
 samples the old world had not consumed yet are re-balanced deterministically for the new ``dp_size`` (the
 same remainder on every rank), and the epoch finishes on the new world exactly once per sample.
+
+Trained, not handed out: a DataLoader with workers pulls ``num_workers x prefetch_factor`` micro-batches
+ahead of the training loop, so the count the sampler has handed out runs ahead of what was trained, and a
+checkpoint of it would skip the prefetched micro-batches on resume. The training loop therefore reports
+what it finished with ``mark_trained(n)`` (e.g. ``n = num_microbatches`` after each optimizer step). Once
+it does, ``state_dict()`` records that count and a new iteration starts after the last trained
+micro-batch. A loop that never calls it gets the handed-out count, which is exact only with
+``num_workers=0`` (nothing is pulled ahead).
 """
 
 from __future__ import annotations
@@ -46,7 +54,9 @@ class BalancedBatchSampler:
         self.config = config or BalanceConfig()
         self._fingerprint = stats.fingerprint()
         self._epoch = int(epoch)
-        self._consumed = 0  # micro-batches of this rank consumed in the current epoch
+        self._issued = 0  # micro-batches of this rank handed out (to a DataLoader) in the current epoch
+        self._trained = 0  # ... of which the training loop reported trained (mark_trained)
+        self._tracking = False  # whether the training loop reports trained micro-batches at all
         self._remainder: dict | None = None  # set after a reshard: rows and layout of the rest of the epoch
         self._cache: tuple | None = None
 
@@ -75,9 +85,11 @@ class BalancedBatchSampler:
     # -- torch BatchSampler protocol ----------------------------------------------------------------
     def __iter__(self):
         stream = self._stream()
-        while self._consumed < len(stream):
-            mb = stream[self._consumed]
-            self._consumed += 1
+        if self._tracking:  # handed out but never trained (prefetched by an iterator now gone): again
+            self._issued = self._trained
+        while self._issued < len(stream):
+            mb = stream[self._issued]
+            self._issued += 1
             yield mb.tolist()
 
     def __len__(self) -> int:
@@ -91,13 +103,30 @@ class BalancedBatchSampler:
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch`` from its beginning (a new shuffle)."""
         if int(epoch) != self._epoch or self._remainder is not None:
-            self._consumed = 0
+            self._issued = self._trained = 0
         self._epoch = int(epoch)
         self._remainder = None
 
     # -- resume -------------------------------------------------------------------------------------
+    def mark_trained(self, num_microbatches: int = 1) -> None:
+        """Report that the training loop finished the next ``num_microbatches`` micro-batches it received
+        from this sampler (see the module docstring); from now on ``state_dict()`` records this count."""
+        n = int(num_microbatches)
+        if n < 0 or self._trained + n > self._issued:
+            raise InputError(f"{self._trained} of {self._issued} micro-batches handed out are trained; "
+                             f"{num_microbatches!r} more cannot be", source="mark_trained",
+                             field="num_microbatches")
+        self._tracking = True
+        self._trained += n
+
+    @property
+    def trained_microbatches(self) -> int:
+        """Micro-batches of the current epoch the state records: trained (reported by ``mark_trained``),
+        or handed out while the training loop reports nothing."""
+        return self._trained if self._tracking else self._issued
+
     def state_dict(self) -> dict:
-        return {"version": STATE_VERSION, "epoch": self._epoch, "consumed_microbatches": self._consumed,
+        return {"version": STATE_VERSION, "epoch": self._epoch, "consumed_microbatches": self.trained_microbatches,
                 "dp_size": self.dp_size, "num_microbatches": self.num_microbatches, "seed": self.seed,
                 "stats_fingerprint": self._fingerprint, "config_hash": _config_hash(self.config),
                 "remainder": self._remainder}
@@ -124,7 +153,7 @@ class BalancedBatchSampler:
         self._epoch = int(state["epoch"])
         self._remainder = state.get("remainder")
         if same_world:
-            self._consumed = int(state["consumed_microbatches"])
+            self._issued = self._trained = int(state["consumed_microbatches"])
             return
         # the old world's stream, rebuilt from the state alone, minus what it consumed
         old = BalancedBatchSampler(self.stats, dp_rank=0, dp_size=state["dp_size"],
@@ -145,4 +174,4 @@ class BalancedBatchSampler:
                              f"= {self.dp_size * self.num_microbatches}; start the next epoch instead",
                              source="state_dict", field="dp_size")
         self._remainder = {"rows": remaining.tolist()}
-        self._consumed = 0
+        self._issued = self._trained = 0

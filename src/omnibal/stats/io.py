@@ -24,13 +24,12 @@ bad records are dropped, counted and reported in a :class:`LoadReport` (and by a
 
 Speed: JSONL goes through pyarrow's multithreaded JSON reader when the file is well formed (a strict
 fast path whose result is checked: one row per line); anything it refuses is re-read line by line by the
-reference parser, which finds the exact bad spot. JSON lists are loaded whole with :mod:`json`.
+reference parser, which finds the exact bad spot. JSON lists are loaded whole with :mod:`json`. The JSON/JSONL
+parsing lives in :mod:`omnibal.stats.json_records`; range checks, parquet and writing are here.
 """
 
 from __future__ import annotations
 
-import json
-import math
 import os
 import re
 import tempfile
@@ -41,7 +40,17 @@ from pathlib import Path
 import numpy as np
 
 from omnibal.errors import InputError
-from omnibal.stats.table import MAX_IMAGES, MAX_TILES, MAX_TOKENS, SampleStats, hash_key, index_keys
+from omnibal.stats.json_records import (
+    OMNIBAL,
+    TOKEN_LENGTHS,
+    Columns,
+    decode_utf8,
+    is_utf8,
+    json_records,
+    jsonl_fast,
+    jsonl_records,
+)
+from omnibal.stats.table import MAX_IMAGES, MAX_TILES, MAX_TOKENS, SampleStats, index_keys
 
 FORMATS = ("jsonl", "json", "parquet", "token-lengths")
 ON_ERROR = ("raise", "skip")
@@ -49,7 +58,6 @@ ON_ERROR = ("raise", "skip")
 _EXTENSIONS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet", ".pq": "parquet"}
 # Kept in the report; the count covers all of them.
 MAX_REPORTED_ERRORS = 20
-_UINT64_MAX = (1 << 64) - 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,20 +88,6 @@ class LoadReport:
         return "\n".join(lines)
 
 
-class _Schema:
-    """Field names of a format; ``images_from_flags`` marks the token-length format."""
-
-    def __init__(self, tiles: str, tokens: str, images: str, *, images_from_flags: bool) -> None:
-        self.tiles, self.tokens, self.images = tiles, tokens, images
-        self.images_from_flags = images_from_flags
-
-    @property
-    def fields(self) -> tuple[str, str, str]:
-        return (self.tiles, self.tokens, self.images)
-
-
-_OMNIBAL = _Schema("tiles", "tokens", "images", images_from_flags=False)
-_TOKEN_LENGTHS = _Schema("vit_num", "token_num", "image_flags", images_from_flags=True)
 _LIMITS = {"tiles": (0, MAX_TILES), "tokens": (1, MAX_TOKENS), "images": (0, MAX_IMAGES)}
 
 
@@ -111,7 +105,7 @@ def detect_format(path: str | os.PathLike) -> str:
         with open(p, "rb") as f:
             head = f.read(4096)
         m = re.match(rb'\s*\[\s*\{\s*"([^"\\]*)"', head)
-        if m and m.group(1).decode("utf-8", "replace") in _TOKEN_LENGTHS.fields:
+        if m and m.group(1).decode("utf-8", "replace") in TOKEN_LENGTHS.fields:
             return "token-lengths"
     return fmt
 
@@ -143,10 +137,10 @@ def read_stats(
         if not data.strip():
             raise InputError("empty file: no records", source=source)
         if fmt == "jsonl":
-            cols = (_is_utf8(data) and _jsonl_fast(data, source)) or _jsonl_records(data, source, on_error)
+            cols = (is_utf8(data) and jsonl_fast(data, source)) or jsonl_records(data, source, on_error)
         else:
-            schema = _TOKEN_LENGTHS if fmt == "token-lengths" else _OMNIBAL
-            cols = _json_records(_decode_utf8(data, source), source, schema, on_error)
+            schema = TOKEN_LENGTHS if fmt == "token-lengths" else OMNIBAL
+            cols = json_records(decode_utf8(data, source), source, schema, on_error)
     return _finish(cols, source, fmt, on_error)
 
 
@@ -210,231 +204,7 @@ def _write_parquet(stats: SampleStats, path: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------ reading
-class _Columns:
-    """Parsed records: int64 columns, keys, per-row locators, and rows already known bad."""
-
-    def __init__(self, *, schema: _Schema, num_records: int, tiles, tokens, images, keys, locate, errors) -> None:
-        self.schema = schema
-        self.num_records = num_records
-        self.tiles, self.tokens, self.images, self.keys = tiles, tokens, images, keys
-        self.locate = locate  # row -> "line N" / index
-        self.errors: dict[int, InputError] = errors  # row -> first error (structure / type)
-
-
-def _decode_utf8(data: bytes, source: str) -> str:
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = data.count(b"\n", 0, exc.start) + 1
-        raise InputError(f"not UTF-8 text (byte {exc.start})", source=source, record=f"line {line}") from None
-
-
-def _is_utf8(data: bytes) -> bool:
-    try:
-        data.decode("utf-8")
-    except UnicodeDecodeError:
-        return False
-    return True
-
-
-def _json_error(exc: Exception, source: str, line_offset: int = 0) -> InputError:
-    if isinstance(exc, json.JSONDecodeError):
-        return InputError(
-            f"malformed JSON: {exc.msg} (column {exc.colno})", source=source, record=f"line {exc.lineno + line_offset}"
-        )
-    if isinstance(exc, RecursionError):
-        return InputError("malformed JSON: nested too deeply", source=source)
-    return InputError(f"malformed JSON: {exc}", source=source)
-
-
-def _jsonl_fast(data: bytes, source: str) -> _Columns | None:
-    """pyarrow's JSON reader on a clean file; ``None`` sends the file to the line-by-line reader.
-
-    Accepted only when every line is a non-blank record and pyarrow returns exactly one row per line (it
-    would otherwise read two objects on one line as two rows), all four fields are present and integer.
-    """
-    import pyarrow as pa
-    import pyarrow.json as pj
-
-    raw = np.frombuffer(data, dtype=np.uint8)
-    starts = np.flatnonzero(raw == ord("\n")) + 1
-    starts = np.concatenate([[0], starts[starts < len(raw)]])
-    num_lines = len(starts)
-    # every line must open a record at its first byte: no blank lines (line numbers stay exact) and, with
-    # the row count checked below, no line that pyarrow could split into two rows
-    if num_lines < 1000 or not (raw[starts] == ord("{")).all():
-        return None
-    schema = pa.schema([("key", pa.uint64()), ("tiles", pa.int64()), ("tokens", pa.int64()), ("images", pa.int64())])
-    opts = pj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore")
-    try:
-        table = pj.read_json(pa.BufferReader(data), parse_options=opts)
-    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, ValueError):
-        return None
-    if table.num_rows != num_lines:
-        return None
-    cols = {}
-    for name in ("tiles", "tokens", "images"):
-        col = table.column(name)
-        if col.null_count:
-            return None
-        cols[name] = col.to_numpy().astype(np.int64, copy=False)
-    key_col = table.column("key")
-    if key_col.null_count == 0:
-        keys = key_col.to_numpy()
-    elif key_col.null_count == table.num_rows:
-        keys = index_keys(Path(source).name, table.num_rows)
-    else:
-        return None
-    return _Columns(
-        schema=_OMNIBAL, num_records=table.num_rows, keys=np.asarray(keys, dtype=np.uint64),
-        locate=lambda i: f"line {i + 1}", errors={}, **cols,
-    )  # fmt: skip
-
-
-def _jsonl_records(data: bytes, source: str, on_error: str) -> _Columns:
-    """The reference JSONL reader: one ``json.loads`` per non-blank line."""
-    records, lines, errors = [], [], {}
-    for lineno, raw_line in enumerate(data.split(b"\n"), start=1):
-        if not raw_line.strip():
-            continue
-        try:
-            records.append(json.loads(raw_line.decode("utf-8")))
-        except UnicodeDecodeError as exc:
-            err = InputError(f"not UTF-8 text (byte {exc.start} of the line)", source=source, record=f"line {lineno}")
-        except (ValueError, RecursionError) as exc:
-            err = _json_error(exc, source, lineno - 1)
-        else:
-            lines.append(lineno)
-            continue
-        if on_error == "raise":
-            raise err from None
-        errors[len(records)] = err
-        records.append(None)
-        lines.append(lineno)
-    if not records:
-        raise InputError("no records", source=source)
-    return _columns_from_records(records, source, _OMNIBAL, lambda i: f"line {lines[i]}", errors)
-
-
-def _json_records(text: str, source: str, schema: _Schema, on_error: str) -> _Columns:
-    try:
-        records = json.loads(text)
-    except (ValueError, RecursionError) as exc:
-        raise _json_error(exc, source) from None  # a broken list has no records to skip to
-    if not isinstance(records, list):
-        raise InputError(f"expected a JSON list of records, got {type(records).__name__}", source=source)
-    if not records:
-        raise InputError("no records (empty list)", source=source)
-    return _columns_from_records(records, source, schema, lambda i: i, {})
-
-
-def _columns_from_records(records: list, source: str, schema: _Schema, locate, errors: dict) -> _Columns:
-    n = len(records)
-    fast = None if errors else _records_fast(records, schema)
-    if fast is not None:
-        tiles, tokens, images, raw_keys = fast
-    else:
-        tiles, tokens, images = (np.zeros(n, np.int64) for _ in range(3))
-        raw_keys = [None] * n
-        for i, rec in enumerate(records):
-            if i in errors:
-                continue
-            try:
-                tiles[i], tokens[i], images[i], raw_keys[i] = _record_values(rec, schema)
-            except _FieldError as exc:
-                errors[i] = InputError(exc.message, source=source, record=locate(i), field=exc.field)
-    keys = _keys(raw_keys, source, n)
-    return _Columns(schema=schema, num_records=n, tiles=tiles, tokens=tokens, images=images, keys=keys,
-                    locate=locate, errors=errors)  # fmt: skip
-
-
-def _records_fast(records: list, schema: _Schema):
-    """Columns by whole-list passes when every record is a dict of plain ints; ``None`` otherwise."""
-    if not all(type(r) is dict for r in records):
-        return None
-    out = []
-    for name in schema.fields:
-        try:
-            vals = [r[name] for r in records]
-        except KeyError:
-            return None
-        if set(map(type, vals)) != {int}:
-            return None
-        try:
-            out.append(np.array(vals, dtype=np.int64))
-        except OverflowError:
-            return None
-    if schema.images_from_flags:
-        raw_keys = [None] * len(records)
-    else:
-        raw_keys = [r.get("key") for r in records]
-        if not set(map(type, raw_keys)) <= {int, str, type(None)}:
-            return None
-        int_keys = [k for k in raw_keys if type(k) is int]
-        if int_keys and not (min(int_keys) >= 0 and max(int_keys) <= _UINT64_MAX):
-            return None
-    return (*out, raw_keys)
-
-
-class _FieldError(Exception):
-    def __init__(self, message: str, field: str | None = None) -> None:
-        self.message, self.field = message, field
-
-
-def _record_values(rec, schema: _Schema):
-    if not isinstance(rec, dict):
-        raise _FieldError(f"expected a JSON object, got {type(rec).__name__}")
-    values = []
-    for name in schema.fields:
-        if name not in rec:
-            raise _FieldError("missing", name)
-        values.append(_as_int(rec[name], name))
-    key = None
-    if not schema.images_from_flags and "key" in rec:
-        key = rec["key"]
-        if isinstance(key, bool) or not isinstance(key, (int, str)):
-            raise _FieldError(f"must be an integer or a string id, got {_show(key)}", "key")
-        if isinstance(key, int) and not 0 <= key <= _UINT64_MAX:
-            raise _FieldError(f"integer key must be in [0, 2**64), got {_show(key)}", "key")
-    return (*values, key)
-
-
-def _as_int(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _FieldError(f"must be an integer, got {_show(value)}", name)
-    if isinstance(value, float):
-        if not math.isfinite(value) or value != int(value):
-            raise _FieldError(f"must be a whole number, got {value!r}", name)
-        value = int(value)
-    if not -(1 << 62) <= value <= (1 << 62):
-        raise _FieldError(f"absurd value {_show(value)}", name)
-    return value
-
-
-def _show(value) -> str:
-    text = repr(value) if not isinstance(value, int) or value.bit_length() < 200 else f"<{value.bit_length()}-bit int>"
-    text = text if len(text) <= 60 else text[:57] + "..."
-    return f"{text} ({type(value).__name__})"
-
-
-def _keys(raw_keys: list, source: str, n: int) -> np.ndarray:
-    kinds = set(map(type, raw_keys))
-    if kinds == {int}:
-        return np.array(raw_keys, dtype=np.uint64)
-    keys = index_keys(Path(source).name, n)
-    if kinds == {type(None)}:
-        return keys
-    for i, k in enumerate(raw_keys):
-        if isinstance(k, bool):
-            continue
-        if isinstance(k, int) and 0 <= k <= _UINT64_MAX:
-            keys[i] = k
-        elif isinstance(k, str):
-            keys[i] = hash_key(k)
-    return keys
-
-
-def _read_parquet(source: str) -> _Columns:
+def _read_parquet(source: str) -> Columns:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -469,11 +239,11 @@ def _read_parquet(source: str) -> _Columns:
             cols[name] = arr.astype(np.int64)
     if "keys" not in cols:
         cols["keys"] = index_keys(Path(source).name, table.num_rows)
-    return _Columns(schema=_OMNIBAL, num_records=table.num_rows, locate=lambda i: i, errors={}, **cols)
+    return Columns(schema=OMNIBAL, num_records=table.num_rows, locate=lambda i: i, errors={}, **cols)
 
 
 # ------------------------------------------------------------------------------------------ checking
-def _value_errors(cols: _Columns, source: str) -> np.ndarray:
+def _value_errors(cols: Columns, source: str) -> np.ndarray:
     """Vectorised range and consistency checks; records the first reason per bad row in ``cols.errors``."""
     s = cols.schema
     n = cols.num_records
@@ -498,7 +268,7 @@ def _value_errors(cols: _Columns, source: str) -> np.ndarray:
     return bad
 
 
-def _note(cols: _Columns, rows: np.ndarray, reason) -> None:
+def _note(cols: Columns, rows: np.ndarray, reason) -> None:
     idx = np.flatnonzero(rows)
     # only the earliest rows need a message: raise reports the first, skip reports the first few
     for i in idx[: MAX_REPORTED_ERRORS + 1].tolist():
@@ -506,7 +276,7 @@ def _note(cols: _Columns, rows: np.ndarray, reason) -> None:
         cols.errors.setdefault(i, InputError(msg, source=cols.source_name, record=cols.locate(i), field=name))
 
 
-def _finish(cols: _Columns, source: str, fmt: str, on_error: str) -> tuple[SampleStats, LoadReport]:
+def _finish(cols: Columns, source: str, fmt: str, on_error: str) -> tuple[SampleStats, LoadReport]:
     cols.source_name = source
     bad = _value_errors(cols, source)
     num_bad = int(bad.sum())

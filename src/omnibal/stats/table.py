@@ -178,6 +178,33 @@ class SampleStats:
         return h.hexdigest()
 
 
+def tokens_for_model(tiles, tokens, images, *, tokens_per_tile: int, source_tokens_per_tile: int = 256,
+                     source: str = "tokens") -> np.ndarray:
+    """LLM sequence lengths (int64) under a model with ``tokens_per_tile`` image tokens per tile, from
+    statistics that counted ``source_tokens_per_tile`` (InternVL-1.5: 256).
+
+    The text part is kept; each tile of a row *with images* contributes ``tokens_per_tile`` instead. A
+    text-only row (``images == 0``) keeps its tokens: its dummy tile runs through the vision encoder but puts
+    no image tokens into the sequence. Raises InputError when a row with images would keep no text token
+    (the statistics then do not count ``source_tokens_per_tile`` per tile)."""
+    tiles = np.asarray(tiles, dtype=np.int64)
+    tokens = np.asarray(tokens, dtype=np.int64)
+    has_images = np.asarray(images) > 0
+    if not tiles.shape == tokens.shape == has_images.shape:
+        raise InputError(f"tiles {tiles.shape}, tokens {tokens.shape} and images {has_images.shape} differ in "
+                         "shape", source=source, field="images")
+    image_tiles = tiles * has_images
+    text = tokens - int(source_tokens_per_tile) * image_tiles
+    bad = np.flatnonzero(text < 1)
+    if len(bad):
+        i = int(bad[0])
+        raise InputError(f"{int(tokens.flat[i])} tokens leave no text after {int(tiles.flat[i])} tiles x "
+                         f"{source_tokens_per_tile} image tokens: the statistics do not count "
+                         f"{source_tokens_per_tile} per tile ({len(bad)} such rows)", source=source, record=i,
+                         field="tokens")
+    return text + int(tokens_per_tile) * image_tiles
+
+
 def _as_int_column(values, name: str, dtype, source: str) -> np.ndarray:
     arr = np.asarray(values)
     if arr.dtype.kind == "f":

@@ -285,6 +285,10 @@ class Trainer:
         return {"dp_size": self.world.dp_size, "pp_size": self.world.pp_size}
 
     def sampler_state(self) -> dict:
+        """The data position a checkpoint records: the next step, i.e. the steps *trained* so far. Stage 0
+        reads a step's micro-batches from the schedule inside that step (no DataLoader prefetching ahead)
+        and ``self.step`` advances only after the optimizer step, so nothing fetched-but-untrained is
+        counted (unlike a sampler behind a DataLoader with workers; see ``BalancedBatchSampler.mark_trained``)."""
         return {"next_step": self.step, "schedule_fingerprint": self.schedule_id}
 
     def save_checkpoint(self) -> None:

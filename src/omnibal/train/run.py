@@ -31,7 +31,8 @@ def load_training_stats(cfg: TrainConfig, spec):
     if cfg.max_samples is not None and cfg.max_samples < len(stats):
         rows = np.sort(np.random.default_rng(cfg.seed).choice(len(stats), cfg.max_samples, replace=False))
         stats = stats.take(rows)
-    tokens = spec.sample_tokens(stats.tiles, stats.tokens, source_tokens_per_tile=cfg.stats_tokens_per_tile)
+    tokens = spec.sample_tokens(stats.tiles, stats.tokens, images=stats.images,
+                                source_tokens_per_tile=cfg.stats_tokens_per_tile)
     return SampleStats(tiles=stats.tiles, tokens=tokens.astype(np.int32), images=stats.images, keys=stats.keys,
                        source=stats.source)
 

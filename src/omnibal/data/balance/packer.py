@@ -59,6 +59,9 @@ class _Packs:
         pair: a single swap/move (``group=1``; moves go through an empty slot) or a swap of up to two
         samples against up to two (``group=2``). Returns (gain [h], slots sent by a [h, g], slots sent by
         b [h, g]); gain <= 0 means no improving exchange."""
+        if len(a) == 0:  # no pair to try (e.g. no active pair in a pass): nothing to reduce over
+            empty = np.zeros((0, group), np.int64)
+            return np.zeros(0), empty, empty.copy()
         both = np.unique(np.concatenate([a, b]))
         # only the occupied slots plus one free one matter: compact the rows of these packs
         self.slots[both] = np.sort(self.slots[both], axis=1)  # the empty marker n sorts last
@@ -179,7 +182,13 @@ def _deal(v, t, lc, p, max_tiles, max_tokens, rng) -> np.ndarray:
     pending = np.zeros(0, dtype=np.int64)
     nxt = 0
     force = False
+    # Progress: a round places a sample, or reads a new one, or (placing and reading nothing) forces the
+    # next round, which places everything it holds. So there are at most 3n rounds; asserted below.
+    max_rounds = 3 * n + 3
+    rounds = 0
     while nxt < n or len(pending):
+        rounds += 1
+        assert rounds <= max_rounds, f"_deal made no progress in {max_rounds} rounds ({n} samples, {p} packs)"
         take = p - len(pending)
         items = np.concatenate([pending, order[nxt:nxt + take]])
         nxt += max(take, 0)
@@ -199,8 +208,11 @@ def _deal(v, t, lc, p, max_tiles, max_tokens, rng) -> np.ndarray:
             load_t[packs] += t[placed]
             load_l[packs] += lc[placed]
         pending = items[~fits]
-        # nothing (or almost nothing) fits any more once the pool is dealt: place the rest, repair later
-        force = nxt >= n and len(packs) <= max(len(items) // 20, 0)
+        # nothing (or almost nothing) fits any more once the pool is dealt: place the rest, repair later.
+        # The same when a round places nothing while the pending samples fill every pack slot: no new
+        # sample can enter the next round, so without forcing it would be this round again, forever.
+        stalled = len(packs) == 0 and len(pending) >= p
+        force = stalled or (nxt >= n and len(packs) <= max(len(items) // 20, 0))
     need = int(count.max()) + 3  # keep free slots so samples can move between packs
     if slots.shape[1] < need:
         slots = np.concatenate([slots, np.full((p, need - slots.shape[1]), n, dtype=np.int64)], axis=1)
