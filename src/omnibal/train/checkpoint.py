@@ -189,8 +189,8 @@ def check_compatible(doc: dict, *, source: str, world: dict, model_id: str, stag
         pass
     elif other != world:
         raise InputError(f"checkpoint was written by world {doc.get('world')}, this run is {world}; resume with "
-                         f"the same dp x pp, or pass reshard=True (`omnibal train --resume --reshard`) to re-balance the rest of "
-                         f"the epoch for another dp size", source=source, field="world")
+                         f"the same dp x pp, or pass reshard=True (`omnibal train --resume --reshard`) to "
+                         f"re-balance the rest of the epoch for another dp size", source=source, field="world")
     if doc.get("model_id") != model_id:
         raise InputError(f"checkpoint is of model {doc.get('model_id')!r}, this run trains {model_id!r}",
                          source=source, field="model_id")
