@@ -10,7 +10,7 @@ Promises (docs/guarantees.md):
 * bounded failure: when a peer dies or stops responding, the other ranks exit within the configured timeout
   with a message that names the rank, the step and the cause; never an endless hang;
 * resume on another world: refused with a clear error (the trainer's schedule is per world), unless the
-  trainer re-shards (not built yet: xfail).
+  trainer re-shards (``maybe_resume(reshard=True)``): then the rest of the epoch is trained exactly once.
 """
 
 from __future__ import annotations
@@ -169,14 +169,6 @@ def test_resume_on_another_dp_size_is_refused_with_a_clear_error(tmp_path):
     assert not [e for e in read_ledger(ledger) if e["attempt"] == 1 and e["event"] == "step"]
 
 
-RESHARD_FIX = ("dist + balance areas: the trainer resumes only on the world that wrote the checkpoint (its schedule is "
-               "fixed per dp_size). BalancedBatchSampler.load_state_dict(reshard=True) already re-balances the rest "
-               "of an epoch for another dp_size; the trainer should accept Trainer.maybe_resume(reshard=True) (and "
-               "`omnibal train --resume --reshard`), rebuild its schedule from the samples the old world had not "
-               "trained, and load the per-stage weights (same pp) into the new DP size.")
-
-
-@pytest.mark.xfail(strict=True, reason=RESHARD_FIX)
 def test_resume_on_another_dp_size_reshards_the_rest_of_the_epoch(tmp_path):
     ledger = tmp_path / "ledger"
     procs = start_ranks(2, worker_args(dp=2, checkpoint_dir=tmp_path / "ckpt", ledger=ledger, steps=2),

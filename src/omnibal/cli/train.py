@@ -56,6 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--checkpoint-dir", help="folder of step checkpoints (shared by all ranks)")
     o.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: at the end)")
     o.add_argument("--resume", action="store_true", help="continue from the newest valid checkpoint")
+    o.add_argument("--reshard", action="store_true", help="with --resume: accept a checkpoint written with another "
+                   "dp size (same pp and stage layers) and re-balance the rest of its epoch for this one")
     o.add_argument("--quiet", action="store_true", help="no progress bar, no summary table")
 
 
@@ -74,7 +76,7 @@ def config_from_args(args: argparse.Namespace):
         max_samples=args.max_samples, stats_tokens_per_tile=args.stats_tokens_per_tile,
         baseline_batch_size=args.baseline_batch_size, num_steps=args.num_steps, lr=args.lr, seed=args.seed,
         device=args.device, timeout_s=args.timeout_s, torch_threads=args.torch_threads,
-        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, resume=args.resume,
+        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, resume=args.resume, reshard=args.reshard,
         log_path=args.log_path, summary_path=args.summary_path, quiet=args.quiet)
 
 

@@ -180,11 +180,17 @@ def _check_schema(doc: dict, source: str) -> None:
         raise bad(f"stage files {sorted(stages)} are not one per stage 0..{len(files) - 1}", "files")
 
 
-def check_compatible(doc: dict, *, source: str, world: dict, model_id: str, stage_layers: list[list[int]]) -> None:
-    """Refuse a valid checkpoint made for another world, model or stage layout."""
-    if doc.get("world") != world:
+def check_compatible(doc: dict, *, source: str, world: dict, model_id: str, stage_layers: list[list[int]],
+                     any_dp_size: bool = False) -> None:
+    """Refuse a valid checkpoint made for another world, model or stage layout (``any_dp_size``: accept
+    another DP size with the same pp size, for a resume that re-shards the data)."""
+    other = doc.get("world")
+    if any_dp_size and isinstance(other, dict) and other.get("pp_size") == world.get("pp_size"):
+        pass
+    elif other != world:
         raise InputError(f"checkpoint was written by world {doc.get('world')}, this run is {world}; resume with "
-                         f"the same dp x pp", source=source, field="world")
+                         f"the same dp x pp, or pass reshard=True (`omnibal train --resume --reshard`) to "
+                         f"re-balance the rest of the epoch for another dp size", source=source, field="world")
     if doc.get("model_id") != model_id:
         raise InputError(f"checkpoint is of model {doc.get('model_id')!r}, this run trains {model_id!r}",
                          source=source, field="model_id")
@@ -201,7 +207,8 @@ def list_steps(root: str | Path) -> list[int]:
     return sorted(steps)
 
 
-def find_latest_valid(root: str | Path, *, world: dict, model_id: str, stage_layers: list[list[int]]) -> Found:
+def find_latest_valid(root: str | Path, *, world: dict, model_id: str, stage_layers: list[list[int]],
+                      any_dp_size: bool = False) -> Found:
     """Newest checkpoint whose files match their manifest; corrupt ones are skipped (and listed).
 
     A valid checkpoint that is incompatible with this run raises InputError instead of being skipped.
@@ -214,7 +221,8 @@ def find_latest_valid(root: str | Path, *, world: dict, model_id: str, stage_lay
         except InputError as exc:
             found.skipped.append(f"skipped corrupt checkpoint: {exc}")
             continue
-        check_compatible(doc, source=str(path), world=world, model_id=model_id, stage_layers=stage_layers)
+        check_compatible(doc, source=str(path), world=world, model_id=model_id, stage_layers=stage_layers,
+                         any_dp_size=any_dp_size)
         found.path, found.manifest = path, doc
         return found
     return found

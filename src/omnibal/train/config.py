@@ -73,6 +73,8 @@ class TrainConfig:
     """Write a checkpoint every this many steps (0: only at the end when checkpoint_dir is set)."""
     resume: bool = False
     """Continue from the newest valid checkpoint in checkpoint_dir."""
+    reshard: bool = False
+    """With resume: accept a checkpoint of another dp size (same pp) and re-balance the rest of its epoch."""
     log_path: str | None = None
     """JSONL metrics log (one line per step, written by global rank 0)."""
     summary_path: str | None = None
@@ -112,6 +114,8 @@ class TrainConfig:
             raise InputError(f"must be >= 1, got {self.max_samples}", source=src, field="max_samples")
         if self.resume and not self.checkpoint_dir:
             raise InputError("resume needs checkpoint_dir", source=src, field="resume")
+        if self.reshard and not self.resume:
+            raise InputError("reshard applies to a resume: pass resume too", source=src, field="reshard")
 
     @property
     def world_size(self) -> int:

@@ -80,6 +80,8 @@ class Trainer:
         self.step = 0
         """Steps completed (the next step to run)."""
         self.skipped_checkpoints: list[str] = []
+        self.resharded = False
+        """Whether :meth:`maybe_resume` replaced the schedule by the re-balanced rest of another world's epoch."""
 
         layer_names = [spec.name for spec, _ in model.chain()]
         if layout.ranges[-1][1] != len(layer_names) or len(layout.ranges) != world.pp_size:
@@ -255,6 +257,8 @@ class Trainer:
     def run(self, num_steps: int, *, warmup: int = 1) -> dict:
         """Train until ``num_steps`` steps are done in total (resumed ones count); returns the summary
         (on global rank 0; an empty dict elsewhere)."""
+        if self.resharded:  # the new world's epoch has its own length: end with it
+            num_steps = min(num_steps, self.schedule.num_steps)
         if num_steps > self.schedule.num_steps:
             raise InputError(f"{num_steps} steps requested but the schedule has {self.schedule.num_steps}",
                              source=getattr(self.schedule, "source", "schedule"), field="num_steps")
@@ -289,7 +293,13 @@ class Trainer:
         reads a step's micro-batches from the schedule inside that step (no DataLoader prefetching ahead)
         and ``self.step`` advances only after the optimizer step, so nothing fetched-but-untrained is
         counted (unlike a sampler behind a DataLoader with workers; see ``BalancedBatchSampler.mark_trained``)."""
-        return {"next_step": self.step, "schedule_fingerprint": self.schedule_id}
+        from omnibal.train.reshard import balance_record
+
+        state = {"next_step": self.step, "schedule_fingerprint": self.schedule_id}
+        record = balance_record(self.schedule)
+        if record is not None:  # lets a resume on another dp size rebuild this stream (reshard=True)
+            state["balance"] = record
+        return state
 
     def save_checkpoint(self) -> None:
         """Write this step's checkpoint: each stage's dp-rank-0 writes its file, rank 0 the manifest."""
@@ -306,21 +316,34 @@ class Trainer:
                                 extra={"mode": self.mode})
         self._barrier("checkpoint")
 
-    def maybe_resume(self, checkpoint_dir: str | None = None) -> bool:
+    def maybe_resume(self, checkpoint_dir: str | None = None, *, reshard: bool = False) -> bool:
         """Load the newest valid checkpoint (corrupt newer ones are skipped and listed in
-        ``skipped_checkpoints``); returns False when there is none. Incompatible ones raise InputError."""
+        ``skipped_checkpoints``); returns False when there is none. Incompatible ones raise InputError.
+
+        ``reshard=True`` also accepts a checkpoint written with another DP size (same pp and stage layers):
+        each stage loads its weights and optimizer state (replicated over DP), and the samples the old world
+        had not trained yet are re-balanced for this world (:mod:`omnibal.train.reshard`); the schedule
+        becomes that remainder, numbered from the checkpoint's ``next_step``, and :meth:`run` ends with it."""
         root = checkpoint_dir or self.checkpoint_dir
         w = self.world
         decision: dict[str, Any] = {}
         if w.rank == 0:
             try:
                 found = ckpt.find_latest_valid(root, world=self._world_doc(), model_id=self.model_id,
-                                               stage_layers=[list(r) for r in self.layout.ranges])
+                                               stage_layers=[list(r) for r in self.layout.ranges],
+                                               any_dp_size=reshard)
                 decision = {"path": str(found.path) if found.path else None, "manifest": found.manifest,
                             "skipped": found.skipped}
                 if found.manifest is not None:
                     fp = found.manifest.get("sampler", {}).get("schedule_fingerprint")
-                    if fp != self.schedule_id:
+                    if reshard and (fp != self.schedule_id or found.manifest["world"] != self._world_doc()):
+                        from omnibal.train.reshard import reshard_schedule
+
+                        decision["schedule"] = reshard_schedule(
+                            found.manifest, getattr(self.dataset, "stats", None), dp_size=w.dp_size,
+                            num_microbatches=self.num_microbatches, source=str(found.path),
+                            fingerprint=schedule_fingerprint)
+                    elif fp != self.schedule_id:
                         raise InputError(f"checkpoint was trained on schedule {fp}, this run uses {self.schedule_id}: "
                                          f"resuming would not continue the same sample stream",
                                          source=str(found.path), field="sampler")
@@ -339,8 +362,25 @@ class Trainer:
 
         ckpt.load_stage_file(Path(decision["path"]), decision["manifest"], w.pp_rank, model=self.stage_module,
                              optimizer=self.optimizer, map_location=w.device)
+        if decision.get("schedule") is not None:
+            self._use_resharded(decision["schedule"])
         self.step = int(decision["manifest"]["sampler"]["next_step"])
         return True
+
+    def _use_resharded(self, schedule) -> None:
+        """Switch to the re-balanced rest of the epoch (built on global rank 0, the same on every rank)."""
+        if self.dataset is not None:
+            check_schedule(schedule, dp_size=self.world.dp_size, num_microbatches=self.num_microbatches,
+                           num_samples=len(self.dataset), source=schedule.source)
+        if self.buffer is not None and self.mode == "omnibal":
+            need = fixed_buffer(schedule, self.dataset.stats, mode=self.mode) if self.dataset is not None else None
+            if need is not None and (need.tiles > self.buffer.tiles or need.tokens > self.buffer.tokens):
+                raise InputError(f"the re-balanced rest of the epoch needs a ({need.tiles}, {need.tokens}) micro-batch "
+                                 f"buffer, the pipeline was built for ({self.buffer.tiles}, {self.buffer.tokens})",
+                                 source=schedule.source, field="buffer")
+        self.schedule = schedule
+        self.schedule_id = schedule_fingerprint(schedule)
+        self.resharded = True
 
     def _gather_objects(self, obj: Any, what: str) -> list:
         if self.world.world_size == 1:

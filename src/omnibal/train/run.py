@@ -115,7 +115,7 @@ def train_rank(cfg: TrainConfig) -> dict:
         world = init_world(dp_size=cfg.dp_size, pp_size=cfg.pp_size, device=cfg.device, timeout_s=cfg.timeout_s)
     trainer = build_trainer(cfg, world)
     if cfg.resume:
-        trainer.maybe_resume()
+        trainer.maybe_resume(reshard=cfg.reshard)
     summary = trainer.run(cfg.num_steps)
     if summary and cfg.summary_path:
         import json

@@ -1,0 +1,143 @@
+"""Resume on another DP size: re-balance what the old world had not trained yet, for the new world.
+
+The trainer's schedule is fixed per world (``dp_size`` x micro-batches), so a checkpoint's ``next_step``
+means nothing to a schedule built for another ``dp_size``. A checkpoint of a run on the balancer's schedule
+therefore records how that schedule was built (:func:`balance_record`: layout, seed, epoch, balance config,
+stats fingerprint, and -- after an earlier reshard -- the rows and step offset of its remainder). On resume
+with ``reshard=True`` the trainer rebuilds the old stream from that record alone, checks it against the
+checkpoint's schedule fingerprint, and hands the untrained rest of the epoch to
+:class:`omnibal.data.sampler.BalancedBatchSampler` (``load_state_dict(reshard=True)``), which re-balances
+exactly those samples for the new ``dp_size`` with the same balancer, seed and config. The result is a
+:class:`ResumedSchedule`: steps ``< step_offset`` belong to the old world (already trained), later steps
+are the re-balanced remainder. Deterministic: every rank (and every retry) gets the same remainder.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from omnibal.errors import InputError
+
+
+@dataclass(frozen=True, eq=False)
+class ResumedSchedule:
+    """The rest of an epoch re-balanced for a new world, numbered after the steps the old world trained.
+
+    ``microbatch(step, ...)`` of step ``step_offset + s`` is micro-batch ``s`` of ``inner`` (a balancer
+    ``Schedule`` over ``stats.take(rows)``), mapped back to dataset rows."""
+
+    inner: object
+    rows: np.ndarray
+    step_offset: int
+    source: str = "<resharded schedule>"
+
+    @property
+    def dp_size(self) -> int:
+        return self.inner.dp_size
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.inner.num_microbatches
+
+    @property
+    def caps(self):
+        return self.inner.caps
+
+    @property
+    def num_steps(self) -> int:
+        return self.step_offset + self.inner.num_steps
+
+    # CSR view (dataset rows), so fingerprints, index checks and buffer shapes take their vectorised path
+    @property
+    def pack_samples(self) -> np.ndarray:
+        return self.rows[np.asarray(self.inner.pack_samples)]
+
+    @property
+    def pack_offsets(self) -> np.ndarray:
+        return np.asarray(self.inner.pack_offsets)
+
+    @property
+    def pack_ids(self) -> np.ndarray:
+        return np.asarray(self.inner.pack_ids)
+
+    def microbatch(self, step: int, dp_rank: int, micro: int) -> np.ndarray:
+        if step < self.step_offset:
+            raise InputError(f"step {step} was trained by the world before the reshard (this schedule starts at "
+                             f"step {self.step_offset})", source=self.source, field="steps")
+        return self.rows[self.inner.microbatch(step - self.step_offset, dp_rank, micro)]
+
+
+def balance_record(schedule) -> dict | None:
+    """How ``schedule`` was built, enough to rebuild it from the stats; None when it is not the balancer's."""
+    inner, rows, offset = schedule, None, 0
+    if isinstance(schedule, ResumedSchedule):
+        inner, rows, offset = schedule.inner, schedule.rows, schedule.step_offset
+    config = getattr(inner, "meta", {}).get("config") if isinstance(getattr(inner, "meta", None), dict) else None
+    if config is None or not getattr(inner, "stats_fingerprint", ""):
+        return None
+    return {"dp_size": int(inner.dp_size), "num_microbatches": int(inner.num_microbatches), "seed": int(inner.seed),
+            "epoch": int(inner.epoch), "config": config, "rows": None if rows is None else rows.tolist(),
+            "step_offset": int(offset)}
+
+
+def _config_from_dict(d: dict, source: str):
+    from omnibal.data.balance.api import BalanceConfig
+    from omnibal.data.balance.cost import BalanceCost
+
+    try:
+        fields = dict(d)
+        fields["cost"] = BalanceCost.from_dict(fields["cost"])
+        return BalanceConfig(**fields)
+    except (TypeError, KeyError, ValueError) as exc:
+        if isinstance(exc, InputError):
+            raise
+        raise InputError(f"unreadable balance config: {exc}", source=source, field="sampler.balance") from exc
+
+
+def reshard_schedule(manifest: dict, stats, *, dp_size: int, num_microbatches: int, source: str,
+                     fingerprint):
+    """The rest of the checkpoint's epoch, re-balanced for ``dp_size`` x ``num_microbatches`` (a
+    :class:`ResumedSchedule`; with the checkpoint's own layout, its own schedule rebuilt).
+
+    ``fingerprint`` is :func:`omnibal.train.feed.schedule_fingerprint` (to check the rebuilt old schedule
+    is the one the checkpoint was trained on)."""
+    from omnibal.data.sampler import BalancedBatchSampler
+
+    sampler = manifest.get("sampler") or {}
+    rec = sampler.get("balance")
+    if not isinstance(rec, dict):
+        raise InputError("checkpoint does not record how its schedule was built (not the balancer's schedule, or "
+                         "written by an older omnibal): it can only resume on the same dp x pp", source=source,
+                         field="sampler.balance")
+    if stats is None:
+        raise InputError("resharding needs the dataset's statistics on global rank 0", source=source,
+                         field="dataset")
+    config = _config_from_dict(rec["config"], source)
+    old_rows = None if rec.get("rows") is None else np.asarray(rec["rows"], np.int64)
+    offset = int(rec.get("step_offset", 0))
+    next_step = int(sampler["next_step"])
+    # the old world's stream, rebuilt from the record alone; it must be the stream the checkpoint trained
+    old = BalancedBatchSampler(stats, dp_rank=0, dp_size=rec["dp_size"], num_microbatches=rec["num_microbatches"],
+                               seed=rec["seed"], epoch=rec["epoch"], config=config)
+    old._remainder = None if old_rows is None else {"rows": old_rows.tolist()}
+    old_inner, _ = old.schedule()
+    old_schedule = old_inner if old_rows is None else ResumedSchedule(old_inner, old_rows, offset)
+    if fingerprint(old_schedule) != sampler.get("schedule_fingerprint"):
+        raise InputError("rebuilding the checkpoint's schedule from its record gave another schedule (other stats "
+                         "or balancer version?): cannot tell which samples are left", source=source,
+                         field="sampler.schedule_fingerprint")
+    if not offset <= next_step <= old_schedule.num_steps:
+        raise InputError(f"next_step {next_step} outside the checkpoint's schedule [{offset}, "
+                         f"{old_schedule.num_steps}]", source=source, field="sampler.next_step")
+    if rec["dp_size"] == dp_size and rec["num_microbatches"] == num_microbatches:
+        return old_schedule  # same layout: continue the checkpoint's own stream (e.g. an earlier remainder)
+    state = old.state_dict()
+    state["consumed_microbatches"] = (next_step - offset) * int(rec["num_microbatches"])
+    new = BalancedBatchSampler(stats, dp_rank=0, dp_size=dp_size, num_microbatches=num_microbatches,
+                               seed=rec["seed"], epoch=rec["epoch"], config=config)
+    new.load_state_dict(state, reshard=True)  # re-balances exactly the untrained rest for the new world
+    inner, rows = new.schedule()
+    return ResumedSchedule(inner, np.asarray(rows, np.int64), next_step,
+                           f"rest of the epoch after step {next_step}, re-balanced for dp_size {dp_size}")
