@@ -160,11 +160,6 @@ def test_epochs_reshuffle_and_each_is_exactly_once():
 
 
 # ------------------------------------------------------------------------------------ DataLoader workers
-LOADER_FIX = ("balance area, BalancedBatchSampler: state_dict() counts the micro-batches the DataLoader has pulled "
-              "from the sampler, and a DataLoader with workers prefetches (num_workers x prefetch_factor ahead), so "
-              "a checkpoint taken after k trained micro-batches records more than k and the prefetched ones are never "
-              "trained after the resume. The state must count trained micro-batches: e.g. state_dict(consumed=k) or "
-              "a sampler.mark_trained(n) the training loop calls, and the trainer should save that.")
 
 
 def _loader_samples(stats, sampler, num_workers: int):
@@ -219,12 +214,6 @@ def _resume_through_loader(workers_before: int, workers_after: int) -> None:
 
 
 # ------------------------------------------------------------------------------------ bounded balancing
-HANG_FIX = ("balance area, omnibal.data.balance.packer._deal: when every pending sample fails to fit the p lightest "
-            "packs while unread samples remain (nxt < n), take = p - len(pending) = 0 and force stays False, so the "
-            "loop repeats forever (reached from choose_caps -> _trial_pad). E.g. balance() of 120 small samples "
-            "(tiles 1-3, tokens 4*tiles+5..28, seed 1) at dp 1 x 1, or 120 samples with tokens up to 400 at "
-            "dp 2 x 2. Fix: also force placement when a round places nothing and no new sample can enter "
-            "(len(pending) >= p).")
 
 _HANG_PROBE = """
 import sys, numpy as np
