@@ -213,14 +213,21 @@ class HFChain(nn.Module):
                              pad_token_id=pad_token_id, mode=mode)  # type: ignore[arg-type]
 
 
+def _config_source(model: nn.Module) -> str:
+    """Name of the model's config in errors; refuses feature selections other than InternVL/Llava's default."""
+    where = f"{type(model).__name__} config"
+    strategy = model.config.vision_feature_select_strategy
+    if strategy != "default":
+        raise InputError(f"only vision_feature_select_strategy 'default' is supported, got {strategy!r}",
+                         source=where, field="vision_feature_select_strategy")
+    return where
+
+
 def from_llava(model: nn.Module, *, name: str = "hf-llava", compute_tail: bool = False) -> HFChain:
     """Wrap a transformers ``LlavaForConditionalGeneration`` (5.x module names) as a layer chain."""
     cfg = model.config
     vc, tc = cfg.vision_config, cfg.text_config
-    where = f"{type(model).__name__} config"
-    if cfg.vision_feature_select_strategy != "default":
-        raise InputError(f"only vision_feature_select_strategy 'default' is supported, got "
-                         f"{cfg.vision_feature_select_strategy!r}", source=where, field="vision_feature_select_strategy")
+    where = _config_source(model)
     used = _used_vision_layers(cfg.vision_feature_layer, vc.num_hidden_layers, where)
     try:
         inner = model.model
@@ -287,10 +294,7 @@ def from_internvl(model: nn.Module, *, name: str = "hf-internvl", compute_tail: 
     ``lm_head`` to ``embed_tokens`` by default: such a model splits only with both in one stage."""
     cfg = model.config
     vc, tc = cfg.vision_config, cfg.text_config
-    where = f"{type(model).__name__} config"
-    if cfg.vision_feature_select_strategy != "default":
-        raise InputError(f"only vision_feature_select_strategy 'default' is supported, got "
-                         f"{cfg.vision_feature_select_strategy!r}", source=where, field="vision_feature_select_strategy")
+    where = _config_source(model)
     num_vision = vc.num_hidden_layers
     used = _used_vision_layers(cfg.vision_feature_layer, num_vision, where)
     try:
