@@ -41,17 +41,23 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    return run_reporting_errors(args._run, args, prog=f"omnibal {args.command}")
+
+
+def run_reporting_errors(run, args: argparse.Namespace, *, prog: str) -> int:
+    """Run a command, turning omnibal's errors into one line on stderr and an exit code
+    (2 bad input, 3 not built, 1 other omnibal error, 130 interrupted)."""
     try:
-        return int(args._run(args) or 0)
+        return int(run(args) or 0)
     except NotBuiltError as exc:
-        print(f"omnibal {args.command}: not built yet: {exc}", file=sys.stderr)
+        print(f"{prog}: not built yet: {exc}", file=sys.stderr)
         return 3
     except InputError as exc:
-        print(f"omnibal {args.command}: error: {exc}", file=sys.stderr)
+        print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
     except OmnibalError as exc:
-        print(f"omnibal {args.command}: error: {exc}", file=sys.stderr)
+        print(f"{prog}: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print(f"omnibal {args.command}: interrupted", file=sys.stderr)
+        print(f"{prog}: interrupted", file=sys.stderr)
         return 130

@@ -16,6 +16,7 @@ import numpy as np
 from omnibal.plan.ablation import AblationRow, ablation_markdown
 from omnibal.plan.exports import export_all
 from omnibal.plan.plan import Plan
+from omnibal.sim.report import format_markdown_table, format_text_table
 
 GiB = float(1 << 30)
 
@@ -41,16 +42,11 @@ def stage_rows(plan: Plan) -> list[list[str]]:
 
 
 def text_table(rows: list[list[str]]) -> str:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return format_text_table(rows, align="left")
 
 
 def markdown_table(rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(rows[0]) + " |", "|" + " --- |" * len(rows[0])]
-    lines += ["| " + " | ".join(r) + " |" for r in rows[1:]]
-    return "\n".join(lines)
+    return format_markdown_table(rows, separator=" --- |")
 
 
 BALANCE_KEYS = (("num_steps", "steps", "{:d}"), ("samples_per_microbatch_mean", "samples / micro-batch", "{:.2f}"),

@@ -64,15 +64,19 @@ def _idle_share(result: EpochResult) -> float:
     return float(1.0 - result.busy.sum() / total) if total > 0 else 0.0
 
 
-def format_text_table(rows: list[list[str]]) -> str:
+def format_text_table(rows: list[list[str]], *, align: str = "right") -> str:
+    """Fixed-width table, first row a header; ``align="left"`` pads on the right and trims line ends."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+    if align == "left":
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    else:
+        lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
 
-def format_markdown_table(rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
+def format_markdown_table(rows: list[list[str]], *, separator: str = "---|") -> str:
+    lines = ["| " + " | ".join(rows[0]) + " |", "|" + separator * len(rows[0])]
     lines += ["| " + " | ".join(r) + " |" for r in rows[1:]]
     return "\n".join(lines)
 

@@ -8,21 +8,14 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    from omnibal.cli import run_reporting_errors
     from omnibal.cli import train as cli_train
-    from omnibal.errors import InputError, OmnibalError
 
     parser = argparse.ArgumentParser(prog="python -m omnibal.train", description=cli_train.DESCRIPTION,
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     cli_train.add_arguments(parser)
     args = parser.parse_args(argv)
-    try:
-        return cli_train.run(args)
-    except InputError as exc:
-        print(f"omnibal.train: error: {exc}", file=sys.stderr)
-        return 2
-    except OmnibalError as exc:
-        print(f"omnibal.train: error: {exc}", file=sys.stderr)
-        return 1
+    return run_reporting_errors(cli_train.run, args, prog="omnibal.train")
 
 
 if __name__ == "__main__":
