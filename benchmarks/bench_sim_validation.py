@@ -2,10 +2,11 @@
 
 Calibration and validation are different runs:
 
-* **calibration** (fits the simulator): two single-process (DP 1 x PP 1) trainer runs on their own data
-  (seed 1001): random micro-batches of 4 samples padded to the longest with full recomputation, and
-  balanced packs without recomputation. ``omnibal.sim.calibrate`` fits the vision/LLM forward and backward
-  scales of the cost table and the per-step overhead from their step times (linear on one device). The
+* **calibration** (fits the simulator): three trainer runs on their own data (seed 1001): single-process
+  random micro-batches of 4 samples padded to the longest with full recomputation, single-process balanced
+  packs without recomputation, and a DP 1 x PP 2 balanced run (each rank's own CPU time covers its stage's
+  layers, which separates the vision from the LLM scale). ``omnibal.sim.calibrate`` fits the vision/LLM
+  scales of the cost table and the per-step overhead from their per-step CPU times. The
   gloo links (p2p, all-reduce) are measured separately by ``sim_links.py`` (message ping-pong, not steps).
 * **validation** (checks the simulator): other runs on other data (seed 0), including every multi-rank
   configuration (DP 1 x PP 2, DP 2 x PP 1), baseline vs balanced data, and several pipeline partitions
@@ -16,10 +17,11 @@ padding: baseline rows padded to the longest sample, packs varlen; a pipeline's 
 shape). Measured and predicted time are the sums over the timed steps (the first step of each run is a
 warm-up and is dropped). Error = predicted / measured - 1.
 
-The machine has 2 cores shared with other jobs: every run is one torch thread per rank, the load average
-is recorded with each run, and the whole measurement can be repeated (``--repeats``).
+The machine has 2 cores shared with other jobs and its speed drifts over minutes: every run is one torch
+thread per rank, the load average is recorded with each run, and all runs are repeated in alternating
+rounds (``--repeats``) so that calibration and validation see the same drift.
 
-    PYTHONPATH=src python benchmarks/bench_sim_validation.py [--steps 6] [--repeats 1] [--quick]
+    PYTHONPATH=src python benchmarks/bench_sim_validation.py [--steps 6] [--repeats 3] [--quick]
 """
 
 from __future__ import annotations
@@ -205,7 +207,8 @@ def main() -> None:
     ap.add_argument("--profile-repeats", type=int, default=3)
     ap.add_argument("--separate-backward", action="store_true",
                     help="fit forward and backward scales separately")
-    ap.add_argument("--repeats", type=int, default=2, help="runs per validation configuration (averaged)")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="rounds of all calibration and validation runs (alternating; validation averaged)")
     ap.add_argument("--groups", default="vision,llm", help="layer groups with their own scale: 'vision,llm' (default; "
                     "the pipeline calibration run separates them) or 'all'")
     args = ap.parse_args()
@@ -242,7 +245,11 @@ def main() -> None:
                                                              recompute="full")),
                  ("cal: 1x1 balanced, no recompute", dict(dp=1, pp=1, mode="omnibal", ranges=None, recompute="none")),
                  ("cal: 1x2 balanced, even split, no recompute (per-rank CPU)",
-                  dict(dp=1, pp=2, mode="omnibal", ranges=None, recompute="none"))]
+                  dict(dp=1, pp=2, mode="omnibal", ranges=None, recompute="none")),
+                 # both cores computing at once is slower per op than one alone (shared cache and memory
+                 # bandwidth): a DP run puts that condition into the calibration too
+                 ("cal: 2x1 balanced, no recompute (per-rank CPU)",
+                  dict(dp=2, pp=1, mode="omnibal", ranges=None, recompute="none"))]
     val_specs = [
         ("1x1 baseline, full recompute", dict(dp=1, pp=1, mode="baseline", ranges=None, recompute="full")),
         ("1x1 balanced, no recompute", dict(dp=1, pp=1, mode="omnibal", ranges=None, recompute="none")),
@@ -258,27 +265,29 @@ def main() -> None:
         val_specs = val_specs[2:4]
         rank_specs = []
 
-    cal_runs, cal_rows = [], []
-    for name, kw in cal_specs:
-        run, sched, feats = make_run(name, seed=CAL_SEED, stats=cal_stats, **kw, **common)
-        log(f"running {name}")
-        records = launch(run, cal_stats, sched)[1:]
-        wall = np.array([r["step_s"] for r in records])
-        rec_mask = np.full(len(names), run["recompute"] == "full")
-        # a rank's own CPU time is its uncontended compute; in a pipeline it covers that stage's layers only
-        for rank, (a, b) in enumerate(run["ranges"]):
-            cpu = np.array([r["cpu_s"][rank] for r in records])
-            layers = None if run["pp"] == 1 else (a, b)
-            cal_runs.append(CalibrationRun(feats[1:, 0], rec_mask, cpu, layers=layers))
-            cal_rows.append({"name": name + ("" if layers is None else f", stage {rank} (layers {a}-{b - 1})"),
-                             "steps": len(cpu), "cpu_s": float(cpu.sum()), "wall_s": float(wall.sum()),
-                             "load": float(np.mean([r["load"] for r in records]))})
-    cal = calibrate(table, cal_runs, groups=tuple(args.groups.split(",")), separate_backward=args.separate_backward)
-    log(f"calibration: {cal.to_dict()}")
-    ctable = cal.apply(table)
-
-    runs = []
-    for rep in range(args.repeats):  # repeats interleaved in time, so a load swing hits every config alike
+    # Calibration and validation runs alternate in every repeat: this machine's speed drifts by 10-25% over
+    # minutes (a fixed GEMM loop varies that much, with no steal time or load to show for it), so calibrating
+    # in one block of time and validating in another would measure the drift, not the simulator.
+    cal_runs, cal_rows, runs = [], [], []
+    for rep in range(args.repeats):
+        for name, kw in cal_specs:
+            run, sched, feats = make_run(name, seed=CAL_SEED, stats=cal_stats, **kw, **common)
+            log(f"running {name} (repeat {rep + 1}/{args.repeats})")
+            records = launch(run, cal_stats, sched)[1:]
+            wall = np.array([r["step_s"] for r in records])
+            rec_mask = np.full(len(names), run["recompute"] == "full")
+            # a rank's own CPU time is its uncontended compute; in a pipeline it covers that stage's layers only
+            for rank in range(run["dp"] * run["pp"]):
+                dp_rank, stage = divmod(rank, run["pp"])  # global rank = dp_rank * pp + stage
+                a, b = run["ranges"][stage]
+                cpu = np.array([r["cpu_s"][rank] for r in records])
+                layers = None if run["pp"] == 1 else (a, b)
+                cal_runs.append(CalibrationRun(feats[1:, dp_rank], rec_mask, cpu, layers=layers))
+                where = (f", DP rank {dp_rank}" if run["dp"] > 1 else "") + (
+                    "" if layers is None else f", stage {stage} (layers {a}-{b - 1})")
+                cal_rows.append({"name": name + where,
+                                 "steps": len(cpu), "cpu_s": float(cpu.sum()), "wall_s": float(wall.sum()),
+                                 "load": float(np.mean([r["load"] for r in records])), "repeat": rep})
         for name, kw in val_specs + rank_specs:
             run, sched, feats = make_run(name, seed=VAL_SEED, stats=val_stats, **kw, **common)
             log(f"running {name} (repeat {rep + 1}/{args.repeats})")
@@ -288,6 +297,9 @@ def main() -> None:
             runs.append((name, run, feats, wall, slowdown, float(np.mean([r["load"] for r in records]))))
             log(f"{name}: wall {wall.sum():.2f} s, slowdown {slowdown.mean():.2f}, "
                 f"measured {(wall / slowdown).sum():.2f} s")
+    cal = calibrate(table, cal_runs, groups=tuple(args.groups.split(",")), separate_backward=args.separate_backward)
+    log(f"calibration: {cal.to_dict()}")
+    ctable = cal.apply(table)
 
     rows = []
     for name, _kw in val_specs + rank_specs:
@@ -325,10 +337,13 @@ def write_results(out: Path, links, cal, cal_rows, rows, args) -> None:
         f"Model `{MODEL}`, {NUM_MB} micro-batches per step, baseline micro-batches of {BATCH} samples padded to the "
         f"longest (full recompute), balanced packs from `omnibal.data.balance` (no recompute); data: {args.samples} "
         "random rows of the real InternVL-1.2M statistics per seed. One torch thread per rank. Each run: one warm-up "
-        f"step, then {args.steps} timed steps; the figures are sums over the timed steps, averaged over {args.repeats} "
-        "repeats of each validation run (run one after another through the list, so load swings hit all alike). "
-        "Produced by "
-        "`benchmarks/bench_sim_validation.py`.", "",
+        f"step, then {args.steps} timed steps; the figures are sums over the timed steps. Every calibration and "
+        f"validation run is repeated {args.repeats} times, and the rounds alternate (calibration runs, then "
+        "validation runs, then the next round): the speed of this virtual machine drifts by 10-25% over minutes "
+        "(a fixed GEMM loop alone varies that much, with no steal time and no other load to show for it), so a "
+        "calibration done in one block of time and a validation in another would measure the drift. The "
+        "calibration is fitted on all its rounds; a validation run's measured time is the mean of its rounds. "
+        "Produced by ""`benchmarks/bench_sim_validation.py`.", "",
         "**Contention.** The machine has 2 cores shared with other jobs (load average 5-12 during these runs), so a "
         "rank gets only a share of a core. Every rank records its own CPU seconds per step (`time.thread_time`: "
         "compute runs on that thread, waiting does not use it). The slowdown of a step is the ranks' busy wall "
@@ -342,9 +357,9 @@ def write_results(out: Path, links, cal, cal_rows, rows, args) -> None:
         f"({', '.join(args.groups.split(','))}) one scale "
         f"({'forward and backward separately' if args.separate_backward else 'forward, recompute and backward together'}) "
         "and a per-step overhead.", "",
-        "| run | steps | CPU s | wall s | load |", "|---|---|---|---|---|"]
-    lines += [f"| {r['name']} | {r['steps']} | {r['cpu_s']:.2f} | {r['wall_s']:.2f} | {r['load']:.1f} |"
-              for r in cal_rows]
+        "| run | repeat | steps | CPU s | wall s | load |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['name']} | {r['repeat'] + 1} | {r['steps']} | {r['cpu_s']:.2f} | {r['wall_s']:.2f} | "
+              f"{r['load']:.1f} |" for r in cal_rows]
     scales = ", ".join(f"{g} forward {f:.3f} / backward {b:.3f}" for g, f, b in
                        zip(cal.groups, cal.fwd_scale, cal.bwd_scale))
     lines += ["", f"Fitted scales: {scales}; step overhead {cal.step_overhead * 1e3:.1f} ms; "

@@ -11,8 +11,8 @@ Same model (the ``tiny`` preset), same data (a seeded subset of the real InternV
 
 Each configuration runs ``--repeats`` times through the real CLI (``omnibal train``, local gloo ranks);
 reported: median real (unpadded) samples/s, the speed-up, per-rank compute / pipeline wait / DP-sync wait
-of the median run, machine load, and the simulator's predicted step time for the same steps (analytic
-cost table on this CPU's measured rates). Writes benchmarks/results/train.json and train.md.
+of the median run, machine load, and the simulator's predicted step time for the same steps (layer
+cost table from this CPU's measured profile, uncalibrated). Writes benchmarks/results/train.json and train.md.
 """
 
 from __future__ import annotations
@@ -123,12 +123,11 @@ def step_features(schedule, stats, steps, *, padded: bool) -> np.ndarray:
     return out
 
 
-def predict_step_time(spec, hardware, schedule, stats, *, dp, pp, parts, recompute_names, steps, padded) -> float:
-    from omnibal.cost.analytic import analytic_cost_table
+def predict_step_time(spec, hardware, table, schedule, stats, *, dp, pp, parts, recompute_names, steps,
+                      padded) -> float:
     from omnibal.sim.costs import config_for_hardware
     from omnibal.sim.epoch import simulate_epoch
 
-    table = analytic_cost_table(spec, hardware, dtype="fp32")
     rec = np.array([name in recompute_names for name in table.names])
     config = config_for_hardware(hardware, dp_size=dp, pp_size=pp, memory_fraction=None)
     res = simulate_epoch(table, np.asarray(parts), rec, step_features(schedule, stats, steps, padded=padded), config)
@@ -161,6 +160,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--samples", type=int, default=3000, help="rows drawn from the real statistics")
     ap.add_argument("--steps", type=int, default=8, help="steps per run (the first is warm-up)")
+    ap.add_argument("--epoch", action="store_true",
+                    help="run each mode over its whole schedule (every sample of --samples once) instead of "
+                         "--steps steps: both modes then train on exactly the same samples")
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--batch-size", type=int, default=4, help="baseline samples per micro-batch")
     ap.add_argument("--repeats", type=int, default=3)
@@ -172,6 +174,8 @@ def main(argv=None) -> int:
     import torch
 
     from omnibal.cost.hardware import measure_cpu
+    from omnibal.cost.profile import cost_table_from_profile
+    from omnibal.cost.profile import measure as measure_profile
     from omnibal.cost.presets import get_model_preset
     from omnibal.data.balance import balance
     from omnibal.plan.partition import even_partition, min_max_partition
@@ -186,12 +190,15 @@ def main(argv=None) -> int:
     stats_path = save_stats(raw, work / "stats.jsonl")
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
     hardware = measure_cpu(threads=1)
+    # the simulator's layer costs: this CPU's measured layer profile (no calibration runs; see
+    # bench_sim_validation.py for the calibrated error)
+    table = cost_table_from_profile(spec, measure_profile(spec, threads=1, statistic="cpu", repeats=3))
 
     results = {"machine": {"cores": os.cpu_count(), "torch": torch.__version__, "python": sys.version.split()[0]},
-               "model": spec.name, "num_samples": args.samples, "stats": raw.source, "steps": args.steps,
+               "model": spec.name, "num_samples": args.samples, "stats": raw.source,
+               "steps": "whole schedule (epoch)" if args.epoch else args.steps,
                "num_microbatches": args.microbatches, "baseline_batch_size": args.batch_size,
                "repeats": args.repeats, "note": args.note, "runs": {}, "table": []}
-    measured_steps = list(range(1, args.steps))  # the first step (warm-up) is left out of the summaries
     for dp, pp in LAYOUTS:
         sched_omni = balance(stats, dp_size=dp, num_microbatches=args.microbatches, seed=args.seed)
         omni_path = work / f"schedule_dp{dp}.json"
@@ -207,9 +214,11 @@ def main(argv=None) -> int:
             parts_omni = min_max_partition(layer_times, pp).parts
             plan_path = work / f"plan_pp{pp}.json"
             write_plan(plan_path, spec, parts_omni, layer_times)
-        common = ["--model", "tiny", "--stats", str(stats_path), "--dp", str(dp), "--pp", str(pp), "--steps",
-                  str(args.steps), "--microbatches", str(args.microbatches), "--seed", str(args.seed),
-                  "--threads", "1", "--timeout", "300"]
+        schedule_of = {"baseline": sched_base, "omnibal": sched_omni}
+        steps_of = {m: schedule_of[m].num_steps if args.epoch else args.steps for m in MODES}
+        common = ["--model", "tiny", "--stats", str(stats_path), "--dp", str(dp), "--pp", str(pp),
+                  "--microbatches", str(args.microbatches), "--seed", str(args.seed), "--threads", "1",
+                  "--timeout", "300"]
         runs_of: dict[str, list[dict]] = {m: [] for m in MODES}
         extra_of = {"baseline": ["--batch-size", str(args.batch_size)],
                     "omnibal": ["--schedule", str(omni_path)] + (["--plan", str(plan_path)] if plan_path else [])}
@@ -217,19 +226,24 @@ def main(argv=None) -> int:
             for mode in MODES:
                 tag = f"{mode}_dp{dp}_pp{pp}_r{rep}"
                 print(f"[bench_train] {tag} (load {load_avg():.2f})", file=sys.stderr, flush=True)
-                runs_of[mode].append(run_once(common + ["--mode", mode] + extra_of[mode], env, work, tag))
+                runs_of[mode].append(run_once(common + ["--mode", mode, "--steps", str(steps_of[mode])]
+                                              + extra_of[mode], env, work, tag))
         for mode in MODES:
             runs = runs_of[mode]
             sps = [r["summary"]["samples_per_s"] for r in runs]
             median_run = sorted(runs, key=lambda r: r["summary"]["samples_per_s"])[len(runs) // 2]
             layout_parts = [median_run["stage_layers"][0][0]] + [b for _, b in median_run["stage_layers"]]
             recompute = [n for stage in median_run["recompute"] for n in stage]
-            schedule = sched_base if mode == "baseline" else sched_omni
-            predicted = predict_step_time(spec, hardware, schedule, stats, dp=dp, pp=pp, parts=layout_parts,
+            schedule = schedule_of[mode]
+            measured_steps = list(range(1, steps_of[mode]))  # the first step (warm-up) is left out
+            predicted = predict_step_time(spec, hardware, table, schedule, stats, dp=dp, pp=pp, parts=layout_parts,
                                           recompute_names=set(recompute), steps=measured_steps,
                                           padded=mode == "baseline")
             entry = {
-                "mode": mode, "dp": dp, "pp": pp, "samples_per_s_runs": sps,
+                "mode": mode, "dp": dp, "pp": pp, "steps": steps_of[mode],
+                "samples_timed": sum(len(schedule.microbatch(s, r, k)) for s in measured_steps for r in range(dp)
+                                     for k in range(schedule.num_microbatches)),
+                "samples_per_s_runs": sps,
                 "samples_per_s_median": statistics.median(sps),
                 "tokens_per_s_median": statistics.median(r["summary"]["tokens_per_s"] for r in runs),
                 "median_step_s_runs": [r["summary"]["median_step_s"] for r in runs],
@@ -258,8 +272,8 @@ def main(argv=None) -> int:
 
 def render_markdown(res: dict) -> str:
     lines = ["# Reference trainer: omnibal vs baseline (CPU, gloo, tiny preset)", "",
-             f"{res['num_samples']} samples drawn from {res['stats']}; {res['steps']} steps per run (first = "
-             f"warm-up, excluded), {res['num_microbatches']} micro-batches per rank per step, baseline micro-batch "
+             f"{res['num_samples']} samples drawn from {res['stats']}; steps per run: {res['steps']} (the first "
+             f"step = warm-up, excluded from the figures), {res['num_microbatches']} micro-batches per rank per step, baseline micro-batch "
              f"{res['baseline_batch_size']} samples; median of {res['repeats']} runs; one torch thread per rank; "
              f"{res['machine']['cores']} cores shared with other jobs (load average noted per run).",
              *([f"", f"Note: {res['note']}"] if res.get("note") else []), "",
@@ -268,15 +282,16 @@ def render_markdown(res: dict) -> str:
         lines.append(f"| {row['layout']} | {row['baseline_sps']:.2f} | {row['omnibal_sps']:.2f} | "
                      f"{row['speedup']:.2f}x |")
     lines += ["", "Per run (median run of each configuration; per-rank times are mean ms per step):", "",
-              "| run | samples/s (runs) | step ms measured | step ms simulated | token pad | stages | recompute "
+              "| run | steps | samples timed | samples/s (runs) | step ms measured | step ms simulated | token pad | stages | recompute "
               "layers | rank: compute / pipeline wait / DP-sync wait / data / CPU ms | load (1-min avg) |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for key, e in res["runs"].items():
         ranks = "; ".join(f"r{r['rank']}: {r['compute_s'] * 1e3:.0f} / {r['wait_s'] * 1e3:.0f} / "
                           f"{r['dp_sync_s'] * 1e3:.0f} / {r['data_s'] * 1e3:.0f} / {r['cpu_s'] * 1e3:.0f}"
                           for r in e["per_rank"])
         loads = ", ".join(f"{a:.1f}-{b:.1f}" for a, b in e["load"])
-        lines.append(f"| {key} | {', '.join(f'{x:.2f}' for x in e['samples_per_s_runs'])} | "
+        lines.append(f"| {key} | {e.get('steps', '')} | {e.get('samples_timed', '')} | "
+                     f"{', '.join(f'{x:.2f}' for x in e['samples_per_s_runs'])} | "
                      f"{e['median_step_s'] * 1e3:.0f} | {e['predicted_step_s'] * 1e3:.0f} | "
                      f"{e['token_pad_ratio']:.1%} | {e['stage_layers']} | {e['recompute_layers']} | {ranks} | "
                      f"{loads} |")

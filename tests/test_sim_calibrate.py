@@ -36,7 +36,7 @@ def test_recovers_known_scales_and_overhead():
     for seed, rec in ((1, np.zeros(9, bool)), (2, np.ones(9, bool))):
         feats = random_features(12, 1, 4, seed=seed)
         runs.append(CalibrationRun(feats[:, 0], rec, _measure(true_table, feats, rec, 0.3)))
-    cal = calibrate(table, runs)
+    cal = calibrate(table, runs, separate_backward=True)
     np.testing.assert_allclose(cal.fwd_scale, truth.fwd_scale, rtol=1e-6)
     np.testing.assert_allclose(cal.bwd_scale, truth.bwd_scale, rtol=1e-6)
     assert cal.step_overhead == pytest.approx(0.3, rel=1e-6)
@@ -58,7 +58,7 @@ def test_noisy_measurements_give_close_scales():
         feats = random_features(40, 1, 4, seed=seed)
         y = _measure(truth.apply(table), feats, rec, 0.05) * rng.normal(1.0, 0.02, 40)
         runs.append(CalibrationRun(feats[:, 0], rec, y))
-    cal = calibrate(table, runs)
+    cal = calibrate(table, runs, separate_backward=True)
     assert 0.01 < cal.rel_rms_error < 0.05
     np.testing.assert_allclose(cal.bwd_scale, 2.0, rtol=0.15)
 
@@ -108,7 +108,7 @@ def test_per_stage_runs_separate_vision_from_llm():
                 + true_table.evaluate("bwd_time", feats)[..., layers[0]:layers[1]].sum(axis=(-1, -2)))[:, 0]
         runs.append(CalibrationRun(feats[:, 0], rec, part + 0.05, layers=layers))
         assert (sub.step_time > part).all()
-    cal = calibrate(table, runs, separate_backward=False)
+    cal = calibrate(table, runs)  # the default: one scale per group
     np.testing.assert_allclose(cal.fwd_scale, (1.4, 0.7), rtol=1e-6)
     with pytest.raises(InputError, match="layers"):
         calibrate(table, [CalibrationRun(feats[:, 0], rec, part, layers=(5, 12))])

@@ -135,12 +135,14 @@ def nonneg_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def calibrate(table: LayerCostTable, runs: list[CalibrationRun], groups: tuple[str, ...] = ("vision", "llm"),
-              weight_relative: bool = True, separate_backward: bool = True) -> Calibration:
+              weight_relative: bool = True, separate_backward: bool = False) -> Calibration:
     """Fit the group scales and the step overhead to the measured steps of ``runs``.
 
     ``weight_relative``: minimise relative rather than absolute errors (long and short steps count alike).
-    ``separate_backward=False`` fits one scale per group for forward, recompute and backward together
-    (keeps the table's backward/forward ratio; fewer parameters for few or noisy steps).
+    By default one scale per group covers forward, recompute and backward together (keeps the table's
+    backward/forward ratio). ``separate_backward=True`` fits forward and backward scales apart; it needs runs
+    whose recompute share differs, and with few or noisy steps the fit degenerates (one scale of a group
+    driven to 0, the other inflated), which is why it is not the default.
     """
     if not runs:
         raise InputError("need at least one calibration run", source="calibration", field="runs")
