@@ -102,7 +102,7 @@ def part_loader(num_workers: int, num_steps: int = 60, warmup: int = 10) -> dict
 
     from omnibal.cost.spec import LLMSpec, ModelSpec, VisionSpec
     from omnibal.data.collate import PackCollator
-    from omnibal.data.dataset import SyntheticConfig, SyntheticVLMDataset
+    from omnibal.data.dataset import SyntheticSampleConfig, SyntheticVLMDataset
     from omnibal.data.sampler import BalancedBatchSampler
     from omnibal.train.model import VLM
 
@@ -121,7 +121,7 @@ def part_loader(num_workers: int, num_steps: int = 60, warmup: int = 10) -> dict
     sched, _ = sampler.schedule()
     model = VLM(spec, seed=0)
     collate = PackCollator(model.collate_config(num_tiles=int(sched.caps.tiles), num_tokens=int(sched.caps.tokens)))
-    dataset = SyntheticVLMDataset(stats, SyntheticConfig(image_size=spec.vision.image_size,
+    dataset = SyntheticVLMDataset(stats, SyntheticSampleConfig(image_size=spec.vision.image_size,
                                                          tokens_per_tile=spec.llm_tokens_per_tile,
                                                          vocab_size=spec.llm.vocab_size,
                                                          image_token_id=spec.llm.vocab_size - 1))

@@ -108,7 +108,7 @@ def rank_run(run: dict, stats, schedule):
 
     torch.set_num_threads(1)
     from omnibal.cost.presets import get_model_preset
-    from omnibal.data.dataset import SyntheticConfig, SyntheticVLMDataset
+    from omnibal.data.dataset import SyntheticSampleConfig, SyntheticVLMDataset
     from omnibal.train.distributed import destroy_world, init_world
     from omnibal.train.loop import Buffer, Trainer
     from omnibal.train.model import VLM
@@ -116,7 +116,7 @@ def rank_run(run: dict, stats, schedule):
 
     spec = get_model_preset(MODEL)
     world = init_world(dp_size=run["dp"], pp_size=run["pp"], timeout_s=300)
-    dataset = SyntheticVLMDataset(stats, SyntheticConfig(
+    dataset = SyntheticVLMDataset(stats, SyntheticSampleConfig(
         image_size=spec.vision.image_size, tokens_per_tile=spec.llm_tokens_per_tile, vocab_size=spec.llm.vocab_size,
         image_token_id=spec.llm.vocab_size - 1, seed=0))
     model = VLM(spec, seed=0)

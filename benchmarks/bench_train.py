@@ -64,12 +64,12 @@ def profile_layers(spec, schedule, stats, *, num_packs: int = 6, repeats: int = 
     import torch
 
     from omnibal.data.collate import collate
-    from omnibal.data.dataset import SyntheticConfig, SyntheticVLMDataset
+    from omnibal.data.dataset import SyntheticSampleConfig, SyntheticVLMDataset
     from omnibal.train.model import VLM
 
     torch.set_num_threads(1)
     model = VLM(spec, seed=0)
-    ds = SyntheticVLMDataset(stats, SyntheticConfig(image_size=spec.vision.image_size,
+    ds = SyntheticVLMDataset(stats, SyntheticSampleConfig(image_size=spec.vision.image_size,
                                                     tokens_per_tile=spec.llm_tokens_per_tile,
                                                     vocab_size=spec.llm.vocab_size,
                                                     image_token_id=spec.llm.vocab_size - 1))

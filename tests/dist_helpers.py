@@ -37,9 +37,9 @@ def tiny_stats(num_samples: int = 160, seed: int = 0) -> SampleStats:
 
 
 def tiny_dataset(spec: ModelSpec, stats: SampleStats, seed: int = 0):
-    from omnibal.data.dataset import SyntheticConfig, SyntheticVLMDataset
+    from omnibal.data.dataset import SyntheticSampleConfig, SyntheticVLMDataset
 
-    cfg = SyntheticConfig(image_size=spec.vision.image_size, tokens_per_tile=spec.llm_tokens_per_tile,
+    cfg = SyntheticSampleConfig(image_size=spec.vision.image_size, tokens_per_tile=spec.llm_tokens_per_tile,
                           vocab_size=spec.llm.vocab_size, image_token_id=spec.llm.vocab_size - 1, seed=seed)
     return SyntheticVLMDataset(stats, cfg)
 

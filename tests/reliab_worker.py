@@ -87,7 +87,7 @@ def main(argv=None) -> int:
     import torch
 
     torch.set_num_threads(1)
-    from omnibal.data.dataset import SyntheticConfig, SyntheticVLMDataset
+    from omnibal.data.dataset import SyntheticSampleConfig, SyntheticVLMDataset
     from omnibal.train.distributed import destroy_world, init_world
     from omnibal.train.loop import Trainer, fixed_buffer
     from omnibal.train.model import VLM
@@ -101,7 +101,7 @@ def main(argv=None) -> int:
     spec = tiny_spec()
     stats = tiny_stats(args.samples)
     schedule = epoch_schedule(stats, dp_size=args.dp, num_microbatches=args.microbatches)
-    dataset = SyntheticVLMDataset(stats, SyntheticConfig(
+    dataset = SyntheticVLMDataset(stats, SyntheticSampleConfig(
         image_size=spec.vision.image_size, tokens_per_tile=spec.llm_tokens_per_tile, vocab_size=spec.llm.vocab_size,
         image_token_id=spec.llm.vocab_size - 1, seed=0))
     model = VLM(spec, seed=0)

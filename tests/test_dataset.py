@@ -45,10 +45,10 @@ def test_dataloader_workers_with_the_pack_collator():
 def test_text_only_rows_with_a_dummy_tile_run_the_encoder_but_fill_no_slot():
     from omnibal.data.collate import collate
     from omnibal.stats.table import SampleStats
-    from omnibal.data.dataset import SyntheticConfig, SyntheticVLMDataset
+    from omnibal.data.dataset import SyntheticSampleConfig, SyntheticVLMDataset
 
     stats = SampleStats.from_arrays(tiles=[1, 2], tokens=[6, 12], images=[0, 1], source="dummy")
-    ds = SyntheticVLMDataset(stats, SyntheticConfig(image_size=32, tokens_per_tile=4, vocab_size=64,
+    ds = SyntheticVLMDataset(stats, SyntheticSampleConfig(image_size=32, tokens_per_tile=4, vocab_size=64,
                                                     image_token_id=63))
     s0 = ds[0]
     assert s0["pixel_values"].shape[0] == 1 and not (s0["input_ids"] == 63).any()
@@ -73,14 +73,14 @@ def test_stats_for_model_swaps_the_image_token_count_of_image_rows_only():
 
 def test_real_statistics_make_a_dataset_for_the_tiny_preset(shared_stats_dir):
     from omnibal.cost.presets import get_model_preset
-    from omnibal.data.dataset import SyntheticConfig, SyntheticVLMDataset, stats_for_model
+    from omnibal.data.dataset import SyntheticSampleConfig, SyntheticVLMDataset, stats_for_model
     from omnibal.stats.io import load_stats
 
     loaded = load_stats(shared_stats_dir / "ai2d_train_12k_wh_token_lengths.json")
     stats = loaded[0] if isinstance(loaded, tuple) else loaded
     spec = get_model_preset("tiny")
     model_stats = stats_for_model(stats, spec.llm_tokens_per_tile)
-    ds = SyntheticVLMDataset(model_stats, SyntheticConfig(image_size=spec.vision.image_size,
+    ds = SyntheticVLMDataset(model_stats, SyntheticSampleConfig(image_size=spec.vision.image_size,
                                                           tokens_per_tile=spec.llm_tokens_per_tile,
                                                           vocab_size=spec.llm.vocab_size,
                                                           image_token_id=spec.llm.vocab_size - 1))

@@ -6,7 +6,7 @@ import torch
 
 from omnibal.cost.spec import LLMSpec, ModelSpec, VisionSpec
 from omnibal.data.collate import CollateConfig, collate
-from omnibal.data.dataset import SyntheticConfig, SyntheticVLMDataset
+from omnibal.data.dataset import SyntheticSampleConfig, SyntheticVLMDataset
 from omnibal.stats.table import SampleStats
 
 
@@ -26,7 +26,7 @@ def tiny_spec(*, vision_layers: int = 2, llm_layers: int = 2, freeze_vision: boo
 
 def tiny_dataset(spec: ModelSpec, tiles, tokens, *, seed: int = 0, target_fraction: float = 0.5):
     stats = SampleStats.from_arrays(tiles=tiles, tokens=tokens, source="test-stats")
-    cfg = SyntheticConfig(image_size=spec.vision.image_size, tokens_per_tile=spec.llm_tokens_per_tile,
+    cfg = SyntheticSampleConfig(image_size=spec.vision.image_size, tokens_per_tile=spec.llm_tokens_per_tile,
                           vocab_size=spec.llm.vocab_size, image_token_id=spec.llm.vocab_size - 1,
                           target_fraction=target_fraction, seed=seed)
     return SyntheticVLMDataset(stats, cfg)

@@ -24,7 +24,7 @@ from omnibal.stats.table import SampleStats, tokens_for_model
 
 
 @dataclass(frozen=True, kw_only=True)
-class SyntheticConfig:
+class SyntheticSampleConfig:
     """What a synthetic sample looks like (take the sizes from the model: ``VLM.collate_config``)."""
 
     image_size: int
@@ -56,15 +56,15 @@ class SyntheticVLMDataset(Dataset):
     """``dataset[i]`` -> ``{"pixel_values", "input_ids", "labels", "index", "key"}`` (see
     :mod:`omnibal.data.collate` for the format); sizes from ``stats`` row ``i``."""
 
-    def __init__(self, stats: SampleStats, config: SyntheticConfig) -> None:
+    def __init__(self, stats: SampleStats, config: SyntheticSampleConfig) -> None:
         self.stats = stats
         self.config = config
         if not 0.0 <= config.target_fraction <= 1.0:
-            raise InputError(f"target_fraction {config.target_fraction} not in [0, 1]", source="SyntheticConfig",
+            raise InputError(f"target_fraction {config.target_fraction} not in [0, 1]", source="SyntheticSampleConfig",
                              field="target_fraction")
         if not 0 <= config.image_token_id < config.vocab_size or config.vocab_size < 2:
             raise InputError(f"image_token_id {config.image_token_id} not in a vocabulary of {config.vocab_size}",
-                             source="SyntheticConfig", field="image_token_id")
+                             source="SyntheticSampleConfig", field="image_token_id")
         need = stats.tiles.astype(np.int64) * config.tokens_per_tile * (stats.images > 0) + 1
         bad = np.flatnonzero(stats.tokens < need)
         if len(bad):

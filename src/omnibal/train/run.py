@@ -56,7 +56,7 @@ def build_schedule(cfg: TrainConfig, stats):
 
 def build_trainer(cfg: TrainConfig, world: World):
     from omnibal.cost.presets import get_model_preset
-    from omnibal.data.dataset import SyntheticConfig, SyntheticVLMDataset
+    from omnibal.data.dataset import SyntheticSampleConfig, SyntheticVLMDataset
     from omnibal.train.loop import Trainer, fixed_buffer
     from omnibal.train.model import VLM
     from omnibal.train.pipeline import resolve_layout
@@ -72,7 +72,7 @@ def build_trainer(cfg: TrainConfig, world: World):
                             recomputable=recomputable)
     dataset = None
     if world.is_first_stage:  # only stage 0 reads data; the labels reach the last stage in the carry
-        dataset = SyntheticVLMDataset(stats, SyntheticConfig(
+        dataset = SyntheticVLMDataset(stats, SyntheticSampleConfig(
             image_size=spec.vision.image_size, tokens_per_tile=spec.llm_tokens_per_tile,
             vocab_size=spec.llm.vocab_size, image_token_id=spec.llm.vocab_size - 1, seed=cfg.seed))
     buffer = fixed_buffer(schedule, stats, mode=cfg.mode) if world.pp_size > 1 else None
