@@ -179,7 +179,7 @@ def make_run(name, *, dp, pp, mode, ranges, recompute, seed, stats, table, steps
     return run, sched, feats
 
 
-def simulate_run(run, feats, table, links, overhead):
+def simulate_run(run, feats, table, links, overhead, jitter=0.0):
     from omnibal.sim import SimConfig, simulate_epoch
 
     cuts = [r[0] for r in run["ranges"]] + [run["ranges"][-1][1]]
@@ -192,7 +192,7 @@ def simulate_run(run, feats, table, links, overhead):
         buffer = np.broadcast_to(microbatch_features(q_v, q_t, q_t * q_t), feats.shape)
     cfg = SimConfig(dp_size=run["dp"], p2p_bandwidth=links["p2p_bandwidth"], p2p_latency=links["p2p_latency"],
                     dp_bandwidth=links["dp_bandwidth"], dp_latency=links["dp_latency"], step_overhead=overhead,
-                    p2p_occupancy=1.0)
+                    p2p_occupancy=1.0, compute_jitter=jitter)
     return simulate_epoch(table, cuts, rec, feats, cfg, buffer_features=buffer)
 
 
@@ -216,7 +216,7 @@ def main() -> None:
     from omnibal.cost.analytic import analytic_cost_table
     from omnibal.cost.hardware import get_hardware
     from omnibal.cost.presets import get_model_preset
-    from omnibal.sim.calibrate import CalibrationRun, calibrate
+    from omnibal.sim.calibrate import CalibrationRun, calibrate, rank_jitter
     from sim_links import measure_links
 
     spec = get_model_preset(MODEL)
@@ -268,7 +268,7 @@ def main() -> None:
     # Calibration and validation runs alternate in every repeat: this machine's speed drifts by 10-25% over
     # minutes (a fixed GEMM loop varies that much, with no steal time or load to show for it), so calibrating
     # in one block of time and validating in another would measure the drift, not the simulator.
-    cal_runs, cal_rows, runs = [], [], []
+    cal_runs, cal_rows, runs, dp_cal = [], [], [], []
     for rep in range(args.repeats):
         for name, kw in cal_specs:
             run, sched, feats = make_run(name, seed=CAL_SEED, stats=cal_stats, **kw, **common)
@@ -277,6 +277,8 @@ def main() -> None:
             wall = np.array([r["step_s"] for r in records])
             rec_mask = np.full(len(names), run["recompute"] == "full")
             # a rank's own CPU time is its uncontended compute; in a pipeline it covers that stage's layers only
+            if run["dp"] > 1 and run["pp"] == 1:  # per-rank times of a DP run: the stragglers' jitter
+                dp_cal.append((feats[1:], rec_mask, np.array([r["cpu_s"] for r in records])))
             for rank in range(run["dp"] * run["pp"]):
                 dp_rank, stage = divmod(rank, run["pp"])  # global rank = dp_rank * pp + stage
                 a, b = run["ranges"][stage]
@@ -298,14 +300,18 @@ def main() -> None:
             log(f"{name}: wall {wall.sum():.2f} s, slowdown {slowdown.mean():.2f}, "
                 f"measured {(wall / slowdown).sum():.2f} s")
     cal = calibrate(table, cal_runs, groups=tuple(args.groups.split(",")), separate_backward=args.separate_backward)
-    log(f"calibration: {cal.to_dict()}")
     ctable = cal.apply(table)
+    jitter = 0.0
+    if dp_cal:
+        jitter = rank_jitter(ctable, np.concatenate([f for f, _, _ in dp_cal]), dp_cal[0][1],
+                             np.concatenate([t for _, _, t in dp_cal]))
+    log(f"calibration: {cal.to_dict()}, rank jitter {jitter:.3f}")
 
     rows = []
     for name, _kw in val_specs + rank_specs:
         mine = [r for r in runs if r[0] == name]
         _, run, feats, _, _, _ = mine[0]
-        sim = simulate_run(run, feats[1:], ctable, links, cal.step_overhead)
+        sim = simulate_run(run, feats[1:], ctable, links, cal.step_overhead, jitter)
         pred = sim.step_time
         per_rep = [(wall / slow).sum() for _, _, _, wall, slow, _ in mine]  # the step on uncontended cores
         # the same steps on the same data each time: average the repeats step by step
@@ -322,15 +328,15 @@ def main() -> None:
         log(f"{name}: measured {measured.sum():.2f} s (repeats {np.round(per_rep, 2).tolist()}), predicted "
             f"{pred.sum():.2f} s, error {rows[-1]['error']:+.1%}")
 
-    write_results(Path(args.out), links, cal, cal_rows, rows, args)
+    write_results(Path(args.out), links, cal, cal_rows, rows, args, jitter)
 
 
-def write_results(out: Path, links, cal, cal_rows, rows, args) -> None:
+def write_results(out: Path, links, cal, cal_rows, rows, args, jitter: float) -> None:
     out.mkdir(parents=True, exist_ok=True)
     doc = {"model": MODEL, "micro_batches": NUM_MB, "baseline_batch": BATCH, "timed_steps": args.steps,
            "samples_per_seed": args.samples, "table": args.table,
            "links": {k: v for k, v in links.items() if k != "raw"},
-           "calibration": {**cal.to_dict(), "runs": cal_rows}, "validation": rows}
+           "calibration": {**cal.to_dict(), "rank_jitter": jitter, "runs": cal_rows}, "validation": rows}
     (out / "sim_validation.json").write_text(json.dumps(doc, indent=2) + "\n")
     lines = [
         "# Simulator validation against the reference trainer (CPU, gloo)", "",
@@ -363,7 +369,9 @@ def write_results(out: Path, links, cal, cal_rows, rows, args) -> None:
     scales = ", ".join(f"{g} forward {f:.3f} / backward {b:.3f}" for g, f, b in
                        zip(cal.groups, cal.fwd_scale, cal.bwd_scale))
     lines += ["", f"Fitted scales: {scales}; step overhead {cal.step_overhead * 1e3:.1f} ms; "
-              f"fit RMS error {cal.rel_rms_error:.1%} over {cal.num_steps} steps. Links (`sim_links.py`, ping-pong "
+              f"fit RMS error {cal.rel_rms_error:.1%} over {cal.num_steps} steps; rank jitter (the DP calibration run's "
+              f"per-rank variation the table does not predict, `omnibal.sim.calibrate.rank_jitter`; the gradient sync "
+              f"waits for the expected slowest rank) {jitter:.1%}. Links (`sim_links.py`, ping-pong "
               f"and all-reduce of 16 KiB-16 MiB, divided by the slowdown a compute probe saw at the time, like the "
               f"steps; wall clock: p2p {links['wall_clock']['p2p_latency'] * 1e3:.2f} ms + bytes / "
               f"{links['wall_clock']['p2p_bandwidth'] / 1e9:.2f} GB/s): p2p {links['p2p_latency'] * 1e3:.2f} ms + bytes / "

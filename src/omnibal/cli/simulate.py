@@ -40,6 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="share of the device memory a rank may use (OOM flags)")
     g.add_argument("--step-overhead", type=float, default=0.0,
                    help="fixed seconds per step outside the pipeline (optimizer, launch)")
+    g.add_argument("--jitter", type=float, default=0.0,
+                   help="relative standard deviation of a rank's unpredicted step-time variation (stragglers: "
+                        "the gradient sync waits for the expected slowest DP rank); 0 = none")
     g.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"), help="training dtype")
     g.add_argument("--profile", default=None, help="measured layer profile JSON (omnibal profile) instead of the "
                    "analytic cost model")
@@ -234,7 +237,8 @@ def run(args: argparse.Namespace) -> int:
                          field="memory_fraction")
     config = config_for_hardware(hardware, dp_size=cluster["dp"], pp_size=cluster["pp"], tp_size=cluster["tp"],
                                  schedule=args.schedule, num_chunks=chunks, zero_stage=cluster["zero_stage"],
-                                 memory_fraction=args.memory_fraction, step_overhead=args.step_overhead)
+                                 memory_fraction=args.memory_fraction, step_overhead=args.step_overhead,
+                                 compute_jitter=args.jitter)
 
     _say(args, f"stats: {'synthetic mixture' if not args.stats else args.stats} ...")
     stats = _stats(args, spec)

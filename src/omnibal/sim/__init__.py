@@ -11,7 +11,7 @@ Layers, cheapest first:
 * :mod:`omnibal.sim.report`: markdown + PNG (pipeline timeline, per-rank load histograms).
 """
 
-from omnibal.sim.calibrate import Calibration, CalibrationRun, calibrate
+from omnibal.sim.calibrate import Calibration, CalibrationRun, calibrate, rank_jitter
 from omnibal.sim.costs import (
     SimConfig,
     StageCosts,
@@ -28,7 +28,7 @@ from omnibal.sim.step import StepTimes, ring_allreduce_time, simulate_steps
 
 __all__ = [
     "SCHEDULES", "Calibration", "CalibrationRun", "EpochResult", "PipelineTimes", "PlanScore", "SimConfig", "StageCosts", "StepTimes",
-    "config_for_hardware", "calibrate", "cuts_from_starts", "even_cuts", "peak_inflight", "recompute_mask_from_counts", "ring_allreduce_time",
+    "config_for_hardware", "calibrate", "rank_jitter", "cuts_from_starts", "even_cuts", "peak_inflight", "recompute_mask_from_counts", "ring_allreduce_time",
     "score_plan", "simulate_epoch", "simulate_one_step", "simulate_pipeline", "simulate_steps", "stage_costs",
     "validate_cuts",
 ]

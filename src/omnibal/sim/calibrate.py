@@ -13,7 +13,8 @@ separates the vision from the LLM scale. The fit is non-negative least squares o
 calibration runs; apply it to a table with
 :meth:`Calibration.apply` and pass ``step_overhead`` to :class:`~omnibal.sim.costs.SimConfig`.
 Pipeline and DP step times are *not* used here (they are a max, not a sum): they are what the calibrated
-simulator is validated against.
+simulator is validated against. A DP run's per-rank times give :func:`rank_jitter`, the unpredicted
+per-rank variation that makes the gradient sync wait for a straggler (``SimConfig.compute_jitter``).
 """
 
 from __future__ import annotations
@@ -168,3 +169,32 @@ def calibrate(table: LayerCostTable, runs: list[CalibrationRun], groups: tuple[s
     return Calibration(groups=tuple(groups), fwd_scale=tuple(float(c) for c in coef[:g]),
                        bwd_scale=tuple(float(c) for c in bwd), step_overhead=float(coef[-1]),
                        rel_rms_error=float(np.sqrt(np.mean(((pred - y) / y) ** 2))), num_steps=int(len(y)))
+
+
+def rank_jitter(table: LayerCostTable, features: np.ndarray, recompute_mask, step_times: np.ndarray,
+                layers: tuple[int, int] | None = None) -> float:
+    """Relative standard deviation of the per-rank variation the cost table does not predict, from a
+    data-parallel run: ``features [S, D, M, 4]`` of each rank's micro-batches and ``step_times [S, D]``
+    each rank's own time for them (e.g. its CPU seconds). Pass it as ``SimConfig.compute_jitter``.
+
+    Per step, every rank's measured / predicted ratio is compared with the other ranks' of the same step,
+    so what slows all ranks alike (machine speed drift, a mis-scaled table) cancels; what remains is what
+    makes one rank the straggler."""
+    feats = np.asarray(features, dtype=np.float64)
+    times = np.asarray(step_times, dtype=np.float64)
+    if feats.ndim != 4 or feats.shape[-1] != NUM_FEATURES:
+        raise InputError(f"features must be [steps, dp, M, {NUM_FEATURES}], got {feats.shape}",
+                         source="calibration", field="features")
+    if times.shape != feats.shape[:2]:
+        raise InputError(f"step_times must be [steps, dp] = {feats.shape[:2]}, got {times.shape}",
+                         source="calibration", field="step_times")
+    if feats.shape[1] < 2:
+        raise InputError("rank jitter needs a run with at least 2 DP ranks", source="calibration", field="features")
+    if (times <= 0).any() or not np.isfinite(times).all():
+        raise InputError("step times must be positive", source="calibration", field="step_times")
+    rec = np.asarray(recompute_mask, dtype=bool)
+    pred = np.stack([design_matrix(table, CalibrationRun(feats[:, d], rec, times[:, d], layers=layers), ("all",),
+                                   separate_backward=False)[:, 0] for d in range(feats.shape[1])], axis=1)
+    ratio = times / np.maximum(pred, 1e-12)
+    ratio = ratio / ratio.mean(axis=1, keepdims=True)  # per step: what all ranks share cancels
+    return float(np.sqrt(ratio.var(axis=1, ddof=1).mean()))

@@ -47,6 +47,10 @@ class SimConfig:
     p2p_occupancy: float = 0.0
     """Share of a transfer's time that also keeps the sending and the receiving device busy: 0 for
     asynchronous copies (GPU with NCCL), up to 1 where the host CPU moves the bytes itself (gloo on CPU)."""
+    compute_jitter: float = 0.0
+    """Relative standard deviation of a device's compute time per step that the cost table does not
+    predict, independent across DP ranks (``omnibal.sim.calibrate.rank_jitter`` measures it). The gradient
+    sync waits for the slowest DP rank, so with jitter more DP ranks mean longer waits (stragglers)."""
 
     def validate(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -67,7 +71,7 @@ class SimConfig:
         if not 0.0 <= self.p2p_occupancy <= 1.0:
             raise InputError(f"must be in [0, 1], got {self.p2p_occupancy!r}", source="p2p_occupancy",
                              field="p2p_occupancy")
-        for name in ("p2p_latency", "dp_latency", "step_overhead"):
+        for name in ("p2p_latency", "dp_latency", "step_overhead", "compute_jitter"):
             if not getattr(self, name) >= 0:
                 raise InputError(f"must be >= 0, got {getattr(self, name)!r}", source=name, field=name)
         if self.memory_budget_bytes is not None and not self.memory_budget_bytes > 0:
@@ -215,7 +219,7 @@ def stage_costs(table: LayerCostTable, cuts, recompute_mask, features: np.ndarra
 
 def config_for_hardware(hardware, *, dp_size: int, pp_size: int, tp_size: int = 1, schedule: str = "1f1b",
                         num_chunks: int = 1, zero_stage: int = 1, memory_fraction: float | None = 0.95, step_overhead: float = 0.0,
-                        p2p_occupancy: float | None = None) -> SimConfig:
+                        p2p_occupancy: float | None = None, compute_jitter: float = 0.0) -> SimConfig:
     """A :class:`SimConfig` for ``hardware`` (an ``omnibal.cost.hardware.HardwareSpec``: anything with
     ``link(inter_node=...)``, ``gpus_per_node`` and ``memory_bytes``).
 
@@ -232,6 +236,7 @@ def config_for_hardware(hardware, *, dp_size: int, pp_size: int, tp_size: int = 
     budget = None if memory_fraction is None else float(hardware.memory_bytes) * memory_fraction
     config = SimConfig(schedule=schedule, num_chunks=num_chunks, dp_size=dp_size, tp_size=tp_size, zero_stage=zero_stage,
                        p2p_bandwidth=p2p_bw, p2p_latency=p2p_lat, dp_bandwidth=dp_bw, dp_latency=dp_lat,
-                       memory_budget_bytes=budget, step_overhead=step_overhead, p2p_occupancy=p2p_occupancy)
+                       memory_budget_bytes=budget, step_overhead=step_overhead, p2p_occupancy=p2p_occupancy,
+                       compute_jitter=compute_jitter)
     config.validate()
     return config

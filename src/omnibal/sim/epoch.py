@@ -145,7 +145,7 @@ def _run(table: LayerCostTable, cuts, recompute_mask, features: np.ndarray, conf
         costs.fwd, costs.bwd, costs.recompute, costs.p2p, costs.p2p, schedule=config.schedule, num_chunks=v,
         allreduce_time=ar, step_overhead=config.step_overhead, act_bytes=costs.act_bytes,
         transient_bytes=costs.transient_bytes, static_bytes=costs.per_device(costs.static_bytes, v),
-        memory_budget=config.memory_budget_bytes, keep_timeline=keep_timeline)
+        memory_budget=config.memory_budget_bytes, keep_timeline=keep_timeline, jitter=config.compute_jitter)
     return costs, steps
 
 

@@ -9,9 +9,17 @@ the slowest DP rank's stage ``s`` has finished its last backward, and takes (rin
 has synchronised, plus a fixed per-step overhead (optimizer step, launch), so
 
     step_time = max_s ( max_d stage_end[d, s] + allreduce[s] ) + step_overhead.
+
+Stragglers: real devices finish a step with some unpredicted variation (noise, cost-model error), and a
+gradient sync waits for the slowest of its DP ranks. With ``jitter`` > 0 every stage end is taken as
+normal with relative standard deviation ``jitter``, independent across DP ranks, and ``max_d`` becomes
+the *expected* maximum (Clark's moment matching): one rank is unchanged, 2 ranks of equal work wait
+0.56 sd longer, 128 ranks about 2.6 sd.
 """
 
 from __future__ import annotations
+
+import math
 
 from dataclasses import dataclass
 
@@ -34,6 +42,39 @@ def ring_allreduce_time(grad_bytes, dp_size: int, bandwidth: float, latency: flo
         return np.zeros_like(grad_bytes)
     steps = 2.0 * (dp_size - 1)
     return np.where(grad_bytes > 0, steps / dp_size * grad_bytes / bandwidth + steps * latency, 0.0)
+
+
+def _normal_cdf(x: np.ndarray) -> np.ndarray:
+    """Standard normal CDF, vectorised (Abramowitz & Stegun 7.1.26 for erf, |error| < 1.5e-7)."""
+    z = np.asarray(x, np.float64) / math.sqrt(2.0)
+    t = 1.0 / (1.0 + 0.3275911 * np.abs(z))
+    poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
+    erf = 1.0 - poly * np.exp(-z * z)
+    return 0.5 * (1.0 + np.sign(z) * erf)
+
+
+def expected_max(means: np.ndarray, rel_sd: float, axis: int = -1) -> np.ndarray:
+    """Expected maximum over ``axis`` of independent normals with the given means and standard deviation
+    ``rel_sd * mean`` (Clark 1961: fold the variables in one at a time, matching mean and variance).
+
+    Exact for two variables; for many equal ones within a few percent of the true expected maximum."""
+    if rel_sd < 0:
+        raise InputError(f"must be >= 0, got {rel_sd}", source="jitter", field="compute_jitter")
+    means = np.moveaxis(np.asarray(means, dtype=np.float64), axis, 0)
+    if rel_sd == 0 or means.shape[0] == 1:
+        return means.max(axis=0)
+    m, v = means[0], (rel_sd * means[0]) ** 2
+    for k in range(1, means.shape[0]):
+        m2, v2 = means[k], (rel_sd * means[k]) ** 2
+        a = np.sqrt(v + v2)
+        safe = np.where(a > 0, a, 1.0)
+        alpha = np.clip((m - m2) / safe, -40.0, 40.0)  # beyond that one variable always wins
+        cdf, pdf = _normal_cdf(alpha), np.exp(-0.5 * alpha ** 2) / math.sqrt(2 * math.pi)
+        first = m * cdf + m2 * (1 - cdf) + a * pdf
+        second = (m ** 2 + v) * cdf + (m2 ** 2 + v2) * (1 - cdf) + (m + m2) * a * pdf
+        tied = a == 0
+        m, v = np.where(tied, np.maximum(m, m2), first), np.where(tied, 0.0, np.maximum(second - first ** 2, 0.0))
+    return m
 
 
 @dataclass(frozen=True, eq=False)
@@ -92,13 +133,15 @@ def simulate_steps(
     static_bytes: np.ndarray | None = None,
     memory_budget: float | None = None,
     keep_timeline: bool = False,
+    jitter: float = 0.0,
 ) -> StepTimes:
     """Simulate steps from per-op durations shaped ``[S, D, M, V]`` (see :func:`simulate_pipeline`; V = P
     unless ``num_chunks`` > 1 for interleaved 1F1B).
 
     ``allreduce_time``: ``[P]`` (or scalar) gradient sync seconds per stage group (see
     :func:`ring_allreduce_time`); ``static_bytes``: ``[P]`` params + grads + optimizer state per device;
-    ``memory_budget``: bytes per device for the OOM flags.
+    ``memory_budget``: bytes per device for the OOM flags; ``jitter``: relative standard deviation of a
+    device's unpredicted variation (the gradient sync waits for the expected slowest DP rank).
     """
     fwd = np.asarray(fwd, dtype=np.float64)
     if fwd.ndim < 3:
@@ -110,9 +153,9 @@ def simulate_steps(
                              transient_bytes=transient_bytes, keep_timeline=keep_timeline)
     num_stages = pipe.stage_end.shape[-1]
     ar = np.broadcast_to(np.asarray(allreduce_time, dtype=np.float64), (num_stages,))
-    group_end = pipe.stage_end.max(axis=-2)  # [S, P]: slowest DP rank per stage group
+    group_end = expected_max(pipe.stage_end, jitter, axis=-2)  # [S, P]: slowest DP rank per stage group
     step_time = (group_end + ar).max(axis=-1) + step_overhead
-    sync_wait = group_end[..., None, :] - pipe.stage_end
+    sync_wait = np.maximum(group_end[..., None, :] - pipe.stage_end, 0.0)
 
     peak = oom = None
     if pipe.peak_act_bytes is not None or static_bytes is not None:
