@@ -18,11 +18,14 @@ def _values(results):
     return [r.value for r in results]
 
 
-@pytest.mark.parametrize("dp,pp,schedule", [(1, 2, "gpipe"), (2, 1, "1f1b"), (2, 2, "1f1b")])
-def test_step_matches_single_process(dp, pp, schedule):
+@pytest.mark.parametrize("dp,pp,schedule,dp_sync", [(1, 2, "gpipe", "flat"), (2, 1, "1f1b", "flat"),
+                                                    (2, 2, "1f1b", "flat"), (2, 1, "1f1b", "ddp"),
+                                                    (2, 2, "1f1b", "ddp")])
+def test_step_matches_single_process(dp, pp, schedule, dp_sync):
     """Loss and every parameter's gradient after one DP x PP step equal one process on the same global
-    batch (uneven packs, so a per-micro-batch or per-rank mean would differ)."""
-    values = _values(spawn_local(rank_forward_backward, dp * pp, args=(dp, pp, schedule), deadline_s=120,
+    batch (uneven packs, so a per-micro-batch or per-rank mean would differ), with the flat all-reduce and
+    with DistributedDataParallel (which averages: the loss is scaled to make its average a sum)."""
+    values = _values(spawn_local(rank_forward_backward, dp * pp, args=(dp, pp, schedule, dp_sync), deadline_s=120,
                                  start_method="fork"))
     ref_loss, ref_grads = single_process_reference(dp_size=dp, num_microbatches=4)
     loss = sum(v["loss_part"] for v in values)

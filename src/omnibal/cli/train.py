@@ -42,6 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p = parser.add_argument_group("pipeline and data")
     p.add_argument("--microbatches", dest="num_microbatches", type=int, default=4, help="micro-batches per rank per step")
     p.add_argument("--pipeline-schedule", choices=("1f1b", "gpipe"), default="1f1b")
+    p.add_argument("--dp-sync", choices=("flat", "ddp"), default="flat",
+                   help="gradient sum over DP: one flat all-reduce after the step (its wait is logged) or "
+                        "DistributedDataParallel (overlaps the last backward)")
     p.add_argument("--plan", dest="plan_path", help="Plan JSON (stage ranges and recompute sets; omnibal mode)")
     p.add_argument("--stage-layers", help='explicit half-open layer ranges per stage, e.g. "0:9,9:20"')
     p.add_argument("--recompute", help='per-stage layer names to recompute: stages split by ";", names by ",", '
@@ -71,7 +74,7 @@ def config_from_args(args: argparse.Namespace):
         recompute = tuple(tuple(n.strip() for n in part.split(",") if n.strip()) for part in args.recompute.split(";"))
     return TrainConfig(
         mode=args.mode, dp_size=args.dp_size, pp_size=args.pp_size, num_microbatches=args.num_microbatches,
-        pipeline_schedule=args.pipeline_schedule, stage_layers=stage_layers, recompute=recompute,
+        pipeline_schedule=args.pipeline_schedule, dp_sync=args.dp_sync, stage_layers=stage_layers, recompute=recompute,
         plan_path=args.plan_path, model=args.model, stats_path=args.stats_path, schedule_path=args.schedule_path,
         max_samples=args.max_samples, stats_tokens_per_tile=args.stats_tokens_per_tile,
         baseline_batch_size=args.baseline_batch_size, num_steps=args.num_steps, lr=args.lr, seed=args.seed,

@@ -31,6 +31,9 @@ class TrainConfig:
     """Micro-batches per DP rank per step (must match the schedule file when one is given)."""
     pipeline_schedule: Literal["1f1b", "gpipe"] = "1f1b"
     """Pipeline schedule (torch.distributed.pipelining Schedule1F1B or ScheduleGPipe)."""
+    dp_sync: Literal["flat", "ddp"] = "flat"
+    """Gradient sum over DP: ``flat`` (one all-reduce after the step; the wait for the slowest rank is
+    logged as ``dp_sync_s``) or ``ddp`` (DistributedDataParallel, overlapping the last backward)."""
     stage_layers: tuple[tuple[int, int], ...] | None = None
     """Explicit half-open layer ranges [start, end) per stage over ModelSpec.layers(); None: from the
     plan, else an even split of the chain."""
@@ -86,6 +89,8 @@ class TrainConfig:
         src = "train config"
         if self.mode not in MODES:
             raise InputError(f"must be one of {MODES}, got {self.mode!r}", source=src, field="mode")
+        if self.dp_sync not in ("flat", "ddp"):
+            raise InputError(f"must be 'flat' or 'ddp', got {self.dp_sync!r}", source=src, field="dp_sync")
         if self.pipeline_schedule not in SCHEDULES:
             raise InputError(f"must be one of {SCHEDULES}, got {self.pipeline_schedule!r}", source=src,
                              field="pipeline_schedule")

@@ -62,7 +62,7 @@ class Trainer:
                  mode: str, num_microbatches: int, pipeline_schedule: str = "1f1b", lr: float = 1e-4,
                  weight_decay: float = 0.0, buffer: Buffer | None = None, log_path: str | None = None,
                  quiet: bool = True, checkpoint_dir: str | None = None, checkpoint_every: int = 0,
-                 run_info: dict | None = None):
+                 run_info: dict | None = None, dp_sync: str = "flat"):
         from omnibal.train.stage import apply_checkpointing, build_stage, example_carry
 
         self.world = world
@@ -108,15 +108,18 @@ class Trainer:
         self.runner = StageRunner(self.stage_module, stage_index=world.pp_rank, num_stages=world.pp_size,
                                   device=world.device, num_microbatches=num_microbatches,
                                   schedule=pipeline_schedule, pp_group=world.pp_group,
-                                  example_inputs=example_in, example_outputs=example_out)
+                                  example_inputs=example_in, example_outputs=example_out,
+                                  dp_group=world.dp_group, dp_size=world.dp_size, dp_sync=dp_sync)
         params = [p for p in self.stage_module.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay) if params else None
-        self.grad_sync = GradSync(params, world.dp_group, world.dp_size)
+        # with DDP the runner's wrapped module reduces the gradients inside the backward
+        self.grad_sync = GradSync(params, world.dp_group, 1 if self.runner.ddp else world.dp_size)
         self._collate_base = model.collate_config(num_tiles=1, num_tokens=1) if hasattr(model, "collate_config") else None
         self._log_path = log_path if world.rank == 0 else None
         self._log_header = {**(run_info or {}), "world": {"dp": world.dp_size, "pp": world.pp_size},
                             "model_id": self.model_id, "stage_layers": [list(r) for r in layout.ranges],
-                            "recompute": [list(r) for r in layout.recompute], "mode": mode}
+                            "recompute": [list(r) for r in layout.recompute], "mode": mode,
+                            "dp_sync": dp_sync}
         self.log = MetricsLog(None)
         """Step records (the JSONL file opens at the first step: appended to when resuming)."""
         self.consumed: list[list[int]] = []

@@ -18,6 +18,7 @@ global-token-normalised loss, whatever the packing.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import dataclass
@@ -29,6 +30,11 @@ import torch.distributed as dist
 from torch import nn
 
 from omnibal.errors import InputError
+
+DP_SYNCS = ("flat", "ddp")
+"""How gradients are summed over DP: ``flat`` (one all-reduce after the step, so the time a rank waits for
+the slowest is measured on its own) or ``ddp`` (DistributedDataParallel: bucketed all-reduces overlapping
+the last micro-batch's backward; the wait then hides inside that backward)."""
 
 
 def even_split(num_layers: int, num_stages: int) -> tuple[tuple[int, int], ...]:
@@ -258,7 +264,15 @@ class StageRunner:
     def __init__(self, stage_module: nn.Module, *, stage_index: int, num_stages: int, device: torch.device,
                  num_microbatches: int, schedule: str = "1f1b", pp_group=None,
                  example_inputs: Sequence[torch.Tensor] | None = None,
-                 example_outputs: Sequence[torch.Tensor] | None = None):
+                 example_outputs: Sequence[torch.Tensor] | None = None,
+                 dp_group=None, dp_size: int = 1, dp_sync: str = "flat"):
+        if dp_sync not in DP_SYNCS:
+            raise InputError(f"dp_sync must be one of {', '.join(DP_SYNCS)}, got {dp_sync!r}", source="dp_sync",
+                             field="dp_sync")
+        # DDP averages gradients over the DP group; the loss is normalised by the *global* target count, so
+        # its gradients must be summed: the loss is multiplied by dp_size to cancel DDP's division
+        self.ddp = dp_sync == "ddp" and dp_size > 1
+        self._grad_multiplier = float(dp_size) if self.ddp else 1.0
         self.module = stage_module
         self.stage_index = stage_index
         self.num_stages = num_stages
@@ -269,6 +283,8 @@ class StageRunner:
         if num_stages == 1:
             self.stage = None
             self.schedule = None
+            if self.ddp:
+                self.module = _wrap_ddp(stage_module, dp_group, device)
             return
         from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
@@ -276,8 +292,11 @@ class StageRunner:
             raise ValueError("a pipeline stage needs example inputs and outputs (fixed shapes)")
         guarded = ShapeGuard(stage_module, stage_index, None if stage_index == num_stages - 1 else example_outputs)
         self._guarded = guarded
+        # a DDP-wrapped stage: torch.distributed.pipelining skips the gradient all-reduce (no_sync) on every
+        # backward but the last micro-batch's, where DDP's buckets reduce while the backward still runs
+        submod = _wrap_ddp(guarded, dp_group, device) if self.ddp else guarded
         stage_cls = _make_timed_stage_class()
-        self.stage = stage_cls(guarded, stage_index, num_stages, device, input_args=tuple(example_inputs),
+        self.stage = stage_cls(submod, stage_index, num_stages, device, input_args=tuple(example_inputs),
                                output_args=tuple(example_outputs), group=pp_group)
         cls = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule]
         self.schedule = cls(self.stage, num_microbatches, loss_fn=self._loss_fn, scale_grads=False)
@@ -306,7 +325,7 @@ class StageRunner:
         if global_targets <= 0:
             raise InputError("the global batch has no target tokens (every label is ignored)", source="data",
                              field="labels")
-        self._scale = 1.0 / float(global_targets)
+        self._scale = self._grad_multiplier / float(global_targets)
         if self.num_stages == 1:
             return self._accumulate(microbatches)
         self.stage.compute_s = 0.0
@@ -323,23 +342,33 @@ class StageRunner:
         else:
             self.schedule.step(*args, return_outputs=False)
         loss_sum = float(sum(l.detach().float().item() for l in losses)) if losses else 0.0
-        return StepResult(loss_sum=loss_sum, compute_s=self.stage.compute_s)
+        return StepResult(loss_sum=loss_sum / self._grad_multiplier, compute_s=self.stage.compute_s)
 
     def _accumulate(self, microbatches) -> StepResult:
         assert microbatches is not None
         self.check_inputs(microbatches)
         compute = 0.0
         loss_sum = 0.0
-        for mb in microbatches:
+        for k, mb in enumerate(microbatches):
             _sync(self.device)
             t0 = time.perf_counter()
-            out = self.module(*[t.to(self.device) for t in mb])
-            loss = out[0] * self._scale
-            loss.backward()
+            # DDP reduces gradients in the last micro-batch's backward only (gradient accumulation)
+            quiet = self.module.no_sync() if self.ddp and k < len(microbatches) - 1 else contextlib.nullcontext()
+            with quiet:
+                out = self.module(*[t.to(self.device) for t in mb])
+                loss = out[0] * self._scale
+                loss.backward()
             _sync(self.device)
             compute += time.perf_counter() - t0
             loss_sum += float(loss.detach().item())
-        return StepResult(loss_sum=loss_sum, compute_s=compute)
+        return StepResult(loss_sum=loss_sum / self._grad_multiplier, compute_s=compute)
+
+
+def _wrap_ddp(module: nn.Module, dp_group, device: torch.device) -> nn.Module:
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(module, process_group=dp_group,
+                                   device_ids=[device.index] if device.type == "cuda" else None)
 
 
 def _sync(device: torch.device) -> None:

@@ -80,6 +80,7 @@ def build_trainer(cfg: TrainConfig, world: World):
             "buffer": None if buffer is None else [buffer.tiles, buffer.tokens]}
     trainer = Trainer(world=world, model=model, layout=layout, schedule=schedule, dataset=dataset, mode=cfg.mode,
                       num_microbatches=cfg.num_microbatches, pipeline_schedule=cfg.pipeline_schedule, lr=cfg.lr,
+                      dp_sync=cfg.dp_sync,
                       weight_decay=cfg.weight_decay, buffer=buffer, log_path=cfg.log_path, quiet=cfg.quiet,
                       checkpoint_dir=cfg.checkpoint_dir, checkpoint_every=cfg.checkpoint_every, run_info=info)
     del model  # the stage holds its own layers; the rest of the model is freed
