@@ -36,8 +36,21 @@ SHARED = Path(os.environ.get("OMNIBAL_SHARED_STATS") or next(
     (c / "data" / "internvl-1.2m-stats" for c in _CANDIDATES if (c / "data" / "internvl-1.2m-stats").is_dir()),
     _CANDIDATES[0] / "data" / "internvl-1.2m-stats"))
 FILES = ("ai2d_train_12k_wh_token_lengths.json", "chartqa_train_18k_wh_token_lengths.json")
-LAYOUTS = ((2, 1), (1, 2))
 MODES = ("baseline", "omnibal")
+
+
+def parse_layouts(text: str) -> list[tuple[int, int]]:
+    """``"2x1,1x2"`` -> [(2, 1), (1, 2)] (DP x PP; this 2-core machine runs at most 2 ranks well)."""
+    layouts = []
+    for part in text.split(","):
+        try:
+            dp, pp = (int(x) for x in part.strip().lower().split("x"))
+        except ValueError:
+            raise SystemExit(f"--layouts: {part!r} is not DPxPP (e.g. 2x1)") from None
+        if dp < 1 or pp < 1:
+            raise SystemExit(f"--layouts: {part!r} needs positive sizes")
+        layouts.append((dp, pp))
+    return layouts
 
 
 def load_subset(num_samples: int, seed: int):
@@ -166,6 +179,7 @@ def main(argv=None) -> int:
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--batch-size", type=int, default=4, help="baseline samples per micro-batch")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--layouts", default="2x1,1x2", help="DPxPP layouts to compare, comma-separated")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--note", default="", help="free text recorded with the results (e.g. the commits used)")
@@ -199,7 +213,7 @@ def main(argv=None) -> int:
                "steps": "whole schedule (epoch)" if args.epoch else args.steps,
                "num_microbatches": args.microbatches, "baseline_batch_size": args.batch_size,
                "repeats": args.repeats, "note": args.note, "runs": {}, "table": []}
-    for dp, pp in LAYOUTS:
+    for dp, pp in parse_layouts(args.layouts):
         sched_omni = balance(stats, dp_size=dp, num_microbatches=args.microbatches, seed=args.seed)
         omni_path = work / f"schedule_dp{dp}.json"
         sched_omni.to_json(omni_path)
