@@ -96,3 +96,42 @@ def test_bad_dimensions_name_the_field():
     with pytest.raises(InputError) as exc:
         dataclasses.replace(spec, llm=dataclasses.replace(spec.llm, num_kv_heads=3))
     assert exc.value.field == "llm.num_kv_heads"
+
+
+def _vision_flop_share(spec, tiles, tokens, images) -> float:
+    from omnibal.cost.analytic import layer_work
+    from omnibal.cost.table import microbatch_features
+
+    tok = spec.sample_tokens(tiles, tokens, images=images).astype(np.float64)
+    work = layer_work(spec)
+    coef = work.matmul_flops + work.attention_flops  # [layers, features]
+    per_layer = coef @ microbatch_features(tiles, tok, tok * tok).sum(axis=0)  # one sample = one segment
+    vision = [i for i, layer in enumerate(spec.layers()) if layer.name.startswith("vision") or layer.name == "projector"]
+    return float(per_layer[vision].sum() / per_layer.sum())
+
+
+def test_tiny_vision_share_resembles_internvl_6b_20b(shared_stats_dir):
+    """The tiny CPU model stands in for InternViT-6B + InternLM2-20B in the measured runs: on the same real
+    samples its ViT must take about the share of the work the 6B ViT takes, or the baseline's LLM padding
+    and the pipeline's ViT/LLM imbalance would be mis-weighted on CPU."""
+    from omnibal.stats.io import load_stats
+    from omnibal.stats.table import SampleStats
+
+    from conftest import REAL_STATS_FILES
+
+    stats = SampleStats.concat([load_stats(shared_stats_dir / f) for f in REAL_STATS_FILES.values()])
+    big = _vision_flop_share(get_model_preset("internvl-chat-1.5"), stats.tiles, stats.tokens, stats.images)
+    tiny = _vision_flop_share(get_model_preset("tiny"), stats.tiles, stats.tokens, stats.images)
+    assert 0.45 < big < 0.60, big
+    assert abs(tiny - big) < 0.06, (tiny, big)  # 8 ViT + 3 LLM blocks were 0.26 off
+
+
+def test_tiny_vision_share_on_the_embedded_mixture():
+    from omnibal.stats.synthetic import synthetic_internvl_mixture
+
+    stats = synthetic_internvl_mixture(20_000, seed=0)
+    big = _vision_flop_share(get_model_preset("internvl-chat-1.5"), stats.tiles, stats.tokens, stats.images)
+    tiny = _vision_flop_share(get_model_preset("tiny"), stats.tiles, stats.tokens, stats.images)
+    # the tiny model keeps 16 of InternVL's 256 image tokens per tile, so text weighs more in its LLM: on this
+    # text-heavier mixture its ViT share is lower than on the real samples, on the other side of the 6B + 20B
+    assert abs(tiny - big) < 0.06, (tiny, big)

@@ -5,6 +5,7 @@ import json
 import numpy as np
 import pytest
 
+from omnibal.cost.presets import get_model_preset
 from omnibal.cli import main
 from omnibal.errors import InputError
 from omnibal.plan.ablation import ROW_NAMES
@@ -101,7 +102,7 @@ def test_vision_first_split_puts_the_encoder_on_stage_zero():
     (["--gpus", "130", "--pp", "4"], "not a multiple of 4"),
     (["--preset", "nope"], "unknown model preset 'nope'"),
     (["--hardware", "tpu"], "unknown hardware 'tpu'"),
-    (["--preset", "tiny", "--gpus", "64", "--pp", "64"], "only 15 layers"),
+    (["--preset", "tiny", "--gpus", "64", "--pp", "64"], f"only {len(get_model_preset('tiny').layers())} layers"),
     (["--memory-budget", "10"], "alone need at least .* GiB"),
     (["--stats", "/nonexistent/stats.jsonl"], "nonexistent"),
 ])
@@ -119,7 +120,7 @@ def test_cli_end_to_end_on_tiny(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "+ adaptive recompute" in out and "DeepSpeed parts" in out and "wrote" in out
     doc = json.loads((tmp_path / "o" / "plan.json").read_text())
-    assert doc["format"] == "omnibal.plan" and doc["exports"]["deepspeed"]["parts"][-1] == 15
+    assert doc["format"] == "omnibal.plan" and doc["exports"]["deepspeed"]["parts"][-1] == len(get_model_preset("tiny").layers())
     assert main(["report", str(tmp_path / "o")]) == 0
     assert (tmp_path / "o" / "report.md").is_file()
     np.testing.assert_equal(len(doc["stages"]), 2)

@@ -48,7 +48,7 @@ def test_plan_file_sets_partition_and_recompute(tmp_path, capsys):
     names = [layer.name for layer in spec.layers()]
     stages = tuple(PlanStage(stage=s, layers=(a, b), modules=tuple(names[a:b]), recompute=tuple(names[a:a + 1]),
                              in_flight=2 - s, compute_time_s=1.0, boundary_time_s=0.0, recompute_time_s=0.0,
-                             memory_bytes=1.0) for s, (a, b) in enumerate(((0, 9), (9, 15))))
+                             memory_bytes=1.0) for s, (a, b) in enumerate(((0, 9), (9, len(names)))))
     plan = Plan(
         inputs=PlanInputs(model="tiny", model_spec={}, hardware="a100-80g", num_gpus=2, dp_size=1, pp_size=2,
                           tp_size=1, zero_stage=1, num_microbatches=4, memory_budget_bytes=None, stats_source="x",
@@ -59,7 +59,7 @@ def test_plan_file_sets_partition_and_recompute(tmp_path, capsys):
     out = tmp_path / "rep"
     assert main(["simulate", "--plan", str(path), "--samples", "3000", "--quiet", "--out", str(out)]) == 0
     summary = json.loads((out / "simulate.json").read_text())
-    assert summary["cuts"] == [0, 9, 15]
+    assert summary["cuts"] == [0, 9, len(names)]
     assert summary["recompute_layers"] == [0, 9]
     assert summary["pp_size"] == 2 and summary["dp_size"] == 1
 
