@@ -112,3 +112,45 @@ def test_per_stage_runs_separate_vision_from_llm():
     np.testing.assert_allclose(cal.fwd_scale, (1.4, 0.7), rtol=1e-6)
     with pytest.raises(InputError, match="layers"):
         calibrate(table, [CalibrationRun(feats[:, 0], rec, part, layers=(5, 12))])
+
+
+def test_recovers_the_shared_host_slowdown():
+    """Ranks sharing a host compute 1.15x slower: fitted from runs of both kinds, it is recovered with the
+    group scales and the overhead, and ``apply(shared_host=True)`` predicts a held-out shared run."""
+    from omnibal.sim.calibrate import design_matrix
+
+    table = _kinds_table(seed=4)
+    truth = Calibration(groups=("vision", "llm"), fwd_scale=(1.3, 0.8), bwd_scale=(1.3, 0.8), step_overhead=0.05,
+                        rel_rms_error=0.0, num_steps=0, shared_host_scale=1.15)
+    runs = []
+    for seed, rec, shared, layers in ((1, np.zeros(9, bool), False, None), (2, np.ones(9, bool), False, None),
+                                      (3, np.zeros(9, bool), True, (0, 4)), (4, np.zeros(9, bool), True, (4, 9))):
+        feats = random_features(10, 1, 4, seed=seed)[:, 0]
+        true_table = truth.apply(table, shared_host=shared)
+        # a rank's own time: the sum of its layers' costs (one stage of a pipeline when ``layers`` is set)
+        probe = CalibrationRun(feats, rec, np.ones(len(feats)), layers=layers)
+        y = design_matrix(true_table, probe, ("all",), separate_backward=False)[:, 0] + 0.05
+        runs.append(CalibrationRun(feats, rec, y, layers=layers, shared_host=shared))
+    cal = calibrate(table, runs)
+    assert cal.shared_host_scale == pytest.approx(1.15, rel=1e-6)
+    np.testing.assert_allclose(cal.fwd_scale, truth.fwd_scale, rtol=1e-6)
+    assert cal.step_overhead == pytest.approx(0.05, rel=1e-6)
+    assert cal.rel_rms_error < 1e-9
+    feats = random_features(5, 1, 3, seed=9)
+    rec = np.zeros(9, bool)
+    pred = simulate_epoch(cal.apply(table, shared_host=True), [0, 9], rec, feats, SimConfig(step_overhead=0.05))
+    want = simulate_epoch(truth.apply(table, shared_host=True), [0, 9], rec, feats, SimConfig(step_overhead=0.05))
+    np.testing.assert_allclose(pred.step_time, want.step_time, rtol=1e-9)
+    assert cal.to_dict()["shared_host_scale"] == pytest.approx(1.15, rel=1e-6)
+
+
+def test_shared_host_scale_needs_both_kinds_of_run():
+    table = _kinds_table(seed=5)
+    feats = random_features(8, 1, 4, seed=1)
+    rec = np.zeros(9, bool)
+    y = simulate_epoch(table, [0, 9], rec, feats, SimConfig(step_overhead=0.0)).step_time * 1.2
+    for shared in (False, True):  # all alone or all shared: the factor cannot be told from the group scales
+        cal = calibrate(table, [CalibrationRun(feats[:, 0], rec, y, shared_host=shared)], groups=("all",))
+        assert cal.shared_host_scale == 1.0
+        assert cal.fwd_scale[0] == pytest.approx(1.2, rel=1e-6)
+

@@ -15,6 +15,11 @@ calibration runs; apply it to a table with
 Pipeline and DP step times are *not* used here (they are a max, not a sum): they are what the calibrated
 simulator is validated against. A DP run's per-rank times give :func:`rank_jitter`, the unpredicted
 per-rank variation that makes the gradient sync wait for a straggler (``SimConfig.compute_jitter``).
+
+Several ranks on one host (processes on the cores of one CPU, not one rank per GPU) share its caches and
+memory bandwidth, so each computes slower than a rank alone. Runs flagged ``shared_host`` get one more
+factor, ``shared_host_scale``, fitted together with the rest when the calibration holds both kinds of run
+(:meth:`Calibration.apply` with ``shared_host=True`` applies it).
 """
 
 from __future__ import annotations
@@ -49,6 +54,8 @@ class CalibrationRun:
     layers: tuple[int, int] | None = None
     """Layer range ``[start, stop)`` the times cover (one pipeline stage's own compute, e.g. a rank's CPU
     time in a pipeline run: it separates the stages' layer groups); None: the whole model."""
+    shared_host: bool = False
+    """Whether other ranks computed on the same host at the same time (several CPU ranks per machine)."""
 
 
 @dataclass(frozen=True)
@@ -67,20 +74,26 @@ class Calibration:
     """Root-mean-square relative error of the fit on the calibration steps."""
     num_steps: int
     """Calibration steps used."""
+    shared_host_scale: float = 1.0
+    """Extra compute time factor of a rank whose host also runs other ranks (1.0 when the calibration had
+    no runs of both kinds to tell it)."""
 
-    def apply(self, table: LayerCostTable) -> LayerCostTable:
-        """``table`` with each group's forward/backward time coefficients scaled."""
+    def apply(self, table: LayerCostTable, *, shared_host: bool = False) -> LayerCostTable:
+        """``table`` with each group's forward/backward time coefficients scaled (and by
+        ``shared_host_scale`` for a run whose ranks share hosts)."""
         fwd_mult, bwd_mult = np.ones(table.num_layers), np.ones(table.num_layers)
         for g, name in enumerate(self.groups):
             mask = _group_mask(table, name)
             fwd_mult[mask] = self.fwd_scale[g]
             bwd_mult[mask] = self.bwd_scale[g]
+        if shared_host:
+            fwd_mult, bwd_mult = fwd_mult * self.shared_host_scale, bwd_mult * self.shared_host_scale
         return replace(table, fwd_time=table.fwd_time * fwd_mult[:, None], bwd_time=table.bwd_time * bwd_mult[:, None])
 
     def to_dict(self) -> dict:
         return {"groups": list(self.groups), "fwd_scale": list(self.fwd_scale), "bwd_scale": list(self.bwd_scale),
                 "step_overhead": self.step_overhead, "rel_rms_error": self.rel_rms_error,
-                "num_steps": self.num_steps}
+                "num_steps": self.num_steps, "shared_host_scale": self.shared_host_scale}
 
 
 def _group_mask(table: LayerCostTable, name: str) -> np.ndarray:
@@ -143,11 +156,12 @@ def calibrate(table: LayerCostTable, runs: list[CalibrationRun], groups: tuple[s
     By default one scale per group covers forward, recompute and backward together (keeps the table's
     backward/forward ratio). ``separate_backward=True`` fits forward and backward scales apart; it needs runs
     whose recompute share differs, and with few or noisy steps the fit degenerates (one scale of a group
-    driven to 0, the other inflated), which is why it is not the default.
+    driven to 0, the other inflated), which is why it is not the default. When some runs are flagged
+    ``shared_host`` and some are not, their extra factor is fitted too (``Calibration.shared_host_scale``).
     """
     if not runs:
         raise InputError("need at least one calibration run", source="calibration", field="runs")
-    rows, ys = [], []
+    rows, ys, shared = [], [], []
     for k, run in enumerate(runs):
         y = np.asarray(run.step_times, dtype=np.float64)
         x = design_matrix(table, run, groups, separate_backward)
@@ -158,17 +172,49 @@ def calibrate(table: LayerCostTable, runs: list[CalibrationRun], groups: tuple[s
             raise InputError("step times must be positive", source="calibration", record=k, field="step_times")
         rows.append(x)
         ys.append(y)
-    x, y = np.concatenate(rows), np.concatenate(ys)
-    if len(y) < x.shape[1]:
-        raise InputError(f"{len(y)} steps cannot fit {x.shape[1]} parameters", source="calibration", field="runs")
+        shared.append(np.full(len(y), bool(run.shared_host)))
+    x, y, shared = np.concatenate(rows), np.concatenate(ys), np.concatenate(shared)
+    fit_shared = bool(shared.any() and not shared.all())
+    if len(y) < x.shape[1] + fit_shared:
+        raise InputError(f"{len(y)} steps cannot fit {x.shape[1] + fit_shared} parameters", source="calibration",
+                         field="runs")
     w = 1.0 / y if weight_relative else np.ones_like(y)
-    coef = nonneg_lstsq(x * w[:, None], y * w)
-    pred = x @ coef
+
+    def fit(kappa: float) -> tuple[np.ndarray, np.ndarray]:
+        """Scales and overhead for a given shared-host factor, and the predictions."""
+        factor = np.where(shared, kappa, 1.0)
+        xs = np.concatenate([x[:, :-1] * factor[:, None], x[:, -1:]], axis=1)
+        coef = nonneg_lstsq(xs * w[:, None], y * w)
+        return coef, xs @ coef
+
+    # step = kappa * (compute columns @ scales) + overhead with kappa = 1 for a rank alone: bilinear, so the
+    # factor is searched (golden section over log kappa in [1/4, 4]) with the linear fit inside
+    kappa = 1.0
+    if fit_shared:
+        def loss(log_k: float) -> float:
+            return float(np.sum((w * (fit(np.exp(log_k))[1] - y)) ** 2))
+
+        lo, hi = np.log(0.25), np.log(4.0)
+        ratio = (np.sqrt(5.0) - 1.0) / 2.0
+        a, b = hi - ratio * (hi - lo), lo + ratio * (hi - lo)
+        fa, fb = loss(a), loss(b)
+        while hi - lo > 1e-12:
+            if fa <= fb:
+                hi, b, fb = b, a, fa
+                a = hi - ratio * (hi - lo)
+                fa = loss(a)
+            else:
+                lo, a, fa = a, b, fb
+                b = lo + ratio * (hi - lo)
+                fb = loss(b)
+        kappa = float(np.exp((lo + hi) / 2.0))
+    coef, pred = fit(kappa)
     g = len(groups)
     bwd = coef[g:2 * g] if separate_backward else coef[:g]
     return Calibration(groups=tuple(groups), fwd_scale=tuple(float(c) for c in coef[:g]),
                        bwd_scale=tuple(float(c) for c in bwd), step_overhead=float(coef[-1]),
-                       rel_rms_error=float(np.sqrt(np.mean(((pred - y) / y) ** 2))), num_steps=int(len(y)))
+                       rel_rms_error=float(np.sqrt(np.mean(((pred - y) / y) ** 2))), num_steps=int(len(y)),
+                       shared_host_scale=kappa)
 
 
 def rank_jitter(table: LayerCostTable, features: np.ndarray, recompute_mask, step_times: np.ndarray,
