@@ -18,6 +18,17 @@ from omnibal.errors import InputError, NotBuiltError, OmnibalError
 COMMANDS = ("stats", "balance", "profile", "plan", "simulate", "train", "report")
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends ``(default: X)`` only where it tells something: not to flags, not to options whose default is
+    resolved later (None), not where the help already names the default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default is None or isinstance(action.default, bool) or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="omnibal",
@@ -31,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
             name,
             help=mod.HELP,
             description=getattr(mod, "DESCRIPTION", mod.HELP),
-            formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+            formatter_class=_HelpFormatter,
         )
         mod.add_arguments(p)
         p.set_defaults(_run=mod.run)
