@@ -15,7 +15,6 @@ Promises (docs/guarantees.md, "Bad input"):
 from __future__ import annotations
 
 import json
-import os
 import struct
 import zlib
 from pathlib import Path

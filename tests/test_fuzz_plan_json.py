@@ -57,11 +57,11 @@ def check_runnable(plan: Plan) -> None:
     assert i.memory_budget_bytes is None or (math.isfinite(i.memory_budget_bytes) and i.memory_budget_bytes > 0)
     assert plan.data.num_steps >= 0
     assert plan.stages[0].layers[0] == 0
-    for st in plan.stages:
-        assert st.in_flight >= 1, f"stage {st.stage}: in_flight {st.in_flight} accepted"
+    for stage in plan.stages:
+        assert stage.in_flight >= 1, f"stage {stage.stage}: in_flight {stage.in_flight} accepted"
         for name in ("compute_time_s", "boundary_time_s", "recompute_time_s", "memory_bytes"):
-            v = getattr(st, name)
-            assert math.isfinite(v) and v >= 0, f"stage {st.stage}: {name} = {v} accepted"
+            v = getattr(stage, name)
+            assert math.isfinite(v) and v >= 0, f"stage {stage.stage}: {name} = {v} accepted"
     p = plan.prediction
     for name in ("step_time_s", "epoch_time_s", "gpu_days", "bubble"):
         v = getattr(p, name)

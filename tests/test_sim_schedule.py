@@ -15,7 +15,6 @@ from omnibal.sim.schedule import (
     global_op_order,
     peak_inflight,
     simulate_pipeline,
-    stage_op_order,
 )
 from omnibal.sim.step import ring_allreduce_time, simulate_steps
 

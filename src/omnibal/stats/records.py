@@ -110,7 +110,6 @@ def _given_sizes(rec: dict, num_images: int):
         raise RecordError("width and height must be given together", "width" if has_h else "height")
     if num_images == 0:
         raise RecordError("width/height given for a record without an image", "width")
-    out = []
     ws, hs = rec["width"], rec["height"]
     if num_images == 1 and not isinstance(ws, list):
         ws, hs = [ws], [hs]

@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from omnibal.errors import InputError
 from omnibal.train import checkpoint as ckpt
-from omnibal.train.distributed import PeerFailure, World, is_comm_error, peer_failure
+from omnibal.train.distributed import World, is_comm_error, peer_failure
 from omnibal.train.feed import ScheduleLike, buffer_shape, check_schedule, schedule_fingerprint
 from omnibal.train.metrics_log import (MetricsLog, RankTimes, StepRecord, format_summary, process_memory,
                                        progress_bar, summarize)
