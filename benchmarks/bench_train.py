@@ -11,8 +11,11 @@ Same model (the ``tiny`` preset), same data (a seeded subset of the real InternV
 
 Each configuration runs ``--repeats`` times through the real CLI (``omnibal train``, local gloo ranks);
 reported: median real (unpadded) samples/s, the speed-up, per-rank compute / pipeline wait / DP-sync wait
-of the median run, machine load, and the simulator's predicted step time for the same steps (layer
-cost table from this CPU's measured profile, uncalibrated). Writes benchmarks/results/train.json and train.md.
+of the median run, machine load, and the simulator's predicted step time for the same steps beside the
+measured one. The simulator's layer costs are this CPU's measured profile, calibrated on *separate* runs
+on other data (``bench_sim_validation.CAL_SPECS``, one round before each repeat so both see the same
+machine drift), with the gloo links measured by ``sim_links.py``. Writes benchmarks/results/train.json and
+train.md.
 """
 
 from __future__ import annotations
@@ -31,6 +34,11 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_sim_validation as sv  # noqa: E402
+from sim_links import measure_links  # noqa: E402
+
 _CANDIDATES = [ROOT.parent / "shared", ROOT.parent.parent / "shared"]  # beside the checkout (or a worktree's parent)
 SHARED = Path(os.environ.get("OMNIBAL_SHARED_STATS") or next(
     (c / "data" / "internvl-1.2m-stats" for c in _CANDIDATES if (c / "data" / "internvl-1.2m-stats").is_dir()),
@@ -117,33 +125,26 @@ def write_plan(path: Path, spec, parts, layer_times) -> None:
                                 "per-layer times", "stages": stages}, indent=1))
 
 
-def step_features(schedule, stats, steps, *, padded: bool) -> np.ndarray:
-    """Cost features [steps, dp, M, 4] of the micro-batches as they run (padded rows for the baseline)."""
+def predict_step_time(calibrated, links, schedule, stats, *, mode, dp, pp, parts, recompute_names, steps) -> float:
+    """Mean simulated step time of ``steps`` as the trainer ran them: the calibrated table (the shared-core
+    one for a multi-rank run), measured links, the pipeline's fixed p2p buffer, the rank jitter."""
     from omnibal.cost.table import microbatch_features
+    from omnibal.sim import SimConfig, simulate_epoch
+    from omnibal.train.loop import fixed_buffer
 
-    out = np.zeros((len(steps), schedule.dp_size, schedule.num_microbatches, 4))
-    for a, s in enumerate(steps):
-        for r in range(schedule.dp_size):
-            for k in range(schedule.num_microbatches):
-                mb = schedule.microbatch(s, r, k)
-                t = stats.tokens[mb].astype(np.float64)
-                tiles = float(stats.tiles[mb].sum())
-                if padded:
-                    tok, tok_sq = len(mb) * t.max(), len(mb) * t.max() ** 2
-                else:
-                    tok, tok_sq = t.sum(), (t ** 2).sum()
-                out[a, r, k] = microbatch_features(tiles, tok, tok_sq)
-    return out
-
-
-def predict_step_time(spec, hardware, table, schedule, stats, *, dp, pp, parts, recompute_names, steps,
-                      padded) -> float:
-    from omnibal.sim.costs import config_for_hardware
-    from omnibal.sim.epoch import simulate_epoch
-
+    cal, alone, shared, jitter = calibrated
+    table = shared if dp * pp > 1 else alone
     rec = np.array([name in recompute_names for name in table.names])
-    config = config_for_hardware(hardware, dp_size=dp, pp_size=pp, memory_fraction=None)
-    res = simulate_epoch(table, np.asarray(parts), rec, step_features(schedule, stats, steps, padded=padded), config)
+    all_feats = sv.step_features(schedule, stats, max(steps) + 1, padded=mode == "baseline")
+    feats = all_feats[list(steps)]
+    buffer = None
+    if pp > 1:
+        buf = fixed_buffer(schedule, stats, mode=mode)
+        buffer = np.broadcast_to(microbatch_features(buf.tiles, buf.tokens, buf.tokens * buf.tokens), feats.shape)
+    config = SimConfig(dp_size=dp, p2p_bandwidth=links["p2p_bandwidth"], p2p_latency=links["p2p_latency"],
+                       dp_bandwidth=links["dp_bandwidth"], dp_latency=links["dp_latency"],
+                       step_overhead=cal.step_overhead, p2p_occupancy=1.0, compute_jitter=jitter)
+    res = simulate_epoch(table, np.asarray(parts), rec, feats, config, buffer_features=buffer)
     return float(np.mean(res.step_time))
 
 
@@ -179,6 +180,8 @@ def main(argv=None) -> int:
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--batch-size", type=int, default=4, help="baseline samples per micro-batch")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--calibration-steps", type=int, default=8,
+                    help="timed steps of each calibration run (separate runs on other data, for the simulator)")
     ap.add_argument("--layouts", default="2x1,1x2", help="DPxPP layouts to compare, comma-separated")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
@@ -187,12 +190,11 @@ def main(argv=None) -> int:
 
     import torch
 
-    from omnibal.cost.hardware import measure_cpu
     from omnibal.cost.profile import cost_table_from_profile
     from omnibal.cost.profile import measure as measure_profile
     from omnibal.cost.presets import get_model_preset
     from omnibal.data.balance import balance
-    from omnibal.plan.partition import even_partition, min_max_partition
+    from omnibal.plan.partition import min_max_partition
     from omnibal.stats.io import save_stats
     from omnibal.train.feed import random_microbatch_schedule
 
@@ -203,58 +205,70 @@ def main(argv=None) -> int:
     work = Path(tempfile.mkdtemp(prefix="bench_train_"))
     stats_path = save_stats(raw, work / "stats.jsonl")
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
-    hardware = measure_cpu(threads=1)
-    # the simulator's layer costs: this CPU's measured layer profile (no calibration runs; see
-    # bench_sim_validation.py for the calibrated error)
+    log = lambda msg: print(f"[bench_train] {msg} (load {load_avg():.2f})", file=sys.stderr, flush=True)  # noqa: E731
+    # the simulator's layer costs: this CPU's measured layer profile, calibrated on separate runs (other data)
     table = cost_table_from_profile(spec, measure_profile(spec, threads=1, statistic="cpu", repeats=3))
+    links = measure_links()["wall_clock"]
+    calib = sv.CalibrationData(table, [layer.name for layer in spec.layers()],
+                               sv.load_stats(args.samples, sv.CAL_SEED), steps=args.calibration_steps + 1)
 
     results = {"machine": {"cores": os.cpu_count(), "torch": torch.__version__, "python": sys.version.split()[0]},
                "model": spec.name, "num_samples": args.samples, "stats": raw.source,
                "steps": "whole schedule (epoch)" if args.epoch else args.steps,
                "num_microbatches": args.microbatches, "baseline_batch_size": args.batch_size,
                "repeats": args.repeats, "note": args.note, "runs": {}, "table": []}
+    layouts = []  # per layout: schedules, steps and CLI arguments of each mode
     for dp, pp in parse_layouts(args.layouts):
         sched_omni = balance(stats, dp_size=dp, num_microbatches=args.microbatches, seed=args.seed)
         omni_path = work / f"schedule_dp{dp}.json"
         sched_omni.to_json(omni_path)
         sched_base = random_microbatch_schedule(len(stats), dp_size=dp, num_microbatches=args.microbatches,
                                                 batch_size=args.batch_size, seed=args.seed)
-        names = [layer.name for layer in spec.layers()]
         plan_path = None
-        parts_omni = even_partition(len(names), pp)
         layer_times = None
         if pp > 1:
             layer_times = profile_layers(spec, sched_omni, stats)
-            parts_omni = min_max_partition(layer_times, pp).parts
             plan_path = work / f"plan_pp{pp}.json"
-            write_plan(plan_path, spec, parts_omni, layer_times)
+            write_plan(plan_path, spec, min_max_partition(layer_times, pp).parts, layer_times)
         schedule_of = {"baseline": sched_base, "omnibal": sched_omni}
-        steps_of = {m: schedule_of[m].num_steps if args.epoch else args.steps for m in MODES}
         common = ["--model", "tiny", "--stats", str(stats_path), "--dp", str(dp), "--pp", str(pp),
                   "--microbatches", str(args.microbatches), "--seed", str(args.seed), "--threads", "1",
                   "--timeout", "300"]
-        runs_of: dict[str, list[dict]] = {m: [] for m in MODES}
         extra_of = {"baseline": ["--batch-size", str(args.batch_size)],
                     "omnibal": ["--schedule", str(omni_path)] + (["--plan", str(plan_path)] if plan_path else [])}
-        for rep in range(args.repeats):  # modes interleaved, so a change of machine load hits both alike
+        steps_of = {m: schedule_of[m].num_steps if args.epoch else args.steps for m in MODES}
+        layouts.append({"dp": dp, "pp": pp, "schedule_of": schedule_of, "steps_of": steps_of, "layer_times": layer_times,
+                        "args_of": {m: common + ["--mode", m, "--steps", str(steps_of[m])] + extra_of[m] for m in MODES},
+                        "runs_of": {m: [] for m in MODES}})
+
+    # rounds: the calibration runs, then every layout and mode once (interleaved, so a change of machine
+    # speed or load hits all of them alike)
+    for rep in range(args.repeats):
+        calib.run_round(rep, log)
+        for lay in layouts:
             for mode in MODES:
-                tag = f"{mode}_dp{dp}_pp{pp}_r{rep}"
-                print(f"[bench_train] {tag} (load {load_avg():.2f})", file=sys.stderr, flush=True)
-                runs_of[mode].append(run_once(common + ["--mode", mode, "--steps", str(steps_of[mode])]
-                                              + extra_of[mode], env, work, tag))
+                tag = f"{mode}_dp{lay['dp']}_pp{lay['pp']}_r{rep}"
+                log(tag)
+                lay["runs_of"][mode].append(run_once(lay["args_of"][mode], env, work, tag))
+    calibrated = calib.fit()
+    results["calibration"] = {**calibrated[0].to_dict(), "rank_jitter": calibrated[3], "links": links,
+                              "runs": calib.rows}
+
+    for lay in layouts:
+        dp, pp = lay["dp"], lay["pp"]
         for mode in MODES:
-            runs = runs_of[mode]
+            runs = lay["runs_of"][mode]
             sps = [r["summary"]["samples_per_s"] for r in runs]
             median_run = sorted(runs, key=lambda r: r["summary"]["samples_per_s"])[len(runs) // 2]
             layout_parts = [median_run["stage_layers"][0][0]] + [b for _, b in median_run["stage_layers"]]
             recompute = [n for stage in median_run["recompute"] for n in stage]
-            schedule = schedule_of[mode]
-            measured_steps = list(range(1, steps_of[mode]))  # the first step (warm-up) is left out
-            predicted = predict_step_time(spec, hardware, table, schedule, stats, dp=dp, pp=pp, parts=layout_parts,
-                                          recompute_names=set(recompute), steps=measured_steps,
-                                          padded=mode == "baseline")
+            schedule = lay["schedule_of"][mode]
+            measured_steps = list(range(1, lay["steps_of"][mode]))  # the first step (warm-up) is left out
+            predicted = predict_step_time(calibrated, links, schedule, stats, mode=mode, dp=dp, pp=pp,
+                                          parts=layout_parts, recompute_names=set(recompute), steps=measured_steps)
+            mean_step = statistics.mean(r["summary"]["mean_step_s"] for r in runs)
             entry = {
-                "mode": mode, "dp": dp, "pp": pp, "steps": steps_of[mode],
+                "mode": mode, "dp": dp, "pp": pp, "steps": lay["steps_of"][mode],
                 "samples_timed": sum(len(schedule.microbatch(s, r, k)) for s in measured_steps for r in range(dp)
                                      for k in range(schedule.num_microbatches)),
                 "samples_per_s_runs": sps,
@@ -262,15 +276,17 @@ def main(argv=None) -> int:
                 "tokens_per_s_median": statistics.median(r["summary"]["tokens_per_s"] for r in runs),
                 "median_step_s_runs": [r["summary"]["median_step_s"] for r in runs],
                 "median_step_s": statistics.median(r["summary"]["median_step_s"] for r in runs),
-                "mean_step_s_median_run": median_run["summary"]["mean_step_s"],
+                "mean_step_s_runs": [r["summary"]["mean_step_s"] for r in runs],
+                "mean_step_s": mean_step,
                 "predicted_step_s": predicted,
+                "prediction_error": predicted / mean_step - 1.0,
                 "token_pad_ratio": median_run["summary"]["token_pad_ratio"],
                 "stage_layers": median_run["stage_layers"], "recompute_layers": len(recompute),
                 "buffer": median_run["buffer"], "per_rank": median_run["summary"]["per_rank"],
                 "load": [[r["load_before"], r["load_after"]] for r in runs],
             }
-            if layer_times is not None and mode == "omnibal":
-                entry["layer_fwd_bwd_s"] = layer_times.tolist()
+            if lay["layer_times"] is not None and mode == "omnibal":
+                entry["layer_fwd_bwd_s"] = lay["layer_times"].tolist()
             results["runs"][f"{mode}_dp{dp}_pp{pp}"] = entry
         base = results["runs"][f"baseline_dp{dp}_pp{pp}"]["samples_per_s_median"]
         omni = results["runs"][f"omnibal_dp{dp}_pp{pp}"]["samples_per_s_median"]
@@ -285,30 +301,44 @@ def main(argv=None) -> int:
 
 
 def render_markdown(res: dict) -> str:
+    cal = res.get("calibration")
     lines = ["# Reference trainer: omnibal vs baseline (CPU, gloo, tiny preset)", "",
              f"{res['num_samples']} samples drawn from {res['stats']}; steps per run: {res['steps']} (the first "
-             f"step = warm-up, excluded from the figures), {res['num_microbatches']} micro-batches per rank per step, baseline micro-batch "
-             f"{res['baseline_batch_size']} samples; median of {res['repeats']} runs; one torch thread per rank; "
-             f"{res['machine']['cores']} cores shared with other jobs (load average noted per run).",
-             *([f"", f"Note: {res['note']}"] if res.get("note") else []), "",
+             f"step = warm-up, excluded from the figures), {res['num_microbatches']} micro-batches per rank per "
+             f"step, baseline micro-batch {res['baseline_batch_size']} samples; median of {res['repeats']} runs; one "
+             f"torch thread per rank; {res['machine']['cores']} cores (load average noted per run). Produced by "
+             "`benchmarks/bench_train.py`.",
+             *(["", f"Note: {res['note']}"] if res.get("note") else []), "",
              "| layout | baseline samples/s | omnibal samples/s | speed-up |", "| --- | --- | --- | --- |"]
     for row in res["table"]:
         lines.append(f"| {row['layout']} | {row['baseline_sps']:.2f} | {row['omnibal_sps']:.2f} | "
                      f"{row['speedup']:.2f}x |")
-    lines += ["", "Per run (median run of each configuration; per-rank times are mean ms per step):", "",
-              "| run | steps | samples timed | samples/s (runs) | step ms measured | step ms simulated | token pad | stages | recompute "
-              "layers | rank: compute / pipeline wait / DP-sync wait / data / CPU ms | load (1-min avg) |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines += ["", "Per run (median run of each configuration for the per-rank times, mean ms per step; *step ms* is "
+              "the mean step over the timed steps, averaged over the runs, and the simulator's prediction of the "
+              "same steps):", "",
+              "| run | steps | samples timed | samples/s (runs) | step ms measured | step ms simulated | error | token "
+              "pad | stages | recompute layers | rank: compute / pipeline wait / DP-sync wait / data / CPU ms | "
+              "load (1-min avg) |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for key, e in res["runs"].items():
         ranks = "; ".join(f"r{r['rank']}: {r['compute_s'] * 1e3:.0f} / {r['wait_s'] * 1e3:.0f} / "
                           f"{r['dp_sync_s'] * 1e3:.0f} / {r['data_s'] * 1e3:.0f} / {r['cpu_s'] * 1e3:.0f}"
                           for r in e["per_rank"])
         loads = ", ".join(f"{a:.1f}-{b:.1f}" for a, b in e["load"])
-        lines.append(f"| {key} | {e.get('steps', '')} | {e.get('samples_timed', '')} | "
+        lines.append(f"| {key} | {e['steps']} | {e['samples_timed']} | "
                      f"{', '.join(f'{x:.2f}' for x in e['samples_per_s_runs'])} | "
-                     f"{e['median_step_s'] * 1e3:.0f} | {e['predicted_step_s'] * 1e3:.0f} | "
-                     f"{e['token_pad_ratio']:.1%} | {e['stage_layers']} | {e['recompute_layers']} | {ranks} | "
-                     f"{loads} |")
+                     f"{e['mean_step_s'] * 1e3:.0f} | {e['predicted_step_s'] * 1e3:.0f} | "
+                     f"{e['prediction_error']:+.1%} | {e['token_pad_ratio']:.1%} | {e['stage_layers']} | "
+                     f"{e['recompute_layers']} | {ranks} | {loads} |")
+    if cal:
+        scales = ", ".join(f"{g} {f:.3f}" for g, f in zip(cal["groups"], cal["fwd_scale"]))
+        lines += ["", "Simulator: this CPU's measured layer profile (`omnibal.cost.profile`), calibrated on separate "
+                  "runs on other data (`bench_sim_validation.CAL_SPECS`: single-process, pipeline and DP runs, one "
+                  f"round before each repeat): scales {scales}, shared-core factor {cal['shared_host_scale']:.3f}, "
+                  f"step overhead {cal['step_overhead'] * 1e3:.0f} ms, rank jitter {cal['rank_jitter']:.1%}; gloo links "
+                  f"measured: p2p {cal['links']['p2p_latency'] * 1e3:.2f} ms + bytes / "
+                  f"{cal['links']['p2p_bandwidth'] / 1e9:.2f} GB/s, all-reduce {cal['links']['dp_latency'] * 1e3:.2f} ms "
+                  f"per ring step + bytes / {cal['links']['dp_bandwidth'] / 1e9:.2f} GB/s."]
     return "\n".join(lines) + "\n"
 
 
