@@ -9,12 +9,12 @@ the stage split and the checkpoint sets:
 * B: omnibal's plan: the exact joint partition + least recompute (none is forced: a CPU has memory to spare),
   then the simulator-scored neighbour search (A -> B: the planned partition and recompute together).
 
-The cost table is the measured layer profile of the tiny model, calibrated on two separate single-process
-runs exactly as ``bench_sim_validation.py`` does (its helpers are reused: contention-normalised step
-times, measured gloo links, the trainer's fixed p2p buffers). Writes benchmarks/results/plan_cpu.json and
-.md. Run:
+The cost table is the measured layer profile of the tiny model (``benchmarks/results/profile_tiny_cpu.json``),
+calibrated on separate runs on other data exactly as ``bench_sim_validation.py`` does (its helpers are
+reused: its calibration runs, measured gloo links, the trainer's fixed p2p buffers). Writes
+benchmarks/results/plan_cpu.json and .md. Run:
 
-    PYTHONPATH=src python benchmarks/bench_plan_cpu.py [--steps 6] [--repeats 2]
+    PYTHONPATH=src python benchmarks/bench_plan_cpu.py [--steps 6] [--repeats 2] [--calibration-rounds 2]
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6, help="timed steps per run (plus one warm-up)")
     ap.add_argument("--samples", type=int, default=3000, help="rows of the real statistics per seed")
     ap.add_argument("--repeats", type=int, default=2, help="repeat every run this many times (median)")
+    ap.add_argument("--calibration-rounds", type=int, default=2, help="rounds of the calibration runs")
     ap.add_argument("--budget-fraction", type=float, default=0.4,
                     help="run D's budget: smallest feasible + this fraction of the way to the no-recompute peak")
     args = ap.parse_args()
@@ -50,7 +51,6 @@ def main() -> None:
     from omnibal.plan.search import SearchConfig, search
     from omnibal.plan.stages import StageModelConfig, layer_quantities
     from omnibal.sim import SimConfig, simulate_epoch
-    from omnibal.sim.calibrate import CalibrationRun, calibrate
     from omnibal.train.loop import fixed_buffer
     from sim_links import measure_links
 
@@ -67,19 +67,14 @@ def main() -> None:
     links = measure_links()
     common = dict(table=table, steps=steps, names=names)
 
-    cal_runs = []
-    for name, kw in (("cal: 1x1 baseline, full recompute", dict(dp=1, pp=1, mode="baseline", ranges=None,
-                                                                 recompute="full")),
-                     ("cal: 1x1 balanced, no recompute", dict(dp=1, pp=1, mode="omnibal", ranges=None,
-                                                              recompute="none"))):
-        run, sched, feats = sv.make_run(name, seed=sv.CAL_SEED, stats=cal_stats, **kw, **common)
-        log(f"running {name}")
-        records = sv.launch(run, cal_stats, sched)[1:]
-        cpu = np.array([r["cpu_s"][0] for r in records])
-        cal_runs.append(CalibrationRun(feats[1:, 0], np.full(len(names), run["recompute"] == "full"), cpu))
-    cal = calibrate(table, cal_runs, groups=("all",), separate_backward=False)
-    ctable = cal.apply(table)
+    # calibration: separate runs on other data (bench_sim_validation.CAL_SPECS); the ranks of this benchmark's
+    # DP 1 x PP 2 runs share the machine's two cores, so the plan and the predictions use the shared-core table
+    calib = sv.CalibrationData(table, names, cal_stats, steps)
+    for rep in range(args.calibration_rounds):
+        calib.run_round(rep, log)
+    cal, _, ctable, jitter = calib.fit()
     log(f"calibration: {cal.to_dict()}")
+    links = links["wall_clock"]
 
     # the plan: balanced packs of the validation data, as the trainer will run them
     _, sched, feats = sv.make_run("plan", dp=1, pp=2, mode="omnibal", ranges=None, recompute="none",
@@ -128,7 +123,7 @@ def main() -> None:
                ("C: even split, no recompute", even, "none"),
                ("B: omnibal plan (joint partition + recompute, searched)", planned_ranges, planned_rec),
                (f"D: omnibal plan under a {budget / 2**20:.0f} MiB budget", tight_ranges, tight_rec)]
-    rows = []
+    prepared = []
     for name, ranges, rec in configs:
         run, sched_r, feats_r = sv.make_run(name, dp=1, pp=2, mode="omnibal", ranges=[tuple(r) for r in ranges],
                                             recompute="full" if rec == "full" else "none", seed=sv.VAL_SEED,
@@ -142,26 +137,24 @@ def main() -> None:
             mask[[names.index(n) for s in rec for n in s]] = True
         cuts = [r[0] for r in ranges] + [ranges[-1][1]]
         sim = simulate_epoch(ctable, cuts, mask, feats_r[1:], sim_cfg, buffer_features=buffer[1:])
-        measured = []
-        for rep in range(args.repeats):
+        prepared.append((name, ranges, rec, run, sched_r, sim, []))
+    for rep in range(args.repeats):  # every configuration once per round, so the machine's drift hits all alike
+        for name, _, _, run, sched_r, _, measured in prepared:
             log(f"running {name} (repeat {rep + 1})")
             records = sv.launch(run, val_stats, sched_r)[1:]
             wall = np.array([r["step_s"] for r in records])
-            slowdown = np.array([r["slowdown"] for r in records])
-            measured.append({"wall_s": float(wall.sum()), "measured_s": float((wall / slowdown).sum()),
-                             "slowdown": float(slowdown.mean()),
-                             "load": float(np.mean([r["load"] for r in records]))})
+            measured.append({"wall_s": float(wall.sum()), "load": float(np.mean([r["load"] for r in records]))})
+    rows = []
+    for name, ranges, rec, _, _, sim, measured in prepared:
         rows.append({"name": name, "ranges": ranges, "recompute": rec if not isinstance(rec, tuple) else
                      [list(s) for s in rec], "predicted_s": float(sim.step_time.sum()),
-                     "measured_s": float(np.median([m["measured_s"] for m in measured])),
-                     "wall_s": float(np.median([m["wall_s"] for m in measured])), "runs": measured})
-        log(f"{name}: measured {rows[-1]['measured_s']:.2f} s (wall {rows[-1]['wall_s']:.2f}), predicted "
-            f"{rows[-1]['predicted_s']:.2f} s")
+                     "measured_s": float(np.median([m["wall_s"] for m in measured])), "runs": measured})
+        log(f"{name}: measured {rows[-1]['measured_s']:.2f} s, predicted {rows[-1]['predicted_s']:.2f} s")
 
     a = rows[0]
     out = ROOT / "benchmarks" / "results"
     doc = {"model": sv.MODEL, "timed_steps": args.steps, "repeats": args.repeats, "samples": args.samples,
-           "calibration": cal.to_dict(), "links": {k: v for k, v in links.items() if k != "raw"},
+           "calibration": {**cal.to_dict(), "rank_jitter": jitter}, "links": links,
            "budget_run_d_bytes": budget, "smallest_budget_bytes": lo, "no_recompute_peak_bytes": hi,
            "plan": {"anchor": list(anchor.parts), "chosen": list(plan.parts),
                     "scored": [{"parts": list(c.plan.parts), "sim_step_s": c.sim_step_time} for c in scored]},
@@ -171,10 +164,10 @@ def main() -> None:
              f"Reference trainer, model `{sv.MODEL}`, DP 1 x PP 2 (1F1B, gloo, one torch thread per rank), "
              f"{sv.NUM_MB} micro-batches per step of omnibal's balanced packs ({args.samples} rows of the real "
              f"AI2D + ChartQA statistics); {args.steps} timed steps after one warm-up, median of {args.repeats} "
-             "repeats. *Measured* is contention-normalised (wall step / (busy wall / busy CPU), as in "
-             "`sim_validation.md`: the machine's 2 cores are shared with other jobs). The simulator uses the "
-             "measured layer profile calibrated on separate single-process runs. Produced by "
-             "`benchmarks/bench_plan_cpu.py`.", "",
+             "interleaved rounds; *measured* is the wall clock. The planner and the simulator use the measured layer "
+             f"profile calibrated on separate runs on other data ({args.calibration_rounds} rounds of "
+             "`bench_sim_validation.CAL_SPECS`, shared-core factor "
+             f"{cal.shared_host_scale:.3f}). Produced by `benchmarks/bench_plan_cpu.py`.", "",
              f"Plan: exact joint optimum {list(anchor.parts)}, searched (radius 2, simulated) -> "
              f"{list(plan.parts)}; checkpoints: none needed (CPU memory). Run D gives the planner a budget "
              f"{args.budget_fraction:.0%} of the way from the smallest feasible ({lo / 2**20:.1f} MiB) to the "
