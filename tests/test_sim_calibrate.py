@@ -168,3 +168,12 @@ def test_skewed_noise_does_not_bias_the_scale():
     noise = rng.lognormal(-sigma ** 2 / 2, sigma, len(truth))  # mean 1
     cal = calibrate(table, [CalibrationRun(feats[:, 0], rec, truth * noise)], groups=("all",))
     assert cal.fwd_scale[0] == pytest.approx(1.3, rel=0.02)
+
+
+@pytest.mark.parametrize("center", [-1.3, 0.0, 0.37, 1.38])
+def test_golden_section_finds_the_minimum(center):
+    from omnibal.sim.calibrate import golden_section_min
+
+    assert golden_section_min(lambda v: (v - center) ** 2 + 1.0, -1.4, 1.4) == pytest.approx(center, abs=1e-6)  # sqrt(eps): f is flat there
+    # a minimum at the edge of the interval is approached, not missed
+    assert golden_section_min(lambda v: v, -1.4, 1.4) == pytest.approx(-1.4, abs=1e-6)

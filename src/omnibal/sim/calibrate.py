@@ -1,4 +1,4 @@
-"""Fit the simulator's compute scale to measured step times of single-process (DP 1 x PP 1) runs.
+"""Fit the simulator's compute scales to measured per-rank step times (each rank's own compute).
 
 On one device a step is the sum of its micro-batches' forward, recompute and backward times plus a fixed
 overhead, so it is *linear* in a few scale factors of the cost table:
@@ -186,36 +186,21 @@ def calibrate(table: LayerCostTable, runs: list[CalibrationRun], groups: tuple[s
         xs = np.concatenate([x[:, :-1] * factor[:, None], x[:, -1:]], axis=1)
         coef = nonneg_lstsq(xs, y)
         # relative errors, weighted by the *prediction* (iteratively): weights taken from the noisy
-        # measurements themselves favour the fast steps and bias every scale low (by ~sigma^2: 2-4% at
-        # the 13-20% step-to-step noise of a shared CPU)
+        # measurements themselves favour the fast steps and bias every scale low (-8% at 20% lognormal
+        # step-to-step noise, the size of a shared CPU's)
         for _ in range(3 if weight_relative else 0):
             w = 1.0 / np.maximum(xs @ coef, 1e-12 * y.mean())
             coef = nonneg_lstsq(xs * w[:, None], y * w)
         return coef, xs @ coef
 
-    # step = kappa * (compute columns @ scales) + overhead with kappa = 1 for a rank alone: bilinear, so the
-    # factor is searched (golden section over log kappa in [1/4, 4]) with the linear fit inside
-    kappa = 1.0
-    if fit_shared:
-        def loss(log_k: float) -> float:
-            pred = fit(np.exp(log_k))[1]
-            w = 1.0 / np.maximum(pred, 1e-12 * y.mean()) if weight_relative else 1.0
-            return float(np.sum((w * (pred - y)) ** 2))
+    def loss(log_kappa: float) -> float:
+        pred = fit(np.exp(log_kappa))[1]
+        w = 1.0 / np.maximum(pred, 1e-12 * y.mean()) if weight_relative else 1.0
+        return float(np.sum((w * (pred - y)) ** 2))
 
-        lo, hi = np.log(0.25), np.log(4.0)
-        ratio = (np.sqrt(5.0) - 1.0) / 2.0
-        a, b = hi - ratio * (hi - lo), lo + ratio * (hi - lo)
-        fa, fb = loss(a), loss(b)
-        while hi - lo > 1e-12:
-            if fa <= fb:
-                hi, b, fb = b, a, fa
-                a = hi - ratio * (hi - lo)
-                fa = loss(a)
-            else:
-                lo, a, fa = a, b, fb
-                b = lo + ratio * (hi - lo)
-                fb = loss(b)
-        kappa = float(np.exp((lo + hi) / 2.0))
+    # step = kappa * (compute columns @ scales) + overhead with kappa = 1 for a rank alone: bilinear, so the
+    # factor is searched over log kappa in [1/4, 4] with the linear fit inside
+    kappa = float(np.exp(golden_section_min(loss, np.log(0.25), np.log(4.0)))) if fit_shared else 1.0
     coef, pred = fit(kappa)
     g = len(groups)
     bwd = coef[g:2 * g] if separate_backward else coef[:g]
@@ -223,6 +208,23 @@ def calibrate(table: LayerCostTable, runs: list[CalibrationRun], groups: tuple[s
                        bwd_scale=tuple(float(c) for c in bwd), step_overhead=float(coef[-1]),
                        rel_rms_error=float(np.sqrt(np.mean(((pred - y) / y) ** 2))), num_steps=int(len(y)),
                        shared_host_scale=kappa)
+
+
+def golden_section_min(f, lo: float, hi: float, tol: float = 1e-12) -> float:
+    """The minimiser of a unimodal ``f`` on ``[lo, hi]`` (to ``tol``)."""
+    ratio = (np.sqrt(5.0) - 1.0) / 2.0
+    a, b = hi - ratio * (hi - lo), lo + ratio * (hi - lo)
+    fa, fb = f(a), f(b)
+    while hi - lo > tol:
+        if fa <= fb:
+            hi, b, fb = b, a, fa
+            a = hi - ratio * (hi - lo)
+            fa = f(a)
+        else:
+            lo, a, fa = a, b, fb
+            b = lo + ratio * (hi - lo)
+            fb = f(b)
+    return (lo + hi) / 2.0
 
 
 def rank_jitter(table: LayerCostTable, features: np.ndarray, recompute_mask, step_times: np.ndarray,
