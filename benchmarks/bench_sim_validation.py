@@ -202,8 +202,8 @@ CAL_SPECS = (
     # each rank's CPU time covers its stage's layers only: separates the vision from the LLM scale
     ("cal: 1x2 balanced, even split, no recompute (per-rank CPU)",
      dict(dp=1, pp=2, mode="omnibal", ranges=None, recompute="none")),
-    # both cores computing at once is slower per op than one alone (shared cache and memory bandwidth), more
-    # so with padded rows and recomputation: DP runs of both kinds fit the shared-core factor and the jitter
+    # a rank of a multi-rank run computes slower than a rank alone (4-17% on this VM): DP runs of both kinds
+    # and the pipeline run above fit the shared-core factor; the DP runs also give the stragglers' jitter
     ("cal: 2x1 balanced, no recompute (per-rank CPU)", dict(dp=2, pp=1, mode="omnibal", ranges=None, recompute="none")),
     ("cal: 2x1 baseline, full recompute (per-rank CPU)",
      dict(dp=2, pp=1, mode="baseline", ranges=None, recompute="full")),
@@ -289,7 +289,7 @@ def main() -> None:
     ap.add_argument("--separate-backward", action="store_true",
                     help="fit forward and backward scales separately")
     ap.add_argument("--repeats", type=int, default=4,
-                    help="rounds of all calibration and validation runs (alternating; validation averaged)")
+                    help="rounds of all calibration and validation runs (mixed order; validation averaged)")
     ap.add_argument("--groups", default="vision,llm", help="layer groups with their own scale: 'vision,llm' (default; "
                     "the pipeline calibration run separates them) or 'all'")
     args = ap.parse_args()
@@ -336,15 +336,13 @@ def main() -> None:
         val_specs = val_specs[2:4]
         rank_specs = []
 
-    # Calibration and validation runs are mixed in every round: this machine's speed drifts by 10-25% over
-    # minutes (a fixed GEMM loop varies that much, with no steal time or load to show for it), so calibrating
-    # in one block of time and validating in another would measure the drift, not the simulator.
+    # Calibration and validation runs in a random order in every round: this machine's speed drifts by 10-25%
+    # over minutes (a fixed GEMM loop varies that much, with no steal time or load to show for it), so
+    # calibrating in one block of time and validating in another would measure the drift, not the simulator.
     calib = CalibrationData(table, names, cal_stats, steps)
     runs = []
     order_rng = np.random.default_rng(0)
     for rep in range(args.repeats):
-        # calibration and validation runs in a random order per round: this machine's speed drifts over
-        # minutes, and a fixed order would hand the drift to one side
         jobs = [("cal", name, kw) for name, kw in CAL_SPECS] + [("val", name, kw) for name, kw in val_specs + rank_specs]
         for kind, name, kw in [jobs[i] for i in order_rng.permutation(len(jobs))]:
             if kind == "cal":
@@ -411,9 +409,10 @@ def write_results(out: Path, links, cal, cal_rows, rows, args, jitter: float, re
         "calibration done in one block of time and a validation in another would measure the drift. The "
         "calibration is fitted on all its rounds; a validation run's measured time is the mean of its rounds' "
         "wall-clock step times. Produced by `benchmarks/bench_sim_validation.py`.", "",
-        "**Shared cores.** A multi-rank run puts one rank on each of the machine's 2 cores; they share its caches "
-        "and memory bandwidth, so a rank computes slower beside another than alone. The calibration's multi-rank "
-        "runs are flagged as such (`CalibrationRun.shared_host`) and fit one more factor, applied to every "
+        "**Shared cores.** A multi-rank run puts one rank on each of the machine's 2 cores, and a rank of such a "
+        "run computes slower than a rank alone (its communication threads preempt it: ~100 involuntary context "
+        "switches per step against 3; two single-process loops side by side do not slow each other). The "
+        "calibration's multi-rank runs are flagged as such (`CalibrationRun.shared_host`) and fit one more factor, applied to every "
         "multi-rank validation run (`Calibration.apply(table, shared_host=True)`); a cluster with one rank per "
         "GPU has no such factor. **Wall clock and CPU clock.** Errors are against the wall clock. Every rank "
         "also records its own CPU seconds per step (`time.thread_time`); the *slowdown* column is the ranks' busy "

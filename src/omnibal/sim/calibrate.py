@@ -16,10 +16,10 @@ Pipeline and DP step times are *not* used here (they are a max, not a sum): they
 simulator is validated against. A DP run's per-rank times give :func:`rank_jitter`, the unpredicted
 per-rank variation that makes the gradient sync wait for a straggler (``SimConfig.compute_jitter``).
 
-Several ranks on one host (processes on the cores of one CPU, not one rank per GPU) share its caches and
-memory bandwidth, so each computes slower than a rank alone. Runs flagged ``shared_host`` get one more
-factor, ``shared_host_scale``, fitted together with the rest when the calibration holds both kinds of run
-(:meth:`Calibration.apply` with ``shared_host=True`` applies it).
+Ranks that share one host (processes on the cores of one CPU, not one rank per GPU) compute slower than a
+rank alone: their communication threads preempt them, and they share caches and memory bandwidth. Runs
+flagged ``shared_host`` get one more factor, ``shared_host_scale``, fitted together with the rest when the
+calibration holds both kinds of run (:meth:`Calibration.apply` with ``shared_host=True`` applies it).
 """
 
 from __future__ import annotations
