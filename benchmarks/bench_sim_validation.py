@@ -31,6 +31,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -53,20 +54,31 @@ CAL_SEED, VAL_SEED = 1001, 0
 # ------------------------------------------------------------------------------------------------ data
 
 
-def load_stats(num_samples: int, seed: int):
-    """A random subset of the real InternVL-1.2M statistics, with tokens as the tiny model counts them."""
-    from omnibal.cost.presets import get_model_preset
+def load_real_subset(num_samples: int, seed: int):
+    """A random subset of the real InternVL-1.2M statistics, in the files' units (256 tokens per tile)."""
     from omnibal.stats.io import load_stats as read
     from omnibal.stats.table import SampleStats
 
-    spec = get_model_preset(MODEL)
     parts = [read(SHARED_STATS / f) for f in STATS_FILES]
-    stats = SampleStats.concat(parts, source="internvl-1.2m-stats(ai2d+chartqa)")
+    stats = SampleStats.concat(parts, source="internvl-1.2m-stats (ai2d + chartqa)")
     rows = np.sort(np.random.default_rng(seed).choice(len(stats), size=num_samples, replace=False))
-    stats = stats.take(rows)
+    return replace(stats.take(rows), source=f"{stats.source} subset {num_samples} seed {seed}")
+
+
+def load_stats(num_samples: int, seed: int):
+    """:func:`load_real_subset` with tokens as the tiny model counts them (what its balancer and trainer see)."""
+    return model_units(load_real_subset(num_samples, seed))
+
+
+def model_units(stats):
+    """``stats`` with tokens as the tiny model counts them."""
+    from omnibal.cost.presets import get_model_preset
+    from omnibal.stats.table import SampleStats
+
+    spec = get_model_preset(MODEL)
     tokens = spec.sample_tokens(stats.tiles, stats.tokens, images=stats.images)
     return SampleStats(tiles=stats.tiles, tokens=tokens, images=stats.images, keys=stats.keys,
-                       source=f"{stats.source} subset {num_samples} seed {seed}, tokens for {MODEL}")
+                       source=f"{stats.source}, tokens for {MODEL}")
 
 
 def baseline_schedule(stats, dp: int, num_steps: int, seed: int):

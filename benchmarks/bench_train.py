@@ -39,11 +39,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_sim_validation as sv  # noqa: E402
 from sim_links import measure_links  # noqa: E402
 
-_CANDIDATES = [ROOT.parent / "shared", ROOT.parent.parent / "shared"]  # beside the checkout (or a worktree's parent)
-SHARED = Path(os.environ.get("OMNIBAL_SHARED_STATS") or next(
-    (c / "data" / "internvl-1.2m-stats" for c in _CANDIDATES if (c / "data" / "internvl-1.2m-stats").is_dir()),
-    _CANDIDATES[0] / "data" / "internvl-1.2m-stats"))
-FILES = ("ai2d_train_12k_wh_token_lengths.json", "chartqa_train_18k_wh_token_lengths.json")
 MODES = ("baseline", "omnibal")
 
 
@@ -59,24 +54,6 @@ def parse_layouts(text: str) -> list[tuple[int, int]]:
             raise SystemExit(f"--layouts: {part!r} needs positive sizes")
         layouts.append((dp, pp))
     return layouts
-
-
-def load_subset(num_samples: int, seed: int):
-    """Real statistics: a seeded subset of both files, rows in the original units (256 tokens per tile)."""
-    from omnibal.stats.io import load_stats
-    from omnibal.stats.table import SampleStats
-
-    parts = [load_stats(SHARED / f) for f in FILES]
-    stats = SampleStats.concat(parts, source="internvl-1.2m-stats (ai2d + chartqa)")
-    rows = np.sort(np.random.default_rng(seed).choice(len(stats), num_samples, replace=False))
-    return stats.take(rows)
-
-
-def model_units(stats, spec):
-    from omnibal.stats.table import SampleStats
-
-    tokens = spec.sample_tokens(stats.tiles, stats.tokens, images=stats.images).astype(np.int32)
-    return SampleStats(tiles=stats.tiles, tokens=tokens, images=stats.images, keys=stats.keys, source=stats.source)
 
 
 def profile_layers(spec, schedule, stats, *, num_packs: int = 6, repeats: int = 2) -> np.ndarray:
@@ -200,8 +177,9 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(1)
     spec = get_model_preset("tiny")
-    raw = load_subset(args.samples, args.seed)
-    stats = model_units(raw, spec)
+    # the trainer is given the files' units (it converts them itself); balancer and simulator see the model's
+    raw = sv.load_real_subset(args.samples, args.seed)
+    stats = sv.model_units(raw)
     work = Path(tempfile.mkdtemp(prefix="bench_train_"))
     stats_path = save_stats(raw, work / "stats.jsonl")
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}

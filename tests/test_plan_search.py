@@ -1,4 +1,3 @@
-
 import pytest
 
 from omnibal.plan.joint import JointPlanner

@@ -153,7 +153,6 @@ def _resolve_cluster(args, plan) -> dict:
 
 def _stats(args, spec):
     """The stats the balancer sees, with LLM tokens as this model counts them."""
-
     from omnibal.stats.table import SampleStats
 
     if args.stats:

@@ -180,23 +180,25 @@ def calibrate(table: LayerCostTable, runs: list[CalibrationRun], groups: tuple[s
         raise InputError(f"{len(y)} steps cannot fit {x.shape[1] + fit_shared} parameters", source="calibration",
                          field="runs")
 
+    def weights(pred: np.ndarray) -> np.ndarray:
+        # relative errors, weighted by the *prediction*: weights taken from the noisy measurements themselves
+        # favour the fast steps and bias every scale low (-8% at 20% lognormal step-to-step noise, the size of
+        # a shared CPU's)
+        return 1.0 / np.maximum(pred, 1e-12 * y.mean()) if weight_relative else np.ones_like(y)
+
     def fit(kappa: float) -> tuple[np.ndarray, np.ndarray]:
         """Scales and overhead for a given shared-host factor, and the predictions."""
         factor = np.where(shared, kappa, 1.0)
         xs = np.concatenate([x[:, :-1] * factor[:, None], x[:, -1:]], axis=1)
         coef = nonneg_lstsq(xs, y)
-        # relative errors, weighted by the *prediction* (iteratively): weights taken from the noisy
-        # measurements themselves favour the fast steps and bias every scale low (-8% at 20% lognormal
-        # step-to-step noise, the size of a shared CPU's)
-        for _ in range(3 if weight_relative else 0):
-            w = 1.0 / np.maximum(xs @ coef, 1e-12 * y.mean())
+        for _ in range(3 if weight_relative else 0):  # iteratively reweighted by the last fit's prediction
+            w = weights(xs @ coef)
             coef = nonneg_lstsq(xs * w[:, None], y * w)
         return coef, xs @ coef
 
     def loss(log_kappa: float) -> float:
         pred = fit(np.exp(log_kappa))[1]
-        w = 1.0 / np.maximum(pred, 1e-12 * y.mean()) if weight_relative else 1.0
-        return float(np.sum((w * (pred - y)) ** 2))
+        return float(np.sum((weights(pred) * (pred - y)) ** 2))
 
     # step = kappa * (compute columns @ scales) + overhead with kappa = 1 for a rank alone: bilinear, so the
     # factor is searched over log kappa in [1/4, 4] with the linear fit inside
