@@ -104,15 +104,64 @@ def test_bad_records_are_named(example, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"image": "missing.png", "conversations": [{"from": "human", "value": "hi"}]}) + "\n"
                    + json.dumps({"image": ["a.png"], "conversations": [{"from": "human", "value": "<image><image>"}]})
-                   + "\n{oops\n")
-    with pytest.raises(InputError, match="line 3"):
+                   + "\n{oops\n" + json.dumps({"image": "wide.png"}) + "\n")
+    # the reader `omnibal stats` uses checks every record when the file is read: the first bad one is named
+    with pytest.raises(InputError, match=r"line 2.*placeholder"):
         RealDataset(bad, _config(root))
-    bad.write_text(bad.read_text().rsplit("\n", 2)[0] + "\n")
+    bad.write_text(bad.read_text().split("\n")[0] + "\n" + json.dumps({"image": "wide.png"}) + "\n")
+    with pytest.raises(InputError, match=r"line 2.*'conversations'.*missing"):
+        RealDataset(bad, _config(root))
+    bad.write_text(bad.read_text().split("\n")[0] + "\n")
     ds = RealDataset(bad, _config(root, image_root=str(root)))
     with pytest.raises(InputError, match=r"line 1.*'image'.*missing.png"):
         ds[0]
-    with pytest.raises(InputError, match=r"line 2.*placeholder"):
-        ds[1]
+
+
+def test_rows_follow_the_statistics_whatever_omnibal_stats_skipped(example, tmp_path):
+    """`omnibal stats --on-error skip` drops a broken record: row 0 of its statistics is the file's second
+    record, and the dataset (given the statistics) must build that record for row 0, not the broken one."""
+    from omnibal.stats.annotations import compute_stats
+
+    root, _ = example
+    good = (root / "train.jsonl").read_text().splitlines()
+    ann = tmp_path / "skip.jsonl"
+    ann.write_text("\n".join([json.dumps({"id": "broken", "conversations": []})] + good) + "\n")
+    cfg = _config(root, image_root=str(root))
+    stats, report = compute_stats(ann, cfg.annotation_config(on_error="skip"))
+    assert report.num_skipped == 1 and len(stats) == 4
+    ds = RealDataset(ann, cfg, stats=stats)
+    plain = RealDataset(root / "train.jsonl", _config(root))
+    assert len(ds) == 4 and ds.locators[0] == "line 2"
+    for i in range(4):
+        assert ds.key(i) == int(stats.keys[i])
+        s = ds[i]
+        assert (s["pixel_values"].shape[0], len(s["input_ids"])) == (stats.tiles[i], stats.tokens[i])
+        assert torch.equal(s["input_ids"], plain[i]["input_ids"])  # the same record as in the clean file
+    # statistics of another file, or made with other settings, are refused by name
+    other = stats.take(np.array([1, 0, 2, 3]))
+    moved = type(stats)(tiles=other.tiles, tokens=other.tokens, images=other.images, keys=stats.keys, source="x")
+    with pytest.raises(InputError, match=r"row 0.*other settings"):
+        RealDataset(ann, cfg, stats=moved)[0]
+    foreign = type(stats)(tiles=stats.tiles, tokens=stats.tokens, images=stats.images,
+                          keys=stats.keys + np.uint64(1), source="x")
+    with pytest.raises(InputError, match=r"row 0.*matches no valid record"):
+        RealDataset(ann, cfg, stats=foreign)
+
+
+def test_duplicate_ids_and_images_outside_the_root_are_refused(example, tmp_path):
+    root, _ = example
+    rec = {"id": "same", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}
+    dup = tmp_path / "dup.jsonl"
+    dup.write_text(json.dumps(rec) + "\n" + json.dumps(rec) + "\n")
+    with pytest.raises(InputError, match=r"line 1 and line 2 have the same id"):
+        RealDataset(dup, _config(root))
+    inside = tmp_path / "imgs"
+    inside.mkdir()
+    out = tmp_path / "outside.jsonl"
+    out.write_text(json.dumps({"image": "../imgs/../../x.png", **rec}) + "\n")
+    ds = RealDataset(out, _config(root, image_root=str(inside)))
+    with pytest.raises(InputError, match="outside the image root"):  # as `omnibal stats` refuses it
+        ds[0]
 
 
 def test_dataloader_workers_can_pickle_the_dataset(example):

@@ -19,12 +19,18 @@ Labels: the text tokens of assistant turns (``from`` = ``gpt`` / ``assistant``);
 The image and marker token ids default to the tokenizer's own ``<IMG_CONTEXT>``, ``<img>``, ``</img>``
 tokens when it has them, else (and the template id always) to ids just past its vocabulary
 (:attr:`RealDataset.vocab_size_needed` says how many embedding rows the model needs).
+
+One reader, one tokenizer loader, one key: records are read by :func:`omnibal.stats.annotations.iter_records`
+and checked by :func:`omnibal.stats.records.parse_record` (what ``omnibal stats`` does), the tokenizer is
+loaded by :func:`omnibal.stats.tokens.make_counter`, image paths outside the image root are refused the same
+way, and every sample has the key ``omnibal stats`` gives its row. Given the statistics (``stats=``), the
+dataset follows *their* rows: ``dataset[i]`` is the record whose key is ``stats.keys[i]``, whatever records
+``omnibal stats --on-error skip`` left out, and a sample whose sizes differ from its row is refused.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,8 +41,11 @@ from torch.utils.data import Dataset
 
 from omnibal.data.collate import IGNORE_INDEX
 from omnibal.errors import InputError
-from omnibal.stats.table import SampleStats, hash_key, index_keys
+from omnibal.stats.annotations import AnnotationConfig, compute_stats, iter_records, record_keys
+from omnibal.stats.records import RecordError, check_inside, parse_json_line, parse_record
+from omnibal.stats.table import SampleStats
 from omnibal.stats.tiles import TileConfig, choose_grids
+from omnibal.stats.tokens import TokenConfig, make_counter
 
 IMAGE_PLACEHOLDER = "<image>"
 IMAGE_CONTEXT_TOKEN, IMAGE_START_TOKEN, IMAGE_END_TOKEN = "<IMG_CONTEXT>", "<img>", "</img>"  # InternVL's
@@ -50,7 +59,7 @@ class RealDataConfig:
     """How annotation records become samples (keep it equal to the ``omnibal stats`` settings)."""
 
     tokenizer: str
-    """Local tokenizer: a ``tokenizer.json`` file or a folder holding one."""
+    """Local tokenizer: a ``tokenizer.json`` file or a tokenizer folder (as ``omnibal stats --tokenizer``)."""
     image_root: str | None = None
     """Folder image paths are relative to (None: the annotation file's folder)."""
     tiles: TileConfig = field(default_factory=TileConfig)
@@ -69,6 +78,12 @@ class RealDataConfig:
     """Multi-image samples: each image gets at most ``max(1, max_tiles // num_images)`` tiles."""
     apply_exif: bool = True
     """Rotate by the EXIF orientation before tiling (False: InternVL's loader, raw pixels)."""
+    allow_outside_root: bool = False
+    """Accept image paths leading outside the image root (refused by default, as by ``omnibal stats``)."""
+    image_mean: tuple[float, float, float] = IMAGENET_MEAN
+    """Per-channel mean the pixels are normalised by (the model's image processor's ``image_mean``)."""
+    image_std: tuple[float, float, float] = IMAGENET_STD
+    """Per-channel standard deviation (the image processor's ``image_std``)."""
     image_token_id: int | None = None
     """Id of an image slot (None: the tokenizer's ``<IMG_CONTEXT>``, else its vocabulary size)."""
     image_start_id: int | None = None
@@ -78,6 +93,16 @@ class RealDataConfig:
     template_token_id: int | None = None
     """Id written into template slots (None: vocabulary size + 3)."""
 
+    def annotation_config(self, **overrides) -> AnnotationConfig:
+        """The ``omnibal stats`` settings that count exactly these samples' sizes."""
+        fields = dict(image_root=self.image_root, tokenizer=self.tokenizer, tiles=self.tiles,
+                      tokens=TokenConfig(tokens_per_tile=self.tokens_per_tile,
+                                         image_marker_tokens=self.image_marker_tokens,
+                                         tokens_per_turn=self.tokens_per_turn, tokens_per_sample=self.tokens_per_sample),
+                      count_dummy_tile=self.count_dummy_tile, split_max_tiles=self.split_max_tiles,
+                      apply_exif=self.apply_exif, allow_outside_root=self.allow_outside_root)
+        fields.update(overrides)
+        return AnnotationConfig(**fields)
 
     @classmethod
     def like_stats(cls, annotation_config, **overrides) -> "RealDataConfig":
@@ -90,22 +115,31 @@ class RealDataConfig:
         fields = dict(tokenizer=str(a.tokenizer), image_root=a.image_root, tiles=a.tiles,
                       tokens_per_tile=a.tokens.tokens_per_tile, image_marker_tokens=a.tokens.image_marker_tokens,
                       tokens_per_turn=a.tokens.tokens_per_turn, tokens_per_sample=a.tokens.tokens_per_sample,
-                      count_dummy_tile=a.count_dummy_tile, split_max_tiles=a.split_max_tiles, apply_exif=a.apply_exif)
+                      count_dummy_tile=a.count_dummy_tile, split_max_tiles=a.split_max_tiles, apply_exif=a.apply_exif,
+                      allow_outside_root=a.allow_outside_root)
         fields.update(overrides)
         return cls(**fields)
 
 
 class RealDataset(Dataset):
     """Map-style dataset over one annotation file; ``dataset[i]`` has the collator's sample format
-    (:mod:`omnibal.data.collate`) plus ``key`` (the same fingerprint ``omnibal stats`` gives the row)."""
+    (:mod:`omnibal.data.collate`) plus ``key`` (the same fingerprint ``omnibal stats`` gives the row).
 
-    def __init__(self, annotation_file: str | os.PathLike, config: RealDataConfig) -> None:
+    ``stats``: the file's statistics (``omnibal stats`` with the same settings, or :attr:`stats`); the
+    dataset then has their rows, joined by key. Without it, every record of the file, which must all be
+    valid."""
+
+    def __init__(self, annotation_file: str | os.PathLike, config: RealDataConfig, *,
+                 stats: SampleStats | None = None) -> None:
         self.path = Path(annotation_file)
         self.config = config
-        self.records, self.locators = _read_records(self.path)
         self.image_root = Path(config.image_root) if config.image_root else self.path.parent
-        self._tokenizer = _load_tokenizer(config.tokenizer)
-        base = self._tokenizer.get_vocab_size(with_added_tokens=True)
+        self._tokenizer = make_counter(config.tokenizer)
+        self.records, self.locators, self.keys = _read_records(self.path, strict=stats is None)
+        if stats is not None:
+            self._follow_stats(stats)
+        self._stats = stats
+        base = self._tokenizer.vocab_size
 
         def pick(value, token: str | None, offset: int) -> int:
             if value is not None:
@@ -120,33 +154,32 @@ class RealDataset(Dataset):
         self.vocab_size_needed = max(base, self.image_token_id + 1, self.image_start_id + 1, self.image_end_id + 1,
                                      self.template_token_id + 1)
 
+    def _follow_stats(self, stats: SampleStats) -> None:
+        """Reorder the records to the statistics' rows (by key); every row must find its record."""
+        at = {int(k): i for i, k in enumerate(self.keys)}
+        rows = []
+        for r, key in enumerate(stats.keys.tolist()):
+            i = at.get(int(key))
+            if i is None:
+                raise InputError(f"statistics row {r} (key {int(key)}) matches no valid record of the annotation "
+                                 f"file: the statistics were made from another file", source=str(self.path),
+                                 record=f"row {r}", field="key")
+            rows.append(i)
+        self.records = [self.records[i] for i in rows]
+        self.locators = [self.locators[i] for i in rows]
+        self.keys = np.asarray(self.keys, np.uint64)[rows]
+
     def __len__(self) -> int:
         return len(self.records)
 
-    def __getstate__(self):  # DataLoader workers: the Rust tokenizer pickles through its JSON form
-        state = dict(self.__dict__)
-        state["_tokenizer"] = self._tokenizer.to_str()
-        return state
-
-    def __setstate__(self, state):
-        from tokenizers import Tokenizer
-
-        state["_tokenizer"] = Tokenizer.from_str(state["_tokenizer"])
-        self.__dict__.update(state)
-
     def key(self, index: int) -> int:
-        rec = self.records[index]
-        if rec.get("id") is not None:
-            return hash_key(f"{self.path.name}#{rec['id']}")
-        return int(index_keys(self.path.name, 1, start=index)[0])  # the same key `omnibal stats` gives
+        return int(self.keys[index])
 
     def __getitem__(self, index: int) -> dict:
         cfg = self.config
         rec = self.records[index]
         where = dict(source=str(self.path), record=self.locators[index])
-        convs = rec.get("conversations")
-        if not isinstance(convs, list) or not convs:
-            raise InputError("must be a non-empty list of {from, value} turns", field="conversations", **where)
+        convs = rec["conversations"]  # checked by parse_record when the file was read
         images = rec.get("image")
         images = [] if images is None else [images] if isinstance(images, str) else list(images)
         num_placeholders = sum(str(t.get("value", "")).count(IMAGE_PLACEHOLDER) for t in convs
@@ -171,19 +204,18 @@ class RealDataset(Dataset):
             else:
                 inserted = blocks[next_block:next_block + len(cuts)]
                 next_block += len(cuts)
-            enc = self._tokenizer.encode(text, add_special_tokens=False)
-            starts = [s for s, _ in enc.offsets]
+            enc_ids, starts = self._tokenizer.encode(text)
             target = turn.get("from") in ASSISTANT_ROLES
             turn_ids: list[int] = [self.template_token_id] * cfg.tokens_per_turn
             turn_labels: list[int] = [IGNORE_INDEX] * cfg.tokens_per_turn
             at = 0
             for cut, block in zip(cuts, inserted):
                 stop = next((k for k in range(at, len(starts)) if starts[k] >= cut), len(starts))
-                turn_ids += enc.ids[at:stop] + block
-                turn_labels += (enc.ids[at:stop] if target else [IGNORE_INDEX] * (stop - at)) + [IGNORE_INDEX] * len(block)
+                turn_ids += enc_ids[at:stop] + block
+                turn_labels += (enc_ids[at:stop] if target else [IGNORE_INDEX] * (stop - at)) + [IGNORE_INDEX] * len(block)
                 at = stop
-            turn_ids += enc.ids[at:]
-            turn_labels += enc.ids[at:] if target else [IGNORE_INDEX] * (len(enc.ids) - at)
+            turn_ids += enc_ids[at:]
+            turn_labels += enc_ids[at:] if target else [IGNORE_INDEX] * (len(enc_ids) - at)
             ids += turn_ids
             labels += turn_labels
         if tiles_per_image:
@@ -193,6 +225,12 @@ class RealDataset(Dataset):
             pixels = torch.zeros(n, 3, cfg.tiles.tile_size, cfg.tiles.tile_size)
         if not ids:
             raise InputError("no tokens (empty conversation)", field="conversations", **where)
+        if self._stats is not None and (pixels.shape[0], len(ids)) != (int(self._stats.tiles[index]),
+                                                                        int(self._stats.tokens[index])):
+            raise InputError(f"the record builds {pixels.shape[0]} tiles / {len(ids)} tokens, its statistics row "
+                             f"{index} says {int(self._stats.tiles[index])} / {int(self._stats.tokens[index])}: "
+                             "the statistics were made with other settings (tile rule, tokenizer, tokens per "
+                             "tile)", field="tokens", **where)
         return {"pixel_values": pixels, "input_ids": torch.tensor(ids, dtype=torch.int64),
                 "labels": torch.tensor(labels, dtype=torch.int64), "index": index, "key": self.key(index)}
 
@@ -206,6 +244,8 @@ class RealDataset(Dataset):
 
         cfg = self.config
         path = Path(rel) if os.path.isabs(rel) else self.image_root / rel
+        if not cfg.allow_outside_root:
+            check_inside(str(path), rel, os.path.realpath(self.image_root), {}, where["source"], where["record"])
         try:
             with Image.open(path) as img:
                 img = ImageOps.exif_transpose(img) if cfg.apply_exif else img
@@ -226,13 +266,16 @@ class RealDataset(Dataset):
         if tcfg.use_thumbnail and len(crops) > 1:
             crops.append(img.resize((s, s), Image.Resampling.BICUBIC))
         arr = np.stack([np.asarray(c, dtype=np.float32) for c in crops]) / 255.0
-        arr = (arr - np.array(IMAGENET_MEAN, np.float32)) / np.array(IMAGENET_STD, np.float32)
+        arr = (arr - np.array(cfg.image_mean, np.float32)) / np.array(cfg.image_std, np.float32)
         return torch.from_numpy(np.ascontiguousarray(arr.transpose(0, 3, 1, 2)))
 
     @functools.cached_property
     def stats(self) -> SampleStats:
-        """Per-sample sizes (what the balancer and the trainer read); see :meth:`measure_stats`."""
-        return self.measure_stats()
+        """Per-sample sizes (what the balancer and the trainer read): the statistics given, else
+        ``omnibal stats`` of the file with the same settings (image headers only; fast)."""
+        if self._stats is not None:
+            return self._stats
+        return compute_stats(self.path, self.config.annotation_config())[0]
 
     def measure_stats(self) -> SampleStats:
         """Sizes of every sample, by building it (slow: decodes every image; ``omnibal stats`` reads headers).
@@ -245,45 +288,31 @@ class RealDataset(Dataset):
                                        keys=np.array([s["key"] for s in samples], dtype=np.uint64), source=str(self.path))
 
 
-def _read_records(path: Path) -> tuple[list[dict], list[str]]:
-    """Records and their locators (``line N`` of a .jsonl file, ``index N`` of a .json list)."""
+def _read_records(path: Path, *, strict: bool) -> tuple[list[dict], list[str], np.ndarray]:
+    """Valid records, their locators (``line N`` / ``index N``) and keys, read and checked as ``omnibal stats``
+    reads them. ``strict``: the first bad record raises (no statistics say which ones were skipped);
+    otherwise bad records are left out (a statistics row that needs one is refused by the key join)."""
     if not path.is_file():
         raise InputError("annotation file not found", source=str(path))
-    text = path.read_text(encoding="utf-8")
-    records, locators = [], []
-    if path.suffix == ".jsonl":
-        for line_no, line in enumerate(text.splitlines(), 1):
-            if line.strip():
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise InputError(f"malformed JSON: {exc.msg}", source=str(path), record=f"line {line_no}") from None
-                if not isinstance(rec, dict):
-                    raise InputError("expected a JSON object", source=str(path), record=f"line {line_no}")
-                records.append(rec)
-                locators.append(f"line {line_no}")
-        return records, locators
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise InputError(f"malformed JSON: {exc.msg} (line {exc.lineno})", source=str(path)) from None
-    if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
-        raise InputError("a .json annotation file must hold a list of records (objects)", source=str(path))
-    return data, [f"index {i}" for i in range(len(data))]
-
-
-def _load_tokenizer(path: str):
-    from tokenizers import Tokenizer
-
-    p = Path(path)
-    file = p / "tokenizer.json" if p.is_dir() else p
-    if not file.is_file():
-        raise InputError("tokenizer.json not found", source=str(p), field="tokenizer")
-    try:
-        tok = Tokenizer.from_file(str(file))
-    except Exception as exc:  # the Rust library raises plain Exceptions for malformed files
-        raise InputError(f"not a tokenizer.json: {exc}", source=str(file), field="tokenizer") from None
-    if tok.get_vocab_size(with_added_tokens=True) < 32:
-        raise InputError("tokenizer vocabulary below 32 tokens: the file did not load as intended",
-                         source=str(file), field="tokenizer")
-    return tok
+    records, locators, indices, id_keys, has_id = [], [], [], [], []
+    for locator, index, payload in iter_records(path):
+        try:
+            rec = parse_json_line(payload) if isinstance(payload, bytes) else payload
+            parsed = parse_record(rec, path.name)
+        except RecordError as exc:
+            if strict:
+                raise InputError(exc.message, source=str(path), record=locator, field=exc.field) from None
+            continue
+        records.append(rec)
+        locators.append(locator)
+        indices.append(index)
+        id_keys.append(parsed["key"] or 0)
+        has_id.append(parsed["key"] is not None)
+    keys = record_keys(path.name, np.asarray(indices, np.int64), np.asarray(id_keys, np.uint64), np.asarray(has_id))
+    unique, first, counts = np.unique(keys, return_index=True, return_counts=True)
+    if len(unique) < len(keys):
+        dup = int(unique[np.argmax(counts > 1)])
+        where = [locators[i] for i in np.flatnonzero(keys == dup)[:2]]
+        raise InputError(f"records {where[0]} and {where[1]} have the same id: ids must be unique so that "
+                         "statistics rows join their records", source=str(path), record=where[1], field="id")
+    return records, locators, keys

@@ -43,7 +43,8 @@ from omnibal.stats.table import SampleStats, index_keys
 from omnibal.stats.tiles import TileConfig, count_tiles, image_size
 from omnibal.stats.tokens import ESTIMATE, TokenConfig, make_counter
 
-__all__ = ["AnnotationConfig", "AnnotationReport", "IMAGE_PLACEHOLDER", "compute_stats"]
+__all__ = ["AnnotationConfig", "AnnotationReport", "IMAGE_PLACEHOLDER", "compute_stats", "iter_records",
+           "record_keys"]
 MAX_REPORTED_ERRORS = 20
 
 
@@ -207,11 +208,7 @@ def _assemble(path: Path, results) -> SampleStats:
         arrays = [getattr(r, name) for r in results]
         return np.concatenate(arrays).astype(dtype) if arrays else np.zeros(0, dtype)
 
-    index = cat("index", np.int64)
-    keys = index_keys(path.name, int(index.max()) + 1 if len(index) else 0)[index] if len(index) else np.zeros(0, np.uint64)
-    id_keys = cat("id_keys", np.uint64)
-    has_id = cat("has_id", bool)
-    keys = np.where(has_id, id_keys, keys)
+    keys = record_keys(path.name, cat("index", np.int64), cat("id_keys", np.uint64), cat("has_id", bool))
     return SampleStats(
         tiles=cat("tiles", np.int64), tokens=cat("tokens", np.int64), images=cat("images", np.int64),
         keys=keys, source=str(path),
@@ -330,6 +327,24 @@ def _chunks(path: Path, chunk_size: int):
         raise InputError(f"expected a JSON list of records, got {type(records).__name__}", source=source)
     for start in range(0, len(records), chunk_size):
         yield (source, [(f"index {i}", i, r) for i, r in enumerate(records[start : start + chunk_size], start)])
+
+
+def iter_records(path: str | os.PathLike):
+    """``(locator, index, payload)`` of every record of one annotation file in file order: the reader
+    ``omnibal stats`` uses, for whoever needs the records themselves (the training dataset). ``payload`` is
+    a raw JSONL line (bytes: parse it with :func:`omnibal.stats.records.parse_json_line`) or a parsed record."""
+    for _, items in _chunks(Path(path), 4096):
+        yield from items
+
+
+def record_keys(file_name: str, indices: np.ndarray, id_keys: np.ndarray, has_id: np.ndarray) -> np.ndarray:
+    """The sample key of each record: its ``id`` hashed with the file name, else the file name and its index
+    among the file's records (independent of the folder, so a moved file keeps its keys)."""
+    indices = np.asarray(indices, np.int64)
+    if len(indices) == 0:
+        return np.zeros(0, np.uint64)
+    by_index = index_keys(file_name, int(indices.max()) + 1)[indices]
+    return np.where(np.asarray(has_id, bool), np.asarray(id_keys, np.uint64), by_index)
 
 
 # --------------------------------------------------------------------------------------------- workers

@@ -66,6 +66,26 @@ class HFTokenCounter(TokenCounter):
             return int(self._fast.get_vocab_size(with_added_tokens=True))
         return len(self._auto)
 
+    def encode(self, text: str) -> tuple[list[int], list[int]]:
+        """Token ids of ``text`` (no special tokens added) and the character offset where each starts: what
+        a training sample is built from, with the same tokenizer the counts come from."""
+        if self._fast is not None:
+            enc = self._fast.encode(text, add_special_tokens=False)
+            return list(enc.ids), [s for s, _ in enc.offsets]
+        enc = self._auto(text, add_special_tokens=False, return_offsets_mapping=True)
+        return list(enc["input_ids"]), [s for s, _ in enc["offset_mapping"]]
+
+    def token_to_id(self, token: str) -> int | None:
+        """Id of ``token`` in the vocabulary (added tokens included), None when it has none."""
+        if self._fast is not None:
+            return self._fast.token_to_id(token)
+        return self._auto.get_vocab().get(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        if self._fast is not None:
+            return self._fast.id_to_token(int(token_id))
+        return self._auto.convert_ids_to_tokens(int(token_id)) if 0 <= token_id < len(self._auto) else None
+
     def count(self, texts: list[str]) -> np.ndarray:
         if not texts:
             return np.zeros(0, dtype=np.int64)

@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnibal.cost.spec import LayerSpec, LLMSpec, ModelSpec, VisionSpec
+from omnibal.cost.hf_spec import spec_from_hf_config
+from omnibal.cost.spec import LayerSpec, ModelSpec
 from omnibal.data.collate import (IGNORE_INDEX, META_IMAGE_INDEX, META_INPUT_IDS, META_LABELS,
                                   META_POSITION_IDS, META_SEGMENT_IDS, SIZE_TILES, SIZE_TOKENS, CollateConfig)
 from omnibal.errors import InputError
@@ -213,37 +214,16 @@ class HFChain(nn.Module):
                              pad_token_id=pad_token_id, mode=mode)  # type: ignore[arg-type]
 
 
-def _config_source(model: nn.Module) -> str:
-    """Name of the model's config in errors; refuses feature selections other than InternVL/Llava's default."""
-    where = f"{type(model).__name__} config"
-    strategy = model.config.vision_feature_select_strategy
-    if strategy != "default":
-        raise InputError(f"only vision_feature_select_strategy 'default' is supported, got {strategy!r}",
-                         source=where, field="vision_feature_select_strategy")
-    return where
-
-
 def from_llava(model: nn.Module, *, name: str = "hf-llava", compute_tail: bool = False) -> HFChain:
     """Wrap a transformers ``LlavaForConditionalGeneration`` (5.x module names) as a layer chain."""
-    cfg = model.config
-    vc, tc = cfg.vision_config, cfg.text_config
-    where = _config_source(model)
-    used = _used_vision_layers(cfg.vision_feature_layer, vc.num_hidden_layers, where)
+    spec = spec_from_hf_config(model.config, name=name, where=f"{type(model).__name__} config")
+    used = spec.vision.num_layers
     try:
         inner = model.model
         tower, projector, text = inner.vision_tower, inner.multi_modal_projector, inner.language_model
         vision_layers = tower.encoder.layers
     except AttributeError as e:
         raise InputError(f"not a transformers 5.x Llava model ({e})", source=type(model).__name__) from e
-    spec = ModelSpec(
-        name=name,
-        vision=VisionSpec(num_layers=used, hidden=vc.hidden_size, num_heads=vc.num_attention_heads,
-                          mlp_hidden=vc.intermediate_size, image_size=vc.image_size, patch_size=vc.patch_size,
-                          class_token=True),
-        llm=_text_spec(tc, model, text),
-        downsample_ratio=1.0,
-        projector_norm=False,
-    )
     opts = Options(attn_impl="mask", compute_tail=compute_tail)
     tower_name = "model.vision_tower"
     links: list[tuple[str, nn.Module]] = [("vision.embed", _VisionEmbed(tower.embeddings, tower.pre_layrnorm, opts))]
@@ -253,8 +233,8 @@ def from_llava(model: nn.Module, *, name: str = "hf-llava", compute_tail: bool =
         names[f"vision.blocks.{i}"] = (f"{tower_name}.encoder.layers.{i}",)
     links.append(("projector", _Projector(projector, opts)))
     names["projector"] = ("model.multi_modal_projector",)
-    _add_text_links(links, names, model, text, tc.num_hidden_layers, opts)
-    return HFChain(model, spec, links, names, image_token_id=int(cfg.image_token_id), opts=opts)
+    _add_text_links(links, names, model, text, spec.llm.num_layers, opts)
+    return HFChain(model, spec, links, names, image_token_id=int(model.config.image_token_id), opts=opts)
 
 
 def _add_text_links(links, names, model, text, num_layers: int, opts: Options) -> None:
@@ -268,23 +248,6 @@ def _add_text_links(links, names, model, text, num_layers: int, opts: Options) -
     names["llm.head"] = (f"{text_name}.norm", "lm_head")
 
 
-def _text_spec(tc, model, text) -> LLMSpec:
-    return LLMSpec(num_layers=tc.num_hidden_layers, hidden=tc.hidden_size, num_heads=tc.num_attention_heads,
-                   num_kv_heads=tc.num_key_value_heads, mlp_hidden=tc.intermediate_size, vocab_size=tc.vocab_size,
-                   tie_embeddings=model.lm_head.weight is text.embed_tokens.weight)
-
-
-def _used_vision_layers(layer, num_vision: int, where: str) -> int:
-    if not isinstance(layer, int):
-        raise InputError(f"only a single vision_feature_layer is supported, got {layer!r}", source=where,
-                         field="vision_feature_layer")
-    used = layer if layer >= 0 else num_vision + 1 + layer  # hidden_states[k] is the output of k layers
-    if not 1 <= used <= num_vision:
-        raise InputError(f"vision_feature_layer {layer} selects no encoder layer of {num_vision}", source=where,
-                         field="vision_feature_layer")
-    return used
-
-
 def from_internvl(model: nn.Module, *, name: str = "hf-internvl", compute_tail: bool = False) -> HFChain:
     """Wrap a transformers ``InternVLForConditionalGeneration`` (5.x) as a layer chain.
 
@@ -293,26 +256,14 @@ def from_internvl(model: nn.Module, *, name: str = "hf-internvl", compute_tail: 
     read,) pixel shuffle, model.multi_modal_projector; the text links as for Llava. InternVL ties
     ``lm_head`` to ``embed_tokens`` by default: such a model splits only with both in one stage."""
     cfg = model.config
-    vc, tc = cfg.vision_config, cfg.text_config
-    where = _config_source(model)
-    num_vision = vc.num_hidden_layers
-    used = _used_vision_layers(cfg.vision_feature_layer, num_vision, where)
+    spec = spec_from_hf_config(cfg, name=name, where=f"{type(model).__name__} config")
+    used, num_vision = spec.vision.num_layers, cfg.vision_config.num_hidden_layers
     try:
         inner = model.model
         tower, projector, text = inner.vision_tower, inner.multi_modal_projector, inner.language_model
         vision_layers = tower.encoder.layer
     except AttributeError as e:
         raise InputError(f"not a transformers 5.x InternVL model ({e})", source=type(model).__name__) from e
-    side = lambda v: int(v[0] if isinstance(v, (list, tuple)) else v)  # noqa: E731
-    spec = ModelSpec(
-        name=name,
-        vision=VisionSpec(num_layers=used, hidden=vc.hidden_size, num_heads=vc.num_attention_heads,
-                          mlp_hidden=vc.intermediate_size, image_size=side(vc.image_size),
-                          patch_size=side(vc.patch_size), class_token=True),
-        llm=_text_spec(tc, model, text),
-        downsample_ratio=float(cfg.downsample_ratio),
-        projector_norm=True,
-    )
     opts = Options(attn_impl="mask", compute_tail=compute_tail)
     tower_name = "model.vision_tower"
     links: list[tuple[str, nn.Module]] = [("vision.embed", _VisionEmbed(tower.embeddings, None, opts))]
@@ -324,7 +275,7 @@ def from_internvl(model: nn.Module, *, name: str = "hf-internvl", compute_tail: 
     links.append(("projector", _InternVLProjector(tower.layernorm if reads_last else None, projector, inner,
                                                   float(cfg.downsample_ratio), opts)))
     names["projector"] = ((f"{tower_name}.layernorm",) if reads_last else ()) + ("model.multi_modal_projector",)
-    _add_text_links(links, names, model, text, tc.num_hidden_layers, opts)
+    _add_text_links(links, names, model, text, spec.llm.num_layers, opts)
     return HFChain(model, spec, links, names, image_token_id=int(cfg.image_token_id), opts=opts)
 
 
