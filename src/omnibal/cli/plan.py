@@ -22,6 +22,8 @@ DESCRIPTION = (
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("model and cluster")
     g.add_argument("--preset", default="internvl-chat-1.5", help="model preset (omnibal.cost.presets)")
+    g.add_argument("--hf-model", metavar="DIR", help="plan a local Hugging Face checkpoint (Llava / InternVL; reads "
+                   "its config.json) instead of --preset")
     g.add_argument("--hardware", default="a100-80g", help="hardware preset (a100-40g, a100-80g, h100, h200)")
     g.add_argument("--gpus", type=int, default=128, help="devices in the job; DP x PP x TP must equal it")
     g.add_argument("--dp", type=int, default=None, help="data-parallel size (default: gpus / (pp x tp))")
@@ -85,7 +87,7 @@ def job_config(args: argparse.Namespace):
         raise InputError("--radius must be >= 0, --top-k and --search-steps >= 1", source="--radius",
                          field="radius")
     return PlanJobConfig(
-        preset=args.preset, hardware=args.hardware, num_gpus=args.gpus, dp_size=dp, pp_size=args.pp,
+        preset=args.preset, hf_model=args.hf_model, hardware=args.hardware, num_gpus=args.gpus, dp_size=dp, pp_size=args.pp,
         tp_size=args.tp, zero_stage=args.zero_stage, num_microbatches=args.num_microbatches,
         baseline_batch_size=args.baseline_batch_size, memory_budget_gib=args.memory_budget,
         stats_path=args.stats, num_samples=args.samples, balance_samples=balance_samples, seed=args.seed,
@@ -104,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
     config = job_config(args)
     progress = not args.quiet and sys.stderr.isatty()
     inp = config
-    print(f"omnibal plan: {inp.preset} on {inp.dp_size * inp.pp_size * inp.tp_size} x {inp.hardware} "
+    print(f"omnibal plan: {inp.hf_model or inp.preset} on {inp.dp_size * inp.pp_size * inp.tp_size} x {inp.hardware} "
           f"(DP {inp.dp_size} x PP {inp.pp_size} x TP {inp.tp_size}, ZeRO-{inp.zero_stage}, "
           f"{inp.num_microbatches} micro-batches per step)", flush=True)
     result = run_plan_job(config, progress=progress)

@@ -24,7 +24,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="baseline: random padded micro-batches, even split, full recompute; omnibal: balanced "
                         "packs, planned partition and recompute")
     g.add_argument("--model", default="tiny", help="model preset (omnibal.cost.presets)")
-    g.add_argument("--stats", dest="stats_path", help="per-sample statistics the synthetic data follows")
+    g.add_argument("--stats", dest="stats_path", help="per-sample statistics: the synthetic data follows them, or "
+                   "with --annotations the rows to train (omnibal stats of that file with the model's settings; "
+                   "default: computed from the annotations)")
+    r = parser.add_argument_group("real data and Hugging Face models")
+    r.add_argument("--annotations", dest="annotations_path", metavar="FILE",
+                   help="LLaVA/InternVL annotation file (.json/.jsonl) to train on: real images and text")
+    r.add_argument("--image-root", metavar="DIR", help="folder image paths are relative to (default: the annotation "
+                                                        "file's folder)")
+    r.add_argument("--tokenizer", dest="tokenizer_path", metavar="PATH", help="local tokenizer.json or tokenizer folder")
+    r.add_argument("--hf-model", metavar="DIR", help="local Hugging Face checkpoint (Llava or InternVL) to fine-tune "
+                                                     "instead of the reference model")
+    r.add_argument("--save-dir", metavar="DIR", help="write the fine-tuned model here as an HF checkpoint at the end "
+                                                     "(and to DIR/checkpoint-STEP at every checkpoint)")
+    r.add_argument("--max-tiles", type=int, default=12, help="dynamic-resolution tiles per image, thumbnail not counted "
+                                                             "(InternVL-style models; a Llava image is one tile)")
+    r.add_argument("--on-error", choices=("raise", "skip"), default="raise",
+                   help="bad annotation records: stop at the first, or skip and report them")
     g.add_argument("--max-samples", type=int, help="seeded random subset of the statistics")
     g.add_argument("--stats-tokens-per-tile", type=int, default=256,
                    help="image tokens per tile counted in the statistics (rescaled to the model's)")
@@ -77,6 +93,8 @@ def config_from_args(args: argparse.Namespace):
         pipeline_schedule=args.pipeline_schedule, dp_sync=args.dp_sync, stage_layers=stage_layers, recompute=recompute,
         plan_path=args.plan_path, model=args.model, stats_path=args.stats_path, schedule_path=args.schedule_path,
         max_samples=args.max_samples, stats_tokens_per_tile=args.stats_tokens_per_tile,
+        annotations_path=args.annotations_path, image_root=args.image_root, tokenizer_path=args.tokenizer_path,
+        hf_model=args.hf_model, save_dir=args.save_dir, max_tiles=args.max_tiles, on_error=args.on_error,
         baseline_batch_size=args.baseline_batch_size, num_steps=args.num_steps, lr=args.lr, seed=args.seed,
         device=args.device, timeout_s=args.timeout_s, torch_threads=args.torch_threads,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, resume=args.resume, reshard=args.reshard,

@@ -151,8 +151,10 @@ class RealDataset(Dataset):
         self.image_start_id = pick(config.image_start_id, IMAGE_START_TOKEN, 1)
         self.image_end_id = pick(config.image_end_id, IMAGE_END_TOKEN, 2)
         self.template_token_id = pick(config.template_token_id, None, 3)
-        self.vocab_size_needed = max(base, self.image_token_id + 1, self.image_start_id + 1, self.image_end_id + 1,
-                                     self.template_token_id + 1)
+        used = [self.image_token_id]  # ids that never occur in a sample need no embedding row
+        used += [self.image_start_id, self.image_end_id] if config.image_marker_tokens else []
+        used += [self.template_token_id] if config.tokens_per_turn or config.tokens_per_sample else []
+        self.vocab_size_needed = max(base, *(i + 1 for i in used))
 
     def _follow_stats(self, stats: SampleStats) -> None:
         """Reorder the records to the statistics' rows (by key); every row must find its record."""

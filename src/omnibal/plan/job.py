@@ -36,6 +36,9 @@ class PlanJobConfig:
 
     preset: str = "internvl-chat-1.5"
     """Model preset (``omnibal.cost.presets``)."""
+    hf_model: str | None = None
+    """Plan a local Hugging Face checkpoint (Llava / InternVL; only its ``config.json`` is read) instead of
+    ``preset``: the plan then names the chain ``omnibal train --hf-model`` builds from that checkpoint."""
     hardware: str = "a100-80g"
     """Hardware preset (``omnibal.cost.hardware``)."""
     num_gpus: int | None = None
@@ -242,7 +245,12 @@ def run_plan_job(config: PlanJobConfig, *, progress: bool = False, stats=None,
     phases = _Phases(progress, {"model": 1, "stats": 2, "balance": 8, "plan": 3, "search": 3, "ablation": 5})
     try:
         phases.start("model", "cost model")
-        spec = get_model_preset(config.preset)
+        if config.hf_model is not None:
+            from omnibal.cost.hf_spec import load_hf_spec
+
+            spec = load_hf_spec(config.hf_model)
+        else:
+            spec = get_model_preset(config.preset)
         hw = get_hardware(config.hardware)
         table = _cost_table(config, spec, hw)
         check_num_stages(config.pp_size, table.num_layers)

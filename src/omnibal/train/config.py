@@ -53,6 +53,23 @@ class TrainConfig:
     stats_tokens_per_tile: int = 256
     """Image tokens per tile the statistics counted (InternVL-1.5: 256); token counts are rescaled to the
     model's own tokens per tile (``ModelSpec.sample_tokens``)."""
+    annotations_path: str | None = None
+    """LLaVA / InternVL annotation file (.json or .jsonl) to train on: real images and text instead of the
+    synthetic data (needs ``tokenizer_path``)."""
+    image_root: str | None = None
+    """Folder the annotations' image paths are relative to (None: the annotation file's folder)."""
+    tokenizer_path: str | None = None
+    """Local tokenizer (tokenizer.json or a tokenizer folder), as for ``omnibal stats --tokenizer``."""
+    hf_model: str | None = None
+    """Local Hugging Face checkpoint folder (Llava or InternVL, transformers 5.x) to fine-tune instead of the
+    reference VLM built from ``model``."""
+    save_dir: str | None = None
+    """Write the fine-tuned model here as an HF checkpoint (``from_pretrained`` loads it) at the end, and to
+    ``save_dir/checkpoint-<step>`` at every checkpoint. Needs ``hf_model``."""
+    max_tiles: int = 12
+    """Dynamic-resolution tile cap per image for real data (InternVL-style models; a Llava image is 1 tile)."""
+    on_error: Literal["raise", "skip"] = "raise"
+    """Bad annotation records: ``raise`` at the first, or ``skip`` them (counted and reported)."""
     baseline_batch_size: int = 4
     """Samples per micro-batch in baseline mode."""
     num_steps: int = 10
@@ -96,7 +113,8 @@ class TrainConfig:
                              field="pipeline_schedule")
         if self.device not in ("cpu", "cuda"):
             raise InputError(f"must be 'cpu' or 'cuda', got {self.device!r}", source=src, field="device")
-        for name in ("dp_size", "pp_size", "num_microbatches", "baseline_batch_size", "num_steps", "torch_threads"):
+        for name in ("dp_size", "pp_size", "num_microbatches", "baseline_batch_size", "num_steps", "torch_threads",
+                     "max_tiles"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InputError(f"must be a positive integer, got {value!r}", source=src, field=name)
@@ -117,6 +135,17 @@ class TrainConfig:
                              field="recompute")
         if self.max_samples is not None and self.max_samples < 1:
             raise InputError(f"must be >= 1, got {self.max_samples}", source=src, field="max_samples")
+        if self.annotations_path is not None and self.tokenizer_path is None:
+            raise InputError("real data needs the tokenizer its token counts come from: pass tokenizer_path "
+                             "(--tokenizer)", source=src, field="tokenizer_path")
+        if self.hf_model is not None and self.annotations_path is None:
+            raise InputError("a Hugging Face model trains on real data: pass annotations_path (--annotations)",
+                             source=src, field="annotations_path")
+        if self.save_dir is not None and self.hf_model is None:
+            raise InputError("save_dir writes a Hugging Face checkpoint: pass hf_model (--hf-model)", source=src,
+                             field="save_dir")
+        if self.on_error not in ("raise", "skip"):
+            raise InputError(f"must be 'raise' or 'skip', got {self.on_error!r}", source=src, field="on_error")
         if self.resume and not self.checkpoint_dir:
             raise InputError("resume needs checkpoint_dir", source=src, field="resume")
         if self.reshard and not self.resume:

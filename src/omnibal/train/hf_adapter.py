@@ -207,8 +207,11 @@ class HFChain(nn.Module):
     def boundary_activation(self, start: int, *, num_tiles: int, num_tokens: int):
         return carry_activation_shape(self.spec, start, num_tiles=num_tiles, num_tokens=num_tokens)
 
-    def collate_config(self, *, num_tiles: int, num_tokens: int, mode: str = "pack",
-                       pad_token_id: int = 0) -> CollateConfig:
+    def collate_config(self, *, num_tiles: int, num_tokens: int, mode: str = "pack", pad_token_id: int = 0,
+                       image_token_id: int | None = None) -> CollateConfig:
+        if image_token_id is not None and image_token_id != self.image_token_id:
+            raise InputError(f"the samples mark image slots with token {image_token_id}, the model's config with "
+                             f"{self.image_token_id}", source="image_token_id", field="image_token_id")
         return CollateConfig(num_tiles=num_tiles, num_tokens=num_tokens, image_size=self.spec.vision.image_size,
                              tokens_per_tile=self.spec.llm_tokens_per_tile, image_token_id=self.image_token_id,
                              pad_token_id=pad_token_id, mode=mode)  # type: ignore[arg-type]

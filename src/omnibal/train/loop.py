@@ -114,7 +114,12 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay) if params else None
         # with DDP the runner's wrapped module reduces the gradients inside the backward
         self.grad_sync = GradSync(params, world.dp_group, 1 if self.runner.ddp else world.dp_size)
-        self._collate_base = model.collate_config(num_tiles=1, num_tokens=1) if hasattr(model, "collate_config") else None
+        image_id = getattr(dataset, "image_token_id", None)  # real data: the tokenizer's image token
+        self._collate_base = model.collate_config(num_tiles=1, num_tokens=1, **(
+            {} if image_id is None else {"image_token_id": image_id})) if hasattr(model, "collate_config") else None
+        self.on_checkpoint = None
+        """Called with the step after every checkpoint and with None at the end of a run (by whoever runs
+        it), on every rank: e.g. export the model in another format (:func:`omnibal.train.hf_run.export_hf`)."""
         self._log_path = log_path if world.rank == 0 else None
         self._log_header = {**(run_info or {}), "world": {"dp": world.dp_size, "pp": world.pp_size},
                             "model_id": self.model_id, "stage_layers": [list(r) for r in layout.ranges],
@@ -318,6 +323,8 @@ class Trainer:
                                 stage_layers=[list(r) for r in self.layout.ranges], sampler=self.sampler_state(),
                                 extra={"mode": self.mode})
         self._barrier("checkpoint")
+        if self.on_checkpoint is not None:
+            self.on_checkpoint(self.step)
 
     def maybe_resume(self, checkpoint_dir: str | None = None, *, reshard: bool = False) -> bool:
         """Load the newest valid checkpoint (corrupt newer ones are skipped and listed in

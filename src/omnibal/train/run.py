@@ -54,57 +54,108 @@ def build_schedule(cfg: TrainConfig, stats):
     return balance(stats, dp_size=cfg.dp_size, num_microbatches=cfg.num_microbatches, seed=cfg.seed)
 
 
-def build_trainer(cfg: TrainConfig, world: World):
+def build_model(cfg: TrainConfig):
+    """The model every rank builds whole (its stage keeps only its layers): the user's HF checkpoint wrapped
+    as a layer chain, or the reference VLM of the preset."""
+    if cfg.hf_model is not None:
+        from omnibal.train.hf_run import load_hf_chain
+
+        return load_hf_chain(cfg.hf_model)
     from omnibal.cost.presets import get_model_preset
-    from omnibal.data.dataset import SyntheticSampleConfig, SyntheticVLMDataset
-    from omnibal.train.loop import Trainer, fixed_buffer
     from omnibal.train.model import VLM
+
+    return VLM(get_model_preset(cfg.model), seed=cfg.seed)
+
+
+def build_data(cfg: TrainConfig, model):
+    """(statistics, dataset): real annotations and images with ``--annotations`` (samples built exactly as
+    ``omnibal stats`` counts them, rows joined by key), else synthetic samples shaped like ``--stats``."""
+    spec = model.spec
+    if cfg.annotations_path is not None:
+        from omnibal.data.realdata import RealDataset
+        from omnibal.train.hf_run import real_data_config, real_stats
+
+        data = real_data_config(cfg, model)
+        stats = real_stats(cfg, data)
+        dataset = RealDataset(cfg.annotations_path, data, stats=stats)
+        if dataset.vocab_size_needed > spec.llm.vocab_size:
+            raise InputError(f"the samples need {dataset.vocab_size_needed} token ids (tokenizer plus image "
+                             f"tokens), the model has {spec.llm.vocab_size}", source=str(cfg.tokenizer_path),
+                             field="tokenizer")
+        return stats, dataset
+    from omnibal.data.dataset import SyntheticSampleConfig, SyntheticVLMDataset
+
+    stats = load_training_stats(cfg, spec)
+    return stats, SyntheticVLMDataset(stats, SyntheticSampleConfig(
+        image_size=spec.vision.image_size, tokens_per_tile=spec.llm_tokens_per_tile,
+        vocab_size=spec.llm.vocab_size, image_token_id=spec.llm.vocab_size - 1, seed=cfg.seed))
+
+
+def build_trainer(cfg: TrainConfig, world: World):
+    from omnibal.train.loop import Trainer, fixed_buffer
     from omnibal.train.pipeline import resolve_layout
 
-    spec = get_model_preset(cfg.model)
-    stats = load_training_stats(cfg, spec)
+    model = build_model(cfg)
+    spec = model.spec
+    stats, dataset = build_data(cfg, model)
     schedule = build_schedule(cfg, stats)
-    model = VLM(spec, seed=cfg.seed)
     names = [layer.name for layer, _ in model.chain()]
     recomputable = [layer.name for layer, _ in model.chain() if layer.kind in ("vision_block", "llm_block")]
     layout = resolve_layout(names, pp_size=cfg.pp_size, mode=cfg.mode, stage_layers=cfg.stage_layers,
                             recompute=cfg.recompute, plan_path=cfg.plan_path, model_name=spec.name,
                             recomputable=recomputable)
-    dataset = None
-    if world.is_first_stage:  # only stage 0 reads data; the labels reach the last stage in the carry
-        dataset = SyntheticVLMDataset(stats, SyntheticSampleConfig(
-            image_size=spec.vision.image_size, tokens_per_tile=spec.llm_tokens_per_tile,
-            vocab_size=spec.llm.vocab_size, image_token_id=spec.llm.vocab_size - 1, seed=cfg.seed))
     buffer = fixed_buffer(schedule, stats, mode=cfg.mode) if world.pp_size > 1 else None
     info = {"config": cfg.to_dict(), "num_samples": len(stats), "schedule_steps": schedule.num_steps,
             "buffer": None if buffer is None else [buffer.tiles, buffer.tokens]}
-    trainer = Trainer(world=world, model=model, layout=layout, schedule=schedule, dataset=dataset, mode=cfg.mode,
-                      num_microbatches=cfg.num_microbatches, pipeline_schedule=cfg.pipeline_schedule, lr=cfg.lr,
-                      dp_sync=cfg.dp_sync,
-                      weight_decay=cfg.weight_decay, buffer=buffer, log_path=cfg.log_path, quiet=cfg.quiet,
-                      checkpoint_dir=cfg.checkpoint_dir, checkpoint_every=cfg.checkpoint_every, run_info=info)
-    del model  # the stage holds its own layers; the rest of the model is freed
+    trainer = Trainer(world=world, model=model, layout=layout, schedule=schedule,
+                      dataset=dataset if world.is_first_stage else None,  # the labels reach the last stage in the carry
+                      mode=cfg.mode, num_microbatches=cfg.num_microbatches, pipeline_schedule=cfg.pipeline_schedule,
+                      lr=cfg.lr, dp_sync=cfg.dp_sync, weight_decay=cfg.weight_decay, buffer=buffer,
+                      log_path=cfg.log_path, quiet=cfg.quiet, checkpoint_dir=cfg.checkpoint_dir,
+                      checkpoint_every=cfg.checkpoint_every, run_info=info)
+    if cfg.save_dir is not None:
+        from pathlib import Path
+
+        from omnibal.train.hf_run import export_hf
+
+        def save(step: int | None) -> None:
+            out = Path(cfg.save_dir) if step is None else Path(cfg.save_dir) / f"checkpoint-{step}"
+            export_hf(trainer, model, out, tokenizer=cfg.tokenizer_path, model_dir=cfg.hf_model)
+
+        trainer.on_checkpoint = save
     return trainer
 
 
 def preflight(cfg: TrainConfig) -> None:
-    """Checks that need no process group (model preset, stage layout, plan, files), run once before ranks
-    are started, so a bad argument fails in a second instead of in every rank."""
+    """Checks that need no process group (model, stage layout, plan, files), run once before ranks are
+    started, so a bad argument fails in a second instead of in every rank."""
     from pathlib import Path
 
     from omnibal.cost.presets import get_model_preset
     from omnibal.train.pipeline import resolve_layout
 
-    spec = get_model_preset(cfg.model)
+    for flag, path in (("--stats", cfg.stats_path), ("--schedule", cfg.schedule_path),
+                       ("--annotations", cfg.annotations_path)):
+        if path is not None and not Path(path).is_file():
+            raise InputError("no such file", source=path, field=flag)
+    for flag, path in (("--image-root", cfg.image_root), ("--tokenizer", cfg.tokenizer_path)):
+        if path is not None and not Path(path).exists():
+            raise InputError("no such file or folder", source=path, field=flag)
+    if cfg.save_dir is not None and Path(cfg.save_dir).exists() and not Path(cfg.save_dir).is_dir():
+        raise InputError("exists and is not a folder", source=cfg.save_dir, field="--save-dir")
+    if cfg.hf_model is not None:
+        from omnibal.cost.hf_spec import load_hf_spec
+
+        spec = load_hf_spec(cfg.hf_model)
+    else:
+        spec = get_model_preset(cfg.model)
     layers = spec.layers()
     resolve_layout([l.name for l in layers], pp_size=cfg.pp_size, mode=cfg.mode, stage_layers=cfg.stage_layers,
                    recompute=cfg.recompute, plan_path=cfg.plan_path, model_name=spec.name,
                    recomputable=[l.name for l in layers if l.kind in ("vision_block", "llm_block")])
-    for flag, path in (("--stats", cfg.stats_path), ("--schedule", cfg.schedule_path)):
-        if path is not None and not Path(path).is_file():
-            raise InputError("no such file", source=path, field=flag)
-    if cfg.stats_path is None:
-        raise InputError("no statistics given: pass --stats FILE", source="--stats")
+    if cfg.stats_path is None and cfg.annotations_path is None:
+        raise InputError("no data given: pass --annotations FILE (with --tokenizer) for real data, or --stats FILE "
+                         "for synthetic samples shaped like those statistics", source="--stats")
 
 
 def train_rank(cfg: TrainConfig) -> dict:
@@ -118,6 +169,8 @@ def train_rank(cfg: TrainConfig) -> dict:
     if cfg.resume:
         trainer.maybe_resume(reshard=cfg.reshard)
     summary = trainer.run(cfg.num_steps)
+    if trainer.on_checkpoint is not None:
+        trainer.on_checkpoint(None)  # the final model
     if summary and cfg.summary_path:
         import json
         from pathlib import Path

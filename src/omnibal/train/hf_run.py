@@ -1,0 +1,189 @@
+"""A user's own model and data in the reference trainer: a local Hugging Face checkpoint, annotations,
+images and a tokenizer in; an HF checkpoint that ``from_pretrained`` loads out.
+
+    model = load_hf_chain("ckpt/")                          # Llava / InternVL, wrapped as a layer chain
+    data = real_data_config(cfg, model)                     # tile rule and token layout of that model
+    stats = real_stats(cfg, data)                           # what `omnibal stats` computes with those settings
+    dataset = RealDataset(cfg.annotations_path, data, stats=stats)
+    ...
+    export_hf(trainer, model, "out/", tokenizer="tok/", model_dir="ckpt/")   # collective: every rank calls it
+
+The samples follow the checkpoint's conventions: a Llava image is one tile of the vision tower's size (no
+dynamic tiling, no marker tokens), an InternVL image is cut into dynamic-resolution tiles of its size with a
+thumbnail and wrapped in ``<img>`` ... ``</img>`` when the tokenizer has those tokens; image slots carry the
+config's ``image_token_id``, which the tokenizer must have, and pixels are normalised with the checkpoint's
+``preprocessor_config.json`` mean and std when it has one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from omnibal.cost.hf_spec import load_hf_config
+from omnibal.data.realdata import IMAGE_END_TOKEN, IMAGE_START_TOKEN, RealDataConfig
+from omnibal.errors import InputError
+from omnibal.stats.tiles import TileConfig
+from omnibal.stats.tokens import make_counter
+
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "chat_template.json", "chat_template.jinja")
+"""Files of the input checkpoint copied into every saved model, so its processor loads as before."""
+
+
+def load_hf_chain(path: str | os.PathLike):
+    """The checkpoint in ``path`` (fp32, local files only) wrapped by :func:`omnibal.train.hf_adapter.from_hf`."""
+    from transformers import AutoModelForImageTextToText
+    from transformers.utils import logging as hf_logging
+
+    from omnibal.train.hf_adapter import from_hf
+
+    load_hf_config(path)  # a clear error for a folder that is not an HF model
+    hf_logging.disable_progress_bar()  # one bar per rank per load says nothing
+    try:
+        model = AutoModelForImageTextToText.from_pretrained(str(path), local_files_only=True, dtype=torch.float32)
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise InputError(f"cannot load the checkpoint: {first}", source=str(path), field="hf_model") from None
+    return from_hf(model)
+
+
+def _model_kind(model) -> str:
+    """``llava`` / ``internvl`` for a wrapped HF model, ``omnibal`` for the reference VLM."""
+    hf = getattr(model, "hf_model", None)
+    return "omnibal" if hf is None else hf.config.model_type
+
+
+def _normalisation(model_dir: str | None) -> dict:
+    if model_dir is None or not (Path(model_dir) / "preprocessor_config.json").is_file():
+        return {}
+    path = Path(model_dir) / "preprocessor_config.json"
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise InputError(f"unreadable: {exc}", source=str(path)) from None
+    out = {}
+    for key in ("image_mean", "image_std"):
+        value = doc.get(key)
+        if value is not None:
+            if not (isinstance(value, list) and len(value) == 3 and all(isinstance(v, (int, float)) for v in value)):
+                raise InputError(f"must be three numbers, got {value!r}", source=str(path), field=key)
+            out[key] = tuple(float(v) for v in value)
+    return out
+
+
+def real_data_config(cfg, model) -> RealDataConfig:
+    """How annotation records become samples for ``model`` (an HF chain or the reference VLM), with the
+    run's tokenizer, image root and tile cap; checks that the tokenizer fits the model."""
+    spec = model.spec
+    counter = make_counter(cfg.tokenizer_path)
+    kind = _model_kind(model)
+    if kind == "llava":  # LLaVA-1.5: one image = one tile of the tower's size, no markers
+        tiles = TileConfig(min_tiles=1, max_tiles=1, tile_size=spec.vision.image_size, use_thumbnail=False)
+    else:
+        tiles = TileConfig(max_tiles=cfg.max_tiles, tile_size=spec.vision.image_size)
+    markers = 2 if kind != "llava" and counter.token_to_id(IMAGE_START_TOKEN) is not None \
+        and counter.token_to_id(IMAGE_END_TOKEN) is not None else 0
+    ids = {}
+    if kind in ("llava", "internvl"):
+        image_id = int(model.image_token_id)
+        token = counter.id_to_token(image_id)
+        if token is None or image_id >= counter.vocab_size:
+            raise InputError(f"the tokenizer has no token id {image_id}, the model's image_token_id: add the image "
+                             f"token the checkpoint was made with to the tokenizer", source=str(cfg.tokenizer_path),
+                             field="tokenizer")
+        ids["image_token_id"] = image_id
+        if markers:
+            ids.update(image_start_id=counter.token_to_id(IMAGE_START_TOKEN),
+                       image_end_id=counter.token_to_id(IMAGE_END_TOKEN))
+    if counter.vocab_size > spec.llm.vocab_size:
+        raise InputError(f"the tokenizer has {counter.vocab_size} tokens, the model's embedding only "
+                         f"{spec.llm.vocab_size} rows", source=str(cfg.tokenizer_path), field="tokenizer")
+    return RealDataConfig(tokenizer=str(cfg.tokenizer_path), image_root=cfg.image_root, tiles=tiles,
+                          tokens_per_tile=spec.llm_tokens_per_tile, image_marker_tokens=markers,
+                          **_normalisation(cfg.hf_model), **ids)
+
+
+def real_stats(cfg, data: RealDataConfig):
+    """The run's statistics: ``--stats`` (made by ``omnibal stats`` with the same settings; joined by key and
+    checked sample by sample) or computed now from the annotations, then the ``--max-samples`` subset."""
+    from omnibal.stats.annotations import compute_stats
+    from omnibal.stats.io import load_stats
+
+    if cfg.stats_path is not None:
+        stats = load_stats(cfg.stats_path)
+    else:
+        stats, report = compute_stats(cfg.annotations_path, data.annotation_config(on_error=cfg.on_error))
+        if report.num_skipped and not cfg.quiet and int(os.environ.get("RANK", "0")) == 0:
+            print(f"omnibal train: {report.summary()}", flush=True)
+    if cfg.max_samples is not None and cfg.max_samples < len(stats):
+        rows = np.sort(np.random.default_rng(cfg.seed).choice(len(stats), cfg.max_samples, replace=False))
+        stats = stats.take(rows)
+    return stats
+
+
+def _stage_state(trainer, chain) -> dict[str, torch.Tensor] | None:
+    """This stage's trained tensors under their HF names (dp rank 0 of each stage; None elsewhere)."""
+    if trainer.world.dp_rank != 0:
+        return None
+    names = {id(p): n for n, p in chain.hf_model.named_parameters(remove_duplicate=False)}
+    return {names[id(p)]: p.detach().to("cpu", copy=True) for p in trainer.stage_module.parameters()}
+
+
+def export_hf(trainer, chain, out_dir: str | os.PathLike, *, tokenizer: str, model_dir: str) -> Path | None:
+    """Write the model as trained so far as an HF checkpoint folder (weights, config, tokenizer, the input
+    checkpoint's processor files). Collective: every rank calls it; each stage's dp rank 0 contributes its
+    tensors and global rank 0 writes the folder, atomically replacing what ``out_dir`` held."""
+    parts = trainer._gather_objects(_stage_state(trainer, chain), "saving the HF model")
+    written = None
+    if trainer.world.rank == 0:
+        hf = chain.hf_model
+        with torch.no_grad():
+            for part in parts:
+                for name, tensor in (part or {}).items():
+                    hf.get_parameter(name).copy_(tensor)
+        written = _write_folder(hf, Path(out_dir), tokenizer=tokenizer, model_dir=model_dir)
+    trainer._barrier("saving the HF model")
+    return written
+
+
+def _save_tokenizer(tokenizer: str, folder: Path) -> None:
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    p = Path(tokenizer)
+    try:
+        if p.is_dir() and (p / "tokenizer_config.json").is_file():
+            tok = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+        else:
+            tok = PreTrainedTokenizerFast(tokenizer_file=str(p / "tokenizer.json" if p.is_dir() else p))
+    except (OSError, ValueError) as exc:
+        raise InputError(f"cannot save the tokenizer with the model: {exc}", source=str(p), field="tokenizer") from None
+    tok.save_pretrained(str(folder))
+
+
+def _write_folder(hf, out: Path, *, tokenizer: str, model_dir: str) -> Path:
+    if out.exists() and not out.is_dir():
+        raise InputError("exists and is not a folder", source=str(out), field="save_dir")
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        hf.save_pretrained(str(tmp))
+        _save_tokenizer(tokenizer, tmp)
+        for name in PROCESSOR_FILES:
+            if (Path(model_dir) / name).is_file():
+                shutil.copy2(Path(model_dir) / name, tmp / name)
+        out.mkdir(parents=True, exist_ok=True)
+        new = {item.name for item in tmp.iterdir()}
+        for item in sorted(tmp.iterdir()):
+            os.replace(item, out / item.name)  # per file atomic: a reader sees the old or the new file
+        for stale in out.glob("model*.safetensors*"):  # shards of an earlier save that this one does not have
+            if stale.name not in new:
+                stale.unlink()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
