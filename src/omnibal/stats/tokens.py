@@ -81,6 +81,12 @@ class HFTokenCounter(TokenCounter):
             return self._fast.token_to_id(token)
         return self._auto.get_vocab().get(token)
 
+    def added_token_ids(self) -> set[int]:
+        """Ids of the tokens added on top of the learned vocabulary (special tokens such as ``<image>``)."""
+        if self._fast is not None:
+            return set(self._fast.get_added_tokens_decoder())
+        return set(self._auto.added_tokens_decoder)
+
     def id_to_token(self, token_id: int) -> str | None:
         if self._fast is not None:
             return self._fast.id_to_token(int(token_id))

@@ -91,11 +91,12 @@ def real_data_config(cfg, model) -> RealDataConfig:
     ids = {}
     if kind in ("llava", "internvl"):
         image_id = int(model.image_token_id)
-        token = counter.id_to_token(image_id)
-        if token is None or image_id >= counter.vocab_size:
-            raise InputError(f"the tokenizer has no token id {image_id}, the model's image_token_id: add the image "
-                             f"token the checkpoint was made with to the tokenizer", source=str(cfg.tokenizer_path),
-                             field="tokenizer")
+        if image_id not in counter.added_token_ids():
+            token = counter.id_to_token(image_id)
+            what = "no token" if token is None else f"the ordinary text token {token!r}"
+            raise InputError(f"the tokenizer has {what} at id {image_id}, the model's image_token_id: use the "
+                             f"tokenizer the checkpoint was made with (its image token is an added special token)",
+                             source=str(cfg.tokenizer_path), field="tokenizer")
         ids["image_token_id"] = image_id
         if markers:
             ids.update(image_start_id=counter.token_to_id(IMAGE_START_TOKEN),

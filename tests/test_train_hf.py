@@ -1,0 +1,222 @@
+"""`omnibal train` on a user's Hugging Face checkpoint and real annotations + images (the embedded example):
+DP x PP steps equal the HF model's own unpacked per-sample loss and gradients, the saved folder loads with
+``from_pretrained``, loss falls over an epoch, and bad inputs get one named error."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from omnibal.cli import main  # noqa: E402
+from omnibal.errors import InputError  # noqa: E402
+from omnibal.train.config import TrainConfig  # noqa: E402
+from omnibal.train.distributed import spawn_local  # noqa: E402
+
+TIMEOUT_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def example(tmp_path_factory):
+    from omnibal.examples.real_example import make_real_example
+
+    root = tmp_path_factory.mktemp("real-example")
+    make_real_example(root, num_records=48, seed=0)
+    return root
+
+
+def _config(root: Path, kind: str, **kw) -> TrainConfig:
+    return TrainConfig(annotations_path=str(root / "annotations.jsonl"), image_root=str(root / "images"),
+                       tokenizer_path=str(root / "tokenizer"), hf_model=str(root / kind), max_tiles=6,
+                       num_microbatches=4, timeout_s=TIMEOUT_S, quiet=True, lr=1e-3, **kw)
+
+
+def _hf_names(trainer, chain) -> dict[str, str]:
+    names = {id(p): n for n, p in chain.hf_model.named_parameters()}
+    return {local: names[id(p)] for local, p in trainer.stage_module.named_parameters()}
+
+
+def _rank_step(cfg: TrainConfig):
+    """One forward/backward of step 0 on this rank: its loss part and its stage's gradients by HF name."""
+    torch.set_num_threads(1)
+    from omnibal.train import run
+    from omnibal.train.distributed import destroy_world, init_world
+
+    world = init_world(dp_size=cfg.dp_size, pp_size=cfg.pp_size, timeout_s=TIMEOUT_S)
+    model = run.build_model(cfg)
+    run.build_model = lambda _cfg: model  # the trainer wraps this very chain: map its parameters to HF names
+    trainer = run.build_trainer(cfg, world)
+    result = trainer.forward_backward()
+    names = _hf_names(trainer, model)
+    grads = {names[n]: p.grad.detach().clone().numpy() for n, p in trainer.stage_module.named_parameters()
+             if p.grad is not None}
+    destroy_world()
+    return {"loss_part": result.loss_sum, "grads": grads, "samples": [int(i) for i in getattr(trainer, "_fed", [])]}
+
+
+def _hf_reference(cfg: TrainConfig, samples: list[int]):
+    """The HF model's own forward, one sample at a time, unpacked: token-mean loss over the global batch."""
+    from omnibal.data.realdata import RealDataset
+    from omnibal.train.hf_run import load_hf_chain, real_data_config, real_stats
+
+    chain = load_hf_chain(cfg.hf_model)
+    data = real_data_config(cfg, chain)
+    ds = RealDataset(cfg.annotations_path, data, stats=real_stats(cfg, data))
+    model = chain.hf_model
+    total, count = torch.zeros(()), 0
+    for i in samples:
+        s = ds[i]
+        has_image = bool((s["input_ids"] == chain.image_token_id).any())
+        out = model(input_ids=s["input_ids"][None], labels=s["labels"][None],
+                    pixel_values=s["pixel_values"] if has_image else None)
+        n = int((s["labels"][1:] != -100).sum())
+        total, count = total + out.loss * n, count + n
+    loss = total / count
+    loss.backward()
+    return float(loss.detach()), {n: p.grad.numpy() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("kind,dp,pp", [("llava", 2, 1), ("internvl", 1, 2), ("llava", 1, 2)])
+def test_a_dp_pp_step_equals_the_hf_models_own_unpacked_loss(example, kind, dp, pp):
+    """Balanced packs (block-diagonal attention, positions restarting per sample) split over DP ranks and
+    pipeline stages give the loss and gradients of the HF model run sample by sample."""
+    plan = None
+    if pp > 1:  # the plan omnibal plan --hf-model makes for this checkpoint (config.json only)
+        out = example / f"plan-{kind}"
+        assert main(["plan", "--hf-model", str(example / kind), "--gpus", str(pp), "--pp", str(pp), "--tp", "1",
+                     "--num-microbatches", "4", "--stats", str(_stats_file(example, kind)), "--balance-samples",
+                     "all", "--out", str(out), "--no-timelines", "--quiet"]) == 0
+        plan = str(out / "plan.json")
+        assert json.loads(Path(plan).read_text())["model"] == f"hf-{kind}"
+    cfg = _config(example, kind, dp_size=dp, pp_size=pp, plan_path=plan)
+    results = spawn_local(_rank_step, dp * pp, args=(cfg,), deadline_s=180, start_method="fork")
+    errors = [r.error for r in results if r.error]
+    assert not errors, "\n".join(errors)
+    values = [r.value for r in results]
+    fed = sorted(i for v in values for i in v["samples"])
+    ref_loss, ref_grads = _hf_reference(replace(cfg, dp_size=1, pp_size=1, plan_path=None), fed)
+    loss = sum(v["loss_part"] for v in values)
+    assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
+    got: dict[str, np.ndarray] = {}
+    for v in values:
+        for name, g in v["grads"].items():
+            got[name] = g  # DP replicas hold the same (summed) gradient; stages hold disjoint parameters
+    scale = max(np.linalg.norm(g) for g in ref_grads.values())
+    for name, ref in ref_grads.items():
+        err = np.linalg.norm(got[name] - ref)
+        assert err <= 1e-5 * max(np.linalg.norm(ref), 1e-3 * scale), (name, err)
+
+
+def _stats_file(root: Path, kind: str) -> Path:
+    """`omnibal stats` of the example with the checkpoint's conventions (what `omnibal train` computes)."""
+    path = root / f"stats-{kind}.jsonl"
+    if not path.exists():
+        from omnibal.stats.io import save_stats
+        from omnibal.train.hf_run import real_data_config, real_stats
+        from omnibal.train.run import build_model
+
+        cfg = _config(root, kind)
+        save_stats(real_stats(cfg, real_data_config(cfg, build_model(cfg))), path)
+    return path
+
+
+def test_train_saves_an_hf_checkpoint_that_loads_and_loss_falls_over_an_epoch(example, tmp_path):
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+    save = tmp_path / "model"
+    summary = tmp_path / "summary.json"
+    log = tmp_path / "log.jsonl"
+    cfg = ["--annotations", str(example / "annotations.jsonl"), "--image-root", str(example / "images"),
+           "--tokenizer", str(example / "tokenizer"), "--hf-model", str(example / "internvl"), "--max-tiles", "6",
+           "--microbatches", "1", "--lr", "5e-3", "--quiet"]
+    from omnibal.data.balance import balance
+    from omnibal.stats.io import load_stats
+
+    steps = balance(load_stats(_stats_file(example, "internvl")), dp_size=1, num_microbatches=1, seed=0).num_steps
+    assert steps >= 8  # the whole epoch
+    assert main(["train", *cfg, "--steps", str(steps), "--save-dir", str(save), "--checkpoint-dir",
+                 str(tmp_path / "ckpt"), "--checkpoint-every", "4", "--log", str(log),
+                 "--summary-json", str(summary)]) == 0
+    losses = [json.loads(line)["loss"] for line in log.read_text().splitlines()[1:]]
+    assert len(losses) == steps and np.mean(losses[-3:]) < 0.9 * np.mean(losses[:3]), losses
+    for folder in (save, save / "checkpoint-4", save / f"checkpoint-{steps}"):
+        model = AutoModelForImageTextToText.from_pretrained(folder, local_files_only=True)
+        assert type(model).__name__ == "InternVLForConditionalGeneration"
+        assert len(AutoTokenizer.from_pretrained(folder, local_files_only=True)) == model.config.text_config.vocab_size
+    # the saved weights are the trained ones: the first and final model differ, the final equals the last checkpoint
+    import safetensors.torch as st
+
+    first = st.load_file(str(example / "internvl" / "model.safetensors"))
+    final = st.load_file(str(save / "model.safetensors"))
+    last = st.load_file(str(save / f"checkpoint-{steps}" / "model.safetensors"))
+    assert final.keys() == first.keys() == last.keys()
+    assert all(torch.equal(final[k], last[k]) for k in final)
+    assert sum(not torch.equal(final[k], first[k]) for k in final) > 0.9 * len(final)
+
+
+def test_resume_continues_and_saves_the_same_model(example, tmp_path):
+    """A run stopped at step 2 and resumed to step 4 saves the model an uninterrupted 4-step run saves."""
+    import safetensors.torch as st
+
+    cfg = ["--annotations", str(example / "annotations.jsonl"), "--image-root", str(example / "images"),
+           "--tokenizer", str(example / "tokenizer"), "--hf-model", str(example / "llava"), "--quiet",
+           "--microbatches", "2"]
+    assert main(["train", *cfg, "--steps", "4", "--save-dir", str(tmp_path / "whole")]) == 0
+    ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--save-dir", str(tmp_path / "split")]
+    assert main(["train", *cfg, "--steps", "2", *ckpt]) == 0
+    assert main(["train", *cfg, "--steps", "4", "--resume", *ckpt]) == 0
+    whole = st.load_file(str(tmp_path / "whole" / "model.safetensors"))
+    split = st.load_file(str(tmp_path / "split" / "model.safetensors"))
+    assert whole.keys() == split.keys() and all(torch.equal(whole[k], split[k]) for k in whole)
+
+
+def test_bad_inputs_get_one_named_line(example, tmp_path, capsys):
+    base = {"--annotations": str(example / "annotations.jsonl"), "--image-root": str(example / "images"),
+            "--tokenizer": str(example / "tokenizer"), "--hf-model": str(example / "llava")}
+
+    def run(**change):
+        args = {**base, **change}
+        code = main(["train", "--quiet", "--steps", "1"] + [x for k, v in args.items() for x in (k, v)])
+        return code, capsys.readouterr().err.strip()
+
+    lines = (example / "annotations.jsonl").read_text().splitlines()
+    rec = json.loads(lines[0])
+    missing = tmp_path / "missing.jsonl"
+    missing.write_text(json.dumps({**rec, "image": "nope.png"}) + "\n" + "\n".join(lines[1:]) + "\n")
+    code, err = run(**{"--annotations": str(missing)})
+    assert code == 2 and "missing.jsonl" in err and "line 1" in err and "'image'" in err and "nope.png" in err
+    no_conv = tmp_path / "noconv.jsonl"
+    no_conv.write_text("\n".join(lines[:3] + [json.dumps({"id": "x", "image": rec["image"]})]) + "\n")
+    code, err = run(**{"--annotations": str(no_conv)})
+    assert code == 2 and "line 4" in err and "'conversations'" in err
+    code, err = run(**{"--hf-model": str(example / "images")})
+    assert code == 2 and "not a Hugging Face model folder" in err and "images" in err
+    from tokenizers import Tokenizer
+
+    small = Tokenizer.from_file(str(example / "tokenizer" / "tokenizer.json"))
+    vocab = {t: i for t, i in small.get_vocab().items() if i < 3}  # <pad>, <s>, </s>: no image tokens at all
+    from tokenizers import models, pre_tokenizers
+
+    bare = Tokenizer(models.BPE(vocab={**vocab, **{chr(33 + k): 3 + k for k in range(40)}}, merges=[]))
+    bare.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bare.save(str(tmp_path / "bare.json"))
+    code, err = run(**{"--tokenizer": str(tmp_path / "bare.json")})
+    assert code == 2 and "bare.json" in err and "image_token_id" in err
+    for e in (err,):
+        assert "\n" not in e
+
+
+def test_train_config_refuses_inconsistent_real_data_options():
+    with pytest.raises(InputError, match="tokenizer"):
+        TrainConfig(annotations_path="a.jsonl")
+    with pytest.raises(InputError, match="annotations"):
+        TrainConfig(hf_model="m")
+    with pytest.raises(InputError, match="hf_model"):
+        TrainConfig(annotations_path="a.jsonl", tokenizer_path="t", save_dir="out")
