@@ -14,8 +14,8 @@ import sys
 from omnibal import __version__
 from omnibal.errors import InputError, NotBuiltError, OmnibalError
 
-# Order is the data flow: stats -> balance -> profile -> plan -> simulate -> train -> report.
-COMMANDS = ("stats", "balance", "profile", "plan", "simulate", "train", "report")
+# Order is the data flow: (example ->) stats -> balance -> profile -> plan -> simulate -> train -> report.
+COMMANDS = ("example", "stats", "balance", "profile", "plan", "simulate", "train", "report")
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

@@ -1,0 +1,211 @@
+"""Measured throughput of `omnibal train` on a Hugging Face InternVL checkpoint and real images + text:
+baseline vs omnibal mode, DP2xPP1 and DP1xPP2, on CPU.
+
+    PYTHONPATH=src python benchmarks/bench_train_hf.py [--records 400] [--repeats 3]
+
+Data: `omnibal example` (rendered charts and document pages, several sizes, 1-3 question-answer turns; the
+InternVL tile rule gives 1-14 tiles per sample). Model: a random-init `InternVLForConditionalGeneration`
+(InternViT-style encoder + Qwen2 decoder) built with the example's own builder at a size where the vision
+encoder takes about half the compute, as in InternViT-6B + InternLM2-20B, saved as an HF folder and loaded
+by `omnibal train --hf-model`. Same model, data and world for both modes, one torch thread per rank:
+
+- baseline: random micro-batches of 4 samples padded to their longest, even layer split, every block
+  recomputed (InternVL's defaults);
+- omnibal: the balancer's packs, the min-max partition of this CPU's measured per-layer forward+backward
+  times of the chain, no recompute.
+
+Each mode trains its whole epoch (every sample once); the runs go through the real CLI (local gloo ranks),
+modes and layouts interleaved in every round so a drift of the machine's speed hits all alike. Reported: the
+median over rounds of real (unpadded) samples per second (first step excluded) and the speed-up. Writes
+benchmarks/results/train_hf.json and train_hf.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYOUTS = ((2, 1), (1, 2))
+MODES = ("baseline", "omnibal")
+MICROBATCHES = 4
+
+
+def make_model(root: Path, *, seed: int) -> Path:
+    """The benchmark's InternVL checkpoint (the example's builder, wider and deeper than its test model)."""
+    from transformers import AutoTokenizer
+
+    from omnibal.examples.real_example import INTERNVL, save_model
+
+    spec = replace(INTERNVL, vision_hidden=128, vision_layers=3, text_hidden=192, text_layers=4)
+    folder = root / "internvl-bench"
+    tok = AutoTokenizer.from_pretrained(str(root / "tokenizer"), local_files_only=True)
+    save_model(spec, tok, folder, seed=seed)
+    return folder
+
+
+def data_args(root: Path, model: Path) -> list[str]:
+    return ["--annotations", str(root / "annotations.jsonl"), "--image-root", str(root / "images"),
+            "--tokenizer", str(root / "tokenizer"), "--hf-model", str(model), "--max-tiles", "6"]
+
+
+def profile_chain(root: Path, model: Path) -> tuple[list[str], np.ndarray, object, object]:
+    """Forward+backward seconds of every chain layer on balanced packs of the example (one thread, each
+    layer run alone on the carry the layers before it produced), and the run's stats and schedule."""
+    import torch
+
+    from omnibal.cli.train import add_arguments, config_from_args
+    from omnibal.data.collate import collate
+    from omnibal.train import run
+
+    torch.set_num_threads(1)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    cfg = config_from_args(parser.parse_args(data_args(root, model) + ["--microbatches", str(MICROBATCHES)]))
+    chain = run.build_model(cfg)
+    stats, dataset = run.build_data(cfg, chain)
+    schedule = run.build_schedule(cfg, stats)
+    layers = chain.chain()
+    times = np.zeros(len(layers))
+    base = chain.collate_config(num_tiles=1, num_tokens=1)
+    packs = [schedule.microbatch(s, 0, k) for s in range(3) for k in range(MICROBATCHES)]
+    for mb in packs:
+        cfg_mb = replace(base, num_tiles=int(stats.tiles[mb].sum()), num_tokens=int(stats.tokens[mb].sum()))
+        carry = collate([dataset[int(i)] for i in mb], cfg_mb).carry()
+        for li, (_, module) in enumerate(layers):
+            inp = tuple(t.detach().requires_grad_(t.is_floating_point() and li > 0) for t in carry)
+            best = float("inf")
+            for _ in range(2):
+                module.zero_grad(set_to_none=True)
+                t0 = time.perf_counter()
+                out = module(*inp)
+                out[0].float().sum().backward()
+                best = min(best, time.perf_counter() - t0)
+            times[li] += best
+            with torch.no_grad():
+                carry = module(*carry)
+    return [spec.name for spec, _ in layers], times / len(packs), chain.spec, stats
+
+
+def write_plan(path: Path, model_name: str, names: list[str], layer_times: np.ndarray, pp: int) -> list[int]:
+    from omnibal.plan.partition import min_max_partition
+
+    parts = [int(x) for x in min_max_partition(layer_times, pp).parts]
+    stages = [{"stage": s, "layers": [a, b], "modules": names[a:b], "recompute": []}
+              for s, (a, b) in enumerate(zip(parts[:-1], parts[1:]))]
+    path.write_text(json.dumps({"model": model_name, "source": "bench_train_hf: min-max partition of measured "
+                                "per-layer times", "stages": stages}, indent=1))
+    return parts
+
+
+def run_once(args: list[str], out: Path, tag: str) -> dict:
+    summary = out / f"{tag}.summary.json"
+    cmd = [sys.executable, "-m", "omnibal", "train", *args, "--summary-json", str(summary), "--quiet"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    load = os.getloadavg()[0]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+    doc = json.loads(summary.read_text())
+    doc["load"] = [load, os.getloadavg()[0]]
+    return doc
+
+
+def epoch_steps(stats, mode: str, dp: int) -> int:
+    from omnibal.data.balance import balance
+    from omnibal.train.feed import random_microbatch_schedule
+
+    if mode == "baseline":
+        return random_microbatch_schedule(len(stats), dp_size=dp, num_microbatches=MICROBATCHES, batch_size=4,
+                                          seed=0).num_steps
+    return balance(stats, dp_size=dp, num_microbatches=MICROBATCHES, seed=0).num_steps
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--records", type=int, default=400)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    args = ap.parse_args(argv)
+    from omnibal.examples.real_example import make_real_example
+
+    log = lambda msg: print(f"[bench_train_hf] {msg} (load {os.getloadavg()[0]:.2f})", file=sys.stderr, flush=True)  # noqa: E731
+    work = Path(tempfile.mkdtemp(prefix="bench-train-hf-"))
+    make_real_example(work, num_records=args.records, seed=0)
+    model = make_model(work, seed=0)
+    names, layer_times, spec, stats = profile_chain(work, model)
+    vision_share = float(layer_times[: names.index("llm.embed")].sum() / layer_times.sum())
+    plan = work / "plan_pp2.json"
+    parts = write_plan(plan, spec.name, names, layer_times, 2)
+    log(f"{len(stats)} samples, vision share {vision_share:.0%} of the measured time, PP2 cut {parts}")
+    runs: dict[str, list] = {}
+    for r in range(args.repeats):
+        for dp, pp in LAYOUTS:
+            for mode in MODES:
+                tag = f"{mode}_dp{dp}_pp{pp}"
+                extra = ["--mode", mode, "--dp", str(dp), "--pp", str(pp), "--microbatches", str(MICROBATCHES),
+                         "--steps", str(epoch_steps(stats, mode, dp))]
+                if mode == "omnibal" and pp > 1:
+                    extra += ["--plan", str(plan)]
+                doc = run_once(data_args(work, model) + extra, work, f"{tag}_{r}")
+                runs.setdefault(tag, []).append(doc)
+                log(f"round {r} {tag}: {doc['summary']['samples_per_s']:.2f} samples/s")
+    result = {"records": args.records, "repeats": args.repeats, "vision_share": vision_share, "pp2_cut": parts,
+              "machine": {"cores": os.cpu_count(), "platform": platform.platform()},
+              "git": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip(),
+              "runs": {}}
+    for tag, docs in runs.items():
+        sps = [d["summary"]["samples_per_s"] for d in docs]
+        med = sorted(docs, key=lambda d: d["summary"]["samples_per_s"])[len(docs) // 2]
+        result["runs"][tag] = {"samples_per_s_runs": sps, "samples_per_s_median": statistics.median(sps),
+                               "token_pad_ratio": med["summary"].get("token_pad_ratio"),
+                               "steps": med["summary"].get("steps"), "stage_layers": med["stage_layers"],
+                               "recompute_layers": sum(len(x) for x in med["recompute"]),
+                               "load": [d["load"] for d in docs]}
+    for dp, pp in LAYOUTS:
+        base = result["runs"][f"baseline_dp{dp}_pp{pp}"]["samples_per_s_median"]
+        omni = result["runs"][f"omnibal_dp{dp}_pp{pp}"]["samples_per_s_median"]
+        result[f"speedup_dp{dp}_pp{pp}"] = omni / base
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "train_hf.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / "train_hf.md").write_text(render_markdown(result))
+    print(render_markdown(result))
+    return 0
+
+
+def render_markdown(res: dict) -> str:
+    lines = ["# omnibal train on an HF InternVL checkpoint and real images (bench_train_hf.py)", "",
+             f"{res['records']} example records, whole epoch per run, median of {res['repeats']} interleaved rounds, "
+             f"one torch thread per rank, {res['machine']['cores']} cores; vision encoder "
+             f"{res['vision_share']:.0%} of the measured layer time; omnibal PP2 cut at layer {res['pp2_cut'][1]}; "
+             f"git {res['git'][:10]}.", "",
+             "| layout | baseline samples/s | omnibal samples/s | speed-up |", "| --- | --- | --- | --- |"]
+    for key in (k for k in res if k.startswith("speedup_")):
+        lay = key.removeprefix("speedup_")
+        b, o = res["runs"][f"baseline_{lay}"], res["runs"][f"omnibal_{lay}"]
+        lines.append(f"| {lay.upper().replace('_', 'x')} | {b['samples_per_s_median']:.2f} | "
+                     f"{o['samples_per_s_median']:.2f} | **{res[key]:.2f}x** |")
+    lines += ["", "| run | samples/s per round | token pad | stages | recompute layers | load (1-min) |",
+              "| --- | --- | --- | --- | --- | --- |"]
+    for tag, e in res["runs"].items():
+        pad = "-" if e["token_pad_ratio"] is None else f"{e['token_pad_ratio']:.1%}"
+        lines.append(f"| {tag} | {', '.join(f'{x:.2f}' for x in e['samples_per_s_runs'])} | {pad} | "
+                     f"{e['stage_layers']} | {e['recompute_layers']} | "
+                     f"{', '.join(f'{a:.1f}-{b:.1f}' for a, b in e['load'])} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
