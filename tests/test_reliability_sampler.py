@@ -159,6 +159,37 @@ def test_epochs_reshuffle_and_each_is_exactly_once():
     assert epochs[0] != epochs[1] != epochs[2]
 
 
+def test_the_resume_loop_trains_every_epoch_exactly_once():
+    """The documented loop -- ``load_state_dict(state); for epoch in range(state_epoch, N): set_epoch(epoch)``
+    -- after a stop in the middle of a later epoch (balanced under the run's fixed caps): the resumed epoch
+    is finished, not trained again, and every epoch has every sample exactly once."""
+    stats = make_stats(240)
+    dp, micro, epochs = 2, 2, 3
+    trained: dict[int, list] = {e: [] for e in range(epochs)}
+    first = ranks(stats, dp, micro)
+    states = []
+    for s in first:
+        for epoch in range(2):
+            s.set_epoch(epoch)
+            for k, mb in enumerate(s):
+                if epoch == 1 and k == 6:  # the job dies in epoch 1 after three steps
+                    break
+                trained[epoch].append(mb)
+                s.mark_trained()
+        states.append(s.state_dict())
+    assert all(st["epoch"] == 1 and st["consumed_microbatches"] == 6 for st in states)
+    for s, state in zip(ranks(stats, dp, micro), states):
+        s.load_state_dict(state)
+        for epoch in range(state["epoch"], epochs):
+            s.set_epoch(epoch)
+            for mb in s:
+                trained[epoch].append(mb)
+                s.mark_trained()
+        assert s.caps == first[0].caps
+    for epoch in range(epochs):
+        assert_exactly_once(trained[epoch], scheduled_rows(stats, dp, micro, epoch=epoch))
+
+
 # ------------------------------------------------------------------------------------ DataLoader workers
 
 
