@@ -30,8 +30,9 @@ Semantics:
   the sampler sets ``token_slack`` to the room epoch 0 had (later epochs aim at epoch 0's pack count) and,
   should a few packs still come out over a cap (the packer lets a pack overflow Q_t by a few tokens),
   balances the epoch again with 1% more room (deterministic,
-  so all ranks agree; at most ``FIXED_CAP_TRIES`` tries, then an InputError naming the cap), so a later
-  epoch can have about 1% more steps than epoch 0. No sample is dropped.
+  so all ranks agree; at most ``FIXED_CAP_TRIES`` tries, then an InputError naming the cap). Later epochs
+  ask the balancer for epoch 0's step count (``BalanceConfig.num_steps``), so every epoch has the same
+  length whenever it fits (a reshard remainder takes the fewest steps that fit it). No sample is dropped.
   Methods that cannot pack under caps (``random``, ``length-grouped``) are refused.
 
 Resume: ``state_dict()`` records the epoch, the micro-batches this rank has *trained*, the caps and what
@@ -128,7 +129,8 @@ def plan_caps(stats, *, dp_size: int, num_microbatches: int, seed: int, config: 
         used = np.ones(len(stats), bool)
         used[first.dropped] = False
         fill = float(stats.tokens[used].sum()) / (caps[1] * max(first.num_packs, 1))
-        fixed = dataclasses.replace(fixed, token_slack=float(min(max(2 * (1 - fill) - 1e-6, 0.0), 0.49)))
+        fixed = dataclasses.replace(fixed, token_slack=float(min(max(2 * (1 - fill) - 1e-6, 0.0), 0.49)),
+                                    num_steps=int(first.num_steps))  # every epoch as long as epoch 0
     return CapPlan(caps, fixed, first)
 
 
@@ -189,7 +191,9 @@ class BalancedBatchSampler:
         rows = None
         if remainder is not None:
             rows = np.asarray(remainder["rows"], np.int64)
-            sched = balance_under_caps(self.stats.take(rows), config=plan.config, **layout)
+            # the rest of an epoch has its own length: the fewest steps that fit it
+            sched = balance_under_caps(self.stats.take(rows), config=dataclasses.replace(plan.config, num_steps=None),
+                                       **layout)
         elif epoch == 0 and plan.epoch0 is not None:
             sched = plan.epoch0
         else:

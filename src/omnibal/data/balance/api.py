@@ -31,6 +31,9 @@ class BalanceConfig:
     """Fixed Q_v (tiles per micro-batch); None: chosen by the cap search."""
     max_tokens: int | None = None
     """Fixed Q_t (tokens per micro-batch, e.g. a memory budget); None: chosen by the cap search."""
+    num_steps: int | None = None
+    """With fixed caps: exactly this many optimizer steps per epoch when they fit (e.g. a run's first
+    epoch's count, so every epoch has the same length); None: the fewest that fit."""
     oversize: str = "error"
     """Samples larger than a fixed cap: ``error`` (InputError listing them), ``own_pack`` (each runs alone
     as a micro-batch over the buffer), ``drop`` (left out, listed in ``Schedule.dropped``)."""
@@ -157,7 +160,8 @@ def _balance_omnibal(stats, dp_size, num_microbatches, seed, epoch, config: Bala
     if len(regular):
         choice = choose_caps(tiles, tokens, slots_per_step=per_step, target_samples=config.target_samples,
                              max_tiles=config.max_tiles, max_tokens=config.max_tokens,
-                             token_slack=config.token_slack, token_multiple=config.token_multiple, rng=rng)
+                             token_slack=config.token_slack, token_multiple=config.token_multiple, rng=rng,
+                             num_steps=config.num_steps)
         fixed = config.max_tiles is not None or config.max_tokens is not None
         extra_steps = 0
         while True:

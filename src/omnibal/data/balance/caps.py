@@ -72,6 +72,7 @@ def choose_caps(
     token_multiple: int = 8,
     rng: np.random.Generator | None = None,
     max_trials: int = 8,
+    num_steps: int | None = None,
 ) -> CapChoice:
     """Pick the pack count and the caps (see the module docstring). ``slots_per_step = dp_size * M``."""
     n = len(tiles)
@@ -106,6 +107,8 @@ def choose_caps(
                              f"{slots_per_step} micro-batches per step (largest sample: {int(v_asc[-1])} tiles, "
                              f"{int(t_asc[-1])} tokens)", source="caps", field="max_tokens")
         candidates = [s for s in range(steps, min(max_steps, steps + 3) + 1) if ok(s)]
+        if num_steps is not None and lo <= num_steps <= max_steps:
+            candidates = [num_steps]
     else:
         if target_samples <= 0:
             raise InputError(f"must be > 0, got {target_samples}", source="target_samples", field="target_samples")

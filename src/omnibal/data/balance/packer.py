@@ -324,6 +324,7 @@ def pack_balanced(
         over = token_over(pt)
         under = np.maximum(tile_lo - pv, 0)
         g = 1e6 * np.maximum(pv - tile_hi, 0) ** 2 + 1e4 * over * over + 1e-3 * under * under
+        g = g + 1.0 * (over > 0)  # any overflow is bad, however small: 1e4 * 2**2 tokens over lost to balance terms
         if llm_tol is not None:
             band = np.maximum(np.abs(llm_dev(pv, pl)) - llm_tol, 0)
             g = g + 0.01 * band * band
