@@ -45,28 +45,14 @@ def test_exports_match_the_stages():
     plan = small_plan()
     ex = export_all(plan)
     assert ex["deepspeed"]["parts"] == list(plan.parts)
-    flat = [m for stage in ex["torchtitan"]["module_names_per_stage"] for m in stage]
-    assert flat == VLM_NAMES
-    layout = ex["megatron"]["pipeline_model_parallel_layout"]
-    assert layout.count("|") == 2
-    assert layout.replace("|", "").replace("*", "") != ""
-    # expanding the run-length string gives back one letter per layer
-    expanded = ""
-    for stage in layout.split("|"):
-        i = 0
-        while i < len(stage):
-            letter = stage[i]
-            if i + 1 < len(stage) and stage[i + 1] == "*":
-                j = i + 2
-                while j < len(stage) and stage[j].isdigit():
-                    j += 1
-                expanded += letter * int(stage[i + 2:j])
-                i = j
-            else:
-                expanded += letter
-                i += 1
-    assert expanded == "V" + "v" * 6 + "PE" + "t" * 8 + "L"
-    assert set(megatron_layout(plan, vision_letters=False)) <= set("EtL*|0123456789")
+    assert [len(r) for r in ex["deepspeed"]["recompute_layers_per_stage"]] == [len(st.recompute) for st in plan.stages]
+    # an unconstrained plan splits the ViT across stages: Megatron and torchtitan cannot express it, and say why
+    # (the engine-constrained plans and their exports are tested against the real libraries: test_engine_*.py)
+    for engine, field in (("megatron", "pipeline_model_parallel_layout"), ("torchtitan", "module_fqns_per_model_part")):
+        if plan.stages[0].modules[-1].startswith(("vision", "projector")):
+            assert ex[engine]["not_expressible"].startswith(f"{engine}: field '{field}'")
+    layout = megatron_layout(plan)
+    assert layout.count("|") == 2 and set(layout) <= set("EtL*|0123456789")
 
 
 def _mutate(plan: Plan, fn):

@@ -29,7 +29,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dp", type=int, default=None, help="data-parallel size (default: gpus / (pp x tp))")
     g.add_argument("--pp", type=int, default=4, help="pipeline stages")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
-    g.add_argument("--zero-stage", type=int, default=1, choices=(0, 1, 2), help="ZeRO stage over DP")
+    g.add_argument("--zero-stage", type=int, default=None, choices=(0, 1, 2),
+                   help="ZeRO stage over DP (default: 1; torchtitan: 2, FSDP with reshard_after_forward never)")
+    g.add_argument("--engine", default="omnibal", choices=("omnibal", "deepspeed", "megatron", "torchtitan"),
+                   help="engine that will run the plan: its constraints are planner inputs, the ablation prices "
+                        "each of them, and its ready-to-use files go to OUT/exports/ (docs/engines/)")
     g.add_argument("--num-microbatches", type=int, default=8, help="micro-batches per step per DP rank")
     g.add_argument("--memory-budget", type=float, default=None, metavar="GIB",
                    help="bytes per device the plan may use, in GiB (default: 95%% of the device memory)")
@@ -83,22 +87,25 @@ def job_config(args: argparse.Namespace):
         except ValueError:
             raise InputError(f"must be a number of samples or 'all', got {args.balance_samples!r}",
                              source="--balance-samples", field="balance_samples") from None
+    from omnibal.plan.engines import get_engine
+
+    zero_stage = get_engine(args.engine).default_zero_stage if args.zero_stage is None else args.zero_stage
     if args.radius < 0 or args.top_k < 1 or args.search_steps < 1:
         raise InputError("--radius must be >= 0, --top-k and --search-steps >= 1", source="--radius",
                          field="radius")
     return PlanJobConfig(
         preset=args.preset, hf_model=args.hf_model, hardware=args.hardware, num_gpus=args.gpus, dp_size=dp, pp_size=args.pp,
-        tp_size=args.tp, zero_stage=args.zero_stage, num_microbatches=args.num_microbatches,
+        tp_size=args.tp, zero_stage=zero_stage, num_microbatches=args.num_microbatches,
         baseline_batch_size=args.baseline_batch_size, memory_budget_gib=args.memory_budget,
         stats_path=args.stats, num_samples=args.samples, balance_samples=balance_samples, seed=args.seed,
         profile_path=args.profile, balance_method=args.balance_method, padding=args.padding,
         baseline_partition=args.baseline_partition, schedule=args.schedule,
-        search=SearchConfig(radius=args.radius, top_k=args.top_k, sample_steps=args.search_steps, seed=args.seed))
+        search=SearchConfig(radius=args.radius, top_k=args.top_k, sample_steps=args.search_steps, seed=args.seed),
+        engine=args.engine)
 
 
 def run(args: argparse.Namespace) -> int:
     from omnibal.plan.ablation import ablation_markdown
-    from omnibal.plan.exports import export_all
     from omnibal.plan.job import run_plan_job
     from omnibal.plan.report import balance_rows, stage_rows, text_table, write_job_outputs
 
@@ -108,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
     inp = config
     print(f"omnibal plan: {inp.hf_model or inp.preset} on {inp.dp_size * inp.pp_size * inp.tp_size} x {inp.hardware} "
           f"(DP {inp.dp_size} x PP {inp.pp_size} x TP {inp.tp_size}, ZeRO-{inp.zero_stage}, "
-          f"{inp.num_microbatches} micro-batches per step)", flush=True)
+          f"{inp.num_microbatches} micro-batches per step, engine {inp.engine})", flush=True)
     result = run_plan_job(config, progress=progress)
     plan = result.plan
     t_report = time.perf_counter()
@@ -151,11 +158,34 @@ def run(args: argparse.Namespace) -> int:
     print(f"\nPlan: {plan.prediction.step_time_s:.2f} s per step, {plan.prediction.gpu_days:.1f} GPU days per epoch, "
           f"bubble {plan.prediction.bubble:.1%}")
     print(text_table(stage_rows(plan)))
-    ex = export_all(plan)
-    print(f"\nDeepSpeed parts: {ex['deepspeed']['parts']}")
-    print(f"Megatron-style layout: {ex['megatron']['pipeline_model_parallel_layout']}")
+    written, skipped = write_engine_exports(plan, Path(args.out) / "exports")
+    for engine, paths in written.items():
+        print(f"\n{engine} export: " + ", ".join(str(p) for p in paths))
+    if plan.engine == "omnibal":
+        print(f"DeepSpeed parts: {list(plan.parts)}")
+    for engine, reason in skipped.items():
+        print(f"no {engine} export: {reason}")
     print("\nBalance:")
     print(text_table(balance_rows(result.balance_metrics)))
     print(f"\nwrote {files['plan']}, {files['report']} and {sum(1 for k in files if k.startswith('png:'))} "
           f"PNGs into {args.out}/ ({time.perf_counter() - t0:.1f} s)")
     return 0
+
+
+def write_engine_exports(plan, out_dir: Path) -> tuple[dict, dict]:
+    """The plan's engine files under ``out_dir`` (``--engine omnibal``: every engine that can express the plan).
+    Returns ({engine: [paths]}, {engine: why not written})."""
+    from omnibal.errors import InputError
+    from omnibal.plan.exports import EXPORT_ENGINES
+
+    engines = EXPORT_ENGINES if plan.engine == "omnibal" else (plan.engine,)
+    written, skipped = {}, {}
+    for engine in engines:
+        module = __import__(f"omnibal.integrations.{engine}", fromlist=["write_exports"])
+        try:
+            written[engine] = module.write_exports(plan, out_dir)
+        except InputError as exc:
+            if plan.engine != "omnibal":
+                raise  # the engine's own plan must be expressible: a bug, not a user choice
+            skipped[engine] = str(exc)
+    return written, skipped

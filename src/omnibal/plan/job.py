@@ -20,6 +20,7 @@ import numpy as np
 
 from omnibal.errors import InputError
 from omnibal.plan.ablation import AblationRow, with_speedups
+from omnibal.plan.engines import constraint_rows
 from omnibal.plan.joint import JointPlanner, StagePlanSet
 from omnibal.plan.partition import check_num_stages, even_partition
 from omnibal.plan.plan import DataPlan, Plan, PlanInputs, Prediction, plan_stages
@@ -82,8 +83,14 @@ class PlanJobConfig:
     """Pipeline schedule the simulator runs."""
     search: SearchConfig = field(default_factory=SearchConfig)
     """Neighbour search around the exact optimum."""
+    engine: str = "omnibal"
+    """Engine the plan is for (``omnibal.plan.engines``): its constraints are inputs to the planner, and the
+    ablation gets one row per constraint (and one with all of them: the plan)."""
 
     def validate(self) -> None:
+        from omnibal.plan.engines import check_job
+
+        check_job(self.engine, schedule=self.schedule, zero_stage=self.zero_stage)
         for name in ("dp_size", "pp_size", "tp_size", "num_microbatches", "baseline_batch_size", "num_samples"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -343,6 +350,13 @@ def run_plan_job(config: PlanJobConfig, *, progress: bool = False, stats=None,
             ("+ balanced partition", "balanced", "exact min-max + search", "full", best_full.plan),
             ("+ adaptive recompute", "balanced", "joint min-max + search", "adaptive", best_joint.plan),
         ]
+        engine_info: dict = {}
+        if constraint_rows(config.engine):  # deepspeed and omnibal express every plan: no extra rows
+            from omnibal.plan.engine_plan import engine_row_specs
+
+            engine_specs, engine_final = engine_row_specs(config.engine, planner, score, config.search)
+            specs += [(name, "balanced", part, rec, sp) for name, part, rec, sp in engine_specs]
+            anchor_joint, best_joint, scored, num_enumerated, engine_info = engine_final
         rows, row_plans, row_results = [], {}, {}
         for name, data_key, part_desc, rec_desc, sp in specs:
             mask = sp.recompute_mask(table.num_layers)
@@ -380,6 +394,7 @@ def run_plan_job(config: PlanJobConfig, *, progress: bool = False, stats=None,
         prediction=Prediction(step_time_s=final.step_time_s, epoch_time_s=final.epoch_time_s,
                               gpu_days=final.gpu_days, bubble=final.bubble, num_steps=final.num_steps,
                               oom=final.oom),
+        engine=config.engine,
         search={"anchor_parts": list(anchor_joint.parts), "anchor_bottleneck_s": anchor_joint.bottleneck,
                 "radius": config.search.radius, "enumerated": num_enumerated, "scored": len(scored),
                 "sample_steps": int(len(sample)),
@@ -387,7 +402,7 @@ def run_plan_job(config: PlanJobConfig, *, progress: bool = False, stats=None,
                                 "sim_step_time_s": c.sim_step_time, "oom": c.oom} for c in scored],
                 "chosen_parts": list(best_joint.plan.parts), "epoch_scale": epoch_scale,
                 "schedule": config.schedule, "baseline_partition": config.baseline_partition,
-                "sim_config": asdict(sim_config)})
+                "sim_config": asdict(sim_config), **engine_info})
     return PlanJobResult(plan=plan, ablation=rows, balance_metrics=_jsonable(metrics), timings=phases.timings,
                          table=table, sim_config=sim_config, features=features, row_plans=row_plans,
                          scored=scored, epoch_scale=epoch_scale,

@@ -134,3 +134,25 @@ def evaluate_partition(parts: Sequence[int], layer_cost: np.ndarray,
     cost = interval_cost_matrix(layer_cost, boundary_cost)
     return Partition(parts=parts, stage_costs=tuple(float(cost[parts[s], parts[s + 1]])
                                                     for s in range(len(parts) - 1)))
+
+
+def min_sum_partition_matrices(stage_costs: Sequence[np.ndarray], cap: float) -> Partition:
+    """Among partitions whose every stage costs at most ``cap`` (e.g. a min-max optimum's bottleneck), one
+    with the smallest sum of stage costs: the tie-break after the min-max (pipeline fill and drain pay the
+    sum). Raises ``InputError`` when none stays within ``cap``."""
+    mats = [np.where(np.asarray(m, dtype=np.float64) <= cap, m, np.inf) for m in stage_costs]
+    num_stages, num_layers = len(mats), mats[0].shape[0] - 1
+    best = mats[0][0].copy()
+    choice = np.zeros((num_stages, num_layers + 1), dtype=np.int64)
+    for s in range(1, num_stages):
+        cand = best[:, None] + mats[s]
+        choice[s] = np.argmin(cand, axis=0)
+        best = cand[choice[s], np.arange(num_layers + 1)]
+    if not np.isfinite(best[num_layers]):
+        raise InputError("no partition keeps every stage within the cap", source="num_stages")
+    parts = [num_layers]
+    for s in range(num_stages - 1, 0, -1):
+        parts.append(int(choice[s][parts[-1]]))
+    parts.append(0)
+    parts = tuple(reversed(parts))
+    return Partition(parts=parts, stage_costs=tuple(float(mats[s][parts[s], parts[s + 1]]) for s in range(num_stages)))

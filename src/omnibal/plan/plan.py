@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from omnibal.errors import InputError
+from omnibal.plan.engines import ENGINES
 
 PLAN_FORMAT = "omnibal.plan"
 PLAN_VERSION = 1
@@ -125,6 +126,8 @@ class Plan:
     search: dict = field(default_factory=dict)
     """How the partition was found: anchor cut points, candidates scored, the chosen candidate's rank."""
     version: int = PLAN_VERSION
+    engine: str = "omnibal"
+    """The engine whose constraints the plan respects (``omnibal plan --engine``; ``omnibal``: none)."""
 
     @property
     def parts(self) -> tuple[int, ...]:
@@ -141,7 +144,8 @@ class Plan:
         from omnibal.plan.exports import export_all
 
         # "model" at the top is what the reference trainer checks before applying a plan
-        out = {"format": PLAN_FORMAT, "version": self.version, "model": self.inputs.model, "inputs": asdict(self.inputs),
+        out = {"format": PLAN_FORMAT, "version": self.version, "model": self.inputs.model, "engine": self.engine,
+               "inputs": asdict(self.inputs),
                "data": asdict(self.data), "stages": [], "prediction": asdict(self.prediction),
                "search": self.search}
         for st in self.stages:
@@ -149,7 +153,7 @@ class Plan:
             d["layers"] = list(st.layers)
             d["modules"], d["recompute"] = list(st.modules), list(st.recompute)
             out["stages"].append(d)
-        out["exports"] = export_all(self)  # derived, for copy-paste; ignored on load
+        out["exports"] = export_all(self)  # derived (omnibal.integrations writes the files); ignored on load
         return out
 
     def to_json(self) -> str:
@@ -253,8 +257,11 @@ class Plan:
                 simulated_peak_memory_bytes=r.get(st, "simulated_peak_memory_bytes", (float, None), where,
                                                   default=None)))
         search = r.get(raw, "search", dict, "", default={})
+        engine = r.get(raw, "engine", str, "", default="omnibal")
+        if engine not in ENGINES:
+            raise InputError(f"unknown engine {engine!r}; one of {', '.join(ENGINES)}", source=source, field="engine")
         plan = cls(inputs=inputs, data=data, stages=tuple(stages), prediction=prediction, search=search,
-                   version=version)
+                   version=version, engine=engine)
         _check_values(plan, source)
         return plan
 

@@ -213,13 +213,22 @@ def plan_markdown(plan: Plan, ablation: list[AblationRow] | None, *, images: dic
     if balance_metrics:
         lines += ["## Balance", "", markdown_table(balance_rows(balance_metrics)), ""]
     ex = export_all(plan)
-    lines += ["## Exports", "",
-              f"- DeepSpeed `PipelineModule` parts: `{ex['deepspeed']['parts']}`",
-              f"- Megatron-style layout (V/v/P: vision embed/block/projector, E/t/L: LLM embed/layer/head): "
-              f"`{ex['megatron']['pipeline_model_parallel_layout']}`",
-              f"- Megatron LLM-only layout: `{ex['megatron']['megatron_llm_layout']}`, recompute_num_layers per "
-              f"stage `{ex['megatron']['recompute_num_layers_per_stage']}`",
-              "- torchtitan module names per stage: in `plan.json` under `exports.torchtitan`", ""]
+    lines += ["## Exports", "", f"Planned for engine `{plan.engine}`; `omnibal plan --engine NAME` writes the files "
+              "under `exports/` (docs/engines/).", ""]
+    for engine, fields in ex.items():
+        if "not_expressible" in fields:
+            lines.append(f"- {engine}: not expressible ({fields['not_expressible']})")
+        elif engine == "deepspeed":
+            lines.append(f"- deepspeed: parts `{fields['parts']}`, checkpointed layers per stage "
+                         f"`{[len(r) for r in fields['recompute_layers_per_stage']]}`")
+        elif engine == "megatron":
+            lang = fields["language"]
+            lines.append(f"- megatron: layout `{lang['pipeline_model_parallel_layout']}`, recompute_num_layers "
+                         f"`{lang['recompute_num_layers']}` (vision `{fields['vision']['recompute_num_layers']}`)")
+        else:
+            lines.append(f"- torchtitan: {len(fields['parallelism']['module_fqns_per_model_part'])} model parts, "
+                         f"activation checkpoint `{fields['activation_checkpoint']['mode']}`")
+    lines.append("")
     search = plan.search
     if search.get("candidates"):
         lines += ["## Search", "",

@@ -1,0 +1,120 @@
+"""torchtitan from an omnibal plan (tested with torchtitan 0.3.0).
+
+``omnibal plan --engine torchtitan`` writes ``exports/torchtitan.toml``: a ``[parallelism]`` table whose keys
+are ``torchtitan.config.ParallelismConfig`` fields (``module_fqns_per_model_part`` in torchtitan's module
+names) and an ``[activation_checkpoint]`` mode. torchtitan 0.2.x reads such tables from its job TOML; 0.3.0
+builds its config in Python (``config_registry`` functions), so apply the fragment there::
+
+    from omnibal.integrations.torchtitan import apply_fragment, load_fragment
+    config = apply_fragment(my_config_registry_fn(), load_fragment("omnibal-out/exports/torchtitan.toml"))
+
+What torchtitan expresses and omnibal plans for (``omnibal plan --engine torchtitan``): its VLMs
+(``pipeline_vlm``: Qwen3.5, Kimi) run ``vision_encoder`` (ViT + projector) with ``tok_embeddings`` on the first
+stage; its splitter keeps top-level children and entries of ``layers``; activation checkpointing is one mode
+for every block (``none`` or ``full``), applied to the decoder's and the vision encoder's blocks alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from omnibal.errors import InputError
+
+TESTED_VERSIONS = ">=0.3,<0.4"
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, list):
+        inner = [_toml_value(v) for v in value]
+        if value and isinstance(value[0], list):
+            return "[\n  " + ",\n  ".join(inner) + ",\n]"
+        return "[" + ", ".join(inner) + "]"
+    raise TypeError(f"no TOML form for {value!r}")
+
+
+def fragment_text(fields: dict) -> str:
+    lines = [f"# omnibal plan for torchtitan ({TESTED_VERSIONS}), model {fields['model']}; "
+             "see docs/engines/torchtitan.md", ""]
+    for table in ("parallelism", "activation_checkpoint", "training"):
+        lines.append(f"[{table}]")
+        lines += [f"{k} = {_toml_value(v)}" for k, v in fields[table].items()]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write_exports(plan, out_dir: str | Path) -> list[Path]:
+    """``torchtitan.toml`` into ``out_dir`` (``InputError`` when torchtitan cannot express the plan)."""
+    from omnibal.plan.exports import torchtitan_fields
+
+    fields = torchtitan_fields(plan)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "torchtitan.toml"
+    path.write_text(fragment_text(fields))
+    return [path]
+
+
+def load_fragment(path: str | Path) -> dict:
+    import tomllib
+
+    try:
+        doc = tomllib.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise InputError(f"cannot read the torchtitan fragment: {exc}", source=str(path)) from None
+    fqns = doc.get("parallelism", {}).get("module_fqns_per_model_part")
+    if not isinstance(fqns, list) or not fqns or not all(isinstance(p, list) for p in fqns):
+        raise InputError("must be a list of lists of module names", source="torchtitan",
+                         field="module_fqns_per_model_part")
+    mode = doc.get("activation_checkpoint", {}).get("mode")
+    if mode not in ("none", "full"):
+        raise InputError(f"must be none or full, got {mode!r}", source="torchtitan", field="activation_checkpoint.mode")
+    return doc
+
+
+def parallelism_config(fragment: dict):
+    """torchtitan's ``ParallelismConfig`` from the fragment (an unknown key is refused by torchtitan)."""
+    from torchtitan.config import ParallelismConfig
+
+    try:
+        return ParallelismConfig(**fragment["parallelism"])
+    except TypeError as exc:
+        raise InputError(f"torchtitan refused the fragment: {exc}", source="torchtitan", field="parallelism") from None
+
+
+def activation_checkpoint_config(fragment: dict):
+    """``FullAC.Config()`` or None (torchtitan 0.3's ``Trainer.Config.activation_checkpoint``)."""
+    if fragment["activation_checkpoint"]["mode"] == "none":
+        return None
+    from torchtitan.distributed.activation_checkpoint import FullAC
+
+    return FullAC.Config()
+
+
+def apply_fragment(trainer_config, fragment: dict):
+    """A copy of torchtitan's ``Trainer.Config`` with the plan's parallelism, activation checkpointing and
+    local batch size (one balanced pack per micro-batch)."""
+    training = dataclasses.replace(trainer_config.training, **fragment.get("training", {}))
+    return dataclasses.replace(trainer_config, parallelism=parallelism_config(fragment), training=training,
+                               activation_checkpoint=activation_checkpoint_config(fragment))
+
+
+def check_model(model, fragment: dict) -> None:
+    """Refuse a fragment made for another model: its decoder layers and vision encoder must match ``model``'s
+    (a torchtitan model: ``layers``, optional ``vision_encoder``)."""
+    fqns = [m for part in fragment["parallelism"]["module_fqns_per_model_part"] for m in part]
+    planned = sum(m.startswith("layers.") for m in fqns)
+    layers = len(model.layers)
+    if planned != layers or sorted(fqns) != sorted(set(fqns)):
+        raise InputError(f"the fragment names {planned} decoder layers, the model has {layers}", source="torchtitan",
+                         field="module_fqns_per_model_part")
+    if ("vision_encoder" in fqns) != (getattr(model, "vision_encoder", None) is not None):
+        raise InputError("the fragment and the model disagree on a vision_encoder", source="torchtitan",
+                         field="module_fqns_per_model_part")

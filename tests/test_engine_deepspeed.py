@@ -1,0 +1,140 @@
+"""DeepSpeed (installed by .ci/run, deepspeed 0.19.8 built without ops) runs omnibal's plan: the stages hold
+exactly the planned layers, the planned layers are recomputed, and ``train_batch`` on 2 gloo ranks gives the
+unsplit model's loss, before and after an optimizer step."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from omnibal.errors import InputError
+from omnibal.plan.job import PlanJobConfig, run_plan_job
+from omnibal.plan.search import SearchConfig
+
+pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (CI installs it: .ci/run; docs/engines/deepspeed.md)")
+
+NUM_MB, NUM_TILES, NUM_TOKENS, STEPS, LR = 4, 8, 256, 2, 0.05
+
+
+def _tiny_plan(**kw):
+    base = dict(preset="tiny", num_gpus=2, dp_size=1, pp_size=2, tp_size=1, num_microbatches=NUM_MB,
+                num_samples=3000, search=SearchConfig(radius=1, top_k=3, sample_steps=16), engine="deepspeed")
+    base.update(kw)
+    free = run_plan_job(PlanJobConfig(**base)).plan
+    # a budget below the unconstrained peak, so the plan checkpoints some layers of stage 0
+    budget = 0.8 * max(st.memory_bytes for st in free.stages) / 2**30
+    return run_plan_job(PlanJobConfig(**base, memory_budget_gib=budget)).plan
+
+
+def _micro_batches(spec):
+    from train_helpers import pack, tiny_dataset
+
+    ds = tiny_dataset(spec, tiles=[1, 2, 1, 3, 2, 1, 1, 2, 3, 1, 2, 1], tokens=[40, 50, 30, 60, 45, 20, 35, 44, 70, 25,
+                                                                           38, 41], seed=3)
+    samples = [ds[i] for i in range(len(ds))]
+    return [pack(spec, samples[3 * m:3 * m + 3], num_tiles=NUM_TILES, num_tokens=NUM_TOKENS) for m in range(NUM_MB)]
+
+
+def _unsplit_losses(spec) -> list[float]:
+    from omnibal.train.model import VLM
+
+    torch.manual_seed(0)
+    model = VLM(spec, seed=0, attn_impl="varlen")
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    mbs, out = _micro_batches(spec), []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        losses = [torch.div(*model(*mb.carry())) for mb in mbs]
+        loss = torch.stack([x.reshape(()) for x in losses]).mean()
+        loss.backward()
+        opt.step()
+        out.append(loss.item())
+    return out
+
+
+def _rank(export_path: str) -> dict:
+    import deepspeed
+
+    from omnibal.cost.presets import get_model_preset
+    from omnibal.integrations.deepspeed import load_export, pipeline_module
+    from omnibal.train.model import VLM
+
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo")
+    export = load_export(export_path)
+    spec = get_model_preset("tiny")
+    model = VLM(spec, seed=0, attn_impl="varlen")
+    names = [layer.name for layer, _ in model.chain()]
+    calls = {n: 0 for n in names}
+    for layer, module in model.chain():
+        module.register_forward_pre_hook(lambda *_, n=layer.name: calls.__setitem__(n, calls[n] + 1))
+    module = pipeline_module([m for _, m in model.chain()], export, star_args=True,
+                             loss_fn=lambda out, labels: (out[0] / out[1]).reshape(()))
+    # fp32 on CPU and no clipping (DeepSpeed clips to 1.0 by default) for an exact comparison; plain SGD (a
+    # client optimizer) under ZeRO-1 needs the opt-in
+    config = {**export["ds_config"], "bf16": {"enabled": False}, "gradient_clipping": 0.0,
+              "zero_allow_untested_optimizer": True}
+    params = [p for p in module.parameters() if p.requires_grad]
+    engine, *_ = deepspeed.initialize(model=module, config=config, model_parameters=params,
+                                      optimizer=torch.optim.SGD(params, lr=LR))
+    mbs = _micro_batches(spec)
+    losses = []
+    for _ in range(STEPS):
+        data = iter([(mb.carry(), torch.zeros(1)) for mb in mbs])
+        losses.append(float(engine.train_batch(data_iter=data)))
+    stage = engine.stage_id
+    owned = [n for n in names if any(p is q for p in module.parameters() for q in model.get_submodule(n).parameters())]
+    return {"stage": stage, "losses": losses, "owned": owned, "calls": {n: calls[n] for n in owned}}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_train_batch_matches_the_unsplit_model_with_the_plans_parts_and_recompute(tmp_path):
+    from omnibal.cost.presets import get_model_preset
+    from omnibal.integrations.deepspeed import write_exports
+    from omnibal.train.distributed import spawn_local
+
+    plan = _tiny_plan()
+    files = write_exports(plan, tmp_path / "exports")
+    export = json.loads(files[0].read_text())
+    config = json.loads(files[1].read_text())
+    assert config["gradient_accumulation_steps"] == NUM_MB and config["zero_optimization"]["stage"] == 1
+    assert any(export["recompute_layers_per_stage"]), "the budget must force some recompute"
+    results = spawn_local(_rank, 2, args=(str(files[0]),), deadline_s=300,
+                          env={"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"})
+    for r in results:
+        assert r.error is None, r.error
+    by_stage = {r.value["stage"]: r.value for r in results}
+    expected = _unsplit_losses(get_model_preset("tiny"))
+    for st in plan.stages:
+        got = by_stage[st.stage]
+        assert got["owned"] == list(st.modules), "each DeepSpeed stage holds exactly the planned layers"
+        for name in st.modules:  # planned layers run twice per micro-batch (forward + recompute)
+            assert got["calls"][name] == STEPS * NUM_MB * (2 if name in st.recompute else 1), name
+    last = by_stage[len(plan.stages) - 1]["losses"]
+    assert last == pytest.approx(expected, abs=1e-5, rel=1e-5)
+
+
+def test_a_chain_of_another_model_is_refused(tmp_path):
+    from omnibal.integrations.deepspeed import load_export, stage_specs, write_exports
+
+    plan = run_plan_job(PlanJobConfig(preset="tiny", num_gpus=2, dp_size=1, pp_size=2, num_microbatches=NUM_MB,
+                                      num_samples=2000, search=SearchConfig(radius=1, top_k=2, sample_steps=8),
+                                      engine="deepspeed")).plan
+    export = load_export(write_exports(plan, tmp_path)[0])
+    with pytest.raises(InputError, match=r"deepspeed: field 'parts': 3 layers given but the plan's chain has 15"):
+        stage_specs([torch.nn.Identity()] * 3, export)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({**export, "parts": [0, 9, 4, 15]}))
+    with pytest.raises(InputError, match="deepspeed: field 'parts'"):
+        load_export(bad)
+
+
+def test_engine_refuses_what_deepspeed_cannot_run():
+    for kw, field in (({"schedule": "gpipe"}, "schedule"), ({"zero_stage": 2}, "zero_stage")):
+        with pytest.raises(InputError, match=rf"^deepspeed: field '{field}'"):
+            PlanJobConfig(engine="deepspeed", **kw).validate()
+    assert os.environ.get("DS_BUILD_OPS") in (None, "0", "")
