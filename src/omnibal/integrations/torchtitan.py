@@ -5,8 +5,10 @@ are ``torchtitan.config.ParallelismConfig`` fields (``module_fqns_per_model_part
 names) and an ``[activation_checkpoint]`` mode. torchtitan 0.2.x reads such tables from its job TOML; 0.3.0
 builds its config in Python (``config_registry`` functions), so apply the fragment there::
 
-    from omnibal.integrations.torchtitan import apply_fragment, load_fragment
-    config = apply_fragment(my_config_registry_fn(), load_fragment("omnibal-out/exports/torchtitan.toml"))
+    from omnibal.integrations.torchtitan import activation_checkpoint_config, load_fragment, parallelism_config
+    fragment = load_fragment("omnibal-out/exports/torchtitan.toml")
+    config = dataclasses.replace(my_config_registry_fn(), parallelism=parallelism_config(fragment),
+                                 activation_checkpoint=activation_checkpoint_config(fragment))
 
 What torchtitan expresses and omnibal plans for (``omnibal plan --engine torchtitan``): its VLMs
 (``pipeline_vlm``: Qwen3.5, Kimi) run ``vision_encoder`` (ViT + projector) with ``tok_embeddings`` on the first
@@ -96,14 +98,6 @@ def activation_checkpoint_config(fragment: dict):
     from torchtitan.distributed.activation_checkpoint import FullAC
 
     return FullAC.Config()
-
-
-def apply_fragment(trainer_config, fragment: dict):
-    """A copy of torchtitan's ``Trainer.Config`` with the plan's parallelism, activation checkpointing and
-    local batch size (one balanced pack per micro-batch)."""
-    training = dataclasses.replace(trainer_config.training, **fragment.get("training", {}))
-    return dataclasses.replace(trainer_config, parallelism=parallelism_config(fragment), training=training,
-                               activation_checkpoint=activation_checkpoint_config(fragment))
 
 
 def check_model(model, fragment: dict) -> None:
