@@ -14,7 +14,8 @@ from omnibal.errors import InputError
 from omnibal.plan.job import PlanJobConfig, run_plan_job
 from omnibal.plan.search import SearchConfig
 
-pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (CI installs it: .ci/run; docs/engines/deepspeed.md)")
+pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (CI installs it: .ci/run; "
+                                        "docs/engines/deepspeed.md)")
 
 NUM_MB, NUM_TILES, NUM_TOKENS, STEPS, LR = 4, 8, 256, 2, 0.05
 

@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=1 if args.no_timelines else 5, desc="writing report", leave=False,
+        bar = tqdm(total=1 if args.no_timelines else 1 + len(result.ablation), desc="writing report", leave=False,
                    bar_format="{desc}: {n_fmt}/{total_fmt} pictures |{bar}| {elapsed}{postfix}")
 
     def step(label: str) -> None:
@@ -159,10 +159,10 @@ def run(args: argparse.Namespace) -> int:
           f"bubble {plan.prediction.bubble:.1%}")
     print(text_table(stage_rows(plan)))
     written, skipped = write_engine_exports(plan, Path(args.out) / "exports")
-    for engine, paths in written.items():
-        print(f"\n{engine} export: " + ", ".join(str(p) for p in paths))
     if plan.engine == "omnibal":
-        print(f"DeepSpeed parts: {list(plan.parts)}")
+        print(f"\nDeepSpeed parts: {list(plan.parts)}")
+    for engine, paths in written.items():
+        print(f"{engine} export: " + ", ".join(str(p) for p in paths))
     for engine, reason in skipped.items():
         print(f"no {engine} export: {reason}")
     print("\nBalance:")

@@ -56,8 +56,8 @@ def cli_args(fields: dict) -> list[str]:
         out.append("--group-query-attention")
     if fields.get("use_distributed_optimizer"):
         out.append("--use-distributed-optimizer")
-    out += ["--micro-batch-size=1", f"--global-batch-size={fields['micro_batches_per_step'] * fields['data_parallel_size']}",
-            "--variable-seq-lengths"]
+    batch = fields["micro_batches_per_step"] * fields["data_parallel_size"]
+    out += ["--micro-batch-size=1", f"--global-batch-size={batch}", "--variable-seq-lengths"]
     return out
 
 

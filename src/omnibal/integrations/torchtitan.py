@@ -18,7 +18,6 @@ for every block (``none`` or ``full``), applied to the decoder's and the vision 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 

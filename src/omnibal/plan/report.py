@@ -9,6 +9,7 @@ the stage chart, which is what ``omnibal report`` does. matplotlib is imported i
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -275,7 +276,8 @@ def write_job_outputs(result, out_dir: str | Path, *, timelines: bool = True, pr
                 steps = simulate_epoch(result.table, parts, mask, feats, result.sim_config).step_time
             median = int(np.argsort(steps)[len(steps) // 2])
             costs, step = simulate_one_step(result.table, parts, mask, feats[median], result.sim_config)
-            name = f"timeline_{i}_{row.name.strip('+ ').replace(' ', '_')}.png"
+            slug = re.sub(r"[^A-Za-z0-9]+", "_", row.name.strip("+ ")).strip("_")  # engine rows hold ':' '/' '()'
+            name = f"timeline_{i}_{slug}.png"
             # the slowest and the fastest DP rank of the step: the imbalance, at half the drawing time of four
             plot_timeline(costs, step, out / name, ranks=pick_ranks(step.pipeline.busy[0], max_ranks=2),
                           title=f"{row.name}: step {median} (median), {row.step_time_s:.1f} s mean step")
