@@ -119,6 +119,42 @@ def test_train_batch_matches_the_unsplit_model_with_the_plans_parts_and_recomput
     assert last == pytest.approx(expected, abs=1e-5, rel=1e-5)
 
 
+def _build_rank(export_path: str) -> dict:
+    """Build the plan's PipelineModule (one small Linear per chain layer) and report this rank's stage."""
+    import deepspeed
+    from deepspeed.pipe import LayerSpec
+
+    from omnibal.integrations.deepspeed import StageBlock, load_export, pipeline_module
+
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo")
+    export = load_export(export_path)
+    module = pipeline_module([LayerSpec(torch.nn.Linear, 2, 2) for _ in export["layer_names"]], export)
+    blocks = [m for m in module.modules() if isinstance(m, StageBlock)]
+    return {"stage": module.stage_id, "parts": list(module.parts), "layers": [len(b.layers) for b in blocks],
+            "checkpointed": [sorted(b.checkpointed) for b in blocks]}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("preset", ["internvl-chat-1.5", "llava-1.5-7b"])
+def test_deepspeed_builds_the_planned_stages_of_the_default_job_and_llava(preset, tmp_path):
+    from omnibal.integrations.deepspeed import write_exports
+    from omnibal.train.distributed import spawn_local
+    from test_engine_plans import engine_plan
+
+    plan = engine_plan(preset, "deepspeed").plan
+    path = write_exports(plan, tmp_path)[0]
+    results = spawn_local(_build_rank, len(plan.stages), args=(str(path),), deadline_s=300,
+                          env={"OMP_NUM_THREADS": "1"})
+    for r in results:
+        assert r.error is None, r.error
+    for r in sorted((r.value for r in results), key=lambda v: v["stage"]):
+        st = plan.stages[r["stage"]]
+        assert r["parts"] == list(range(len(plan.stages) + 1))  # one stage block per rank: the plan's parts
+        assert r["layers"] == [st.layers[1] - st.layers[0]]
+        assert r["checkpointed"] == [sorted(st.modules.index(m) for m in st.recompute)]
+
+
 def test_a_chain_of_another_model_is_refused(tmp_path):
     from omnibal.integrations.deepspeed import load_export, stage_specs, write_exports
 
