@@ -16,6 +16,8 @@ import numpy as np
 import pytest
 import subprocess
 import sys
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from omnibal.errors import InputError
 from omnibal.stats.table import SampleStats
@@ -268,3 +270,137 @@ def test_balancer_terminates_on_small_inputs(n, dp, m, seed, wide):
     except subprocess.TimeoutExpired:
         pytest.fail(f"balance() of {n} samples at dp {dp} x {m} did not finish in 12 s")
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+# ------------------------------------------------------------------------------------ issue 20: resume edge cases
+
+
+def test_readme_loop_after_a_reshard_trains_each_row_once():
+    """Issue 20, case 5: the README's loop -- ``load_state_dict(state, reshard=True)`` then ``for epoch in
+    range(state_epoch, N): set_epoch(epoch)`` -- must continue the re-balanced rest of the epoch, not
+    discard it and train the whole epoch again (83 of 300 rows were trained twice)."""
+    stats = make_stats(300)
+    trained = []
+    states = []
+    for s in ranks(stats, 2, 2):
+        s.set_epoch(0)
+        for k, mb in enumerate(s):
+            if k == 8:
+                break
+            trained.append(mb)
+            s.mark_trained()
+        states.append(s.state_dict())
+    for s in ranks(stats, 3, 2):
+        s.load_state_dict(states[0], reshard=True)
+        for epoch in range(states[0]["epoch"], 1):
+            s.set_epoch(epoch)  # the current epoch: keeps the re-balanced rest
+            for mb in s:
+                trained.append(mb)
+                s.mark_trained()
+    assert_exactly_once(trained, scheduled_rows(stats, 2, 2))
+
+
+def test_state_taken_after_a_resume_before_the_first_mark_trained_counts_trained_not_prefetched():
+    """Issue 20, case 6: after a resume, a DataLoader with 2 workers prefetches several micro-batches before
+    the loop reports its first trained one; a checkpoint taken then must record the 6 trained micro-batches
+    (not the 11 handed out), and resuming from it trains every row exactly once."""
+    stats = make_stats(240)
+    dp, micro = 2, 2
+    trained, states = [], []
+    for s in ranks(stats, dp, micro):
+        it = iter(_loader_samples(stats, s, 2))
+        for _ in range(6):
+            trained.append(next(it))
+            s.mark_trained()
+        states.append(s.state_dict())
+        del it
+    again = []
+    for s, state in zip(ranks(stats, dp, micro), states):
+        s.load_state_dict(state)
+        it = iter(_loader_samples(stats, s, 2))
+        next(it)  # the first resumed micro-batch arrives (the workers have prefetched more): not trained yet
+        assert s.state_dict()["consumed_microbatches"] == 6, "prefetched micro-batches recorded as trained"
+        again.append(s.state_dict())
+        del it  # the job dies before that micro-batch is trained
+    for s, state in zip(ranks(stats, dp, micro), again):
+        s.load_state_dict(state)
+        trained += list(_loader_samples(stats, s, 2))
+    assert_exactly_once(trained, scheduled_rows(stats, dp, micro))
+
+
+def _state_after(stats, consumed: int = 6, dp: int = 2, micro: int = 2) -> dict:
+    s = ranks(stats, dp, micro)[0]
+    it = iter(s)
+    for _ in range(consumed):
+        next(it)
+        s.mark_trained()
+    return s.state_dict()
+
+
+@pytest.mark.parametrize("field,value", [
+    ("consumed_microbatches", -3), ("consumed_microbatches", 10**6), ("consumed_microbatches", 2.0),
+    ("consumed_microbatches", True), ("epoch", -1), ("dp_size", True), ("num_microbatches", "2"),
+    ("caps", {"tiles": 3.5, "tokens": 40}), ("caps", {"tiles": "3", "tokens": 40}), ("version", 99),
+    ("trained_reported", "yes"),
+    ("remainder", {"rows": [0, 1, 1, 2]}), ("remainder", {"rows": [0, 1, 10**6]}), ("remainder", {"rows": [-1]}),
+    ("remainder", {"rows": [0.5, 1.0]}), ("remainder", {"rows": []}), ("remainder", [1, 2]),
+])
+def test_sampler_state_values_are_validated(field, value):
+    """Issue 20, case 7: consumed = -3 replayed 3 micro-batches, 10**6 skipped the epoch, duplicate remainder
+    rows were accepted and an out-of-range row raised IndexError. Every field is checked: an InputError naming
+    it, on the same world and when resharding, and the sampler is left as it was."""
+    stats = make_stats(120)
+    state = {**_state_after(stats), field: value}
+    for reshard, dp in ((False, 2), (True, 3)):
+        s = ranks(stats, dp, 2)[0]
+        before = [list(mb) for mb in s]
+        with pytest.raises(InputError) as err:
+            s.load_state_dict(state, reshard=reshard)
+        assert err.value.field == field or field in str(err.value), err.value
+        assert [list(mb) for mb in s] == before
+
+
+def test_a_state_that_is_not_a_dict_is_refused():
+    with pytest.raises(InputError, match="dict"):
+        ranks(make_stats(120), 2, 2)[0].load_state_dict([("epoch", 0)])
+
+
+_JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=True)
+                     | st.text(max_size=5), lambda kids: st.lists(kids, max_size=4)
+                     | st.dictionaries(st.sampled_from(["rows", "tiles", "tokens", "x"]), kids, max_size=3),
+                     max_leaves=8)
+_STATE_KEYS = st.sampled_from(["version", "epoch", "consumed_microbatches", "trained_reported", "dp_size",
+                               "num_microbatches", "seed", "stats_fingerprint", "config_hash", "caps", "remainder",
+                               "extra"])
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(edits=st.lists(st.one_of(st.tuples(st.just("set"), _STATE_KEYS, _JSON),
+                                st.tuples(st.just("del"), _STATE_KEYS, st.none()),
+                                st.tuples(st.just("int"), _STATE_KEYS, st.integers(-5, 400))), min_size=1, max_size=3),
+       reshard=st.booleans(), dp=st.sampled_from([2, 3]))
+def test_any_mutation_of_a_sampler_state_loads_or_is_refused_by_name(edits, reshard, dp):
+    """Fuzzing the trainer's sampler state (issue 20): whatever a state holds, ``load_state_dict`` either
+    refuses it with an InputError or resumes to a stream of non-empty micro-batches of distinct rows of the
+    statistics, no row twice; never another exception type."""
+    stats = _FUZZ_STATS
+    state = dict(_FUZZ_STATE)
+    for kind, key, value in edits:
+        if kind == "del":
+            state.pop(key, None)
+        else:
+            state[key] = value
+    s = ranks(stats, dp, 2)[0]
+    try:
+        s.load_state_dict(state, reshard=reshard)
+    except InputError:
+        return
+    rest = [mb for mb in s]
+    rows = [i for mb in rest for i in mb]
+    assert all(mb for mb in rest), "an empty micro-batch"
+    assert all(isinstance(i, int) and 0 <= i < len(stats) for i in rows)
+    assert len(set(rows)) == len(rows), "a row twice in the resumed stream"
+
+
+_FUZZ_STATS = make_stats(96)
+_FUZZ_STATE = _state_after(_FUZZ_STATS, consumed=4)

@@ -47,8 +47,14 @@ Trained, not handed out: a DataLoader with workers pulls ``num_workers x prefetc
 ahead of the training loop, so the count the sampler has handed out runs ahead of what was trained, and a
 checkpoint of it would skip the prefetched micro-batches on resume. The training loop therefore reports
 what it finished with ``mark_trained(n)`` (e.g. ``n = num_microbatches`` after each optimizer step). Once
-it does, ``state_dict()`` records that count. A loop that never calls it gets the handed-out count, which
-is exact only with ``num_workers=0`` (nothing is pulled ahead).
+it does, ``state_dict()`` records that count, and says so (``trained_reported``): a sampler resumed from that
+state records trained micro-batches from the start, also for a ``state_dict()`` taken before the resumed
+loop's first ``mark_trained``. A loop that never calls it gets the handed-out count, which is exact only
+with ``num_workers=0`` (nothing is pulled ahead).
+
+Every field of a state is checked before any is used (types, ranges, remainder rows distinct and inside
+the statistics, consumed micro-batches inside the epoch): a bad state is an InputError naming the field,
+never a replay, a skipped epoch or an IndexError.
 """
 
 from __future__ import annotations
@@ -62,7 +68,9 @@ import numpy as np
 from omnibal.data.balance.api import BalanceConfig, balance
 from omnibal.errors import InputError
 
-STATE_VERSION = 2
+STATE_VERSION = 3
+"""3: the state says whether the training loop reports trained micro-batches (``trained_reported``)."""
+READABLE_VERSIONS = (2, 3)
 FIXED_CAP_TRIES = 8
 """Tries of one epoch under the fixed caps, each with ``SLACK_STEP`` more room than the last."""
 SLACK_STEP = 0.01
@@ -272,15 +280,28 @@ class BalancedBatchSampler:
     def state_dict(self) -> dict:
         tiles, tokens = self.caps
         return {"version": STATE_VERSION, "epoch": self._epoch, "consumed_microbatches": self.trained_microbatches,
-                "dp_size": self.dp_size, "num_microbatches": self.num_microbatches, "seed": self.seed,
+                "trained_reported": self._tracking, "dp_size": self.dp_size,
+                "num_microbatches": self.num_microbatches, "seed": self.seed,
                 "stats_fingerprint": self._fingerprint, "config_hash": _config_hash(self.config),
                 "caps": {"tiles": tiles, "tokens": tokens}, "remainder": self._remainder}
 
     def _check_state(self, state: dict) -> tuple[int, int]:
+        if not isinstance(state, dict):
+            raise InputError(f"a sampler state is a dict, got {type(state).__name__}", source="state_dict")
         for key in ("epoch", "consumed_microbatches", "dp_size", "num_microbatches", "seed", "stats_fingerprint",
                     "caps"):
             if key not in state:
                 raise InputError(f"sampler state lacks {key!r}", source="state_dict", field=key)
+        if state.get("version", 2) not in READABLE_VERSIONS:
+            raise InputError(f"sampler state version {state.get('version')!r:.40} is not one this omnibal reads "
+                             f"{READABLE_VERSIONS}", source="state_dict", field="version")
+        for key, low in (("epoch", 0), ("consumed_microbatches", 0), ("dp_size", 1), ("num_microbatches", 1),
+                         ("seed", 0)):
+            value = state[key]
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise InputError(f"must be an integer >= {low}, got {value!r:.40}", source="state_dict", field=key)
+        if not isinstance(state.get("trained_reported", False), bool):
+            raise InputError("must be true or false", source="state_dict", field="trained_reported")
         if state["stats_fingerprint"] != self._fingerprint:
             raise InputError("sampler state comes from other stats (fingerprint "
                              f"{state['stats_fingerprint']} != {self._fingerprint})", source="state_dict",
@@ -292,18 +313,20 @@ class BalancedBatchSampler:
             raise InputError("sampler state was made with another balance config", source="state_dict",
                              field="config_hash")
         caps = state["caps"]
-        try:
-            return int(caps["tiles"]), int(caps["tokens"])
-        except (TypeError, KeyError, ValueError):
-            raise InputError(f"caps must be {{'tiles': int, 'tokens': int}}, got {caps!r}", source="state_dict",
-                             field="caps") from None
+        values = [caps.get(k) for k in ("tiles", "tokens")] if isinstance(caps, dict) else [None]
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in values):
+            raise InputError(f"caps must be {{'tiles': int >= 1, 'tokens': int >= 1}}, got {caps!r:.60}",
+                             source="state_dict", field="caps")
+        return values[0], values[1]
 
     def _check_remainder(self, remainder):
         """A state's reshard remainder: None or ``{"rows": [distinct dataset rows]}``."""
         if remainder is None:
             return None
         rows = remainder.get("rows") if isinstance(remainder, dict) else None
-        arr = np.asarray(rows if rows is not None else [None])
+        ok = isinstance(rows, list) and all(isinstance(r, (int, np.integer)) and not isinstance(r, bool)
+                                            and 0 <= r < len(self.stats) for r in rows)
+        arr = np.asarray(rows if ok and rows else [None])
         if (arr.ndim != 1 or arr.dtype.kind not in "iu" or len(np.unique(arr)) != len(arr)
                 or (len(arr) and (arr.min() < 0 or arr.max() >= len(self.stats)))):
             raise InputError(f"remainder must be {{'rows': [distinct rows in [0, {len(self.stats)})]}}",
@@ -347,6 +370,7 @@ class BalancedBatchSampler:
             pending = None
         self._epoch, self._remainder, self._pending = epoch, remainder, pending
         self._issued = self._trained = pending or 0
+        self._tracking = bool(state.get("trained_reported", False))  # the loop reports trained micro-batches
         self._generation += 1
 
     def _untrained_rows(self, state: dict, caps: tuple[int, int], epoch: int, consumed: int) -> np.ndarray:
