@@ -69,6 +69,12 @@ def run_reporting_errors(run, args: argparse.Namespace, *, prog: str) -> int:
     except OmnibalError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 1
+    except OSError as exc:
+        if exc.filename is None:  # not about a path: a real failure, with its traceback
+            raise
+        # a path the command was given (or one under it) cannot be read or written: one line, not a traceback
+        print(f"{prog}: error: {exc.filename}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130

@@ -67,14 +67,21 @@ def plot_loads(schedule, stats, path: str, cost=None) -> None:
     axes[1].set_xlabel("step")
     fig.suptitle(f"{schedule.method}: per-rank load, dp={schedule.dp_size}, M={schedule.num_microbatches}")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    from omnibal.outputs import atomic_path, image_format
+
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=120, format=image_format(path) or "png")
     plt.close(fig)
 
 
 def run(args: argparse.Namespace) -> int:
     from omnibal.data.balance import BalanceConfig, balance
     from omnibal.data.metrics import format_table, schedule_metrics
+    from omnibal.outputs import check_file, check_image, write_text
 
+    check_file(args.out, "--out")  # every output path before any work: none fails after another is written
+    check_file(args.metrics_json, "--metrics-json")
+    check_image(args.plot, "--plot")  # before any work: a bad path never fails after another output is written
     stats = _load(args.stats, args.synthetic_samples)
     config = BalanceConfig(method=args.method, target_samples=args.target_samples, max_tiles=args.max_tiles,
                            max_tokens=args.max_tokens, oversize=args.oversize, batch_size=args.batch_size,
@@ -87,8 +94,7 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         schedule.to_json(args.out)
     if args.metrics_json:
-        with open(args.metrics_json, "w") as fh:
-            json.dump(metrics, fh, indent=1)
+        write_text(args.metrics_json, json.dumps(metrics, indent=1))
     if args.plot:
         plot_loads(schedule, stats, args.plot, config.cost)
     if not args.quiet:

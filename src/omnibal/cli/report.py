@@ -26,9 +26,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from omnibal.plan.report import render_report
 
+    from omnibal.errors import InputError
+    from omnibal.outputs import check_dir
+
     path = Path(args.plan)
     if path.is_dir():
         path = path / "plan.json"
+    if not path.is_file():
+        raise InputError("no such file", source=str(path), field="plan")
+    check_dir(args.out if args.out is not None else path.parent, "--out")
     files = render_report(path, args.out, ablation_path=args.ablation, simulate_path=args.simulate,
                           train_path=args.train)
     print(f"wrote {files['report']} and {sum(1 for k in files if k.startswith('png:'))} PNGs")

@@ -199,6 +199,10 @@ def run(args: argparse.Namespace) -> int:
     from omnibal.sim.epoch import simulate_epoch, simulate_one_step
     from omnibal.sim.report import format_text_table, stage_table, totals_rows, write_report
 
+    if not args.no_report:
+        from omnibal.outputs import check_dir
+
+        check_dir(args.out, "--out")  # before the simulation, not after it
     plan = _load_plan(args.plan) if args.plan else None
     cluster = _resolve_cluster(args, plan)
     spec = get_model_preset(cluster["model"])

@@ -80,6 +80,15 @@ def run(args: argparse.Namespace) -> int:
     mode = modes[0]
     if mode in ("--convert", "--synthetic") and not args.out:
         raise InputError(f"{mode} needs --out", source="--out")
+    from omnibal.outputs import check_file, check_image, write_text
+
+    check_file(args.out, "--out")  # every output path before any work: none fails after another is written
+    if args.out:
+        from omnibal.stats.io import output_format
+
+        output_format(args.out, args.format)
+    check_file(args.report, "--report")
+    check_image(args.plot, "--plot")  # before any work: a bad path never fails after another output is written
 
     extra: dict = {}
     if mode == "--summary" or mode == "--convert":
@@ -122,8 +131,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.quiet:
         print(summary.to_text())
     if args.report:
-        Path(args.report).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.report).write_text(json.dumps({"summary": summary.to_dict(), **extra}, indent=2) + "\n")
+        write_text(args.report, json.dumps({"summary": summary.to_dict(), **extra}, indent=2) + "\n")
     if args.plot:
         plot_histograms(stats, args.plot)
     return 0

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import os
 import re
-import tempfile
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -144,25 +143,28 @@ def read_stats(
     return _finish(cols, source, fmt, on_error)
 
 
-def save_stats(stats: SampleStats, path: str | os.PathLike, *, format: str | None = None) -> Path:
-    """Write ``stats`` (atomically: a temporary file renamed into place). Returns the path written."""
+def output_format(path: str | os.PathLike, format: str | None = None) -> str:
+    """The stats format ``save_stats`` writes ``path`` in (``format``, else by the extension)."""
     p = Path(path)
     fmt = format or _EXTENSIONS.get(p.suffix.lower())
     if fmt not in FORMATS:
         raise InputError(f"cannot tell the format of {p.name!r}; pass format= one of {FORMATS}", source=str(p))
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
+    return fmt
+
+
+def save_stats(stats: SampleStats, path: str | os.PathLike, *, format: str | None = None) -> Path:
+    """Write ``stats`` (atomically: a temporary file renamed into place). Returns the path written."""
+    p = Path(path)
+    fmt = output_format(p, format)
+    from omnibal.outputs import atomic_path, check_file
+
+    check_file(p, "out")
+    with atomic_path(p) as tmp:  # a killed writer leaves the old file; the new one gets the umask's mode
         if fmt == "parquet":
-            _write_parquet(stats, tmp)
+            _write_parquet(stats, str(tmp))
         else:
             with open(tmp, "w", encoding="utf-8") as f:
                 f.write(_render_json(stats, fmt))
-        os.replace(tmp, p)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
     return p
 
 

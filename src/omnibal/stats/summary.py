@@ -130,8 +130,10 @@ def plot_histograms(stats: SampleStats, path: str | Path, *, title: str | None =
     ax_k.set_ylabel("samples")
     fig.suptitle(title or f"{stats.source} ({len(stats):,} samples)")
     fig.tight_layout()
+    from omnibal.outputs import atomic_path, image_format
+
     out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
+    with atomic_path(out) as tmp:
+        fig.savefig(tmp, dpi=100, format=image_format(out) or "png")
     plt.close(fig)
     return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -65,8 +66,9 @@ class BalanceConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, (int, np.integer)) or value < 1):
                 raise InputError(f"must be a positive integer, got {value!r}", source=name, field=name)
-        if not self.target_samples > 0:
-            raise InputError(f"must be > 0, got {self.target_samples}", source="target_samples",
+        if not (isinstance(self.target_samples, (int, float)) and math.isfinite(self.target_samples)
+                and self.target_samples > 0):
+            raise InputError(f"must be a finite number > 0, got {self.target_samples}", source="target_samples",
                              field="target_samples")
         if self.batch_size < 1:
             raise InputError(f"must be >= 1, got {self.batch_size}", source="batch_size", field="batch_size")
@@ -154,6 +156,13 @@ def _balance_omnibal(stats, dp_size, num_microbatches, seed, epoch, config: Bala
     if len(regular) == 0 and len(alone) == 0:
         raise InputError("every sample was dropped as oversize", source=stats.source)
     per_step = dp_size * num_microbatches
+    # never more micro-batches than samples: an empty one would be dealt to a rank that has nothing to train
+    max_total = (len(regular) + len(alone)) // per_step * per_step
+    if max_total < len(alone) + (1 if len(regular) else 0):
+        raise InputError(f"{len(alone)} samples over the caps each run alone (oversize='own_pack') and the "
+                         f"{len(regular)} others cannot fill whole steps of dp_size x num_microbatches = {per_step} "
+                         f"micro-batches without empty ones; raise the caps, or pass oversize='drop'",
+                         source=stats.source, field="oversize")
     rng = epoch_rng(seed, epoch)
     tiles, tokens = stats.tiles[regular], stats.tokens[regular]
     vision, llm = config.cost.sample_costs(tiles, tokens)
@@ -167,8 +176,8 @@ def _balance_omnibal(stats, dp_size, num_microbatches, seed, epoch, config: Bala
         while True:
             num_regular_packs = choice.num_packs + extra_steps * per_step
             # room for own packs: more steps, the regular samples spread over what is left
-            num_total = -(-(num_regular_packs + len(alone)) // per_step) * per_step
-            num_regular_packs = min(num_total - len(alone), len(regular))
+            num_total = min(-(-(num_regular_packs + len(alone)) // per_step) * per_step, max_total)
+            num_regular_packs = num_total - len(alone)
             packed = pack_balanced(tiles, tokens, llm, num_packs=num_regular_packs, max_tiles=choice.max_tiles,
                                    max_tokens=choice.max_tokens, rng=rng)
             over = (packed.tiles > choice.max_tiles).any() or (packed.tokens > choice.max_tokens).any()
@@ -186,7 +195,7 @@ def _balance_omnibal(stats, dp_size, num_microbatches, seed, epoch, config: Bala
             q_t = -(-q_t // config.token_multiple) * config.token_multiple
         passes = packed.passes
     else:
-        num_total = -(-len(alone) // per_step) * per_step
+        num_total = max_total  # == len(alone): checked above
         num_regular_packs, pack_of, passes = 0, np.full(len(stats), -1, np.int64), (0, 0)
         q_v, q_t = config.max_tiles or 1, config.max_tokens or 1
     if len(alone):
@@ -206,6 +215,11 @@ def _balance_omnibal(stats, dp_size, num_microbatches, seed, epoch, config: Bala
     all_v, all_l = config.cost.sample_costs(stats.tiles, stats.tokens)
     p_vis = np.bincount(pack_of[pack_of >= 0], weights=all_v[pack_of >= 0], minlength=num_total)
     p_llm = np.bincount(pack_of[pack_of >= 0], weights=all_l[pack_of >= 0], minlength=num_total)
+    empty = int((np.bincount(pack_of[pack_of >= 0], minlength=num_total) == 0).sum())
+    if empty:  # the packer keeps every pack non-empty when there are no more packs than samples
+        raise InputError(f"{empty} of {num_total} micro-batches came out empty (target_samples "
+                         f"{config.target_samples}); raise target_samples", source=stats.source,
+                         field="target_samples")
     pack_ids = assign_sorted(p_tiles, p_vis, p_llm, dp_size=dp_size, num_microbatches=num_microbatches,
                              rng=rng)
     return build_schedule(

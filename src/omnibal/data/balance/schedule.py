@@ -181,45 +181,48 @@ class Schedule:
     def to_json(self, path: str | Path | None = None) -> str:
         text = json.dumps(self.to_dict(), separators=(",", ":"))
         if path is not None:
-            Path(path).write_text(text)
+            from omnibal.outputs import write_text
+
+            write_text(path, text)  # atomic: a killed writer leaves the previous file, never a truncated one
         return text
 
     @classmethod
     def from_dict(cls, d: dict, *, source: str = "<schedule>") -> "Schedule":
+        """The JSON form back; every field is checked (an InputError names the file, record and field)."""
+        if not isinstance(d, dict):
+            raise InputError("a schedule is a JSON object", source=source)
         for key in ("dp_size", "num_microbatches", "caps", "steps"):
             if key not in d:
                 raise InputError(f"missing key {key!r}", source=source, field=key)
-        dp, m = int(d["dp_size"]), int(d["num_microbatches"])
-        steps = d["steps"]
-        samples: list[int] = []
-        offsets = [0]
-        for s, step in enumerate(steps):
-            if len(step) != dp or any(len(rank) != m for rank in step):
-                raise InputError(f"step must have {dp} ranks x {m} micro-batches", source=source,
-                                 record=f"step {s}", field="steps")
-            for rank in step:
-                for mb in rank:
-                    samples.extend(mb)
-                    offsets.append(len(samples))
-        arr = np.asarray(samples, dtype=np.int64)
-        num_samples = int(d.get("num_samples", int(arr.max()) + 1 if len(arr) else 0))
-        if len(arr) and (arr.min() < 0 or arr.max() >= num_samples):
-            raise InputError(f"sample index out of range [0, {num_samples})", source=source, field="steps")
+        dp, m = _int_field(d, "dp_size", 1, source), _int_field(d, "num_microbatches", 1, source)
         caps = d["caps"]
+        if not isinstance(caps, dict):
+            raise InputError("must be {\"tiles\": int, \"tokens\": int}", source=source, field="caps")
+        tiles, tokens = _int_field(caps, "tiles", 1, source, "caps."), _int_field(caps, "tokens", 1, source, "caps.")
+        samples, offsets = _read_steps(d["steps"], dp, m, source)
+        arr = np.asarray(samples, dtype=np.int64)
+        dropped = d.get("dropped", [])
+        if not isinstance(dropped, list) or not all(_is_int(i) and 0 <= i < 2**62 for i in dropped):
+            raise InputError("must be a list of rows (integers >= 0)", source=source, field="dropped")
+        num_samples = _int_field(d, "num_samples", 1, source) if "num_samples" in d else (
+            max(([int(arr.max())] if len(arr) else []) + dropped, default=-1) + 1)
+        if (len(arr) and arr.max() >= num_samples) or (dropped and max(dropped) >= num_samples):
+            raise InputError(f"sample index out of range [0, {num_samples})", source=source, field="steps")
+        padding = d.get("padding", "varlen")
+        if padding not in PADDINGS:
+            raise InputError(f"must be one of {PADDINGS}", source=source, field="padding")
+        for key, kind in (("method", str), ("stats_fingerprint", str), ("meta", dict)):
+            if key in d and not isinstance(d[key], kind):
+                raise InputError(f"must be a {kind.__name__}", source=source, field=key)
+        num_steps = len(d["steps"])
         return cls(
-            dp_size=dp,
-            num_microbatches=m,
-            caps=Caps(tiles=int(caps["tiles"]), tokens=int(caps["tokens"])),
-            pack_samples=arr,
+            dp_size=dp, num_microbatches=m, caps=Caps(tiles=tiles, tokens=tokens), pack_samples=arr,
             pack_offsets=np.asarray(offsets, dtype=np.int64),
-            pack_ids=np.arange(len(steps) * dp * m, dtype=np.int64).reshape(len(steps), dp, m),
-            num_samples=num_samples,
-            padding=d.get("padding", "varlen"),
-            method=d.get("method", "unknown"),
-            seed=int(d.get("seed", 0)),
-            epoch=int(d.get("epoch", 0)),
-            stats_fingerprint=d.get("stats_fingerprint", ""),
-            dropped=np.asarray(d.get("dropped", []), dtype=np.int64),
+            pack_ids=np.arange(num_steps * dp * m, dtype=np.int64).reshape(num_steps, dp, m),
+            num_samples=num_samples, padding=padding, method=d.get("method", "unknown"),
+            seed=_int_field(d, "seed", 0, source) if "seed" in d else 0,
+            epoch=_int_field(d, "epoch", 0, source) if "epoch" in d else 0,
+            stats_fingerprint=d.get("stats_fingerprint", ""), dropped=np.asarray(dropped, dtype=np.int64),
             meta=d.get("meta", {}),
         )
 
@@ -230,13 +233,17 @@ class Schedule:
         if isinstance(text_or_path, Path) or not text.lstrip().startswith("{"):
             source = str(text_or_path)
             try:
-                text = Path(text_or_path).read_text()
+                text = Path(text_or_path).read_text(encoding="utf-8")
             except OSError as exc:
                 raise InputError(f"cannot read schedule: {exc}", source=source) from exc
+            except UnicodeDecodeError as exc:
+                raise InputError(f"not UTF-8 text (byte {exc.start})", source=source) from None
         try:
             d = json.loads(text)
         except json.JSONDecodeError as exc:
             raise InputError(f"not valid JSON: {exc.msg}", source=source, record=f"line {exc.lineno}") from exc
+        except (ValueError, RecursionError) as exc:  # huge integers, deep nesting
+            raise InputError(f"not valid JSON: {type(exc).__name__}", source=source) from None
         return cls.from_dict(d, source=source)
 
     def equals(self, other: "Schedule") -> bool:
@@ -245,6 +252,37 @@ class Schedule:
                                                                       other.num_steps):
             return False
         return self.steps_nested() == other.steps_nested() and self.caps == other.caps
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int_field(d: dict, key: str, low: int, source: str, prefix: str = "") -> int:
+    value = d.get(key)
+    if not _is_int(value) or not low <= value < 2**62:
+        raise InputError(f"must be an integer >= {low}, got {value!r:.40}", source=source, field=prefix + key)
+    return value
+
+
+def _read_steps(steps, dp: int, m: int, source: str) -> tuple[list[int], list[int]]:
+    """Flat sample rows and CSR offsets of ``steps[step][rank][micro] = [row, ...]``."""
+    if not isinstance(steps, list):
+        raise InputError("must be a list of steps", source=source, field="steps")
+    samples: list[int] = []
+    offsets = [0]
+    for s, step in enumerate(steps):
+        if not isinstance(step, list) or len(step) != dp or any(not isinstance(r, list) or len(r) != m for r in step):
+            raise InputError(f"step must have {dp} ranks x {m} micro-batches", source=source,
+                             record=f"step {s}", field="steps")
+        for r, rank in enumerate(step):
+            for k, mb in enumerate(rank):
+                if not isinstance(mb, list) or not all(_is_int(i) and 0 <= i < 2**62 for i in mb):
+                    raise InputError("a micro-batch is a list of sample rows (integers >= 0)", source=source,
+                                     record=f"step {s} rank {r} micro-batch {k}", field="steps")
+                samples.extend(mb)
+                offsets.append(len(samples))
+    return samples, offsets
 
 
 def _csr_features(tiles: np.ndarray, tokens: np.ndarray, offsets: np.ndarray) -> np.ndarray:

@@ -1,0 +1,149 @@
+"""Output paths: checked before any work is done, written atomically.
+
+Every command checks each output path it was given *before* it starts (``check_file``, ``check_dir``): a
+path that is a folder where a file is wanted, a file where a folder is wanted, under a file, or in a folder
+that cannot be written is an :class:`~omnibal.errors.InputError` naming the argument, raised before any
+other output has been written. Missing parent folders are created.
+
+Files are then written atomically (``write_bytes``, ``write_text``, ``atomic_path``): to a temporary name
+in the same folder, flushed and fsynced, given the mode a plain ``open()`` would give (``0o666`` minus the
+umask, or the mode of the file it replaces), and renamed over the final name. A process killed mid-write
+leaves the previous file intact, never a truncated one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+from omnibal.errors import InputError
+
+
+def _nearest_existing(path: Path) -> Path:
+    p = path
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
+
+
+def _check_parent(path: Path, flag: str) -> None:
+    ancestor = _nearest_existing(path.parent)
+    if not ancestor.is_dir():
+        raise InputError(f"{ancestor} is a file, not a folder: cannot write {path}", source=str(path), field=flag)
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise InputError(f"cannot write into {ancestor} (permission denied)", source=str(path), field=flag)
+
+
+def check_file(path: str | os.PathLike | None, flag: str) -> Path | None:
+    """Check that ``path`` can be written as a file (see the module docstring); None passes through."""
+    if path is None:
+        return None
+    p = Path(path)
+    if str(path) == "" or p.is_dir():
+        raise InputError("is a folder, not a file name" if str(path) else "empty path", source=str(path), field=flag)
+    if p.exists() and not p.is_file():
+        raise InputError("exists and is not a regular file", source=str(path), field=flag)
+    if p.exists() and not os.access(p, os.W_OK):
+        raise InputError("exists and cannot be written (permission denied)", source=str(path), field=flag)
+    _check_parent(p, flag)
+    return p
+
+
+IMAGE_FORMATS = ("png", "pdf", "svg", "jpg", "jpeg")
+"""Plot formats (by the file's extension)."""
+
+
+def check_image(path: str | os.PathLike | None, flag: str) -> Path | None:
+    """:func:`check_file` for a plot, whose extension must name one of ``IMAGE_FORMATS``."""
+    p = check_file(path, flag)
+    if p is not None and image_format(p) not in IMAGE_FORMATS:
+        raise InputError(f"a plot is written as one of {', '.join(IMAGE_FORMATS)} (by the extension)",
+                         source=str(path), field=flag)
+    return p
+
+
+def image_format(path: str | os.PathLike) -> str:
+    return Path(path).suffix.lstrip(".").lower()
+
+
+def check_dir(path: str | os.PathLike | None, flag: str) -> Path | None:
+    """Check that ``path`` is (or can be created as) a folder to write into; None passes through."""
+    if path is None:
+        return None
+    p = Path(path)
+    if str(path) == "":
+        raise InputError("empty path", source=str(path), field=flag)
+    if p.exists():
+        if not p.is_dir():
+            raise InputError("exists and is not a folder", source=str(path), field=flag)
+        if not os.access(p, os.W_OK | os.X_OK):
+            raise InputError("cannot write into this folder (permission denied)", source=str(path), field=flag)
+        return p
+    _check_parent(p, flag)
+    return p
+
+
+def _umask() -> int:
+    try:  # Linux >= 4.7 reports it without changing it (os.umask would, for a moment, for every thread)
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """A temporary path beside ``path`` to write to (same suffix, so writers that go by the extension work);
+    on a clean exit it is fsynced, given the final mode and renamed to ``path``; on an error it is removed."""
+    final = Path(path)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(dir=final.parent, prefix=f".{final.name}.", suffix=f".tmp{final.suffix}")
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        yield tmp
+        try:
+            mode = final.stat().st_mode & 0o7777 if final.is_file() else 0o666 & ~_umask()
+        except OSError:
+            mode = 0o666 & ~_umask()
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, final)
+        _fsync_dir(final.parent)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+    """Write ``data`` to ``path`` atomically (see the module docstring)."""
+    with atomic_path(path) as tmp:
+        with open(tmp, "wb") as f:
+            f.write(data)
+    return Path(path)
+
+
+def write_text(path: str | os.PathLike, text: str) -> Path:
+    """Write ``text`` (UTF-8) to ``path`` atomically."""
+    return write_bytes(path, text.encode("utf-8"))
