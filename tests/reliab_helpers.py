@@ -98,6 +98,14 @@ def wait_for_event(folder: Path, predicate, timeout: float, procs=()) -> dict:
     raise AssertionError(f"no matching ledger event within {timeout} s; last: {read_ledger(folder)[-5:]}")
 
 
+def trainer_counts(folder: Path) -> Counter:
+    """Per sample key, how many times it is in the final model: from the trainer's own ledger
+    (``omnibal.train.ledger``), which every attempt of the job appends to."""
+    from omnibal.train.ledger import trained_counts
+
+    return trained_counts(Path(folder) / "trainer.jsonl")
+
+
 def effective_samples(events: list[dict]) -> tuple[Counter, dict]:
     """Samples whose updates are in the final model, counted per sample.
 

@@ -13,7 +13,9 @@ It writes a *ledger* (one JSONL file per rank and attempt, each line flushed and
 ``{"event": "done", "attempt", "rank", "params"}``                       at the end (``params``: path of the weights)
 ``{"event": "error", "attempt", "rank", "type", "message", "elapsed"}``  when a step fails (then exit 3)
 
-The ledger is the test's evidence: which samples each attempt trained, where it resumed, what it refused.
+These events drive the tests (when to kill whom, where each attempt resumed, what it refused). Which samples
+are in the final model is read from the trainer's own per-sample ledger (``Trainer(ledger_path=...)``, the
+``omnibal train --ledger`` file), ``LEDGER/trainer.jsonl``, shared by every attempt.
 """
 
 from __future__ import annotations
@@ -109,7 +111,8 @@ def main(argv=None) -> int:
     buffer = fixed_buffer(schedule, stats, mode="omnibal") if args.pp > 1 else None
     trainer = Trainer(world=world, model=model, layout=layout, schedule=schedule, dataset=dataset, mode="omnibal",
                       num_microbatches=args.microbatches, lr=1e-3, buffer=buffer,
-                      checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.every)
+                      checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.every,
+                      ledger_path=str(Path(args.ledger) / "trainer.jsonl"))
     if args.reshard:
         trainer.maybe_resume(reshard=True)
     else:
@@ -143,7 +146,7 @@ def main(argv=None) -> int:
         ledger.write(event="checkpoint", step=trainer.step)
 
     trainer.train_step, trainer.save_checkpoint = logged_step, logged_save  # the real run() loop, observed
-    trainer.run(args.steps or schedule.num_steps)
+    trainer.run(args.steps or None)  # None: to the end of the (possibly re-balanced) epoch
     params = Path(args.ledger) / f"params.rank{rank}.attempt{attempt}.pt"
     if world.dp_rank == 0:
         torch.save(trainer.stage_module.state_dict(), params)

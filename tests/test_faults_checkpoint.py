@@ -130,10 +130,12 @@ file_keys = st.sampled_from(["file", "stage", "bytes", "sha256", "params"])
     st.tuples(st.just("del"), manifest_keys, st.none()),
     st.tuples(st.just("file"), st.tuples(st.integers(0, 1), file_keys), json_any),
     st.tuples(st.just("file-del"), st.tuples(st.integers(0, 1), file_keys), st.none()),
-), min_size=1, max_size=3))
-def test_adversarial_manifest_never_crashes_resume(tmp_path_factory, edits):
+), min_size=1, max_size=3), resign=st.booleans())
+def test_adversarial_manifest_never_crashes_resume(tmp_path_factory, edits, resign):
     """A manifest rewritten into anything: resume falls back to the older good checkpoint, or refuses with an
-    InputError; no KeyError/TypeError from deep inside, and no file outside the checkpoint is trusted."""
+    InputError; no KeyError/TypeError from deep inside, and no file outside the checkpoint is trusted. Half
+    the manifests get their checksum recomputed after the edit, so the field checks behind it are fuzzed
+    too."""
     root = two_checkpoints(tmp_path_factory)
     manifest = ckpt.step_dir(root, 2) / ckpt.MANIFEST
     doc = json.loads(manifest.read_text())
@@ -147,7 +149,7 @@ def test_adversarial_manifest_never_crashes_resume(tmp_path_factory, edits):
                 doc["files"][key[0]][key[1]] = value
             else:
                 doc["files"][key[0]].pop(key[1], None)
-    manifest.write_text(json.dumps(doc))
+    manifest.write_text(json.dumps(resigned(doc) if resign else doc))
     try:
         found = find(root)
     except InputError:
@@ -162,6 +164,33 @@ def test_adversarial_manifest_never_crashes_resume(tmp_path_factory, edits):
         assert isinstance(found.manifest.get("sampler", {}).get("next_step"), int), "resume needs next_step"
     else:
         assert found.path == ckpt.step_dir(root, 1) and found.skipped
+
+
+def resigned(doc):
+    """``doc`` with its own checksum recomputed (when it is an object): what an edit plus a forged checksum gives."""
+    if isinstance(doc, dict):
+        doc = {**doc, "manifest_sha256": ckpt.manifest_digest(doc)}
+    return doc
+
+
+@pytest.mark.parametrize("field,value", [("next_step", 9), ("next_step", 1000), ("step", 3), ("world", {"dp_size": 2,
+                         "pp_size": 2, "x": 1}), ("stage_layers", [[0, 3], [3, 7]]), ("model_id", "m:2")])
+def test_any_edited_manifest_field_makes_the_checkpoint_corrupt(tmp_path, field, value):
+    """Issue 20, case 1: the SHA-256s covered the stage files, not the manifest's own fields, so an edited
+    ``next_step`` was trusted (steps skipped, exit 0). Now every field is inside the manifest's checksum: the
+    checkpoint is skipped as corrupt and the previous good one is used."""
+    write_checkpoint(tmp_path, 1)
+    write_checkpoint(tmp_path, 2)
+    manifest = ckpt.step_dir(tmp_path, 2) / ckpt.MANIFEST
+    doc = json.loads(manifest.read_text())
+    if field == "next_step":
+        doc["sampler"]["next_step"] = value
+    else:
+        doc[field] = value
+    manifest.write_text(json.dumps(doc, indent=3))
+    found = find(tmp_path)
+    assert found.path == ckpt.step_dir(tmp_path, 1) and len(found.skipped) == 1
+    assert "manifest_sha256" in found.skipped[0]
 
 
 @pytest.mark.parametrize("edit", ["file-entry-without-sha256", "file-entry-without-file", "file-entry-null-file",
@@ -183,7 +212,7 @@ def test_malformed_manifest_is_skipped_as_corrupt(tmp_path, edit):
         del doc["sampler"]
     else:
         doc["files"] = ["stage_0.pt", "stage_1.pt"]
-    manifest.write_text(json.dumps(doc))
+    manifest.write_text(json.dumps(resigned(doc)))  # past the checksum: the schema checks refuse it
     found = find(tmp_path)
     assert found.path == ckpt.step_dir(tmp_path, 1) and len(found.skipped) == 1
 
@@ -197,7 +226,7 @@ def test_manifest_pointing_outside_the_checkpoint_is_refused(tmp_path):
     doc = json.loads(manifest.read_text())
     older = json.loads((ckpt.step_dir(tmp_path, 1) / ckpt.MANIFEST).read_text())
     doc["files"][0] = {**older["files"][0], "file": "../step_00000001/stage_0.pt"}
-    manifest.write_text(json.dumps(doc))
+    manifest.write_text(json.dumps(resigned(doc)))  # past the checksum: the file-name check refuses it
     with pytest.raises(InputError):
         ckpt.verify(ckpt.step_dir(tmp_path, 2))
     assert find(tmp_path).path == ckpt.step_dir(tmp_path, 1)

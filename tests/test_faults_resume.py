@@ -22,8 +22,8 @@ import time
 
 import pytest
 
-from reliab_helpers import (effective_samples, kill_all, read_ledger, start_ranks, start_torchrun, wait_all,
-                            wait_for_event, worker_args)
+from reliab_helpers import (effective_samples, kill_all, read_ledger, start_ranks, start_torchrun, trainer_counts,
+                            wait_all, wait_for_event, worker_args)
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("omnibal.train.loop", reason="the distributed trainer is not on this branch yet")
@@ -34,10 +34,12 @@ LAUNCH_S = 150  # start-up of a few torch processes on a busy 2-core machine dom
 
 
 def _all_samples() -> set[int]:
+    """The sample keys of the epoch (what the trainer's ledger records)."""
     from reliab_worker import epoch_schedule, tiny_stats
 
-    sched = epoch_schedule(tiny_stats(NUM_SAMPLES), dp_size=2, num_microbatches=2)
-    return set(int(i) for i in (sched.sample_counts() > 0).nonzero()[0])
+    stats = tiny_stats(NUM_SAMPLES)
+    sched = epoch_schedule(stats, dp_size=2, num_microbatches=2)
+    return set(int(stats.keys[i]) for i in (sched.sample_counts() > 0).nonzero()[0])
 
 
 def _final_params(events) -> dict[int, dict]:
@@ -58,7 +60,7 @@ def reference(tmp_path_factory):
     kill_all(procs)
     assert codes == [0, 0], (codes, [(root / f"rank{r}.attempt0.log").read_text()[-2000:] for r in range(2)])
     events = read_ledger(root / "ledger")
-    counts, _ = effective_samples(events)
+    counts = trainer_counts(root / "ledger")
     assert set(counts) == _all_samples() and set(counts.values()) == {1}
     return {"events": events, "params": _final_params(events),
             "num_steps": next(e["num_steps"] for e in events if e["event"] == "start")}
@@ -101,7 +103,8 @@ def test_sigkill_at_a_random_step_then_torchrun_restart_trains_each_sample_once(
     log = (tmp_path / "torchrun1.log").read_text(errors="replace")
     assert codes == [0], f"torchrun exit {codes}; log tail:\n{log[-3000:]}"
     events = read_ledger(ledger)
-    counts, starts = effective_samples(events)
+    _, starts = effective_samples(events)
+    counts = trainer_counts(ledger)  # the trainer's own per-sample ledger, both attempts appended
     assert sorted(starts) == [0, 1], f"expected one restart, got attempts {starts}"
     saved = [e["step"] for e in events if e["event"] == "checkpoint" and e["attempt"] == 0 and e["rank"] == 0]
     last_logged = max(saved, default=0)
@@ -169,15 +172,18 @@ def test_resume_on_another_dp_size_is_refused_with_a_clear_error(tmp_path):
     assert not [e for e in read_ledger(ledger) if e["attempt"] == 1 and e["event"] == "step"]
 
 
-def test_resume_on_another_dp_size_reshards_the_rest_of_the_epoch(tmp_path):
+@pytest.mark.parametrize("dp_old,dp_new", [(2, 1), (1, 2)])
+def test_resume_on_another_dp_size_reshards_the_rest_of_the_epoch(tmp_path, dp_old, dp_new):
+    """Also to a larger DP size (issue 20, case 2): the worker stopped at the new world's *fresh* epoch length,
+    shorter than the old steps plus the re-balanced rest, and missed 36 of 128 samples with exit 0."""
     ledger = tmp_path / "ledger"
-    procs = start_ranks(2, worker_args(dp=2, checkpoint_dir=tmp_path / "ckpt", ledger=ledger, steps=2),
+    procs = start_ranks(dp_old, worker_args(dp=dp_old, checkpoint_dir=tmp_path / "ckpt", ledger=ledger, steps=2),
                         log_dir=tmp_path)
-    assert wait_all(procs, LAUNCH_S) == [0, 0]
-    procs = start_ranks(1, worker_args(dp=1, checkpoint_dir=tmp_path / "ckpt", ledger=ledger) + ["--reshard"],
-                        attempt=1, log_dir=tmp_path)
+    assert wait_all(procs, LAUNCH_S) == [0] * dp_old
+    procs = start_ranks(dp_new, worker_args(dp=dp_new, checkpoint_dir=tmp_path / "ckpt", ledger=ledger)
+                        + ["--reshard"], attempt=1, log_dir=tmp_path)
     codes = wait_all(procs, LAUNCH_S)
     kill_all(procs)
-    assert codes == [0], (tmp_path / "rank0.attempt1.log").read_text(errors="replace")[-2000:]
-    counts, _ = effective_samples(read_ledger(ledger))
+    assert codes == [0] * dp_new, (tmp_path / "rank0.attempt1.log").read_text(errors="replace")[-2000:]
+    counts = trainer_counts(ledger)
     assert set(counts) == _all_samples() and set(counts.values()) == {1}

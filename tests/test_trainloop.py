@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from dist_helpers import make_trainer, pack_schedule, tiny_spec, tiny_stats
+from dist_helpers import make_trainer, pack_schedule, tiny_plan, tiny_spec, tiny_stats
 from omnibal.errors import InputError
 from omnibal.train.config import TrainConfig
 from omnibal.train.distributed import local_world
@@ -39,30 +39,36 @@ def test_bad_stage_ranges_are_refused(ranges, msg):
         validate_stage_layers(ranges, 8, source="--stage-layers", num_stages=2)
 
 
-def _plan(tmp_path, stages, model="dist-test-tiny"):
+def _plan(tmp_path, ranges, recompute=None, model="dist-test-tiny", edit=None):
+    doc = json.loads(tiny_plan(ranges, recompute, model=model).to_json())
+    if edit is not None:
+        edit(doc)
     path = tmp_path / "plan.json"
-    path.write_text(json.dumps({"model": model, "stages": stages}))
+    path.write_text(json.dumps(doc))
     return path
 
 
 def test_plan_layout_and_its_errors(tmp_path):
-    good = [{"layers": [0, 3], "modules": NAMES[0:3], "recompute": ["vision.blocks.0"]},
-            {"layers": [3, 8], "modules": NAMES[3:8], "recompute": []}]
-    layout = load_plan_layout(_plan(tmp_path, good), NAMES, pp_size=2, model_name="dist-test-tiny")
+    good = ([(0, 3), (3, 8)], [["vision.blocks.0"], []])
+    layout = load_plan_layout(_plan(tmp_path, *good), NAMES, pp_size=2, model_name="dist-test-tiny")
     assert layout.ranges == ((0, 3), (3, 8)) and layout.recompute == (("vision.blocks.0",), ())
-    bad_modules = [dict(good[0], modules=["vision.embed", "vision.blocks.0", "vision.blocks.7"]), good[1]]
+
+    def bad_modules(doc):
+        doc["stages"][0]["modules"] = ["vision.embed", "vision.blocks.0", "vision.blocks.7"]
     with pytest.raises(InputError, match="vision.blocks.7") as err:
-        load_plan_layout(_plan(tmp_path, bad_modules), NAMES, pp_size=2)
-    assert err.value.field == "modules" and err.value.record == "stage 0"
+        load_plan_layout(_plan(tmp_path, *good, edit=bad_modules), NAMES, pp_size=2)
+    assert err.value.field == "modules" and err.value.record == "stages[0]"
     with pytest.raises(InputError, match="model has 8 layers"):
-        load_plan_layout(_plan(tmp_path, [{"layers": [0, 3]}, {"layers": [3, 10]}]), NAMES, pp_size=2)
+        load_plan_layout(_plan(tmp_path, [(0, 3), (3, 7)]), NAMES, pp_size=2)
     with pytest.raises(InputError, match="3 stage ranges for 2"):
-        load_plan_layout(_plan(tmp_path, [{"layers": [0, 3]}, {"layers": [3, 5]}, {"layers": [5, 8]}]), NAMES,
-                         pp_size=2)
+        load_plan_layout(_plan(tmp_path, [(0, 3), (3, 5), (5, 8)]), NAMES, pp_size=2)
     with pytest.raises(InputError, match="made for model 'other'"):
-        load_plan_layout(_plan(tmp_path, good, model="other"), NAMES, pp_size=2, model_name="dist-test-tiny")
+        load_plan_layout(_plan(tmp_path, *good, model="other"), NAMES, pp_size=2, model_name="dist-test-tiny")
+
+    def foreign_recompute(doc):
+        doc["stages"][0]["recompute"] = ["llm.blocks.0"]
     with pytest.raises(InputError, match="not in this stage"):
-        load_plan_layout(_plan(tmp_path, [dict(good[0], recompute=["llm.blocks.0"]), good[1]]), NAMES, pp_size=2)
+        load_plan_layout(_plan(tmp_path, *good, edit=foreign_recompute), NAMES, pp_size=2)
 
 
 def test_resolve_layout_modes(tmp_path):
@@ -256,9 +262,19 @@ def test_csr_fast_paths_agree_with_the_generic_loops():
         fast = buffer_shape(csr, tiles, tokens, pad_to_longest=padded)
         slow = buffer_shape(plain, tiles, tokens, pad_to_longest=padded)
         assert fast == slow
-    check_schedule(csr, dp_size=2, num_microbatches=3, num_samples=len(samples), source="csr")
+    # an empty micro-batch is refused by both paths, naming the same slot (training it would fail at that step)
+    records = []
+    for sched in (csr, plain):
+        with pytest.raises(InputError, match="empty micro-batch") as err:
+            check_schedule(sched, dp_size=2, num_microbatches=3, num_samples=len(samples), source="csr")
+        records.append(err.value.record)
+    assert records[0] == records[1]
+    full = SimpleNamespace(**{**csr.__dict__, "num_steps": 2,
+                              "pack_ids": rng.permutation(np.flatnonzero(sizes > 0))[:12].reshape(2, 2, 3)})
+    full.microbatch = lambda s, r, k: pack(int(full.pack_ids[s, r, k]))
+    check_schedule(full, dp_size=2, num_microbatches=3, num_samples=len(samples), source="csr")
     with pytest.raises(InputError, match="outside the dataset"):
-        check_schedule(csr, dp_size=2, num_microbatches=3, num_samples=len(samples) - 1, source="csr")
+        check_schedule(full, dp_size=2, num_microbatches=3, num_samples=len(samples) - 1, source="csr")
     assert len(schedule_fingerprint(csr)) == 32
 
 
@@ -272,6 +288,10 @@ def test_cli_omnibal_mode_trains_a_schedule_file(tmp_path, with_caps):
     stats_path = _stats_file(tmp_path)
     stats = load_stats(stats_path)
     doc = pack_schedule(stats, dp_size=1, num_microbatches=2, num_steps=2).to_dict()
+    # bound to the statistics it was made for; the rows it does not train are listed as left out on purpose
+    doc["stats_fingerprint"] = stats.fingerprint()
+    used = {i for step in doc["steps"] for rank in step for mb in rank for i in mb}
+    doc["dropped"] = sorted(set(range(len(stats))) - used)
     if with_caps:
         doc["caps"] = {"tiles": 12, "tokens": 4096}
     sched_path = tmp_path / "sched.json"

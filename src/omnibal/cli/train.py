@@ -44,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-samples", type=int, help="seeded random subset of the statistics")
     g.add_argument("--stats-tokens-per-tile", type=int, default=256,
                    help="image tokens per tile counted in the statistics (rescaled to the model's)")
-    g.add_argument("--steps", dest="num_steps", type=int, default=10, help="optimizer steps in total")
+    g.add_argument("--steps", dest="num_steps", type=int, default=10, help="optimizer steps in total, counting resumed ones (0: to the end of the epoch)")
     g.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate")
     g.add_argument("--seed", type=int, default=0, help="model init and baseline sampling seed")
     w = parser.add_argument_group("world")
@@ -70,8 +70,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", dest="baseline_batch_size", type=int, default=4,
                    help="samples per micro-batch in baseline mode")
     o = parser.add_argument_group("output")
-    o.add_argument("--log", dest="log_path", help="JSONL metrics log (one line per step)")
+    o.add_argument("--metrics-log", "--log", dest="log_path", metavar="FILE",
+                   help="JSONL metrics log (one line per step); under torchrun spell it --metrics-log (torchrun's own "
+                        "--log-dir/--logs-specs make --log ambiguous to its parser)")
     o.add_argument("--summary-json", dest="summary_path", help="write the end-of-run summary as JSON")
+    o.add_argument("--ledger", dest="ledger_path", metavar="FILE", help="append the sample keys every step trained "
+                   "(one JSON line per step; what exactly-once is checked from, omnibal.train.ledger)")
     o.add_argument("--checkpoint-dir", help="folder of step checkpoints (shared by all ranks)")
     o.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: at the end)")
     o.add_argument("--resume", action="store_true", help="continue from the newest valid checkpoint")
@@ -98,7 +102,7 @@ def config_from_args(args: argparse.Namespace):
         baseline_batch_size=args.baseline_batch_size, num_steps=args.num_steps, lr=args.lr, seed=args.seed,
         device=args.device, timeout_s=args.timeout_s, torch_threads=args.torch_threads,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, resume=args.resume, reshard=args.reshard,
-        log_path=args.log_path, summary_path=args.summary_path, quiet=args.quiet)
+        log_path=args.log_path, summary_path=args.summary_path, ledger_path=args.ledger_path, quiet=args.quiet)
 
 
 def run(args: argparse.Namespace) -> int:

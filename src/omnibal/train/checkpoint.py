@@ -9,8 +9,10 @@ Layout (the folder must be shared by all ranks, e.g. a network file system on se
 Every file is written to a temporary name, fsynced and renamed, so a crash leaves either the old state
 or a complete new file, never a half-written one under the final name. The manifest records each file's
 size and SHA-256, the world (dp, pp), the model identity, the stage layer ranges, the step and the
-sampler state. A step folder without a manifest, or whose files do not match it, is *corrupt*: resuming
-skips it with a warning and takes the newest valid one. A valid checkpoint of another world size, model
+sampler state, and the SHA-256 of its own fields (``manifest_sha256``: an edited ``next_step`` is as corrupt
+as a flipped byte in a stage file); its ``step`` must be its folder's and the sampler's ``next_step``. A step
+folder without a manifest, or whose files or fields do not match it, is *corrupt*: resuming skips it with a
+warning and takes the newest valid one. A valid checkpoint of another world size, model
 or stage layout is refused with an InputError (resuming it would silently train something else).
 """
 
@@ -29,7 +31,8 @@ import torch
 
 from omnibal.errors import InputError
 
-FORMAT = 1
+FORMAT = 2
+"""Version 2: the manifest holds the SHA-256 of its own fields (``manifest_sha256``)."""
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
@@ -84,7 +87,8 @@ def write_stage_file(root: str | Path, step: int, stage: int, *, model: torch.nn
                      optimizer: torch.optim.Optimizer | None) -> dict:
     """Save one stage's state atomically; returns its manifest record (name, bytes, sha256, signature)."""
     buf = io.BytesIO()
-    torch.save({"model": model.state_dict(), "optimizer": None if optimizer is None else optimizer.state_dict()}, buf)
+    torch.save({"model": model.state_dict(), "optimizer": None if optimizer is None else optimizer.state_dict(),
+                "step": step, "stage": stage}, buf)
     data = buf.getvalue()
     path = step_dir(root, step) / stage_file(stage)
     atomic_write_bytes(path, data)
@@ -97,9 +101,16 @@ def write_manifest(root: str | Path, step: int, *, stage_records: list[dict], wo
     """Commit a checkpoint: write its manifest (after every stage file is in place)."""
     doc = {"format": FORMAT, "step": step, "world": world, "model_id": model_id, "stage_layers": stage_layers,
            "sampler": sampler, "files": sorted(stage_records, key=lambda r: r["stage"]), **(extra or {})}
+    doc["manifest_sha256"] = manifest_digest(doc)
     path = step_dir(root, step) / MANIFEST
     atomic_write_bytes(path, json.dumps(doc, indent=1).encode())
     return path
+
+
+def manifest_digest(doc: dict) -> str:
+    """SHA-256 of a manifest's fields (all but ``manifest_sha256`` itself), in a canonical JSON form."""
+    fields = {k: v for k, v in doc.items() if k != "manifest_sha256"}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 @dataclass
@@ -119,11 +130,20 @@ def verify(path: Path) -> dict:
         raise InputError("no manifest: the checkpoint was not completed (crash while writing?)", source=str(path))
     try:
         doc = json.loads(mpath.read_text())
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InputError(f"unreadable manifest: {exc}", source=str(mpath)) from exc
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError) as exc:  # ValueError: bad JSON, huge ints
+        raise InputError(f"unreadable manifest: {type(exc).__name__}: {str(exc)[:200]}", source=str(mpath)) from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("files"), list):
         raise InputError(f"not an omnibal checkpoint manifest of format {FORMAT}", source=str(mpath), field="format")
+    if doc.get("manifest_sha256") != manifest_digest(doc):
+        raise InputError("the manifest's fields do not match its own SHA-256 (edited or corrupt manifest)",
+                         source=str(mpath), field="manifest_sha256")
     _check_schema(doc, str(mpath))
+    m = _STEP_DIR.match(path.name)
+    if m is not None and doc["step"] != int(m.group(1)):
+        raise InputError(f"step {doc['step']} in the manifest of folder {path.name}", source=str(mpath), field="step")
+    if doc["sampler"]["next_step"] != doc["step"]:
+        raise InputError(f"sampler next_step {doc['sampler']['next_step']} differs from the checkpoint's step "
+                         f"{doc['step']}", source=str(mpath), field="sampler.next_step")
     for rec in doc["files"]:
         fpath = path / rec["file"]
         if not fpath.is_file():
@@ -242,6 +262,9 @@ def load_stage_file(path: Path, manifest: dict, stage: int, *, model: torch.nn.M
                          f"{diff[1] if diff else mine[len(rec['params']):][:1]})", source=str(path / rec["file"]),
                          field="params")
     state = torch.load(path / rec["file"], map_location=map_location, weights_only=True)
+    if (state.get("step"), state.get("stage")) != (manifest["step"], stage):  # the manifest's step, cross-checked
+        raise InputError(f"stage file holds step {state.get('step')} stage {state.get('stage')}, the manifest says "
+                         f"step {manifest['step']} stage {stage}", source=str(path / rec["file"]), field="step")
     model.load_state_dict(state["model"])
     if optimizer is not None and state.get("optimizer") is not None:
         optimizer.load_state_dict(state["optimizer"])

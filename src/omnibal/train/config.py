@@ -73,7 +73,8 @@ class TrainConfig:
     baseline_batch_size: int = 4
     """Samples per micro-batch in baseline mode."""
     num_steps: int = 10
-    """Optimizer steps to run (in total, counting resumed ones)."""
+    """Optimizer steps to run (in total, counting resumed ones); 0: to the end of the schedule's epoch (after a
+    reshard: of the re-balanced rest of it)."""
     lr: float = 1e-4
     """AdamW learning rate."""
     weight_decay: float = 0.0
@@ -97,6 +98,9 @@ class TrainConfig:
     """With resume: accept a checkpoint of another dp size (same pp) and re-balance the rest of its epoch."""
     log_path: str | None = None
     """JSONL metrics log (one line per step, written by global rank 0)."""
+    ledger_path: str | None = None
+    """Per-sample ledger (:mod:`omnibal.train.ledger`): the sample keys every step trained, one JSON line per
+    step, appended by global rank 0 (several runs of one job share the file)."""
     summary_path: str | None = None
     """Write the end-of-run summary (throughput, per-rank compute/wait, memory) as JSON here (rank 0)."""
     quiet: bool = False
@@ -113,8 +117,10 @@ class TrainConfig:
                              field="pipeline_schedule")
         if self.device not in ("cpu", "cuda"):
             raise InputError(f"must be 'cpu' or 'cuda', got {self.device!r}", source=src, field="device")
-        for name in ("dp_size", "pp_size", "num_microbatches", "baseline_batch_size", "num_steps", "torch_threads",
-                     "max_tiles"):
+        if not isinstance(self.num_steps, int) or isinstance(self.num_steps, bool) or self.num_steps < 0:
+            raise InputError(f"must be an integer >= 0 (0: the whole epoch), got {self.num_steps!r}", source=src,
+                             field="num_steps")
+        for name in ("dp_size", "pp_size", "num_microbatches", "baseline_batch_size", "torch_threads", "max_tiles"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InputError(f"must be a positive integer, got {value!r}", source=src, field=name)

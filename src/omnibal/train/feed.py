@@ -44,6 +44,10 @@ class IndexSchedule:
     steps: tuple  # steps[step][dp_rank][micro] -> np.ndarray of sample indices
     caps: dict | None = None
     source: str = "<schedule>"
+    stats_fingerprint: str = ""
+    """``SampleStats.fingerprint()`` of the statistics the schedule was made for ("" when it does not say)."""
+    dropped: tuple = ()
+    """Rows left out of the epoch on purpose."""
 
     @property
     def num_steps(self) -> int:
@@ -54,7 +58,8 @@ class IndexSchedule:
 
     def to_dict(self) -> dict:
         return {"dp_size": self.dp_size, "num_microbatches": self.num_microbatches, "caps": self.caps,
-                "steps": [[[mb.tolist() for mb in rank] for rank in step] for step in self.steps]}
+                "steps": [[[mb.tolist() for mb in rank] for rank in step] for step in self.steps],
+                "stats_fingerprint": self.stats_fingerprint, "dropped": list(self.dropped)}
 
     @classmethod
     def from_dict(cls, doc: Any, *, source: str = "<schedule>") -> "IndexSchedule":
@@ -64,9 +69,11 @@ class IndexSchedule:
             if key not in doc:
                 raise InputError("missing field", source=source, field=key)
         dp, m = doc["dp_size"], doc["num_microbatches"]
-        if not (isinstance(dp, int) and dp >= 1 and isinstance(m, int) and m >= 1):
-            raise InputError(f"dp_size {dp!r} and num_microbatches {m!r} must be positive integers", source=source,
-                             field="dp_size")
+        if not (_is_int(dp) and dp >= 1 and _is_int(m) and m >= 1):
+            raise InputError(f"dp_size {dp!r:.40} and num_microbatches {m!r:.40} must be positive integers",
+                             source=source, field="dp_size")
+        if not isinstance(doc["steps"], list):
+            raise InputError("must be a list of steps", source=source, field="steps")
         steps = []
         for s, step in enumerate(doc["steps"]):
             if not isinstance(step, list) or len(step) != dp:
@@ -78,45 +85,90 @@ class IndexSchedule:
                                      field="steps")
                 mbs = []
                 for k, mb in enumerate(rank):
-                    arr = np.asarray(mb)
-                    if arr.ndim != 1 or len(arr) == 0 or arr.dtype.kind not in "iu":
-                        raise InputError("a micro-batch is a non-empty list of sample indices", source=source,
-                                         record=f"step {s} rank {r} micro-batch {k}", field="steps")
-                    mbs.append(arr.astype(np.int64))
+                    if not isinstance(mb, list) or not mb or not all(_is_int(i) and i >= 0 for i in mb):
+                        raise InputError("a micro-batch is a non-empty list of sample indices (integers >= 0)",
+                                         source=source, record=f"step {s} rank {r} micro-batch {k}", field="steps")
+                    mbs.append(np.asarray(mb, dtype=np.int64) if max(mb) < 2**62 else _too_large(source, s, r, k))
                 ranks.append(tuple(mbs))
             steps.append(tuple(ranks))
-        return cls(dp, m, tuple(steps), doc.get("caps"), source)
+        fingerprint, dropped = doc.get("stats_fingerprint", ""), doc.get("dropped", [])
+        if not isinstance(fingerprint, str):
+            raise InputError("must be a string", source=source, field="stats_fingerprint")
+        if not isinstance(dropped, list) or not all(_is_int(i) and i >= 0 for i in dropped):
+            raise InputError("must be a list of row indices", source=source, field="dropped")
+        caps = doc.get("caps")
+        return cls(dp, m, tuple(steps), caps if isinstance(caps, dict) else None, source, fingerprint,
+                   tuple(dropped))
 
     @classmethod
     def from_json(cls, path: str | Path) -> "IndexSchedule":
-        try:
-            doc = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise InputError(f"cannot read schedule: {exc}", source=str(path)) from exc
-        return cls.from_dict(doc, source=str(path))
+        return cls.from_dict(_read_json(path), source=str(path))
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _too_large(source: str, s: int, r: int, k: int):
+    raise InputError("sample index too large", source=source, record=f"step {s} rank {r} micro-batch {k}",
+                     field="steps")
+
+
+def _read_json(path: str | Path) -> Any:
+    """A schedule file's JSON (any failure to read or parse it is an InputError naming the file)."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise InputError(f"cannot read schedule: {exc.strerror or exc}", source=str(path)) from None
+    try:
+        return json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise InputError(f"not UTF-8 text (byte {exc.start})", source=str(path)) from None
+    except json.JSONDecodeError as exc:
+        raise InputError(f"not valid JSON: {exc.msg}", source=str(path), record=f"line {exc.lineno}") from None
+    except (ValueError, RecursionError) as exc:  # huge integers, deep nesting
+        raise InputError(f"not valid JSON: {type(exc).__name__}: {str(exc)[:120]}", source=str(path)) from None
 
 
 def load_schedule(path: str | Path) -> ScheduleLike:
     """A schedule JSON: the balancer's ``Schedule`` when the file has caps (it validates more and keeps
     its CSR arrays), else the plain reader (e.g. a hand-made schedule without caps)."""
-    try:
-        doc = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise InputError(f"cannot read schedule: {exc}", source=str(path)) from exc
+    doc = _read_json(path)
     caps = doc.get("caps") if isinstance(doc, dict) else None
     if isinstance(caps, dict) and "tiles" in caps and "tokens" in caps:
-        try:
-            from omnibal.data.balance.schedule import Schedule  # type: ignore
-        except ImportError:
-            pass
-        else:
-            try:
-                return Schedule.from_dict(doc, source=str(path))
-            except (TypeError, ValueError, KeyError) as exc:
-                if isinstance(exc, InputError):
-                    raise
-                raise InputError(f"malformed schedule: {exc}", source=str(path)) from exc
+        from omnibal.data.balance.schedule import Schedule
+
+        return Schedule.from_dict(doc, source=str(path))
     return IndexSchedule.from_dict(doc, source=str(path))
+
+
+def check_schedule_covers(schedule, *, stats_fingerprint: str, num_samples: int, source: str,
+                          stats_source: str = "the statistics") -> None:
+    """Refuse a schedule file made for other statistics, or that does not schedule every row of these once.
+
+    The schedule must record the fingerprint of the statistics it was balanced from (``omnibal balance``
+    writes it), equal to ``stats_fingerprint``; and every row is in exactly one micro-batch, except rows
+    the schedule lists as ``dropped``."""
+    recorded = getattr(schedule, "stats_fingerprint", "")
+    if not recorded:
+        raise InputError("the schedule does not record the statistics it was made for (stats_fingerprint): "
+                         "make it with `omnibal balance --stats` on the same file", source=source,
+                         field="stats_fingerprint")
+    if recorded != stats_fingerprint:
+        raise InputError(f"the schedule was balanced from other statistics (fingerprint {recorded}); {stats_source} "
+                         f"have fingerprint {stats_fingerprint} ({num_samples} rows)", source=source,
+                         field="stats_fingerprint")
+    counts = _row_counts(schedule, num_samples, source)
+    dropped = np.asarray(getattr(schedule, "dropped", ()), np.int64)
+    if len(dropped) and (dropped.min() < 0 or dropped.max() >= num_samples):
+        raise InputError(f"dropped row outside the {num_samples} rows", source=source, field="dropped")
+    counts[dropped] += 1
+    wrong = np.flatnonzero(counts != 1)
+    if len(wrong):
+        i = int(wrong[0])
+        raise InputError(f"{len(wrong)} rows are not scheduled exactly once (row {i}: {int(counts[i])} times, "
+                         f"dropped rows counted once): an epoch trains every sample once", source=source,
+                         field="steps")
 
 
 def schedule_fingerprint(schedule: ScheduleLike) -> str:
@@ -137,24 +189,44 @@ def schedule_fingerprint(schedule: ScheduleLike) -> str:
 
 def check_schedule(schedule: ScheduleLike, *, dp_size: int, num_microbatches: int, num_samples: int,
                    source: str) -> None:
-    """Refuse a schedule for another world or dataset (indices out of range)."""
+    """Refuse a schedule for another world or dataset (indices out of range), or with an empty micro-batch."""
     if schedule.dp_size != dp_size:
         raise InputError(f"schedule is for dp_size {schedule.dp_size}, the run has {dp_size}", source=source,
                          field="dp_size")
     if schedule.num_microbatches != num_microbatches:
         raise InputError(f"schedule has {schedule.num_microbatches} micro-batches per rank, the run "
                          f"{num_microbatches}", source=source, field="num_microbatches")
+    _row_counts(schedule, num_samples, source)  # no empty micro-batch, every index in range
+
+
+def _row_counts(schedule, num_samples: int, source: str) -> np.ndarray:
+    """How many times each row is scheduled; an empty micro-batch or an index out of range is an InputError."""
+    def bad(message: str, s: int, r: int, k: int) -> InputError:
+        return InputError(message, source=source, record=f"step {s} rank {r} micro-batch {k}", field="steps")
+
     csr = _csr(schedule)
-    if csr is not None and (len(csr[0]) == 0 or (csr[0].min() >= 0 and csr[0].max() < num_samples)):
-        return  # every index of the balancer's packs is in range (checked in one pass)
+    if csr is not None:  # the balancer's CSR packs, in one pass
+        samples, offsets, ids = csr
+        sizes = np.diff(offsets)
+        empty = np.flatnonzero(sizes[ids.reshape(-1)] == 0)
+        if len(empty):
+            raise bad("empty micro-batch", *np.unravel_index(int(empty[0]), ids.shape))
+        if len(samples) and (samples.min() < 0 or samples.max() >= num_samples):
+            raise InputError(f"sample index outside the dataset of {num_samples}", source=source, field="steps")
+        uses = np.repeat(np.bincount(ids.reshape(-1), minlength=len(sizes)), sizes)
+        return np.bincount(samples, weights=uses, minlength=num_samples).astype(np.int64)
+    counts = np.zeros(num_samples, np.int64)
     for s in range(schedule.num_steps):
-        for r in range(dp_size):
-            for k in range(num_microbatches):
-                mb = schedule.microbatch(s, r, k)
-                if len(mb) and (mb.min() < 0 or mb.max() >= num_samples):
-                    raise InputError(f"sample index {int(mb.max() if mb.max() >= num_samples else mb.min())} "
-                                     f"outside the dataset of {num_samples}", source=source,
-                                     record=f"step {s} rank {r} micro-batch {k}", field="steps")
+        for r in range(schedule.dp_size):
+            for k in range(schedule.num_microbatches):
+                mb = np.asarray(schedule.microbatch(s, r, k), np.int64)
+                if len(mb) == 0:
+                    raise bad("empty micro-batch", s, r, k)
+                if mb.min() < 0 or mb.max() >= num_samples:
+                    raise bad(f"sample index {int(mb.max() if mb.max() >= num_samples else mb.min())} outside the dataset of "
+                              f"{num_samples}", s, r, k)
+                np.add.at(counts, mb, 1)
+    return counts
 
 
 def random_microbatch_schedule(num_samples: int, *, dp_size: int, num_microbatches: int, batch_size: int,

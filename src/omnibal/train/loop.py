@@ -62,7 +62,7 @@ class Trainer:
                  mode: str, num_microbatches: int, pipeline_schedule: str = "1f1b", lr: float = 1e-4,
                  weight_decay: float = 0.0, buffer: Buffer | None = None, log_path: str | None = None,
                  quiet: bool = True, checkpoint_dir: str | None = None, checkpoint_every: int = 0,
-                 run_info: dict | None = None, dp_sync: str = "flat"):
+                 run_info: dict | None = None, dp_sync: str = "flat", ledger_path: str | None = None):
         from omnibal.train.stage import apply_checkpointing, build_stage, example_carry
 
         self.world = world
@@ -80,6 +80,8 @@ class Trainer:
         self.step = 0
         """Steps completed (the next step to run)."""
         self.skipped_checkpoints: list[str] = []
+        self.resumed_from: str | None = None
+        """The checkpoint folder :meth:`maybe_resume` loaded (None: a fresh start)."""
         self.resharded = False
         """Whether :meth:`maybe_resume` replaced the schedule by the re-balanced rest of another world's epoch."""
 
@@ -129,6 +131,9 @@ class Trainer:
         """Step records (the JSONL file opens at the first step: appended to when resuming)."""
         self.consumed: list[list[int]] = []
         """Per completed step, the sample indices this rank's stage 0 fed (for resume checks)."""
+        self.ledger_path = ledger_path
+        """Per-sample ledger (:mod:`omnibal.train.ledger`): every rank gathers its keys, global rank 0 writes."""
+        self._ledger = None
 
     # ---------------------------------------------------------------------------------------------- data
 
@@ -222,8 +227,35 @@ class Trainer:
         times.mem_bytes, times.peak_mem_bytes = process_memory(self.world.device.type)
         if self.world.is_first_stage:
             self.consumed.append(self._fed)
+        if self.ledger_path:
+            self._ledger_step(step)
         self.step += 1
         return self._gather_record(step, times, result.loss_sum, self._counts)
+
+    def _ledger_start(self) -> None:
+        """Global rank 0: open the ledger with this run's start (what it resumed from)."""
+        if self.ledger_path and self.world.rank == 0 and self._ledger is None:
+            from omnibal.train.ledger import LedgerWriter
+
+            self._ledger = LedgerWriter(self.ledger_path, {
+                "resumed_at": self.step, "checkpoint": self.resumed_from, "resharded": self.resharded,
+                "world": self._world_doc(), "schedule_steps": self.schedule.num_steps, "model_id": self.model_id})
+
+    def _ledger_step(self, step: int) -> None:
+        """Gather every DP rank's sample keys of ``step`` to global rank 0, which appends them to the ledger
+        (before the step's checkpoint can be written)."""
+        mine = None
+        if self.world.is_first_stage:
+            rows = np.asarray(self._fed, np.int64)
+            if hasattr(self.dataset, "key"):
+                keys = [int(self.dataset.key(int(i))) for i in rows]
+            else:
+                keys = np.asarray(self.dataset.stats.keys)[rows].tolist()
+            mine = (keys, rows.tolist())
+        parts = self._gather_objects(mine, f"step {step} (ledger)")
+        if self.world.rank == 0:
+            self._ledger_start()
+            self._ledger.step(step, [k for p in parts if p for k in p[0]], [i for p in parts if p for i in p[1]])
 
     def _all_reduce(self, tensor: torch.Tensor) -> None:
         if self.world.world_size > 1:
@@ -262,15 +294,12 @@ class Trainer:
 
     # ---------------------------------------------------------------------------------------------- run
 
-    def run(self, num_steps: int, *, warmup: int = 1) -> dict:
-        """Train until ``num_steps`` steps are done in total (resumed ones count); returns the summary
-        (on global rank 0; an empty dict elsewhere)."""
-        if self.resharded:  # the new world's epoch has its own length: end with it
-            num_steps = min(num_steps, self.schedule.num_steps)
-        if num_steps > self.schedule.num_steps:
-            raise InputError(f"{num_steps} steps requested but the schedule has {self.schedule.num_steps}",
-                             source=getattr(self.schedule, "source", "schedule"), field="num_steps")
+    def run(self, num_steps: int | None = None, *, warmup: int = 1) -> dict:
+        """Train until ``num_steps`` steps are done in total (resumed ones count; None or 0: to the end of
+        the schedule); returns the summary (on global rank 0; an empty dict elsewhere)."""
+        num_steps = self._steps_to_run(num_steps)
         bar = progress_bar(num_steps, self.step, quiet=self.quiet or self.world.rank != 0)
+        self._ledger_start()
         try:
             while self.step < num_steps:
                 record = self.train_step()
@@ -283,6 +312,9 @@ class Trainer:
         finally:
             bar.close()
             self.log.close()
+            if self._ledger is not None:
+                self._ledger.close()
+                self._ledger = None
         if self.world.rank != 0:
             return {}
         summary = summarize(self.log.records, warmup=warmup)
@@ -290,6 +322,29 @@ class Trainer:
             print(format_summary(summary, f"{self.mode} dp{self.world.dp_size} x pp{self.world.pp_size}"),
                   file=sys.stderr)
         return summary
+
+    def _steps_to_run(self, num_steps: int | None) -> int:
+        """The step to stop at. After a reshard the epoch has the new world's length, which the caller could
+        not know: a request past its end stops at the end, and one that leaves nothing of it to train (the
+        old world's step count) is refused rather than silently training nothing."""
+        source = getattr(self.schedule, "source", "schedule")
+        end = self.schedule.num_steps
+        if not num_steps:
+            return end
+        if self.resharded:
+            if num_steps <= self.step < end:
+                raise InputError(f"resumed at step {self.step} with the rest of the epoch re-balanced for dp "
+                                 f"{self.world.dp_size} (steps {self.step}..{end - 1}); {num_steps} steps in total "
+                                 f"leaves nothing to train: ask for {end} steps, or 0 for the rest of the epoch",
+                                 source=source, field="num_steps")
+            if num_steps < end and not self.quiet and self.world.rank == 0:
+                print(f"omnibal train: stopping at step {num_steps} of the re-balanced epoch (it ends at step {end}): "
+                      f"the samples of steps {num_steps}..{end - 1} are not trained", file=sys.stderr)
+            return min(num_steps, end)
+        if num_steps > end:
+            raise InputError(f"{num_steps} steps requested but the schedule has {end}", source=source,
+                             field="num_steps")
+        return num_steps
 
     # ---------------------------------------------------------------------------------------------- checkpoints
 
@@ -339,24 +394,7 @@ class Trainer:
         decision: dict[str, Any] = {}
         if w.rank == 0:
             try:
-                found = ckpt.find_latest_valid(root, world=self._world_doc(), model_id=self.model_id,
-                                               stage_layers=[list(r) for r in self.layout.ranges],
-                                               any_dp_size=reshard)
-                decision = {"path": str(found.path) if found.path else None, "manifest": found.manifest,
-                            "skipped": found.skipped}
-                if found.manifest is not None:
-                    fp = found.manifest.get("sampler", {}).get("schedule_fingerprint")
-                    if reshard and (fp != self.schedule_id or found.manifest["world"] != self._world_doc()):
-                        from omnibal.train.reshard import reshard_schedule
-
-                        decision["schedule"] = reshard_schedule(
-                            found.manifest, getattr(self.dataset, "stats", None), dp_size=w.dp_size,
-                            num_microbatches=self.num_microbatches, source=str(found.path),
-                            fingerprint=schedule_fingerprint)
-                    elif fp != self.schedule_id:
-                        raise InputError(f"checkpoint was trained on schedule {fp}, this run uses {self.schedule_id}: "
-                                         f"resuming would not continue the same sample stream",
-                                         source=str(found.path), field="sampler")
+                decision = self._resume_decision(root, reshard)
             except InputError as exc:
                 decision = {"error": exc.message, "source": exc.source, "field": exc.field}
         decision = self._broadcast_object(decision)
@@ -375,7 +413,38 @@ class Trainer:
         if decision.get("schedule") is not None:
             self._use_resharded(decision["schedule"])
         self.step = int(decision["manifest"]["sampler"]["next_step"])
+        self.resumed_from = decision["path"]
+        if not self.quiet and w.rank == 0:
+            how = (f", the rest of the epoch re-balanced for dp {w.dp_size} (steps {self.step}.."
+                   f"{self.schedule.num_steps - 1})" if self.resharded else "")
+            print(f"omnibal train: resumed from {decision['path']} at step {self.step}{how}", file=sys.stderr)
         return True
+
+    def _resume_decision(self, root, reshard: bool) -> dict:
+        """Global rank 0: the checkpoint to resume (checked against this run) and, when resharding, the
+        re-balanced rest of its epoch."""
+        found = ckpt.find_latest_valid(root, world=self._world_doc(), model_id=self.model_id,
+                                       stage_layers=[list(r) for r in self.layout.ranges], any_dp_size=reshard)
+        decision = {"path": str(found.path) if found.path else None, "manifest": found.manifest,
+                    "skipped": found.skipped}
+        if found.manifest is None:
+            return decision
+        sampler = found.manifest["sampler"]
+        fp, next_step = sampler.get("schedule_fingerprint"), sampler["next_step"]
+        if reshard and (fp != self.schedule_id or found.manifest["world"] != self._world_doc()):
+            from omnibal.train.reshard import reshard_schedule
+
+            decision["schedule"] = reshard_schedule(
+                found.manifest, getattr(self.dataset, "stats", None), dp_size=self.world.dp_size,
+                num_microbatches=self.num_microbatches, source=str(found.path), fingerprint=schedule_fingerprint)
+        elif fp != self.schedule_id:
+            raise InputError(f"checkpoint was trained on schedule {fp}, this run uses {self.schedule_id}: "
+                             f"resuming would not continue the same sample stream", source=str(found.path),
+                             field="sampler")
+        elif next_step > self.schedule.num_steps:
+            raise InputError(f"next_step {next_step} is past the end of the schedule ({self.schedule.num_steps} "
+                             f"steps)", source=str(found.path), field="sampler.next_step")
+        return decision
 
     def _use_resharded(self, schedule) -> None:
         """Switch to the re-balanced rest of the epoch (built on global rank 0, the same on every rank)."""

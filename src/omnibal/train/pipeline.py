@@ -106,49 +106,52 @@ class StageLayout:
 
 def load_plan_layout(path: str | Path, layer_names: Sequence[str], *, pp_size: int,
                      model_name: str | None = None) -> StageLayout:
-    """Read stage ranges and recompute sets from a Plan JSON.
+    """Stage ranges and recompute sets of a plan file, read by :meth:`omnibal.plan.plan.Plan.load` (the one
+    plan reader, fuzz-tested: every field typed and range-checked, an InputError naming the file and field)
+    and checked against this run: the plan's model (``inputs.model``), one stage per pipeline stage, and each
+    stage's ``modules`` equal to the model's layer names for its range. A key the plan format does not have
+    (a misspelt ``recompute``, say) is refused, not ignored."""
+    from omnibal.plan.plan import Plan
 
-    Accepted stage records: ``{"layers": [start, end]}`` or ``{"start": s, "end": e}`` plus optional
-    ``"modules"`` (names, checked against the model), ``"recompute"`` (layer names). A plan made for
-    another model (``"model"`` field) or another number of stages is refused.
-    """
     src = str(path)
-    try:
-        doc = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise InputError(f"cannot read plan: {exc}", source=src) from exc
-    if not isinstance(doc, dict) or not isinstance(doc.get("stages"), list):
-        raise InputError("a plan is a JSON object with a 'stages' list", source=src, field="stages")
-    plan_model = doc.get("model") if isinstance(doc.get("model"), str) else (doc.get("model") or {}).get("name")
-    if plan_model is None and isinstance(doc.get("inputs"), dict):  # omnibal.plan.Plan JSON
-        plan_model = doc["inputs"].get("model")
-    if model_name is not None and plan_model is not None and plan_model != model_name:
-        raise InputError(f"plan was made for model {plan_model!r}, this run trains {model_name!r}", source=src,
+    plan = Plan.load(path)
+    raw = json.loads(Path(path).read_bytes())  # Plan.load parsed it: valid JSON
+    refuse_unknown_plan_keys(raw, src)
+    if raw.get("model", plan.inputs.model) != plan.inputs.model:
+        raise InputError(f"model {raw['model']!r:.60} differs from inputs.model {plan.inputs.model!r}", source=src,
                          field="model")
-    ranges, recompute = [], []
-    for s, stage in enumerate(doc["stages"]):
-        if not isinstance(stage, dict):
-            raise InputError("stage record must be an object", source=src, record=f"stage {s}")
-        if "layers" in stage:
-            rng = stage["layers"]
-        elif "start" in stage and "end" in stage:
-            rng = [stage["start"], stage["end"]]
-        else:
-            raise InputError("stage record needs 'layers': [start, end]", source=src, record=f"stage {s}",
-                             field="layers")
-        ranges.append(rng)
-        recompute.append(tuple(stage.get("recompute", ())))
-    checked = validate_stage_layers(ranges, len(layer_names), source=src, num_stages=pp_size)
-    for s, ((start, end), stage) in enumerate(zip(checked, doc["stages"])):
-        own = list(layer_names[start:end])
-        if "modules" in stage and list(stage["modules"]) != own:
-            raise InputError(f"plan names modules {stage['modules']} for layers [{start}, {end}) but the model "
-                             f"has {own}", source=src, record=f"stage {s}", field="modules")
-        unknown = [n for n in recompute[s] if n not in own]
+    if model_name is not None and plan.inputs.model != model_name:
+        raise InputError(f"plan was made for model {plan.inputs.model!r}, this run trains {model_name!r}",
+                         source=src, field="inputs.model")
+    checked = validate_stage_layers([list(st.layers) for st in plan.stages], len(layer_names), source=src,
+                                    num_stages=pp_size)
+    for s, ((start, end), stage) in enumerate(zip(checked, plan.stages)):
+        own = tuple(layer_names[start:end])
+        if stage.modules != own:
+            raise InputError(f"plan names modules {list(stage.modules)} for layers [{start}, {end}) but the model "
+                             f"has {list(own)}", source=src, record=f"stages[{s}]", field="modules")
+    return StageLayout(checked, tuple(tuple(st.recompute) for st in plan.stages))
+
+
+def refuse_unknown_plan_keys(raw: dict, source: str) -> None:
+    """An InputError naming the first key a plan file has that the plan format does not (``Plan.load``
+    ignores them; a trainer must not: a misspelt ``recompute`` would silently mean no recompute)."""
+    from dataclasses import fields
+
+    from omnibal.plan.plan import DataPlan, PlanInputs, PlanStage, Prediction
+
+    top = {"format", "version", "model", "engine", "inputs", "data", "stages", "prediction", "search", "exports"}
+    sections = [("", raw, top)]
+    for key, cls in (("inputs", PlanInputs), ("data", DataPlan), ("prediction", Prediction)):
+        sections.append((key, raw[key], {f.name for f in fields(cls)}))
+    stage_keys = {f.name for f in fields(PlanStage)}
+    sections += [(f"stages[{s}]", st, stage_keys) for s, st in enumerate(raw["stages"])]
+    for where, section, known in sections:
+        unknown = sorted(set(section) - known)
         if unknown:
-            raise InputError(f"recompute names layers not in this stage: {unknown}", source=src,
-                             record=f"stage {s}", field="recompute")
-    return StageLayout(checked, tuple(recompute))
+            name = f"{where}.{unknown[0]}" if where else unknown[0]
+            raise InputError(f"unknown key {unknown[0]!r} (the plan format has {', '.join(sorted(known))})",
+                             source=source, record=where or None, field=name)
 
 
 def resolve_layout(layer_names: Sequence[str], *, pp_size: int, mode: str,

@@ -96,6 +96,23 @@ def _config_from_dict(d: dict, source: str):
         raise InputError(f"unreadable balance config: {exc}", source=source, field="sampler.balance") from exc
 
 
+def _check_record(rec: dict, source: str) -> None:
+    """The fields :func:`balance_record` writes, with their types (a manifest is input like any other)."""
+    def bad(msg: str, field: str) -> InputError:
+        return InputError(msg, source=source, field=f"sampler.balance.{field}")
+
+    for name, low in (("dp_size", 1), ("num_microbatches", 1), ("seed", 0), ("epoch", 0), ("step_offset", 0)):
+        value = rec.get(name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise bad(f"must be an integer >= {low}, got {value!r:.60}", name)
+    if not isinstance(rec.get("config"), dict):
+        raise bad("must be the balance config (an object)", "config")
+    rows = rec.get("rows")
+    if rows is not None and (not isinstance(rows, list) or not all(isinstance(r, int) and not isinstance(r, bool)
+                                                                   and r >= 0 for r in rows)):
+        raise bad("must be null or a list of row indices", "rows")
+
+
 def reshard_schedule(manifest: dict, stats, *, dp_size: int, num_microbatches: int, source: str,
                      fingerprint):
     """The rest of the checkpoint's epoch, re-balanced for ``dp_size`` x ``num_microbatches`` (a
@@ -114,6 +131,7 @@ def reshard_schedule(manifest: dict, stats, *, dp_size: int, num_microbatches: i
     if stats is None:
         raise InputError("resharding needs the dataset's statistics on global rank 0", source=source,
                          field="dataset")
+    _check_record(rec, source)
     config = _config_from_dict(rec["config"], source)
     old_rows = None if rec.get("rows") is None else np.asarray(rec["rows"], np.int64)
     offset = int(rec.get("step_offset", 0))
@@ -121,7 +139,7 @@ def reshard_schedule(manifest: dict, stats, *, dp_size: int, num_microbatches: i
     # the old world's stream, rebuilt from the record alone; it must be the stream the checkpoint trained
     old = BalancedBatchSampler(stats, dp_rank=0, dp_size=rec["dp_size"], num_microbatches=rec["num_microbatches"],
                                seed=rec["seed"], epoch=rec["epoch"], config=config)
-    old._remainder = None if old_rows is None else {"rows": old_rows.tolist()}
+    old._remainder = None if old_rows is None else old._check_remainder({"rows": old_rows.tolist()})
     old_inner, _ = old.schedule()
     old_schedule = old_inner if old_rows is None else ResumedSchedule(old_inner, old_rows, offset)
     if fingerprint(old_schedule) != sampler.get("schedule_fingerprint"):

@@ -19,10 +19,9 @@ from omnibal.train.config import TrainConfig
 from omnibal.train.distributed import World, init_world, local_world
 
 
-def load_training_stats(cfg: TrainConfig, spec):
-    """The statistics the synthetic dataset reproduces: a seeded subset, token counts in the model's units."""
+def _raw_training_stats(cfg: TrainConfig):
+    """``--stats`` as the file has it (what ``omnibal balance`` balanced), then the ``--max-samples`` subset."""
     from omnibal.stats.io import load_stats
-    from omnibal.stats.table import SampleStats
 
     if cfg.stats_path is None:
         raise InputError("no statistics given: pass --stats FILE (SampleStats or the OmniBal token-length JSON)",
@@ -31,26 +30,40 @@ def load_training_stats(cfg: TrainConfig, spec):
     if cfg.max_samples is not None and cfg.max_samples < len(stats):
         rows = np.sort(np.random.default_rng(cfg.seed).choice(len(stats), cfg.max_samples, replace=False))
         stats = stats.take(rows)
+    return stats
+
+
+def _in_model_units(stats, cfg: TrainConfig, spec):
+    from omnibal.stats.table import SampleStats
+
     tokens = spec.sample_tokens(stats.tiles, stats.tokens, images=stats.images,
                                 source_tokens_per_tile=cfg.stats_tokens_per_tile)
     return SampleStats(tiles=stats.tiles, tokens=tokens.astype(np.int32), images=stats.images, keys=stats.keys,
                        source=stats.source)
 
 
-def build_schedule(cfg: TrainConfig, stats):
-    """The run's schedule (the same on every rank: a pure function of the inputs)."""
-    from omnibal.train.feed import load_schedule, random_microbatch_schedule
+def load_training_stats(cfg: TrainConfig, spec):
+    """The statistics the synthetic dataset reproduces: a seeded subset, token counts in the model's units."""
+    return _in_model_units(_raw_training_stats(cfg), cfg, spec)
+
+
+def build_schedule(cfg: TrainConfig, stats, stats_fingerprint: str | None = None):
+    """The run's schedule (the same on every rank: a pure function of the inputs). A ``--schedule`` file must
+    have been balanced from these statistics (``stats_fingerprint``: of the rows as the stats file has them;
+    default ``stats.fingerprint()``) and schedule each of their rows once."""
+    from omnibal.train.feed import check_schedule_covers, load_schedule, random_microbatch_schedule
 
     if cfg.mode == "baseline":
         return random_microbatch_schedule(len(stats), dp_size=cfg.dp_size, num_microbatches=cfg.num_microbatches,
                                           batch_size=cfg.baseline_batch_size, seed=cfg.seed)
     if cfg.schedule_path is not None:
-        return load_schedule(cfg.schedule_path)
-    try:
-        from omnibal.data.balance import balance
-    except ImportError:
-        raise InputError("omnibal mode needs a balanced schedule: pass --schedule FILE (from `omnibal balance`)",
-                         source="--schedule") from None
+        schedule = load_schedule(cfg.schedule_path)
+        check_schedule_covers(schedule, stats_fingerprint=stats_fingerprint or stats.fingerprint(),
+                              num_samples=len(stats), source=cfg.schedule_path,
+                              stats_source=f"the statistics of this run ({stats.source})")
+        return schedule
+    from omnibal.data.balance import balance
+
     return balance(stats, dp_size=cfg.dp_size, num_microbatches=cfg.num_microbatches, seed=cfg.seed)
 
 
@@ -70,6 +83,13 @@ def build_model(cfg: TrainConfig):
 def build_data(cfg: TrainConfig, model):
     """(statistics, dataset): real annotations and images with ``--annotations`` (samples built exactly as
     ``omnibal stats`` counts them, rows joined by key), else synthetic samples shaped like ``--stats``."""
+    stats, dataset, _ = build_inputs(cfg, model)
+    return stats, dataset
+
+
+def build_inputs(cfg: TrainConfig, model):
+    """:func:`build_data` plus the fingerprint of the statistics as their file has them (what a ``--schedule``
+    file made by ``omnibal balance --stats`` records)."""
     spec = model.spec
     if cfg.annotations_path is not None:
         from omnibal.data.realdata import RealDataset
@@ -82,13 +102,14 @@ def build_data(cfg: TrainConfig, model):
             raise InputError(f"the samples need {dataset.vocab_size_needed} token ids (tokenizer plus image "
                              f"tokens), the model has {spec.llm.vocab_size}", source=str(cfg.tokenizer_path),
                              field="tokenizer")
-        return stats, dataset
+        return stats, dataset, stats.fingerprint()
     from omnibal.data.dataset import SyntheticSampleConfig, SyntheticVLMDataset
 
-    stats = load_training_stats(cfg, spec)
+    raw = _raw_training_stats(cfg)
+    stats = _in_model_units(raw, cfg, spec)
     return stats, SyntheticVLMDataset(stats, SyntheticSampleConfig(
         image_size=spec.vision.image_size, tokens_per_tile=spec.llm_tokens_per_tile,
-        vocab_size=spec.llm.vocab_size, image_token_id=spec.llm.vocab_size - 1, seed=cfg.seed))
+        vocab_size=spec.llm.vocab_size, image_token_id=spec.llm.vocab_size - 1, seed=cfg.seed)), raw.fingerprint()
 
 
 def build_trainer(cfg: TrainConfig, world: World):
@@ -97,8 +118,8 @@ def build_trainer(cfg: TrainConfig, world: World):
 
     model = build_model(cfg)
     spec = model.spec
-    stats, dataset = build_data(cfg, model)
-    schedule = build_schedule(cfg, stats)
+    stats, dataset, fingerprint = build_inputs(cfg, model)
+    schedule = build_schedule(cfg, stats, fingerprint)
     names = [layer.name for layer, _ in model.chain()]
     recomputable = [layer.name for layer, _ in model.chain() if layer.kind in ("vision_block", "llm_block")]
     layout = resolve_layout(names, pp_size=cfg.pp_size, mode=cfg.mode, stage_layers=cfg.stage_layers,
@@ -112,7 +133,7 @@ def build_trainer(cfg: TrainConfig, world: World):
                       mode=cfg.mode, num_microbatches=cfg.num_microbatches, pipeline_schedule=cfg.pipeline_schedule,
                       lr=cfg.lr, dp_sync=cfg.dp_sync, weight_decay=cfg.weight_decay, buffer=buffer,
                       log_path=cfg.log_path, quiet=cfg.quiet, checkpoint_dir=cfg.checkpoint_dir,
-                      checkpoint_every=cfg.checkpoint_every, run_info=info)
+                      checkpoint_every=cfg.checkpoint_every, run_info=info, ledger_path=cfg.ledger_path)
     if cfg.save_dir is not None:
         from pathlib import Path
 
@@ -141,8 +162,14 @@ def preflight(cfg: TrainConfig) -> None:
     for flag, path in (("--image-root", cfg.image_root), ("--tokenizer", cfg.tokenizer_path)):
         if path is not None and not Path(path).exists():
             raise InputError("no such file or folder", source=path, field=flag)
-    if cfg.save_dir is not None and Path(cfg.save_dir).exists() and not Path(cfg.save_dir).is_dir():
-        raise InputError("exists and is not a folder", source=cfg.save_dir, field="--save-dir")
+    from omnibal.outputs import check_dir, check_file
+
+    # every output before any work: a bad path fails now, not after training
+    for flag, path in (("--metrics-log (--log)", cfg.log_path), ("--summary-json", cfg.summary_path),
+                       ("--ledger", cfg.ledger_path)):
+        check_file(path, flag)
+    for flag, path in (("--checkpoint-dir", cfg.checkpoint_dir), ("--save-dir", cfg.save_dir)):
+        check_dir(path, flag)
     if cfg.hf_model is not None:
         from omnibal.cost.hf_spec import load_hf_spec
 
@@ -173,10 +200,10 @@ def train_rank(cfg: TrainConfig) -> dict:
         trainer.on_checkpoint(None)  # the final model
     if summary and cfg.summary_path:
         import json
-        from pathlib import Path
 
-        Path(cfg.summary_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(cfg.summary_path).write_text(json.dumps({"config": cfg.to_dict(), "summary": summary,
+        from omnibal.outputs import write_text
+
+        write_text(cfg.summary_path, json.dumps({"config": cfg.to_dict(), "summary": summary,
                                                       "skipped_checkpoints": trainer.skipped_checkpoints,
                                                       "stage_layers": [list(r) for r in trainer.layout.ranges],
                                                       "recompute": [list(r) for r in trainer.layout.recompute],
