@@ -213,3 +213,64 @@ def test_outputs_get_the_mode_the_umask_gives(tmp_path, umask):
         os.umask(old)
     for name in ("s.jsonl", "s.parquet", "b.json", "m.json"):
         assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o666 & ~umask, name
+
+
+# ------------------------------------------------------------------------------------ case 11: a FIFO as an image
+
+_IMAGE_READERS = {
+    "stats": "from omnibal.cli import main; raise SystemExit(main(['stats', sys.argv[1], '--image-root', sys.argv[2], "
+             "'--workers', '1', '--quiet']))",
+    "image_size": "from omnibal.stats.tiles import image_size\ntry:\n    image_size(sys.argv[2] + '/x.png')\n"
+                  "except ValueError as e:\n    print(e); raise SystemExit(2)",
+}
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+@pytest.mark.parametrize("reader", list(_IMAGE_READERS))
+def test_a_fifo_as_an_image_is_refused_not_waited_on(tmp_path, reader):
+    """A FIFO named like an image hung ``omnibal stats`` (still blocked after 60 s): images are opened without
+    blocking, and anything but a regular file is an InputError naming the image and the record."""
+    images = tmp_path / "images"
+    images.mkdir()
+    os.mkfifo(images / "x.png")
+    ann = tmp_path / "ann.jsonl"
+    ann.write_text(json.dumps({"id": "a", "image": "x.png", "conversations": [
+        {"from": "human", "value": "<image>\nq"}, {"from": "gpt", "value": "a"}]}) + "\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    t0 = time.monotonic()
+    try:
+        done = subprocess.run([sys.executable, "-c", "import sys\n" + _IMAGE_READERS[reader], str(ann), str(images)],
+                              capture_output=True, text=True, timeout=60, env=env)
+    except subprocess.TimeoutExpired:
+        pytest.fail("blocked on the FIFO for 60 s")
+    assert done.returncode == 2, done.stderr[-2000:]
+    text = done.stdout + done.stderr
+    assert "x.png" in text and "FIFO" in text and "Traceback" not in text
+    assert time.monotonic() - t0 < 60
+
+
+def test_a_device_or_folder_as_an_image_is_named(tmp_path):
+    from omnibal.stats.tiles import image_size
+
+    (tmp_path / "d.png").mkdir()
+    for path, kind in ((tmp_path / "d.png", "folder"), (Path("/dev/zero"), "device")):
+        with pytest.raises(InputError, match=kind) as err:
+            image_size(path, source="ann.jsonl", record="line 1")
+        assert err.value.record == "line 1" and err.value.field == "image"
+
+
+# ------------------------------------------------------------------------------------ case 13: tokenizer library
+
+
+def test_tokenizer_without_the_hf_extra_names_the_extra(tmp_path, monkeypatch):
+    """``omnibal stats --tokenizer`` with the README's plain install failed with ModuleNotFoundError: tokenizers.
+    Now an InputError that names the ``[hf]`` extra (and the README says ``--tokenizer`` needs it)."""
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # as if not installed
+    from omnibal.stats.tokens import make_counter
+
+    tok = ROOT / "src" / "omnibal" / "examples" / "tokenizer.json"
+    with pytest.raises(InputError, match=r"omnibal\[hf\]") as err:
+        make_counter(tok)
+    assert err.value.field == "tokenizer"
+    readme = (ROOT / "README.md").read_text()
+    assert any("--tokenizer" in line and ".[hf]" in line for line in readme.splitlines())

@@ -44,7 +44,7 @@ from omnibal.errors import InputError
 from omnibal.stats.annotations import AnnotationConfig, compute_stats, iter_records, record_keys
 from omnibal.stats.records import RecordError, check_inside, parse_json_line, parse_record
 from omnibal.stats.table import SampleStats
-from omnibal.stats.tiles import TileConfig, choose_grids
+from omnibal.stats.tiles import TileConfig, choose_grids, open_image_file
 from omnibal.stats.tokens import TokenConfig, make_counter
 
 IMAGE_PLACEHOLDER = "<image>"
@@ -249,11 +249,9 @@ class RealDataset(Dataset):
         if not cfg.allow_outside_root:
             check_inside(str(path), rel, os.path.realpath(self.image_root), {}, where["source"], where["record"])
         try:
-            with Image.open(path) as img:
+            with open_image_file(path, **where) as f, Image.open(f) as img:  # a FIFO or device is refused
                 img = ImageOps.exif_transpose(img) if cfg.apply_exif else img
                 img = img.convert("RGB")
-        except FileNotFoundError:
-            raise InputError(f"image not found: {path}", field="image", **where) from None
         except (UnidentifiedImageError, OSError, ValueError) as exc:
             raise InputError(f"unreadable image {path}: {exc}", field="image", **where) from None
         tcfg = cfg.tiles

@@ -20,6 +20,8 @@ that calls ``ImageOps.exif_transpose``) sees the image. InternVL's own loader op
 from __future__ import annotations
 
 import functools
+import os
+import stat
 from dataclasses import dataclass
 
 import numpy as np
@@ -116,6 +118,31 @@ def count_tiles(widths, heights, config: TileConfig = TileConfig()) -> np.ndarra
     return tiles.astype(np.int32)
 
 
+def open_image_file(path, *, source: str | None = None, record: str | int | None = None):
+    """A binary file object for the image at ``path``, opened without blocking and only if it is a regular
+    file: a FIFO would block the open (and the command) until a writer appears, and a device never ends."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise InputError(f"image not found: {path}", source=source, record=record, field="image") from None
+    except OSError as exc:
+        raise InputError(f"cannot open image {path}: {exc.strerror or exc}", source=source, record=record,
+                         field="image") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = ("a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+                    else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a regular file")
+            raise InputError(f"image {path} is {kind}, not an image file", source=source, record=record,
+                             field="image")
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def image_size(
     path, *, source: str | None = None, record: str | int | None = None, apply_exif: bool = True
 ) -> tuple[int, int]:
@@ -130,11 +157,11 @@ def image_size(
         # the decompression-bomb guard protects decoding; only the header is read here, and a huge scan
         # is a real (large) image to count, not an attack
         Image.MAX_IMAGE_PIXELS = None
-        with Image.open(path) as img:
+        with open_image_file(path, source=source, record=record) as f, Image.open(f) as img:
             width, height = img.size
             orientation = _orientation(img) if apply_exif else 1
-    except FileNotFoundError:
-        raise InputError(f"image not found: {path}", source=source, record=record, field="image") from None
+    except InputError:
+        raise
     except Exception as exc:  # Pillow's plugins raise many kinds on corrupt headers; all mean "unreadable"
         raise InputError(
             f"unreadable image header {path}: {type(exc).__name__}: {exc}", source=source, record=record, field="image"

@@ -107,7 +107,12 @@ def _load(path: Path):
         raise InputError("tokenizer path does not exist", source=str(path), field="tokenizer")
     file = path / "tokenizer.json" if path.is_dir() else path
     if file.is_file() and file.suffix == ".json":
-        from tokenizers import Tokenizer
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise InputError("reading a tokenizer needs the Hugging Face `tokenizers` package, which the plain "
+                             "install leaves out: pip install 'omnibal[hf]'", source=str(path),
+                             field="tokenizer") from None
 
         try:
             return Tokenizer.from_file(str(file)), None
