@@ -143,6 +143,8 @@ def test_hung_peer_fails_the_others_within_the_timeout(tmp_path):
     assert error["type"] == "PeerFailure"
     assert "rank 0" in error["message"] and ("step" in error["message"] or "checkpoint" in error["message"])
     assert "stopped responding" in error["message"] and f"{timeout_s:g} s" in error["message"]
+    # issue 20, case 4: the message names the stopped peer (from the heartbeats), not only the reporting rank
+    assert "rank 1 (dp 1/2, pp 0/1) stopped responding (no heartbeat)" in error["message"], error["message"]
     assert error["elapsed"] < timeout_s + 10, error  # the configured timeout, plus start-up slack
     assert waited < timeout_s + 30
 

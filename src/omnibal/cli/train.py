@@ -119,7 +119,10 @@ def run(args: argparse.Namespace) -> int:
         return 0
     from omnibal.train.distributed import spawn_local
 
-    results = spawn_local(train_rank, nproc, args=(cfg,), deadline_s=7 * 24 * 3600.0)
+    # once a rank fails, the others' collectives fail within the timeout; a rank still there after twice that
+    # is stopped or hung, and is killed and named rather than waited on
+    results = spawn_local(train_rank, nproc, args=(cfg,), deadline_s=7 * 24 * 3600.0,
+                          failure_grace_s=2 * cfg.timeout_s + 10)
     failed = [r for r in results if r.error]
     if not failed:
         return 0
@@ -128,5 +131,6 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(input_errors[0].error.strip().splitlines()[-1].split("InputError: ", 1)[-1])
     for r in failed:
         last = (r.error or "").strip().splitlines()[-1] if r.error else f"exit code {r.exitcode}"
-        print(f"omnibal train: rank {r.rank}: {last}", file=sys.stderr)
+        print(f"omnibal train: {'' if last.startswith(f'rank {r.rank} ') else f'rank {r.rank}: '}{last}",
+              file=sys.stderr)
     return 1

@@ -61,10 +61,16 @@ class World:
     """Process group of this stage's replicas (gradient all-reduce)."""
     pp_group: Any
     """Process group of this DP rank's pipeline (activation p2p)."""
+    heartbeat: Any = None
+    """:class:`omnibal.train.heartbeat.Heartbeat` of a multi-process world (None: one process, or no store)."""
 
     @property
     def where(self) -> str:
         return f"rank {self.rank} (dp {self.dp_rank}/{self.dp_size}, pp {self.pp_rank}/{self.pp_size})"
+
+    def where_rank(self, rank: int) -> str:
+        """How :attr:`where` names another rank of this world."""
+        return f"rank {rank} (dp {rank // self.pp_size}/{self.dp_size}, pp {rank % self.pp_size}/{self.pp_size})"
 
     @property
     def is_first_stage(self) -> bool:
@@ -108,7 +114,25 @@ def init_world(*, dp_size: int, pp_size: int, device: str = "cpu", timeout_s: fl
     assert coords is not None and coords[0] * pp_size + coords[1] == rank, (coords, rank)
     return World(rank=rank, world_size=world_size, dp_rank=coords[0], dp_size=dp_size, pp_rank=coords[1],
                  pp_size=pp_size, device=torch_device, backend=backend, timeout_s=timeout_s, mesh=mesh,
-                 dp_group=mesh["dp"].get_group(), pp_group=mesh["pp"].get_group())
+                 dp_group=mesh["dp"].get_group(), pp_group=mesh["pp"].get_group(),
+                 heartbeat=_start_heartbeat(rank, world_size, timeout_s))
+
+
+_HEARTBEATS: list = []
+
+
+def _start_heartbeat(rank: int, world_size: int, timeout_s: float):
+    """This rank's heartbeat (see :mod:`omnibal.train.heartbeat`); None when the store cannot take one."""
+    if world_size == 1:
+        return None
+    from omnibal.train.heartbeat import Heartbeat
+
+    try:
+        beat = Heartbeat(rank, world_size, read_timeout_s=min(3.0, max(1.0, timeout_s / 2)))
+    except Exception:  # a store without add(), an unreachable store: failures then name no peer, as before
+        return None
+    _HEARTBEATS.append(beat)
+    return beat
 
 
 def local_world(device: str = "cpu", timeout_s: float = 60.0) -> World:
@@ -120,15 +144,30 @@ def local_world(device: str = "cpu", timeout_s: float = 60.0) -> World:
 
 
 def destroy_world() -> None:
+    while _HEARTBEATS:
+        _HEARTBEATS.pop().stop()
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
 def peer_failure(world: World, what: str, exc: BaseException) -> PeerFailure:
-    """Turn a backend error (connection reset, timeout) into one message a user can act on."""
-    return PeerFailure(f"{world.where}: {what} failed: a peer rank died or stopped responding "
+    """Turn a backend error (connection reset, timeout) into one message a user can act on, naming the peer
+    whose heartbeat stopped when the heartbeats tell."""
+    return PeerFailure(f"{world.where}: {what} failed: a peer rank died or stopped responding{_culprits(world)} "
                        f"(operations time out after {world.timeout_s:g} s; check the other ranks' logs): "
                        f"{_first_line(exc)}")
+
+
+def _culprits(world: World) -> str:
+    if world.heartbeat is None:
+        return ""
+    silent = world.heartbeat.silent_ranks()
+    if silent is None:
+        return (": the rendezvous store does not answer either, so its host stopped or died (rank 0, unless "
+                "torchrun's agent hosts it)")
+    if not silent:
+        return ""
+    return ": " + ", ".join(world.where_rank(r) for r in silent) + " stopped responding (no heartbeat)"
 
 
 def is_comm_error(exc: BaseException) -> bool:
@@ -167,19 +206,24 @@ class RankResult:
 
 def spawn_local(fn: Callable[..., Any], world_size: int, *, args: tuple = (), deadline_s: float = 600.0,
                 master_port: int | None = None, env: dict[str, str] | None = None,
-                start_method: str = "spawn") -> list[RankResult]:
+                start_method: str = "spawn", failure_grace_s: float = 60.0) -> list[RankResult]:
     """Run ``fn(*args)`` in ``world_size`` fresh processes with the env:// rendezvous variables set.
 
     Returns one RankResult per rank. Ranks still alive ``deadline_s`` after the start are killed (their
-    exitcode is None), so a hang never outlives the deadline. ``start_method="fork"`` skips re-importing
-    torch in every child (much faster on few cores); only use it from a parent that has not started a
-    process group or torch worker threads.
+    exitcode is None), so a hang never outlives the deadline; once a rank has failed, the others get
+    ``failure_grace_s`` to end (their collectives time out and name the peer), then the ones left -- e.g. a
+    stopped (SIGSTOP) or hung rank -- are killed and named. A rank killed by a signal is reported with the
+    signal's name (SIGKILL: most often the kernel's out-of-memory killer, which the cgroup's counters
+    confirm when they can be read). ``start_method="fork"`` skips re-importing torch in every child (much
+    faster on few cores); only use it from a parent that has not started a process group or torch worker
+    threads.
     """
     import torch.multiprocessing as mp
 
     ctx = mp.get_context(start_method)
     port = master_port or free_port()
     results: Any = ctx.Queue()
+    oom_before = _oom_kills()
     procs = []
     for rank in range(world_size):
         rank_env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
@@ -188,9 +232,35 @@ def spawn_local(fn: Callable[..., Any], world_size: int, *, args: tuple = (), de
         proc = ctx.Process(target=_rank_main, args=(fn, args, rank_env, results), daemon=False)
         proc.start()
         procs.append(proc)
-    deadline = time.monotonic() + deadline_s
     reported: dict[int, tuple[str | None, Any]] = {}
-    # drain the queue while waiting: a rank blocks on exit until its (possibly large) result is read
+    failed_at = _wait(procs, results, reported, time.monotonic() + deadline_s, failure_grace_s)
+    oom = _oom_kills() - oom_before if oom_before is not None else None
+    out = []
+    for rank, proc in enumerate(procs):
+        if proc.is_alive():
+            state = _proc_state(proc.pid)
+            proc.kill()
+            proc.join(5)
+            if failed_at is None:
+                why = f"still running after {deadline_s:g} s"
+            else:
+                why = (f"{'stopped (SIGSTOP or a debugger)' if state in ('T', 't') else 'still running (hung?)'} "
+                       f"{failed_at[1]:.0f} s after rank {failed_at[0]} failed")
+            out.append(RankResult(rank, None, f"rank {rank} {why}: killed"))
+            continue
+        error, value = reported.get(rank, (None, None))
+        if error is None and proc.exitcode != 0:
+            error = f"rank {rank} {describe_exit(proc.exitcode, oom_kills=oom)}"
+        out.append(RankResult(rank, proc.exitcode, error, value))
+    results.close()
+    return out
+
+
+def _wait(procs, results, reported: dict, deadline: float, grace_s: float) -> tuple[int, float] | None:
+    """Drain the result queue (a rank blocks on exit until its result is read) until every rank has ended,
+    the deadline passes, or ``grace_s`` after the first failure; returns (first failed rank, seconds waited
+    since) when the grace ran out with ranks left."""
+    first_failure: tuple[int, float] | None = None
     while time.monotonic() < deadline:
         try:
             rank, error, value = results.get(timeout=0.1)
@@ -200,25 +270,66 @@ def spawn_local(fn: Callable[..., Any], world_size: int, *, args: tuple = (), de
             pass
         if all(not p.is_alive() for p in procs):
             break
+        if first_failure is None:
+            bad = [r for r, p in enumerate(procs) if reported.get(r, (None,))[0] is not None
+                   or (not p.is_alive() and p.exitcode not in (0, None))]
+            if bad:
+                first_failure = (bad[0], time.monotonic())
+        elif time.monotonic() - first_failure[1] > grace_s:
+            break
     while True:
         try:
             rank, error, value = results.get(timeout=0.2)
         except queue_mod.Empty:
             break
         reported[rank] = (error, value)
-    out = []
-    for rank, proc in enumerate(procs):
-        if proc.is_alive():
-            proc.kill()
-            proc.join(5)
-            out.append(RankResult(rank, None, f"rank {rank} still running after {deadline_s:g} s: killed"))
+    if first_failure is None or all(not p.is_alive() for p in procs):
+        return None
+    return first_failure[0], time.monotonic() - first_failure[1]
+
+
+def describe_exit(exitcode: int, *, oom_kills: int | None = None) -> str:
+    """How a process ended, for a person: the signal's name, and for SIGKILL the out-of-memory killer."""
+    import signal as signal_mod
+
+    if exitcode >= 0:
+        return f"exited with code {exitcode}"
+    try:
+        name = signal_mod.Signals(-exitcode).name
+    except ValueError:
+        name = f"signal {-exitcode}"
+    text = f"was killed by {name}"
+    if -exitcode == getattr(signal_mod, "SIGKILL", 9):
+        if oom_kills:
+            text += (f": the kernel's out-of-memory killer ended {oom_kills} process(es) of this job's cgroup "
+                     f"meanwhile (memory.events oom_kill); the rank ran out of memory")
+        else:
+            text += (" (exit code -9): most often the kernel's out-of-memory killer, when the machine or the "
+                     "container ran out of memory (see `dmesg`), or someone ran kill -9")
+    return text
+
+
+def _oom_kills() -> int | None:
+    """The cgroup's count of processes the out-of-memory killer ended (cgroup v2, else v1); None if unknown."""
+    for path in ("/sys/fs/cgroup/memory.events", "/sys/fs/cgroup/memory/memory.oom_control"):
+        try:
+            with open(path) as f:
+                for line in f:
+                    key, _, value = line.partition(" ")
+                    if key == "oom_kill":
+                        return int(value)
+        except (OSError, ValueError):
             continue
-        error, value = reported.get(rank, (None, None))
-        if error is None and proc.exitcode != 0:
-            error = f"rank {rank} exited with code {proc.exitcode}"
-        out.append(RankResult(rank, proc.exitcode, error, value))
-    results.close()
-    return out
+    return None
+
+
+def _proc_state(pid: int) -> str:
+    """The process's state letter from /proc (``T``: stopped), or "" where there is no /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
 
 
 def _rank_main(fn: Callable[..., Any], args: tuple, env: dict[str, str], results: Any) -> None:
