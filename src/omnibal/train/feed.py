@@ -286,6 +286,28 @@ def buffer_shape(schedule: ScheduleLike, tiles: np.ndarray, tokens: np.ndarray, 
     return max_tiles, max_tokens
 
 
+@dataclass(frozen=True)
+class Buffer:
+    """Fixed micro-batch buffer (tiles, tokens); None on a 1-stage run sizes each micro-batch exactly."""
+
+    tiles: int
+    tokens: int
+
+
+def fixed_buffer(schedule: ScheduleLike, stats, *, mode: str) -> Buffer:
+    """The pipeline's fixed micro-batch buffer: the balancer's caps in omnibal mode (every pack fits them by
+    construction; one that does not is refused by the collator), else the tightest buffer that holds every
+    micro-batch of the schedule (the baseline pays for its worst padded micro-batch)."""
+    caps = getattr(schedule, "caps", None)
+    if mode == "omnibal" and caps is not None:
+        tiles = caps["tiles"] if isinstance(caps, dict) else caps.tiles
+        tokens = caps["tokens"] if isinstance(caps, dict) else caps.tokens
+        if tiles and tokens:
+            return Buffer(int(tiles), int(tokens))
+    tiles, tokens = buffer_shape(schedule, stats.tiles, stats.tokens, pad_to_longest=mode == "baseline")
+    return Buffer(tiles, tokens)
+
+
 def _csr(schedule) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """(pack_samples, pack_offsets, pack_ids) of a balancer Schedule, or None for other schedules."""
     arrays = [getattr(schedule, name, None) for name in ("pack_samples", "pack_offsets", "pack_ids")]

@@ -55,6 +55,15 @@ class LedgerWriter:
             self._file.close()
 
 
+def sample_keys(dataset, rows) -> list[int]:
+    """The keys of dataset rows: the dataset's ``key(i)`` (real data) or its statistics' ``keys``."""
+    if hasattr(dataset, "key"):
+        return [int(dataset.key(int(i))) for i in rows]
+    import numpy as np
+
+    return np.asarray(dataset.stats.keys)[np.asarray(rows, np.int64)].tolist()
+
+
 def read_ledger(path: str | os.PathLike) -> list[dict]:
     """The ledger's events in order. A line cut short by a killed writer is dropped when a later run's
     ``start`` follows it (that run replaced it) or it is the last line; anywhere else it is an InputError."""

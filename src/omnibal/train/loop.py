@@ -24,7 +24,6 @@ from __future__ import annotations
 import hashlib
 import sys
 import time
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
@@ -34,7 +33,8 @@ import torch.distributed as dist
 from omnibal.errors import InputError
 from omnibal.train import checkpoint as ckpt
 from omnibal.train.distributed import World, is_comm_error, peer_failure
-from omnibal.train.feed import ScheduleLike, buffer_shape, check_schedule, schedule_fingerprint
+from omnibal.train.feed import (Buffer, ScheduleLike, check_schedule, fixed_buffer,  # noqa: F401 (re-exported)
+                                schedule_fingerprint)
 from omnibal.train.metrics_log import (MetricsLog, RankTimes, StepRecord, format_summary, process_memory,
                                        progress_bar, summarize)
 from omnibal.train.pipeline import GradSync, StageLayout, StageRunner
@@ -45,14 +45,6 @@ _COUNT_FIELDS = ("targets", "samples", "tokens", "tiles", "buffer_tokens", "buff
 def model_identity(spec) -> str:
     """Name plus a hash of the full spec: checkpoints refuse to load into another architecture."""
     return f"{spec.name}:{hashlib.sha256(repr(spec).encode()).hexdigest()[:12]}"
-
-
-@dataclass(frozen=True)
-class Buffer:
-    """Fixed micro-batch buffer (tiles, tokens); None on a 1-stage run sizes each micro-batch exactly."""
-
-    tiles: int
-    tokens: int
 
 
 class Trainer:
@@ -244,18 +236,13 @@ class Trainer:
     def _ledger_step(self, step: int) -> None:
         """Gather every DP rank's sample keys of ``step`` to global rank 0, which appends them to the ledger
         (before the step's checkpoint can be written)."""
-        mine = None
-        if self.world.is_first_stage:
-            rows = np.asarray(self._fed, np.int64)
-            if hasattr(self.dataset, "key"):
-                keys = [int(self.dataset.key(int(i))) for i in rows]
-            else:
-                keys = np.asarray(self.dataset.stats.keys)[rows].tolist()
-            mine = (keys, rows.tolist())
-        parts = self._gather_objects(mine, f"step {step} (ledger)")
+        from omnibal.train.ledger import sample_keys
+
+        mine = (sample_keys(self.dataset, self._fed), list(self._fed)) if self.world.is_first_stage else None
+        parts = [p for p in self._gather_objects(mine, f"step {step} (ledger)") if p]
         if self.world.rank == 0:
             self._ledger_start()
-            self._ledger.step(step, [k for p in parts if p for k in p[0]], [i for p in parts if p for i in p[1]])
+            self._ledger.step(step, [k for p in parts for k in p[0]], [i for p in parts for i in p[1]])
 
     def _all_reduce(self, tensor: torch.Tensor) -> None:
         if self.world.world_size > 1:
@@ -503,17 +490,3 @@ def _caused_by_comm_error(exc: BaseException) -> bool:
             return True
         seen = seen.__cause__ or seen.__context__
     return False
-
-
-def fixed_buffer(schedule: ScheduleLike, stats, *, mode: str) -> Buffer:
-    """The pipeline's fixed micro-batch buffer: the balancer's caps in omnibal mode (every pack fits them by
-    construction; one that does not is refused by the collator), else the tightest buffer that holds every
-    micro-batch of the schedule (the baseline pays for its worst padded micro-batch)."""
-    caps = getattr(schedule, "caps", None)
-    if mode == "omnibal" and caps is not None:
-        tiles = caps["tiles"] if isinstance(caps, dict) else caps.tiles
-        tokens = caps["tokens"] if isinstance(caps, dict) else caps.tokens
-        if tiles and tokens:
-            return Buffer(int(tiles), int(tokens))
-    tiles, tokens = buffer_shape(schedule, stats.tiles, stats.tokens, pad_to_longest=mode == "baseline")
-    return Buffer(tiles, tokens)
