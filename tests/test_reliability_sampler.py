@@ -341,7 +341,7 @@ def _state_after(stats, consumed: int = 6, dp: int = 2, micro: int = 2) -> dict:
     ("consumed_microbatches", -3), ("consumed_microbatches", 10**6), ("consumed_microbatches", 2.0),
     ("consumed_microbatches", True), ("epoch", -1), ("dp_size", True), ("num_microbatches", "2"),
     ("caps", {"tiles": 3.5, "tokens": 40}), ("caps", {"tiles": "3", "tokens": 40}), ("version", 99),
-    ("trained_reported", "yes"),
+    ("trained_reported", "yes"), ("consumed_microbatchs", 2),
     ("remainder", {"rows": [0, 1, 1, 2]}), ("remainder", {"rows": [0, 1, 10**6]}), ("remainder", {"rows": [-1]}),
     ("remainder", {"rows": [0.5, 1.0]}), ("remainder", {"rows": []}), ("remainder", [1, 2]),
 ])

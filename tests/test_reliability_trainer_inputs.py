@@ -190,7 +190,8 @@ def test_schedule_balanced_from_other_stats_is_refused(tmp_path, capsys):
                  "--quiet"]) == 0
 
 
-@pytest.mark.parametrize("edit", ["duplicate-row", "missing-row", "empty-microbatch", "no-fingerprint"])
+@pytest.mark.parametrize("edit", ["duplicate-row", "missing-row", "empty-microbatch", "no-fingerprint",
+                                  "misspelt-key"])
 def test_schedule_must_schedule_each_row_once(tmp_path, capsys, edit):
     stats = _stats(tmp_path / "s.jsonl", 100)
     sched = tmp_path / "sched.json"
@@ -204,8 +205,10 @@ def test_schedule_must_schedule_each_row_once(tmp_path, capsys, edit):
         first[1].pop() if len(first[1]) > 1 else first[0].pop()
     elif edit == "empty-microbatch":
         first[1].clear()
-    else:
+    elif edit == "no-fingerprint":
         del doc["stats_fingerprint"]
+    else:
+        doc["droped"] = doc.pop("dropped")
     sched.write_text(json.dumps(doc))
     assert main(["train", "--stats", str(stats), "--schedule", str(sched), "--microbatches", "2", "--steps", "1",
                  "--quiet"]) == 2

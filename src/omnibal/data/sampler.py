@@ -71,6 +71,8 @@ from omnibal.errors import InputError
 STATE_VERSION = 3
 """3: the state says whether the training loop reports trained micro-batches (``trained_reported``)."""
 READABLE_VERSIONS = (2, 3)
+STATE_KEYS = ("version", "epoch", "consumed_microbatches", "trained_reported", "dp_size", "num_microbatches", "seed",
+              "stats_fingerprint", "config_hash", "caps", "remainder")
 FIXED_CAP_TRIES = 8
 """Tries of one epoch under the fixed caps, each with ``SLACK_STEP`` more room than the last."""
 SLACK_STEP = 0.01
@@ -292,6 +294,9 @@ class BalancedBatchSampler:
                     "caps"):
             if key not in state:
                 raise InputError(f"sampler state lacks {key!r}", source="state_dict", field=key)
+        unknown = sorted(str(k) for k in state if k not in STATE_KEYS)
+        if unknown:
+            raise InputError(f"unknown key {unknown[0]!r} in a sampler state", source="state_dict", field=unknown[0])
         if state.get("version", 2) not in READABLE_VERSIONS:
             raise InputError(f"sampler state version {state.get('version')!r:.40} is not one this omnibal reads "
                              f"{READABLE_VERSIONS}", source="state_dict", field="version")

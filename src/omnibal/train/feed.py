@@ -68,6 +68,9 @@ class IndexSchedule:
         for key in ("dp_size", "num_microbatches", "steps"):
             if key not in doc:
                 raise InputError("missing field", source=source, field=key)
+        from omnibal.data.balance.schedule import check_keys
+
+        check_keys(doc, source)
         dp, m = doc["dp_size"], doc["num_microbatches"]
         if not (_is_int(dp) and dp >= 1 and _is_int(m) and m >= 1):
             raise InputError(f"dp_size {dp!r:.40} and num_microbatches {m!r:.40} must be positive integers",

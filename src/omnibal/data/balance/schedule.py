@@ -194,6 +194,7 @@ class Schedule:
         for key in ("dp_size", "num_microbatches", "caps", "steps"):
             if key not in d:
                 raise InputError(f"missing key {key!r}", source=source, field=key)
+        check_keys(d, source)
         dp, m = _int_field(d, "dp_size", 1, source), _int_field(d, "num_microbatches", 1, source)
         caps = d["caps"]
         if not isinstance(caps, dict):
@@ -252,6 +253,19 @@ class Schedule:
                                                                       other.num_steps):
             return False
         return self.steps_nested() == other.steps_nested() and self.caps == other.caps
+
+
+KEYS = ("dp_size", "num_microbatches", "caps", "steps", "format", "num_samples", "padding", "method", "seed",
+        "epoch", "stats_fingerprint", "dropped", "meta")
+"""Every key of the JSON form (extras go under ``meta``)."""
+
+
+def check_keys(d: dict, source: str) -> None:
+    """Refuse a key the schedule format does not have (a misspelt ``dropped`` would otherwise be ignored)."""
+    unknown = sorted(str(k) for k in d if k not in KEYS)
+    if unknown:
+        raise InputError(f"unknown key {unknown[0]!r} (a schedule has {', '.join(KEYS)}; extras go under 'meta')",
+                         source=source, field=unknown[0])
 
 
 def _is_int(value) -> bool:
