@@ -93,13 +93,14 @@ def profile_layers(spec, schedule, stats, *, num_packs: int = 6, repeats: int = 
     return times / num_packs
 
 
-def write_plan(path: Path, spec, parts, layer_times) -> None:
+def write_plan(path: Path, spec, parts, layer_times, num_samples: int) -> None:
+    """The partition as a real Plan (what `omnibal train --plan` reads), with each stage's measured time."""
+    from omnibal.plan.plan import measured_plan
+
     names = [layer.name for layer in spec.layers()]
-    stages = [{"stage": s, "layers": [a, b], "modules": names[a:b], "recompute": [],
-               "measured_fwd_bwd_s": float(layer_times[a:b].sum())}
-              for s, (a, b) in enumerate(zip(parts[:-1], parts[1:]))]
-    path.write_text(json.dumps({"model": spec.name, "source": "bench_train: min-max partition of measured "
-                                "per-layer times", "stages": stages}, indent=1))
+    times = [float(layer_times[a:b].sum()) for a, b in zip(parts[:-1], parts[1:])]
+    measured_plan(model=spec.name, layer_names=names, parts=parts, stage_times_s=times, num_samples=num_samples,
+                  source="bench_train: min-max partition of measured per-layer times").save(path)
 
 
 def predict_step_time(calibrated, links, schedule, stats, *, mode, dp, pp, parts, recompute_names, steps) -> float:
@@ -207,7 +208,7 @@ def main(argv=None) -> int:
         if pp > 1:
             layer_times = profile_layers(spec, sched_omni, stats)
             plan_path = work / f"plan_pp{pp}.json"
-            write_plan(plan_path, spec, min_max_partition(layer_times, pp).parts, layer_times)
+            write_plan(plan_path, spec, min_max_partition(layer_times, pp).parts, layer_times, len(stats))
         schedule_of = {"baseline": sched_base, "omnibal": sched_omni}
         common = ["--model", "tiny", "--stats", str(stats_path), "--dp", str(dp), "--pp", str(pp),
                   "--microbatches", str(args.microbatches), "--seed", str(args.seed), "--threads", "1",

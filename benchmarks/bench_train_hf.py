@@ -98,14 +98,16 @@ def profile_chain(root: Path, model: Path) -> tuple[list[str], np.ndarray, objec
     return [spec.name for spec, _ in layers], times / len(packs), chain.spec, stats
 
 
-def write_plan(path: Path, model_name: str, names: list[str], layer_times: np.ndarray, pp: int) -> list[int]:
+def write_plan(path: Path, model_name: str, names: list[str], layer_times: np.ndarray, pp: int,
+               num_samples: int) -> list[int]:
+    """The min-max cut of the measured layer times, as a real Plan (what `omnibal train --plan` reads)."""
     from omnibal.plan.partition import min_max_partition
+    from omnibal.plan.plan import measured_plan
 
-    parts = [int(x) for x in min_max_partition(layer_times, pp).parts]
-    stages = [{"stage": s, "layers": [a, b], "modules": names[a:b], "recompute": []}
-              for s, (a, b) in enumerate(zip(parts[:-1], parts[1:]))]
-    path.write_text(json.dumps({"model": model_name, "source": "bench_train_hf: min-max partition of measured "
-                                "per-layer times", "stages": stages}, indent=1))
+    part = min_max_partition(layer_times, pp)
+    parts = [int(x) for x in part.parts]
+    measured_plan(model=model_name, layer_names=names, parts=parts, stage_times_s=part.stage_costs,
+                  num_samples=num_samples, num_microbatches=MICROBATCHES, source="bench_train_hf: measured per-layer times").save(path)
     return parts
 
 
@@ -147,7 +149,7 @@ def main(argv=None) -> int:
     names, layer_times, spec, stats = profile_chain(work, model)
     vision_share = float(layer_times[: names.index("llm.embed")].sum() / layer_times.sum())
     plan = work / "plan_pp2.json"
-    parts = write_plan(plan, spec.name, names, layer_times, 2)
+    parts = write_plan(plan, spec.name, names, layer_times, 2, len(stats))
     log(f"{len(stats)} samples, vision share {vision_share:.0%} of the measured time, PP2 cut {parts}")
     runs: dict[str, list] = {}
     for r in range(args.repeats):

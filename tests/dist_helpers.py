@@ -37,21 +37,14 @@ def tiny_stats(num_samples: int = 160, seed: int = 0) -> SampleStats:
 
 
 def tiny_plan(ranges, recompute=None, *, model: str = "dist-test-tiny", names=None):
-    """A real ``omnibal.plan.plan.Plan`` for the tiny model (what ``omnibal plan`` writes, with made-up costs):
-    the trainer reads plans with ``Plan.load`` only."""
-    from omnibal.plan.plan import DataPlan, Plan, PlanInputs, PlanStage, Prediction
+    """A real ``omnibal.plan.plan.Plan`` for the tiny model (made-up stage times): the trainer reads plans
+    with ``Plan.load`` only."""
+    from omnibal.plan.plan import measured_plan
 
     names = names or [layer.name for layer in tiny_spec().layers()]
-    recompute = recompute or [[] for _ in ranges]
-    pp = len(ranges)
-    inputs = PlanInputs(model=model, model_spec={}, hardware="a100-80g", num_gpus=pp, dp_size=1, pp_size=pp,
-                        tp_size=1, zero_stage=1, num_microbatches=4, memory_budget_bytes=None, stats_source="test",
-                        stats_fingerprint="0", num_samples=160)
-    stages = tuple(PlanStage(stage=s, layers=(a, b), modules=tuple(names[a:b]), recompute=tuple(rec), in_flight=1,
-                             compute_time_s=1.0, boundary_time_s=0.0, recompute_time_s=0.0, memory_bytes=1.0)
-                   for s, ((a, b), rec) in enumerate(zip(ranges, recompute)))
-    return Plan(inputs=inputs, data=DataPlan(method="omnibal", settings={}, num_steps=1), stages=stages,
-                prediction=Prediction(step_time_s=1.0, epoch_time_s=1.0, gpu_days=0.0, bubble=0.0, num_steps=1))
+    parts = [a for a, _ in ranges] + [ranges[-1][1]]
+    return measured_plan(model=model, layer_names=names, parts=parts, stage_times_s=[1.0] * len(ranges),
+                         num_samples=160, recompute=recompute, num_microbatches=4, source="test")
 
 
 def tiny_dataset(spec: ModelSpec, stats: SampleStats, seed: int = 0):

@@ -309,6 +309,27 @@ def plan_stages(names, stage_plans, simulated_peak_memory=None) -> tuple[PlanSta
     return tuple(out)
 
 
+def measured_plan(*, model: str, layer_names, parts, stage_times_s, num_samples: int, recompute=None,
+                  num_microbatches: int = 1, dp_size: int = 1, source: str = "measured layer times") -> Plan:
+    """A :class:`Plan` for a partition chosen outside ``omnibal plan`` (e.g. the min-max cut of this machine's
+    measured per-layer times): what the trainer reads with :meth:`Plan.load`, with the stage times given and
+    no memory or step-time prediction (zeros)."""
+    parts = [int(x) for x in parts]
+    pp = len(parts) - 1
+    recompute = recompute or [[] for _ in range(pp)]
+    names = list(layer_names)
+    inputs = PlanInputs(model=model, model_spec={}, hardware="measured", num_gpus=dp_size * pp, dp_size=dp_size,
+                        pp_size=pp, tp_size=1, zero_stage=0, num_microbatches=num_microbatches,
+                        memory_budget_bytes=None, stats_source=source, stats_fingerprint="",
+                        num_samples=num_samples)
+    stages = tuple(PlanStage(stage=s, layers=(a, b), modules=tuple(names[a:b]), recompute=tuple(recompute[s]),
+                             in_flight=min(pp - s, num_microbatches), compute_time_s=float(t), boundary_time_s=0.0,
+                             recompute_time_s=0.0, memory_bytes=0.0)
+                   for s, ((a, b), t) in enumerate(zip(zip(parts[:-1], parts[1:]), stage_times_s)))
+    return Plan(inputs=inputs, data=DataPlan(method="omnibal", settings={}, num_steps=0), stages=stages,
+                prediction=Prediction(step_time_s=0.0, epoch_time_s=0.0, gpu_days=0.0, bubble=0.0, num_steps=0))
+
+
 def _finite(obj):
     """JSON has no inf/nan: write them as null (loading then reports the field if it is required)."""
     if isinstance(obj, float):
