@@ -274,3 +274,18 @@ def test_tokenizer_without_the_hf_extra_names_the_extra(tmp_path, monkeypatch):
     assert err.value.field == "tokenizer"
     readme = (ROOT / "README.md").read_text()
     assert any("--tokenizer" in line and ".[hf]" in line for line in readme.splitlines())
+
+
+def test_plan_out_under_a_file_fails_before_planning(tmp_path, capsys):
+    """`omnibal plan --out FILE/x` is refused by name before the job runs (issue 20 case 9)."""
+    import time
+
+    from omnibal.cli import main
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    t0 = time.perf_counter()
+    assert main(["plan", "--out", str(blocker / "out"), "--quiet"]) == 2
+    assert time.perf_counter() - t0 < 2.0  # the default job takes several seconds: it never started
+    err = capsys.readouterr().err.strip()
+    assert "--out" in err and "a-file" in err and "\n" not in err

@@ -109,8 +109,11 @@ def run(args: argparse.Namespace) -> int:
     from omnibal.plan.job import run_plan_job
     from omnibal.plan.report import balance_rows, stage_rows, text_table, write_job_outputs
 
+    from omnibal.outputs import check_dir
+
     t0 = time.perf_counter()
     config = job_config(args)
+    check_dir(args.out, "--out")  # before minutes of planning, not after
     progress = not args.quiet and sys.stderr.isatty()
     inp = config
     print(f"omnibal plan: {inp.hf_model or inp.preset} on {inp.dp_size * inp.pp_size * inp.tp_size} x {inp.hardware} "
