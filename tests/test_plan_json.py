@@ -100,3 +100,25 @@ def test_paper_figures_only_next_to_the_papers_model():
     assert "paper GPU days" in ablation_markdown(ours)
     other = with_speedups(rows, "tiny")
     assert other[1].paper_gpu_days is None and "paper" not in ablation_markdown(other)
+
+
+def test_simulate_and_report_refuse_an_unknown_plan_key_like_the_trainer(tmp_path):
+    """A misspelt key (``recompte``) in a plan file is named by Plan.load itself, so every reader refuses it
+    (issue 20 case 10: unknown keys were accepted silently everywhere)."""
+    import json
+
+    from omnibal.errors import InputError
+    from omnibal.plan.plan import Plan, measured_plan
+
+    plan = measured_plan(model="m", layer_names=["a", "b", "c"], parts=[0, 1, 3], stage_times_s=[1, 1], num_samples=4)
+    doc = json.loads(plan.to_json())
+    doc["stages"][1]["recompte"] = ["b"]
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(InputError, match=r"stages\[1\]\.recompte"):
+        Plan.load(path)
+    doc["stages"][1].pop("recompte")
+    doc["extra"] = 1
+    path.write_text(json.dumps(doc))
+    with pytest.raises(InputError, match="unknown key 'extra'"):
+        Plan.load(path)

@@ -263,7 +263,27 @@ class Plan:
         plan = cls(inputs=inputs, data=data, stages=tuple(stages), prediction=prediction, search=search,
                    version=version, engine=engine)
         _check_values(plan, source)
+        _refuse_unknown_keys(raw, source)
         return plan
+
+
+def _refuse_unknown_keys(raw: dict, source: str) -> None:
+    """An InputError naming the first key a plan file has that the plan format does not (a misspelt
+    ``recompute`` would otherwise silently mean no recompute, in the trainer, simulate and report alike)."""
+    from dataclasses import fields
+
+    top = {"format", "version", "model", "engine", "inputs", "data", "stages", "prediction", "search", "exports"}
+    sections = [("", raw, top)]
+    for key, cls in (("inputs", PlanInputs), ("data", DataPlan), ("prediction", Prediction)):
+        sections.append((key, raw[key], {f.name for f in fields(cls)}))
+    stage_keys = {f.name for f in fields(PlanStage)}
+    sections += [(f"stages[{s}]", st, stage_keys) for s, st in enumerate(raw["stages"])]
+    for where, section, known in sections:
+        unknown = sorted(set(section) - known)
+        if unknown:
+            name = f"{where}.{unknown[0]}" if where else unknown[0]
+            raise InputError(f"unknown key {unknown[0]!r} (the plan format has {', '.join(sorted(known))})",
+                             source=source, record=where or None, field=name)
 
 
 def _check_values(plan: Plan, source: str) -> None:

@@ -116,7 +116,6 @@ def load_plan_layout(path: str | Path, layer_names: Sequence[str], *, pp_size: i
     src = str(path)
     plan = Plan.load(path)
     raw = json.loads(Path(path).read_bytes())  # Plan.load parsed it: valid JSON
-    refuse_unknown_plan_keys(raw, src)
     if raw.get("model", plan.inputs.model) != plan.inputs.model:
         raise InputError(f"model {raw['model']!r:.60} differs from inputs.model {plan.inputs.model!r}", source=src,
                          field="model")
@@ -131,27 +130,6 @@ def load_plan_layout(path: str | Path, layer_names: Sequence[str], *, pp_size: i
             raise InputError(f"plan names modules {list(stage.modules)} for layers [{start}, {end}) but the model "
                              f"has {list(own)}", source=src, record=f"stages[{s}]", field="modules")
     return StageLayout(checked, tuple(tuple(st.recompute) for st in plan.stages))
-
-
-def refuse_unknown_plan_keys(raw: dict, source: str) -> None:
-    """An InputError naming the first key a plan file has that the plan format does not (``Plan.load``
-    ignores them; a trainer must not: a misspelt ``recompute`` would silently mean no recompute)."""
-    from dataclasses import fields
-
-    from omnibal.plan.plan import DataPlan, PlanInputs, PlanStage, Prediction
-
-    top = {"format", "version", "model", "engine", "inputs", "data", "stages", "prediction", "search", "exports"}
-    sections = [("", raw, top)]
-    for key, cls in (("inputs", PlanInputs), ("data", DataPlan), ("prediction", Prediction)):
-        sections.append((key, raw[key], {f.name for f in fields(cls)}))
-    stage_keys = {f.name for f in fields(PlanStage)}
-    sections += [(f"stages[{s}]", st, stage_keys) for s, st in enumerate(raw["stages"])]
-    for where, section, known in sections:
-        unknown = sorted(set(section) - known)
-        if unknown:
-            name = f"{where}.{unknown[0]}" if where else unknown[0]
-            raise InputError(f"unknown key {unknown[0]!r} (the plan format has {', '.join(sorted(known))})",
-                             source=source, record=where or None, field=name)
 
 
 def resolve_layout(layer_names: Sequence[str], *, pp_size: int, mode: str,
