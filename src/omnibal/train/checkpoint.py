@@ -21,7 +21,6 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +29,7 @@ from typing import Any
 import torch
 
 from omnibal.errors import InputError
+from omnibal.outputs import write_bytes  # temporary file + fsync + rename, the umask's mode
 
 FORMAT = 2
 """Version 2: the manifest holds the SHA-256 of its own fields (``manifest_sha256``)."""
@@ -43,31 +43,6 @@ def step_dir(root: str | Path, step: int) -> Path:
 
 def stage_file(stage: int) -> str:
     return f"stage_{stage}.pt"
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` via a temporary file + fsync + rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
 
 
 def sha256_file(path: Path) -> str:
@@ -91,7 +66,7 @@ def write_stage_file(root: str | Path, step: int, stage: int, *, model: torch.nn
                 "step": step, "stage": stage}, buf)
     data = buf.getvalue()
     path = step_dir(root, step) / stage_file(stage)
-    atomic_write_bytes(path, data)
+    write_bytes(path, data)
     return {"file": path.name, "stage": stage, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
             "params": param_signature(model)}
 
@@ -103,7 +78,7 @@ def write_manifest(root: str | Path, step: int, *, stage_records: list[dict], wo
            "sampler": sampler, "files": sorted(stage_records, key=lambda r: r["stage"]), **(extra or {})}
     doc["manifest_sha256"] = manifest_digest(doc)
     path = step_dir(root, step) / MANIFEST
-    atomic_write_bytes(path, json.dumps(doc, indent=1).encode())
+    write_bytes(path, json.dumps(doc, indent=1).encode())
     return path
 
 
