@@ -170,13 +170,20 @@ def test_resume_continues_and_saves_the_same_model(example, tmp_path):
     cfg = ["--annotations", str(example / "annotations.jsonl"), "--image-root", str(example / "images"),
            "--tokenizer", str(example / "tokenizer"), "--hf-model", str(example / "llava"), "--quiet",
            "--microbatches", "2"]
-    assert main(["train", *cfg, "--steps", "4", "--save-dir", str(tmp_path / "whole")]) == 0
-    ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--save-dir", str(tmp_path / "split")]
+    from omnibal.train.ledger import trained_counts
+
+    assert main(["train", *cfg, "--steps", "4", "--save-dir", str(tmp_path / "whole"), "--ledger",
+                 str(tmp_path / "whole.jsonl")]) == 0
+    ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--save-dir", str(tmp_path / "split"), "--ledger",
+            str(tmp_path / "split.jsonl")]
     assert main(["train", *cfg, "--steps", "2", *ckpt]) == 0
     assert main(["train", *cfg, "--steps", "4", "--resume", *ckpt]) == 0
     whole = st.load_file(str(tmp_path / "whole" / "model.safetensors"))
     split = st.load_file(str(tmp_path / "split" / "model.safetensors"))
     assert whole.keys() == split.keys() and all(torch.equal(whole[k], split[k]) for k in whole)
+    # the trainer's own per-sample ledger: the same samples, each once, with and without the stop
+    counts = trained_counts(tmp_path / "split.jsonl")
+    assert counts == trained_counts(tmp_path / "whole.jsonl") and set(counts.values()) == {1} and len(counts) > 8
 
 
 def test_bad_inputs_get_one_named_line(example, tmp_path, capsys):
