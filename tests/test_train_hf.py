@@ -229,3 +229,29 @@ def test_train_config_refuses_inconsistent_real_data_options():
         TrainConfig(hf_model="m")
     with pytest.raises(InputError, match="hf_model"):
         TrainConfig(annotations_path="a.jsonl", tokenizer_path="t", save_dir="out")
+
+
+def test_pp2_with_a_plan_saves_the_model_a_single_process_run_saves(example, tmp_path):
+    """`omnibal train --pp 2 --plan` (2 local gloo ranks) and one process train the same steps of the same
+    schedule: the saved HF checkpoints load and hold the same weights (to float rounding)."""
+    import safetensors.torch as st
+    from transformers import AutoModelForImageTextToText
+
+    plan = tmp_path / "plan"
+    assert main(["plan", "--hf-model", str(example / "internvl"), "--gpus", "2", "--pp", "2", "--num-microbatches",
+                 "2", "--stats", str(_stats_file(example, "internvl")), "--balance-samples", "all", "--out", str(plan),
+                 "--no-timelines", "--quiet"]) == 0
+    cfg = ["--annotations", str(example / "annotations.jsonl"), "--image-root", str(example / "images"),
+           "--tokenizer", str(example / "tokenizer"), "--hf-model", str(example / "internvl"), "--max-tiles", "6",
+           "--microbatches", "2", "--steps", "3", "--quiet"]
+    assert main(["train", *cfg, "--pp", "2", "--plan", str(plan / "plan.json"), "--save-dir", str(tmp_path / "pp2"),
+                 "--timeout", "60"]) == 0
+    assert main(["train", *cfg, "--save-dir", str(tmp_path / "pp1")]) == 0
+    AutoModelForImageTextToText.from_pretrained(tmp_path / "pp2", local_files_only=True)
+    a = st.load_file(str(tmp_path / "pp2" / "model.safetensors"))
+    b = st.load_file(str(tmp_path / "pp1" / "model.safetensors"))
+    first = st.load_file(str(example / "internvl" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-6), (k, float((a[k] - b[k]).abs().max()))
+    assert sum(not torch.equal(a[k], first[k]) for k in a) > 0.9 * len(a)  # trained, not the input weights
