@@ -157,19 +157,24 @@ class RealDataset(Dataset):
         self.vocab_size_needed = max(base, *(i + 1 for i in used))
 
     def _follow_stats(self, stats: SampleStats) -> None:
-        """Reorder the records to the statistics' rows (by key); every row must find its record."""
-        at = {int(k): i for i, k in enumerate(self.keys)}
-        rows = []
-        for r, key in enumerate(stats.keys.tolist()):
-            i = at.get(int(key))
-            if i is None:
-                raise InputError(f"statistics row {r} (key {int(key)}) matches no valid record of the annotation "
-                                 f"file: the statistics were made from another file", source=str(self.path),
-                                 record=f"row {r}", field="key")
-            rows.append(i)
-        self.records = [self.records[i] for i in rows]
-        self.locators = [self.locators[i] for i in rows]
-        self.keys = np.asarray(self.keys, np.uint64)[rows]
+        """Reorder the records to the statistics' rows (by key, one sorted lookup); every row must find its
+        record."""
+        keys = np.asarray(self.keys, np.uint64)
+        want = np.asarray(stats.keys, np.uint64)
+        order = np.argsort(keys, kind="stable")
+        if len(keys):
+            rows = order[np.minimum(np.searchsorted(keys[order], want), len(keys) - 1)]
+            missing = keys[rows] != want
+        else:
+            rows, missing = np.zeros(0, np.int64), np.ones(len(want), bool)
+        if missing.any():
+            r = int(np.argmax(missing))
+            raise InputError(f"statistics row {r} (key {int(want[r])}) matches no valid record of the annotation "
+                             f"file: the statistics were made from another file", source=str(self.path),
+                             record=f"row {r}", field="key")
+        self.records = [self.records[i] for i in rows.tolist()]
+        self.locators = [self.locators[i] for i in rows.tolist()]
+        self.keys = keys[rows]
 
     def __len__(self) -> int:
         return len(self.records)
