@@ -22,7 +22,6 @@ import os
 import shutil
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from omnibal.cost.hf_spec import load_hf_config
@@ -111,7 +110,7 @@ def real_data_config(cfg, model) -> RealDataConfig:
 
 def real_stats(cfg, data: RealDataConfig):
     """The run's statistics: ``--stats`` (made by ``omnibal stats`` with the same settings; joined by key and
-    checked sample by sample) or computed now from the annotations, then the ``--max-samples`` subset."""
+    checked sample by sample) or computed now from the annotations."""
     from omnibal.stats.annotations import compute_stats
     from omnibal.stats.io import load_stats
 
@@ -121,9 +120,6 @@ def real_stats(cfg, data: RealDataConfig):
         stats, report = compute_stats(cfg.annotations_path, data.annotation_config(on_error=cfg.on_error))
         if report.num_skipped and not cfg.quiet and int(os.environ.get("RANK", "0")) == 0:
             print(f"omnibal train: {report.summary()}", flush=True)
-    if cfg.max_samples is not None and cfg.max_samples < len(stats):
-        rows = np.sort(np.random.default_rng(cfg.seed).choice(len(stats), cfg.max_samples, replace=False))
-        stats = stats.take(rows)
     return stats
 
 

@@ -19,6 +19,14 @@ from omnibal.train.config import TrainConfig
 from omnibal.train.distributed import World, init_world, local_world
 
 
+def max_samples_subset(stats, cfg: TrainConfig):
+    """The ``--max-samples`` rows of ``stats``: a seeded random subset in file order (all rows without it)."""
+    if cfg.max_samples is None or cfg.max_samples >= len(stats):
+        return stats
+    rows = np.sort(np.random.default_rng(cfg.seed).choice(len(stats), cfg.max_samples, replace=False))
+    return stats.take(rows)
+
+
 def _raw_training_stats(cfg: TrainConfig):
     """``--stats`` as the file has it (what ``omnibal balance`` balanced), then the ``--max-samples`` subset."""
     from omnibal.stats.io import load_stats
@@ -26,11 +34,7 @@ def _raw_training_stats(cfg: TrainConfig):
     if cfg.stats_path is None:
         raise InputError("no statistics given: pass --stats FILE (SampleStats or the OmniBal token-length JSON)",
                          source="--stats")
-    stats = load_stats(cfg.stats_path)
-    if cfg.max_samples is not None and cfg.max_samples < len(stats):
-        rows = np.sort(np.random.default_rng(cfg.seed).choice(len(stats), cfg.max_samples, replace=False))
-        stats = stats.take(rows)
-    return stats
+    return max_samples_subset(load_stats(cfg.stats_path), cfg)
 
 
 def _in_model_units(stats, cfg: TrainConfig, spec):
@@ -96,7 +100,7 @@ def build_inputs(cfg: TrainConfig, model):
         from omnibal.train.hf_run import real_data_config, real_stats
 
         data = real_data_config(cfg, model)
-        stats = real_stats(cfg, data)
+        stats = max_samples_subset(real_stats(cfg, data), cfg)
         dataset = RealDataset(cfg.annotations_path, data, stats=stats)
         if dataset.vocab_size_needed > spec.llm.vocab_size:
             raise InputError(f"the samples need {dataset.vocab_size_needed} token ids (tokenizer plus image "
