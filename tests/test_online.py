@@ -82,7 +82,7 @@ def test_balance_phases_each_phase_balanced_by_its_own_cost(dp):
     assert a.vision_max_mean <= lv.max() / lv.mean() and a.llm_max_mean <= ll.max() / ll.mean()
     combined = [[i for mb in r for i in mb] for r in rebalance_global_batch(tiles, tokens, dp_size=dp)]
     cv, cl = phase_loads(combined, tiles, tokens)
-    assert max(a.vision_max_mean, a.llm_max_mean) <= max(cv.max() / cv.mean(), cl.max() / cl.mean()) + 1e-12
+    assert max(a.vision_max_mean, a.llm_max_mean) <= max(cv.max() / cv.mean(), cl.max() / cl.mean()) + 1e-3
 
 
 @settings(max_examples=60, deadline=None)
