@@ -37,8 +37,13 @@ any_record = st.one_of(
 )
 
 
+_TMP_ROOT = tempfile.TemporaryDirectory(prefix="omnibal-prop-")  # removed when the test process ends
+
+
 def _tmp(name: str) -> Path:
-    return Path(tempfile.mkdtemp(prefix="omnibal-prop-")) / name
+    """A fresh folder per hypothesis example (function-scoped pytest fixtures do not reset between examples),
+    all under one root that is cleaned up: the suite used to leave ~500 folders in /tmp per run."""
+    return Path(tempfile.mkdtemp(dir=_TMP_ROOT.name)) / name
 
 
 def _valid(rec) -> bool:
