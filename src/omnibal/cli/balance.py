@@ -47,15 +47,13 @@ def _load(path: str | None, synthetic_samples: int):
 
 
 def plot_loads(schedule, stats, path: str, cost=None) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: its global backend and figure registry stay untouched
 
     from omnibal.data.balance.cost import DEFAULT_COST
 
     vis, llm = (cost or DEFAULT_COST).evaluate(schedule.features(stats))
-    fig, axes = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
+    fig = Figure(figsize=(10, 6))
+    axes = fig.subplots(2, 1, sharex=True)
     for ax, load, name in ((axes[0], vis.sum(2), "vision"), (axes[1], llm.sum(2), "LLM")):
         mean = load.mean(1, keepdims=True)
         rel = load / mean
@@ -71,7 +69,6 @@ def plot_loads(schedule, stats, path: str, cost=None) -> None:
 
     with atomic_path(path) as tmp:
         fig.savefig(tmp, dpi=120, format=image_format(path) or "png")
-    plt.close(fig)
 
 
 def run(args: argparse.Namespace) -> int:

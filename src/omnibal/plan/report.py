@@ -82,14 +82,12 @@ def balance_rows(metrics: dict[str, dict]) -> list[list[str]]:
 
 def plot_stages(plan: Plan, path: str | Path, ablation: list[AblationRow] | None = None) -> Path:
     """Per stage: time per micro-batch split into compute, p2p and recompute; memory against the budget."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: its global backend and figure registry stay untouched
 
     stages = plan.stages
     x = np.arange(len(stages))
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    fig = Figure(figsize=(12, 4))
+    axes = fig.subplots(1, 2)
     comp = np.array([s.compute_time_s for s in stages])
     p2p = np.array([s.boundary_time_s for s in stages])
     rec = np.array([s.recompute_time_s for s in stages])
@@ -116,19 +114,16 @@ def plot_stages(plan: Plan, path: str | Path, ablation: list[AblationRow] | None
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return path
 
 
 def plot_ablation(rows: list[AblationRow], path: str | Path) -> Path:
     """GPU days per ablation step, predicted next to the paper's."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: its global backend and figure registry stay untouched
 
     x = np.arange(len(rows))
-    fig, ax = plt.subplots(figsize=(8, 3.8))
+    fig = Figure(figsize=(8, 3.8))
+    ax = fig.subplots()
     ours = [r.gpu_days for r in rows]
     paper = [r.paper_gpu_days or 0.0 for r in rows]
     width = 0.4 if any(paper) else 0.6
@@ -149,7 +144,6 @@ def plot_ablation(rows: list[AblationRow], path: str | Path) -> Path:
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return path
 
 

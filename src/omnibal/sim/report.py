@@ -1,6 +1,7 @@
 """Reports of a simulated epoch: a text table, markdown, a pipeline timeline PNG and load histograms PNG.
 
-matplotlib is imported inside the plotting functions (Agg backend) so importing this module stays cheap.
+matplotlib is imported inside the plotting functions (Figure objects, no pyplot: the caller's backend stays as it was)
+so importing this module stays cheap.
 """
 
 from __future__ import annotations
@@ -95,10 +96,7 @@ def plot_timeline(costs: StageCosts, step: StepTimes, path: str | Path, *, ranks
                   title: str = "") -> Path:
     """Gantt chart of one step (the result of ``simulate_one_step``): a row per (DP rank, stage), with
     forward, recompute, backward, p2p arrivals, the gradient all-reduce and idle time."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: its global backend and figure registry stay untouched
     from matplotlib.patches import Patch
 
     pipe = step.pipeline
@@ -113,7 +111,8 @@ def plot_timeline(costs: StageCosts, step: StepTimes, path: str | Path, *, ranks
     rows = [(d, s) for d in ranks for s in range(num_stages)]
     row_of = {key: y for y, key in enumerate(rows)}
     fig_h = 1.2 + 0.42 * len(rows)
-    fig, ax = plt.subplots(figsize=(13, fig_h))
+    fig = Figure(figsize=(13, fig_h))
+    ax = fig.subplots()
     label_mb = num_mb * pipe.num_chunks <= 24
     edge = dict(edgecolor="white", linewidth=0.4)
     for (d, s), y in row_of.items():
@@ -156,23 +155,20 @@ def plot_timeline(costs: StageCosts, step: StepTimes, path: str | Path, *, ranks
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return path
 
 
 def plot_load_histograms(result: EpochResult, path: str | Path, *, title: str = "") -> Path:
     """Per-rank load over the epoch: (1) each rank's compute load relative to its step's mean rank,
     (2) per step, slowest rank / mean rank, (3) per-stage busy time (partition balance)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: its global backend and figure registry stay untouched
 
     load = result.busy.sum(axis=-1)  # [S, D]
     mean = load.mean(axis=1, keepdims=True)
     with np.errstate(invalid="ignore", divide="ignore"):
         rel = np.where(mean > 0, load / mean, 1.0)
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    fig = Figure(figsize=(15, 4))
+    axes = fig.subplots(1, 3)
     axes[0].hist(rel.ravel(), bins=60, color=COLOURS["forward"])
     axes[0].set_xlabel("rank load / mean rank load of its step")
     axes[0].set_ylabel("rank-steps")
@@ -193,7 +189,6 @@ def plot_load_histograms(result: EpochResult, path: str | Path, *, title: str = 
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return path
 
 

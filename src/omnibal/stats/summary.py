@@ -114,12 +114,10 @@ def summarize(stats: SampleStats, *, percentiles=PERCENTILES) -> StatsSummary:
 
 def plot_histograms(stats: SampleStats, path: str | Path, *, title: str | None = None) -> Path:
     """A PNG with the tiles histogram (one bar per value) and the tokens histogram."""
-    import matplotlib
+    from matplotlib.figure import Figure  # no pyplot: its global backend and figure registry stay untouched
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_t, ax_k) = plt.subplots(1, 2, figsize=(11, 4))
+    fig = Figure(figsize=(11, 4))
+    ax_t, ax_k = fig.subplots(1, 2)
     counts = np.bincount(stats.tiles)
     ax_t.bar(np.arange(len(counts)), counts, color="#3b75af")
     ax_t.set_xlabel("vision tiles per sample")
@@ -135,5 +133,4 @@ def plot_histograms(stats: SampleStats, path: str | Path, *, title: str | None =
     out = Path(path)
     with atomic_path(out) as tmp:
         fig.savefig(tmp, dpi=100, format=image_format(out) or "png")
-    plt.close(fig)
     return out
