@@ -46,7 +46,3 @@ class InputError(OmnibalError, ValueError):
 
 def _rebuild_input_error(cls, message, source, record, field):
     return cls(message, source=source, record=record, field=field)
-
-
-class NotBuiltError(OmnibalError):
-    """A CLI command or feature that is planned but not implemented yet."""

@@ -12,7 +12,7 @@ import importlib
 import sys
 
 from omnibal import __version__
-from omnibal.errors import InputError, NotBuiltError, OmnibalError
+from omnibal.errors import InputError, OmnibalError
 
 # Order is the data flow: (example ->) stats -> balance -> profile -> plan -> simulate -> train -> report.
 COMMANDS = ("example", "stats", "balance", "profile", "plan", "simulate", "train", "report")
@@ -57,12 +57,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_reporting_errors(run, args: argparse.Namespace, *, prog: str) -> int:
     """Run a command, turning omnibal's errors into one line on stderr and an exit code
-    (2 bad input, 3 not built, 1 other omnibal error, 130 interrupted)."""
+    (2 bad input, 1 other omnibal error, 130 interrupted)."""
     try:
         return int(run(args) or 0)
-    except NotBuiltError as exc:
-        print(f"{prog}: not built yet: {exc}", file=sys.stderr)
-        return 3
     except InputError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2

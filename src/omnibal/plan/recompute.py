@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from omnibal.errors import InputError, OmnibalError
+from omnibal.errors import OmnibalError
 from omnibal.plan.stages import LayerQuantities
 
 MEMORY_RTOL = 1e-9
@@ -166,15 +166,3 @@ def _count_grid(sizes: tuple[int, ...]) -> np.ndarray:
 def full_recompute(q: LayerQuantities, start: int, stop: int) -> tuple[int, ...]:
     """Every layer of the stage that frees memory when checkpointed (Megatron's full/uniform recompute)."""
     return tuple(int(i) for i in np.flatnonzero(q.saving_bytes[start:stop] > 0) + start)
-
-
-def smallest_budget_error(q: LayerQuantities, solver: RecomputeSolver, parts, in_flight, budget: float,
-                          where: str) -> InputError:
-    """The error for a budget no plan fits: the smallest budget that would and the stage that needs it."""
-    mins = [solver.min_memory(parts[s], parts[s + 1], in_flight[s]) for s in range(len(parts) - 1)]
-    worst = int(np.argmax(mins))
-    return InputError(
-        f"no partition and recompute choice fits {budget / 2**30:.2f} GiB per device; the smallest budget that "
-        f"fits is {mins[worst] / 2**30:.2f} GiB ({mins[worst]:.0f} bytes), needed by stage {worst} "
-        f"(layers {q.names[parts[worst]]} .. {q.names[parts[worst + 1] - 1]}) with every layer checkpointed "
-        f"({where})", source="memory_budget", record=f"stage {worst}", field="memory_budget_bytes")
