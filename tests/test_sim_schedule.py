@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from omnibal.errors import InputError
@@ -217,8 +217,7 @@ def test_makespan_bounds(case):
 def test_makespan_is_monotone_in_every_op_time(case, which_item, key, extra):
     base = simulate_pipeline(**case)
     arr = case[key].copy()
-    if arr.size == 0:
-        return
+    assume(arr.size > 0)
     idx = np.unravel_index(which_item % arr.size, arr.shape)
     arr[idx] += extra
     slower = simulate_pipeline(**{**case, key: arr})
