@@ -134,7 +134,7 @@ def test_summary_is_json_ready():
 
 
 def test_partition_helpers():
-    np.testing.assert_array_equal(even_cuts(10, 3), [0, 3, 7, 10])
+    np.testing.assert_array_equal(even_cuts(10, 3), [0, 4, 7, 10])  # the one even split: the extra layer goes first
     np.testing.assert_array_equal(cuts_from_starts([0, 4, 6], 10), [0, 4, 6, 10])
     np.testing.assert_array_equal(recompute_mask_from_counts([0, 3, 5], [2, 0]), [1, 1, 0, 0, 0])
 

@@ -201,3 +201,15 @@ def _positive(where: str, **values: int) -> None:
     for key, value in values.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise InputError(f"must be a positive integer, got {value!r}", source=where, field=key)
+
+
+def even_cuts(num_layers: int, num_stages: int) -> tuple[int, ...]:
+    """Cut points ``(0, ..., num_layers)`` of the even layer-count split: counts differ by at most one and the
+    first ``num_layers % num_stages`` stages take the extra layer (DeepSpeed's ``partition_uniform``). The one
+    definition of "even split": the planner's baseline, the simulator and the trainer all call it."""
+    if isinstance(num_stages, bool) or not isinstance(num_stages, (int, np.integer)) or not 1 <= num_stages <= num_layers:
+        raise InputError(f"cannot split {num_layers} layers into {num_stages!r} non-empty stages", source="pp_size",
+                         field="pp_size")
+    base, extra = divmod(int(num_layers), int(num_stages))
+    return tuple(int(x) for x in np.cumsum([0] + [base + (s < extra) for s in range(int(num_stages))]))
+

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from omnibal.cost.spec import even_cuts
 from omnibal.errors import InputError
 
 
@@ -69,9 +70,7 @@ def even_partition(num_layers: int, num_stages: int) -> tuple[int, ...]:
     """Equal layer counts per stage; the first ``L % P`` stages take one extra layer (DeepSpeed's
     ``partition_uniform``; Megatron's default split when it divides evenly)."""
     check_num_stages(num_stages, num_layers)
-    base, extra = divmod(num_layers, num_stages)
-    sizes = [base + (1 if s < extra else 0) for s in range(num_stages)]
-    return tuple(int(x) for x in np.concatenate([[0], np.cumsum(sizes)]))
+    return even_cuts(num_layers, num_stages)
 
 
 def interval_cost_matrix(layer_cost: np.ndarray, boundary_cost: np.ndarray | None = None) -> np.ndarray:

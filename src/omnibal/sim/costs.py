@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from omnibal.cost.table import NUM_FEATURES, LayerCostTable
+from omnibal.cost.spec import even_cuts as _even_cuts
 from omnibal.errors import InputError
 from omnibal.sim.schedule import SCHEDULES
 
@@ -80,11 +81,9 @@ class SimConfig:
 
 
 def even_cuts(num_layers: int, num_stages: int) -> np.ndarray:
-    """``[P+1]`` cut points splitting ``num_layers`` layers into ``num_stages`` stages of (nearly) equal count."""
-    if not 1 <= num_stages <= num_layers:
-        raise InputError(f"cannot split {num_layers} layers into {num_stages} stages", source="pp_size",
-                         field="num_stages")
-    return np.round(np.linspace(0, num_layers, num_stages + 1)).astype(np.int64)
+    """``[P+1]`` cut points of the even layer-count split (:func:`omnibal.cost.spec.even_cuts`, which the planner
+    and the trainer use too; it rounded differently here: 97 layers in 4 stages gave 24/24/25/24)."""
+    return np.asarray(_even_cuts(num_layers, num_stages), dtype=np.int64)
 
 
 def cuts_from_starts(starts, num_layers: int, source: str = "partition") -> np.ndarray:

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from omnibal.cost.spec import even_cuts
 from omnibal.errors import InputError
 
 DP_SYNCS = ("flat", "ddp")
@@ -38,17 +39,10 @@ the last micro-batch's backward; the wait then hides inside that backward)."""
 
 
 def even_split(num_layers: int, num_stages: int) -> tuple[tuple[int, int], ...]:
-    """Contiguous ranges with layer counts differing by at most one (earlier stages get the extra)."""
-    if num_stages > num_layers:
-        raise InputError(f"cannot split {num_layers} layers into {num_stages} non-empty stages",
-                         source="pp_size", field="pp_size")
-    base, extra = divmod(num_layers, num_stages)
-    ranges, start = [], 0
-    for s in range(num_stages):
-        end = start + base + (1 if s < extra else 0)
-        ranges.append((start, end))
-        start = end
-    return tuple(ranges)
+    """Contiguous ranges of :func:`omnibal.cost.spec.even_cuts` (counts differ by at most one, earlier stages
+    get the extra): the same even split the planner and simulator use."""
+    cuts = even_cuts(num_layers, num_stages)
+    return tuple(zip(cuts[:-1], cuts[1:]))
 
 
 def validate_stage_layers(ranges: Sequence[Sequence[int]], num_layers: int, *, source: str,
