@@ -20,9 +20,10 @@ DESCRIPTION = (HELP + ". Examples: `omnibal train --stats stats.json --dp 2 --mo
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("run")
-    g.add_argument("--mode", choices=("baseline", "omnibal"), default="omnibal",
+    g.add_argument("--mode", choices=("baseline", "omnibal", "online"), default="omnibal",
                    help="baseline: random padded micro-batches, even split, full recompute; omnibal: balanced "
-                        "packs, planned partition and recompute")
+                        "packs, planned partition and recompute; online (pp 1): the baseline's random draws "
+                        "re-dealt every step, vision and LLM phases balanced separately (OrchMLLM)")
     g.add_argument("--model", default="tiny", help="model preset (omnibal.cost.presets)")
     g.add_argument("--stats", dest="stats_path", help="per-sample statistics: the synthetic data follows them, or "
                    "with --annotations the rows to train (omnibal stats of that file with the model's settings; "

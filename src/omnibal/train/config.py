@@ -11,7 +11,7 @@ from typing import Literal
 
 from omnibal.errors import InputError
 
-MODES = ("baseline", "omnibal")
+MODES = ("baseline", "omnibal", "online")
 SCHEDULES = ("1f1b", "gpipe")
 
 
@@ -19,10 +19,13 @@ SCHEDULES = ("1f1b", "gpipe")
 class TrainConfig:
     """One training run of the reference DP x PP trainer."""
 
-    mode: Literal["baseline", "omnibal"] = "omnibal"
+    mode: Literal["baseline", "omnibal", "online"] = "omnibal"
     """`baseline`: random fixed micro-batches of `baseline_batch_size` samples padded to their longest
     sample, even layer split, every block recomputed. `omnibal`: the balanced schedule's packs, the
-    plan's (or the given) partition and recompute sets."""
+    plan's (or the given) partition and recompute sets. `online` (OrchMLLM-style, pp = 1): the baseline's
+    random local draws of `num_microbatches x baseline_batch_size` samples per rank, re-dealt every step by
+    an all-gather of sizes and all-to-alls, the vision phase balanced by vision cost and the LLM phase by
+    LLM cost (:mod:`omnibal.train.online`)."""
     dp_size: int = 1
     """Data-parallel degree (ranks with different data)."""
     pp_size: int = 1
@@ -133,6 +136,9 @@ class TrainConfig:
         if self.num_microbatches < self.pp_size:
             raise InputError(f"{self.num_microbatches} micro-batches cannot fill {self.pp_size} pipeline stages",
                              source=src, field="num_microbatches")
+        if self.mode == "online" and self.pp_size != 1:
+            raise InputError("online mode runs data parallel only (pp = 1): the vision encoder and the LLM of a "
+                             "sample run on different DP ranks", source=src, field="pp_size")
         if self.stage_layers is not None and len(self.stage_layers) != self.pp_size:
             raise InputError(f"{len(self.stage_layers)} ranges given for {self.pp_size} stages", source=src,
                              field="stage_layers")

@@ -126,6 +126,8 @@ class Trainer:
         self.ledger_path = ledger_path
         """Per-sample ledger (:mod:`omnibal.train.ledger`): every rank gathers its keys, global rank 0 writes."""
         self._ledger = None
+        self.online_info: list = []
+        """``--mode online``: per step, the dispatch's per-phase balance (:class:`omnibal.train.online.OnlineStepInfo`)."""
 
     # ---------------------------------------------------------------------------------------------- data
 
@@ -172,6 +174,9 @@ class Trainer:
         if step >= self.schedule.num_steps:
             raise InputError(f"the schedule has {self.schedule.num_steps} steps; step {step} was requested",
                              source=getattr(self.schedule, "source", "schedule"), field="steps")
+        if self.mode == "online":  # OrchMLLM-style post-balancing with per-modality dispatch (pp = 1)
+            from omnibal.train.online import online_forward_backward
+            return online_forward_backward(self)
         times = RankTimes()
         self._t_start = t_start = time.perf_counter()
         self._cpu_start = time.process_time()

@@ -57,7 +57,7 @@ def build_schedule(cfg: TrainConfig, stats, stats_fingerprint: str | None = None
     default ``stats.fingerprint()``) and schedule each of their rows once."""
     from omnibal.train.feed import check_schedule_covers, load_schedule, random_microbatch_schedule
 
-    if cfg.mode == "baseline":
+    if cfg.mode in ("baseline", "online"):  # online: the same local draws, re-dealt every step
         return random_microbatch_schedule(len(stats), dp_size=cfg.dp_size, num_microbatches=cfg.num_microbatches,
                                           batch_size=cfg.baseline_batch_size, seed=cfg.seed)
     if cfg.schedule_path is not None:

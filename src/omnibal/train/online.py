@@ -1,0 +1,243 @@
+"""``--mode online``: OrchMLLM-style online batch post-balancing with per-modality dispatch (DP, pp = 1).
+
+Each DP rank draws its local batch as the baseline does (a seeded permutation slice:
+:func:`omnibal.train.feed.random_microbatch_schedule`, so every sample is drawn once per epoch and a resume
+at step S continues the same draws). One step on every rank:
+
+1. read the local samples; **all-gather** their sizes (tiles, tokens, target tokens, dataset index);
+2. :func:`omnibal.data.online.balance_phases` on the gathered sizes (pure: every rank computes the same
+   dispatch): a vision assignment balanced by vision cost and an LLM assignment balanced by LLM cost;
+3. **all-to-all** of the samples themselves: each sample's pixel tiles go to the rank that owns its vision
+   phase, its token ids and labels to the rank that owns its LLM phase (no shared dataset is assumed);
+4. the vision phase (``vision.embed .. projector``) runs on all tiles this rank owns, as one batch of tiles
+   (a ViT attends within a tile, so grouping tiles of several samples changes nothing);
+5. **all-to-all** of the visual features to the LLM owners (:class:`AllToAll`, an autograd function whose
+   backward is the reverse all-to-all of the feature gradients), which pack their samples into one
+   varlen micro-batch (block-diagonal attention) and run ``llm.embed .. llm.head``;
+6. the loss is ``loss_sum / global_target_tokens`` (the count comes from the all-gather), backward runs
+   through the reverse all-to-all into the vision encoder, and the trainer sums gradients over DP as in
+   the other modes: the update equals the single-process gradient of the global-token-mean loss.
+
+Model code stays free of torch.distributed: this module calls the stage's layers by their chain position.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from omnibal.data.collate import IGNORE_INDEX, NUM_META_ROWS, collate
+from omnibal.data.online import balance_phases, phase_loads
+
+_COLS = 4  # gathered per sample: tiles, tokens, target tokens, dataset index
+
+
+class AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` of a 1-D tensor with split sizes; backward sends the gradients back the same
+    way reversed (so the sender's graph gets the gradient of what it sent)."""
+
+    @staticmethod
+    def forward(ctx, x, send_splits, recv_splits, group):  # type: ignore[override]
+        ctx.send, ctx.recv, ctx.group = list(send_splits), list(recv_splits), group
+        return _a2a(x, ctx.send, ctx.recv, group)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return _a2a(grad, ctx.recv, ctx.send, ctx.group), None, None, None
+
+
+def _a2a(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
+    out = x.new_empty(sum(recv))
+    dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
+    return out
+
+
+def exchange(x: torch.Tensor, send: list[int], recv: list[int], group, dp_size: int) -> torch.Tensor:
+    """Differentiable all-to-all (identity for one rank)."""
+    if dp_size == 1:
+        return x
+    return AllToAll.apply(x, send, recv, group)
+
+
+@dataclass
+class OnlineStepInfo:
+    """What one online step did (every rank holds the same balance figures)."""
+
+    vision_max_mean: float
+    llm_max_mean: float
+    local_vision_max_mean: float
+    """The local draw's vision max/mean across ranks (what the baseline would run)."""
+    local_llm_max_mean: float
+    comm_s: float
+    """Seconds in the all-gather and the sample all-to-all (the feature all-to-alls are inside compute)."""
+
+
+def _target_count(sample: dict, image_token_id: int) -> int:
+    ids, labels = sample["input_ids"], sample["labels"]
+    return int(((labels[1:] != IGNORE_INDEX) & (ids[1:] != image_token_id)).sum())
+
+
+def _run_layers(stage, start: int, end: int, carry):
+    """Layers [start, end) of the stage's chain, recomputing exactly the stage's recompute set."""
+    from torch.utils.checkpoint import checkpoint
+
+    for name, module in zip(stage.layer_names[start:end], stage._layers[start:end]):
+        if name in stage.recompute and torch.is_grad_enabled():
+            carry = checkpoint(module, *carry, use_reentrant=False)
+        else:
+            carry = module(*carry)
+    return carry
+
+
+def online_forward_backward(trainer):
+    """One ``--mode online`` step (see :func:`_online_step`); a failed collective becomes a PeerFailure naming
+    this rank, the step and the silent peer, as in the other modes."""
+    from omnibal.errors import InputError
+    from omnibal.train.distributed import is_comm_error, peer_failure
+    from omnibal.train.loop import _caused_by_comm_error
+
+    try:
+        return _online_step(trainer)
+    except InputError:
+        raise
+    except Exception as exc:
+        if is_comm_error(exc) or _caused_by_comm_error(exc):
+            raise peer_failure(trainer.world, f"step {trainer.step}", exc) from exc
+        raise
+
+
+def _online_step(trainer):
+    """One ``--mode online`` step of ``trainer`` (an :class:`omnibal.train.loop.Trainer` with pp = 1):
+    leaves this rank's gradients (of the global-token-mean loss) in the model for the trainer's DP sum, sets
+    the trainer's step bookkeeping (``_times``, ``_result``, ``_counts``, ``_fed``) and returns the result."""
+    from omnibal.train.metrics_log import RankTimes
+    from omnibal.train.pipeline import StepResult
+
+    w = trainer.world
+    step = trainer.step
+    dp, me = w.dp_size, w.dp_rank
+    group = w.dp_group if dp > 1 else None
+    cfg_base = trainer._collate_base
+    image_id, tpt, side = cfg_base.image_token_id, cfg_base.tokens_per_tile, cfg_base.image_size
+    stage = trainer.stage_module
+    split = trainer.spec.vision.num_layers + 2  # chain index of llm.embed
+
+    times = RankTimes()
+    trainer._t_start = t0 = time.perf_counter()
+    trainer._cpu_start = time.process_time()
+    local = [int(i) for k in range(trainer.num_microbatches)
+             for i in np.asarray(trainer.schedule.microbatch(step, me, k))]
+    samples = [trainer.dataset[i] for i in local]
+    mine = torch.tensor([[int(s["pixel_values"].shape[0]), int(s["input_ids"].shape[0]), _target_count(s, image_id),
+                          i] for s, i in zip(samples, local)], dtype=torch.int64).reshape(-1, _COLS)
+    times.data_s = time.perf_counter() - t0
+
+    # 1. all-gather the sizes (every rank draws the same number of samples)
+    t_comm = time.perf_counter()
+    if dp > 1:
+        parts = [torch.empty_like(mine) for _ in range(dp)]
+        dist.all_gather(parts, mine, group=group)
+        table = torch.cat(parts).numpy()
+    else:
+        table = mine.numpy()
+    n_local = len(local)
+    owner = np.repeat(np.arange(dp), n_local)  # data owner of every position
+    tiles, tokens, targets, index = (table[:, c] for c in range(_COLS))
+    # 2. per-phase dispatch, identical on every rank
+    plan = balance_phases(tiles, tokens, dp_size=dp)
+    v_own = np.empty(len(table), np.int64)
+    l_own = np.empty(len(table), np.int64)
+    for r in range(dp):
+        v_own[plan.vision[r]] = r
+        l_own[plan.llm[r]] = r
+    lv, ll = phase_loads([range(r * n_local, (r + 1) * n_local) for r in range(dp)], tiles, tokens)
+
+    # 3. samples to their phase owners: pixels -> vision owner, token ids + labels -> LLM owner
+    pos_mine = np.arange(me * n_local, (me + 1) * n_local)
+    tile_elems = 3 * side * side
+    pix_send, pix_split, tok_send, tok_split = [], [], [], []
+    for r in range(dp):
+        to_v = [p for p in pos_mine if v_own[p] == r]
+        pix_send += [samples[p - me * n_local]["pixel_values"].reshape(-1).float() for p in to_v]
+        pix_split.append(int(tiles[to_v].sum()) * tile_elems)
+        to_l = [p for p in pos_mine if l_own[p] == r]
+        for p in to_l:
+            s = samples[p - me * n_local]
+            tok_send += [s["input_ids"].to(torch.int64), s["labels"].to(torch.int64)]
+        tok_split.append(2 * int(tokens[to_l].sum()))
+    v_mine = np.flatnonzero(v_own == me)  # ascending = ordered by data owner, then position
+    l_mine = np.flatnonzero(l_own == me)
+    pix_recv = [int(tiles[v_mine[owner[v_mine] == r]].sum()) * tile_elems for r in range(dp)]
+    tok_recv = [2 * int(tokens[l_mine[owner[l_mine] == r]].sum()) for r in range(dp)]
+    pix_flat = torch.cat(pix_send) if pix_send else torch.zeros(0)
+    tok_flat = torch.cat(tok_send) if tok_send else torch.zeros(0, dtype=torch.int64)
+    if dp > 1:
+        pix_flat = _a2a(pix_flat, pix_split, pix_recv, group)
+        tok_flat = _a2a(tok_flat, tok_split, tok_recv, group)
+    comm_s = time.perf_counter() - t_comm
+
+    # 4. vision phase on every tile this rank owns (ascending positions)
+    t_compute = time.perf_counter()
+    num_tiles = int(tiles[v_mine].sum())
+    pixels = pix_flat.reshape(1, num_tiles, 3, side, side).to(w.device)
+    if num_tiles == 0:  # no tile here: one zero tile keeps the encoder's graph (zero gradients), as InternVL's dummy
+        pixels = torch.zeros(1, 1, 3, side, side, device=w.device)
+    meta = torch.zeros(1, NUM_META_ROWS, 1, dtype=torch.int64, device=w.device)
+    sizes = torch.tensor([[num_tiles, 1]], dtype=torch.int64, device=w.device)
+    feats = _run_layers(stage, 0, split, (pixels, meta, sizes))[0][0, :num_tiles]  # [tiles, tpt, D]
+    width = feats.shape[-1]
+
+    # 5. features to the LLM owners: rows ordered by (destination, position) on the way out
+    tile_start = np.concatenate([[0], np.cumsum(tiles[v_mine])])
+    rows, f_split = [], []
+    for r in range(dp):
+        for j in np.flatnonzero(l_own[v_mine] == r):
+            rows.extend(range(int(tile_start[j]), int(tile_start[j + 1])))
+        f_split.append(int(tiles[v_mine[l_own[v_mine] == r]].sum()) * tpt * width)
+    send = feats[torch.as_tensor(rows, dtype=torch.long, device=feats.device)].reshape(-1)
+    f_recv = [int(tiles[l_mine[v_own[l_mine] == r]].sum()) * tpt * width for r in range(dp)]
+    recv = exchange(send, f_split, f_recv, group, dp)
+    # received rows are ordered by (vision owner, position); the pack wants ascending position
+    arrival = np.concatenate([l_mine[v_own[l_mine] == r] for r in range(dp)])
+    t_arr = tiles[arrival]
+    arr_start = dict(zip(arrival.tolist(), np.concatenate([[0], np.cumsum(t_arr)])[:-1].tolist()))
+    order = [row for p in l_mine for row in range(int(arr_start[p]), int(arr_start[p]) + int(tiles[p]))]
+    llm_tiles = int(tiles[l_mine].sum())
+    img = recv.reshape(llm_tiles, tpt, width)[torch.as_tensor(order, dtype=torch.long, device=recv.device)]
+    if llm_tiles == 0:
+        img = torch.cat([img, img.new_zeros(1, tpt, width)])
+
+    # the LLM pack: token ids and labels arrived ordered by (data owner, position) = ascending position
+    pack, at = [], 0
+    for p in l_mine:
+        n = int(tokens[p])
+        ids, labels = tok_flat[at:at + n], tok_flat[at + n:at + 2 * n]
+        at += 2 * n
+        pack.append({"input_ids": ids, "labels": labels, "index": int(index[p]),
+                     "pixel_values": torch.zeros(1, 3, side, side).expand(int(tiles[p]), 3, side, side)})
+    cfg = replace(cfg_base, num_tiles=max(llm_tiles, 1), num_tokens=max(int(tokens[l_mine].sum()), 1), mode="pack",
+                  source=getattr(trainer.schedule, "source", "schedule"))
+    mb = collate(pack, cfg).to(w.device)
+    global_targets = float(targets.sum())
+    loss_sum, _ = _run_layers(stage, split, len(stage.layer_names), (img.unsqueeze(0), mb.token_meta, mb.sizes))
+    loss = loss_sum.sum() / max(global_targets, 1.0)
+    loss.backward()
+    compute_s = time.perf_counter() - t_compute
+
+    t_sync = time.perf_counter()
+    trainer.grad_sync()
+    times.dp_sync_s = time.perf_counter() - t_sync
+    times.compute_s = compute_s
+    trainer._counts = {"targets": global_targets, "samples": float(len(table)), "tokens": float(tokens.sum()),
+                       "tiles": float(tiles.sum()), "buffer_tokens": float(tokens.sum()),
+                       "buffer_tiles": float(tiles.sum())}
+    trainer._fed = [int(index[p]) for p in l_mine]  # the samples whose loss this rank computed
+    trainer.online_info.append(OnlineStepInfo(plan.vision_max_mean, plan.llm_max_mean, float(lv.max() / lv.mean()),
+                                              float(ll.max() / ll.mean()), comm_s))
+    result = StepResult(loss_sum=float(loss.detach()), compute_s=compute_s)
+    trainer._times, trainer._result = times, result
+    return result

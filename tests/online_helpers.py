@@ -1,0 +1,120 @@
+"""Rank functions for the ``--mode online`` trainer tests (spawned processes return picklable values)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from dist_helpers import TIMEOUT_S, tiny_dataset, tiny_spec, tiny_stats
+
+BATCH = 3
+MICRO = 2
+
+
+def online_schedule(dp: int, num_samples: int = 160):
+    from omnibal.train.feed import random_microbatch_schedule
+
+    return random_microbatch_schedule(num_samples, dp_size=dp, num_microbatches=MICRO, batch_size=BATCH, seed=0)
+
+
+def make_online_trainer(world, *, checkpoint_dir=None, lr=1e-3, num_samples=160):
+    from omnibal.train.loop import Trainer
+    from omnibal.train.model import VLM
+    from omnibal.train.pipeline import resolve_layout
+
+    spec = tiny_spec()
+    stats = tiny_stats(num_samples)
+    model = VLM(spec, seed=0)
+    layout = resolve_layout([s.name for s, _ in model.chain()], pp_size=1, mode="online")
+    return Trainer(world=world, model=model, layout=layout, schedule=online_schedule(world.dp_size, num_samples),
+                   dataset=tiny_dataset(spec, stats), mode="online", num_microbatches=MICRO, lr=lr,
+                   checkpoint_dir=checkpoint_dir)
+
+
+def single_process_step(dp: int, step: int = 0):
+    """Loss and gradients of the global batch of ``step`` (every rank's local draw) on one process, each
+    sample its own micro-batch."""
+    from dataclasses import replace
+
+    from omnibal.data.collate import collate
+    from omnibal.train.model import VLM
+
+    spec = tiny_spec()
+    stats = tiny_stats()
+    dataset = tiny_dataset(spec, stats)
+    schedule = online_schedule(dp)
+    model = VLM(spec, seed=0)
+    base = model.collate_config(num_tiles=1, num_tokens=1)
+    rows = [int(i) for r in range(dp) for k in range(MICRO) for i in schedule.microbatch(step, r, k)]
+    batches = [collate([dataset[i]], replace(base, num_tiles=int(stats.tiles[i]), num_tokens=int(stats.tokens[i])))
+               for i in rows]
+    total = sum(b.num_targets for b in batches)
+    loss = sum(model(*b.carry())[0].sum() for b in batches) / total
+    loss.backward()
+    grads = {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)).numpy()
+             for n, p in model.named_parameters()}
+    return float(loss.detach()), grads, sorted(rows)
+
+
+def rank_online_forward_backward(dp: int):
+    torch.set_num_threads(1)
+    from omnibal.train.distributed import destroy_world, init_world
+
+    world = init_world(dp_size=dp, pp_size=1, timeout_s=TIMEOUT_S)
+    trainer = make_online_trainer(world)
+    result = trainer.forward_backward()
+    grads = {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)).numpy()
+             for n, p in trainer.stage_module.named_parameters()}
+    info = trainer.online_info[-1]
+    destroy_world()
+    return {"rank": world.rank, "loss_part": result.loss_sum, "grads": grads, "fed": trainer._fed,
+            "info": (info.vision_max_mean, info.llm_max_mean, info.local_vision_max_mean, info.local_llm_max_mean)}
+
+
+def rank_online_train(dp: int, checkpoint_dir: str, num_steps: int, resume: bool, every: int, num_samples: int):
+    torch.set_num_threads(1)
+    from omnibal.train.distributed import destroy_world, init_world
+
+    world = init_world(dp_size=dp, pp_size=1, timeout_s=TIMEOUT_S)
+    trainer = make_online_trainer(world, checkpoint_dir=checkpoint_dir, num_samples=num_samples)
+    if resume:
+        trainer.maybe_resume()
+    start = trainer.step
+    losses = []
+    while trainer.step < (num_steps or trainer.schedule.num_steps):
+        record = trainer.train_step()
+        losses.append(None if record is None else record.loss)
+        if every and trainer.step % every == 0:
+            trainer.save_checkpoint()
+    params = {n: p.detach().clone().numpy() for n, p in trainer.stage_module.named_parameters()}
+    destroy_world()
+    return {"rank": world.rank, "start": start, "losses": losses, "consumed": trainer.consumed, "params": params,
+            "steps": trainer.schedule.num_steps}
+
+
+def rank_online_dies(dp: int, victim: int):
+    """The victim exits in the middle of step 1 (after the all-gather, before the all-to-alls)."""
+    import os
+    import time
+
+    torch.set_num_threads(1)
+    from omnibal.train.distributed import init_world
+
+    world = init_world(dp_size=dp, pp_size=1, timeout_s=TIMEOUT_S)
+    trainer = make_online_trainer(world)
+    trainer.train_step()
+    if world.rank == victim:
+        import omnibal.train.online as online
+
+        real = online.balance_phases
+
+        def crash(*a, **k):
+            os._exit(7)
+        online.balance_phases = crash
+        del real
+    t0 = time.monotonic()
+    try:
+        trainer.train_step()
+    except Exception as exc:
+        return {"error_type": type(exc).__name__, "message": str(exc), "elapsed": time.monotonic() - t0}
+    return {"error_type": None, "message": "", "elapsed": time.monotonic() - t0}
