@@ -1,0 +1,162 @@
+"""The online mode (OrchMLLM-style post-balancing, ``omnibal train --mode online``) in the simulator.
+
+Each DP rank draws ``num_microbatches x batch_size`` random samples (the baseline's draws); per step the
+sizes are all-gathered, the vision phase is dealt by vision cost and the LLM phase by LLM cost
+(:func:`omnibal.data.online.balance_phases`), samples move by one all-to-all and the visual features by a
+second one (and their gradients back by its reverse). Modelled here:
+
+- **compute**: each rank's micro-batch ``k`` carries the tiles of the ``k``-th share of its *vision*
+  samples and the tokens of the ``k``-th share of its *LLM* samples, so the pipeline engine charges the
+  encoder layers for the vision assignment and the LLM layers for the LLM assignment (no padding: varlen
+  packs). With pp > 1 that is OrchMLLM's dispatch per pipeline (idealised: the features are assumed to
+  reach the LLM phase's pipeline where the encoder ends);
+- **communication**, added to every step, not overlapped: the all-gather of 4 integers per sample (a ring:
+  ``(D-1)`` latencies), the sample all-to-all (pixels to the vision owner, token ids to the LLM owner) and the
+  feature all-to-all forward and backward, each timed by the busiest rank's bytes (the larger of sent and
+  received, of samples that change rank) over the DP link of :class:`~omnibal.sim.costs.SimConfig` plus
+  ``(D-1)`` latencies.
+
+:func:`compare_online_offline` runs baseline, online and omnibal (offline) on the same draws for a cluster
+(default: ``omnibal plan``'s 128-GPU job) and returns the per-phase max/mean, step time, communication and
+epoch GPU days of each.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from omnibal.cost.table import microbatch_features
+from omnibal.data.balance.cost import DEFAULT_COST, BalanceCost
+from omnibal.data.online import balance_phases, phase_loads
+
+
+def _shares(members: list[int], cost: np.ndarray, m: int) -> list[np.ndarray]:
+    """Split one rank's samples into ``m`` shares of similar cost (LPT order dealt round-robin)."""
+    order = sorted(members, key=lambda i: (-cost[i], i))
+    return [np.asarray(order[k::m], np.int64) for k in range(m)]
+
+
+def online_step(tiles, tokens, draws, *, num_microbatches: int, cost: BalanceCost | None = None):
+    """One online step from the local ``draws`` (per rank, its sample rows; ``[D, n]`` or a list). Returns
+    ``(features [D, M, 4], assignment, owners)``; ``owners`` is ``(data, vision, llm)`` rank of every
+    position of the gathered batch (rank-major)."""
+    cost = cost or DEFAULT_COST
+    draws = [np.asarray(d, np.int64) for d in draws]
+    dp = len(draws)
+    rows = np.concatenate(draws)
+    t, k = np.asarray(tiles)[rows], np.asarray(tokens)[rows]
+    a = balance_phases(t, k, dp_size=dp, cost=cost)
+    vis, llm = cost.sample_costs(t, k)
+    feats = np.zeros((dp, num_microbatches, 4))
+    kf = k.astype(np.float64)
+    for r in range(dp):
+        for j, (vs, ls) in enumerate(zip(_shares(a.vision[r], vis, num_microbatches),
+                                         _shares(a.llm[r], llm, num_microbatches))):
+            feats[r, j] = microbatch_features(t[vs].sum(), kf[ls].sum(), (kf[ls] ** 2).sum())
+    v_own = np.empty(len(rows), np.int64)
+    l_own = np.empty(len(rows), np.int64)
+    for r in range(dp):
+        v_own[a.vision[r]] = r
+        l_own[a.llm[r]] = r
+    return feats, a, (np.repeat(np.arange(dp), [len(d) for d in draws]), v_own, l_own)
+
+
+def _a2a_time(src, dst, nbytes, dp: int, bandwidth: float, latency: float) -> float:
+    moved = src != dst
+    sent = np.bincount(src[moved], weights=nbytes[moved], minlength=dp)
+    recv = np.bincount(dst[moved], weights=nbytes[moved], minlength=dp)
+    busiest = float(max(sent.max(initial=0.0), recv.max(initial=0.0)))
+    return busiest / bandwidth + (dp - 1) * latency
+
+
+def online_comm_time(tiles, tokens, owners, *, dp_size: int, bandwidth: float, latency: float,
+                     pixel_bytes_per_tile: float, feature_bytes_per_tile: float, token_bytes: float = 16.0) -> dict:
+    """Seconds of one step's all-gather and all-to-alls (see the module docstring)."""
+    data, vis, llm = owners
+    t = np.asarray(tiles, np.float64)
+    k = np.asarray(tokens, np.float64)
+    gather = (dp_size - 1) * latency + len(t) * 32.0 / bandwidth if dp_size > 1 else 0.0
+    samples = (_a2a_time(data, vis, t * pixel_bytes_per_tile, dp_size, bandwidth, latency)
+               + _a2a_time(data, llm, k * token_bytes, dp_size, bandwidth, latency)) if dp_size > 1 else 0.0
+    feats = 2 * _a2a_time(vis, llm, t * feature_bytes_per_tile, dp_size, bandwidth, latency) if dp_size > 1 else 0.0
+    return {"all_gather_s": gather, "samples_a2a_s": samples, "features_a2a_s": feats,
+            "total_s": gather + samples + feats}
+
+
+def compare_online_offline(*, model: str = "internvl-chat-1.5", hardware: str = "a100-80g", dp_size: int = 32,
+                           pp_size: int = 4, num_microbatches: int = 8, batch_size: int = 4,
+                           num_samples: int = 40_000, epoch_samples: int = 1_200_000, seed: int = 0,
+                           dtype_bytes: int = 2) -> dict:
+    """baseline (random draws, padded rows), online (the same draws, post-balanced per phase, varlen, plus its
+    collectives) and omnibal (the offline balancer's packs) on one cluster, even partition and full
+    recompute for all three (so only the data differs). ``num_samples`` of the synthetic InternVL-like
+    mixture are simulated and the epoch is scaled to ``epoch_samples``."""
+    from omnibal.cost.analytic import analytic_cost_table
+    from omnibal.cost.hardware import get_hardware
+    from omnibal.cost.presets import get_model_preset
+    from omnibal.data.balance import BalanceConfig, balance
+    from omnibal.sim.costs import config_for_hardware, even_cuts
+    from omnibal.sim.epoch import simulate_epoch
+    from omnibal.stats.synthetic import synthetic_internvl_mixture
+    from omnibal.stats.table import SampleStats
+
+    spec = get_model_preset(model)
+    hw = get_hardware(hardware)
+    table = analytic_cost_table(spec, hw)
+    raw = synthetic_internvl_mixture(num_samples, seed=seed)
+    stats = SampleStats(tiles=raw.tiles, tokens=spec.sample_tokens(raw.tiles, raw.tokens, images=raw.images),
+                        images=raw.images, keys=raw.keys, source=raw.source)
+    cost = BalanceCost.from_cost_table(table)
+    config = config_for_hardware(hw, dp_size=dp_size, pp_size=pp_size, memory_fraction=None)
+    cuts = even_cuts(table.num_layers, pp_size)
+    rec = np.array([("blocks" in n) for n in table.names])
+    rand = balance(stats, dp_size=dp_size, num_microbatches=num_microbatches, seed=seed,
+                   config=BalanceConfig(method="random", batch_size=batch_size, cost=cost))
+    omni = balance(stats, dp_size=dp_size, num_microbatches=num_microbatches, seed=seed,
+                   config=BalanceConfig(cost=cost))
+    v = spec.vision
+    pixel_bytes = 3 * v.image_size * v.image_size * dtype_bytes
+    feature_bytes = spec.llm_tokens_per_tile * spec.llm.hidden * dtype_bytes
+    out = {"setting": f"{model} on {dp_size * pp_size} x {hardware} (DP{dp_size} x PP{pp_size}), {num_microbatches} "
+                      f"micro-batches of {batch_size} random samples per rank per step (baseline, online), even "
+                      f"partition, full recompute, {num_samples:,} synthetic samples scaled to an epoch of "
+                      f"{epoch_samples:,}", "modes": {}}
+
+    def summarize(name, feats, comm, vis_mm, llm_mm, steps_per_sample):
+        res = simulate_epoch(table, cuts, rec, feats, config)
+        step = res.step_time + comm
+        steps = steps_per_sample * epoch_samples
+        out["modes"][name] = {"vision_max_mean": float(np.mean(vis_mm)), "llm_max_mean": float(np.mean(llm_mm)),
+                              "step_s": float(step.mean()), "comm_s": float(np.mean(comm)),
+                              "gpu_days": float(step.mean() * steps * dp_size * pp_size / 86400)}
+
+    def rank_rows(sched, s):
+        return [np.concatenate([np.asarray(sched.microbatch(s, r, k), np.int64) for k in range(num_microbatches)])
+                for r in range(dp_size)]
+
+    def local_balance(sched):
+        vm, lm = [], []
+        for s in range(sched.num_steps):
+            a, b = phase_loads(rank_rows(sched, s), stats.tiles, stats.tokens, cost=cost)
+            vm.append(a.max() / a.mean())
+            lm.append(b.max() / b.mean())
+        return vm, lm
+
+    used = sum(len(r) for s in range(rand.num_steps) for r in rank_rows(rand, s))
+    vm, lm = local_balance(rand)
+    summarize("baseline", rand.features(stats), np.zeros(rand.num_steps), vm, lm, rand.num_steps / used)
+    feats, comm, vm, lm = [], [], [], []
+    for s in range(rand.num_steps):
+        draws = rank_rows(rand, s)
+        f, a, owners = online_step(stats.tiles, stats.tokens, draws, num_microbatches=num_microbatches, cost=cost)
+        feats.append(f)
+        rows = np.concatenate(draws)
+        comm.append(online_comm_time(stats.tiles[rows], stats.tokens[rows], owners, dp_size=dp_size,
+                                     bandwidth=config.dp_bandwidth, latency=config.dp_latency,
+                                     pixel_bytes_per_tile=pixel_bytes, feature_bytes_per_tile=feature_bytes)["total_s"])
+        vm.append(a.vision_max_mean)
+        lm.append(a.llm_max_mean)
+    summarize("online", np.stack(feats), np.array(comm), vm, lm, rand.num_steps / used)
+    vm, lm = local_balance(omni)
+    summarize("omnibal", omni.features(stats), np.zeros(omni.num_steps), vm, lm, omni.num_steps / len(stats))
+    return out
