@@ -12,8 +12,9 @@ at step S continues the same draws). One step on every rank:
 4. the vision phase (``vision.embed .. projector``) runs on all tiles this rank owns, as one batch of tiles
    (a ViT attends within a tile, so grouping tiles of several samples changes nothing);
 5. **all-to-all** of the visual features to the LLM owners (:class:`AllToAll`, an autograd function whose
-   backward is the reverse all-to-all of the feature gradients), which pack their samples into one
-   varlen micro-batch (block-diagonal attention) and run ``llm.embed .. llm.head``;
+   backward is the reverse all-to-all of the feature gradients), which pack their samples into up to
+   ``num_microbatches`` varlen packs of similar LLM cost (block-diagonal attention) and run
+   ``llm.embed .. llm.head`` on each (one backward for all of them at the end);
 6. the loss is ``loss_sum / global_target_tokens`` (the count comes from the all-gather), backward runs
    through the reverse all-to-all into the vision encoder, and the trainer sums gradients over DP as in
    the other modes: the update equals the single-process gradient of the global-token-mean loss.
@@ -31,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from omnibal.data.collate import IGNORE_INDEX, NUM_META_ROWS, collate
+from omnibal.data.balance.cost import DEFAULT_COST
 from omnibal.data.online import balance_phases, phase_loads
 
 _COLS = 4  # gathered per sample: tiles, tokens, target tokens, dataset index
@@ -79,6 +81,18 @@ class OnlineStepInfo:
 def _target_count(sample: dict, image_token_id: int) -> int:
     ids, labels = sample["input_ids"], sample["labels"]
     return int(((labels[1:] != IGNORE_INDEX) & (ids[1:] != image_token_id)).sum())
+
+
+def _packs(members: np.ndarray, cost: np.ndarray, num_packs: int) -> list[np.ndarray]:
+    """Up to ``num_packs`` non-empty packs of similar cost (LPT), each in ascending position order."""
+    k = max(1, min(num_packs, len(members)))
+    load = np.zeros(k)
+    out: list[list[int]] = [[] for _ in range(k)]
+    for p in sorted(members.tolist(), key=lambda q: (-cost[q], q)):
+        j = int(np.argmin(load))
+        out[j].append(p)
+        load[j] += cost[p]
+    return [np.asarray(sorted(g), np.int64) for g in out if g]
 
 
 def _run_layers(stage, start: int, end: int, carry):
@@ -208,23 +222,34 @@ def _online_step(trainer):
     order = [row for p in l_mine for row in range(int(arr_start[p]), int(arr_start[p]) + int(tiles[p]))]
     llm_tiles = int(tiles[l_mine].sum())
     img = recv.reshape(llm_tiles, tpt, width)[torch.as_tensor(order, dtype=torch.long, device=recv.device)]
-    if llm_tiles == 0:
-        img = torch.cat([img, img.new_zeros(1, tpt, width)])
 
-    # the LLM pack: token ids and labels arrived ordered by (data owner, position) = ascending position
-    pack, at = [], 0
+    # the LLM phase: token ids and labels arrived ordered by (data owner, position) = ascending position;
+    # the rank's samples form up to --microbatches varlen packs of similar LLM cost (attention kernels that
+    # cost the square of the pack length, such as the HF path's block mask, pay per pack, not per rank)
+    samples_of, at = {}, 0
     for p in l_mine:
         n = int(tokens[p])
-        ids, labels = tok_flat[at:at + n], tok_flat[at + n:at + 2 * n]
+        samples_of[int(p)] = {"input_ids": tok_flat[at:at + n], "labels": tok_flat[at + n:at + 2 * n],
+                              "index": int(index[p]),
+                              "pixel_values": torch.zeros(1, 3, side, side).expand(int(tiles[p]), 3, side, side)}
         at += 2 * n
-        pack.append({"input_ids": ids, "labels": labels, "index": int(index[p]),
-                     "pixel_values": torch.zeros(1, 3, side, side).expand(int(tiles[p]), 3, side, side)})
-    cfg = replace(cfg_base, num_tiles=max(llm_tiles, 1), num_tokens=max(int(tokens[l_mine].sum()), 1), mode="pack",
-                  source=getattr(trainer.schedule, "source", "schedule"))
-    mb = collate(pack, cfg).to(w.device)
+    img_start = dict(zip(l_mine.tolist(), np.concatenate([[0], np.cumsum(tiles[l_mine])])[:-1].tolist()))
+    llm_cost = DEFAULT_COST.sample_costs(tiles, tokens)[1]
+    groups = _packs(l_mine, llm_cost, trainer.num_microbatches)
     global_targets = float(targets.sum())
-    loss_sum, _ = _run_layers(stage, split, len(stage.layer_names), (img.unsqueeze(0), mb.token_meta, mb.sizes))
-    loss = loss_sum.sum() / max(global_targets, 1.0)
+    loss_sum = img.new_zeros(())
+    for group in groups:
+        rows = [row for p in group for row in range(int(img_start[p]), int(img_start[p]) + int(tiles[p]))]
+        feats_g = img[torch.as_tensor(rows, dtype=torch.long, device=img.device)]
+        n_tiles = int(tiles[group].sum())
+        if n_tiles == 0:  # a text-only pack: one zero tile slot (nothing reads it)
+            feats_g = torch.cat([feats_g, img.new_zeros(1, tpt, width)])
+        cfg = replace(cfg_base, num_tiles=max(n_tiles, 1), num_tokens=int(tokens[group].sum()), mode="pack",
+                      source=getattr(trainer.schedule, "source", "schedule"))
+        mb = collate([samples_of[int(p)] for p in group], cfg).to(w.device)
+        part, _ = _run_layers(stage, split, len(stage.layer_names), (feats_g.unsqueeze(0), mb.token_meta, mb.sizes))
+        loss_sum = loss_sum + part.sum()
+    loss = loss_sum / max(global_targets, 1.0)
     loss.backward()
     compute_s = time.perf_counter() - t_compute
 
