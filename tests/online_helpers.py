@@ -17,7 +17,8 @@ def online_schedule(dp: int, num_samples: int = 160):
     return random_microbatch_schedule(num_samples, dp_size=dp, num_microbatches=MICRO, batch_size=BATCH, seed=0)
 
 
-def make_online_trainer(world, *, checkpoint_dir=None, lr=1e-3, num_samples=160):
+def make_online_trainer(world, *, checkpoint_dir=None, lr=1e-3, num_samples=160, ledger_path=None,
+                        checkpoint_every=0):
     from omnibal.train.loop import Trainer
     from omnibal.train.model import VLM
     from omnibal.train.pipeline import resolve_layout
@@ -28,7 +29,8 @@ def make_online_trainer(world, *, checkpoint_dir=None, lr=1e-3, num_samples=160)
     layout = resolve_layout([s.name for s, _ in model.chain()], pp_size=1, mode="online")
     return Trainer(world=world, model=model, layout=layout, schedule=online_schedule(world.dp_size, num_samples),
                    dataset=tiny_dataset(spec, stats), mode="online", num_microbatches=MICRO, lr=lr,
-                   checkpoint_dir=checkpoint_dir)
+                   checkpoint_dir=checkpoint_dir, ledger_path=ledger_path,
+                   checkpoint_every=checkpoint_every)
 
 
 def single_process_step(dp: int, step: int = 0):
@@ -71,25 +73,25 @@ def rank_online_forward_backward(dp: int):
             "info": (info.vision_max_mean, info.llm_max_mean, info.local_vision_max_mean, info.local_llm_max_mean)}
 
 
-def rank_online_train(dp: int, checkpoint_dir: str, num_steps: int, resume: bool, every: int, num_samples: int):
+def rank_online_train(dp: int, checkpoint_dir: str, num_steps: int, resume: bool, every: int, num_samples: int,
+                      ledger_path: str | None = None):
+    """``Trainer.run`` in online mode (checkpoints every ``every`` steps and at the end, the ledger written)."""
     torch.set_num_threads(1)
     from omnibal.train.distributed import destroy_world, init_world
 
     world = init_world(dp_size=dp, pp_size=1, timeout_s=TIMEOUT_S)
-    trainer = make_online_trainer(world, checkpoint_dir=checkpoint_dir, num_samples=num_samples)
+    trainer = make_online_trainer(world, checkpoint_dir=checkpoint_dir, num_samples=num_samples,
+                                  ledger_path=ledger_path, checkpoint_every=every)
     if resume:
         trainer.maybe_resume()
     start = trainer.step
-    losses = []
-    while trainer.step < (num_steps or trainer.schedule.num_steps):
-        record = trainer.train_step()
-        losses.append(None if record is None else record.loss)
-        if every and trainer.step % every == 0:
-            trainer.save_checkpoint()
+    trainer.run(num_steps or None)
+    losses = [r.loss for r in trainer.log.records]
     params = {n: p.detach().clone().numpy() for n, p in trainer.stage_module.named_parameters()}
+    keys = [int(k) for k in trainer.dataset.stats.keys]
     destroy_world()
     return {"rank": world.rank, "start": start, "losses": losses, "consumed": trainer.consumed, "params": params,
-            "steps": trainer.schedule.num_steps}
+            "steps": trainer.schedule.num_steps, "keys": keys}
 
 
 def rank_online_dies(dp: int, victim: int):

@@ -42,27 +42,30 @@ def test_online_step_matches_single_process(dp):
 
 
 def test_online_epoch_exactly_once_and_resume_continues_the_draws(tmp_path):
-    """A whole epoch at dp 2 trains every drawn sample once (the drop-last tail aside, as the baseline);
-    a run stopped after a checkpoint at step 2 and resumed reaches bit-identical weights and the same
-    losses and samples as an uninterrupted one."""
-    n = 60  # 5 steps of 2 ranks x 2 micro-batches x 3 samples
-    full = _values(spawn_local(rank_online_train, 2, args=(2, str(tmp_path / "a"), 0, False, 0, n), deadline_s=180,
+    """Counted from the trainer's ledger: a whole epoch at dp 2 trains every sample once (60 samples = 5
+    whole steps of 2 ranks x 2 x 3); a run stopped after its checkpoint at step 2 and resumed, appending to the
+    same ledger, trains every sample once too and reaches bit-identical weights and the same losses."""
+    from omnibal.train.ledger import trained_counts
+
+    n = 60
+    full = _values(spawn_local(rank_online_train, 2, args=(2, str(tmp_path / "a"), 0, False, 0, n,
+                                                           str(tmp_path / "a.jsonl")), deadline_s=180,
                                start_method="fork"))
-    steps = full[0]["steps"]
-    assert steps == 5
-    trained = [i for v in full for s in v["consumed"] for i in s]
-    assert sorted(trained) == list(range(n))
-    first = _values(spawn_local(rank_online_train, 2, args=(2, str(tmp_path / "b"), 2, False, 2, n),
+    assert full[0]["steps"] == 5
+    keys = full[0]["keys"]
+    assert trained_counts(tmp_path / "a.jsonl") == {k: 1 for k in keys}
+    assert sorted(i for v in full for s in v["consumed"] for i in s) == list(range(n))
+    ledger = str(tmp_path / "b.jsonl")
+    first = _values(spawn_local(rank_online_train, 2, args=(2, str(tmp_path / "b"), 2, False, 2, n, ledger),
                                 deadline_s=180, start_method="fork"))
-    rest = _values(spawn_local(rank_online_train, 2, args=(2, str(tmp_path / "b"), 0, True, 0, n), deadline_s=180,
-                               start_method="fork"))
+    rest = _values(spawn_local(rank_online_train, 2, args=(2, str(tmp_path / "b"), 0, True, 0, n, ledger),
+                               deadline_s=180, start_method="fork"))
     assert rest[0]["start"] == 2
     assert first[0]["losses"] + rest[0]["losses"] == pytest.approx(full[0]["losses"], rel=1e-6)
     for a, b in zip(full, rest):
         for name, p in a["params"].items():
             assert np.array_equal(p, b["params"][name]), name
-    resumed = [i for v in first + rest for s in v["consumed"] for i in s]
-    assert sorted(resumed) == list(range(n))
+    assert trained_counts(ledger) == {k: 1 for k in keys}
 
 
 def test_online_dead_rank_fails_fast():
