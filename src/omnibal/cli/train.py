@@ -69,7 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--schedule", dest="schedule_path", help="balanced schedule JSON (omnibal mode; default: "
                                                             "balance the statistics now)")
     p.add_argument("--batch-size", dest="baseline_batch_size", type=int, default=4,
-                   help="samples per micro-batch in baseline mode")
+                   help="samples per micro-batch in baseline mode; online mode draws --microbatches x this "
+                        "many samples per rank per step")
     o = parser.add_argument_group("output")
     o.add_argument("--metrics-log", "--log", dest="log_path", metavar="FILE",
                    help="JSONL metrics log (one line per step); under torchrun spell it --metrics-log (torchrun's own "
