@@ -43,3 +43,13 @@ def test_compare_online_offline_for_a_cluster():
     assert online["comm_s"] > 0 and base["comm_s"] == omni["comm_s"] == 0
     assert online["step_s"] < base["step_s"] and online["gpu_days"] < base["gpu_days"]
     assert omni["vision_max_mean"] <= 1.05 and omni["llm_max_mean"] <= 1.05
+
+
+def test_simulate_cli_online_vs_offline(capsys):
+    from omnibal.cli import main
+
+    assert main(["simulate", "--online-vs-offline", "--samples", "6000", "--dp", "8", "--pp", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "DP8 x PP2" in out
+    rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ")}
+    assert {"baseline", "online", "omnibal"} <= set(rows)

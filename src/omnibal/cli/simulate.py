@@ -69,6 +69,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--recompute", default="full", help="'full', 'none' or per-stage counts of recomputed "
                    "layers (each stage's first layers), e.g. '20,10,4,0'")
 
+    g = parser.add_argument_group("online vs offline")
+    g.add_argument("--online-vs-offline", action="store_true",
+                   help="compare baseline (random micro-batches of --batch-size), online (OrchMLLM-style "
+                        "post-balancing of the same draws, per-phase dispatch, with its all-gather and all-to-alls) "
+                        "and omnibal (offline balance) on one cluster, even partition and full recompute, and exit; "
+                        "defaults: the 128-GPU plan job (internvl-chat-1.5, a100-80g, --dp 32 --pp 4 "
+                        "--microbatches 8), --samples 20000 synthetic rows scaled to a 1.2M epoch")
+
     g = parser.add_argument_group("output")
     g.add_argument("--out", default="simulate-report", help="report folder")
     g.add_argument("--no-report", action="store_true", help="print the tables only")
@@ -199,6 +207,14 @@ def run(args: argparse.Namespace) -> int:
     from omnibal.sim.epoch import simulate_epoch, simulate_one_step
     from omnibal.sim.report import format_text_table, stage_table, totals_rows, write_report
 
+    if args.online_vs_offline:
+        from omnibal.sim.online import compare_online_offline, comparison_markdown
+
+        print(comparison_markdown(compare_online_offline(
+            model=args.model or "internvl-chat-1.5", hardware=args.hardware or "a100-80g", dp_size=args.dp or 32,
+            pp_size=args.pp or 4, num_microbatches=args.microbatches or 8, batch_size=args.batch_size,
+            num_samples=_positive("samples", args.samples or 20_000), seed=args.seed)), end="")
+        return 0
     if not args.no_report:
         from omnibal.outputs import check_dir
 

@@ -160,3 +160,14 @@ def compare_online_offline(*, model: str = "internvl-chat-1.5", hardware: str = 
     vm, lm = local_balance(omni)
     summarize("omnibal", omni.features(stats), np.zeros(omni.num_steps), vm, lm, omni.num_steps / len(stats))
     return out
+
+
+def comparison_markdown(result: dict) -> str:
+    """:func:`compare_online_offline`'s result as a markdown table."""
+    lines = [f"Predicted, {result['setting']}:", "",
+             "| mode | vision max/mean | LLM max/mean | step s | collectives s per step | epoch GPU days |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for name, r in result["modes"].items():
+        lines.append(f"| {name} | {r['vision_max_mean']:.3f} | {r['llm_max_mean']:.3f} | {r['step_s']:.2f} | "
+                     f"{r['comm_s']:.3f} | {r['gpu_days']:.1f} |")
+    return "\n".join(lines) + "\n"
