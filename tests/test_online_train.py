@@ -74,3 +74,14 @@ def test_online_dead_rank_fails_fast():
     assert survivor is not None and survivor["error_type"] == "PeerFailure", results[0]
     assert "step 1" in survivor["message"] and "rank 1" in survivor["message"]
     assert survivor["elapsed"] < 45
+
+
+def test_online_mode_config_is_checked():
+    from omnibal.errors import InputError
+    from omnibal.train.config import TrainConfig
+
+    with pytest.raises(InputError, match="pp = 1"):
+        TrainConfig(mode="online", dp_size=1, pp_size=2)
+    with pytest.raises(InputError, match="flat"):
+        TrainConfig(mode="online", dp_size=2, dp_sync="ddp")
+    TrainConfig(mode="online", dp_size=2)

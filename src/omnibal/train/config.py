@@ -136,6 +136,9 @@ class TrainConfig:
         if self.num_microbatches < self.pp_size:
             raise InputError(f"{self.num_microbatches} micro-batches cannot fill {self.pp_size} pipeline stages",
                              source=src, field="num_microbatches")
+        if self.mode == "online" and self.dp_sync != "flat":
+            raise InputError("online mode sums gradients with the flat all-reduce (its layers run outside DDP): "
+                             "use dp_sync 'flat'", source=src, field="dp_sync")
         if self.mode == "online" and self.pp_size != 1:
             raise InputError("online mode runs data parallel only (pp = 1): the vision encoder and the LLM of a "
                              "sample run on different DP ranks", source=src, field="pp_size")

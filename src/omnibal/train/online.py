@@ -134,6 +134,11 @@ def _online_step(trainer):
     w = trainer.world
     step = trainer.step
     dp, me = w.dp_size, w.dp_rank
+    if w.pp_size != 1 or trainer.runner.ddp:
+        from omnibal.errors import InputError
+
+        raise InputError("online mode runs data parallel only (pp = 1) with the flat gradient sum (dp_sync 'flat'): "
+                         "its layers are called outside a pipeline or DDP wrapper", source="mode", field="mode")
     group = w.dp_group if dp > 1 else None
     cfg_base = trainer._collate_base
     image_id, tpt, side = cfg_base.image_token_id, cfg_base.tokens_per_tile, cfg_base.image_size
@@ -153,9 +158,10 @@ def _online_step(trainer):
     # 1. all-gather the sizes (every rank draws the same number of samples)
     t_comm = time.perf_counter()
     if dp > 1:
-        parts = [torch.empty_like(mine) for _ in range(dp)]
-        dist.all_gather(parts, mine, group=group)
-        table = torch.cat(parts).numpy()
+        dev = mine.to(w.device)  # NCCL collectives take device tensors
+        parts = [torch.empty_like(dev) for _ in range(dp)]
+        dist.all_gather(parts, dev, group=group)
+        table = torch.cat(parts).cpu().numpy()
     else:
         table = mine.numpy()
     n_local = len(local)
@@ -187,11 +193,12 @@ def _online_step(trainer):
     l_mine = np.flatnonzero(l_own == me)
     pix_recv = [int(tiles[v_mine[owner[v_mine] == r]].sum()) * tile_elems for r in range(dp)]
     tok_recv = [2 * int(tokens[l_mine[owner[l_mine] == r]].sum()) for r in range(dp)]
-    pix_flat = torch.cat(pix_send) if pix_send else torch.zeros(0)
-    tok_flat = torch.cat(tok_send) if tok_send else torch.zeros(0, dtype=torch.int64)
+    pix_flat = (torch.cat(pix_send) if pix_send else torch.zeros(0)).to(w.device)
+    tok_flat = (torch.cat(tok_send) if tok_send else torch.zeros(0, dtype=torch.int64)).to(w.device)
     if dp > 1:
         pix_flat = _a2a(pix_flat, pix_split, pix_recv, group)
         tok_flat = _a2a(tok_flat, tok_split, tok_recv, group)
+    tok_flat = tok_flat.cpu()  # the collator builds its tensors on the host
     comm_s = time.perf_counter() - t_comm
 
     # 4. vision phase on every tile this rank owns (ascending positions)
