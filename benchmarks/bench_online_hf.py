@@ -11,35 +11,22 @@ Writes benchmarks/results/online_hf.{json,md}.
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "src"))
 
-from bench_train_hf import MICROBATCHES, data_args, make_model, run_once  # noqa: E402
+from bench_train_hf import MICROBATCHES, data_args, prepare, run_once  # noqa: E402
 
 MODES = ("baseline", "online", "omnibal")
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--records", type=int, default=400)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
-    args = ap.parse_args(argv)
-    from omnibal.examples.real_example import make_real_example
-
-    log = lambda msg: print(f"[bench_online_hf] {msg} (load {os.getloadavg()[0]:.2f})", file=sys.stderr, flush=True)  # noqa: E731
-    work = Path(tempfile.mkdtemp(prefix="bench-online-hf-"))
-    make_real_example(work, num_records=args.records, seed=0)
-    model = make_model(work, seed=0)
+    args, log, work, model = prepare(argv, name="bench_online_hf", description=__doc__.splitlines()[0])
     runs: dict[str, list] = {m: [] for m in MODES}
     for r in range(args.repeats):
         for mode in MODES:

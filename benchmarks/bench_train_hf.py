@@ -79,7 +79,7 @@ def profile_chain(root: Path, model: Path) -> tuple[list[str], np.ndarray, objec
     layers = chain.chain()
     times = np.zeros(len(layers))
     base = chain.collate_config(num_tiles=1, num_tokens=1)
-    packs = [schedule.microbatch(s, 0, k) for s in range(3) for k in range(MICROBATCHES)]
+    packs = [schedule.microbatch(s, 0, k) for s in range(min(3, schedule.num_steps)) for k in range(MICROBATCHES)]
     for mb in packs:
         cfg_mb = replace(base, num_tiles=int(stats.tiles[mb].sum()), num_tokens=int(stats.tokens[mb].sum()))
         carry = collate([dataset[int(i)] for i in mb], cfg_mb).carry()
@@ -124,28 +124,24 @@ def run_once(args: list[str], out: Path, tag: str) -> dict:
     return doc
 
 
-def epoch_steps(stats, mode: str, dp: int) -> int:
-    from omnibal.data.balance import balance
-    from omnibal.train.feed import random_microbatch_schedule
+def prepare(argv, *, name: str, description: str):
+    """Arguments, log function, work folder with the example, and the benchmark's checkpoint: what every
+    benchmark on the real example starts with (bench_train_hf, bench_online_hf)."""
+    from omnibal.examples.real_example import make_real_example
 
-    if mode == "baseline":
-        return random_microbatch_schedule(len(stats), dp_size=dp, num_microbatches=MICROBATCHES, batch_size=4,
-                                          seed=0).num_steps
-    return balance(stats, dp_size=dp, num_microbatches=MICROBATCHES, seed=0).num_steps
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--records", type=int, default=400)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args(argv)
-    from omnibal.examples.real_example import make_real_example
-
-    log = lambda msg: print(f"[bench_train_hf] {msg} (load {os.getloadavg()[0]:.2f})", file=sys.stderr, flush=True)  # noqa: E731
-    work = Path(tempfile.mkdtemp(prefix="bench-train-hf-"))
+    log = lambda msg: print(f"[{name}] {msg} (load {os.getloadavg()[0]:.2f})", file=sys.stderr, flush=True)  # noqa: E731
+    work = Path(tempfile.mkdtemp(prefix=f"{name.replace('_', '-')}-"))
     make_real_example(work, num_records=args.records, seed=0)
-    model = make_model(work, seed=0)
+    return args, log, work, make_model(work, seed=0)
+
+
+def main(argv=None) -> int:
+    args, log, work, model = prepare(argv, name="bench_train_hf", description=__doc__.splitlines()[0])
     names, layer_times, spec, stats = profile_chain(work, model)
     vision_share = float(layer_times[: names.index("llm.embed")].sum() / layer_times.sum())
     plan = work / "plan_pp2.json"
@@ -157,7 +153,7 @@ def main(argv=None) -> int:
             for mode in MODES:
                 tag = f"{mode}_dp{dp}_pp{pp}"
                 extra = ["--mode", mode, "--dp", str(dp), "--pp", str(pp), "--microbatches", str(MICROBATCHES),
-                         "--steps", str(epoch_steps(stats, mode, dp))]
+                         "--steps", "0"]  # the whole epoch of each mode
                 if mode == "omnibal" and pp > 1:
                     extra += ["--plan", str(plan)]
                 doc = run_once(data_args(work, model) + extra, work, f"{tag}_{r}")

@@ -197,6 +197,17 @@ def _schedule(args, stats, table, cluster):
                    epoch=args.epoch, config=config)
 
 
+def _online_vs_offline(args: argparse.Namespace) -> int:
+    """``--online-vs-offline``: baseline, online and offline balancing of one cluster, as a table."""
+    from omnibal.sim.online import compare_online_offline, comparison_markdown
+
+    print(comparison_markdown(compare_online_offline(
+        model=args.model or "internvl-chat-1.5", hardware=args.hardware or "a100-80g", dp_size=args.dp or 32,
+        pp_size=args.pp or 4, num_microbatches=args.microbatches or 8, batch_size=args.batch_size,
+        num_samples=_positive("samples", args.samples or 20_000), seed=args.seed)), end="")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     import numpy as np
 
@@ -208,13 +219,7 @@ def run(args: argparse.Namespace) -> int:
     from omnibal.sim.report import format_text_table, stage_table, totals_rows, write_report
 
     if args.online_vs_offline:
-        from omnibal.sim.online import compare_online_offline, comparison_markdown
-
-        print(comparison_markdown(compare_online_offline(
-            model=args.model or "internvl-chat-1.5", hardware=args.hardware or "a100-80g", dp_size=args.dp or 32,
-            pp_size=args.pp or 4, num_microbatches=args.microbatches or 8, batch_size=args.batch_size,
-            num_samples=_positive("samples", args.samples or 20_000), seed=args.seed)), end="")
-        return 0
+        return _online_vs_offline(args)
     if not args.no_report:
         from omnibal.outputs import check_dir
 
