@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -232,12 +236,10 @@ def test_cli_bad_input_exits_2(tmp_path, capsys):
 
 
 def test_module_entry_point_help():
-    import subprocess
-    import sys
-
-    out = subprocess.run([sys.executable, "-m", "omnibal.train", "--help"], capture_output=True, text=True,
-                         env={**__import__("os").environ, "PYTHONPATH": str(__import__("pathlib").Path(__file__)
-                                                                            .resolve().parents[1] / "src")})
+    """What torchrun runs on every rank (``torchrun ... -m omnibal train ARGS``, docs/train.md)."""
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    out = subprocess.run([sys.executable, "-m", "omnibal", "train", "--help"], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": src})
     assert out.returncode == 0 and "--stage-layers" in out.stdout and "torchrun" in out.stdout
 
 

@@ -180,6 +180,16 @@ def is_comm_error(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(m in text for m in markers)
 
 
+def caused_by_comm_error(exc: BaseException) -> bool:
+    """Whether a backend error is among the causes (``__cause__`` / ``__context__`` chain) of ``exc``."""
+    seen = exc.__cause__ or exc.__context__
+    while seen is not None:
+        if is_comm_error(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 def _first_line(exc: BaseException) -> str:
     lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
     return lines[-1] if lines else type(exc).__name__
