@@ -17,7 +17,7 @@ import numpy as np
 from omnibal.plan.ablation import AblationRow, ablation_markdown
 from omnibal.plan.exports import export_all
 from omnibal.plan.plan import Plan
-from omnibal.sim.report import format_markdown_table, format_text_table
+from omnibal.tables import markdown_table, text_table  # noqa: F401 (text_table: what `omnibal plan` prints with)
 
 GiB = float(1 << 30)
 
@@ -40,14 +40,6 @@ def stage_rows(plan: Plan) -> list[list[str]]:
                      f"{len(st.recompute)} of {len(st.modules)}", str(st.in_flight), f"{st.time_s:.3f}",
                      f"{st.recompute_time_s:.3f}", _gib(st.memory_bytes), _gib(st.simulated_peak_memory_bytes)])
     return rows
-
-
-def text_table(rows: list[list[str]]) -> str:
-    return format_text_table(rows, align="left")
-
-
-def markdown_table(rows: list[list[str]]) -> str:
-    return format_markdown_table(rows, separator=" --- |")
 
 
 BALANCE_KEYS = (("num_steps", "steps", "{:d}"), ("samples_per_microbatch_mean", "samples / micro-batch", "{:.2f}"),

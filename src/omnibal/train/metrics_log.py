@@ -83,8 +83,9 @@ class StepRecord:
         doc = asdict(self)
         doc["samples_per_s"] = self.samples_per_s
         doc["tokens_per_s"] = self.tokens_per_s
+        # no tile pad ratio: the layers compute only the active tiles, which are all real (a tile is never
+        # padded), so it was 0 by construction
         doc["token_pad_ratio"] = 1 - self.tokens / self.buffer_tokens if self.buffer_tokens else 0.0
-        doc["tile_pad_ratio"] = 1 - self.tiles / self.buffer_tiles if self.buffer_tiles else 0.0
         return doc
 
 
@@ -163,7 +164,6 @@ def summarize(records: Sequence[StepRecord], *, warmup: int = 1) -> dict:
         "samples_per_s": sum(r.samples for r in use) / total_s if total_s else 0.0,
         "tokens_per_s": sum(r.tokens for r in use) / total_s if total_s else 0.0,
         "token_pad_ratio": 1 - sum(r.tokens for r in use) / max(1, sum(r.buffer_tokens for r in use)),
-        "tile_pad_ratio": 1 - sum(r.tiles for r in use) / max(1, sum(r.buffer_tiles for r in use)),
         "final_loss": use[-1].loss,
         "per_rank": per_rank,
     }
@@ -176,8 +176,8 @@ def format_summary(summary: dict, title: str = "training summary") -> str:
     lines = [f"## {title}", "",
              f"steps {summary['steps']} (+{summary['warmup_steps_excluded']} warm-up), median step "
              f"{summary['median_step_s'] * 1e3:.1f} ms, {summary['samples_per_s']:.2f} samples/s, "
-             f"{summary['tokens_per_s']:.0f} tokens/s (real), pad: tokens {summary['token_pad_ratio']:.1%}, "
-             f"tiles {summary['tile_pad_ratio']:.1%}, final loss {summary['final_loss']:.4f}", "",
+             f"{summary['tokens_per_s']:.0f} tokens/s (real), token pad {summary['token_pad_ratio']:.1%}, "
+             f"final loss {summary['final_loss']:.4f}", "",
              "| rank | dp | pp | step ms | compute ms | pipeline wait ms | dp sync ms | optim ms | data ms | cpu ms "
              "| peak MiB |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
