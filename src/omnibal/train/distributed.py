@@ -196,6 +196,7 @@ def _first_line(exc: BaseException) -> str:
 
 
 def free_port() -> int:
+    """A TCP port free right now on localhost (rendezvous of local ranks; the one helper, tests use it too)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -21,7 +21,6 @@ Any backend failure (a peer died, a timeout) becomes a PeerFailure naming this r
 
 from __future__ import annotations
 
-import hashlib
 import sys
 import time
 from typing import Any, Sequence
@@ -44,8 +43,9 @@ _COUNT_FIELDS = ("targets", "samples", "tokens", "tiles", "buffer_tokens", "buff
 
 
 def model_identity(spec) -> str:
-    """Name plus a hash of the full spec: checkpoints refuse to load into another architecture."""
-    return f"{spec.name}:{hashlib.sha256(repr(spec).encode()).hexdigest()[:12]}"
+    """Name plus the spec's fingerprint (the one model hash, ``ModelSpec.fingerprint``): checkpoints refuse to
+    load into another architecture."""
+    return f"{spec.name}:{spec.fingerprint()}"
 
 
 class Trainer:
