@@ -8,8 +8,15 @@ from omnibal.cli import main
 from omnibal.cost.analytic import layer_work
 from omnibal.cost.hardware import get_hardware
 from omnibal.cost.presets import get_model_preset
-from omnibal.cost.profile import (FORMAT, ProfileGrid, check_profile_model, cost_table_from_profile, fit_profile,
-                                  load_profile, save_profile)
+from omnibal.cost.profile import (
+    FORMAT,
+    ProfileGrid,
+    check_profile_model,
+    cost_table_from_profile,
+    fit_profile,
+    load_profile,
+    save_profile,
+)
 from omnibal.cost.spec import LLMSpec, ModelSpec, VisionSpec
 from omnibal.errors import InputError
 from omnibal.measure.profile import measure

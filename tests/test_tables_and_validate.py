@@ -5,8 +5,12 @@ import pytest
 
 from omnibal.errors import InputError
 from omnibal.tables import format_cell, format_table, markdown_table, text_table
-from omnibal.validate import (check_non_negative_int, check_non_negative_number, check_positive_int,
-                              check_positive_number)
+from omnibal.validate import (
+    check_non_negative_int,
+    check_non_negative_number,
+    check_positive_int,
+    check_positive_number,
+)
 
 
 def test_text_table_aligns_columns_and_rules_the_header():

@@ -18,8 +18,13 @@ from omnibal.train.config import TrainConfig
 from omnibal.train.distributed import local_world
 from omnibal.train.feed import IndexSchedule, buffer_shape, check_schedule, random_microbatch_schedule
 from omnibal.train.metrics_log import format_summary
-from omnibal.train.pipeline import (even_split, load_plan_layout, parse_stage_layers, resolve_layout,
-                                    validate_stage_layers)
+from omnibal.train.pipeline import (
+    even_split,
+    load_plan_layout,
+    parse_stage_layers,
+    resolve_layout,
+    validate_stage_layers,
+)
 
 NAMES = [layer.name for layer in tiny_spec().layers()]  # 8 layers
 

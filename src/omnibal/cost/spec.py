@@ -23,8 +23,8 @@ from typing import Any, Literal
 import numpy as np
 
 from omnibal.errors import InputError
-from omnibal.validate import check_positive_int
 from omnibal.stats.table import tokens_for_model
+from omnibal.validate import check_positive_int
 
 LayerKind = Literal["vision_embed", "vision_block", "projector", "llm_embed", "llm_block", "lm_head"]
 LAYER_KINDS: tuple[str, ...] = ("vision_embed", "vision_block", "projector", "llm_embed", "llm_block", "lm_head")

@@ -47,7 +47,7 @@ def measure_cpu(*, threads: int = 1, repeats: int = 5, links: bool = False) -> H
             for m, k, n in ((512, 512, 512), (2048, 256, 512)):
                 a = torch.randn(m, k, dtype=dtype)
                 b = torch.randn(k, n, dtype=dtype)
-                seconds = _best_time(lambda: a @ b, repeats, cpu_clock=threads == 1)
+                seconds = _best_time(lambda a=a, b=b: a @ b, repeats, cpu_clock=threads == 1)
                 best = max(best, 2.0 * m * k * n / seconds)
             rates[dtype] = best
         src = torch.empty(8 << 20, dtype=torch.float64).fill_(1.0)  # 64 MiB

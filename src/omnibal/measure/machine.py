@@ -1,13 +1,11 @@
-"""What this machine is: device name, CPU count, load average. Recorded with every measurement (profiles,
-benchmark results) so a figure can be traced to the machine and the load it was taken under."""
+"""What this machine is: CPU name, memory, load average. Recorded with every measurement (profiles,
+benchmark results) so a figure can be traced to the machine and the load it was taken under. Free of torch,
+so that a process measuring its own memory can use it."""
 
 from __future__ import annotations
 
 import os
 import platform
-from typing import Any
-
-import torch
 
 
 def load_average() -> list[float] | None:
@@ -29,15 +27,6 @@ def cpu_name() -> str:
     except OSError:
         pass
     return name
-
-
-def device_info(device: str, threads: int) -> dict[str, Any]:
-    """The device a measurement ran on: a CUDA device's name and memory, or the CPU, its threads and cores."""
-    if device.startswith("cuda"):
-        idx = torch.device(device).index or 0
-        return {"type": "cuda", "name": torch.cuda.get_device_name(idx),
-                "memory_bytes": torch.cuda.get_device_properties(idx).total_memory}
-    return {"type": "cpu", "name": cpu_name(), "threads": threads, "cpu_count": os.cpu_count()}
 
 
 def physical_memory_bytes(default: float) -> float:

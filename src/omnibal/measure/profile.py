@@ -11,6 +11,7 @@ after.
 from __future__ import annotations
 
 import datetime as _dt
+import os
 import sys
 from typing import Any
 
@@ -18,15 +19,23 @@ import torch
 from tqdm import tqdm
 
 from omnibal.cost.analytic import DTYPE_BYTES
-from omnibal.cost.profile import (CPU_GRID, FORMAT, GPU_GRID, STATISTICS, Point, ProfileGrid, fit_profile,
-                                  grid_points)
+from omnibal.cost.profile import CPU_GRID, FORMAT, GPU_GRID, STATISTICS, Point, ProfileGrid, fit_profile, grid_points
 from omnibal.cost.spec import LAYER_KINDS, ModelSpec
 from omnibal.errors import InputError
-from omnibal.measure.machine import device_info, load_average
+from omnibal.measure.machine import cpu_name, load_average
 from omnibal.measure.runner import LayerRunner
 from omnibal.validate import check_positive_int
 
 __all__ = ["measure", "measure_points"]
+
+
+def device_info(device: str, threads: int) -> dict[str, Any]:
+    """The device a measurement ran on: a CUDA device's name and memory, or the CPU, its threads and cores."""
+    if device.startswith("cuda"):
+        idx = torch.device(device).index or 0
+        return {"type": "cuda", "name": torch.cuda.get_device_name(idx),
+                "memory_bytes": torch.cuda.get_device_properties(idx).total_memory}
+    return {"type": "cpu", "name": cpu_name(), "threads": threads, "cpu_count": os.cpu_count()}
 
 
 def _check_measure_args(device: str, dtype: str | None, kinds, repeats: int, threads: int) -> str:

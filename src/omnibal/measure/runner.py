@@ -113,7 +113,7 @@ class LayerRunner:
             if self.is_cuda:
                 events = []
 
-                def clock():
+                def clock(events=events):
                     ev = torch.cuda.Event(enable_timing=True)
                     ev.record()
                     events.append(ev)

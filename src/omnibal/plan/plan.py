@@ -4,9 +4,9 @@ it was made from. Plain data with a versioned JSON form; loading validates every
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
-import dataclasses
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
