@@ -454,6 +454,7 @@ class OmnibalTrainer(Trainer):
             keys = _saved_to_model_keys(target)
         if not keys or all(saved == own for saved, own in keys.items()):
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        # optional dependency (the hf extra), imported where it is used
         import safetensors.torch
 
         state = safetensors.torch.load_file(str(path), device="cpu")

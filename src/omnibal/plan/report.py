@@ -14,9 +14,12 @@ from pathlib import Path
 
 import numpy as np
 
+from omnibal.errors import InputError
 from omnibal.plan.ablation import AblationRow, ablation_markdown
 from omnibal.plan.exports import export_all
 from omnibal.plan.plan import Plan
+from omnibal.sim.epoch import simulate_epoch, simulate_one_step
+from omnibal.sim.report import pick_ranks, plot_timeline
 from omnibal.tables import markdown_table, text_table  # noqa: F401 (text_table: what `omnibal plan` prints with)
 
 GiB = float(1 << 30)
@@ -140,8 +143,6 @@ def plot_ablation(rows: list[AblationRow], path: str | Path) -> Path:
 
 
 def ablation_from_json(path: str | Path) -> list[AblationRow]:
-    from omnibal.errors import InputError
-
     path = Path(path)
     try:
         raw = json.loads(path.read_text())
@@ -239,8 +240,6 @@ def write_job_outputs(result, out_dir: str | Path, *, timelines: bool = True, pr
     """Write plan.json, ablation.json, report.md and the PNGs of a :class:`PlanJobResult`.
     ``progress(label)`` is called before each picture (for a progress bar)."""
     progress = progress or (lambda label: None)
-    from omnibal.sim.epoch import simulate_epoch, simulate_one_step
-    from omnibal.sim.report import pick_ranks, plot_timeline
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -310,8 +309,6 @@ def render_report(plan_path: str | Path, out_dir: str | Path | None = None, *,
 
 
 def _simulate_section(plan: Plan, path: Path) -> list[str]:
-    from omnibal.errors import InputError
-
     try:
         sim = json.loads(path.read_text())
         step = float(sim["step_time_mean_s"])
@@ -325,8 +322,6 @@ def _simulate_section(plan: Plan, path: Path) -> list[str]:
 
 def _train_section(plan: Plan, path: Path) -> list[str]:
     """Measured step times from a training metrics log (JSON lines with ``step_time_s``)."""
-    from omnibal.errors import InputError
-
     times = []
     try:
         for number, line in enumerate(path.read_text().splitlines(), start=1):

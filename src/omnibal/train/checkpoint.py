@@ -22,6 +22,7 @@ import hashlib
 import io
 import json
 import re
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -245,8 +246,6 @@ def load_stage_file(path: Path, manifest: dict, stage: int, *, model: torch.nn.M
 
 def prune(root: str | Path, keep: int) -> None:
     """Remove all but the newest ``keep`` complete checkpoints (never an incomplete newer one being written)."""
-    import shutil
-
     steps = list_steps(root)
     for step in steps[:-keep] if keep > 0 else []:
         shutil.rmtree(step_dir(root, step), ignore_errors=True)

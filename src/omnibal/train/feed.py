@@ -22,6 +22,7 @@ from typing import Any, Protocol, Sequence
 
 import numpy as np
 
+from omnibal.data.balance.schedule import Schedule, check_keys
 from omnibal.errors import InputError
 from omnibal.validate import is_int
 
@@ -69,7 +70,6 @@ class IndexSchedule:
         for key in ("dp_size", "num_microbatches", "steps"):
             if key not in doc:
                 raise InputError("missing field", source=source, field=key)
-        from omnibal.data.balance.schedule import check_keys
 
         check_keys(doc, source)
         dp, m = doc["dp_size"], doc["num_microbatches"]
@@ -137,8 +137,6 @@ def load_schedule(path: str | Path) -> ScheduleLike:
     doc = _read_json(path)
     caps = doc.get("caps") if isinstance(doc, dict) else None
     if isinstance(caps, dict) and "tiles" in caps and "tokens" in caps:
-        from omnibal.data.balance.schedule import Schedule
-
         return Schedule.from_dict(doc, source=str(path))
     return IndexSchedule.from_dict(doc, source=str(path))
 

@@ -10,12 +10,16 @@ ranks' numbers once per step (outside the timed region) and writes one JSON line
 from __future__ import annotations
 
 import json
+import os
 import resource
 import statistics
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Sequence
+
+import torch
+from tqdm import tqdm
 
 RANK_FIELDS = ("step_s", "compute_s", "wait_s", "dp_sync_s", "optim_s", "data_s", "cpu_s", "mem_bytes",
                "peak_mem_bytes")
@@ -92,14 +96,11 @@ class StepRecord:
 def process_memory(device_type: str = "cpu") -> tuple[float, float]:
     """(current, peak) memory in bytes: RSS for CPU runs, allocated device memory for CUDA."""
     if device_type == "cuda":
-        import torch
-
         return float(torch.cuda.memory_allocated()), float(torch.cuda.max_memory_allocated())
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0  # KiB on Linux
     try:
         with open("/proc/self/statm") as f:
             rss_pages = int(f.read().split()[1])
-        import os
 
         now = rss_pages * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
@@ -190,7 +191,5 @@ def format_summary(summary: dict, title: str = "training summary") -> str:
 
 def progress_bar(total: int, initial: int, *, quiet: bool, desc: str = "train"):
     """tqdm on stderr; disabled when quiet or stderr is not a terminal."""
-    from tqdm import tqdm
-
     return tqdm(total=total, initial=initial, desc=desc, unit="step", file=sys.stderr,
                 disable=quiet or not sys.stderr.isatty(), dynamic_ncols=True)
