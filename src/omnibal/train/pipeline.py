@@ -180,21 +180,20 @@ def _make_timed_stage_class():
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
 
-        def forward_one_chunk(self, *args, **kwargs):
+        def _timed(self, run, *args, **kwargs):
+            """``run(*args, **kwargs)``, its seconds (device-synchronised) added to ``compute_s``."""
             self._sync()
             t0 = time.perf_counter()
-            out = super().forward_one_chunk(*args, **kwargs)
+            out = run(*args, **kwargs)
             self._sync()
             self.compute_s += time.perf_counter() - t0
             return out
 
+        def forward_one_chunk(self, *args, **kwargs):
+            return self._timed(super().forward_one_chunk, *args, **kwargs)
+
         def backward_one_chunk(self, *args, **kwargs):
-            self._sync()
-            t0 = time.perf_counter()
-            out = super().backward_one_chunk(*args, **kwargs)
-            self._sync()
-            self.compute_s += time.perf_counter() - t0
-            return out
+            return self._timed(super().backward_one_chunk, *args, **kwargs)
 
     return TimedPipelineStage
 
