@@ -218,12 +218,16 @@ def _read_parquet(source: str) -> Columns:
         raise InputError(f"not a readable parquet file: {exc}", source=source) from None
     if table.num_rows == 0:
         raise InputError("no records (0 rows)", source=source)
+    try:
+        column_names = table.column_names
+    except UnicodeDecodeError as exc:  # a corrupted schema: pyarrow decodes the names only when asked
+        raise InputError(f"not a readable parquet file: a column name is not UTF-8 ({exc})", source=source) from None
     cols = {}
     for name in ("tiles", "tokens", "images", "key"):
-        if name not in table.column_names:
+        if name not in column_names:
             if name == "key":
                 continue
-            raise InputError(f"missing column (has {table.column_names})", source=source, field=name)
+            raise InputError(f"missing column (has {column_names})", source=source, field=name)
         col = table.column(name)
         if not (pa.types.is_integer(col.type)):
             raise InputError(f"column must be integers, got {col.type}", source=source, field=name)
