@@ -195,3 +195,35 @@ def test_the_checker_sees_what_it_should():
     tree = ast.parse("def f():\n    from . import table\n")
     probe = Module("omnibal.stats.probe", SRC / "x.py", False, tree, 2)
     assert _imports(probe) == {"omnibal.stats.table"}
+
+
+# Benchmarks the integrator converts at merge (they still import each other / find ../shared their own way).
+KNOWN_BENCHMARKS = {"bench_balance", "bench_plan_default", "bench_plan_variants", "bench_sim_validation",
+                    "bench_cost_validation"}
+BENCH = SRC.parent / "benchmarks"
+BENCH_HELPERS = {"common", "cpu_runs", "trainer_runs", "sim_links"}
+
+
+def test_benchmarks_import_helpers_only():
+    """A benchmark imports omnibal, third-party packages and the benchmarks' helper modules, never another
+    benchmark or the tests' helpers, and does not edit ``sys.path`` (it runs as ``python -m benchmarks.X``)."""
+    local = {p.stem for p in BENCH.glob("*.py")} | {p.stem for p in (SRC.parent / "tests").glob("*.py")}
+    bad = []
+    for path in sorted(BENCH.glob("*.py")):
+        if path.stem in KNOWN_BENCHMARKS:
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            for name in names:
+                parts = name.split(".")
+                if parts[0] in local or (parts[0] == "benchmarks" and len(parts) > 1
+                                         and parts[1] not in BENCH_HELPERS and parts[1] in local):
+                    bad.append(f"{path.name}:{node.lineno} imports {name}")
+            if isinstance(node, ast.Attribute) and ast.unparse(node) == "sys.path":
+                bad.append(f"{path.name}:{node.lineno} edits sys.path")
+    assert not bad, "\n".join(bad)
