@@ -22,6 +22,7 @@ from omnibal.cost.table import microbatch_features
 from omnibal.plan.joint import JointPlanner
 from omnibal.plan.partition import min_max_partition
 from omnibal.plan.stages import StageModelConfig, layer_quantities
+from omnibal.tables import markdown_table
 
 REPEATS = 7
 
@@ -61,12 +62,11 @@ def main() -> None:
                      "checkpointed_layers": int(sum(len(s.checkpointed) for s in res.stages))})
     load = os.getloadavg()[0]
     lines = [f"Load average (1 min) while measuring: {load:.2f} (2 cores shared with other agents); best and "
-             f"median of {REPEATS} runs (joint: 3).", "",
-             "| what | layers | stages | best wall (ms) | median wall (ms) | best CPU (ms) |",
-             "| --- | --- | --- | --- | --- | --- |"]
-    for r in rows:
-        lines.append(f"| {r['what']} | {r['layers']} | {r['stages']} | {1e3 * r['min_s']:.2f} | "
-                     f"{1e3 * r['median_s']:.2f} | {1e3 * r['cpu_s']:.2f} |")
+             f"median of {REPEATS} runs (joint: 3).", ""]
+    table = [["what", "layers", "stages", "best wall (ms)", "median wall (ms)", "best CPU (ms)"]]
+    table += [[r["what"], str(r["layers"]), str(r["stages"]), f"{1e3 * r['min_s']:.2f}", f"{1e3 * r['median_s']:.2f}",
+               f"{1e3 * r['cpu_s']:.2f}"] for r in rows]
+    lines.append(markdown_table(table))
     write_result("plan_partition", {"load_1min": load, "rows": rows}, "\n".join(lines))
     print("\n".join(lines))
 

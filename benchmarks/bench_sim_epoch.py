@@ -23,6 +23,7 @@ from omnibal.cost.presets import get_model_preset
 from omnibal.cost.table import microbatch_features
 from omnibal.sim import config_for_hardware, even_cuts, score_plan, simulate_epoch
 from omnibal.stats.synthetic import synthetic_internvl_mixture
+from omnibal.tables import markdown_table
 
 REPEATS = 5
 NUM_SAMPLES = 1_200_000
@@ -83,10 +84,10 @@ def main() -> None:
         f"(random, padded to the longest sample), {spec.name} on {hw.name}, 1F1B, even partition, full "
         f"recompute. Load average during the run: {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f} (2 cores, "
         "shared with other agents). Times are the min and median of repeated runs, one thread.", "",
-        "| what | steps | micro-batches | min s | median s |", "|---|---|---|---|---|",
+        markdown_table([["what", "steps", "micro-batches", "min s", "median s"]]
+                       + [[r["what"], str(r["steps"]), f"{r['microbatches']:,}", f"{r['min_s']:.3f}",
+                           f"{r['median_s']:.3f}"] for r in rows]),
     ]
-    lines += [f"| {r['what']} | {r['steps']} | {r['microbatches']:,} | {r['min_s']:.3f} | {r['median_s']:.3f} |"
-              for r in rows]
     e = doc["epoch"]
     lines += ["", f"Building the features took {feature_s:.2f} s (not part of the simulation).", "",
               f"Simulated epoch: {e['num_steps']} steps, mean step {e['step_time_mean_s']:.2f} s, bubble "
