@@ -6,23 +6,21 @@ causal segment); analytic training FLOPs = 3 x analytic forward (GEMMs + attenti
 parameters of each part x the tokens that part sees (ViT: tiles x tokens per tile; LLM without its input
 embedding table: LLM tokens; projector: tiles x LLM tokens per tile) + PaLM's attention term (ViT 12 L D T per
 token, causal LLM half of it).
+
+    python -m benchmarks.bench_cost_flops
 """
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
-from omnibal.cost.analytic import analytic_cost_table, total_flops_per_sample
+from benchmarks.common import SHARED_STATS, STATS_FILES, write_result
+from omnibal.cost.analytic import analytic_cost_table, forward_flops, total_flops_per_sample
 from omnibal.cost.hardware import get_hardware
 from omnibal.cost.params import llm_embed_params, param_counts
 from omnibal.cost.presets import PUBLISHED_PARAMS, get_model_preset, preset_names
 from omnibal.cost.table import microbatch_features
+from omnibal.stats.io import load_stats
+from omnibal.stats.table import SampleStats
 
-ROOT = Path(__file__).resolve().parents[1]
-OUT = ROOT / "benchmarks" / "results"
-STATS = next((p / "shared" / "data" / "internvl-1.2m-stats" for p in ROOT.parents
-              if (p / "shared" / "data" / "internvl-1.2m-stats").is_dir()), None)
 PAPER_GPU_DAYS = {"internvl-chat-1.5": "21.3 (Megatron-DeepSpeed) - 25.3 (DeepSpeed)",
                   "internvl-chat-1.5-plus": "30.5 - 35.5"}
 
@@ -30,14 +28,9 @@ PAPER_GPU_DAYS = {"internvl-chat-1.5": "21.3 (Megatron-DeepSpeed) - 25.3 (DeepSp
 def epoch_estimates() -> list[str]:
     """Training FLOPs of a 1.2M-sample epoch whose samples look like the real AI2D + ChartQA statistics, and
     the A100 GPU-days they take at 40% / 50% MFU, beside the OmniBal paper's measured GPU-days."""
-    if STATS is None:
+    if not SHARED_STATS.is_dir():
         return []
-    from omnibal.cost.analytic import forward_flops
-    from omnibal.stats.io import load_stats
-    from omnibal.stats.table import SampleStats
-
-    stats = SampleStats.concat([load_stats(STATS / f) for f in ("ai2d_train_12k_wh_token_lengths.json",
-                                                                "chartqa_train_18k_wh_token_lengths.json")])
+    stats = SampleStats.concat([load_stats(SHARED_STATS / f) for f in STATS_FILES])
     lines = ["", f"Epoch of 1.2M samples shaped like the real AI2D + ChartQA statistics (mean {stats.tiles.mean():.2f} "
              f"tiles, {stats.tokens.mean():.0f} tokens; the rest of the 1.2M mixture may differ), training FLOPs = "
              "3x forward (4x with full recomputation), on A100 (312 TFLOP/s bf16):", "",
@@ -80,8 +73,6 @@ def main() -> int:
             t = table.evaluate("fwd_time", feats) + table.evaluate("bwd_time", feats)
             row[f"vision_share_{hw}"] = float(t[vision].sum() / t.sum())
         rows.append(row)
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "cost_flops.json").write_text(json.dumps(rows, indent=1) + "\n")
     lines = ["# Analytic FLOPs vs 6 N D + attention; analytic micro-batch time", "",
              "One sample = 3 tiles + 1000 LLM tokens. Micro-batch = 4 such samples packed (12 tiles, 4000 tokens), "
              "bf16, default efficiencies (matmul 0.6, attention 0.45, memory 0.7), no recomputation, TP 1.", "",
@@ -92,7 +83,7 @@ def main() -> int:
                      f"{r['rule_flops'] / 1e12:.2f} | {r['ratio']:.3f} | {r['step_s_a100-80g']:.3f} | "
                      f"{r['vision_share_a100-80g']:.0%} | {r['step_s_h100']:.3f} |")
     lines += epoch_estimates()
-    (OUT / "cost_flops.md").write_text("\n".join(lines) + "\n")
+    write_result("cost_flops", {"rows": rows}, "\n".join(lines))
     print("\n".join(lines))
     return 0
 

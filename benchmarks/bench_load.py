@@ -13,8 +13,11 @@ Parts (each measured in a fresh process so peak RSS is its own; repeated, the mi
 Machine load (``/proc/loadavg``) is recorded before and after every measurement: this machine has 2 cores
 shared with other jobs, so figures taken under load are upper bounds.
 
-    PYTHONPATH=src python benchmarks/bench_load.py                 # all parts, writes results/load.json|md
-    PYTHONPATH=src python benchmarks/bench_load.py --parts loader --repeats 1
+    python -m benchmarks.bench_load                 # all parts, writes results/load.json|md
+    python -m benchmarks.bench_load --parts loader --repeats 1
+
+The parts import omnibal and torch inside their functions on purpose: each runs in a fresh child process
+whose peak RSS is the figure, so nothing the part does not use may be imported at module level.
 """
 
 from __future__ import annotations
@@ -25,9 +28,8 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from benchmarks.common import RESULTS, ROOT, provenance
 
 
 def loadavg() -> str:
@@ -156,10 +158,12 @@ PARTS = {"balance10m": lambda: part_balance10m(), "sampler1k": lambda: part_samp
 
 # --------------------------------------------------------------------------------------------- driver
 def run_child(part: str) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")]))
     before = loadavg()
     t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, __file__, "--child", part], capture_output=True, text=True, env=env)
+    out = subprocess.run([sys.executable, "-m", "benchmarks.bench_load", "--child", part], capture_output=True,
+                         text=True, env=env, cwd=ROOT)
     if out.returncode != 0:
         raise RuntimeError(f"{part} failed:\n{out.stderr[-3000:]}")
     result = json.loads(out.stdout.strip().splitlines()[-1])
@@ -231,6 +235,7 @@ def main() -> int:
         best = min(runs, key=lambda r: r[key])
         best["repeats"] = [round(r[key], 4) for r in runs]
         doc["parts"][part] = best
+        doc["provenance"] = provenance()  # kept parts from earlier runs carry their own load figures
         path.write_text(json.dumps(doc, indent=1) + "\n")
     (RESULTS / "load.md").write_text(to_markdown(doc))
     print(to_markdown(doc))

@@ -8,7 +8,7 @@ and the per-phase max/mean across DP ranks of the vision and the LLM cost each m
 over steps; the cost model's per-sample costs, :func:`omnibal.data.online.phase_loads`), plus the same
 per-phase figures predicted for the 128-GPU default (:mod:`omnibal.sim.online`).
 
-    python benchmarks/bench_online.py --samples 400 --layouts 2,4 --repeats 3
+    python -m benchmarks.bench_online --samples 400 --layouts 2,4 --repeats 3
 
 Writes benchmarks/results/online.{json,md}.
 """
@@ -16,29 +16,27 @@ Writes benchmarks/results/online.{json,md}.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-sys.path.insert(0, str(ROOT / "src"))
-
-import bench_sim_validation as sv  # noqa: E402
-from bench_train import load_avg, run_once  # noqa: E402
+from benchmarks import cpu_runs as sv
+from benchmarks.common import RESULTS, logger, write_result
+from benchmarks.trainer_runs import run_train
+from omnibal.data.online import balance_phases, phase_loads
+from omnibal.sim.online import compare_online_offline
+from omnibal.stats.io import save_stats
+from omnibal.train.config import TrainConfig
+from omnibal.train.feed import random_microbatch_schedule
+from omnibal.train.run import build_schedule
 
 MODES = ("baseline", "online", "omnibal")
 
 
 def phase_balance(schedule, stats, dp: int, mode: str) -> tuple[float, float]:
     """Mean over steps of the per-phase max/mean across DP ranks of what each rank computes."""
-    from omnibal.data.online import balance_phases, phase_loads
-
     vis_r, llm_r = [], []
     for s in range(schedule.num_steps):
         groups = [np.concatenate([np.asarray(schedule.microbatch(s, r, k), np.int64)
@@ -63,23 +61,14 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--layouts", default="2,4", help="DP sizes (pp 1)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args(argv)
-
-    import torch
-
-    from omnibal.train.config import TrainConfig
-    from omnibal.train.run import build_schedule
-    from omnibal.sim.online import compare_online_offline
-    from omnibal.stats.io import save_stats
-    from omnibal.train.feed import random_microbatch_schedule
 
     raw = sv.load_real_subset(args.samples, args.seed)
     stats = sv.model_units(raw)
     work = Path(tempfile.mkdtemp(prefix="bench_online_"))
     stats_path = save_stats(raw, work / "stats.jsonl")
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
-    log = lambda msg: print(f"[bench_online] {msg} (load {load_avg():.2f})", file=sys.stderr, flush=True)  # noqa: E731
+    log = logger("bench_online")
     layouts = []
     for dp in (int(x) for x in args.layouts.split(",")):
         # what `omnibal train --mode omnibal` balances itself from the statistics (no --schedule file)
@@ -100,9 +89,9 @@ def main(argv=None) -> int:
             for mode in MODES:
                 tag = f"{mode}_dp{lay['dp']}_r{rep}"
                 log(tag)
-                lay["runs_of"][mode].append(run_once(lay["args_of"][mode], env, work, tag))
+                lay["runs_of"][mode].append(run_train(lay["args_of"][mode], work, tag, metrics_log=True, timeout_s=1800))
 
-    res = {"machine": {"cores": os.cpu_count(), "torch": torch.__version__}, "model": "tiny", "stats": raw.source,
+    res = {"model": "tiny", "stats": raw.source,
            "num_samples": args.samples, "num_microbatches": args.microbatches, "batch_size": args.batch_size,
            "repeats": args.repeats, "runs": {}, "table": []}
     for lay in layouts:
@@ -124,20 +113,17 @@ def main(argv=None) -> int:
             res["runs"][f"{mode}_dp{dp}"] = row
             res["table"].append(row)
     res["predicted_128gpu"] = compare_online_offline(num_samples=20_000)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "online.json").write_text(json.dumps(res, indent=1, default=float))
-    (out / "online.md").write_text(render(res))
+    write_result("online", res, render(res), out=Path(args.out))
     print(render(res))
     return 0
 
 
 def render(res: dict) -> str:
     lines = ["# baseline vs online (OrchMLLM-style) vs omnibal (offline), CPU trainer", "",
-             f"`benchmarks/bench_online.py`: `tiny` preset, {res['num_samples']} samples of {res['stats']}, each mode over "
+             f"`python -m benchmarks.bench_online`: `tiny` preset, {res['num_samples']} samples of {res['stats']}, each mode over "
              f"its whole epoch, local draws of {res['num_microbatches']} x {res['batch_size']} samples per rank "
-             f"(baseline and online), median of {res['repeats']} interleaved rounds, one torch thread per rank on "
-             f"{res['machine']['cores']} cores. Per-phase max/mean: across DP ranks, of the cost each rank's step "
+             f"(baseline and online), median of {res['repeats']} interleaved rounds, one torch thread per rank. "
+             "Per-phase max/mean: across DP ranks, of the cost each rank's step "
              "carries, mean over steps.", "",
              "| DP | mode | steps | samples/s | vs baseline | samples per CPU-s | vs baseline | DP-sync wait ms | "
              "token pad | vision max/mean | LLM max/mean | load |",

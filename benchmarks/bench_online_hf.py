@@ -1,26 +1,21 @@
 """baseline vs online vs omnibal through `omnibal train --hf-model` at DP2 (the HF InternVL checkpoint and the
-real example of bench_train_hf.py: rendered charts/pages, vision encoder ~half the time).
+real example of bench_train_hf: rendered charts/pages, vision encoder ~half the time).
 
 Each mode over its whole epoch (`--steps 0`), modes interleaved in rounds, one torch thread per rank; real
 samples/s and samples per CPU-second (load-robust), median of the rounds.
 
-    python benchmarks/bench_online_hf.py --records 400 --repeats 3
+    python -m benchmarks.bench_online_hf --records 400 --repeats 3
 
 Writes benchmarks/results/online_hf.{json,md}.
 """
 
 from __future__ import annotations
 
-import json
 import statistics
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-sys.path.insert(0, str(ROOT / "src"))
-
-from bench_train_hf import MICROBATCHES, data_args, prepare, run_once  # noqa: E402
+from benchmarks.common import write_result
+from benchmarks.trainer_runs import MICROBATCHES, data_args, prepare, run_train
 
 MODES = ("baseline", "online", "omnibal")
 
@@ -32,7 +27,7 @@ def main(argv=None) -> int:
         for mode in MODES:
             extra = ["--mode", mode, "--dp", "2", "--pp", "1", "--microbatches", str(MICROBATCHES), "--steps", "0",
                      "--batch-size", "4"]
-            doc = run_once(data_args(work, model) + extra, work, f"{mode}_{r}")
+            doc = run_train(data_args(work, model) + extra, work, f"{mode}_{r}")
             runs[mode].append(doc)
             log(f"round {r} {mode}: {doc['summary']['samples_per_s']:.2f} samples/s")
     res = {"records": args.records, "repeats": args.repeats, "layout": "DP2xPP1", "runs": {}}
@@ -46,7 +41,7 @@ def main(argv=None) -> int:
                              "load": [d["load"] for d in docs]}
     base = res["runs"]["baseline"]
     lines = ["# baseline vs online vs omnibal, `omnibal train --hf-model` (HF InternVL, real example), DP2", "",
-             f"`benchmarks/bench_online_hf.py`: {args.records} example records, whole epoch per run, median of "
+             f"`python -m benchmarks.bench_online_hf`: {args.records} example records, whole epoch per run, median of "
              f"{args.repeats} interleaved rounds, one torch thread per rank.", "",
              "| mode | steps | samples/s | vs baseline | samples per CPU-s | vs baseline | token pad | load (before, after) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -58,10 +53,7 @@ def main(argv=None) -> int:
                      f"{100 * (r['token_pad_ratio'] or 0):.0f}% | "
                      f"{'; '.join(f'{a:.1f}, {b:.1f}' for a, b in r['load'])} |")
     md = "\n".join(lines) + "\n"
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "online_hf.json").write_text(json.dumps(res, indent=1) + "\n")
-    (out / "online_hf.md").write_text(md)
+    write_result("online_hf", res, md, out=Path(args.out))
     print(md)
     return 0
 

@@ -10,29 +10,34 @@ the stage split and the checkpoint sets:
   then the simulator-scored neighbour search (A -> B: the planned partition and recompute together).
 
 The cost table is the measured layer profile of the tiny model (``benchmarks/results/profile_tiny_cpu.json``),
-calibrated on separate runs on other data exactly as ``bench_sim_validation.py`` does (its helpers are
-reused: its calibration runs, measured gloo links, the trainer's fixed p2p buffers). Writes
-benchmarks/results/plan_cpu.json and .md. Run:
+calibrated on separate runs on other data exactly as ``bench_sim_validation.py`` does (the shared runs of
+:mod:`benchmarks.cpu_runs`: its calibration runs, measured gloo links, the trainer's fixed p2p buffers).
+Writes benchmarks/results/plan_cpu.json and .md. Run:
 
-    PYTHONPATH=src python benchmarks/bench_plan_cpu.py [--steps 6] [--repeats 2] [--calibration-rounds 2]
+    python -m benchmarks.bench_plan_cpu [--steps 6] [--repeats 2] [--calibration-rounds 2]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import bench_sim_validation as sv  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks import cpu_runs as sv
+from benchmarks.common import RESULTS, write_result
+from omnibal.cost.presets import get_model_preset
+from omnibal.cost.profile import cost_table_from_profile, load_profile
+from omnibal.cost.table import microbatch_features
+from omnibal.measure.links import measure_links
+from omnibal.plan.joint import JointPlanner
+from omnibal.plan.search import SearchConfig, search
+from omnibal.plan.stages import StageModelConfig, layer_quantities
+from omnibal.sim import SimConfig, simulate_epoch
+from omnibal.train.loop import fixed_buffer
+from omnibal.train.pipeline import even_split
 
 
 def main() -> None:
@@ -45,22 +50,13 @@ def main() -> None:
                     help="run D's budget: smallest feasible + this fraction of the way to the no-recompute peak")
     args = ap.parse_args()
 
-    from omnibal.cost.presets import get_model_preset
-    from omnibal.cost.profile import cost_table_from_profile, load_profile
-    from omnibal.plan.joint import JointPlanner
-    from omnibal.plan.search import SearchConfig, search
-    from omnibal.plan.stages import StageModelConfig, layer_quantities
-    from omnibal.sim import SimConfig, simulate_epoch
-    from omnibal.train.loop import fixed_buffer
-    from sim_links import measure_links
-
     spec = get_model_preset(sv.MODEL)
     names = [layer.name for layer in spec.layers()]
     steps = args.steps + 1
     t0 = time.time()
     log = lambda msg: print(f"[{time.time() - t0:5.0f}s load {os.getloadavg()[0]:.1f}] {msg}",  # noqa: E731
                             file=sys.stderr, flush=True)
-    profile_path = ROOT / "benchmarks" / "results" / "profile_tiny_cpu.json"
+    profile_path = RESULTS / "profile_tiny_cpu.json"
     table = cost_table_from_profile(spec, load_profile(profile_path, spec))
     cal_stats, val_stats = sv.load_stats(args.samples, sv.CAL_SEED), sv.load_stats(args.samples, sv.VAL_SEED)
     log("measuring gloo links")
@@ -80,7 +76,7 @@ def main() -> None:
     _, sched, feats = sv.make_run("plan", dp=1, pp=2, mode="omnibal", ranges=None, recompute="none",
                                   seed=sv.VAL_SEED, stats=val_stats, **common)
     buf = fixed_buffer(sched, val_stats, mode="omnibal")
-    buffer = np.broadcast_to(sv.microbatch_features(buf.tiles, buf.tokens, buf.tokens * buf.tokens), feats.shape)
+    buffer = np.broadcast_to(microbatch_features(buf.tiles, buf.tokens, buf.tokens * buf.tokens), feats.shape)
     sim_cfg = SimConfig(dp_size=1, p2p_bandwidth=links["p2p_bandwidth"], p2p_latency=links["p2p_latency"],
                         dp_bandwidth=links["dp_bandwidth"], dp_latency=links["dp_latency"],
                         step_overhead=cal.step_overhead, p2p_occupancy=1.0)
@@ -116,8 +112,6 @@ def main() -> None:
     tight_rec = tuple(tuple(names[i] for i in st.checkpointed) for st in tight.plan.stages)
     log(f"budgeted plan ({budget / 2**20:.1f} MiB): {tight.plan.parts}, checkpoints {tight_rec}")
 
-    from omnibal.train.pipeline import even_split
-
     even = [list(r) for r in even_split(len(names), 2)]
     configs = [("A: even split, full recompute", even, "full"),
                ("C: even split, no recompute", even, "none"),
@@ -152,29 +146,27 @@ def main() -> None:
         log(f"{name}: measured {rows[-1]['measured_s']:.2f} s, predicted {rows[-1]['predicted_s']:.2f} s")
 
     a = rows[0]
-    out = ROOT / "benchmarks" / "results"
     doc = {"model": sv.MODEL, "timed_steps": args.steps, "repeats": args.repeats, "samples": args.samples,
            "calibration": {**cal.to_dict(), "rank_jitter": jitter}, "links": links,
            "budget_run_d_bytes": budget, "smallest_budget_bytes": lo, "no_recompute_peak_bytes": hi,
            "plan": {"anchor": list(anchor.parts), "chosen": list(plan.parts),
                     "scored": [{"parts": list(c.plan.parts), "sim_step_s": c.sim_step_time} for c in scored]},
            "rows": rows}
-    (out / "plan_cpu.json").write_text(json.dumps(doc, indent=2) + "\n")
     lines = ["# Planned partition + recompute vs even split + full recompute, measured on the CPU trainer", "",
              f"Reference trainer, model `{sv.MODEL}`, DP 1 x PP 2 (1F1B, gloo, one torch thread per rank), "
              f"{sv.NUM_MB} micro-batches per step of omnibal's balanced packs ({args.samples} rows of the real "
              f"AI2D + ChartQA statistics); {args.steps} timed steps after one warm-up, median of {args.repeats} "
              "interleaved rounds; *measured* is the wall clock. The planner and the simulator use the measured layer "
              f"profile calibrated on separate runs on other data ({args.calibration_rounds} rounds of "
-             "`bench_sim_validation.CAL_SPECS`, shared-core factor "
-             f"{cal.shared_host_scale:.3f}). Produced by `benchmarks/bench_plan_cpu.py`.", "",
+             "`benchmarks.cpu_runs.CAL_SPECS`, shared-core factor "
+             f"{cal.shared_host_scale:.3f}). Produced by `python -m benchmarks.bench_plan_cpu`.", "",
              f"Plan: exact joint optimum {list(anchor.parts)}, searched (radius 2, simulated) -> "
              f"{list(plan.parts)}; checkpoints: none needed (CPU memory). Run D gives the planner a budget "
              f"{args.budget_fraction:.0%} of the way from the smallest feasible ({lo / 2**20:.1f} MiB) to the "
              f"no-recompute peak ({hi / 2**20:.1f} MiB): {budget / 2**20:.1f} MiB per stage (planned, not "
              "enforced by the CPU trainer).", "",
              "| run | stage layers | checkpointed | measured s | predicted s | measured speed-up vs A | "
-             "predicted speed-up vs A | load |", "|---|---|---|---|---|---|---|---|"]
+             "predicted speed-up vs A | load |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         rec = r["recompute"] if isinstance(r["recompute"], str) else (
             ", ".join(n for s in r["recompute"] for n in s) or "none")
@@ -182,7 +174,7 @@ def main() -> None:
         lines.append(f"| {r['name']} | {r['ranges']} | {rec} | {r['measured_s']:.2f} | {r['predicted_s']:.2f} | "
                      f"{a['measured_s'] / r['measured_s']:.2f}x | {a['predicted_s'] / r['predicted_s']:.2f}x | "
                      f"{load:.1f} |")
-    (out / "plan_cpu.md").write_text("\n".join(lines) + "\n")
+    write_result("plan_cpu", doc, "\n".join(lines))
     print("\n".join(lines))
 
 

@@ -6,24 +6,24 @@ longest sample (the baseline the trainer runs). Costs: the analytic table of Int
 (InternViT-6B + InternLM2-20B) on A100-80G. Feature construction is timed separately from the simulation.
 
 Writes benchmarks/results/sim_epoch.json and .md. Run:
-    PYTHONPATH=src python benchmarks/bench_sim_epoch.py
+    python -m benchmarks.bench_sim_epoch
 """
 
 from __future__ import annotations
 
-import json
 import os
 import time
-from pathlib import Path
 
 import numpy as np
 
+from benchmarks.common import write_result
 from omnibal.cost.analytic import analytic_cost_table
 from omnibal.cost.hardware import get_hardware
 from omnibal.cost.presets import get_model_preset
 from omnibal.cost.table import microbatch_features
 from omnibal.sim import config_for_hardware, even_cuts, score_plan, simulate_epoch
 from omnibal.stats.synthetic import synthetic_internvl_mixture
+from omnibal.tables import markdown_table
 
 REPEATS = 5
 NUM_SAMPLES = 1_200_000
@@ -78,25 +78,22 @@ def main() -> None:
            "feature_build_s": feature_s, "rows": rows,
            "epoch": {k: summary[k] for k in ("num_steps", "num_gpus", "total_time_s", "gpu_days",
                                              "step_time_mean_s", "bubble_mean", "oom_steps")}}
-    out = Path(__file__).resolve().parent / "results"
-    out.mkdir(exist_ok=True)
-    (out / "sim_epoch.json").write_text(json.dumps(doc, indent=2) + "\n")
     lines = [
         "# Simulating one epoch (1.2M samples, DP 128 x PP 4)", "",
         f"Synthetic InternVL-1.2M-like mixture, {DP * M} micro-batches of {BATCH} samples per step "
         f"(random, padded to the longest sample), {spec.name} on {hw.name}, 1F1B, even partition, full "
         f"recompute. Load average during the run: {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f} (2 cores, "
         "shared with other agents). Times are the min and median of repeated runs, one thread.", "",
-        "| what | steps | micro-batches | min s | median s |", "|---|---|---|---|---|",
+        markdown_table([["what", "steps", "micro-batches", "min s", "median s"]]
+                       + [[r["what"], str(r["steps"]), f"{r['microbatches']:,}", f"{r['min_s']:.3f}",
+                           f"{r['median_s']:.3f}"] for r in rows]),
     ]
-    lines += [f"| {r['what']} | {r['steps']} | {r['microbatches']:,} | {r['min_s']:.3f} | {r['median_s']:.3f} |"
-              for r in rows]
     e = doc["epoch"]
     lines += ["", f"Building the features took {feature_s:.2f} s (not part of the simulation).", "",
               f"Simulated epoch: {e['num_steps']} steps, mean step {e['step_time_mean_s']:.2f} s, bubble "
               f"{e['bubble_mean']:.1%}, {e['total_time_s'] / 3600:.2f} h on {e['num_gpus']} GPUs = "
               f"{e['gpu_days']:.1f} GPU days; OOM steps: {e['oom_steps']}.", ""]
-    (out / "sim_epoch.md").write_text("\n".join(lines))
+    write_result("sim_epoch", doc, "\n".join(lines))
     print("\n".join(lines))
 
 

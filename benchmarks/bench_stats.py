@@ -10,7 +10,7 @@
    excluded) and the wall time of the whole command.
 3. The synthetic mixture (1.2M rows) generation time.
 
-Usage: ``PYTHONPATH=src python benchmarks/bench_stats.py [--rows 1200000] [--samples 20000] [--repeats 3]``.
+Usage: ``python -m benchmarks.bench_stats [--rows 1200000] [--samples 20000] [--repeats 3]``.
 Writes benchmarks/results/stats.json and stats.md. The machine is shared: the load average is recorded.
 """
 
@@ -27,16 +27,13 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks.common import RESULTS, ROOT, SHARED_STATS, STATS_FILES, write_result
+from omnibal.examples import ANNOTATIONS, EXAMPLES_DIR, TOKENIZER
+from omnibal.stats.io import FORMATS, load_stats, save_stats
+from omnibal.stats.table import SampleStats
+
 SRC = ROOT / "src"
-sys.path.insert(0, str(SRC))
-
-from omnibal.examples import ANNOTATIONS, EXAMPLES_DIR, TOKENIZER  # noqa: E402
-from omnibal.stats.io import FORMATS, load_stats, save_stats  # noqa: E402
-from omnibal.stats.table import SampleStats  # noqa: E402
-
-SHARED = Path(os.environ.get("OMNIBAL_SHARED_STATS", ROOT.parent / "shared" / "data" / "internvl-1.2m-stats"))
-REAL = ["ai2d_train_12k_wh_token_lengths.json", "chartqa_train_18k_wh_token_lengths.json"]
+REAL = list(STATS_FILES)
 EXT = {"jsonl": "jsonl", "json": "json", "parquet": "parquet", "token-lengths": "json"}
 
 # Peak RSS from VmHWM: ru_maxrss would carry over the parent's resident size across fork + exec.
@@ -69,7 +66,7 @@ def child(code: str) -> dict:
 
 
 def bench_load(rows: int, repeats: int, work: Path) -> dict:
-    real = SampleStats.concat([load_stats(SHARED / f) for f in REAL])
+    real = SampleStats.concat([load_stats(SHARED_STATS / f) for f in REAL])
     big = real.replicate(rows)
     base = child(IMPORT_CHILD.format(src=str(SRC)))["peak_rss_mb"]
     results = []
@@ -236,7 +233,7 @@ def main() -> int:
     parser.add_argument("--rows", type=int, default=1_200_000)
     parser.add_argument("--samples", type=int, default=20_000)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     res = {"machine": f"{platform.processor() or platform.machine()}, Python {platform.python_version()}",
            "cores": os.cpu_count(), "repeats": args.repeats, "load_avg_start": load_avg()}  # fmt: skip
@@ -246,9 +243,7 @@ def main() -> int:
         res["throughput"] = bench_throughput(args.samples, args.repeats, work)
     res["synthetic"] = bench_synthetic(args.repeats)
     res["load_avg_end"] = load_avg()
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "stats.json").write_text(json.dumps(res, indent=2) + "\n")
-    (args.out / "stats.md").write_text(markdown(res))
+    write_result("stats", res, markdown(res), out=args.out)
     print(markdown(res))
     return 0
 

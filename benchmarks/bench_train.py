@@ -1,6 +1,6 @@
 """Measured throughput of the reference trainer: omnibal vs baseline mode, DP2xPP1 and DP1xPP2, on CPU.
 
-    PYTHONPATH=src python benchmarks/bench_train.py [--samples 3000] [--steps 8] [--repeats 3]
+    python -m benchmarks.bench_train [--samples 3000] [--steps 8] [--repeats 3]
 
 Same model (the ``tiny`` preset), same data (a seeded subset of the real InternVL-1.2M statistics in
 ../shared/data, synthetic pixels/tokens of exactly those sizes), same world, one torch thread per rank:
@@ -13,18 +13,15 @@ Each configuration runs ``--repeats`` times through the real CLI (``omnibal trai
 reported: median real (unpadded) samples/s, the speed-up, per-rank compute / pipeline wait / DP-sync wait
 of the median run, machine load, and the simulator's predicted step time for the same steps beside the
 measured one. The simulator's layer costs are this CPU's measured profile, calibrated on *separate* runs
-on other data (``bench_sim_validation.CAL_SPECS``, one round before each repeat so both see the same
-machine drift), with the gloo links measured by ``sim_links.py``. Writes benchmarks/results/train.json and
+on other data (``benchmarks.cpu_runs.CAL_SPECS``, one round before each repeat so both see the same
+machine drift), with the gloo links measured by ``omnibal.measure.links``. Writes benchmarks/results/train.json and
 train.md.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,12 +29,26 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import bench_sim_validation as sv  # noqa: E402
-from sim_links import measure_links  # noqa: E402
+from benchmarks import cpu_runs as sv
+from benchmarks.common import RESULTS, logger, write_result
+from benchmarks.trainer_runs import run_train
+from omnibal.cost.presets import get_model_preset
+from omnibal.cost.profile import cost_table_from_profile
+from omnibal.cost.table import microbatch_features
+from omnibal.data.balance import balance
+from omnibal.data.collate import collate
+from omnibal.data.dataset import SyntheticSampleConfig, SyntheticVLMDataset
+from omnibal.measure.links import measure_links
+from omnibal.measure.profile import measure as measure_profile
+from omnibal.plan.partition import min_max_partition
+from omnibal.plan.plan import measured_plan
+from omnibal.sim import SimConfig, simulate_epoch
+from omnibal.stats.io import save_stats
+from omnibal.train.feed import random_microbatch_schedule
+from omnibal.train.loop import fixed_buffer
+from omnibal.train.model import VLM
 
 MODES = ("baseline", "omnibal")
 
@@ -59,12 +70,6 @@ def parse_layouts(text: str) -> list[tuple[int, int]]:
 def profile_layers(spec, schedule, stats, *, num_packs: int = 6, repeats: int = 2) -> np.ndarray:
     """Forward+backward seconds of every chain layer on real-sized balanced packs (one thread, no recompute):
     each layer is run alone on the carry the layers before it produced."""
-    import torch
-
-    from omnibal.data.collate import collate
-    from omnibal.data.dataset import SyntheticSampleConfig, SyntheticVLMDataset
-    from omnibal.train.model import VLM
-
     torch.set_num_threads(1)
     model = VLM(spec, seed=0)
     ds = SyntheticVLMDataset(stats, SyntheticSampleConfig(image_size=spec.vision.image_size,
@@ -95,8 +100,6 @@ def profile_layers(spec, schedule, stats, *, num_packs: int = 6, repeats: int = 
 
 def write_plan(path: Path, spec, parts, layer_times, num_samples: int) -> None:
     """The partition as a real Plan (what `omnibal train --plan` reads), with each stage's measured time."""
-    from omnibal.plan.plan import measured_plan
-
     names = [layer.name for layer in spec.layers()]
     times = [float(layer_times[a:b].sum()) for a, b in zip(parts[:-1], parts[1:])]
     measured_plan(model=spec.name, layer_names=names, parts=parts, stage_times_s=times, num_samples=num_samples,
@@ -106,10 +109,6 @@ def write_plan(path: Path, spec, parts, layer_times, num_samples: int) -> None:
 def predict_step_time(calibrated, links, schedule, stats, *, mode, dp, pp, parts, recompute_names, steps) -> float:
     """Mean simulated step time of ``steps`` as the trainer ran them: the calibrated table (the shared-core
     one for a multi-rank run), measured links, the pipeline's fixed p2p buffer, the rank jitter."""
-    from omnibal.cost.table import microbatch_features
-    from omnibal.sim import SimConfig, simulate_epoch
-    from omnibal.train.loop import fixed_buffer
-
     cal, alone, shared, jitter = calibrated
     table = shared if dp * pp > 1 else alone
     rec = np.array([name in recompute_names for name in table.names])
@@ -126,28 +125,6 @@ def predict_step_time(calibrated, links, schedule, stats, *, mode, dp, pp, parts
     return float(np.mean(res.step_time))
 
 
-def load_avg() -> float:
-    return os.getloadavg()[0]
-
-
-def run_once(args_list, env, out_dir: Path, tag: str) -> dict:
-    summary_path = out_dir / f"{tag}.summary.json"
-    log_path = out_dir / f"{tag}.jsonl"
-    cmd = [sys.executable, "-m", "omnibal", "train", *args_list, "--summary-json", str(summary_path), "--log",
-           str(log_path), "--quiet"]
-    load_before = load_avg()
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
-    wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
-    doc = json.loads(summary_path.read_text())
-    doc["wall_s"] = wall
-    doc["load_before"] = load_before
-    doc["load_after"] = load_avg()
-    return doc
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--samples", type=int, default=3000, help="rows drawn from the real statistics")
@@ -162,20 +139,9 @@ def main(argv=None) -> int:
                     help="timed steps of each calibration run (separate runs on other data, for the simulator)")
     ap.add_argument("--layouts", default="2x1,1x2", help="DPxPP layouts to compare, comma-separated")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--note", default="", help="free text recorded with the results (e.g. the commits used)")
     args = ap.parse_args(argv)
-
-    import torch
-
-    from omnibal.cost.profile import cost_table_from_profile
-    from omnibal.cost.profile import measure as measure_profile
-    from omnibal.cost.presets import get_model_preset
-    from omnibal.data.balance import balance
-    from omnibal.plan.partition import min_max_partition
-    from omnibal.stats.io import save_stats
-    from omnibal.train.feed import random_microbatch_schedule
-
     torch.set_num_threads(1)
     spec = get_model_preset("tiny")
     # the trainer is given the files' units (it converts them itself); balancer and simulator see the model's
@@ -183,15 +149,14 @@ def main(argv=None) -> int:
     stats = sv.model_units(raw)
     work = Path(tempfile.mkdtemp(prefix="bench_train_"))
     stats_path = save_stats(raw, work / "stats.jsonl")
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
-    log = lambda msg: print(f"[bench_train] {msg} (load {load_avg():.2f})", file=sys.stderr, flush=True)  # noqa: E731
+    log = logger("bench_train")
     # the simulator's layer costs: this CPU's measured layer profile, calibrated on separate runs (other data)
     table = cost_table_from_profile(spec, measure_profile(spec, threads=1, statistic="cpu", repeats=3))
     links = measure_links()["wall_clock"]
     calib = sv.CalibrationData(table, [layer.name for layer in spec.layers()],
                                sv.load_stats(args.samples, sv.CAL_SEED), steps=args.calibration_steps + 1)
 
-    results = {"machine": {"cores": os.cpu_count(), "torch": torch.__version__, "python": sys.version.split()[0]},
+    results = {
                "model": spec.name, "num_samples": args.samples, "stats": raw.source,
                "steps": "whole schedule (epoch)" if args.epoch else args.steps,
                "num_microbatches": args.microbatches, "baseline_batch_size": args.batch_size,
@@ -228,7 +193,7 @@ def main(argv=None) -> int:
             for mode in MODES:
                 tag = f"{mode}_dp{lay['dp']}_pp{lay['pp']}_r{rep}"
                 log(tag)
-                lay["runs_of"][mode].append(run_once(lay["args_of"][mode], env, work, tag))
+                lay["runs_of"][mode].append(run_train(lay["args_of"][mode], work, tag, metrics_log=True, timeout_s=1800))
     calibrated = calib.fit()
     results["calibration"] = {**calibrated[0].to_dict(), "rank_jitter": calibrated[3], "links": links,
                               "runs": calib.rows}
@@ -271,10 +236,7 @@ def main(argv=None) -> int:
         omni = results["runs"][f"omnibal_dp{dp}_pp{pp}"]["samples_per_s_median"]
         results["table"].append({"layout": f"DP{dp}xPP{pp}", "baseline_sps": base, "omnibal_sps": omni,
                                  "speedup": omni / base})
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "train.json").write_text(json.dumps(results, indent=1))
-    (out / "train.md").write_text(render_markdown(results))
+    write_result("train", results, render_markdown(results), out=Path(args.out))
     print(render_markdown(results))
     return 0
 
@@ -285,8 +247,8 @@ def render_markdown(res: dict) -> str:
              f"{res['num_samples']} samples drawn from {res['stats']}; steps per run: {res['steps']} (the first "
              f"step = warm-up, excluded from the figures), {res['num_microbatches']} micro-batches per rank per "
              f"step, baseline micro-batch {res['baseline_batch_size']} samples; median of {res['repeats']} runs; one "
-             f"torch thread per rank; {res['machine']['cores']} cores (load average noted per run). Produced by "
-             "`benchmarks/bench_train.py`.",
+             "torch thread per rank (load average noted per run; machine and commit in the last line). Produced by "
+             "`python -m benchmarks.bench_train`.",
              *(["", f"Note: {res['note']}"] if res.get("note") else []), "",
              "| layout | baseline samples/s | omnibal samples/s | speed-up |", "| --- | --- | --- | --- |"]
     for row in res["table"]:
@@ -311,8 +273,8 @@ def render_markdown(res: dict) -> str:
                      f"{e['recompute_layers']} | {ranks} | {loads} |")
     if cal:
         scales = ", ".join(f"{g} {f:.3f}" for g, f in zip(cal["groups"], cal["fwd_scale"]))
-        lines += ["", "Simulator: this CPU's measured layer profile (`omnibal.cost.profile`), calibrated on separate "
-                  "runs on other data (`bench_sim_validation.CAL_SPECS`: single-process, pipeline and DP runs, one "
+        lines += ["", "Simulator: this CPU's measured layer profile (`omnibal.measure.profile`), calibrated on separate "
+                  "runs on other data (`benchmarks.cpu_runs.CAL_SPECS`: single-process, pipeline and DP runs, one "
                   f"round before each repeat): scales {scales}, shared-core factor {cal['shared_host_scale']:.3f}, "
                   f"step overhead {cal['step_overhead'] * 1e3:.0f} ms, rank jitter {cal['rank_jitter']:.1%}; gloo links "
                   f"measured: p2p {cal['links']['p2p_latency'] * 1e3:.2f} ms + bytes / "

@@ -1,7 +1,7 @@
 """Measured throughput of `omnibal train` on a Hugging Face InternVL checkpoint and real images + text:
 baseline vs omnibal mode, DP2xPP1 and DP1xPP2, on CPU.
 
-    PYTHONPATH=src python benchmarks/bench_train_hf.py [--records 400] [--repeats 3]
+    python -m benchmarks.bench_train_hf [--records 400] [--repeats 3]
 
 Data: `omnibal example` (rendered charts and document pages, several sizes, 1-3 question-answer turns; the
 InternVL tile rule gives 1-14 tiles per sample). Model: a random-init `InternVLForConditionalGeneration`
@@ -23,52 +23,30 @@ benchmarks/results/train_hf.json and train_hf.md.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks.common import write_result
+from benchmarks.trainer_runs import MICROBATCHES, data_args, prepare, run_train
+from omnibal.cli.train import add_arguments, config_from_args
+from omnibal.data.collate import collate
+from omnibal.plan.partition import min_max_partition
+from omnibal.plan.plan import measured_plan
+from omnibal.train import run
+
 LAYOUTS = ((2, 1), (1, 2))
 MODES = ("baseline", "omnibal")
-MICROBATCHES = 4
-
-
-def make_model(root: Path, *, seed: int) -> Path:
-    """The benchmark's InternVL checkpoint (the example's builder, wider and deeper than its test model)."""
-    from transformers import AutoTokenizer
-
-    from omnibal.examples.real_example import INTERNVL, save_model
-
-    spec = replace(INTERNVL, vision_hidden=160, vision_layers=4, text_hidden=192, text_layers=4)
-    folder = root / "internvl-bench"
-    tok = AutoTokenizer.from_pretrained(str(root / "tokenizer"), local_files_only=True)
-    save_model(spec, tok, folder, seed=seed)
-    return folder
-
-
-def data_args(root: Path, model: Path) -> list[str]:
-    return ["--annotations", str(root / "annotations.jsonl"), "--image-root", str(root / "images"),
-            "--tokenizer", str(root / "tokenizer"), "--hf-model", str(model), "--max-tiles", "6"]
 
 
 def profile_chain(root: Path, model: Path) -> tuple[list[str], np.ndarray, object, object]:
     """Forward+backward seconds of every chain layer on balanced packs of the example (one thread, each
     layer run alone on the carry the layers before it produced), and the run's stats and schedule."""
-    import torch
-
-    from omnibal.cli.train import add_arguments, config_from_args
-    from omnibal.data.collate import collate
-    from omnibal.train import run
-
     torch.set_num_threads(1)
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -101,43 +79,11 @@ def profile_chain(root: Path, model: Path) -> tuple[list[str], np.ndarray, objec
 def write_plan(path: Path, model_name: str, names: list[str], layer_times: np.ndarray, pp: int,
                num_samples: int) -> list[int]:
     """The min-max cut of the measured layer times, as a real Plan (what `omnibal train --plan` reads)."""
-    from omnibal.plan.partition import min_max_partition
-    from omnibal.plan.plan import measured_plan
-
     part = min_max_partition(layer_times, pp)
     parts = [int(x) for x in part.parts]
     measured_plan(model=model_name, layer_names=names, parts=parts, stage_times_s=part.stage_costs,
                   num_samples=num_samples, num_microbatches=MICROBATCHES, source="bench_train_hf: measured per-layer times").save(path)
     return parts
-
-
-def run_once(args: list[str], out: Path, tag: str) -> dict:
-    summary = out / f"{tag}.summary.json"
-    cmd = [sys.executable, "-m", "omnibal", "train", *args, "--summary-json", str(summary), "--quiet"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
-    load = os.getloadavg()[0]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
-    doc = json.loads(summary.read_text())
-    doc["load"] = [load, os.getloadavg()[0]]
-    return doc
-
-
-def prepare(argv, *, name: str, description: str):
-    """Arguments, log function, work folder with the example, and the benchmark's checkpoint: what every
-    benchmark on the real example starts with (bench_train_hf, bench_online_hf)."""
-    from omnibal.examples.real_example import make_real_example
-
-    ap = argparse.ArgumentParser(description=description)
-    ap.add_argument("--records", type=int, default=400)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
-    args = ap.parse_args(argv)
-    log = lambda msg: print(f"[{name}] {msg} (load {os.getloadavg()[0]:.2f})", file=sys.stderr, flush=True)  # noqa: E731
-    work = Path(tempfile.mkdtemp(prefix=f"{name.replace('_', '-')}-"))
-    make_real_example(work, num_records=args.records, seed=0)
-    return args, log, work, make_model(work, seed=0)
 
 
 def main(argv=None) -> int:
@@ -156,12 +102,10 @@ def main(argv=None) -> int:
                          "--steps", "0"]  # the whole epoch of each mode
                 if mode == "omnibal" and pp > 1:
                     extra += ["--plan", str(plan)]
-                doc = run_once(data_args(work, model) + extra, work, f"{tag}_{r}")
+                doc = run_train(data_args(work, model) + extra, work, f"{tag}_{r}")
                 runs.setdefault(tag, []).append(doc)
                 log(f"round {r} {tag}: {doc['summary']['samples_per_s']:.2f} samples/s")
     result = {"records": args.records, "repeats": args.repeats, "vision_share": vision_share, "pp2_cut": parts,
-              "machine": {"cores": os.cpu_count(), "platform": platform.platform()},
-              "git": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip(),
               "runs": {}}
     for tag, docs in runs.items():
         sps = [d["summary"]["samples_per_s"] for d in docs]
@@ -182,20 +126,17 @@ def main(argv=None) -> int:
         result[f"speedup_dp{dp}_pp{pp}"] = omni / base
         result[f"cpu_work_ratio_dp{dp}_pp{pp}"] = (result["runs"][f"omnibal_dp{dp}_pp{pp}"]["samples_per_cpu_s_median"]
                                                    / result["runs"][f"baseline_dp{dp}_pp{pp}"]["samples_per_cpu_s_median"])
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "train_hf.json").write_text(json.dumps(result, indent=1) + "\n")
-    (out / "train_hf.md").write_text(render_markdown(result))
+    write_result("train_hf", result, render_markdown(result), out=Path(args.out))
     print(render_markdown(result))
     return 0
 
 
 def render_markdown(res: dict) -> str:
-    lines = ["# omnibal train on an HF InternVL checkpoint and real images (bench_train_hf.py)", "",
+    lines = ["# omnibal train on an HF InternVL checkpoint and real images (python -m benchmarks.bench_train_hf)", "",
              f"{res['records']} example records, whole epoch per run, median of {res['repeats']} interleaved rounds, "
-             f"one torch thread per rank, {res['machine']['cores']} cores; vision encoder "
-             f"{res['vision_share']:.0%} of the measured layer time; omnibal PP2 cut at layer {res['pp2_cut'][1]}; "
-             f"git {res['git'][:10]}.", "",
+             f"one torch thread per rank; vision encoder "
+             f"{res['vision_share']:.0%} of the measured layer time; omnibal PP2 cut at layer {res['pp2_cut'][1]}.",
+             "",
              "| layout | baseline samples/s | omnibal samples/s | speed-up | samples per CPU-s, baseline / omnibal (ratio) |",
              "| --- | --- | --- | --- | --- |"]
     for key in [k for k in res if k.startswith("speedup_")]:

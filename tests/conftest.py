@@ -7,10 +7,11 @@
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
+
+from omnibal.train.distributed import free_port  # noqa: F401 (the one helper; tests import it from here)
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_STATS = Path(os.environ.get("OMNIBAL_SHARED_STATS", ROOT.parent / "shared" / "data" / "internvl-1.2m-stats"))
@@ -27,9 +28,3 @@ def shared_stats_dir() -> Path:
         pytest.skip(f"real statistics not found at {SHARED_STATS} (they come with ../shared; CI has them)")
     return SHARED_STATS
 
-
-def free_port() -> int:
-    """A TCP port that is free right now on localhost (for gloo rendezvous in multi-process tests)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -2,8 +2,10 @@ import dataclasses
 
 import pytest
 
-from omnibal.cost.hardware import HardwareSpec, get_hardware, hardware_names, measure_cpu
+from omnibal.cost.hardware import HardwareSpec, get_hardware, hardware_names
 from omnibal.errors import InputError
+from omnibal.measure.hardware import hardware_by_name, measure_cpu
+from omnibal.measure.links import measure_gloo_link
 
 
 def test_presets_carry_datasheet_figures():
@@ -50,10 +52,16 @@ def test_cpu_is_measured():
         measure_cpu(threads=0)
 
 
+def test_get_hardware_never_measures():
+    # 'cpu' is a measurement, not a preset: the pure cost layer refuses it and names the function that measures
+    with pytest.raises(InputError, match="measure_cpu"):
+        get_hardware("cpu")
+    assert hardware_by_name("h100") == get_hardware("h100")
+    assert hardware_by_name("cpu", threads=1).name == "cpu-1t"
+
+
 @pytest.mark.multiprocess
 def test_gloo_link_is_measured():
-    from omnibal.cost.linkbench import measure_gloo_link
-
     bandwidth, latency, points = measure_gloo_link(sizes=(1 << 10, 1 << 20), repeats=3, timeout_s=120)
     assert bandwidth > 1e7 and 0 <= latency < 0.05
     assert points[1 << 20] > points[1 << 10] > 0  # a megabyte takes longer than a kilobyte

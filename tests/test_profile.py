@@ -8,10 +8,18 @@ from omnibal.cli import main
 from omnibal.cost.analytic import layer_work
 from omnibal.cost.hardware import get_hardware
 from omnibal.cost.presets import get_model_preset
-from omnibal.cost.profile import (FORMAT, ProfileGrid, check_profile_model, cost_table_from_profile, fit_profile,
-                                  load_profile, save_profile)
+from omnibal.cost.profile import (
+    FORMAT,
+    ProfileGrid,
+    check_profile_model,
+    cost_table_from_profile,
+    fit_profile,
+    load_profile,
+    save_profile,
+)
 from omnibal.cost.spec import LLMSpec, ModelSpec, VisionSpec
 from omnibal.errors import InputError
+from omnibal.measure.profile import measure
 
 
 def small_spec(name="profile-test"):
@@ -138,8 +146,6 @@ def test_cuda_profile_uses_events_and_records_peak_memory():
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    from omnibal.cost.profile import measure
-
     spec = small_spec()
     profile = measure(spec, device="cuda", grid=ProfileGrid(tiles=(1, 2), tokens=(64, 128), segments=(32, 64)),
                       repeats=2, warmup=1)

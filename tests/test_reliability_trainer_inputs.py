@@ -397,7 +397,7 @@ def test_train_bad_output_paths_fail_before_training(tmp_path, capsys):
 
 
 def test_every_train_option_passes_through_torchrun_as_documented():
-    """``torchrun ... -m omnibal.train ... --log x.jsonl`` failed: torchrun's ``--log-dir``/``--logs-specs`` make
+    """``torchrun ... -m omnibal train ... --log x.jsonl`` failed: torchrun's ``--log-dir``/``--logs-specs`` make
     ``--log`` ambiguous to its parser, although docs/train.md says torchrun takes the same arguments. Every
     option of ``omnibal train`` (``--nproc`` aside: torchrun starts the ranks) has a spelling torchrun passes
     through untouched, and the torchrun lines of docs/train.md parse."""
@@ -416,8 +416,8 @@ def test_every_train_option_passes_through_torchrun_as_documented():
         if not longs or action.dest in ("help", "nproc"):
             continue
         value = [] if action.nargs == 0 else ["v"]
-        passed = torchrun.parse_args(["--nproc-per-node", "2", "-m", "omnibal.train", longs[0], *value])
-        assert passed.training_script_args == [longs[0], *value], longs[0]
+        passed = torchrun.parse_args(["--nproc-per-node", "2", "-m", "omnibal", "train", longs[0], *value])
+        assert passed.training_script_args == ["train", longs[0], *value], longs[0]
     assert ours.parse_args(["--metrics-log", "x.jsonl"]).log_path == "x.jsonl"
     assert ours.parse_args(["--log", "x.jsonl"]).log_path == "x.jsonl"  # omnibal train still takes --log
     docs = (Path(__file__).resolve().parents[1] / "docs" / "train.md").read_text()
@@ -426,4 +426,5 @@ def test_every_train_option_passes_through_torchrun_as_documented():
     for line in lines:
         args = [a for a in shlex.split(line)[1:] if a != "..."]
         passed = torchrun.parse_args(args)
-        ours.parse_args(passed.training_script_args)
+        assert passed.module and passed.training_script == "omnibal" and passed.training_script_args[0] == "train"
+        ours.parse_args(passed.training_script_args[1:])

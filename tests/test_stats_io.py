@@ -186,6 +186,22 @@ def test_parquet_bad_columns(tmp_path):
         load_stats(p)
 
 
+def test_parquet_column_name_that_is_not_utf8(tmp_path):
+    """A corrupted schema whose column name is not UTF-8 (found by test_fuzz_stats_io: a UnicodeDecodeError
+    escaped from pyarrow) is an InputError naming the file."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    p = tmp_path / "names.parquet"
+    pq.write_table(pa.table({"tiles": [1, 2], "tokens": [3, 4], "images": [1, 1]}), p, store_schema=False)
+    data = p.read_bytes()
+    assert b"tokens" in data
+    p.write_bytes(data.replace(b"tokens", b"\x80okens"))
+    with pytest.raises(InputError, match="UTF-8") as exc:
+        load_stats(p)
+    assert exc.value.source == str(p)
+
+
 def test_unknown_extension_and_missing_file(tmp_path):
     with pytest.raises(InputError, match="format"):
         load_stats(tmp_path / "x.csv")

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from omnibal.errors import InputError
 from omnibal.stats.tiles import TileConfig, candidate_grids, choose_grids, count_tiles, image_size
 
-# /work/shared/docs/facts.md (max 12, thumbnail on), plus the square thresholds it states
+# facts.md (../shared/docs, beside the repository) (max 12, thumbnail on), plus the square thresholds it states
 CROSS_CHECK = [
     (448, 448, (1, 1), 1),
     (224, 224, (1, 1), 1),

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,8 +18,13 @@ from omnibal.train.config import TrainConfig
 from omnibal.train.distributed import local_world
 from omnibal.train.feed import IndexSchedule, buffer_shape, check_schedule, random_microbatch_schedule
 from omnibal.train.metrics_log import format_summary
-from omnibal.train.pipeline import (even_split, load_plan_layout, parse_stage_layers, resolve_layout,
-                                    validate_stage_layers)
+from omnibal.train.pipeline import (
+    even_split,
+    load_plan_layout,
+    parse_stage_layers,
+    resolve_layout,
+    validate_stage_layers,
+)
 
 NAMES = [layer.name for layer in tiny_spec().layers()]  # 8 layers
 
@@ -232,12 +241,10 @@ def test_cli_bad_input_exits_2(tmp_path, capsys):
 
 
 def test_module_entry_point_help():
-    import subprocess
-    import sys
-
-    out = subprocess.run([sys.executable, "-m", "omnibal.train", "--help"], capture_output=True, text=True,
-                         env={**__import__("os").environ, "PYTHONPATH": str(__import__("pathlib").Path(__file__)
-                                                                            .resolve().parents[1] / "src")})
+    """What torchrun runs on every rank (``torchrun ... -m omnibal train ARGS``, docs/train.md)."""
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    out = subprocess.run([sys.executable, "-m", "omnibal", "train", "--help"], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": src})
     assert out.returncode == 0 and "--stage-layers" in out.stdout and "torchrun" in out.stdout
 
 

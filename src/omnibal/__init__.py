@@ -1,8 +1,9 @@
 """omnibal: balance data, pipeline partition and memory for distributed VLM instruction tuning.
 
-The package is layered the way the data flows (see docs/architecture.md):
-``stats`` -> ``data`` (balance, sampler, collate) -> ``cost`` -> ``plan`` (partition, recompute)
--> ``sim`` -> ``train``. Each layer is importable on its own and returns plain, serialisable results.
+The package is layered (see docs/architecture.md; lower layers never import higher ones):
+``errors``/``outputs``/``validate``/``tables`` -> ``stats`` -> ``cost`` -> ``data``/``sim`` -> ``plan``/``train``
+-> ``measure``/``integrations``/``examples`` -> ``cli``. Each layer is importable on its own and returns plain,
+serialisable results.
 """
 
 from omnibal.errors import InputError, OmnibalError

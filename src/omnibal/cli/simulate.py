@@ -212,8 +212,8 @@ def run(args: argparse.Namespace) -> int:
     import numpy as np
 
     from omnibal.cost.analytic import analytic_cost_table
-    from omnibal.cost.hardware import get_hardware
     from omnibal.cost.presets import get_model_preset
+    from omnibal.measure.hardware import hardware_by_name
     from omnibal.sim.costs import config_for_hardware
     from omnibal.sim.epoch import simulate_epoch, simulate_one_step
     from omnibal.sim.report import format_text_table, stage_table, totals_rows, write_report
@@ -227,7 +227,7 @@ def run(args: argparse.Namespace) -> int:
     plan = _load_plan(args.plan) if args.plan else None
     cluster = _resolve_cluster(args, plan)
     spec = get_model_preset(cluster["model"])
-    hardware = get_hardware(cluster["hardware"])
+    hardware = hardware_by_name(cluster["hardware"])
     if args.profile:
         from omnibal.cost.profile import cost_table_from_profile, load_profile
 

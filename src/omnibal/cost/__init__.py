@@ -1,9 +1,9 @@
 """Cost model: model specs, hardware specs, analytic per-layer costs, measured profiles.
 
-Public API (torch is imported only by the profiler and ``measure_cpu``)::
+Public API (pure: nothing here measures or imports torch; measurements are :mod:`omnibal.measure`)::
 
     get_model_preset(name) -> ModelSpec            presets.py  (internvl-chat-1.5, ..., tiny)
-    get_hardware(name) -> HardwareSpec             hardware.py (a100-40g, a100-80g, h100, h200, cpu)
+    get_hardware(name) -> HardwareSpec             hardware.py (a100-40g, a100-80g, h100, h200)
     analytic_cost_table(spec, hw, tp_size=...)     analytic.py -> LayerCostTable (table.py, the contract)
     load_profile(path, spec), cost_table_from_profile(spec, profile, hardware=...)   profile.py
     calibrate_hardware(spec, hardware, profile) -> HardwareSpec                    calibrate.py

@@ -14,6 +14,7 @@ hardware's previous factor. Calibration and validation must use different runs (
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -65,7 +66,6 @@ def calibrate_hardware(spec: ModelSpec, hardware: HardwareSpec, profile: dict[st
         if x[j] > 0 and design[:, j].any():
             factors[kind] = float(1.0 / x[j])
     tuned = hardware.with_efficiency(**factors)
-    from dataclasses import replace
 
     return replace(tuned, layer_overhead_s=float(x[3]), name=f"{hardware.name}-calibrated")
 

@@ -1,8 +1,8 @@
 """Hardware specs: peak math rates, memory, links, and the efficiency per op kind that calibration sets.
 
 Presets carry published datasheet figures (dense, no sparsity; SXM parts, NVLink inside a node, one
-InfiniBand NIC per GPU between nodes). ``cpu`` is measured on the machine it runs on: a few matmuls and a
-large copy, timed with the requested thread count (nothing is cached between calls).
+InfiniBand NIC per GPU between nodes). A ``cpu`` spec is measured on the machine it runs on
+(:func:`omnibal.measure.hardware.measure_cpu`); this module only holds specs, it never measures.
 
 A modelled time is ``work / (peak * efficiency[kind])``: ``matmul`` (GEMMs), ``attention`` (the attention
 core: QK^T, softmax, AV), ``memory`` (element-wise / memory-bound ops, against ``memory_bandwidth``) and
@@ -12,12 +12,11 @@ achieved fractions; :func:`omnibal.cost.calibrate` fits them to measurements.
 
 from __future__ import annotations
 
-import math
-import time
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from omnibal.errors import InputError
+from omnibal.validate import check_non_negative_number, check_positive_int, check_positive_number
 
 GiB = 1 << 30
 EFFICIENCY_KINDS = ("matmul", "attention", "memory", "comm")
@@ -62,14 +61,10 @@ class HardwareSpec:
         for key in ("peak_bf16_flops", "peak_fp32_flops", "memory_bytes", "memory_bandwidth",
                     "intra_node_bandwidth", "inter_node_bandwidth", "eff_matmul", "eff_attention",
                     "eff_memory", "eff_comm"):
-            _check_positive(self.name, key, getattr(self, key))
+            check_positive_number(getattr(self, key), key, source=self.name)
         for key in ("intra_node_latency", "inter_node_latency", "layer_overhead_s"):
-            value = getattr(self, key)
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-                raise InputError(f"must be a finite number >= 0, got {value!r}", source=self.name, field=key)
-        if not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
-            raise InputError(f"must be a positive integer, got {self.gpus_per_node!r}", source=self.name,
-                             field="gpus_per_node")
+            check_non_negative_number(getattr(self, key), key, source=self.name)
+        check_positive_int(self.gpus_per_node, "gpus_per_node", source=self.name)
 
     def peak_flops(self, dtype: str) -> float:
         """Peak math rate for the training dtype (``bf16``/``fp16`` or ``fp32``)."""
@@ -108,11 +103,6 @@ class HardwareSpec:
             raise InputError(f"not a hardware spec: {exc}", source=source, field="hardware") from exc
 
 
-def _check_positive(where: str, key: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise InputError(f"must be a finite number > 0, got {value!r}", source=where, field=key)
-
-
 # Datasheet figures (dense). Memory as nvidia-smi reports it. Links: NVLink per direction (A100: 600 GB/s
 # bidirectional, H100/H200: 900 GB/s); between nodes one HDR 200 Gb/s (A100) or NDR 400 Gb/s (H100/H200)
 # NIC per GPU. Latencies: typical NCCL small-message figures.
@@ -134,83 +124,20 @@ _PRESETS: dict[str, HardwareSpec] = {
 
 
 def hardware_names() -> tuple[str, ...]:
+    """Preset names, and ``cpu`` (measured by :mod:`omnibal.measure.hardware`, not by :func:`get_hardware`)."""
     return tuple(_PRESETS) + ("cpu",)
 
 
-def get_hardware(name: str, *, threads: int = 1) -> HardwareSpec:
-    """A preset by name; ``cpu`` measures this machine with ``threads`` torch threads."""
+def get_hardware(name: str) -> HardwareSpec:
+    """A preset by name. Pure: ``cpu`` is not a preset but a measurement of the machine, made by
+    :func:`omnibal.measure.hardware.measure_cpu` (:func:`omnibal.measure.hardware.hardware_by_name` takes
+    either); asking for it here raises an InputError that says so."""
     if name == "cpu":
-        return measure_cpu(threads=threads)
+        raise InputError("'cpu' is measured on this machine, not a preset: call "
+                         "omnibal.measure.hardware.measure_cpu() (or hardware_by_name)", source="hardware",
+                         field="name")
     try:
         return _PRESETS[name]
     except (KeyError, TypeError):
         raise InputError(f"unknown hardware {name!r}; known: {', '.join(hardware_names())}",
                          source="hardware", field="name") from None
-
-
-def measure_cpu(*, threads: int = 1, repeats: int = 5, links: bool = False) -> HardwareSpec:
-    """Measure this CPU: fp32 and bf16 matmul rates (512^3 and 2048x256x512 GEMMs) and the copy bandwidth
-    of a 64 MiB tensor, with ``threads`` torch threads (restored afterwards); the best of ``repeats`` runs, on
-    the process CPU clock when ``threads == 1`` (robust to other jobs), else the wall clock. Takes well
-    under a second once torch is imported.
-
-    CPU "links" are gloo over loopback TCP. With ``links=True`` they are measured too (two spawned processes
-    ping-pong tensors, :func:`omnibal.cost.linkbench.measure_gloo_link`; several seconds of process start-up);
-    otherwise the defaults are what a pipeline transfer costs on this project's 2-core machine: 1.6 GB/s
-    (raw gloo send/recv, measured) and 1 ms per transfer (``facts.md``: ~1-2.5 ms per micro-batch through
-    torch.distributed.pipelining; raw gloo alone is ~0.07 ms).
-    """
-    import torch
-
-    if not isinstance(threads, int) or threads < 1:
-        raise InputError(f"must be a positive integer, got {threads!r}", source="threads", field="threads")
-    old_threads = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        rates = {}
-        for dtype in (torch.float32, torch.bfloat16):
-            best = 0.0
-            for m, k, n in ((512, 512, 512), (2048, 256, 512)):
-                a = torch.randn(m, k, dtype=dtype)
-                b = torch.randn(k, n, dtype=dtype)
-                seconds = _best_time(lambda: a @ b, repeats, cpu_clock=threads == 1)
-                best = max(best, 2.0 * m * k * n / seconds)
-            rates[dtype] = best
-        src = torch.empty(8 << 20, dtype=torch.float64).fill_(1.0)  # 64 MiB
-        dst = torch.empty_like(src)
-        seconds = _best_time(lambda: dst.copy_(src), repeats, cpu_clock=threads == 1)
-        bandwidth = 2.0 * src.numel() * src.element_size() / seconds  # read + write
-    finally:
-        torch.set_num_threads(old_threads)
-    try:
-        import os
-
-        memory = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError):
-        memory = 8.0 * GiB
-    link_bandwidth, link_latency = 1.6e9, 1e-3
-    if links:
-        from omnibal.cost.linkbench import measure_gloo_link
-
-        link_bandwidth, link_latency, _ = measure_gloo_link()
-    return HardwareSpec(
-        name=f"cpu-{threads}t", peak_bf16_flops=rates[torch.bfloat16], peak_fp32_flops=rates[torch.float32],
-        memory_bytes=memory, memory_bandwidth=bandwidth, intra_node_bandwidth=link_bandwidth,
-        intra_node_latency=link_latency, inter_node_bandwidth=link_bandwidth, inter_node_latency=link_latency,
-        gpus_per_node=1,
-        # The rates above are achieved GEMM rates, so matmul efficiency is relative to them.
-        eff_matmul=0.8, eff_attention=0.4, eff_memory=0.5, eff_comm=1.0, layer_overhead_s=1e-4,
-    )
-
-
-def _best_time(fn, repeats: int, *, cpu_clock: bool = False) -> float:
-    """Fastest of ``repeats`` runs after one warm-up. With ``cpu_clock`` (one thread) the process CPU time
-    is used: on a machine shared with other jobs it excludes the time they took the core away."""
-    clock = time.process_time if cpu_clock else time.perf_counter
-    fn()
-    best = math.inf
-    for _ in range(repeats):
-        start = clock()
-        fn()
-        best = min(best, clock() - start)
-    return max(best, 1e-9)

@@ -1,6 +1,6 @@
-"""Measured layer profiles: time forward and backward of each layer kind of the reference trainer's model
-(:mod:`omnibal.train.layers`, the real modules) over a grid of shapes, record activation memory, fit the
-per-kind coefficients over ``(one, tiles, tokens, tokens_sq)`` and save everything as JSON.
+"""Measured layer profiles: the grid of shapes, the per-kind fits over ``(one, tiles, tokens, tokens_sq)``, the
+JSON format and the cost table built from a profile. The measurement itself (running the reference trainer's
+real modules, :mod:`omnibal.train.layers`) is :func:`omnibal.measure.profile.measure`; this module is pure.
 
 Timing: CUDA events on a GPU; on a CPU the wall clock with a fixed torch thread count. Each shape is run
 ``warmup`` times untimed and ``repeats`` times timed; the median is kept as ``fwd_s``/``bwd_s``. On a machine
@@ -23,21 +23,16 @@ Grid per kind (features that vary):
 
 from __future__ import annotations
 
-import datetime as _dt
 import json
-import os
-import platform
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from omnibal.cost.analytic import DTYPE_BYTES, layer_param_bytes, layer_work
+from omnibal.cost.analytic import analytic_cost_table, layer_param_bytes, layer_work
 from omnibal.cost.fit import fit_linear
 from omnibal.cost.hardware import HardwareSpec
-from omnibal.cost.runner import LayerRunner, segment_lengths
 from omnibal.cost.spec import LAYER_KINDS, ModelSpec
 from omnibal.cost.table import FEATURES, LayerCostTable
 from omnibal.errors import InputError
@@ -112,110 +107,15 @@ class Point:
         return np.array([1.0, self.tiles, float(sum(self.lengths)), float(sum(n * n for n in self.lengths))])
 
 
+def segment_lengths(tokens: int, segment: int) -> list[int]:
+    """``tokens`` cut into attention segments of ``segment`` tokens, the last one shorter."""
+    full, rest = divmod(tokens, segment)
+    return [segment] * full + ([rest] if rest else [])
+
+
 def grid_points(grid: ProfileGrid, spec: ModelSpec, kinds: tuple[str, ...]) -> list[Point]:
     return [Point(kind, sh["tiles"], tuple(segment_lengths(sh["tokens"], sh["segment"])) if sh["tokens"] else ())
             for kind in kinds for sh in grid.shapes(kind, spec)]
-
-
-def _check_measure_args(device: str, dtype: str | None, kinds, repeats: int, threads: int) -> str:
-    import torch
-
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise InputError("CUDA is not available on this machine", source="device", field="device")
-    if not (device == "cpu" or device.startswith("cuda")):
-        raise InputError(f"unknown device {device!r}; use cpu or cuda[:N]", source="device", field="device")
-    dtype = dtype or ("bf16" if device.startswith("cuda") else "fp32")
-    if dtype not in DTYPE_BYTES:
-        raise InputError(f"unknown dtype {dtype!r}; use bf16, fp16 or fp32", source="dtype", field="dtype")
-    for kind in kinds:
-        if kind not in LAYER_KINDS:
-            raise InputError(f"unknown layer kind {kind!r}; known: {', '.join(LAYER_KINDS)}", source="kinds",
-                             field="kinds")
-    for name, value in (("repeats", repeats), ("threads", threads)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise InputError(f"must be a positive integer, got {value!r}", source=name, field=name)
-    return dtype
-
-
-def measure_points(spec: ModelSpec, points: list[Point], *, device: str = "cpu", dtype: str | None = None,
-                   threads: int = 1, warmup: int = 2, repeats: int = 5, progress: bool = False,
-                   seed: int = 0, statistic: str = "median") -> list[dict[str, Any]]:
-    """Measure each point on the real layer modules; one row per point (seconds, saved bytes)."""
-    import torch
-
-    if statistic not in STATISTICS:
-        raise InputError(f"must be one of {', '.join(STATISTICS)}, got {statistic!r}", source="statistic",
-                         field="statistic")
-    dtype = _check_measure_args(device, dtype, {p.kind for p in points}, repeats, threads)
-    old_threads = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    runner = LayerRunner(spec, device=device, dtype=dtype, seed=seed)
-    rows = []
-    try:
-        from tqdm import tqdm
-
-        bar = tqdm(points, desc="profile", unit="shape", disable=not progress, file=sys.stderr)
-        for point in bar:
-            tokens = int(sum(point.lengths))
-            bar.set_postfix_str(f"{point.kind} {point.tiles} tiles {tokens} tokens")
-            carry = runner.carry(point.kind, point.tiles, list(point.lengths))
-            times = runner.time(point.kind, carry, warmup=warmup, repeats=repeats)
-            key = statistic if not statistic.startswith("cpu") or "fwd_cpu_s" in times else "median"
-            row = dict(kind=point.kind, tiles=point.tiles, tokens=tokens,
-                       segments=_compress_lengths(point.lengths), features=point.features.tolist(),
-                       fwd_s=times[f"fwd_{key}_s"], bwd_s=times[f"bwd_{key}_s"], **times,
-                       saved_bytes=runner.saved_bytes(point.kind, carry))
-            peak = runner.peak_bytes(point.kind, carry)
-            if peak is not None:
-                row["peak_bytes"] = peak
-            rows.append(row)
-    finally:
-        torch.set_num_threads(old_threads)
-    return rows
-
-
-def _compress_lengths(lengths: tuple[int, ...]) -> list[list[int]]:
-    """Run-length form [[length, count], ...] (a 16k-token grid point has up to 256 equal segments)."""
-    out: list[list[int]] = []
-    for n in lengths:
-        if out and out[-1][0] == n:
-            out[-1][1] += 1
-        else:
-            out.append([n, 1])
-    return out
-
-
-def measure(spec: ModelSpec, *, device: str = "cpu", dtype: str | None = None, threads: int = 1,
-            grid: ProfileGrid | None = None, kinds: tuple[str, ...] = LAYER_KINDS, warmup: int = 2,
-            repeats: int = 5, progress: bool = False, seed: int = 0, statistic: str = "median") -> dict[str, Any]:
-    """Measure every kind over the grid and fit it; returns the profile (JSON-able dict, see
-    :func:`save_profile` and docs/cost.md for the format)."""
-    import torch
-
-    dtype = _check_measure_args(device, dtype, kinds, repeats, threads)
-    grid = grid or (GPU_GRID if device.startswith("cuda") else CPU_GRID)
-    load_before = _loadavg()
-    started = _dt.datetime.now(_dt.timezone.utc)
-    rows = measure_points(spec, grid_points(grid, spec, kinds), device=device, dtype=dtype, threads=threads,
-                          warmup=warmup, repeats=repeats, progress=progress, seed=seed, statistic=statistic)
-    profile = {
-        "format": FORMAT,
-        "model": {"name": spec.name, "fingerprint": spec.fingerprint(), "spec": spec.to_dict()},
-        "device": _device_info(device, threads),
-        "dtype": dtype,
-        "threads": threads,
-        "torch_version": torch.__version__,
-        "created": started.isoformat(timespec="seconds"),
-        "seconds": round((_dt.datetime.now(_dt.timezone.utc) - started).total_seconds(), 2),
-        "load_average": {"before": load_before, "after": _loadavg()},
-        "warmup": warmup,
-        "repeats": repeats,
-        "statistic": statistic,
-        "grid": grid.to_dict(),
-        "measurements": rows,
-    }
-    profile["fit"] = fit_profile(rows)
-    return profile
 
 
 def fit_profile(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -239,32 +139,6 @@ def fit_profile(rows: list[dict[str, Any]]) -> dict[str, Any]:
                            "max_rel_error": res.max_rel_error}
         fits[kind] = entry
     return fits
-
-
-def _loadavg() -> list[float] | None:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
-
-
-def _device_info(device: str, threads: int) -> dict[str, Any]:
-    import torch
-
-    if device.startswith("cuda"):
-        idx = torch.device(device).index or 0
-        return {"type": "cuda", "name": torch.cuda.get_device_name(idx),
-                "memory_bytes": torch.cuda.get_device_properties(idx).total_memory}
-    name = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    name = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return {"type": "cpu", "name": name, "threads": threads, "cpu_count": os.cpu_count()}
 
 
 # ----------------------------------------------------------------------------------------- load / use
@@ -314,8 +188,6 @@ def cost_table_from_profile(spec: ModelSpec, profile: dict[str, Any], *, hardwar
     scaled by the analytic model's ratio (tensor-parallel / single-device, per layer and feature) and the
     tensor-parallel communication time is the analytic one on ``hardware``.
     """
-    from omnibal.cost.analytic import analytic_cost_table
-
     check_profile_model(profile, spec)
     if tp_size != 1 and hardware is None:
         raise InputError("tensor parallelism needs the hardware (its links and rates)", source="hardware",

@@ -24,6 +24,7 @@ import numpy as np
 
 from omnibal.errors import InputError
 from omnibal.stats.table import tokens_for_model
+from omnibal.validate import check_positive_int
 
 LayerKind = Literal["vision_embed", "vision_block", "projector", "llm_embed", "llm_block", "lm_head"]
 LAYER_KINDS: tuple[str, ...] = ("vision_embed", "vision_block", "projector", "llm_embed", "llm_block", "lm_head")
@@ -199,8 +200,7 @@ class ModelSpec:
 
 def _positive(where: str, **values: int) -> None:
     for key, value in values.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise InputError(f"must be a positive integer, got {value!r}", source=where, field=key)
+        check_positive_int(value, key, source=where)
 
 
 def even_cuts(num_layers: int, num_stages: int) -> tuple[int, ...]:

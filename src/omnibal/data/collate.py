@@ -50,6 +50,7 @@ from typing import Literal, Sequence
 import torch
 
 from omnibal.errors import InputError
+from omnibal.validate import check_positive_int
 
 IGNORE_INDEX = -100
 
@@ -87,9 +88,7 @@ class CollateConfig:
 
     def __post_init__(self) -> None:
         for name in ("num_tiles", "num_tokens", "image_size", "tokens_per_tile"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise InputError(f"must be a positive integer, got {value!r}", source=self.source, field=name)
+            check_positive_int(getattr(self, name), name, source=self.source)
         if self.mode not in ("pack", "pad_to_longest"):
             raise InputError(f"unknown mode {self.mode!r} (pack, pad_to_longest)", source=self.source,
                              field="mode")
@@ -174,9 +173,20 @@ def collate(samples: Sequence[dict], config: CollateConfig) -> MicroBatch:
     Raises ``InputError`` naming the sample when it is malformed or the pack does not fit
     (``num_tiles``, ``num_tokens``).
     """
-    cfg = config
     if len(samples) == 0:
-        raise InputError("empty pack", source=cfg.source)
+        raise InputError("empty pack", source=config.source)
+    lengths, tiles = _sample_sizes(samples, config)
+    row = max(lengths) if config.mode == "pad_to_longest" else None
+    starts, total = [], 0
+    for n in lengths:
+        starts.append(total)
+        total += row if row is not None else n
+    _check_fits(samples, config, lengths, tiles, row, total)
+    return _fill(samples, config, lengths, tiles, starts, row, total)
+
+
+def _sample_sizes(samples: Sequence[dict], cfg: CollateConfig) -> tuple[list[int], list[int]]:
+    """Every sample's (tokens, tiles), after checking its tensors' shapes and image-token count."""
     lengths, tiles = [], []
     for pos, s in enumerate(samples):
         ids, labels, pix = s["input_ids"], s["labels"], s["pixel_values"]
@@ -193,27 +203,33 @@ def collate(samples: Sequence[dict], config: CollateConfig) -> MicroBatch:
                              source=cfg.source, record=f"sample {idx}", field="input_ids")
         lengths.append(int(ids.shape[0]))
         tiles.append(int(pix.shape[0]))
-    row = max(lengths) if cfg.mode == "pad_to_longest" else None
-    starts, total = [], 0
-    for n in lengths:
-        starts.append(total)
-        total += row if row is not None else n
-    total_tiles = sum(tiles)
-    if total_tiles > cfg.num_tiles or total > cfg.num_tokens:
-        # name the first sample that overflows, so the user sees which one breaks the buffer
-        t_acc = v_acc = 0
-        culprit = samples[-1].get("index", len(samples) - 1)
-        for pos, (n, v) in enumerate(zip(lengths, tiles)):
-            t_acc += row if row is not None else n
-            v_acc += v
-            if t_acc > cfg.num_tokens or v_acc > cfg.num_tiles:
-                culprit = samples[pos].get("index", pos)
-                break
-        field = "tokens" if total > cfg.num_tokens else "tiles"
-        raise InputError(f"pack of {len(samples)} samples needs {total_tiles} tiles / {total} tokens "
-                         f"({cfg.mode}), the buffer holds {cfg.num_tiles} / {cfg.num_tokens}",
-                         source=cfg.source, record=f"sample {culprit}", field=field)
+    return lengths, tiles
 
+
+def _check_fits(samples: Sequence[dict], cfg: CollateConfig, lengths: list[int], tiles: list[int],
+                row: int | None, total: int) -> None:
+    """InputError naming the first sample that overflows the buffer, so the user sees which one breaks it."""
+    total_tiles = sum(tiles)
+    if total_tiles <= cfg.num_tiles and total <= cfg.num_tokens:
+        return
+    t_acc = v_acc = 0
+    culprit = samples[-1].get("index", len(samples) - 1)
+    for pos, (n, v) in enumerate(zip(lengths, tiles)):
+        t_acc += row if row is not None else n
+        v_acc += v
+        if t_acc > cfg.num_tokens or v_acc > cfg.num_tiles:
+            culprit = samples[pos].get("index", pos)
+            break
+    field = "tokens" if total > cfg.num_tokens else "tiles"
+    raise InputError(f"pack of {len(samples)} samples needs {total_tiles} tiles / {total} tokens "
+                     f"({cfg.mode}), the buffer holds {cfg.num_tiles} / {cfg.num_tokens}",
+                     source=cfg.source, record=f"sample {culprit}", field=field)
+
+
+def _fill(samples: Sequence[dict], cfg: CollateConfig, lengths: list[int], tiles: list[int], starts: list[int],
+          row: int | None, total: int) -> MicroBatch:
+    """Write the checked samples into the fixed buffers: tokens at ``starts`` (each ``row`` long when padding
+    to the longest, else its own length), tiles one after the other."""
     S = cfg.image_size
     pixel_values = torch.zeros(1, cfg.num_tiles, 3, S, S, dtype=torch.float32)
     meta = torch.zeros(1, NUM_META_ROWS, cfg.num_tokens, dtype=torch.int64)
@@ -239,11 +255,10 @@ def collate(samples: Sequence[dict], config: CollateConfig) -> MicroBatch:
         tile_mask[0, tile_at:tile_at + v] = True
         tile_at += v
         seg_bounds.append(start + span)
-    sizes = torch.tensor([[total_tiles, total]], dtype=torch.int64)
     return MicroBatch(
         pixel_values=pixel_values,
         token_meta=meta,
-        sizes=sizes,
+        sizes=torch.tensor([[sum(tiles), total]], dtype=torch.int64),
         tile_mask=tile_mask,
         cu_seqlens=torch.tensor(seg_bounds, dtype=torch.int32),
         sample_indices=tuple(int(s.get("index", i)) for i, s in enumerate(samples)),

@@ -26,6 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from omnibal.data.balance.cost import DEFAULT_COST, BalanceCost
+from omnibal.tables import markdown_table
 
 
 def _max_mean(x: np.ndarray, axis) -> np.ndarray:
@@ -123,11 +124,4 @@ def format_table(rows: list[dict], keys: list[str] | None = None) -> str:
                     "vision_max_mean_ranks", "llm_max_mean_ranks", "total_max_mean_ranks", "llm_max_mean_ranks_worst",
                     "buffer_pad_tiles", "buffer_pad_tokens", "pad_ratio_longest", "dist_ratio_vision",
                     "dist_ratio_text", "useful_fraction", "coverage_ok"]
-    head = "| " + " | ".join(keys) + " |\n|" + "---|" * len(keys) + "\n"
-
-    def fmt(x):
-        if isinstance(x, float):
-            return f"{x:.4f}" if abs(x) < 100 else f"{x:.0f}"
-        return str(x)
-
-    return head + "".join("| " + " | ".join(fmt(r.get(k, "")) for k in keys) + " |\n" for r in rows)
+    return markdown_table([keys] + [[r.get(k, "") for k in keys] for r in rows]) + "\n"

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from PIL import Image, ImageOps, UnidentifiedImageError
 from torch.utils.data import Dataset
 
 from omnibal.data.collate import IGNORE_INDEX
@@ -247,8 +248,6 @@ class RealDataset(Dataset):
                 + [self.image_end_id] * (m // 2))
 
     def _load_tiles(self, rel: str, num_images: int, where: dict) -> torch.Tensor:
-        from PIL import Image, ImageOps, UnidentifiedImageError
-
         cfg = self.config
         path = Path(rel) if os.path.isabs(rel) else self.image_root / rel
         if not cfg.allow_outside_root:

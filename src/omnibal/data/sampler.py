@@ -67,6 +67,7 @@ import numpy as np
 
 from omnibal.data.balance.api import BalanceConfig, balance
 from omnibal.errors import InputError
+from omnibal.validate import check_positive_int
 
 STATE_VERSION = 3
 """3: the state says whether the training loop reports trained micro-batches (``trained_reported``)."""
@@ -149,8 +150,7 @@ class BalancedBatchSampler:
 
     def __init__(self, stats, *, dp_rank: int, dp_size: int, num_microbatches: int = 1, seed: int = 0,
                  epoch: int = 0, config: BalanceConfig | None = None) -> None:
-        if not isinstance(dp_size, int) or dp_size < 1:
-            raise InputError(f"must be a positive integer, got {dp_size!r}", source="dp_size", field="dp_size")
+        check_positive_int(dp_size, "dp_size")
         if not isinstance(dp_rank, int) or not 0 <= dp_rank < dp_size:
             raise InputError(f"must be in [0, {dp_size}), got {dp_rank!r}", source="dp_rank", field="dp_rank")
         self.config = config or BalanceConfig()

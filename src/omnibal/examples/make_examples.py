@@ -12,6 +12,8 @@ import json
 import random
 from pathlib import Path
 
+from PIL import Image, ImageDraw
+
 # name -> (stored width, stored height, format, EXIF orientation or None). The expected tiles (InternVL
 # rule, max 12 + thumbnail) are worked out by hand in tests/test_stats_examples.py.
 IMAGES = {
@@ -56,8 +58,6 @@ CONVERSATIONS = [
 
 
 def draw_images(out: Path) -> None:
-    from PIL import Image, ImageDraw
-
     out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(0)
     for name, (w, h, fmt, orientation) in IMAGES.items():
@@ -117,6 +117,7 @@ def english_corpus(num_sentences: int = 3000, seed: int = 0) -> list[str]:
 
 
 def train_tokenizer(texts: list[str], path: Path, vocab_size: int = 2048) -> None:
+    # optional dependency (the hf extra), imported where it is used
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())

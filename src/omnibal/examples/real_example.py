@@ -29,10 +29,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
+from tqdm import tqdm
 
 from omnibal.errors import InputError
 from omnibal.examples.render import pair_qa, render, text_qa
+from omnibal.stats.annotations import AnnotationConfig, compute_stats
 from omnibal.stats.tiles import TileConfig
+from omnibal.stats.tokens import TokenConfig
 
 __all__ = ["INTERNVL", "LLAVA", "MAX_TILES", "SPECIAL_TOKENS", "TinyVLM", "make_real_example", "prepare_output"]
 
@@ -107,8 +111,6 @@ def prepare_output(out_dir, num_records, *, out_name: str = "out_dir", records_n
 def make_real_example(out_dir, *, num_records: int = 400, seed: int = 0, progress: bool = False) -> dict:
     """Write the dataset, tokenizer and both models into ``out_dir`` (see the module docstring); returns
     the summary (paths, counts, tile histograms and token statistics per model, seconds taken)."""
-    from tqdm import tqdm
-
     started = time.perf_counter()
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise InputError(f"must be a whole number >= 0, got {seed!r}", source="seed")
@@ -176,6 +178,7 @@ def conversation(rng: np.random.Generator, qa: list, prefix: str) -> list[dict]:
 def save_tokenizer(texts: list[str], folder: Path, vocab_size: int = VOCAB_SIZE):
     """Train a byte-level BPE on ``texts``, save it for ``tokenizers`` and ``AutoTokenizer``; returns the
     transformers tokenizer."""
+    # optional dependency (the hf extra), imported where it is used
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -194,6 +197,7 @@ def save_tokenizer(texts: list[str], folder: Path, vocab_size: int = VOCAB_SIZE)
 
 def build_model(spec: TinyVLM, vocab_size: int, token_ids: dict):
     """A random-init (current torch RNG) Llava or InternVL model of ``spec``'s shape, float32."""
+    # optional dependency (the hf extra), imported where it is used
     import transformers as tf
 
     text = dict(hidden_size=spec.text_hidden, intermediate_size=2 * spec.text_hidden, num_attention_heads=4,
@@ -219,7 +223,7 @@ def build_model(spec: TinyVLM, vocab_size: int, token_ids: dict):
 def save_model(spec: TinyVLM, tokenizer, folder: Path, *, seed: int) -> int:
     """Build ``spec`` from ``seed`` (the caller's torch RNG is left alone), save it and the tokenizer into
     ``folder``; returns its parameter count."""
-    import torch
+    # optional dependency (the hf extra), imported where it is used
     from transformers.utils import logging as hf_logging
 
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
@@ -259,10 +263,8 @@ def train_command(out: Path, model: str = "llava") -> str:
 def _summarize(stage: Path, out: Path, records: list, params: dict, seed: int) -> dict:
     """Counts, and per model the tiles and sequence lengths per sample as ``omnibal stats`` counts them
     with the model's tile rule and token layout (:attr:`TinyVLM.tiles`)."""
+    # optional dependency (the hf extra), imported where it is used
     from tokenizers import Tokenizer
-
-    from omnibal.stats.annotations import AnnotationConfig, compute_stats
-    from omnibal.stats.tokens import TokenConfig
 
     tok = Tokenizer.from_file(str(stage / "tokenizer" / "tokenizer.json"))
     text_tokens = [sum(len(tok.encode(t["value"].replace("<image>", ""), add_special_tokens=False).ids)

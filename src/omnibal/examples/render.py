@@ -7,6 +7,7 @@ import collections
 from pathlib import Path
 
 import numpy as np
+from PIL import Image, ImageDraw, ImageFont
 
 MIN_SIDE, DPI = 64, 100
 
@@ -68,6 +69,7 @@ def render(kind: str, rng: np.random.Generator, images_dir: Path, stem: str) -> 
 
 # -- charts (matplotlib, without pyplot) -----------------------------------------------------------------
 def _figure(size: tuple[int, int]):
+    # heavy (~0.5 s): only the plots need it
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -81,8 +83,6 @@ def _figure(size: tuple[int, int]):
 
 
 def _save_figure(fig, size: tuple[int, int], path: Path) -> None:
-    from PIL import Image
-
     fig.canvas.draw()
     img = Image.fromarray(np.asarray(fig.canvas.buffer_rgba())).convert("RGB")
     if img.size != size:
@@ -204,8 +204,6 @@ def _fit(draw, words: list, font, width: int) -> str:
 
 def document_page(rng: np.random.Generator, size: tuple[int, int], path: Path) -> tuple[str, list]:
     """A page with a title and a few lines of text (Pillow's default font)."""
-    from PIL import Image, ImageDraw, ImageFont
-
     w, h = size
     fs = int(np.clip(round(min(w, h * 0.7) / 26), 7, 16))
     font, title_font = ImageFont.load_default(size=fs), ImageFont.load_default(size=round(fs * 1.4))

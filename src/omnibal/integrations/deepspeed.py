@@ -31,8 +31,10 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from omnibal.errors import InputError
+from omnibal.plan.exports import deepspeed_fields
 
 TESTED_VERSIONS = ">=0.16,<0.20"
 """DeepSpeed versions the builder was written for; CI runs 0.19.8 (only public API is used)."""
@@ -40,8 +42,6 @@ TESTED_VERSIONS = ">=0.16,<0.20"
 
 def write_exports(plan, out_dir: str | Path) -> list[Path]:
     """``deepspeed.json`` (parts, recompute per stage, layer names) and ``ds_config.json`` into ``out_dir``."""
-    from omnibal.plan.exports import deepspeed_fields
-
     fields = deepspeed_fields(plan)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -108,13 +108,13 @@ class StageBlock(nn.Module):
 
         if self.checkpoint_fn is not None:
             return self.checkpoint_fn(run, *(x if packed else (x,)))
-        from torch.utils.checkpoint import checkpoint
 
         return checkpoint(run, *(x if packed else (x,)), use_reentrant=False)
 
 
 def stage_specs(layers: Sequence, export: dict, *, star_args: bool = False, checkpoint_fn=None) -> list:
     """One ``LayerSpec(StageBlock, ...)`` per planned stage (``InputError`` for a chain of another length)."""
+    # optional engine: imported only when its adapter is used
     from deepspeed.pipe import LayerSpec
 
     parts = export["parts"]
@@ -138,6 +138,7 @@ def pipeline_module(layers: Sequence, export: dict, *, loss_fn=None, star_args: 
     """A ``deepspeed.pipe.PipelineModule`` whose stage ``s`` holds exactly ``layers[parts[s]:parts[s+1]]``
     with the plan's layers checkpointed. ``kwargs`` go to ``PipelineModule`` (``topology``, ``seed_layers``,
     ...); ``partition_method`` and ``activation_checkpoint_interval`` are set here."""
+    # optional engine: imported only when its adapter is used
     from deepspeed.pipe import PipelineModule
 
     for key in ("partition_method", "activation_checkpoint_interval", "num_stages"):

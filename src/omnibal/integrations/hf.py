@@ -42,6 +42,7 @@ import torch
 from omnibal.data.collate import IGNORE_INDEX
 from omnibal.data.sampler import BalancedBatchSampler
 from omnibal.errors import InputError
+from omnibal.validate import check_positive_int
 
 try:
     from torch.utils.data import DataLoader
@@ -105,9 +106,8 @@ class HFPackCollator:
         if mask_dtype != torch.bool and not mask_dtype.is_floating_point:
             raise InputError(f"mask_dtype must be torch.bool or a float dtype, got {mask_dtype}", source=source,
                              field="mask_dtype")
-        if tokens_per_tile is not None and (not isinstance(tokens_per_tile, int) or tokens_per_tile < 1):
-            raise InputError(f"must be a positive integer, got {tokens_per_tile!r}", source=source,
-                             field="tokens_per_tile")
+        if tokens_per_tile is not None:
+            check_positive_int(tokens_per_tile, "tokens_per_tile", source=source)
         self.image_token_id = None if image_token_id is None else int(image_token_id)
         self.attention = attention
         self.mask_dtype = mask_dtype
@@ -454,6 +454,7 @@ class OmnibalTrainer(Trainer):
             keys = _saved_to_model_keys(target)
         if not keys or all(saved == own for saved, own in keys.items()):
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        # optional dependency (the hf extra), imported where it is used
         import safetensors.torch
 
         state = safetensors.torch.load_file(str(path), device="cpu")

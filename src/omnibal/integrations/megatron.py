@@ -20,7 +20,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+
 from omnibal.errors import InputError
+from omnibal.plan.exports import megatron_fields
 
 TESTED_VERSIONS = ">=0.14,<0.17"
 """megatron-core versions whose ``TransformerConfig`` / layout grammar this export follows (CI: 0.16.1)."""
@@ -32,8 +35,6 @@ _ARG_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_gr
 def write_exports(plan, out_dir: str | Path) -> list[Path]:
     """``megatron.json`` and ``megatron_args.txt`` into ``out_dir`` (``InputError`` when the plan is not
     expressible in Megatron: re-plan with ``--engine megatron``)."""
-    from omnibal.plan.exports import megatron_fields
-
     fields = megatron_fields(plan)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -75,7 +76,7 @@ def load_export(path: str | Path) -> dict:
 def transformer_configs(export: dict, **overrides):
     """``(language, vision)`` megatron-core ``TransformerConfig`` objects built from the export (megatron-core
     checks them; ``overrides`` apply to both, e.g. ``bf16=True``)."""
-    import torch
+    # optional engine: imported only when its adapter is used
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     def build(fields: dict, where: str):

@@ -22,6 +22,7 @@ import json
 from pathlib import Path
 
 from omnibal.errors import InputError
+from omnibal.plan.exports import torchtitan_fields
 
 TESTED_VERSIONS = ">=0.3,<0.4"
 
@@ -53,8 +54,6 @@ def fragment_text(fields: dict) -> str:
 
 def write_exports(plan, out_dir: str | Path) -> list[Path]:
     """``torchtitan.toml`` into ``out_dir`` (``InputError`` when torchtitan cannot express the plan)."""
-    from omnibal.plan.exports import torchtitan_fields
-
     fields = torchtitan_fields(plan)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -64,6 +63,7 @@ def write_exports(plan, out_dir: str | Path) -> list[Path]:
 
 
 def load_fragment(path: str | Path) -> dict:
+    # Python >= 3.11; the rest of the module works on 3.10
     import tomllib
 
     try:
@@ -82,6 +82,7 @@ def load_fragment(path: str | Path) -> dict:
 
 def parallelism_config(fragment: dict):
     """torchtitan's ``ParallelismConfig`` from the fragment (an unknown key is refused by torchtitan)."""
+    # optional engine: imported only when its adapter is used
     from torchtitan.config import ParallelismConfig
 
     try:
@@ -94,6 +95,7 @@ def activation_checkpoint_config(fragment: dict):
     """``FullAC.Config()`` or None (torchtitan 0.3's ``Trainer.Config.activation_checkpoint``)."""
     if fragment["activation_checkpoint"]["mode"] == "none":
         return None
+    # optional engine: imported only when its adapter is used
     from torchtitan.distributed.activation_checkpoint import FullAC
 
     return FullAC.Config()

@@ -20,12 +20,23 @@ A plan an engine cannot express raises ``InputError`` naming the engine (``sourc
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol, Sequence
 
 from omnibal.errors import InputError
 
-if TYPE_CHECKING:
-    from omnibal.plan.plan import Plan
+
+class Plan(Protocol):
+    """What the exports read of a :class:`omnibal.plan.plan.Plan` (a protocol, so that ``plan.plan`` can embed
+    the exports in its JSON without the two modules importing each other)."""
+
+    stages: Sequence[Any]
+    inputs: Any
+    search: dict
+
+    @property
+    def parts(self) -> tuple[int, ...]: ...
+
+    def recompute_modules(self) -> tuple[str, ...]: ...
 
 EXPORT_ENGINES = ("deepspeed", "megatron", "torchtitan")
 _KINDS = (("vision.embed", "vision_embed"), ("vision.blocks.", "vision_block"), ("projector", "projector"),

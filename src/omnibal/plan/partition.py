@@ -22,6 +22,7 @@ import numpy as np
 
 from omnibal.cost.spec import even_cuts
 from omnibal.errors import InputError
+from omnibal.validate import check_positive_int
 
 
 @dataclass(frozen=True)
@@ -59,8 +60,7 @@ def check_parts(parts: Sequence[int], num_layers: int, *, source: str = "parts")
 
 
 def check_num_stages(num_stages: int, num_layers: int) -> None:
-    if not isinstance(num_stages, (int, np.integer)) or num_stages < 1:
-        raise InputError(f"must be a positive integer, got {num_stages!r}", source="num_stages", field="num_stages")
+    check_positive_int(num_stages, "num_stages")
     if num_stages > num_layers:
         raise InputError(f"{num_stages} pipeline stages but the chain has only {num_layers} layers (each stage "
                          "needs at least one)", source="num_stages", field="num_stages")

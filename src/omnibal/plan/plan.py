@@ -4,14 +4,16 @@ it was made from. Plain data with a versioned JSON form; loading validates every
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from omnibal.errors import InputError
 from omnibal.plan.engines import ENGINES
+from omnibal.plan.exports import export_all
 
 PLAN_FORMAT = "omnibal.plan"
 PLAN_VERSION = 1
@@ -141,8 +143,6 @@ class Plan:
         return tuple(m for st in self.stages for m in st.recompute)
 
     def to_dict(self) -> dict:
-        from omnibal.plan.exports import export_all
-
         # "model" at the top is what the reference trainer checks before applying a plan
         out = {"format": PLAN_FORMAT, "version": self.version, "model": self.inputs.model, "engine": self.engine,
                "inputs": asdict(self.inputs),
@@ -270,8 +270,6 @@ class Plan:
 def _refuse_unknown_keys(raw: dict, source: str) -> None:
     """An InputError naming the first key a plan file has that the plan format does not (a misspelt
     ``recompute`` would otherwise silently mean no recompute, in the trainer, simulate and report alike)."""
-    from dataclasses import fields
-
     top = {"format", "version", "model", "engine", "inputs", "data", "stages", "prediction", "search", "exports"}
     sections = [("", raw, top)]
     for key, cls in (("inputs", PlanInputs), ("data", DataPlan), ("prediction", Prediction)):
@@ -415,6 +413,4 @@ def _read_dataclass(r: _Reader, raw: dict, key: str, cls, schema: dict):
 
 
 def _dataclass_missing():
-    import dataclasses
-
     return dataclasses.MISSING

@@ -14,10 +14,13 @@ from pathlib import Path
 
 import numpy as np
 
+from omnibal.errors import InputError
 from omnibal.plan.ablation import AblationRow, ablation_markdown
 from omnibal.plan.exports import export_all
 from omnibal.plan.plan import Plan
-from omnibal.sim.report import format_markdown_table, format_text_table
+from omnibal.sim.epoch import simulate_epoch, simulate_one_step
+from omnibal.sim.report import pick_ranks, plot_timeline
+from omnibal.tables import markdown_table, text_table  # noqa: F401 (text_table: what `omnibal plan` prints with)
 
 GiB = float(1 << 30)
 
@@ -40,14 +43,6 @@ def stage_rows(plan: Plan) -> list[list[str]]:
                      f"{len(st.recompute)} of {len(st.modules)}", str(st.in_flight), f"{st.time_s:.3f}",
                      f"{st.recompute_time_s:.3f}", _gib(st.memory_bytes), _gib(st.simulated_peak_memory_bytes)])
     return rows
-
-
-def text_table(rows: list[list[str]]) -> str:
-    return format_text_table(rows, align="left")
-
-
-def markdown_table(rows: list[list[str]]) -> str:
-    return format_markdown_table(rows, separator=" --- |")
 
 
 BALANCE_KEYS = (("num_steps", "steps", "{:d}"), ("samples_per_microbatch_mean", "samples / micro-batch", "{:.2f}"),
@@ -148,8 +143,6 @@ def plot_ablation(rows: list[AblationRow], path: str | Path) -> Path:
 
 
 def ablation_from_json(path: str | Path) -> list[AblationRow]:
-    from omnibal.errors import InputError
-
     path = Path(path)
     try:
         raw = json.loads(path.read_text())
@@ -247,8 +240,6 @@ def write_job_outputs(result, out_dir: str | Path, *, timelines: bool = True, pr
     """Write plan.json, ablation.json, report.md and the PNGs of a :class:`PlanJobResult`.
     ``progress(label)`` is called before each picture (for a progress bar)."""
     progress = progress or (lambda label: None)
-    from omnibal.sim.epoch import simulate_epoch, simulate_one_step
-    from omnibal.sim.report import pick_ranks, plot_timeline
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -318,8 +309,6 @@ def render_report(plan_path: str | Path, out_dir: str | Path | None = None, *,
 
 
 def _simulate_section(plan: Plan, path: Path) -> list[str]:
-    from omnibal.errors import InputError
-
     try:
         sim = json.loads(path.read_text())
         step = float(sim["step_time_mean_s"])
@@ -333,8 +322,6 @@ def _simulate_section(plan: Plan, path: Path) -> list[str]:
 
 def _train_section(plan: Plan, path: Path) -> list[str]:
     """Measured step times from a training metrics log (JSON lines with ``step_time_s``)."""
-    from omnibal.errors import InputError
-
     times = []
     try:
         for number, line in enumerate(path.read_text().splitlines(), start=1):

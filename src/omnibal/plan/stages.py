@@ -22,6 +22,7 @@ import numpy as np
 
 from omnibal.cost.table import NUM_FEATURES, LayerCostTable
 from omnibal.errors import InputError
+from omnibal.validate import check_positive_int
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,9 +50,7 @@ class StageModelConfig:
 
     def validate(self, num_layers: int) -> None:
         for name in ("num_stages", "num_microbatches", "dp_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise InputError(f"must be a positive integer, got {value!r}", source=name, field=name)
+            check_positive_int(getattr(self, name), name)
         if self.num_stages > num_layers:
             raise InputError(f"{self.num_stages} pipeline stages but the model has only {num_layers} layers "
                              "(each stage needs at least one)", source="num_stages", field="num_stages")

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 from omnibal.errors import InputError
 from omnibal.stats.records import IMAGE_PLACEHOLDER, RecordError, check_inside, parse_json_line, parse_record
@@ -268,8 +269,6 @@ class _progress:
 
     def __enter__(self):
         if self.enabled:
-            from tqdm import tqdm
-
             total = sum(_count_records(p) for p in self.paths)
             self.bar = tqdm(total=total, unit="sample", file=sys.stderr, desc="omnibal stats")
         return self

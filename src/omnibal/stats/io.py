@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from omnibal.errors import InputError
+from omnibal.outputs import atomic_path, check_file
 from omnibal.stats.json_records import (
     OMNIBAL,
     TOKEN_LENGTHS,
@@ -156,7 +157,6 @@ def save_stats(stats: SampleStats, path: str | os.PathLike, *, format: str | Non
     """Write ``stats`` (atomically: a temporary file renamed into place). Returns the path written."""
     p = Path(path)
     fmt = output_format(p, format)
-    from omnibal.outputs import atomic_path, check_file
 
     check_file(p, "out")
     with atomic_path(p) as tmp:  # a killed writer leaves the old file; the new one gets the umask's mode
@@ -191,6 +191,7 @@ def _render_json(stats: SampleStats, fmt: str) -> str:
 
 
 def _write_parquet(stats: SampleStats, path: str) -> None:
+    # heavy (~0.5 s): only parquet / fast JSON reading needs it
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -207,6 +208,7 @@ def _write_parquet(stats: SampleStats, path: str) -> None:
 
 # ------------------------------------------------------------------------------------------ reading
 def _read_parquet(source: str) -> Columns:
+    # heavy (~0.5 s): only parquet / fast JSON reading needs it
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -216,12 +218,16 @@ def _read_parquet(source: str) -> Columns:
         raise InputError(f"not a readable parquet file: {exc}", source=source) from None
     if table.num_rows == 0:
         raise InputError("no records (0 rows)", source=source)
+    try:
+        column_names = table.column_names
+    except UnicodeDecodeError as exc:  # a corrupted schema: pyarrow decodes the names only when asked
+        raise InputError(f"not a readable parquet file: a column name is not UTF-8 ({exc})", source=source) from None
     cols = {}
     for name in ("tiles", "tokens", "images", "key"):
-        if name not in table.column_names:
+        if name not in column_names:
             if name == "key":
                 continue
-            raise InputError(f"missing column (has {table.column_names})", source=source, field=name)
+            raise InputError(f"missing column (has {column_names})", source=source, field=name)
         col = table.column(name)
         if not (pa.types.is_integer(col.type)):
             raise InputError(f"column must be integers, got {col.type}", source=source, field=name)

@@ -78,6 +78,7 @@ def jsonl_fast(data: bytes, source: str) -> Columns | None:
     Accepted only when every line is a non-blank record and pyarrow returns exactly one row per line (it
     would otherwise read two objects on one line as two rows), all four fields are present and integer.
     """
+    # heavy (~0.5 s): only parquet / fast JSON reading needs it
     import pyarrow as pa
     import pyarrow.json as pj
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
+from omnibal.outputs import atomic_path, image_format
 from omnibal.stats.table import SampleStats
 
 PERCENTILES = (50, 90, 99)
@@ -128,7 +129,6 @@ def plot_histograms(stats: SampleStats, path: str | Path, *, title: str | None =
     ax_k.set_ylabel("samples")
     fig.suptitle(title or f"{stats.source} ({len(stats):,} samples)")
     fig.tight_layout()
-    from omnibal.outputs import atomic_path, image_format
 
     out = Path(path)
     with atomic_path(out) as tmp:

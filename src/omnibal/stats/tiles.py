@@ -25,6 +25,7 @@ import stat
 from dataclasses import dataclass
 
 import numpy as np
+from PIL import Image
 
 from omnibal.errors import InputError
 
@@ -150,8 +151,6 @@ def image_size(
 
     Reads no pixel data. Errors name ``source`` (the annotation file) and ``record`` as well as the image.
     """
-    from PIL import Image
-
     saved_limit = Image.MAX_IMAGE_PIXELS
     try:
         # the decompression-bomb guard protects decoding; only the header is read here, and a huge scan
@@ -177,8 +176,6 @@ def image_size(
 
 def _orientation(img) -> int:
     """EXIF orientation without decoding pixels (PNG: only an eXIf chunk before the image data)."""
-    from PIL import Image
-
     try:
         if img.format == "PNG":
             raw = img.info.get("exif")

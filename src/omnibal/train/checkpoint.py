@@ -22,6 +22,7 @@ import hashlib
 import io
 import json
 import re
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ import torch
 
 from omnibal.errors import InputError
 from omnibal.outputs import write_bytes  # temporary file + fsync + rename, the umask's mode
+from omnibal.validate import is_int
 
 FORMAT = 2
 """Version 2: the manifest holds the SHA-256 of its own fields (``manifest_sha256``)."""
@@ -133,9 +135,6 @@ def verify(path: Path) -> dict:
     return doc
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
 
 def _check_schema(doc: dict, source: str) -> None:
     """Every field resuming reads, with its type; file names must be plain names inside the folder (a
@@ -143,10 +142,10 @@ def _check_schema(doc: dict, source: str) -> None:
     def bad(msg: str, field: str) -> InputError:
         return InputError(msg, source=source, field=field)
 
-    if not _is_int(doc.get("step")) or doc["step"] < 0:
+    if not is_int(doc.get("step")) or doc["step"] < 0:
         raise bad(f"step must be an integer >= 0, got {doc.get('step')!r}", "step")
     sampler = doc.get("sampler")
-    if not isinstance(sampler, dict) or not _is_int(sampler.get("next_step")) or sampler["next_step"] < 0:
+    if not isinstance(sampler, dict) or not is_int(sampler.get("next_step")) or sampler["next_step"] < 0:
         raise bad(f"sampler must hold an integer next_step, got {sampler!r}", "sampler")
     if not isinstance(doc.get("world"), dict) or not isinstance(doc.get("model_id"), str):
         raise bad("world (object) and model_id (string) are required", "world")
@@ -163,7 +162,7 @@ def _check_schema(doc: dict, source: str) -> None:
         if (not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name
                 or name == MANIFEST or Path(name).name != name):
             raise bad(f"file entry {k}: {name!r} is not a file name inside the checkpoint folder", "file")
-        if not _is_int(rec.get("stage")) or not _is_int(rec.get("bytes")) or rec["bytes"] < 0:
+        if not is_int(rec.get("stage")) or not is_int(rec.get("bytes")) or rec["bytes"] < 0:
             raise bad(f"file entry {k}: stage and bytes must be integers", "files")
         sha = rec.get("sha256")
         if not isinstance(sha, str) or len(sha) != 64 or any(c not in "0123456789abcdef" for c in sha):
@@ -247,8 +246,6 @@ def load_stage_file(path: Path, manifest: dict, stage: int, *, model: torch.nn.M
 
 def prune(root: str | Path, keep: int) -> None:
     """Remove all but the newest ``keep`` complete checkpoints (never an incomplete newer one being written)."""
-    import shutil
-
     steps = list_steps(root)
     for step in steps[:-keep] if keep > 0 else []:
         shutil.rmtree(step_dir(root, step), ignore_errors=True)

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 from typing import Literal
 
 from omnibal.errors import InputError
+from omnibal.validate import check_positive_int, is_int
 
 MODES = ("baseline", "omnibal", "online")
 SCHEDULES = ("1f1b", "gpipe")
@@ -120,13 +121,11 @@ class TrainConfig:
                              field="pipeline_schedule")
         if self.device not in ("cpu", "cuda"):
             raise InputError(f"must be 'cpu' or 'cuda', got {self.device!r}", source=src, field="device")
-        if not isinstance(self.num_steps, int) or isinstance(self.num_steps, bool) or self.num_steps < 0:
+        if not is_int(self.num_steps) or self.num_steps < 0:
             raise InputError(f"must be an integer >= 0 (0: the whole epoch), got {self.num_steps!r}", source=src,
                              field="num_steps")
         for name in ("dp_size", "pp_size", "num_microbatches", "baseline_batch_size", "torch_threads", "max_tiles"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise InputError(f"must be a positive integer, got {value!r}", source=src, field=name)
+            check_positive_int(getattr(self, name), name, source=src)
         if self.checkpoint_every < 0:
             raise InputError(f"must be >= 0, got {self.checkpoint_every}", source=src, field="checkpoint_every")
         if not self.timeout_s > 0:

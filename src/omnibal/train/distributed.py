@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime
 import os
 import queue as queue_mod
+import signal as signal_mod
 import socket
 import time
 import traceback
@@ -25,8 +26,11 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
 
 from omnibal.errors import InputError, OmnibalError
+from omnibal.train.heartbeat import Heartbeat
 
 
 class PeerFailure(OmnibalError):
@@ -84,8 +88,6 @@ class World:
 def init_world(*, dp_size: int, pp_size: int, device: str = "cpu", timeout_s: float = 60.0) -> World:
     """Join the process group (env:// rendezvous: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and build
     the ("dp", "pp") mesh. Fails with an InputError when the launched world does not match dp x pp."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
         raise InputError(f"environment lacks {', '.join(missing)}: launch with torchrun or `omnibal train "
@@ -125,7 +127,6 @@ def _start_heartbeat(rank: int, world_size: int, timeout_s: float):
     """This rank's heartbeat (see :mod:`omnibal.train.heartbeat`); None when the store cannot take one."""
     if world_size == 1:
         return None
-    from omnibal.train.heartbeat import Heartbeat
 
     try:
         beat = Heartbeat(rank, world_size, read_timeout_s=min(3.0, max(1.0, timeout_s / 2)))
@@ -180,12 +181,23 @@ def is_comm_error(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(m in text for m in markers)
 
 
+def caused_by_comm_error(exc: BaseException) -> bool:
+    """Whether a backend error is among the causes (``__cause__`` / ``__context__`` chain) of ``exc``."""
+    seen = exc.__cause__ or exc.__context__
+    while seen is not None:
+        if is_comm_error(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 def _first_line(exc: BaseException) -> str:
     lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
     return lines[-1] if lines else type(exc).__name__
 
 
 def free_port() -> int:
+    """A TCP port free right now on localhost (rendezvous of local ranks; the one helper, tests use it too)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -218,8 +230,6 @@ def spawn_local(fn: Callable[..., Any], world_size: int, *, args: tuple = (), de
     faster on few cores); only use it from a parent that has not started a process group or torch worker
     threads.
     """
-    import torch.multiprocessing as mp
-
     ctx = mp.get_context(start_method)
     port = master_port or free_port()
     results: Any = ctx.Queue()
@@ -290,8 +300,6 @@ def _wait(procs, results, reported: dict, deadline: float, grace_s: float) -> tu
 
 def describe_exit(exitcode: int, *, oom_kills: int | None = None) -> str:
     """How a process ended, for a person: the signal's name, and for SIGKILL the out-of-memory killer."""
-    import signal as signal_mod
-
     if exitcode >= 0:
         return f"exited with code {exitcode}"
     try:

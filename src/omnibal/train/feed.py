@@ -22,7 +22,9 @@ from typing import Any, Protocol, Sequence
 
 import numpy as np
 
+from omnibal.data.balance.schedule import Schedule, check_keys
 from omnibal.errors import InputError
+from omnibal.validate import is_int
 
 
 class ScheduleLike(Protocol):
@@ -68,11 +70,10 @@ class IndexSchedule:
         for key in ("dp_size", "num_microbatches", "steps"):
             if key not in doc:
                 raise InputError("missing field", source=source, field=key)
-        from omnibal.data.balance.schedule import check_keys
 
         check_keys(doc, source)
         dp, m = doc["dp_size"], doc["num_microbatches"]
-        if not (_is_int(dp) and dp >= 1 and _is_int(m) and m >= 1):
+        if not (is_int(dp) and dp >= 1 and is_int(m) and m >= 1):
             raise InputError(f"dp_size {dp!r:.40} and num_microbatches {m!r:.40} must be positive integers",
                              source=source, field="dp_size")
         if not isinstance(doc["steps"], list):
@@ -88,7 +89,7 @@ class IndexSchedule:
                                      field="steps")
                 mbs = []
                 for k, mb in enumerate(rank):
-                    if not isinstance(mb, list) or not mb or not all(_is_int(i) and i >= 0 for i in mb):
+                    if not isinstance(mb, list) or not mb or not all(is_int(i) and i >= 0 for i in mb):
                         raise InputError("a micro-batch is a non-empty list of sample indices (integers >= 0)",
                                          source=source, record=f"step {s} rank {r} micro-batch {k}", field="steps")
                     mbs.append(np.asarray(mb, dtype=np.int64) if max(mb) < 2**62 else _too_large(source, s, r, k))
@@ -97,7 +98,7 @@ class IndexSchedule:
         fingerprint, dropped = doc.get("stats_fingerprint", ""), doc.get("dropped", [])
         if not isinstance(fingerprint, str):
             raise InputError("must be a string", source=source, field="stats_fingerprint")
-        if not isinstance(dropped, list) or not all(_is_int(i) and i >= 0 for i in dropped):
+        if not isinstance(dropped, list) or not all(is_int(i) and i >= 0 for i in dropped):
             raise InputError("must be a list of row indices", source=source, field="dropped")
         caps = doc.get("caps")
         return cls(dp, m, tuple(steps), caps if isinstance(caps, dict) else None, source, fingerprint,
@@ -107,9 +108,6 @@ class IndexSchedule:
     def from_json(cls, path: str | Path) -> "IndexSchedule":
         return cls.from_dict(_read_json(path), source=str(path))
 
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _too_large(source: str, s: int, r: int, k: int):
@@ -139,8 +137,6 @@ def load_schedule(path: str | Path) -> ScheduleLike:
     doc = _read_json(path)
     caps = doc.get("caps") if isinstance(doc, dict) else None
     if isinstance(caps, dict) and "tiles" in caps and "tokens" in caps:
-        from omnibal.data.balance.schedule import Schedule
-
         return Schedule.from_dict(doc, source=str(path))
     return IndexSchedule.from_dict(doc, source=str(path))
 

@@ -19,12 +19,12 @@ import os
 import threading
 import time
 
+import torch.distributed as dist
+
 PREFIX = "omnibal/heartbeat"
 
 
 def _client(timeout_s: float):
-    import torch.distributed as dist
-
     return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None, False,
                          datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
 

@@ -220,24 +220,35 @@ class HFChain(nn.Module):
 def from_llava(model: nn.Module, *, name: str = "hf-llava", compute_tail: bool = False) -> HFChain:
     """Wrap a transformers ``LlavaForConditionalGeneration`` (5.x module names) as a layer chain."""
     spec = spec_from_hf_config(model.config, name=name, where=f"{type(model).__name__} config")
-    used = spec.vision.num_layers
-    try:
-        inner = model.model
-        tower, projector, text = inner.vision_tower, inner.multi_modal_projector, inner.language_model
-        vision_layers = tower.encoder.layers
-    except AttributeError as e:
-        raise InputError(f"not a transformers 5.x Llava model ({e})", source=type(model).__name__) from e
+    _, tower, projector, text, vision_layers = _hf_parts(model, "Llava", "layers")
     opts = Options(attn_impl="mask", compute_tail=compute_tail)
     tower_name = "model.vision_tower"
     links: list[tuple[str, nn.Module]] = [("vision.embed", _VisionEmbed(tower.embeddings, tower.pre_layrnorm, opts))]
     names: dict[str, tuple[str, ...]] = {"vision.embed": (f"{tower_name}.embeddings", f"{tower_name}.pre_layrnorm")}
-    for i in range(used):
-        links.append((f"vision.blocks.{i}", _VisionBlock(vision_layers[i], opts, takes_mask=True)))
-        names[f"vision.blocks.{i}"] = (f"{tower_name}.encoder.layers.{i}",)
+    _add_vision_blocks(links, names, vision_layers, "layers", spec.vision.num_layers, opts, takes_mask=True)
     links.append(("projector", _Projector(projector, opts)))
     names["projector"] = ("model.multi_modal_projector",)
     _add_text_links(links, names, model, text, spec.llm.num_layers, opts)
     return HFChain(model, spec, links, names, image_token_id=int(model.config.image_token_id), opts=opts)
+
+
+def _hf_parts(model: nn.Module, family: str, layers_attr: str):
+    """``(model.model, its vision tower, projector, language model, the tower's encoder.<layers_attr>)``, or
+    an InputError naming the model class."""
+    try:
+        inner = model.model
+        tower = inner.vision_tower
+        return (inner, tower, inner.multi_modal_projector, inner.language_model,
+                getattr(tower.encoder, layers_attr))
+    except AttributeError as e:
+        raise InputError(f"not a transformers 5.x {family} model ({e})", source=type(model).__name__) from e
+
+
+def _add_vision_blocks(links, names, layers, layers_attr: str, used: int, opts: Options, *, takes_mask: bool) -> None:
+    """``vision.blocks.{i}`` for the first ``used`` of the tower's ``layers`` (``encoder.<layers_attr>``)."""
+    for i in range(used):
+        links.append((f"vision.blocks.{i}", _VisionBlock(layers[i], opts, takes_mask=takes_mask)))
+        names[f"vision.blocks.{i}"] = (f"model.vision_tower.encoder.{layers_attr}.{i}",)
 
 
 def _add_text_links(links, names, model, text, num_layers: int, opts: Options) -> None:
@@ -261,19 +272,12 @@ def from_internvl(model: nn.Module, *, name: str = "hf-internvl", compute_tail: 
     cfg = model.config
     spec = spec_from_hf_config(cfg, name=name, where=f"{type(model).__name__} config")
     used, num_vision = spec.vision.num_layers, cfg.vision_config.num_hidden_layers
-    try:
-        inner = model.model
-        tower, projector, text = inner.vision_tower, inner.multi_modal_projector, inner.language_model
-        vision_layers = tower.encoder.layer
-    except AttributeError as e:
-        raise InputError(f"not a transformers 5.x InternVL model ({e})", source=type(model).__name__) from e
+    inner, tower, projector, text, vision_layers = _hf_parts(model, "InternVL", "layer")
     opts = Options(attn_impl="mask", compute_tail=compute_tail)
     tower_name = "model.vision_tower"
     links: list[tuple[str, nn.Module]] = [("vision.embed", _VisionEmbed(tower.embeddings, None, opts))]
     names: dict[str, tuple[str, ...]] = {"vision.embed": (f"{tower_name}.embeddings",)}
-    for i in range(used):
-        links.append((f"vision.blocks.{i}", _VisionBlock(vision_layers[i], opts, takes_mask=False)))
-        names[f"vision.blocks.{i}"] = (f"{tower_name}.encoder.layer.{i}",)
+    _add_vision_blocks(links, names, vision_layers, "layer", used, opts, takes_mask=False)
     reads_last = used == num_vision and cfg.vision_feature_layer == -1
     links.append(("projector", _InternVLProjector(tower.layernorm if reads_last else None, projector, inner,
                                                   float(cfg.downsample_ratio), opts)))

@@ -27,8 +27,11 @@ import torch
 from omnibal.cost.hf_spec import load_hf_config
 from omnibal.data.realdata import IMAGE_END_TOKEN, IMAGE_START_TOKEN, RealDataConfig
 from omnibal.errors import InputError
+from omnibal.stats.annotations import compute_stats
+from omnibal.stats.io import load_stats
 from omnibal.stats.tiles import TileConfig
 from omnibal.stats.tokens import make_counter
+from omnibal.train.hf_adapter import from_hf
 
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "chat_template.json", "chat_template.jinja")
 """Files of the input checkpoint copied into every saved model, so its processor loads as before."""
@@ -36,10 +39,9 @@ PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "chat_te
 
 def load_hf_chain(path: str | os.PathLike):
     """The checkpoint in ``path`` (fp32, local files only) wrapped by :func:`omnibal.train.hf_adapter.from_hf`."""
+    # optional dependency (the hf extra), imported where it is used
     from transformers import AutoModelForImageTextToText
     from transformers.utils import logging as hf_logging
-
-    from omnibal.train.hf_adapter import from_hf
 
     load_hf_config(path)  # a clear error for a folder that is not an HF model
     hf_logging.disable_progress_bar()  # one bar per rank per load says nothing
@@ -111,9 +113,6 @@ def real_data_config(cfg, model) -> RealDataConfig:
 def real_stats(cfg, data: RealDataConfig):
     """The run's statistics: ``--stats`` (made by ``omnibal stats`` with the same settings; joined by key and
     checked sample by sample) or computed now from the annotations."""
-    from omnibal.stats.annotations import compute_stats
-    from omnibal.stats.io import load_stats
-
     if cfg.stats_path is not None:
         stats = load_stats(cfg.stats_path)
     else:
@@ -149,6 +148,7 @@ def export_hf(trainer, chain, out_dir: str | os.PathLike, *, tokenizer: str, mod
 
 
 def _save_tokenizer(tokenizer: str, folder: Path) -> None:
+    # optional dependency (the hf extra), imported where it is used
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     p = Path(tokenizer)

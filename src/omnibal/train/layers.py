@@ -11,13 +11,23 @@ the whole buffer instead (a fixed-length trainer's cost).
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from omnibal.cost.spec import ModelSpec
-from omnibal.data.collate import (IGNORE_INDEX, META_IMAGE_INDEX, META_INPUT_IDS, META_LABELS,
-                                  META_POSITION_IDS, META_SEGMENT_IDS, SIZE_TILES, SIZE_TOKENS)
+from omnibal.data.collate import (
+    IGNORE_INDEX,
+    META_IMAGE_INDEX,
+    META_INPUT_IDS,
+    META_LABELS,
+    META_POSITION_IDS,
+    META_SEGMENT_IDS,
+    SIZE_TILES,
+    SIZE_TOKENS,
+)
 
 try:  # optional: varlen attention kernel on CUDA
     from flash_attn import flash_attn_varlen_func  # type: ignore
@@ -264,8 +274,6 @@ def init_parameters(module: nn.Module, seed: int) -> None:
     """Deterministic init: each parameter draws from its own generator seeded by (seed, full name), so a
     stage built from a slice of the model (with the model's parameter names, on any rank, or materialised
     from the meta device) gets exactly the whole model's weights. Matrices N(0, 0.02), norms 1, biases 0."""
-    import hashlib
-
     with torch.no_grad():
         for mod_name, mod in module.named_modules():
             for leaf, p in mod.named_parameters(recurse=False):

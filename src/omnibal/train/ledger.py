@@ -23,6 +23,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
+
 from omnibal.errors import InputError
 
 
@@ -59,7 +61,6 @@ def sample_keys(dataset, rows) -> list[int]:
     """The keys of dataset rows: the dataset's ``key(i)`` (real data) or its statistics' ``keys``."""
     if hasattr(dataset, "key"):
         return [int(dataset.key(int(i))) for i in rows]
-    import numpy as np
 
     return np.asarray(dataset.stats.keys)[np.asarray(rows, np.int64)].tolist()
 

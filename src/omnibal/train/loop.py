@@ -21,7 +21,6 @@ Any backend failure (a peer died, a timeout) becomes a PeerFailure naming this r
 
 from __future__ import annotations
 
-import hashlib
 import sys
 import time
 from typing import Any, Sequence
@@ -32,19 +31,21 @@ import torch.distributed as dist
 
 from omnibal.errors import InputError
 from omnibal.train import checkpoint as ckpt
-from omnibal.train.distributed import World, is_comm_error, peer_failure
+from omnibal.train.distributed import World, caused_by_comm_error, is_comm_error, peer_failure
 from omnibal.train.feed import (Buffer, ScheduleLike, check_schedule, fixed_buffer,  # noqa: F401 (re-exported)
                                 schedule_fingerprint)
 from omnibal.train.metrics_log import (MetricsLog, RankTimes, StepRecord, format_summary, process_memory,
                                        progress_bar, summarize)
+from omnibal.train.online import online_forward_backward
 from omnibal.train.pipeline import GradSync, StageLayout, StageRunner
 
 _COUNT_FIELDS = ("targets", "samples", "tokens", "tiles", "buffer_tokens", "buffer_tiles")
 
 
 def model_identity(spec) -> str:
-    """Name plus a hash of the full spec: checkpoints refuse to load into another architecture."""
-    return f"{spec.name}:{hashlib.sha256(repr(spec).encode()).hexdigest()[:12]}"
+    """Name plus the spec's fingerprint (the one model hash, ``ModelSpec.fingerprint``): checkpoints refuse to
+    load into another architecture."""
+    return f"{spec.name}:{spec.fingerprint()}"
 
 
 class Trainer:
@@ -175,7 +176,6 @@ class Trainer:
             raise InputError(f"the schedule has {self.schedule.num_steps} steps; step {step} was requested",
                              source=getattr(self.schedule, "source", "schedule"), field="steps")
         if self.mode == "online":  # OrchMLLM-style post-balancing with per-modality dispatch (pp = 1)
-            from omnibal.train.online import online_forward_backward
             return online_forward_backward(self)
         times = RankTimes()
         self._t_start = t_start = time.perf_counter()
@@ -202,7 +202,7 @@ class Trainer:
         except InputError:
             raise
         except Exception as exc:
-            if is_comm_error(exc) or _caused_by_comm_error(exc):
+            if is_comm_error(exc) or caused_by_comm_error(exc):
                 raise peer_failure(w, f"step {step}", exc) from exc
             raise
         times.compute_s = result.compute_s
@@ -487,11 +487,3 @@ class Trainer:
                 raise peer_failure(self.world, what, exc) from exc
             raise
 
-
-def _caused_by_comm_error(exc: BaseException) -> bool:
-    seen = exc.__cause__ or exc.__context__
-    while seen is not None:
-        if is_comm_error(seen):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False

@@ -10,12 +10,16 @@ ranks' numbers once per step (outside the timed region) and writes one JSON line
 from __future__ import annotations
 
 import json
+import os
 import resource
 import statistics
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Sequence
+
+import torch
+from tqdm import tqdm
 
 RANK_FIELDS = ("step_s", "compute_s", "wait_s", "dp_sync_s", "optim_s", "data_s", "cpu_s", "mem_bytes",
                "peak_mem_bytes")
@@ -83,22 +87,20 @@ class StepRecord:
         doc = asdict(self)
         doc["samples_per_s"] = self.samples_per_s
         doc["tokens_per_s"] = self.tokens_per_s
+        # no tile pad ratio: the layers compute only the active tiles, which are all real (a tile is never
+        # padded), so it was 0 by construction
         doc["token_pad_ratio"] = 1 - self.tokens / self.buffer_tokens if self.buffer_tokens else 0.0
-        doc["tile_pad_ratio"] = 1 - self.tiles / self.buffer_tiles if self.buffer_tiles else 0.0
         return doc
 
 
 def process_memory(device_type: str = "cpu") -> tuple[float, float]:
     """(current, peak) memory in bytes: RSS for CPU runs, allocated device memory for CUDA."""
     if device_type == "cuda":
-        import torch
-
         return float(torch.cuda.memory_allocated()), float(torch.cuda.max_memory_allocated())
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0  # KiB on Linux
     try:
         with open("/proc/self/statm") as f:
             rss_pages = int(f.read().split()[1])
-        import os
 
         now = rss_pages * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
@@ -163,7 +165,6 @@ def summarize(records: Sequence[StepRecord], *, warmup: int = 1) -> dict:
         "samples_per_s": sum(r.samples for r in use) / total_s if total_s else 0.0,
         "tokens_per_s": sum(r.tokens for r in use) / total_s if total_s else 0.0,
         "token_pad_ratio": 1 - sum(r.tokens for r in use) / max(1, sum(r.buffer_tokens for r in use)),
-        "tile_pad_ratio": 1 - sum(r.tiles for r in use) / max(1, sum(r.buffer_tiles for r in use)),
         "final_loss": use[-1].loss,
         "per_rank": per_rank,
     }
@@ -176,8 +177,8 @@ def format_summary(summary: dict, title: str = "training summary") -> str:
     lines = [f"## {title}", "",
              f"steps {summary['steps']} (+{summary['warmup_steps_excluded']} warm-up), median step "
              f"{summary['median_step_s'] * 1e3:.1f} ms, {summary['samples_per_s']:.2f} samples/s, "
-             f"{summary['tokens_per_s']:.0f} tokens/s (real), pad: tokens {summary['token_pad_ratio']:.1%}, "
-             f"tiles {summary['tile_pad_ratio']:.1%}, final loss {summary['final_loss']:.4f}", "",
+             f"{summary['tokens_per_s']:.0f} tokens/s (real), token pad {summary['token_pad_ratio']:.1%}, "
+             f"final loss {summary['final_loss']:.4f}", "",
              "| rank | dp | pp | step ms | compute ms | pipeline wait ms | dp sync ms | optim ms | data ms | cpu ms "
              "| peak MiB |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -190,7 +191,5 @@ def format_summary(summary: dict, title: str = "training summary") -> str:
 
 def progress_bar(total: int, initial: int, *, quiet: bool, desc: str = "train"):
     """tqdm on stderr; disabled when quiet or stderr is not a terminal."""
-    from tqdm import tqdm
-
     return tqdm(total=total, initial=initial, desc=desc, unit="step", file=sys.stderr,
                 disable=quiet or not sys.stderr.isatty(), dynamic_ncols=True)

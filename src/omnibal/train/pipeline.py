@@ -28,9 +28,11 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from omnibal.cost.spec import even_cuts
 from omnibal.errors import InputError
+from omnibal.plan.plan import Plan
 
 DP_SYNCS = ("flat", "ddp")
 """How gradients are summed over DP: ``flat`` (one all-reduce after the step, so the time a rank waits for
@@ -105,8 +107,6 @@ def load_plan_layout(path: str | Path, layer_names: Sequence[str], *, pp_size: i
     and checked against this run: the plan's model (``inputs.model``), one stage per pipeline stage, and each
     stage's ``modules`` equal to the model's layer names for its range. A key the plan format does not have
     (a misspelt ``recompute``, say) is refused, not ignored."""
-    from omnibal.plan.plan import Plan
-
     src = str(path)
     plan = Plan.load(path)
     raw = json.loads(Path(path).read_bytes())  # Plan.load parsed it: valid JSON
@@ -168,6 +168,7 @@ def resolve_layout(layer_names: Sequence[str], *, pp_size: int, mode: str,
 
 
 def _make_timed_stage_class():
+    # torch's pipelining (tracer, export machinery): only pipeline stages need it
     from torch.distributed.pipelining import PipelineStage
 
     class TimedPipelineStage(PipelineStage):
@@ -179,21 +180,20 @@ def _make_timed_stage_class():
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
 
-        def forward_one_chunk(self, *args, **kwargs):
+        def _timed(self, run, *args, **kwargs):
+            """``run(*args, **kwargs)``, its seconds (device-synchronised) added to ``compute_s``."""
             self._sync()
             t0 = time.perf_counter()
-            out = super().forward_one_chunk(*args, **kwargs)
+            out = run(*args, **kwargs)
             self._sync()
             self.compute_s += time.perf_counter() - t0
             return out
 
+        def forward_one_chunk(self, *args, **kwargs):
+            return self._timed(super().forward_one_chunk, *args, **kwargs)
+
         def backward_one_chunk(self, *args, **kwargs):
-            self._sync()
-            t0 = time.perf_counter()
-            out = super().backward_one_chunk(*args, **kwargs)
-            self._sync()
-            self.compute_s += time.perf_counter() - t0
-            return out
+            return self._timed(super().backward_one_chunk, *args, **kwargs)
 
     return TimedPipelineStage
 
@@ -261,6 +261,7 @@ class StageRunner:
             if self.ddp:
                 self.module = _wrap_ddp(stage_module, dp_group, device)
             return
+        # torch's pipelining (tracer, export machinery): only pipeline stages need it
         from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
         if example_inputs is None or example_outputs is None:
@@ -340,8 +341,6 @@ class StageRunner:
 
 
 def _wrap_ddp(module: nn.Module, dp_group, device: torch.device) -> nn.Module:
-    from torch.nn.parallel import DistributedDataParallel
-
     return DistributedDataParallel(module, process_group=dp_group,
                                    device_ids=[device.index] if device.type == "cuda" else None)
 

@@ -18,6 +18,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from omnibal.data.balance.api import BalanceConfig
+from omnibal.data.balance.cost import BalanceCost
+from omnibal.data.sampler import BalancedBatchSampler
 from omnibal.errors import InputError
 
 
@@ -83,9 +86,6 @@ def balance_record(schedule) -> dict | None:
 
 
 def _config_from_dict(d: dict, source: str):
-    from omnibal.data.balance.api import BalanceConfig
-    from omnibal.data.balance.cost import BalanceCost
-
     try:
         fields = dict(d)
         fields["cost"] = BalanceCost.from_dict(fields["cost"])
@@ -120,8 +120,6 @@ def reshard_schedule(manifest: dict, stats, *, dp_size: int, num_microbatches: i
 
     ``fingerprint`` is :func:`omnibal.train.feed.schedule_fingerprint` (to check the rebuilt old schedule
     is the one the checkpoint was trained on)."""
-    from omnibal.data.sampler import BalancedBatchSampler
-
     sampler = manifest.get("sampler") or {}
     rec = sampler.get("balance")
     if not isinstance(rec, dict):

@@ -11,12 +11,28 @@ Same model, same data, same world for both modes; they differ only in what the m
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import torch
 
+from omnibal.cost.hf_spec import load_hf_spec
+from omnibal.cost.presets import get_model_preset
+from omnibal.data.balance import balance
+from omnibal.data.dataset import SyntheticSampleConfig, SyntheticVLMDataset
+from omnibal.data.realdata import RealDataset
 from omnibal.errors import InputError
+from omnibal.outputs import check_dir, check_file, write_text
+from omnibal.stats.io import load_stats
+from omnibal.stats.table import SampleStats
 from omnibal.train.config import TrainConfig
-from omnibal.train.distributed import World, init_world, local_world
+from omnibal.train.distributed import World, destroy_world, init_world, local_world
+from omnibal.train.feed import check_schedule_covers, load_schedule, random_microbatch_schedule
+from omnibal.train.hf_run import export_hf, load_hf_chain, real_data_config, real_stats
+from omnibal.train.loop import Trainer, fixed_buffer
+from omnibal.train.model import VLM
+from omnibal.train.pipeline import resolve_layout
 
 
 def max_samples_subset(stats, cfg: TrainConfig):
@@ -29,8 +45,6 @@ def max_samples_subset(stats, cfg: TrainConfig):
 
 def _raw_training_stats(cfg: TrainConfig):
     """``--stats`` as the file has it (what ``omnibal balance`` balanced), then the ``--max-samples`` subset."""
-    from omnibal.stats.io import load_stats
-
     if cfg.stats_path is None:
         raise InputError("no statistics given: pass --stats FILE (SampleStats or the OmniBal token-length JSON)",
                          source="--stats")
@@ -38,8 +52,6 @@ def _raw_training_stats(cfg: TrainConfig):
 
 
 def _in_model_units(stats, cfg: TrainConfig, spec):
-    from omnibal.stats.table import SampleStats
-
     tokens = spec.sample_tokens(stats.tiles, stats.tokens, images=stats.images,
                                 source_tokens_per_tile=cfg.stats_tokens_per_tile)
     return SampleStats(tiles=stats.tiles, tokens=tokens.astype(np.int32), images=stats.images, keys=stats.keys,
@@ -55,8 +67,6 @@ def build_schedule(cfg: TrainConfig, stats, stats_fingerprint: str | None = None
     """The run's schedule (the same on every rank: a pure function of the inputs). A ``--schedule`` file must
     have been balanced from these statistics (``stats_fingerprint``: of the rows as the stats file has them;
     default ``stats.fingerprint()``) and schedule each of their rows once."""
-    from omnibal.train.feed import check_schedule_covers, load_schedule, random_microbatch_schedule
-
     if cfg.mode in ("baseline", "online"):  # online: the same local draws, re-dealt every step
         return random_microbatch_schedule(len(stats), dp_size=cfg.dp_size, num_microbatches=cfg.num_microbatches,
                                           batch_size=cfg.baseline_batch_size, seed=cfg.seed)
@@ -66,7 +76,6 @@ def build_schedule(cfg: TrainConfig, stats, stats_fingerprint: str | None = None
                               num_samples=len(stats), source=cfg.schedule_path,
                               stats_source=f"the statistics of this run ({stats.source})")
         return schedule
-    from omnibal.data.balance import balance
 
     return balance(stats, dp_size=cfg.dp_size, num_microbatches=cfg.num_microbatches, seed=cfg.seed)
 
@@ -75,11 +84,7 @@ def build_model(cfg: TrainConfig):
     """The model every rank builds whole (its stage keeps only its layers): the user's HF checkpoint wrapped
     as a layer chain, or the reference VLM of the preset."""
     if cfg.hf_model is not None:
-        from omnibal.train.hf_run import load_hf_chain
-
         return load_hf_chain(cfg.hf_model)
-    from omnibal.cost.presets import get_model_preset
-    from omnibal.train.model import VLM
 
     return VLM(get_model_preset(cfg.model), seed=cfg.seed)
 
@@ -96,9 +101,6 @@ def build_inputs(cfg: TrainConfig, model):
     file made by ``omnibal balance --stats`` records)."""
     spec = model.spec
     if cfg.annotations_path is not None:
-        from omnibal.data.realdata import RealDataset
-        from omnibal.train.hf_run import real_data_config, real_stats
-
         data = real_data_config(cfg, model)
         stats = max_samples_subset(real_stats(cfg, data), cfg)
         dataset = RealDataset(cfg.annotations_path, data, stats=stats)
@@ -107,7 +109,6 @@ def build_inputs(cfg: TrainConfig, model):
                              f"tokens), the model has {spec.llm.vocab_size}", source=str(cfg.tokenizer_path),
                              field="tokenizer")
         return stats, dataset, stats.fingerprint()
-    from omnibal.data.dataset import SyntheticSampleConfig, SyntheticVLMDataset
 
     raw = _raw_training_stats(cfg)
     stats = _in_model_units(raw, cfg, spec)
@@ -117,9 +118,6 @@ def build_inputs(cfg: TrainConfig, model):
 
 
 def build_trainer(cfg: TrainConfig, world: World):
-    from omnibal.train.loop import Trainer, fixed_buffer
-    from omnibal.train.pipeline import resolve_layout
-
     model = build_model(cfg)
     spec = model.spec
     stats, dataset, fingerprint = build_inputs(cfg, model)
@@ -139,10 +137,6 @@ def build_trainer(cfg: TrainConfig, world: World):
                       log_path=cfg.log_path, quiet=cfg.quiet, checkpoint_dir=cfg.checkpoint_dir,
                       checkpoint_every=cfg.checkpoint_every, run_info=info, ledger_path=cfg.ledger_path)
     if cfg.save_dir is not None:
-        from pathlib import Path
-
-        from omnibal.train.hf_run import export_hf
-
         def save(step: int | None) -> None:
             out = Path(cfg.save_dir) if step is None else Path(cfg.save_dir) / f"checkpoint-{step}"
             export_hf(trainer, model, out, tokenizer=cfg.tokenizer_path, model_dir=cfg.hf_model)
@@ -154,11 +148,6 @@ def build_trainer(cfg: TrainConfig, world: World):
 def preflight(cfg: TrainConfig) -> None:
     """Checks that need no process group (model, stage layout, plan, files), run once before ranks are
     started, so a bad argument fails in a second instead of in every rank."""
-    from pathlib import Path
-
-    from omnibal.cost.presets import get_model_preset
-    from omnibal.train.pipeline import resolve_layout
-
     for flag, path in (("--stats", cfg.stats_path), ("--schedule", cfg.schedule_path),
                        ("--annotations", cfg.annotations_path)):
         if path is not None and not Path(path).is_file():
@@ -166,7 +155,6 @@ def preflight(cfg: TrainConfig) -> None:
     for flag, path in (("--image-root", cfg.image_root), ("--tokenizer", cfg.tokenizer_path)):
         if path is not None and not Path(path).exists():
             raise InputError("no such file or folder", source=path, field=flag)
-    from omnibal.outputs import check_dir, check_file
 
     # every output before any work: a bad path fails now, not after training
     for flag, path in (("--metrics-log (--log)", cfg.log_path), ("--summary-json", cfg.summary_path),
@@ -175,8 +163,6 @@ def preflight(cfg: TrainConfig) -> None:
     for flag, path in (("--checkpoint-dir", cfg.checkpoint_dir), ("--save-dir", cfg.save_dir)):
         check_dir(path, flag)
     if cfg.hf_model is not None:
-        from omnibal.cost.hf_spec import load_hf_spec
-
         spec = load_hf_spec(cfg.hf_model)
     else:
         spec = get_model_preset(cfg.model)
@@ -203,17 +189,12 @@ def train_rank(cfg: TrainConfig) -> dict:
     if trainer.on_checkpoint is not None:
         trainer.on_checkpoint(None)  # the final model
     if summary and cfg.summary_path:
-        import json
-
-        from omnibal.outputs import write_text
-
         write_text(cfg.summary_path, json.dumps({"config": cfg.to_dict(), "summary": summary,
                                                       "skipped_checkpoints": trainer.skipped_checkpoints,
                                                       "stage_layers": [list(r) for r in trainer.layout.ranges],
                                                       "recompute": [list(r) for r in trainer.layout.recompute],
                                                       "buffer": None if trainer.buffer is None else
                                                       [trainer.buffer.tiles, trainer.buffer.tokens]}, indent=1))
-    from omnibal.train.distributed import destroy_world
 
     destroy_world()
     return summary

@@ -1,28 +1,25 @@
 """Runs one real layer of the reference model (:mod:`omnibal.train.layers`) on a synthetic micro-batch:
 builds the module and its input carry for a shape, times forward and backward, and measures the bytes
-autograd saves for backward (see :mod:`omnibal.cost.profile` for how the results are used)."""
+autograd saves for backward (:mod:`omnibal.measure.profile` drives it, :mod:`omnibal.cost.profile` fits the
+results)."""
 
 from __future__ import annotations
 
 import statistics
+import time as _time
 from typing import Any, Callable
 
+import torch
+
 from omnibal.cost.spec import ModelSpec
-
-
-def segment_lengths(tokens: int, segment: int) -> list[int]:
-    full, rest = divmod(tokens, segment)
-    return [segment] * full + ([rest] if rest else [])
+from omnibal.data import collate as C
+from omnibal.train import layers as L
 
 
 class LayerRunner:
     """Builds one real layer of a kind and the carry for a shape; times forward/backward."""
 
     def __init__(self, spec: ModelSpec, *, device: str, dtype: str, seed: int = 0) -> None:
-        import torch
-
-        from omnibal.train import layers as L
-
         self.torch = torch
         self.L = L
         self.spec = spec
@@ -50,8 +47,6 @@ class LayerRunner:
         """Inputs of one layer of ``kind`` for a micro-batch of ``tiles`` tiles and LLM attention segments
         of the given ``lengths`` (the packed samples)."""
         torch, spec = self.torch, self.spec
-        from omnibal.data import collate as C
-
         dev, dt = self.device, self.dtype
         gen = torch.Generator().manual_seed(1234)
         v = spec.vision
@@ -105,8 +100,6 @@ class LayerRunner:
         """Forward and backward seconds: median and minimum of the wall clock (CUDA events on a GPU), and on a
         CPU the median and minimum process CPU time (``cpu``, ``cpu_min``: unaffected by other jobs taking the
         cores away)."""
-        import time as _time
-
         torch = self.torch
         for _ in range(warmup):
             self._forward_backward(kind, carry, None)
@@ -120,7 +113,7 @@ class LayerRunner:
             if self.is_cuda:
                 events = []
 
-                def clock():
+                def clock(events=events):
                     ev = torch.cuda.Event(enable_timing=True)
                     ev.record()
                     events.append(ev)

@@ -1,0 +1,48 @@
+"""Tables as text: the one formatter of the package (command output, reports, benchmark results).
+
+Rows are lists of cells, the first row the header. :func:`format_table` lays them out as a fixed-width
+text table (a dashed rule under the header) or as a markdown table; :func:`format_cell` is the default
+rendering of a number.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Sequence
+
+__all__ = ["format_cell", "format_table", "markdown_table", "text_table"]
+
+
+def format_cell(value: Any) -> str:
+    """A float with 4 decimals (none from 100 up), anything else as ``str``."""
+    if isinstance(value, float):
+        return f"{value:.4f}" if abs(value) < 100 else f"{value:.0f}"
+    return str(value)
+
+
+def format_table(rows: Sequence[Sequence[Any]], *, style: Literal["text", "markdown"] = "text",
+                 align: Literal["left", "right"] = "left") -> str:
+    """``rows`` (header first) as a text table (columns two spaces apart, aligned by ``align``, a dashed rule
+    under the header, no trailing spaces) or a markdown table. Cells that are not strings go through
+    :func:`format_cell`."""
+    cells = [[c if isinstance(c, str) else format_cell(c) for c in row] for row in rows]
+    if not cells:
+        return ""
+    if style == "markdown":
+        lines = ["| " + " | ".join(cells[0]) + " |", "|" + " --- |" * len(cells[0])]
+        lines += ["| " + " | ".join(r) + " |" for r in cells[1:]]
+        return "\n".join(lines)
+    widths = [max(len(r[i]) for r in cells) for i in range(len(cells[0]))]
+    pad = str.ljust if align == "left" else str.rjust
+    lines = ["  ".join(pad(c, w) for c, w in zip(r, widths)).rstrip() for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def text_table(rows: Sequence[Sequence[Any]], *, align: Literal["left", "right"] = "left") -> str:
+    """:func:`format_table` as text."""
+    return format_table(rows, style="text", align=align)
+
+
+def markdown_table(rows: Sequence[Sequence[Any]]) -> str:
+    """:func:`format_table` as markdown."""
+    return format_table(rows, style="markdown")

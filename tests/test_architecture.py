@@ -1,0 +1,229 @@
+"""The package's shape, read from its source with ``ast`` (nothing is imported): no import cycle between
+modules, no import from a lower layer into a higher one, no function over 80 lines, no module over 500.
+
+Layers, lowest first (docs/architecture.md); a module may import its own layer (if acyclic) and lower ones:
+errors/outputs/validate/tables -> stats -> cost -> data/sim -> plan/train -> measure/integrations/examples -> cli.
+Every import counts: module level, inside functions, under ``if TYPE_CHECKING``.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+PACKAGE = "omnibal"
+LAYERS = {
+    "errors": 0, "outputs": 0, "validate": 0, "tables": 0,
+    "stats": 1,
+    "cost": 2,
+    "data": 3, "sim": 3,
+    "plan": 4, "train": 4,
+    "measure": 5, "integrations": 5, "examples": 5,
+    "cli": 6, "__main__": 6,  # ``python -m omnibal`` is the command line's entry point
+    "__init__": 1,  # the package root re-exports errors and stats.SampleStats only
+}
+MAX_FUNCTION_LINES = 80
+MAX_MODULE_LINES = 500
+
+# Items owned by other branches of the renovation (issue 21); the integrator empties this at merge.
+KNOWN = {
+    # balancer branch (data/balance): api <-> baselines/isf cycle, long balancing functions
+    "cycle omnibal.data.balance.api omnibal.data.balance.baselines omnibal.data.balance.isf",
+    "function omnibal.data.balance.packer.pack_balanced",
+    "function omnibal.data.balance.caps.choose_caps",
+    # stats/cost-memory branch (cost/analytic.py)
+    "function omnibal.cost.analytic.layer_work",
+    # simulator branch (sim/)
+    "function omnibal.sim.schedule.simulate_pipeline",
+    # CLI branch (cli/*, plan/job.py)
+    "function omnibal.cli.simulate.run",
+    "function omnibal.plan.job.run_plan_job",
+}
+
+
+@dataclass(frozen=True)
+class Module:
+    name: str
+    path: Path
+    is_package: bool
+    tree: ast.Module
+    lines: int
+
+
+def _modules() -> dict[str, Module]:
+    out = {}
+    for path in sorted((SRC / PACKAGE).rglob("*.py")):
+        parts = list(path.relative_to(SRC).with_suffix("").parts)
+        is_package = parts[-1] == "__init__"
+        if is_package:
+            parts = parts[:-1]
+        text = path.read_text()
+        out[".".join(parts)] = Module(".".join(parts), path, is_package, ast.parse(text, str(path)),
+                                      len(text.splitlines()))
+    return out
+
+
+MODULES = _modules()
+
+
+def _resolve(name: str) -> str | None:
+    """The module of ``name`` (a module, or an attribute of one): its longest prefix that is a module."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _imports(mod: Module) -> set[str]:
+    """omnibal modules ``mod`` imports, anywhere in it."""
+    package = mod.name if mod.is_package else mod.name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(mod.tree):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            # ``from pkg import sub`` imports the submodule; ``from mod import name`` the module
+            found.update(f"{target}.{a.name}" if f"{target}.{a.name}" in MODULES else target for a in node.names)
+    resolved = {_resolve(t) for t in found if t == PACKAGE or t.startswith(PACKAGE + ".")}
+    return {t for t in resolved if t and t != mod.name}
+
+
+GRAPH = {name: _imports(mod) for name, mod in MODULES.items()}
+
+
+def _layer(name: str) -> int:
+    parts = name.split(".")
+    key = parts[1] if len(parts) > 1 else "__init__"
+    assert key in LAYERS, f"{name}: a new top-level part of the package needs a layer in LAYERS and the docs"
+    return LAYERS[key]
+
+
+def _cycles() -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out = []
+    counter = 0
+    for root in sorted(GRAPH):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(GRAPH[root])))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(GRAPH[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    top = stack.pop()
+                    on_stack.discard(top)
+                    component.append(top)
+                    if top == node:
+                        break
+                if len(component) > 1:
+                    out.append(sorted(component))
+    return out
+
+
+def _unexpected(found: list[str]) -> list[str]:
+    return [item for item in found if item not in KNOWN]
+
+
+def test_no_import_cycles():
+    cycles = ["cycle " + " ".join(c) for c in _cycles()]
+    assert not _unexpected(cycles), "\n".join(_unexpected(cycles))
+
+
+def test_no_upward_imports():
+    bad = [f"{a} imports {b} (layer {_layer(a)} -> {_layer(b)})" for a in sorted(GRAPH) for b in sorted(GRAPH[a])
+           if _layer(b) > _layer(a)]
+    assert not bad, "lower layers must not import higher ones:\n" + "\n".join(bad)
+
+
+def test_functions_and_modules_are_short():
+    found = []
+    for mod in MODULES.values():
+        if mod.lines > MAX_MODULE_LINES:
+            found.append(f"module {mod.name}")
+        for node in ast.walk(mod.tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    found.append(f"function {mod.name}.{node.name}")
+    assert not _unexpected(found), (f"over {MAX_FUNCTION_LINES} lines per function / {MAX_MODULE_LINES} per "
+                                    "module:\n" + "\n".join(_unexpected(found)))
+
+
+def test_known_items_still_exist():
+    """An item fixed elsewhere leaves KNOWN (so the list only shrinks)."""
+    present = {"cycle " + " ".join(c) for c in _cycles()}
+    for mod in MODULES.values():
+        present |= {f"function {mod.name}.{n.name}" for n in ast.walk(mod.tree)
+                    if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+                    and n.end_lineno - n.lineno + 1 > MAX_FUNCTION_LINES}
+    assert KNOWN <= present, f"fixed, remove from KNOWN: {sorted(KNOWN - present)}"
+
+
+def test_the_checker_sees_what_it_should():
+    """The graph is not empty, and imports inside functions and relative imports are followed."""
+    assert GRAPH["omnibal.measure.runner"] >= {"omnibal.train.layers", "omnibal.data.collate"}
+    assert "omnibal.cli" in GRAPH["omnibal.__main__"]
+    tree = ast.parse("def f():\n    from . import table\n")
+    probe = Module("omnibal.stats.probe", SRC / "x.py", False, tree, 2)
+    assert _imports(probe) == {"omnibal.stats.table"}
+
+
+# Benchmarks the integrator converts at merge (they still import each other / find ../shared their own way).
+KNOWN_BENCHMARKS = {"bench_balance", "bench_plan_default", "bench_plan_variants", "bench_sim_validation",
+                    "bench_cost_validation"}
+BENCH = SRC.parent / "benchmarks"
+BENCH_HELPERS = {"common", "cpu_runs", "trainer_runs", "sim_links"}
+
+
+def test_benchmarks_import_helpers_only():
+    """A benchmark imports omnibal, third-party packages and the benchmarks' helper modules, never another
+    benchmark or the tests' helpers, and does not edit ``sys.path`` (it runs as ``python -m benchmarks.X``)."""
+    local = {p.stem for p in BENCH.glob("*.py")} | {p.stem for p in (SRC.parent / "tests").glob("*.py")}
+    bad = []
+    for path in sorted(BENCH.glob("*.py")):
+        if path.stem in KNOWN_BENCHMARKS:
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            for name in names:
+                parts = name.split(".")
+                if parts[0] in local or (parts[0] == "benchmarks" and len(parts) > 1
+                                         and parts[1] not in BENCH_HELPERS and parts[1] in local):
+                    bad.append(f"{path.name}:{node.lineno} imports {name}")
+            if isinstance(node, ast.Attribute) and ast.unparse(node) == "sys.path":
+                bad.append(f"{path.name}:{node.lineno} edits sys.path")
+    assert not bad, "\n".join(bad)
