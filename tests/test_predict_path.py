@@ -133,3 +133,31 @@ def test_plan_refuses_internvl_stats_for_llava(tmp_path):
                            balance_samples=None, memory_budget_gib=1e5)
     with pytest.raises(InputError, match="LLaVA single image"):
         run_plan_job(config)
+
+
+EXAMPLES = ROOT / "src" / "omnibal" / "examples"
+
+
+def test_stats_cli_makes_llava_stats_one_tile_per_image_and_records_it(tmp_path):
+    llava_out, internvl_out = tmp_path / "llava.jsonl", tmp_path / "internvl.jsonl"
+    base = [str(EXAMPLES / "annotations.jsonl"), "--quiet", "--workers", "1"]
+    with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+        assert main(["stats", *base, "--convention", "llava", "--out", str(llava_out)]) == 0
+        assert main(["stats", *base, "--out", str(internvl_out)]) == 0
+    llava, internvl = load_stats(llava_out), load_stats(internvl_out)
+    assert llava.convention == LLAVA_CONVENTION and internvl.convention == INTERNVL_CONVENTION
+    assert (llava.tiles[llava.images > 0] == llava.images[llava.images > 0]).all()
+    assert internvl.tiles.max() > 1  # the examples hold large images: InternVL cuts them into several tiles
+
+
+def test_balance_cli_takes_the_model_cost_and_refuses_a_convention_mismatch(tmp_path):
+    stats = save_stats(_internvl_stats(400), tmp_path / "s.jsonl")
+    err = io.StringIO()
+    common = ["balance", "--stats", str(stats), "--dp-size", "2", "--num-microbatches", "2", "--quiet"]
+    with contextlib.redirect_stderr(err):
+        assert main([*common, "--model", "llava-1.5-7b"]) == 2
+    assert "LLaVA single image" in err.getvalue()
+    out = tmp_path / "sched.json"
+    assert main([*common, "--model", "llava-1.5-7b", "--convert-stats", "--out", str(out)]) == 0
+    if TINY_PROFILE.is_file():
+        assert main([*common, "--model", "tiny", "--profile", str(TINY_PROFILE), "--hardware", "cpu"]) == 0

@@ -43,6 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = parser.add_argument_group("data")
     d.add_argument("--stats", default=None, metavar="FILE",
                    help="per-sample statistics (omnibal stats); default: synthetic InternVL-like mixture")
+    d.add_argument("--convert-stats", action="store_true", help="convert --stats made in another image convention "
+                   "(InternVL tiles / LLaVA single image) to the model's instead of refusing them")
     d.add_argument("--samples", type=int, default=1_200_000, help="size of the synthetic mixture")
     d.add_argument("--balance-samples", default="200000", metavar="N",
                    help="balance a uniform random subset of N samples and scale the epoch to the whole "
@@ -101,7 +103,7 @@ def job_config(args: argparse.Namespace):
         profile_path=args.profile, balance_method=args.balance_method, padding=args.padding,
         baseline_partition=args.baseline_partition, schedule=args.schedule,
         search=SearchConfig(radius=args.radius, top_k=args.top_k, sample_steps=args.search_steps, seed=args.seed),
-        engine=args.engine)
+        engine=args.engine, convert_stats=args.convert_stats)
 
 
 def run(args: argparse.Namespace) -> int:
