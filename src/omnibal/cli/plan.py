@@ -60,6 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--baseline-partition", default="even", choices=("even", "vision-first"),
                    help="the baseline's layer split")
     s.add_argument("--seed", type=int, default=0, help="seed of data, shuffles and step sample")
+    s.add_argument("--verify", type=int, default=0, metavar="K", help="measure the top K candidates (partition x "
+                   "recompute) in the reference trainer and choose by measurement (tiny / CPU profile, or CUDA)")
+    s.add_argument("--verify-steps", type=int, default=3, metavar="N", help="timed steps per --verify candidate")
     o = parser.add_argument_group("output")
     o.add_argument("--out", default="omnibal-out", metavar="DIR", help="folder for plan.json, report.md and PNGs")
     o.add_argument("--no-timelines", action="store_true", help="skip the per-row pipeline timeline PNGs")
@@ -121,7 +124,13 @@ def run(args: argparse.Namespace) -> int:
     print(f"omnibal plan: {inp.hf_model or inp.preset} on {inp.dp_size * inp.pp_size * inp.tp_size} x {inp.hardware} "
           f"(DP {inp.dp_size} x PP {inp.pp_size} x TP {inp.tp_size}, ZeRO-{inp.zero_stage}, "
           f"{inp.num_microbatches} micro-batches per step, engine {inp.engine})", flush=True)
+    if args.verify:  # fail in a second, not after planning
+        from omnibal.measure.verify import check_verifiable, resolve_device
+
+        check_verifiable(config, device=resolve_device("auto", config.dp_size * config.pp_size))
     result = run_plan_job(config, progress=progress)
+    if args.verify:
+        result = _verified(args, config, result)
     plan = result.plan
     t_report = time.perf_counter()
     bar = None
@@ -175,6 +184,23 @@ def run(args: argparse.Namespace) -> int:
     print(f"\nwrote {files['plan']}, {files['report']} and {sum(1 for k in files if k.startswith('png:'))} "
           f"PNGs into {args.out}/ ({time.perf_counter() - t0:.1f} s)")
     return 0
+
+
+def _verified(args, config, result):
+    """``--verify K``: the result with the plan chosen by measuring its top K candidates; prints and writes
+    (OUT/verify.md) predicted vs measured per candidate; the plan JSON holds them under search.verify."""
+    from dataclasses import replace
+
+    from omnibal.measure.verify import VerifyConfig, verify_markdown, verify_plan
+
+    say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if not args.quiet else None
+    plan, measured = verify_plan(result, VerifyConfig(top_k=args.verify, steps=args.verify_steps), config,
+                                 progress=say)
+    table = verify_markdown(measured, plan.search["verify"]["chosen"])
+    print(f"Verified candidates ({args.verify_steps} timed steps each on {plan.search['verify']['device']}):\n{table}")
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "verify.md").write_text("# omnibal plan --verify\n\n" + table)
+    return replace(result, plan=plan)
 
 
 def write_engine_exports(plan, out_dir: Path) -> tuple[dict, dict]:

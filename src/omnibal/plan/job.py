@@ -145,6 +145,10 @@ class PlanJobResult:
     """Full dataset samples / balanced samples (1.0 unless ``balance_samples`` subsampled)."""
     row_step_times: dict
     """Row name -> ``[S]`` simulated step times of its epoch."""
+    balanced_schedule: object = None
+    """The planned job's balanced ``Schedule`` (``omnibal plan --verify`` runs its first steps)."""
+    stats: object = None
+    """The ``SampleStats`` it balanced, in the model's units (the subset when ``balance_samples`` subsampled)."""
 
 
 class _Phases:
@@ -402,7 +406,8 @@ def run_plan_job(config: PlanJobConfig, *, progress: bool = False, stats=None,
     return PlanJobResult(plan=plan, ablation=rows, balance_metrics=_jsonable(metrics), timings=phases.timings,
                          table=table, sim_config=sim_config, features=features, row_plans=row_plans,
                          scored=scored, epoch_scale=epoch_scale,
-                         row_step_times={k: v.step_time for k, v in row_results.items()})
+                         row_step_times={k: v.step_time for k, v in row_results.items()},
+                         balanced_schedule=bal_sched, stats=stats)
 
 
 def replace_padding(schedule, padding: str):

@@ -1,0 +1,1 @@
+"""Everything that runs models to measure them: sits above train."""
