@@ -161,3 +161,9 @@ def test_balance_cli_takes_the_model_cost_and_refuses_a_convention_mismatch(tmp_
     assert main([*common, "--model", "llava-1.5-7b", "--convert-stats", "--out", str(out)]) == 0
     if TINY_PROFILE.is_file():
         assert main([*common, "--model", "tiny", "--profile", str(TINY_PROFILE), "--hardware", "cpu"]) == 0
+
+
+def test_internvl_stats_with_one_tile_per_image_fit_a_llava_model_without_a_flag():
+    single = SampleStats.from_arrays(tiles=[1, 1, 1], tokens=[900, 40, 1000], images=[1, 0, 1], source="single")
+    out = model_stats(single, get_model_preset("llava-1.5-7b"))
+    assert out.tiles.tolist() == [1, 1, 1] and out.tokens.tolist() == [900 - 256 + 576, 40, 1000 - 256 + 576]

@@ -6,7 +6,6 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 from omnibal.errors import InputError
@@ -151,9 +150,7 @@ def _from_annotations(args: argparse.Namespace):
     from omnibal.stats.tiles import TileConfig
     from omnibal.stats.tokens import TokenConfig
 
-    from omnibal.stats.table import ImageConvention
-
-    layout = _annotation_convention(args)
+    _annotation_convention(args)
     workers = args.workers or _available_cores()
     if workers < 1:
         raise InputError(f"must be >= 0, got {args.workers}", source="--workers")
@@ -175,22 +172,19 @@ def _from_annotations(args: argparse.Namespace):
     )  # fmt: skip
     if args.image_root and not Path(args.image_root).is_dir():
         raise InputError("not a folder", source="--image-root")
-    stats, report = compute_stats(args.annotations, config)
-    convention = ImageConvention(layout, config.tokens.tokens_per_tile)
-    return replace(stats, convention=convention), report
+    return compute_stats(args.annotations, config)  # records the convention (stats.annotations)
 
 
-def _annotation_convention(args: argparse.Namespace) -> str:
-    """The layout of ``--convention``; ``llava`` sets the tile options to one image, one tile (in ``args``)."""
+def _annotation_convention(args: argparse.Namespace) -> None:
+    """``--convention``: ``llava`` sets the tile options to one image, one tile; tokens per tile (in ``args``)."""
     from omnibal.stats.table import ImageConvention
 
     if not args.convention:
-        return "internvl"
+        return
     conv = ImageConvention.parse(args.convention, source="--convention")
     if conv.layout == "llava":
         args.min_tiles, args.max_tiles, args.tile_size, args.no_thumbnail = 1, 1, 336, True
     args.tokens_per_tile = conv.tokens_per_tile
-    return conv.layout
 
 
 def _available_cores() -> int:

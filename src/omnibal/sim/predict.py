@@ -8,7 +8,8 @@ tokens of each tile for the model, ``plan`` took the statistics' 256 tokens per 
 
 Image conventions: a model expects the statistics in its own convention (:func:`model_convention`: LLaVA
 models - a projector without a LayerNorm - one image per tile, others InternVL tiles). Statistics recorded
-in the same layout are re-counted for the model's tokens per tile (exact); another layout is an
+in the same layout, or InternVL statistics with one tile per image for a LLaVA model, are re-counted for the model's
+tokens per tile (exact); another layout is an
 InputError naming both unless ``convert=True`` (``--convert-stats``) asks for
 :func:`omnibal.stats.table.convert_convention`. Statistics with no recorded convention are read as
 InternVL-1.5's (448 px tiles, 256 tokens), and :func:`model_stats` says so in the table's ``source``.
@@ -25,7 +26,13 @@ from omnibal.cost.spec import ModelSpec
 from omnibal.cost.table import LayerCostTable
 from omnibal.data.balance.cost import BalanceCost
 from omnibal.errors import InputError
-from omnibal.stats.table import INTERNVL_CONVENTION, ImageConvention, SampleStats, convert_convention
+from omnibal.stats.table import (
+    INTERNVL_CONVENTION,
+    ImageConvention,
+    SampleStats,
+    convert_convention,
+    one_tile_per_image,
+)
 
 
 def model_convention(spec: ModelSpec) -> ImageConvention:
@@ -48,7 +55,8 @@ def model_stats(stats: SampleStats, spec: ModelSpec, *, convert: bool = False,
         return stats
     if recorded is None and source == target:  # the default reading is already the model's convention
         return replace(stats, convention=target)
-    if source.layout != target.layout and not convert:
+    exact = source.layout == "internvl" and one_tile_per_image(stats)  # InternVL -> LLaVA changes no tile
+    if source.layout != target.layout and not convert and not exact:
         said = source.describe() if recorded is not None else (
             f"no recorded convention, read as {INTERNVL_CONVENTION.describe()}")
         raise InputError(f"statistics are {said}; model {spec.name} expects {target.describe()}: make the "

@@ -276,13 +276,21 @@ def tokens_for_model(tiles, tokens, images, *, tokens_per_tile: int, source_toke
     return text + int(tokens_per_tile) * image_tiles
 
 
+def one_tile_per_image(stats: SampleStats) -> bool:
+    """Whether every image is exactly one tile and text-only rows have at most a dummy tile: InternVL statistics
+    like that count the tiles LLaVA's single images would."""
+    image = stats.images > 0
+    return bool((stats.tiles[image] == stats.images[image]).all() and (stats.tiles[~image] <= 1).all())
+
+
 def convert_convention(stats: SampleStats, target: ImageConvention) -> SampleStats:
     """``stats`` re-expressed in ``target``'s convention (a table without one is read as InternVL-1.5's).
 
     Same layout: each image row's tiles contribute ``target.tokens_per_tile`` tokens instead (exact).
     InternVL -> LLaVA: each image becomes one tile of ``target.tokens_per_tile`` tokens, the text part is kept,
-    and a text-only row keeps its dummy tile (at most one). LLaVA -> InternVL cannot be done from counts (the
-    tile grid needs the image sizes): InputError, make the statistics again from the annotations."""
+    and a text-only row keeps its dummy tile (at most one); exact when every image was one tile
+    (:func:`one_tile_per_image`). LLaVA -> InternVL cannot be done from counts (the tile grid needs the image
+    sizes): InputError, make the statistics again from the annotations."""
     source = stats.convention or INTERNVL_CONVENTION
     if source == target and stats.convention is not None:
         return stats
