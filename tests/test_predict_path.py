@@ -15,6 +15,7 @@ from omnibal.cli import main
 from omnibal.cost.presets import get_model_preset, preset_names
 from omnibal.errors import InputError
 from omnibal.plan.job import PlanJobConfig, run_plan_job
+from omnibal.plan.plan import Plan
 from omnibal.plan.search import SearchConfig
 from omnibal.sim.predict import model_convention, model_stats
 from omnibal.stats.io import load_stats, save_stats
@@ -167,3 +168,13 @@ def test_internvl_stats_with_one_tile_per_image_fit_a_llava_model_without_a_flag
     single = SampleStats.from_arrays(tiles=[1, 1, 1], tokens=[900, 40, 1000], images=[1, 0, 1], source="single")
     out = model_stats(single, get_model_preset("llava-1.5-7b"))
     assert out.tiles.tolist() == [1, 1, 1] and out.tokens.tolist() == [900 - 256 + 576, 40, 1000 - 256 + 576]
+
+
+def test_plan_records_how_the_stats_convention_was_read(tmp_path):
+    path = save_stats(_internvl_stats(400), tmp_path / "s.jsonl")
+    config = PlanJobConfig(preset="tiny", dp_size=2, pp_size=2, num_microbatches=2, stats_path=str(path),
+                           balance_samples=None, memory_budget_gib=1e5, search=SearchConfig(radius=1, top_k=2,
+                                                                                              sample_steps=8))
+    plan = run_plan_job(config).plan
+    assert plan.inputs.stats_convention == "internvl/256 (not recorded: default) -> internvl/16"
+    assert Plan.load(plan.save(tmp_path / "p.json")).inputs.stats_convention == plan.inputs.stats_convention

@@ -161,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
     if result.epoch_scale != 1.0:
         note = (f"; balanced a uniform random subset of {plan.data.settings['balanced_samples']:,} and scaled the "
                 f"epoch x{result.epoch_scale:.2f} (--balance-samples all: every sample)")
-    print(f"data: {p.stats_source}, {p.num_samples:,} samples{note}")
+    print(f"data: {p.stats_source}, {p.num_samples:,} samples{note}; images: {p.stats_convention}")
     print(f"memory budget: {p.memory_budget_bytes / 2**30:.1f} GiB per device\n")
     if result.ablation[0].paper_gpu_days is not None:
         print("Ablation (predicted by omnibal's simulator; paper: OmniBal's measured 6B+20B on Megatron-DeepSpeed, "

@@ -186,17 +186,19 @@ class _Phases:
 
 def _stats(config: PlanJobConfig, spec):
     """The statistics in the model's units (``omnibal.sim.predict.model_stats``, as ``omnibal simulate``)."""
-    from omnibal.sim.predict import model_stats
+    from omnibal.sim.predict import convention_label, model_stats
 
     if config.stats_path is not None:
         from omnibal.stats.io import load_stats
 
-        stats = model_stats(load_stats(config.stats_path), spec, convert=config.convert_stats)
-        return stats, str(config.stats_path)
+        raw = load_stats(config.stats_path)
+        stats = model_stats(raw, spec, convert=config.convert_stats)
+        return stats, str(config.stats_path), convention_label(raw, spec)
     from omnibal.stats.synthetic import synthetic_internvl_mixture
 
-    stats = model_stats(synthetic_internvl_mixture(config.num_samples, config.seed), spec, convert=True)
-    return stats, stats.source
+    raw = synthetic_internvl_mixture(config.num_samples, config.seed)
+    stats = model_stats(raw, spec, convert=True)
+    return stats, stats.source, convention_label(raw, spec)
 
 
 def _check_static_memory(table, config: PlanJobConfig, budget: float | None) -> None:
@@ -245,7 +247,7 @@ def run_plan_job(config: PlanJobConfig, *, progress: bool = False, stats=None,
     from omnibal.data.metrics import schedule_metrics
     from omnibal.sim.costs import config_for_hardware
     from omnibal.sim.epoch import score_plan, simulate_epoch
-    from omnibal.sim.predict import balance_cost, cost_table, model_stats
+    from omnibal.sim.predict import balance_cost, convention_label, cost_table, model_stats
 
     config.validate()
     phases = _Phases(progress, {"model": 1, "stats": 2, "balance": 8, "plan": 3, "search": 3, "ablation": 5})
@@ -271,16 +273,17 @@ def run_plan_job(config: PlanJobConfig, *, progress: bool = False, stats=None,
 
         phases.start("stats", "statistics")
         if stats is not None:
+            convention = convention_label(stats, spec)
             stats = model_stats(stats, spec, convert=config.convert_stats)
             stats_source = stats.source
         else:
             key = ("stats", config.stats_path, config.num_samples, config.seed, spec.name, config.convert_stats)
             if cache is not None and key in cache:
-                stats, stats_source = cache[key]
+                stats, stats_source, convention = cache[key]
             else:
-                stats, stats_source = _stats(config, spec)
+                stats, stats_source, convention = _stats(config, spec)
                 if cache is not None:
-                    cache[key] = (stats, stats_source)
+                    cache[key] = (stats, stats_source, convention)
         full_samples = len(stats)
         if config.balance_samples is not None and config.balance_samples < full_samples:
             rows = np.sort(np.random.default_rng(config.seed).choice(full_samples, config.balance_samples,
@@ -385,7 +388,7 @@ def run_plan_job(config: PlanJobConfig, *, progress: bool = False, stats=None,
             pp_size=config.pp_size, tp_size=config.tp_size, zero_stage=config.zero_stage,
             num_microbatches=config.num_microbatches, memory_budget_bytes=budget, stats_source=stats_source,
             stats_fingerprint=stats.fingerprint(), num_samples=full_samples, profile=config.profile_path,
-            omnibal_version=__version__),
+            omnibal_version=__version__, stats_convention=convention),
         data=DataPlan(method=bal_sched.method, settings={"caps": bal_sched.caps.to_dict(), "padding": padding_bal,
                                                          "config": bal_config.to_dict(),
                                                          "balanced_samples": len(stats)},

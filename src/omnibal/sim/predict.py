@@ -102,3 +102,11 @@ def schedule_features(schedule, stats: SampleStats, *, padding: str, p2p_padding
     if pp_size > 1 and p2p_padding is not None and p2p_padding != padding:
         return features, schedule.features(stats, padding=p2p_padding)
     return features, None
+
+
+def convention_label(raw: SampleStats, spec: ModelSpec) -> str:
+    """How ``raw``'s convention was read and what ``spec`` runs, for reports: ``internvl/256 (not recorded:
+    default) -> internvl/16``."""
+    read = str(raw.convention) if raw.convention is not None else f"{INTERNVL_CONVENTION} (not recorded: default)"
+    target = model_convention(spec)
+    return read if raw.convention == target else f"{read} -> {target}"
