@@ -125,8 +125,11 @@ def run(args: argparse.Namespace) -> int:
           f"(DP {inp.dp_size} x PP {inp.pp_size} x TP {inp.tp_size}, ZeRO-{inp.zero_stage}, "
           f"{inp.num_microbatches} micro-batches per step, engine {inp.engine})", flush=True)
     if args.verify:  # fail in a second, not after planning
+        from omnibal.errors import InputError
         from omnibal.measure.verify import check_verifiable, resolve_device
 
+        if args.verify < 1 or args.verify_steps < 1:
+            raise InputError("--verify and --verify-steps must be >= 1", source="--verify", field="verify")
         check_verifiable(config, device=resolve_device("auto", config.dp_size * config.pp_size))
     result = run_plan_job(config, progress=progress)
     if args.verify:
