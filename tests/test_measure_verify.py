@@ -56,7 +56,8 @@ def test_verify_measures_top_k_candidates_and_chooses_the_fastest(tmp_path):
     assert len(top_candidates(result.scored, 2)) == 2
     plan, measured = verify_plan(result, VerifyConfig(top_k=2, steps=1, device="cpu"), config)
     assert len(measured) == 2 and all(m.measured_step_s > 0 and m.predicted_step_s > 0 for m in measured)
-    fastest = min(range(2), key=lambda i: measured[i].measured_step_s)
+    fastest = min(range(2), key=lambda i: measured[i].normalised_step_s)
+    assert all(m.slowdown >= 1.0 for m in measured)
     assert list(plan.parts) == list(measured[fastest].parts)
     back = Plan.load(plan.save(tmp_path / "plan.json"))
     verify = back.search["verify"]

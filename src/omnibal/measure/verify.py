@@ -57,14 +57,27 @@ class CandidateMeasurement:
     """The simulator's mean step over exactly the measured steps."""
     measured_step_s: float
     """The trainer's mean wall-clock step over the timed steps."""
+    slowdown: float = 1.0
+    """The ranks' busy wall time (compute + optimizer + data) over their own CPU time: > 1 when other jobs held
+    the cores (CPU runs; 1.0 on CUDA, where the host's CPU time says nothing about the device)."""
+
+    @property
+    def normalised_step_s(self) -> float:
+        """The measured step divided by :attr:`slowdown` (what the step takes with the cores to itself)."""
+        return self.measured_step_s / self.slowdown
 
     @property
     def error(self) -> float:
         return self.predicted_step_s / self.measured_step_s - 1.0
 
+    @property
+    def error_normalised(self) -> float:
+        return self.predicted_step_s / self.normalised_step_s - 1.0
+
     def to_dict(self) -> dict:
         return {**asdict(self), "parts": list(self.parts), "recompute": [list(r) for r in self.recompute],
-                "error": self.error}
+                "error": self.error, "normalised_step_s": self.normalised_step_s,
+                "error_normalised": self.error_normalised}
 
 
 def check_verifiable(config, *, device: str = "cpu") -> None:
@@ -142,8 +155,9 @@ def _train_config(result, cand_parts, rec_sets, files: dict, steps: int, device:
                        timeout_s=min(timeout_s, 300.0), quiet=True)
 
 
-def measure_candidate(cfg, *, timeout_s: float) -> float:
-    """Mean wall-clock step of one trainer run (``train_rank`` on ``cfg.world_size`` local processes)."""
+def measure_candidate(cfg, *, timeout_s: float) -> tuple[float, float]:
+    """``(mean wall-clock step, slowdown)`` of one trainer run (``train_rank`` on ``cfg.world_size`` local
+    processes); the slowdown (see :class:`CandidateMeasurement`) is 1.0 on CUDA."""
     from omnibal.train.distributed import spawn_local
     from omnibal.train.run import train_rank
 
@@ -154,7 +168,12 @@ def measure_candidate(cfg, *, timeout_s: float) -> float:
     if errors:
         raise InputError("a candidate's trainer run failed: " + "; ".join(str(e) for e in errors)[:2000],
                          source="--verify", field="verify")
-    return float(results[0].value["mean_step_s"])
+    summary = results[0].value
+    ranks = summary["per_rank"]
+    busy = sum(r["compute_s"] + r["optim_s"] + r["data_s"] for r in ranks)
+    cpu = sum(r["cpu_s"] for r in ranks)
+    slowdown = max(1.0, busy / cpu) if cfg.device == "cpu" and cpu > 0 else 1.0
+    return float(summary["mean_step_s"]), float(slowdown)
 
 
 def verify_plan(result, config: VerifyConfig, job_config, *, progress=None):
@@ -186,14 +205,16 @@ def verify_plan(result, config: VerifyConfig, job_config, *, progress=None):
             if progress is not None:
                 progress(f"verify {n + 1}/{len(candidates)}: parts {list(parts)}, {int(mask.sum())} recomputed")
             cfg = _train_config(result, parts, rec, files, config.steps, device, config.timeout_s)
+            wall, slowdown = measure_candidate(cfg, timeout_s=config.timeout_s)
             measured.append(CandidateMeasurement(
                 parts=parts, recompute=rec, search_step_s=float(cand.sim_step_time),
-                predicted_step_s=predicted_steps(result, parts, mask, config.steps + 1),
-                measured_step_s=measure_candidate(cfg, timeout_s=config.timeout_s)))
-    best = int(np.argmin([m.measured_step_s for m in measured]))
+                predicted_step_s=predicted_steps(result, parts, mask, config.steps + 1), measured_step_s=wall,
+                slowdown=slowdown))
+    # on a shared CPU the wall clock carries the other jobs' load: choose by the CPU-normalised step there
+    best = int(np.argmin([m.normalised_step_s for m in measured]))
     chosen = _plan_for(result, candidates[best])
     verify = {"device": device, "steps": config.steps, "warmup_steps": 1, "torch_threads": 1,
-              "load_average": list(os.getloadavg()), "chosen": best,
+              "load_average": list(os.getloadavg()), "chosen": best, "chosen_by": "normalised_step_s",
               "simulator_choice": 0, "candidates": [m.to_dict() for m in measured]}
     return replace(chosen, search={**chosen.search, "verify": verify}), measured
 
@@ -219,14 +240,16 @@ def _plan_for(result, candidate):
 
 def verify_markdown(measured: list[CandidateMeasurement], chosen: int) -> str:
     """Predicted vs measured per candidate, as a markdown table."""
-    lines = ["| # | cut points | recomputed layers | search score s | predicted s/step | measured s/step | error | |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| # | cut points | recomputed layers | search score s | predicted s/step | measured wall s/step | error | "
+             "slowdown | CPU-normalised s/step | error | |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for n, m in enumerate(measured):
         mark = "chosen (fastest measured)" if n == chosen else ""
         lines.append(f"| {n + 1} | {list(m.parts)} | {sum(len(r) for r in m.recompute)} | {m.search_step_s:.4g} | "
-                     f"{m.predicted_step_s:.4g} | {m.measured_step_s:.4g} | {m.error:+.1%} | {mark} |")
+                     f"{m.predicted_step_s:.4g} | {m.measured_step_s:.4g} | {m.error:+.1%} | {m.slowdown:.2f} | "
+                     f"{m.normalised_step_s:.4g} | {m.error_normalised:+.1%} | {mark} |")
     pred_order = list(np.argsort([m.predicted_step_s for m in measured]))
-    meas_order = list(np.argsort([m.measured_step_s for m in measured]))
-    lines += ["", f"Simulator's order {[int(i) + 1 for i in pred_order]}, measured order "
-                  f"{[int(i) + 1 for i in meas_order]}; the plan takes candidate {chosen + 1}."]
+    meas_order = list(np.argsort([m.normalised_step_s for m in measured]))
+    lines += ["", f"Simulator's order {[int(i) + 1 for i in pred_order]}, measured (CPU-normalised) order "
+                  f"{[int(i) + 1 for i in meas_order]}; the plan takes candidate {chosen + 1}. Slowdown: the ranks' "
+                  "busy wall time over their own CPU time (> 1: other jobs held the cores; 1 on CUDA)."]
     return "\n".join(lines) + "\n"
