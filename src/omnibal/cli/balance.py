@@ -34,6 +34,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-json", help="write the metrics as JSON here")
     parser.add_argument("--plot", help="PNG of per-rank vision and LLM load per step")
     parser.add_argument("--quiet", action="store_true", help="no table on stdout")
+    m = parser.add_argument_group("cost model (as omnibal plan's)")
+    m.add_argument("--model", help="model preset: balance by its cost on --hardware (or --profile), stats in its units")
+    m.add_argument("--hardware", default="a100-80g", help="hardware preset of --model's analytic cost")
+    m.add_argument("--profile", metavar="FILE", help="measured layer profile (omnibal profile) of --model")
+    m.add_argument("--convert-stats", action="store_true", help="convert stats of another image convention to --model's")
 
 
 def _load(path: str | None, synthetic_samples: int):
@@ -44,6 +49,25 @@ def _load(path: str | None, synthetic_samples: int):
     from omnibal.stats.io import load_stats
 
     return load_stats(path)
+
+
+def _model_cost(args: argparse.Namespace, stats):
+    """``(balancer cost, stats)``: with --model, the cost ``omnibal plan`` balances by (``omnibal.sim.predict``)
+    and the stats in the model's units; without it the default cost and the stats as given."""
+    from omnibal.data.balance.cost import DEFAULT_COST
+    from omnibal.errors import InputError
+
+    if args.model is None:
+        if args.profile:
+            raise InputError("a profile describes one model: pass --model too", source="--profile", field="profile")
+        return DEFAULT_COST, stats
+    from omnibal.cost.presets import get_model_preset
+    from omnibal.measure.hardware import hardware_by_name
+    from omnibal.sim.predict import balance_cost, cost_table, model_stats
+
+    spec, hardware = get_model_preset(args.model), hardware_by_name(args.hardware)
+    stats = model_stats(stats, spec, convert=args.convert_stats or args.stats is None)
+    return balance_cost(cost_table(spec, hardware, profile_path=args.profile), spec, hardware, args.profile), stats
 
 
 def plot_loads(schedule, stats, path: str, cost=None) -> None:
@@ -80,7 +104,8 @@ def run(args: argparse.Namespace) -> int:
     check_file(args.metrics_json, "--metrics-json")
     check_image(args.plot, "--plot")  # before any work: a bad path never fails after another output is written
     stats = _load(args.stats, args.synthetic_samples)
-    config = BalanceConfig(method=args.method, target_samples=args.target_samples, max_tiles=args.max_tiles,
+    cost, stats = _model_cost(args, stats)
+    config = BalanceConfig(cost=cost, method=args.method, target_samples=args.target_samples, max_tiles=args.max_tiles,
                            max_tokens=args.max_tokens, oversize=args.oversize, batch_size=args.batch_size,
                            progress=sys.stderr.isatty() and not args.quiet)
     t0 = time.perf_counter()

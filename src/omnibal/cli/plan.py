@@ -43,6 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = parser.add_argument_group("data")
     d.add_argument("--stats", default=None, metavar="FILE",
                    help="per-sample statistics (omnibal stats); default: synthetic InternVL-like mixture")
+    d.add_argument("--convert-stats", action="store_true", help="convert --stats made in another image convention "
+                   "(InternVL tiles / LLaVA single image) to the model's instead of refusing them")
     d.add_argument("--samples", type=int, default=1_200_000, help="size of the synthetic mixture")
     d.add_argument("--balance-samples", default="200000", metavar="N",
                    help="balance a uniform random subset of N samples and scale the epoch to the whole "
@@ -58,6 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--baseline-partition", default="even", choices=("even", "vision-first"),
                    help="the baseline's layer split")
     s.add_argument("--seed", type=int, default=0, help="seed of data, shuffles and step sample")
+    s.add_argument("--verify", type=int, default=0, metavar="K", help="measure the top K candidates (partition x "
+                   "recompute) in the reference trainer and choose by measurement (tiny / CPU profile, or CUDA)")
+    s.add_argument("--verify-steps", type=int, default=3, metavar="N", help="timed steps per --verify candidate")
     o = parser.add_argument_group("output")
     o.add_argument("--out", default="omnibal-out", metavar="DIR", help="folder for plan.json, report.md and PNGs")
     o.add_argument("--no-timelines", action="store_true", help="skip the per-row pipeline timeline PNGs")
@@ -101,7 +106,7 @@ def job_config(args: argparse.Namespace):
         profile_path=args.profile, balance_method=args.balance_method, padding=args.padding,
         baseline_partition=args.baseline_partition, schedule=args.schedule,
         search=SearchConfig(radius=args.radius, top_k=args.top_k, sample_steps=args.search_steps, seed=args.seed),
-        engine=args.engine)
+        engine=args.engine, convert_stats=args.convert_stats)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -119,7 +124,16 @@ def run(args: argparse.Namespace) -> int:
     print(f"omnibal plan: {inp.hf_model or inp.preset} on {inp.dp_size * inp.pp_size * inp.tp_size} x {inp.hardware} "
           f"(DP {inp.dp_size} x PP {inp.pp_size} x TP {inp.tp_size}, ZeRO-{inp.zero_stage}, "
           f"{inp.num_microbatches} micro-batches per step, engine {inp.engine})", flush=True)
+    if args.verify:  # fail in a second, not after planning
+        from omnibal.errors import InputError
+        from omnibal.measure.verify import check_verifiable, resolve_device
+
+        if args.verify < 1 or args.verify_steps < 1:
+            raise InputError("--verify and --verify-steps must be >= 1", source="--verify", field="verify")
+        check_verifiable(config, device=resolve_device("auto", config.dp_size * config.pp_size))
     result = run_plan_job(config, progress=progress)
+    if args.verify:
+        result = _verified(args, config, result)
     plan = result.plan
     t_report = time.perf_counter()
     bar = None
@@ -150,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
     if result.epoch_scale != 1.0:
         note = (f"; balanced a uniform random subset of {plan.data.settings['balanced_samples']:,} and scaled the "
                 f"epoch x{result.epoch_scale:.2f} (--balance-samples all: every sample)")
-    print(f"data: {p.stats_source}, {p.num_samples:,} samples{note}")
+    print(f"data: {p.stats_source}, {p.num_samples:,} samples{note}; images: {p.stats_convention}")
     print(f"memory budget: {p.memory_budget_bytes / 2**30:.1f} GiB per device\n")
     if result.ablation[0].paper_gpu_days is not None:
         print("Ablation (predicted by omnibal's simulator; paper: OmniBal's measured 6B+20B on Megatron-DeepSpeed, "
@@ -173,6 +187,23 @@ def run(args: argparse.Namespace) -> int:
     print(f"\nwrote {files['plan']}, {files['report']} and {sum(1 for k in files if k.startswith('png:'))} "
           f"PNGs into {args.out}/ ({time.perf_counter() - t0:.1f} s)")
     return 0
+
+
+def _verified(args, config, result):
+    """``--verify K``: the result with the plan chosen by measuring its top K candidates; prints and writes
+    (OUT/verify.md) predicted vs measured per candidate; the plan JSON holds them under search.verify."""
+    from dataclasses import replace
+
+    from omnibal.measure.verify import VerifyConfig, verify_markdown, verify_plan
+
+    say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if not args.quiet else None
+    plan, measured = verify_plan(result, VerifyConfig(top_k=args.verify, steps=args.verify_steps), config,
+                                 progress=say)
+    table = verify_markdown(measured, plan.search["verify"]["chosen"])
+    print(f"Verified candidates ({args.verify_steps} timed steps each on {plan.search['verify']['device']}):\n{table}")
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "verify.md").write_text("# omnibal plan --verify\n\n" + table)
+    return replace(result, plan=plan)
 
 
 def write_engine_exports(plan, out_dir: Path) -> tuple[dict, dict]:

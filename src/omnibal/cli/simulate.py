@@ -52,6 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    "InternVL-1.2M-like mixture)")
     g.add_argument("--samples", type=int, default=None, help="synthetic mixture size (default 1,200,000); "
                    "with --stats: replicate the rows up to this many")
+    g.add_argument("--convert-stats", action="store_true", help="convert --stats made in another image convention "
+                   "(InternVL tiles / LLaVA single image) to the model's instead of refusing them")
     g.add_argument("--schedule-file", default=None, help="a balanced schedule JSON (omnibal balance) "
                    "instead of balancing here")
     g.add_argument("--balance", choices=BALANCE_METHODS, default="omnibal", help="balancer method")
@@ -160,8 +162,8 @@ def _resolve_cluster(args, plan) -> dict:
 
 
 def _stats(args, spec):
-    """The stats the balancer sees, with LLM tokens as this model counts them."""
-    from omnibal.stats.table import SampleStats
+    """The stats the balancer sees, in the model's units (``omnibal.sim.predict.model_stats``, as ``plan``)."""
+    from omnibal.sim.predict import model_stats
 
     if args.stats:
         from omnibal.stats.io import load_stats
@@ -169,20 +171,16 @@ def _stats(args, spec):
         stats = load_stats(args.stats)
         if args.samples is not None:
             stats = stats.replicate(_positive("samples", args.samples))
-    else:
-        from omnibal.stats.synthetic import synthetic_internvl_mixture
+        return model_stats(stats, spec, convert=args.convert_stats)
+    from omnibal.stats.synthetic import synthetic_internvl_mixture
 
-        stats = synthetic_internvl_mixture(_positive("samples", args.samples or 1_200_000), seed=args.seed)
-    # a text-only row's dummy tile runs through the encoder but has no image tokens to re-count
-    tokens = spec.sample_tokens(stats.tiles, stats.tokens, images=stats.images)
-    if (tokens != stats.tokens).any():
-        stats = SampleStats(tiles=stats.tiles, tokens=tokens, images=stats.images, keys=stats.keys,
-                            source=f"{stats.source} (tokens for {spec.name})")
-    return stats
+    stats = synthetic_internvl_mixture(_positive("samples", args.samples or 1_200_000), seed=args.seed)
+    return model_stats(stats, spec, convert=True)  # the stand-in mixture is InternVL-tiled: any model's units
 
 
-def _schedule(args, stats, table, cluster):
-    from omnibal.data.balance import BalanceConfig, BalanceCost, Schedule, balance
+def _schedule(args, stats, table, cluster, spec, hardware):
+    from omnibal.data.balance import BalanceConfig, Schedule, balance
+    from omnibal.sim.predict import balance_cost
 
     if args.schedule_file:
         sched = Schedule.from_json(args.schedule_file)
@@ -192,9 +190,20 @@ def _schedule(args, stats, table, cluster):
                              source=args.schedule_file, field="dp_size")
         return sched
     config = BalanceConfig(method=args.balance, batch_size=args.batch_size,
-                           cost=BalanceCost.from_cost_table(table))
+                           cost=balance_cost(table, spec, hardware, args.profile))
     return balance(stats, dp_size=cluster["dp"], num_microbatches=cluster["microbatches"], seed=args.seed,
                    epoch=args.epoch, config=config)
+
+
+def _paddings(args, sched, plan) -> tuple[str, str | None]:
+    """``(compute padding, p2p padding)``. ``auto``: with a plan, the padding ``omnibal plan`` scored it with
+    (so both predict the same step); else the schedule's own for compute and, with pp > 1, the fixed buffer
+    (the caps) for p2p, as the reference trainer sends one buffer shape between stages."""
+    if args.padding != "auto":
+        return args.padding, None
+    if plan is not None and sched.method != "random" and "padding" in plan.data.settings:
+        return str(plan.data.settings["padding"]), None
+    return sched.padding, "fixed_buffer"
 
 
 def _online_vs_offline(args: argparse.Namespace) -> int:
@@ -211,11 +220,11 @@ def _online_vs_offline(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from omnibal.cost.analytic import analytic_cost_table
     from omnibal.cost.presets import get_model_preset
     from omnibal.measure.hardware import hardware_by_name
     from omnibal.sim.costs import config_for_hardware
     from omnibal.sim.epoch import simulate_epoch, simulate_one_step
+    from omnibal.sim.predict import cost_table, schedule_features
     from omnibal.sim.report import format_text_table, stage_table, totals_rows, write_report
 
     if args.online_vs_offline:
@@ -228,12 +237,7 @@ def run(args: argparse.Namespace) -> int:
     cluster = _resolve_cluster(args, plan)
     spec = get_model_preset(cluster["model"])
     hardware = hardware_by_name(cluster["hardware"])
-    if args.profile:
-        from omnibal.cost.profile import cost_table_from_profile, load_profile
-
-        table = cost_table_from_profile(spec, load_profile(args.profile, spec), tp_size=cluster["tp"])
-    else:
-        table = analytic_cost_table(spec, hardware, tp_size=cluster["tp"], dtype=args.dtype)
+    table = cost_table(spec, hardware, profile_path=args.profile, tp_size=cluster["tp"], dtype=args.dtype)
     if cluster["pp"] > table.num_layers:
         raise InputError(f"{cluster['pp']} stages for {table.num_layers} layers", source="--pp", field="pp")
 
@@ -267,14 +271,11 @@ def run(args: argparse.Namespace) -> int:
     stats = _stats(args, spec)
     _say(args, f"balancing {len(stats):,} samples ({args.balance if not args.schedule_file else args.schedule_file})"
                f" for dp {cluster['dp']} x {cluster['microbatches']} micro-batches ...")
-    sched = _schedule(args, stats, table, cluster)
-    padding = sched.padding if args.padding == "auto" else args.padding
-    features = sched.features(stats, padding=padding)
-    buffer = None
-    if args.padding == "auto" and cluster["pp"] > 1:
-        # a pipeline sends one fixed buffer shape (the caps) between stages; compute skips the padding
-        buffer = sched.features(stats, padding="fixed_buffer")
-        padding += " (p2p: fixed buffer)"
+    sched = _schedule(args, stats, table, cluster, spec, hardware)
+    padding, p2p = _paddings(args, sched, plan)
+    features, buffer = schedule_features(sched, stats, padding=padding, p2p_padding=p2p, pp_size=cluster["pp"])
+    if buffer is not None:
+        padding += f" (p2p: {p2p})"
     _say(args, f"simulating {features.shape[0]} steps x {cluster['dp']} ranks x {cluster['microbatches']} "
                f"micro-batches x {cluster['pp']} stages ...")
     result = simulate_epoch(table, cuts, rec, features, config, buffer_features=buffer,

@@ -52,6 +52,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ann.add_argument("--split-max-tiles", action="store_true", help="multi-image samples: max-tiles // images per image (InternVL2)")
     ann.add_argument("--ignore-exif", action="store_true", help="do not swap sides for EXIF orientations 5-8")
     ann.add_argument("--allow-outside-root", action="store_true", help="accept image paths leading outside the image root (../, absolute, symlinks)")
+    ann.add_argument("--convention", metavar="LAYOUT[/N]", help="image convention the stats are made in and record: "
+                     "internvl[/tokens per tile] (dynamic tiles, the default) or llava[/N] (one 336 px image = one tile "
+                     "of 576 tokens: sets --max-tiles 1 --tile-size 336 --tokens-per-tile 576, no thumbnail); with "
+                     "--convert: convert the input to it")
     ann.add_argument("--workers", type=int, default=0, help="worker processes (default 0: one per available core)")
     ann.add_argument("--chunk-size", type=int, default=256, help="records per worker task (default 256)")
 
@@ -124,6 +128,10 @@ def run(args: argparse.Namespace) -> int:
         if not args.quiet:
             print(report.summary().splitlines()[0], file=sys.stderr)
 
+    if args.convention and mode in ("--convert", "--synthetic"):
+        from omnibal.stats.table import ImageConvention, convert_convention
+
+        stats = convert_convention(stats, ImageConvention.parse(args.convention, source="--convention"))
     if args.out:
         written = save_stats(stats, args.out, format=args.format)
         print(f"wrote {len(stats):,} rows to {written}", file=sys.stderr)
@@ -142,6 +150,7 @@ def _from_annotations(args: argparse.Namespace):
     from omnibal.stats.tiles import TileConfig
     from omnibal.stats.tokens import TokenConfig
 
+    _annotation_convention(args)
     workers = args.workers or _available_cores()
     if workers < 1:
         raise InputError(f"must be >= 0, got {args.workers}", source="--workers")
@@ -163,7 +172,19 @@ def _from_annotations(args: argparse.Namespace):
     )  # fmt: skip
     if args.image_root and not Path(args.image_root).is_dir():
         raise InputError("not a folder", source="--image-root")
-    return compute_stats(args.annotations, config)
+    return compute_stats(args.annotations, config)  # records the convention (stats.annotations)
+
+
+def _annotation_convention(args: argparse.Namespace) -> None:
+    """``--convention``: ``llava`` sets the tile options to one image, one tile; tokens per tile (in ``args``)."""
+    from omnibal.stats.table import ImageConvention
+
+    if not args.convention:
+        return
+    conv = ImageConvention.parse(args.convention, source="--convention")
+    if conv.layout == "llava":
+        args.min_tiles, args.max_tiles, args.tile_size, args.no_thumbnail = 1, 1, 336, True
+    args.tokens_per_tile = conv.tokens_per_tile
 
 
 def _available_cores() -> int:

@@ -83,6 +83,10 @@ class PlanJobConfig:
     """Pipeline schedule the simulator runs."""
     search: SearchConfig = field(default_factory=SearchConfig)
     """Neighbour search around the exact optimum."""
+    convert_stats: bool = False
+    """Convert statistics made in another image convention (InternVL tiles vs LLaVA single image) to the
+    model's (``--convert-stats``); without it such statistics are an InputError naming both
+    (``omnibal.sim.predict.model_stats``). The synthetic InternVL-like mixture is always converted."""
     engine: str = "omnibal"
     """Engine the plan is for (``omnibal.plan.engines``): its constraints are inputs to the planner, and the
     ablation gets one row per constraint (and one with all of them: the plan)."""
@@ -141,6 +145,10 @@ class PlanJobResult:
     """Full dataset samples / balanced samples (1.0 unless ``balance_samples`` subsampled)."""
     row_step_times: dict
     """Row name -> ``[S]`` simulated step times of its epoch."""
+    balanced_schedule: object = None
+    """The planned job's balanced ``Schedule`` (``omnibal plan --verify`` runs its first steps)."""
+    stats: object = None
+    """The ``SampleStats`` it balanced, in the model's units (the subset when ``balance_samples`` subsampled)."""
 
 
 class _Phases:
@@ -176,28 +184,21 @@ class _Phases:
             self.bar.close()
 
 
-def _cost_table(config: PlanJobConfig, spec, hw):
-    if config.profile_path is None:
-        from omnibal.cost.analytic import analytic_cost_table
+def _stats(config: PlanJobConfig, spec):
+    """The statistics in the model's units (``omnibal.sim.predict.model_stats``, as ``omnibal simulate``)."""
+    from omnibal.sim.predict import convention_label, model_stats
 
-        # InternViT-6B's 25 heads do not divide by TP > 1: replicate the vision encoder in that case
-        tp_vision = spec.vision.num_heads % config.tp_size == 0 and spec.vision.mlp_hidden % config.tp_size == 0
-        return analytic_cost_table(spec, hw, tp_size=config.tp_size, tp_vision=tp_vision)
-    from omnibal.cost.profile import cost_table_from_profile, load_profile
-
-    profile = load_profile(config.profile_path, spec)
-    return cost_table_from_profile(spec, profile, hardware=hw, tp_size=config.tp_size)
-
-
-def _stats(config: PlanJobConfig):
     if config.stats_path is not None:
         from omnibal.stats.io import load_stats
 
-        return load_stats(config.stats_path), str(config.stats_path)
+        raw = load_stats(config.stats_path)
+        stats = model_stats(raw, spec, convert=config.convert_stats)
+        return stats, str(config.stats_path), convention_label(raw, spec)
     from omnibal.stats.synthetic import synthetic_internvl_mixture
 
-    stats = synthetic_internvl_mixture(config.num_samples, config.seed)
-    return stats, stats.source
+    raw = synthetic_internvl_mixture(config.num_samples, config.seed)
+    stats = model_stats(raw, spec, convert=True)
+    return stats, stats.source, convention_label(raw, spec)
 
 
 def _check_static_memory(table, config: PlanJobConfig, budget: float | None) -> None:
@@ -243,10 +244,10 @@ def run_plan_job(config: PlanJobConfig, *, progress: bool = False, stats=None,
     from omnibal.cost.hardware import get_hardware
     from omnibal.cost.presets import get_model_preset
     from omnibal.data.balance.api import BalanceConfig, balance
-    from omnibal.data.balance.cost import BalanceCost
     from omnibal.data.metrics import schedule_metrics
     from omnibal.sim.costs import config_for_hardware
     from omnibal.sim.epoch import score_plan, simulate_epoch
+    from omnibal.sim.predict import balance_cost, convention_label, cost_table, model_stats
 
     config.validate()
     phases = _Phases(progress, {"model": 1, "stats": 2, "balance": 8, "plan": 3, "search": 3, "ablation": 5})
@@ -259,7 +260,7 @@ def run_plan_job(config: PlanJobConfig, *, progress: bool = False, stats=None,
         else:
             spec = get_model_preset(config.preset)
         hw = get_hardware(config.hardware)
-        table = _cost_table(config, spec, hw)
+        table = cost_table(spec, hw, profile_path=config.profile_path, tp_size=config.tp_size)
         check_num_stages(config.pp_size, table.num_layers)
         fraction = None if config.memory_budget_gib is not None else 0.95
         sim_config = config_for_hardware(hw, dp_size=config.dp_size, pp_size=config.pp_size, tp_size=config.tp_size,
@@ -272,15 +273,17 @@ def run_plan_job(config: PlanJobConfig, *, progress: bool = False, stats=None,
 
         phases.start("stats", "statistics")
         if stats is not None:
+            convention = convention_label(stats, spec)
+            stats = model_stats(stats, spec, convert=config.convert_stats)
             stats_source = stats.source
         else:
-            key = ("stats", config.stats_path, config.num_samples, config.seed)
+            key = ("stats", config.stats_path, config.num_samples, config.seed, spec.name, config.convert_stats)
             if cache is not None and key in cache:
-                stats, stats_source = cache[key]
+                stats, stats_source, convention = cache[key]
             else:
-                stats, stats_source = _stats(config)
+                stats, stats_source, convention = _stats(config, spec)
                 if cache is not None:
-                    cache[key] = (stats, stats_source)
+                    cache[key] = (stats, stats_source, convention)
         full_samples = len(stats)
         if config.balance_samples is not None and config.balance_samples < full_samples:
             rows = np.sort(np.random.default_rng(config.seed).choice(full_samples, config.balance_samples,
@@ -289,7 +292,7 @@ def run_plan_job(config: PlanJobConfig, *, progress: bool = False, stats=None,
         epoch_scale = full_samples / len(stats)
 
         phases.start("balance", "balancing (baseline and omnibal)")
-        cost = BalanceCost.from_cost_table(table, name=f"analytic:{spec.name}@{hw.name}")
+        cost = balance_cost(table, spec, hw, config.profile_path)
 
         def balanced(bconfig):
             key = ("balance", stats.fingerprint(), config.dp_size, config.num_microbatches, config.seed,
@@ -385,7 +388,7 @@ def run_plan_job(config: PlanJobConfig, *, progress: bool = False, stats=None,
             pp_size=config.pp_size, tp_size=config.tp_size, zero_stage=config.zero_stage,
             num_microbatches=config.num_microbatches, memory_budget_bytes=budget, stats_source=stats_source,
             stats_fingerprint=stats.fingerprint(), num_samples=full_samples, profile=config.profile_path,
-            omnibal_version=__version__),
+            omnibal_version=__version__, stats_convention=convention),
         data=DataPlan(method=bal_sched.method, settings={"caps": bal_sched.caps.to_dict(), "padding": padding_bal,
                                                          "config": bal_config.to_dict(),
                                                          "balanced_samples": len(stats)},
@@ -406,7 +409,8 @@ def run_plan_job(config: PlanJobConfig, *, progress: bool = False, stats=None,
     return PlanJobResult(plan=plan, ablation=rows, balance_metrics=_jsonable(metrics), timings=phases.timings,
                          table=table, sim_config=sim_config, features=features, row_plans=row_plans,
                          scored=scored, epoch_scale=epoch_scale,
-                         row_step_times={k: v.step_time for k, v in row_results.items()})
+                         row_step_times={k: v.step_time for k, v in row_results.items()},
+                         balanced_schedule=bal_sched, stats=stats)
 
 
 def replace_padding(schedule, padding: str):

@@ -32,7 +32,7 @@ import multiprocessing
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -40,7 +40,7 @@ from tqdm import tqdm
 
 from omnibal.errors import InputError
 from omnibal.stats.records import IMAGE_PLACEHOLDER, RecordError, check_inside, parse_json_line, parse_record
-from omnibal.stats.table import SampleStats, index_keys
+from omnibal.stats.table import ImageConvention, SampleStats, index_keys
 from omnibal.stats.tiles import TileConfig, count_tiles, image_size
 from omnibal.stats.tokens import ESTIMATE, TokenConfig, make_counter
 
@@ -142,6 +142,14 @@ class AnnotationReport:
 
 
 # --------------------------------------------------------------------------------------------- driver
+def annotation_convention(config: AnnotationConfig) -> ImageConvention:
+    """The image convention statistics made with ``config`` are in: one tile per image with the thumbnail off
+    is LLaVA's single image (``omnibal stats --convention llava``, the HF Llava adapter), anything else
+    InternVL's tiles; tokens per tile as configured."""
+    single = config.tiles.max_tiles == 1 and not config.tiles.use_thumbnail and not config.split_max_tiles
+    return ImageConvention("llava" if single else "internvl", config.tokens.tokens_per_tile)
+
+
 def compute_stats(paths, config: AnnotationConfig = AnnotationConfig()) -> tuple[SampleStats, AnnotationReport]:
     """Statistics of every record of ``paths`` (one file or several, rows in file order)."""
     paths = [Path(paths)] if isinstance(paths, (str, os.PathLike)) else [Path(p) for p in paths]
@@ -185,6 +193,7 @@ def compute_stats(paths, config: AnnotationConfig = AnnotationConfig()) -> tuple
         first = errors[0][1] if errors else None
         raise InputError(f"no valid records ({len(errors)} skipped; first: {first})", source=str(paths[0]))
     stats = SampleStats.concat([p for p in parts if len(p)], source="+".join(str(p) for p in paths))
+    stats = replace(stats, convention=annotation_convention(config))
     report = AnnotationReport(
         sources=tuple(str(p) for p in paths), num_records=num_records, num_loaded=len(stats),
         num_skipped=len(errors), errors=tuple(e for _, e in errors[:MAX_REPORTED_ERRORS]),

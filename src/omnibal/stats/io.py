@@ -8,6 +8,13 @@ Formats (``format=`` names; auto-detected from the extension, and for ``.json`` 
 ``token-lengths``  the public OmniBal token-length format: a JSON list of
                    ``{"vit_num": int, "token_num": int, "image_flags": int}`` with no sample ids.
 
+Image convention (:class:`~omnibal.stats.table.ImageConvention`, InternVL tiles or LLaVA single image): a
+JSONL file carries it in a first header line ``{"omnibal_stats": {"convention": "llava/576"}}``, a parquet
+file in its schema metadata (``omnibal.convention``). Files without it (written before it existed, JSON
+lists, the public token-length files) load with ``convention=None``, which the prediction path reads as
+InternVL-1.5's (and says so); ``save_stats`` refuses to write a non-default convention into a format that
+cannot record it.
+
 ``key`` is optional: a string id is turned into a stable 64-bit key with :func:`hash_key`; a record
 without one gets ``index_keys(<file name>, n)[i]`` (its index in the file), so keys survive skipping.
 
@@ -30,6 +37,7 @@ parsing lives in :mod:`omnibal.stats.json_records`; range checks, parquet and wr
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import warnings
@@ -50,7 +58,15 @@ from omnibal.stats.json_records import (
     jsonl_fast,
     jsonl_records,
 )
-from omnibal.stats.table import MAX_IMAGES, MAX_TILES, MAX_TOKENS, SampleStats, index_keys
+from omnibal.stats.table import (
+    INTERNVL_CONVENTION,
+    MAX_IMAGES,
+    MAX_TILES,
+    MAX_TOKENS,
+    ImageConvention,
+    SampleStats,
+    index_keys,
+)
 
 FORMATS = ("jsonl", "json", "parquet", "token-lengths")
 ON_ERROR = ("raise", "skip")
@@ -86,6 +102,11 @@ class LoadReport:
         if self.num_skipped > len(self.errors):
             lines.append(f"  ... and {self.num_skipped - len(self.errors)} more")
         return "\n".join(lines)
+
+
+HEADER_KEY = "omnibal_stats"
+"""Key of a JSONL file's header line (its only key): ``{"omnibal_stats": {"convention": ...}}``."""
+PARQUET_CONVENTION = b"omnibal.convention"
 
 
 _LIMITS = {"tiles": (0, MAX_TILES), "tokens": (1, MAX_TOKENS), "images": (0, MAX_IMAGES)}
@@ -130,18 +151,44 @@ def read_stats(
         raise InputError(f"unknown format {fmt!r}; one of {FORMATS}", source="format")
     if not Path(path).is_file():
         raise InputError("no such file", source=source)
+    convention = None
     if fmt == "parquet":
-        cols = _read_parquet(source)
+        cols, convention = _read_parquet(source)
     else:
         data = Path(path).read_bytes()
         if not data.strip():
             raise InputError("empty file: no records", source=source)
         if fmt == "jsonl":
-            cols = (is_utf8(data) and jsonl_fast(data, source)) or jsonl_records(data, source, on_error)
+            convention, data, body = _jsonl_header(data, source)
+            fast = is_utf8(body) and jsonl_fast(body, source)
+            if fast and len(body) != len(data):  # the header line is not a record: record i is on line i + 2
+                fast.locate = lambda i: f"line {i + 2}"
+            cols = fast or jsonl_records(data, source, on_error)
         else:
             schema = TOKEN_LENGTHS if fmt == "token-lengths" else OMNIBAL
             cols = json_records(decode_utf8(data, source), source, schema, on_error)
-    return _finish(cols, source, fmt, on_error)
+    stats, report = _finish(cols, source, fmt, on_error)
+    if convention is not None:
+        stats = SampleStats(tiles=stats.tiles, tokens=stats.tokens, images=stats.images, keys=stats.keys,
+                            source=stats.source, convention=convention)
+    return stats, report
+
+
+def _jsonl_header(data: bytes, source: str) -> tuple[ImageConvention | None, bytes, bytes]:
+    """``(convention, data, body)``: a header line's convention; ``data`` with that line blanked (line
+    numbers stay exact for the line-by-line reader); ``body`` without it (for the fast reader)."""
+    if not data.lstrip().startswith(b'{"' + HEADER_KEY.encode()):
+        return None, data, data
+    end = data.find(b"\n")
+    end = len(data) if end < 0 else end
+    try:
+        header = json.loads(data[:end].decode("utf-8"))[HEADER_KEY]
+        convention = ImageConvention.parse(header["convention"], source=source)
+    except (ValueError, KeyError, TypeError) as exc:
+        if isinstance(exc, InputError):
+            raise
+        raise InputError(f"bad header line: {exc}", source=source, record="line 1", field=HEADER_KEY) from None
+    return convention, b" " * end + data[end:], data[end + 1:]
 
 
 def output_format(path: str | os.PathLike, format: str | None = None) -> str:
@@ -157,6 +204,9 @@ def save_stats(stats: SampleStats, path: str | os.PathLike, *, format: str | Non
     """Write ``stats`` (atomically: a temporary file renamed into place). Returns the path written."""
     p = Path(path)
     fmt = output_format(p, format)
+    if fmt in ("json", "token-lengths") and stats.convention not in (None, INTERNVL_CONVENTION):
+        raise InputError(f"the {fmt} format cannot record the statistics' image convention ({stats.convention}); "
+                         "write .jsonl or .parquet", source=str(p), field="convention")
 
     check_file(p, "out")
     with atomic_path(p) as tmp:  # a killed writer leaves the old file; the new one gets the umask's mode
@@ -186,7 +236,10 @@ def _render_json(stats: SampleStats, fmt: str) -> str:
             for k, t, n, i in zip(stats.keys.tolist(), tiles, tokens, images)
         ]
     if fmt == "jsonl":
-        return "\n".join(rows) + "\n"
+        header = ""
+        if stats.convention is not None:
+            header = json.dumps({HEADER_KEY: {"convention": str(stats.convention)}}) + "\n"
+        return header + "\n".join(rows) + "\n"
     return "[\n" + ",\n".join(rows) + "\n]\n"
 
 
@@ -203,11 +256,13 @@ def _write_parquet(stats: SampleStats, path: str) -> None:
             "images": pa.array(stats.images, type=pa.int32()),
         }
     )
+    if stats.convention is not None:
+        table = table.replace_schema_metadata({PARQUET_CONVENTION: str(stats.convention).encode()})
     pq.write_table(table, path)
 
 
 # ------------------------------------------------------------------------------------------ reading
-def _read_parquet(source: str) -> Columns:
+def _read_parquet(source: str) -> tuple[Columns, ImageConvention | None]:
     # heavy (~0.5 s): only parquet / fast JSON reading needs it
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -247,7 +302,9 @@ def _read_parquet(source: str) -> Columns:
             cols[name] = arr.astype(np.int64)
     if "keys" not in cols:
         cols["keys"] = index_keys(Path(source).name, table.num_rows)
-    return Columns(schema=OMNIBAL, num_records=table.num_rows, locate=lambda i: i, errors={}, **cols)
+    meta = (table.schema.metadata or {}).get(PARQUET_CONVENTION)
+    convention = None if meta is None else ImageConvention.parse(meta.decode("utf-8", "replace"), source=source)
+    return Columns(schema=OMNIBAL, num_records=table.num_rows, locate=lambda i: i, errors={}, **cols), convention
 
 
 # ------------------------------------------------------------------------------------------ checking

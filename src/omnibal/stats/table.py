@@ -11,6 +11,16 @@ Columns
 ``images``  number of real images (0 for text-only samples).
 ``keys``    a stable 64-bit fingerprint of the sample (its annotation id, or source + index), used to
             detect a stats file that no longer matches its dataset instead of silently mis-applying it.
+
+Image convention
+----------------
+What a "tile" is depends on the model family the statistics were made for (:class:`ImageConvention`):
+``internvl`` (dynamic resolution: an image is a grid of square tiles plus a thumbnail, each tile
+``tokens_per_tile`` LLM tokens; InternVL-1.5: 448 px, 256 tokens) or ``llava`` (one resized image is one
+tile of ``tokens_per_tile`` tokens; LLaVA-1.5: 336 px, 576 tokens). Stats files record it
+(:mod:`omnibal.stats.io`); a table without one (``convention=None``: files written before it existed, the
+public token-length files) is read as :data:`INTERNVL_CONVENTION`, and code that relies on that default
+says so (``omnibal.sim.predict.model_stats``).
 """
 
 from __future__ import annotations
@@ -55,6 +65,55 @@ def index_keys(source: str, num_samples: int, *, start: int = 0) -> np.ndarray:
     return _splitmix64(idx ^ base)
 
 
+CONVENTION_LAYOUTS = ("internvl", "llava")
+
+
+@dataclass(frozen=True)
+class ImageConvention:
+    """How images became tiles and tokens in a stats table (see the module docstring)."""
+
+    layout: str
+    """``internvl`` (dynamic tiles + thumbnail) or ``llava`` (one image = one tile)."""
+    tokens_per_tile: int
+    """LLM image tokens each tile contributes to ``tokens``."""
+
+    def __post_init__(self) -> None:
+        if self.layout not in CONVENTION_LAYOUTS:
+            raise InputError(f"unknown image layout {self.layout!r}; one of {', '.join(CONVENTION_LAYOUTS)}",
+                             source="convention", field="layout")
+        if isinstance(self.tokens_per_tile, bool) or not isinstance(self.tokens_per_tile, int) or not (
+                1 <= self.tokens_per_tile <= MAX_TOKENS):
+            raise InputError(f"tokens per tile must be a positive integer, got {self.tokens_per_tile!r}",
+                             source="convention", field="tokens_per_tile")
+
+    def __str__(self) -> str:
+        return f"{self.layout}/{self.tokens_per_tile}"
+
+    def describe(self) -> str:
+        what = "InternVL tiles" if self.layout == "internvl" else "LLaVA single image"
+        return f"{what}, {self.tokens_per_tile} tokens per tile ({self})"
+
+    @classmethod
+    def parse(cls, text: str, *, source: str = "convention") -> "ImageConvention":
+        """``"internvl/256"``, ``"llava/576"``; a bare ``internvl`` / ``llava`` takes the family's default."""
+        layout, _, count = str(text).strip().partition("/")
+        if not count:
+            defaults = {"internvl": INTERNVL_CONVENTION, "llava": LLAVA_CONVENTION}
+            if layout in defaults:
+                return defaults[layout]
+        try:
+            return cls(layout, int(count))
+        except ValueError:
+            raise InputError(f"expected LAYOUT/TOKENS_PER_TILE (e.g. internvl/256, llava/576), got {text!r}",
+                             source=source, field="convention") from None
+
+
+INTERNVL_CONVENTION = ImageConvention("internvl", 256)
+"""InternVL-1.5 statistics (448 px tiles, 256 tokens each): what a table without a recorded convention is read as."""
+LLAVA_CONVENTION = ImageConvention("llava", 576)
+"""LLaVA-1.5: one 336 px image, 24 x 24 = 576 tokens."""
+
+
 @dataclass(frozen=True, eq=False)
 class SampleStats:
     """Per-sample statistics as numpy columns (see the module docstring for the columns)."""
@@ -69,6 +128,8 @@ class SampleStats:
     """Stable per-sample fingerprint (uint64)."""
     source: str = field(default="<memory>")
     """Where the table came from (a path or a generator description); used in error messages."""
+    convention: ImageConvention | None = None
+    """How images were counted (:class:`ImageConvention`); None: not recorded (read as InternVL-1.5's)."""
 
     def __post_init__(self) -> None:
         cols = {}
@@ -80,6 +141,9 @@ class SampleStats:
                 raise InputError(f"keys must be integers, got dtype {keys.dtype}", source=self.source, field="keys")
             keys = keys.astype(np.uint64)
         cols["keys"] = keys
+        if self.convention is not None and not isinstance(self.convention, ImageConvention):
+            raise InputError(f"convention must be an ImageConvention, got {self.convention!r}", source=self.source,
+                             field="convention")
         n = {name: len(col) for name, col in cols.items()}
         if len(set(n.values())) != 1:
             raise InputError(f"columns have different lengths {n}", source=self.source)
@@ -117,12 +181,17 @@ class SampleStats:
         """Rows of ``parts`` one after another (e.g. sub-datasets of a mixture)."""
         if not parts:
             raise InputError("nothing to concatenate", source=source or "<concat>")
+        conventions = {p.convention for p in parts}
+        if len(conventions) > 1:
+            raise InputError("parts were made with different image conventions: " + ", ".join(
+                sorted(str(c or "unrecorded") for c in conventions)), source=source or "<concat>", field="convention")
         return cls(
             tiles=np.concatenate([p.tiles for p in parts]),
             tokens=np.concatenate([p.tokens for p in parts]),
             images=np.concatenate([p.images for p in parts]),
             keys=np.concatenate([p.keys for p in parts]),
             source=source or "+".join(p.source for p in parts),
+            convention=parts[0].convention,
         )
 
     # -- access -------------------------------------------------------------------------------------
@@ -142,6 +211,7 @@ class SampleStats:
             images=self.images[idx],
             keys=self.keys[idx],
             source=self.source,
+            convention=self.convention,
         )
 
     def replicate(self, num_samples: int) -> "SampleStats":
@@ -162,6 +232,7 @@ class SampleStats:
             images=self.images[idx],
             keys=keys,
             source=f"{self.source} x{num_samples / len(self):.2f}",
+            convention=self.convention,
         )
 
     def equals(self, other: "SampleStats") -> bool:
@@ -203,6 +274,39 @@ def tokens_for_model(tiles, tokens, images, *, tokens_per_tile: int, source_toke
                          f"{source_tokens_per_tile} per tile ({len(bad)} such rows)", source=source, record=i,
                          field="tokens")
     return text + int(tokens_per_tile) * image_tiles
+
+
+def one_tile_per_image(stats: SampleStats) -> bool:
+    """Whether every image is exactly one tile and text-only rows have at most a dummy tile: InternVL statistics
+    like that count the tiles LLaVA's single images would."""
+    image = stats.images > 0
+    return bool((stats.tiles[image] == stats.images[image]).all() and (stats.tiles[~image] <= 1).all())
+
+
+def convert_convention(stats: SampleStats, target: ImageConvention) -> SampleStats:
+    """``stats`` re-expressed in ``target``'s convention (a table without one is read as InternVL-1.5's).
+
+    Same layout: each image row's tiles contribute ``target.tokens_per_tile`` tokens instead (exact).
+    InternVL -> LLaVA: each image becomes one tile of ``target.tokens_per_tile`` tokens, the text part is kept,
+    and a text-only row keeps its dummy tile (at most one); exact when every image was one tile
+    (:func:`one_tile_per_image`). LLaVA -> InternVL cannot be done from counts (the tile grid needs the image
+    sizes): InputError, make the statistics again from the annotations."""
+    source = stats.convention or INTERNVL_CONVENTION
+    if source == target and stats.convention is not None:
+        return stats
+    if source.layout == target.layout:
+        tiles = stats.tiles
+    elif source.layout == "internvl" and target.layout == "llava":
+        tiles = np.where(stats.images > 0, stats.images, np.minimum(stats.tiles, 1))
+    else:
+        raise InputError(f"statistics made as {source.describe()} cannot be converted to {target.describe()}: "
+                         "the tile grid needs the image sizes; run omnibal stats on the annotations with the "
+                         "model's convention", source=stats.source, field="convention")
+    text = tokens_for_model(stats.tiles, stats.tokens, stats.images, tokens_per_tile=0,
+                            source_tokens_per_tile=source.tokens_per_tile, source=stats.source)
+    tokens = text + target.tokens_per_tile * np.asarray(tiles, np.int64) * (stats.images > 0)
+    return SampleStats(tiles=tiles, tokens=tokens, images=stats.images, keys=stats.keys,
+                       source=f"{stats.source} (as {target})", convention=target)
 
 
 def _as_int_column(values, name: str, dtype, source: str) -> np.ndarray:

@@ -1,0 +1,112 @@
+"""The one step-time prediction path: model + hardware (or a measured profile) + statistics -> the cost table,
+the statistics in the model's units, the balancer's cost and the micro-batch features the simulator runs.
+
+``omnibal plan`` (``plan.job``), ``omnibal simulate`` and ``omnibal balance`` all call these functions, so the
+same inputs give the same prediction. (They once diverged by up to 6.6x: ``simulate`` re-counted the LLM
+tokens of each tile for the model, ``plan`` took the statistics' 256 tokens per tile as they were - for the
+``tiny`` preset's 16 tokens per tile that was 11.0 s against 1.67 s per step, the trainer measuring 1.69.)
+
+Image conventions: a model expects the statistics in its own convention (:func:`model_convention`: LLaVA
+models - a projector without a LayerNorm - one image per tile, others InternVL tiles). Statistics recorded
+in the same layout, or InternVL statistics with one tile per image for a LLaVA model, are re-counted for the model's
+tokens per tile (exact); another layout is an
+InputError naming both unless ``convert=True`` (``--convert-stats``) asks for
+:func:`omnibal.stats.table.convert_convention`. Statistics with no recorded convention are read as
+InternVL-1.5's (448 px tiles, 256 tokens), and :func:`model_stats` says so in the table's ``source``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from omnibal.cost.hardware import HardwareSpec
+from omnibal.cost.spec import ModelSpec
+from omnibal.cost.table import LayerCostTable
+from omnibal.data.balance.cost import BalanceCost
+from omnibal.errors import InputError
+from omnibal.stats.table import (
+    INTERNVL_CONVENTION,
+    ImageConvention,
+    SampleStats,
+    convert_convention,
+    one_tile_per_image,
+)
+
+
+def model_convention(spec: ModelSpec) -> ImageConvention:
+    """The image convention ``spec`` consumes: LLaVA (mlp2x_gelu projector, no LayerNorm: one image, one tile)
+    or InternVL tiles; tokens per tile from the spec."""
+    layout = "internvl" if spec.projector_norm else "llava"
+    return ImageConvention(layout, spec.llm_tokens_per_tile)
+
+
+def model_stats(stats: SampleStats, spec: ModelSpec, *, convert: bool = False,
+                flag: str = "--convert-stats") -> SampleStats:
+    """``stats`` with tiles and tokens as ``spec`` runs them (see the module docstring).
+
+    Raises InputError naming both conventions when the layouts differ and ``convert`` is False; ``flag`` is
+    the option that asks for the conversion (named in that message)."""
+    target = model_convention(spec)
+    recorded = stats.convention
+    source = recorded or INTERNVL_CONVENTION
+    if recorded == target:
+        return stats
+    if recorded is None and source == target:  # the default reading is already the model's convention
+        return replace(stats, convention=target)
+    exact = source.layout == "internvl" and one_tile_per_image(stats)  # InternVL -> LLaVA changes no tile
+    if source.layout != target.layout and not convert and not exact:
+        said = source.describe() if recorded is not None else (
+            f"no recorded convention, read as {INTERNVL_CONVENTION.describe()}")
+        raise InputError(f"statistics are {said}; model {spec.name} expects {target.describe()}: make the "
+                         f"statistics for this model (omnibal stats --convention {target}) or pass {flag} to convert "
+                         "them", source=stats.source, field="convention")
+    out = convert_convention(stats, target)
+    if recorded is None:
+        out = replace(out, source=f"{stats.source} (no recorded convention: read as {INTERNVL_CONVENTION}, "
+                                  f"converted to {target})")
+    return out
+
+
+def cost_table(spec: ModelSpec, hardware: HardwareSpec, *, profile_path: str | None = None, tp_size: int = 1,
+               dtype: str = "bf16") -> LayerCostTable:
+    """The per-TP-rank cost table: the analytic model on ``hardware`` or a measured profile (``profile_path``).
+
+    A vision encoder whose heads or MLP width do not divide by ``tp_size`` (InternViT-6B's 25 heads) is
+    replicated on every TP rank instead of split."""
+    tp_vision = spec.vision.num_heads % tp_size == 0 and spec.vision.mlp_hidden % tp_size == 0
+    if profile_path is None:
+        from omnibal.cost.analytic import analytic_cost_table
+
+        return analytic_cost_table(spec, hardware, tp_size=tp_size, dtype=dtype, tp_vision=tp_vision)
+    from omnibal.cost.profile import cost_table_from_profile, load_profile
+
+    return cost_table_from_profile(spec, load_profile(profile_path, spec), hardware=hardware, tp_size=tp_size,
+                                   tp_vision=tp_vision)
+
+
+def balance_cost(table: LayerCostTable, spec: ModelSpec, hardware: HardwareSpec | None = None,
+                 profile_path: str | None = None):
+    """The balancer's cost (vision and LLM seconds per sample) from the same table the simulator runs."""
+    where = f"profile:{profile_path}" if profile_path else f"analytic:{spec.name}@{getattr(hardware, 'name', '?')}"
+    return BalanceCost.from_cost_table(table, name=where)
+
+
+def schedule_features(schedule, stats: SampleStats, *, padding: str, p2p_padding: str | None = None,
+                      pp_size: int = 1) -> tuple[np.ndarray, np.ndarray | None]:
+    """``(features [S, D, M, 4], buffer features or None)`` of ``schedule`` as it runs: compute with
+    ``padding``; with ``pp_size > 1`` and ``p2p_padding`` set (e.g. ``fixed_buffer``: the reference trainer
+    sends the caps' shape between stages) the p2p bytes follow that padding instead."""
+    features = schedule.features(stats, padding=padding)
+    if pp_size > 1 and p2p_padding is not None and p2p_padding != padding:
+        return features, schedule.features(stats, padding=p2p_padding)
+    return features, None
+
+
+def convention_label(raw: SampleStats, spec: ModelSpec) -> str:
+    """How ``raw``'s convention was read and what ``spec`` runs, for reports: ``internvl/256 (not recorded:
+    default) -> internvl/16``."""
+    read = str(raw.convention) if raw.convention is not None else f"{INTERNVL_CONVENTION} (not recorded: default)"
+    target = model_convention(spec)
+    return read if raw.convention == target else f"{read} -> {target}"

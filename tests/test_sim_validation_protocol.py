@@ -1,0 +1,64 @@
+"""The held-out protocol of docs/sim.md as benchmarks/bench_sim_validation.py implements it: calibration and
+validation data are disjoint, every validation run has a configuration no calibration run has, and the
+summary checks the stated targets."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import numpy as np
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _bench():
+    sys.path.insert(0, str(BENCH))
+    try:
+        spec = importlib.util.spec_from_file_location("bench_sim_validation", BENCH / "bench_sim_validation.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def test_calibration_and_validation_draw_disjoint_real_rows(shared_stats_dir, monkeypatch):
+    bench = _bench()
+    monkeypatch.setattr(bench, "SHARED_STATS", shared_stats_dir)
+    cal = bench.load_real_subset(3000, bench.CAL_SEED, "calibration")
+    val = bench.load_real_subset(3000, bench.VAL_SEED, "validation")
+    assert len(np.intersect1d(cal.keys, val.keys)) == 0
+    # without the pools (the previous protocol) the two seeds' subsets overlap
+    assert len(np.intersect1d(bench.load_real_subset(3000, 1001).keys, bench.load_real_subset(3000, 0).keys)) > 0
+
+
+def _config(kw: dict) -> tuple:
+    ranges = None if kw["ranges"] is None else tuple(map(tuple, kw["ranges"]))
+    return kw["dp"], kw["pp"], kw["mb"], ranges
+
+
+def test_every_validation_run_has_a_configuration_no_calibration_run_has():
+    bench = _bench()
+    cal_layouts = {(kw["dp"], kw["pp"]) for _, kw in bench.CAL_SPECS}
+    cal_mbs = {kw["mb"] for _, kw in bench.CAL_SPECS}
+    assert all(kw["ranges"] is None for _, kw in bench.CAL_SPECS)  # no pipeline partition is calibrated
+    for name, kw in bench.VAL_SPECS + bench.RANK_SPECS:
+        assert kw["mb"] not in cal_mbs, name
+        if kw["pp"] > 1:
+            assert (kw["dp"], kw["pp"]) not in cal_layouts and kw["ranges"] is not None, name
+    assert len({(_config(kw), kw["recompute"]) for _, kw in bench.RANK_SPECS}) == len(bench.RANK_SPECS)
+
+
+def test_summary_checks_the_targets_and_the_ranking():
+    bench = _bench()
+
+    def row(name, wall, pred, ranking=True):
+        return {"name": name, "wall_s": wall, "predicted_s": pred, "error": pred / wall - 1, "ranking": ranking}
+
+    good = bench.summary([row("a", 1.0, 1.02), row("b", 2.0, 1.96), row("c", 3.0, 3.1), row("v", 5, 5.2, False)])
+    assert good["same_order"] and good["kendall_tau"] == 1.0 and all(good["targets"].values())
+    bad = bench.summary([row("a", 1.0, 2.5), row("b", 2.0, 1.9)])
+    assert not bad["same_order"] and bad["kendall_tau"] == -1.0
+    assert not bad["targets"]["mean_abs_error <= 5%"] and not bad["targets"]["max_abs_error <= 10%"]
