@@ -10,7 +10,7 @@ import numpy as np
 from omnibal.data.balance.assign import assign_sorted
 from omnibal.data.balance.caps import choose_caps
 from omnibal.data.balance.cost import DEFAULT_COST, BalanceCost
-from omnibal.data.balance.packer import pack_balanced
+from omnibal.data.balance.packer import DEFAULT_LLM_TOL, pack_balanced
 from omnibal.data.balance.schedule import Caps, Schedule, build_schedule
 from omnibal.errors import InputError
 
@@ -43,6 +43,9 @@ class BalanceConfig:
     token_slack: float = 0.015
     """Room left in the derived token cap over the mean pack (the packer needs some to fill both buffers)."""
     token_multiple: int = 8
+    llm_tol: float | None = DEFAULT_LLM_TOL
+    """LLM levelling: the packer pulls every pack's LLM cost into this band around the mean (relative);
+    None: only the token cap is enforced."""
     """Derived Q_t is rounded up to a multiple of this (kernel-friendly shapes)."""
     batch_size: int = 4
     """Samples per micro-batch of the ``random`` and ``length-grouped`` baselines."""
@@ -171,20 +174,12 @@ def _balance_omnibal(stats, dp_size, num_microbatches, seed, epoch, config: Bala
                              max_tiles=config.max_tiles, max_tokens=config.max_tokens,
                              token_slack=config.token_slack, token_multiple=config.token_multiple, rng=rng,
                              num_steps=config.num_steps)
-        fixed = config.max_tiles is not None or config.max_tokens is not None
-        extra_steps = 0
-        while True:
-            num_regular_packs = choice.num_packs + extra_steps * per_step
-            # room for own packs: more steps, the regular samples spread over what is left
-            num_total = min(-(-(num_regular_packs + len(alone)) // per_step) * per_step, max_total)
-            num_regular_packs = num_total - len(alone)
-            packed = pack_balanced(tiles, tokens, llm, num_packs=num_regular_packs, max_tiles=choice.max_tiles,
-                                   max_tokens=choice.max_tokens, rng=rng)
-            over = (packed.tiles > choice.max_tiles).any() or (packed.tokens > choice.max_tokens).any()
-            # a fixed buffer is a promise: when a few packs stay over it, one more step gives the room
-            if not (fixed and over) or extra_steps >= 3 or num_regular_packs >= len(regular):
-                break
-            extra_steps += 1
+        num_total = min(-(-(choice.num_packs + len(alone)) // per_step) * per_step, max_total)
+        packed = pack_balanced(tiles, tokens, llm, num_packs=num_total - len(alone), max_tiles=choice.max_tiles,
+                               max_tokens=choice.max_tokens, rng=rng, llm_tol=config.llm_tol, pack_step=per_step,
+                               max_packs=max_total - len(alone))
+        num_regular_packs = len(packed.tiles)
+        num_total = num_regular_packs + len(alone)
         pack_of = np.full(len(stats), -1, np.int64)
         pack_of[regular] = packed.pack_of
         q_v, q_t = choice.max_tiles, choice.max_tokens
