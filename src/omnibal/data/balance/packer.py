@@ -276,6 +276,7 @@ class _Targets:
     mean_t: float
     mean_l: float
     tile_lo: float
+    tile_top: float
     tile_hi: float
     max_tokens: float
     llm_tol: float | None
@@ -286,11 +287,12 @@ class _Targets:
         mean_v = float(v.sum()) / num_packs
         return cls(mean_v=mean_v, mean_t=max(float(t.sum()) / num_packs, 1.0),
                    mean_l=max(float(lc.sum()) / num_packs, 1e-300),
-                   tile_lo=min(np.floor(mean_v + 1e-9), float(max_tiles)), tile_hi=float(max_tiles),
+                   tile_lo=min(np.floor(mean_v + 1e-9), float(max_tiles)),
+                   tile_top=min(np.ceil(mean_v - 1e-9), float(max_tiles)), tile_hi=float(max_tiles),
                    max_tokens=float(max_tokens), llm_tol=llm_tol, hard=hard)
 
     def tile_off(self, pv):
-        return np.maximum(pv - self.tile_hi, 0) + np.maximum(self.tile_lo - pv, 0)
+        return np.maximum(pv - self.tile_top, 0) + np.maximum(self.tile_lo - pv, 0)
 
     def token_over(self, pt):
         return np.maximum(pt - self.max_tokens, 0) / self.mean_t
@@ -317,8 +319,8 @@ class _Targets:
         # over the tile cap: forbidden; over the token cap: to be fixed, even by a pack one tile under the
         # range (a text-heavy sample needs the room of a tile); under the range: a mild cost
         over = self.token_over(pt)
-        under = np.maximum(self.tile_lo - pv, 0)
-        g = 1e6 * np.maximum(pv - self.tile_hi, 0) ** 2 + 1e4 * over * over + 1e-3 * under * under
+        off = self.tile_off(pv)
+        g = 1e6 * np.maximum(pv - self.tile_hi, 0) ** 2 + 1e4 * over * over + 1e-3 * off * off
         g = g + 1.0 * (over > 0)  # any overflow is bad, however small: 1e4 * 2**2 tokens over lost to balance terms
         if self.llm_tol is not None:
             band = np.maximum(np.abs(self.llm_dev(pv, pl)) - self.llm_tol, 0)
@@ -385,12 +387,17 @@ def _evict(packs: _Packs, max_tiles: float, max_tokens: float) -> np.ndarray:
     return np.concatenate(evicted) if evicted else np.zeros(0, np.int64)
 
 
-def _add_packs(packs: _Packs, items: np.ndarray, count: int, max_tiles: float, max_tokens: float) -> _Packs:
-    """``count`` new packs holding ``items`` (next-fit, largest first: valid, as each fits alone); the new
-    packs beyond what the items need start empty (the tile repair fills them)."""
-    order = items[np.argsort(-(packs.vv[items] / max(max_tiles, 1) + packs.tt[items] / max(max_tokens, 1)),
-                             kind="stable")]
-    starts = next_fit(packs.vv[order], packs.tt[order], max_tiles, max_tokens) if len(order) else np.zeros(0, int)
+def _next_fit_largest_first(packs: _Packs, items: np.ndarray, max_tiles: float, max_tokens: float):
+    """A valid packing of ``items`` alone (next-fit, largest first; each item fits a pack alone):
+    (items in pack order, pack start positions)."""
+    size = packs.vv[items] / max(max_tiles, 1) + packs.tt[items] / max(max_tokens, 1)
+    order = items[np.argsort(-size, kind="stable")]
+    return order, next_fit(packs.vv[order], packs.tt[order], max_tiles, max_tokens)
+
+
+def _add_packs(packs: _Packs, order: np.ndarray, starts: np.ndarray, count: int) -> _Packs:
+    """``count`` new packs after the others, the first ``len(starts)`` holding ``order`` cut at ``starts``
+    (a valid packing); the rest start empty (the tile repair fills them)."""
     assert len(starts) <= count, (len(starts), count)
     sizes = np.diff(np.append(starts, len(order)))
     width = max(packs.slots.shape[1], int(sizes.max(initial=0)) + 3)
@@ -425,12 +432,12 @@ def _enforce_caps(packs: _Packs, v, t, lc, *, max_tiles, max_tokens, pack_step, 
     if not _over(packs, max_tiles, max_tokens).any():
         return packs, 0
     items = _evict(packs, max_tiles, max_tokens)
-    need = len(next_fit(packs.vv[items], packs.tt[items], max_tiles, max_tokens))
+    order, starts = _next_fit_largest_first(packs, items, max_tiles, max_tokens)
     p_old = len(packs.pv)
-    p_new = p_old + -(-need // pack_step) * pack_step
+    p_new = p_old + -(-len(starts) // pack_step) * pack_step
     if p_new > max_packs:  # no room for more packs (fewer samples than slots): the caller reports it
         return packs, 0
-    packs = _add_packs(packs, items, p_new - p_old, max_tiles, max_tokens)
+    packs = _add_packs(packs, order, starts, p_new - p_old)
     _fill_empty(packs, rng)
     targets = _Targets.of(v, t, lc, p_new, max_tiles, max_tokens, llm_tol, hard=True)
     passes = _repair_tiles(packs, targets, rng) + _level_llm(packs, targets, rng, max_passes)
