@@ -163,20 +163,27 @@ def _pack_regular(stats, regular, pack_of, *, per_step, max_total, num_alone, co
     num_packs = min(-(-(choice.num_packs + num_alone) // per_step) * per_step, max_total) - num_alone
     packed = pack_balanced(tiles, tokens, llm, num_packs=num_packs, max_tiles=choice.max_tiles,
                            max_tokens=choice.max_tokens, rng=rng, llm_tol=config.llm_tol, pack_step=per_step,
-                           max_packs=max_total - num_alone)
-    over = int(((packed.tiles > choice.max_tiles) | (packed.tokens > choice.max_tokens)).sum())
+                           max_packs=max_total - num_alone, hard_caps=_caps_fixed(config))
+    over = (packed.tiles > choice.max_tiles) & (config.max_tiles is not None)
+    over = int((over | (packed.tokens > choice.max_tokens) & (config.max_tokens is not None)).sum())
     if over:  # the packer adds packs for what does not fit, unless more packs would leave some empty
         raise InputError(f"could not pack under the caps tiles={choice.max_tiles} tokens={choice.max_tokens} "
                          f"({over} packs over) without more micro-batches than samples; raise the caps, or "
                          f"lower dp_size x num_microbatches", source="caps",
                          field="max_tokens" if (packed.tokens > choice.max_tokens).any() else "max_tiles")
+    # derived caps: what the packs really need (the searched caps, or a little over them: see the packer)
     pack_of[regular] = packed.pack_of
     q_v, q_t = choice.max_tiles, choice.max_tokens
-    if config.max_tiles is None:  # derived buffer: what the packs really need (never over the searched caps)
+    if config.max_tiles is None:
         q_v = max(int(packed.tiles.max()), 1)
     if config.max_tokens is None:
         q_t = -(-int(max(packed.tokens.max(), 1)) // config.token_multiple) * config.token_multiple
     return len(packed.tiles), (q_v, q_t), packed.passes
+
+
+def _caps_fixed(config: BalanceConfig) -> bool:
+    """A cap is a budget (fixed by the user), not the cap search's choice."""
+    return config.max_tiles is not None or config.max_tokens is not None
 
 
 def _assign(stats, pack_of, num_total, *, dp_size, num_microbatches, config, rng) -> np.ndarray:

@@ -424,18 +424,31 @@ def _fill_empty(packs: _Packs, rng) -> None:
         packs.apply(donors, empty, d_slot[:, None], e_slot[:, None])
 
 
-def _enforce_caps(packs: _Packs, v, t, lc, *, max_tiles, max_tokens, pack_step, max_packs, llm_tol, rng,
-                  max_passes) -> tuple[_Packs, int]:
+def _growing_is_cheaper(packs: _Packs, over: np.ndarray, max_tiles, max_tokens, pack_step: int) -> bool:
+    """Derived caps: would a buffer grown to the packs over it pad less than one more step of packs?"""
+    grow = max(float(packs.pv.max()) / max(max_tiles, 1) - 1, 0) + max(float(packs.pt.max()) / max(max_tokens, 1) - 1, 0)
+    return grow <= 2 * pack_step / len(packs.pv)  # a step more empties both buffers by pack_step / P
+
+
+def _enforce_caps(packs: _Packs, v, t, lc, *, max_tiles, max_tokens, hard_caps, pack_step, max_packs, llm_tol,
+                  rng, max_passes) -> tuple[_Packs, int]:
     """Phase 4, the rule for the tail: packs the exchange left over a cap give up samples (``_evict``);
     those go to whole new steps of packs (``pack_step`` packs each), and the exchange phases run again
-    with the caps hard, which spreads the new packs' room over all. Returns (packs, exchange passes)."""
-    if not _over(packs, max_tiles, max_tokens).any():
+    with the caps hard, which spreads the new packs' room over all. With derived caps (``hard_caps``
+    False) the buffer instead grows to the packs over it when that pads less than a step of new packs
+    (a few packs a little over); never for outliers far over. Returns (packs, exchange passes)."""
+    over = _over(packs, max_tiles, max_tokens)
+    if not over.any():
         return packs, 0
+    p_old = len(packs.pv)
+    if not hard_caps and _growing_is_cheaper(packs, over, max_tiles, max_tokens, pack_step):
+        return packs, 0
+    snapshot = packs.slots.copy(), packs.pv.copy(), packs.pt.copy(), packs.pl.copy()
     items = _evict(packs, max_tiles, max_tokens)
     order, starts = _next_fit_largest_first(packs, items, max_tiles, max_tokens)
-    p_old = len(packs.pv)
     p_new = p_old + -(-len(starts) // pack_step) * pack_step
     if p_new > max_packs:  # no room for more packs (fewer samples than slots): the caller reports it
+        packs.slots, packs.pv, packs.pt, packs.pl = snapshot
         return packs, 0
     packs = _add_packs(packs, order, starts, p_new - p_old)
     _fill_empty(packs, rng)
@@ -457,6 +470,7 @@ def pack_balanced(
     max_passes: int = 24,
     pack_step: int = 1,
     max_packs: int | None = None,
+    hard_caps: bool = True,
 ) -> PackResult:
     """Split samples into at least ``num_packs`` packs under the (``max_tiles``, ``max_tokens``) buffer with
     tile counts in ``[floor(V/P), max_tiles]`` and LLM costs levelled (see the module docstring).
@@ -464,7 +478,9 @@ def pack_balanced(
     ``llm_tol``: the relative band around the mean LLM cost the levelling aims at (None: only the token
     cap). Packs still over a cap after the exchange give up samples to ``pack_step`` more packs at a time
     (at most ``max_packs`` in all); only when that bound stops it are packs left over the caps, for the
-    caller to detect. Every sample must fit a pack alone.
+    caller to detect. ``hard_caps`` False (caps derived by the cap search, not a budget): packs a little
+    over are kept when growing the buffer to them pads less (see ``_enforce_caps``). Every sample must
+    fit a pack alone.
     """
     n, p = len(tiles), int(num_packs)
     max_packs = n if max_packs is None else int(max_packs)
@@ -477,7 +493,8 @@ def pack_balanced(
     passes_tiles = _repair_tiles(packs, targets, rng)
     passes_llm = _level_llm(packs, targets, rng, max_passes)
     packs, passes_rescue = _enforce_caps(packs, v, t, lc, max_tiles=max_tiles, max_tokens=max_tokens,
-                                         pack_step=pack_step, max_packs=max_packs, llm_tol=llm_tol, rng=rng,
+                                         hard_caps=hard_caps, pack_step=pack_step, max_packs=max_packs,
+                                         llm_tol=llm_tol, rng=rng,
                                          max_passes=max_passes)
     return PackResult(pack_of=packs.pack_of(), tiles=packs.pv, tokens=packs.pt, llm=packs.pl,
                       passes=(passes_tiles, passes_llm, passes_rescue))
