@@ -387,12 +387,20 @@ def _evict(packs: _Packs, max_tiles: float, max_tokens: float) -> np.ndarray:
     return np.concatenate(evicted) if evicted else np.zeros(0, np.int64)
 
 
-def _next_fit_largest_first(packs: _Packs, items: np.ndarray, max_tiles: float, max_tokens: float):
-    """A valid packing of ``items`` alone (next-fit, largest first; each item fits a pack alone):
-    (items in pack order, pack start positions)."""
+def _next_fit_largest_first(packs: _Packs, items: np.ndarray, max_tiles: float, max_tokens: float,
+                            max_items: int):
+    """A valid packing of ``items`` alone (next-fit, largest first; each item fits a pack alone), with at
+    most ``max_items`` per pack (a pack of many small samples would widen every exchange it takes part
+    in): (items in pack order, pack start positions)."""
     size = packs.vv[items] / max(max_tiles, 1) + packs.tt[items] / max(max_tokens, 1)
     order = items[np.argsort(-size, kind="stable")]
-    return order, next_fit(packs.vv[order], packs.tt[order], max_tiles, max_tokens)
+    starts = next_fit(packs.vv[order], packs.tt[order], max_tiles, max_tokens)
+    # cut longer packs into pieces of max_items (parts of a pack under the caps are under them too)
+    sizes = np.diff(np.append(starts, len(order)))
+    pieces = -(-sizes // max_items)
+    first = np.repeat(starts, pieces)
+    piece = np.arange(len(first)) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+    return order, first + piece * max_items
 
 
 def _add_packs(packs: _Packs, order: np.ndarray, starts: np.ndarray, count: int) -> _Packs:
@@ -445,7 +453,8 @@ def _enforce_caps(packs: _Packs, v, t, lc, *, max_tiles, max_tokens, hard_caps, 
         return packs, 0
     snapshot = packs.slots.copy(), packs.pv.copy(), packs.pt.copy(), packs.pl.copy()
     items = _evict(packs, max_tiles, max_tokens)
-    order, starts = _next_fit_largest_first(packs, items, max_tiles, max_tokens)
+    order, starts = _next_fit_largest_first(packs, items, max_tiles, max_tokens,
+                                            max_items=int(np.ceil(len(v) / p_old)) + 1)
     p_new = p_old + -(-len(starts) // pack_step) * pack_step
     if p_new > max_packs:  # no room for more packs (fewer samples than slots): the caller reports it
         packs.slots, packs.pv, packs.pt, packs.pl = snapshot
