@@ -2,7 +2,8 @@
 
 The number of packs is a multiple of ``dp_size * num_microbatches`` (so every rank gets the same number of
 steps and micro-batches, with no pack left over), chosen among the counts that give a mean of
-``target_samples`` samples per micro-batch (+-10%) by the lowest predicted padding:
+``target_samples`` samples per micro-batch (-max(0.6, 15%) / +max(0.5, 10%): 3.9-5 for the default) by
+the lowest predicted padding:
 
 * tile pad: ``1 - (V/P) / Q_v`` with ``Q_v = ceil(V/P / (1 - tile_slack))``: the packer needs a little room
   (``tile_slack``) to fill tiles and tokens at once, and V/P lands just under an integer for some counts;
@@ -11,10 +12,13 @@ steps and micro-batches, with no pack left over), chosen among the counts that g
 
 The few best-predicted counts (with Q_v and Q_v + 1) are then tried by dealing a 16k-sample subsample and
 measuring the padding: with odd tile counts (1, 3, 5 tiles) a pack of 4 samples cannot reach an odd cap,
-which no closed formula here predicts.
+which no closed formula here predicts. The subsample gets as many packs as keep the full set's mean tiles per
+pack (whether a cap is reachable turns on that mean being just under an integer).
 
 Fixed caps (``max_tiles``/``max_tokens``, a memory budget) instead give the smallest pack count whose mean
-load leaves the packer ``token_slack`` of room. Everything here is O(N log N) once plus O(1) per candidate.
+load leaves the packer ``token_slack`` of room (or, when none does, the smallest that passes the
+feasibility check); the packer adds whole steps of packs for whatever still does not fit.
+Everything here is O(N log N) once plus O(1) per candidate.
 """
 
 from __future__ import annotations
