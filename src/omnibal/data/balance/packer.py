@@ -438,9 +438,10 @@ def _fill_empty(packs: _Packs, rng) -> None:
         packs.apply(donors, empty, d_slot[:, None], e_slot[:, None])
 
 
-def _growing_is_cheaper(packs: _Packs, over: np.ndarray, max_tiles, max_tokens, pack_step: int) -> bool:
+def _growing_is_cheaper(packs: _Packs, max_tiles, max_tokens, pack_step: int) -> bool:
     """Derived caps: would a buffer grown to the packs over it pad less than one more step of packs?"""
-    grow = max(float(packs.pv.max()) / max(max_tiles, 1) - 1, 0) + max(float(packs.pt.max()) / max(max_tokens, 1) - 1, 0)
+    grow = (max(float(packs.pv.max()) / max(max_tiles, 1) - 1, 0)
+            + max(float(packs.pt.max()) / max(max_tokens, 1) - 1, 0))
     return grow <= 2 * pack_step / len(packs.pv)  # a step more empties both buffers by pack_step / P
 
 
@@ -451,11 +452,10 @@ def _enforce_caps(packs: _Packs, v, t, lc, *, max_tiles, max_tokens, hard_caps, 
     with the caps hard, which spreads the new packs' room over all. With derived caps (``hard_caps``
     False) the buffer instead grows to the packs over it when that pads less than a step of new packs
     (a few packs a little over); never for outliers far over. Returns (packs, exchange passes)."""
-    over = _over(packs, max_tiles, max_tokens)
-    if not over.any():
+    if not _over(packs, max_tiles, max_tokens).any():
         return packs, 0
     p_old = len(packs.pv)
-    if not hard_caps and _growing_is_cheaper(packs, over, max_tiles, max_tokens, pack_step):
+    if not hard_caps and _growing_is_cheaper(packs, max_tiles, max_tokens, pack_step):
         return packs, 0
     snapshot = packs.slots.copy(), packs.pv.copy(), packs.pt.copy(), packs.pl.copy()
     items = _evict(packs, max_tiles, max_tokens)
