@@ -38,3 +38,17 @@ def assert_exactly_once(schedule) -> None:
     assert (counts[~dropped] == 1).all(), f"missing {(counts[~dropped] == 0).sum()}, repeated {(counts > 1).sum()}"
     assert (counts[dropped] == 0).all()
     assert schedule.pack_ids.shape[1:] == (schedule.dp_size, schedule.num_microbatches)
+
+
+def two_profile_mixture(n: int, seed: int = 0) -> SampleStats:
+    """Two synthetic subsets with different tile profiles: wide charts (mostly 3 tiles: a 2x1 grid plus the
+    thumbnail) and square documents (mostly 5: 2x2 plus the thumbnail), half and half."""
+    from omnibal.stats.synthetic import SubsetProfile, SyntheticConfig, synthetic_internvl_mixture
+
+    profiles = (
+        SubsetProfile(name="wide_charts", weight=1, text_median=120, text_sigma=0.4, long_side_median=900,
+                      long_side_sigma=0.1, aspect_ratios=(2.0,), aspect_jitter=0.05),
+        SubsetProfile(name="square_docs", weight=1, text_median=150, text_sigma=0.4, long_side_median=800,
+                      long_side_sigma=0.1, aspect_ratios=(1.0,), aspect_jitter=0.05),
+    )
+    return synthetic_internvl_mixture(n, seed=seed, config=SyntheticConfig(profiles=profiles))

@@ -25,8 +25,9 @@ def _tiny_plan(**kw):
                 num_samples=3000, search=SearchConfig(radius=1, top_k=3, sample_steps=16), engine="deepspeed")
     base.update(kw)
     free = run_plan_job(PlanJobConfig(**base)).plan
-    # a budget below the unconstrained peak, so the plan checkpoints some layers of stage 0
-    budget = 0.8 * max(st.memory_bytes for st in free.stages) / 2**30
+    # a budget below the unconstrained peak, so the plan checkpoints some layers of stage 0 (at 0.8 the
+    # planner now fits it by moving a layer instead: the balancer's token buffer no longer grows to its tail)
+    budget = 0.7 * max(st.memory_bytes for st in free.stages) / 2**30
     return run_plan_job(PlanJobConfig(**base, memory_budget_gib=budget)).plan
 
 

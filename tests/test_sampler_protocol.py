@@ -240,7 +240,9 @@ def test_caps_hold_for_every_epoch_of_a_20k_synthetic_mixture():
         # epoch 0's pack count (the cap search's target_samples) holds: the same steps per epoch, give or
         # take the 1% of room a retry adds
         assert abs(sched.num_steps - steps0) <= 0.015 * steps0, (epoch, sched.num_steps, steps0)
-    assert len(free_t) > 1 and max(free_t) > q_t  # free caps would have moved (and outgrown the buffer)
+    # free caps come from the body of the distribution (the packer never exceeds the searched caps), so here
+    # they no longer outgrow the run's buffer from epoch to epoch
+    assert max(free_t) <= q_t
 
 
 def test_user_caps_are_the_run_caps():

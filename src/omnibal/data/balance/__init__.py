@@ -7,7 +7,8 @@
 See ``docs/balance.md`` for the algorithm, the schedule JSON and the metrics.
 """
 
-from omnibal.data.balance.api import METHODS, OVERSIZE_POLICIES, BalanceConfig, balance, epoch_rng
+from omnibal.data.balance.api import METHODS, BalanceConfig, balance
+from omnibal.data.balance.common import OVERSIZE_POLICIES, epoch_rng
 from omnibal.data.balance.cost import DEFAULT_COST, BalanceCost
 from omnibal.data.balance.schedule import FORMAT, PADDINGS, Caps, Schedule
 

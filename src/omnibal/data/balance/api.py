@@ -8,14 +8,16 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from omnibal.data.balance.assign import assign_sorted
+from omnibal.data.balance.baselines import balance_length_grouped, balance_random
 from omnibal.data.balance.caps import choose_caps
+from omnibal.data.balance.common import OVERSIZE_POLICIES, epoch_rng, split_oversize
 from omnibal.data.balance.cost import DEFAULT_COST, BalanceCost
-from omnibal.data.balance.packer import pack_balanced
+from omnibal.data.balance.isf import balance_isf
+from omnibal.data.balance.packer import DEFAULT_LLM_TOL, pack_balanced
 from omnibal.data.balance.schedule import Caps, Schedule, build_schedule
 from omnibal.errors import InputError
 
 METHODS = ("omnibal", "isf", "isf+assign", "random", "length-grouped")
-OVERSIZE_POLICIES = ("error", "own_pack", "drop")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,6 +45,9 @@ class BalanceConfig:
     token_slack: float = 0.015
     """Room left in the derived token cap over the mean pack (the packer needs some to fill both buffers)."""
     token_multiple: int = 8
+    llm_tol: float | None = DEFAULT_LLM_TOL
+    """LLM levelling: the packer pulls every pack's LLM cost into this band around the mean (relative);
+    None: only the token cap is enforced."""
     """Derived Q_t is rounded up to a multiple of this (kernel-friendly shapes)."""
     batch_size: int = 4
     """Samples per micro-batch of the ``random`` and ``length-grouped`` baselines."""
@@ -96,35 +101,6 @@ def _check_layout(stats, dp_size: int, num_microbatches: int, seed: int, epoch: 
                          field="dp_size")
 
 
-def epoch_rng(seed: int, epoch: int, stream: int = 0) -> np.random.Generator:
-    """The generator every shuffle of (seed, epoch) draws from: independent streams per purpose."""
-    return np.random.default_rng(np.random.SeedSequence([int(seed), int(epoch), int(stream), 0x0B41]))
-
-
-def split_oversize(stats, config: BalanceConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(regular rows, own-pack rows, dropped rows) under the oversize policy and the fixed caps."""
-    over = np.zeros(len(stats), bool)
-    if config.max_tiles is not None:
-        over |= stats.tiles > config.max_tiles
-    if config.max_tokens is not None:
-        over |= stats.tokens > config.max_tokens
-    rows = np.arange(len(stats), dtype=np.int64)
-    if not over.any():
-        return rows, rows[:0], rows[:0]
-    bad = np.flatnonzero(over)
-    if config.oversize == "error":
-        listed = ", ".join(f"{int(i)} ({int(stats.tiles[i])} tiles, {int(stats.tokens[i])} tokens)" for i in bad[:10])
-        more = f" and {len(bad) - 10} more" if len(bad) > 10 else ""
-        raise InputError(f"{len(bad)} samples exceed the caps (tiles {config.max_tiles}, tokens "
-                         f"{config.max_tokens}): rows {listed}{more}; raise the caps or pass "
-                         f"oversize='own_pack' or 'drop'", source=stats.source, record=int(bad[0]),
-                         field="tokens" if config.max_tokens is not None and stats.tokens[bad[0]] > config.max_tokens
-                         else "tiles")
-    if config.oversize == "own_pack":
-        return rows[~over], bad, rows[:0]
-    return rows[~over], rows[:0], bad
-
-
 def balance(stats, *, dp_size: int, num_microbatches: int = 1, seed: int = 0, epoch: int = 0,
             config: BalanceConfig | None = None) -> Schedule:
     """Balance one epoch of ``stats`` for ``dp_size`` ranks x ``num_microbatches`` micro-batches per step.
@@ -135,20 +111,10 @@ def balance(stats, *, dp_size: int, num_microbatches: int = 1, seed: int = 0, ep
     config = config or BalanceConfig()
     _check_layout(stats, dp_size, num_microbatches, seed, epoch)
     if config.method == "omnibal":
-        sched = _balance_omnibal(stats, dp_size, num_microbatches, seed, epoch, config)
-    else:
-        from omnibal.data.balance import baselines, isf
-
-        if config.method in ("isf", "isf+assign"):
-            sched = isf.balance_isf(stats, dp_size=dp_size, num_microbatches=num_microbatches, seed=seed,
-                                    epoch=epoch, config=config)
-        elif config.method == "random":
-            sched = baselines.balance_random(stats, dp_size=dp_size, num_microbatches=num_microbatches,
-                                             seed=seed, epoch=epoch, config=config)
-        else:
-            sched = baselines.balance_length_grouped(stats, dp_size=dp_size, num_microbatches=num_microbatches,
-                                                     seed=seed, epoch=epoch, config=config)
-    return sched
+        return _balance_omnibal(stats, dp_size, num_microbatches, seed, epoch, config)
+    method = {"isf": balance_isf, "isf+assign": balance_isf, "random": balance_random,
+              "length-grouped": balance_length_grouped}[config.method]
+    return method(stats, dp_size=dp_size, num_microbatches=num_microbatches, seed=seed, epoch=epoch, config=config)
 
 
 def _balance_omnibal(stats, dp_size, num_microbatches, seed, epoch, config: BalanceConfig) -> Schedule:
@@ -164,64 +130,18 @@ def _balance_omnibal(stats, dp_size, num_microbatches, seed, epoch, config: Bala
                          f"micro-batches without empty ones; raise the caps, or pass oversize='drop'",
                          source=stats.source, field="oversize")
     rng = epoch_rng(seed, epoch)
-    tiles, tokens = stats.tiles[regular], stats.tokens[regular]
-    vision, llm = config.cost.sample_costs(tiles, tokens)
+    pack_of = np.full(len(stats), -1, np.int64)
     if len(regular):
-        choice = choose_caps(tiles, tokens, slots_per_step=per_step, target_samples=config.target_samples,
-                             max_tiles=config.max_tiles, max_tokens=config.max_tokens,
-                             token_slack=config.token_slack, token_multiple=config.token_multiple, rng=rng,
-                             num_steps=config.num_steps)
-        fixed = config.max_tiles is not None or config.max_tokens is not None
-        extra_steps = 0
-        while True:
-            num_regular_packs = choice.num_packs + extra_steps * per_step
-            # room for own packs: more steps, the regular samples spread over what is left
-            num_total = min(-(-(num_regular_packs + len(alone)) // per_step) * per_step, max_total)
-            num_regular_packs = num_total - len(alone)
-            packed = pack_balanced(tiles, tokens, llm, num_packs=num_regular_packs, max_tiles=choice.max_tiles,
-                                   max_tokens=choice.max_tokens, rng=rng)
-            over = (packed.tiles > choice.max_tiles).any() or (packed.tokens > choice.max_tokens).any()
-            # a fixed buffer is a promise: when a few packs stay over it, one more step gives the room
-            if not (fixed and over) or extra_steps >= 3 or num_regular_packs >= len(regular):
-                break
-            extra_steps += 1
-        pack_of = np.full(len(stats), -1, np.int64)
-        pack_of[regular] = packed.pack_of
-        q_v, q_t = choice.max_tiles, choice.max_tokens
-        if config.max_tiles is None:  # derived buffer: what the packs really need
-            q_v = max(int(packed.tiles.max()), 1)
-        if config.max_tokens is None:
-            q_t = int(max(packed.tokens.max(), 1))
-            q_t = -(-q_t // config.token_multiple) * config.token_multiple
-        passes = packed.passes
+        num_regular_packs, (q_v, q_t), passes = _pack_regular(stats, regular, pack_of, per_step=per_step,
+                                                              max_total=max_total, num_alone=len(alone),
+                                                              config=config, rng=rng)
     else:
-        num_total = max_total  # == len(alone): checked above
-        num_regular_packs, pack_of, passes = 0, np.full(len(stats), -1, np.int64), (0, 0)
+        num_regular_packs, passes = 0, (0, 0, 0)
         q_v, q_t = config.max_tiles or 1, config.max_tokens or 1
-    if len(alone):
-        pack_of[alone] = num_regular_packs + np.arange(len(alone))
-    if config.max_tiles is not None or config.max_tokens is not None:
-        # still over after the extra steps: say so rather than hand out an over-full buffer
-        reg = pack_of[regular]
-        load_v = np.bincount(reg, weights=stats.tiles[regular], minlength=num_total)
-        load_t = np.bincount(reg, weights=stats.tokens[regular], minlength=num_total)
-        if (load_v > q_v).any() or (load_t > q_t).any():
-            raise InputError(f"could not pack under the fixed caps tiles={q_v} tokens={q_t} "
-                             f"({int((load_v > q_v).sum() + (load_t > q_t).sum())} packs over); raise the caps "
-                             f"or lower target_samples", source="caps",
-                             field="max_tokens" if (load_t > q_t).any() else "max_tiles")
-    # pack loads for the assignment (own packs and any empty packs included)
-    p_tiles = np.bincount(pack_of[pack_of >= 0], weights=stats.tiles[pack_of >= 0], minlength=num_total)
-    all_v, all_l = config.cost.sample_costs(stats.tiles, stats.tokens)
-    p_vis = np.bincount(pack_of[pack_of >= 0], weights=all_v[pack_of >= 0], minlength=num_total)
-    p_llm = np.bincount(pack_of[pack_of >= 0], weights=all_l[pack_of >= 0], minlength=num_total)
-    empty = int((np.bincount(pack_of[pack_of >= 0], minlength=num_total) == 0).sum())
-    if empty:  # the packer keeps every pack non-empty when there are no more packs than samples
-        raise InputError(f"{empty} of {num_total} micro-batches came out empty (target_samples "
-                         f"{config.target_samples}); raise target_samples", source=stats.source,
-                         field="target_samples")
-    pack_ids = assign_sorted(p_tiles, p_vis, p_llm, dp_size=dp_size, num_microbatches=num_microbatches,
-                             rng=rng)
+    num_total = num_regular_packs + len(alone)
+    pack_of[alone] = num_regular_packs + np.arange(len(alone))
+    pack_ids = _assign(stats, pack_of, num_total, dp_size=dp_size, num_microbatches=num_microbatches,
+                       config=config, rng=rng)
     return build_schedule(
         pack_of=pack_of, num_packs=num_total, pack_ids=pack_ids, dp_size=dp_size,
         num_microbatches=num_microbatches, caps=Caps(tiles=int(q_v), tokens=int(q_t)),
@@ -229,3 +149,54 @@ def _balance_omnibal(stats, dp_size, num_microbatches, seed, epoch, config: Bala
         stats_fingerprint=stats.fingerprint(), dropped=dropped,
         meta={"config": config.to_dict(), "exchange_passes": list(passes), "own_packs": alone.tolist()},
     )
+
+
+def _pack_regular(stats, regular, pack_of, *, per_step, max_total, num_alone, config, rng):
+    """Cap search and packing of the rows under the caps; writes their pack labels into ``pack_of``.
+    Returns (number of packs, (Q_v, Q_t), exchange passes)."""
+    tiles, tokens = stats.tiles[regular], stats.tokens[regular]
+    _, llm = config.cost.sample_costs(tiles, tokens)
+    choice = choose_caps(tiles, tokens, slots_per_step=per_step, target_samples=config.target_samples,
+                         max_tiles=config.max_tiles, max_tokens=config.max_tokens, token_slack=config.token_slack,
+                         token_multiple=config.token_multiple, rng=rng, num_steps=config.num_steps)
+    # with the own packs, a whole number of steps
+    num_packs = min(-(-(choice.num_packs + num_alone) // per_step) * per_step, max_total) - num_alone
+    packed = pack_balanced(tiles, tokens, llm, num_packs=num_packs, max_tiles=choice.max_tiles,
+                           max_tokens=choice.max_tokens, rng=rng, llm_tol=config.llm_tol, pack_step=per_step,
+                           max_packs=max_total - num_alone, hard_caps=_caps_fixed(config))
+    over = (packed.tiles > choice.max_tiles) & (config.max_tiles is not None)
+    over = int((over | (packed.tokens > choice.max_tokens) & (config.max_tokens is not None)).sum())
+    if over:  # the packer adds packs for what does not fit, unless more packs would leave some empty
+        raise InputError(f"could not pack under the caps tiles={choice.max_tiles} tokens={choice.max_tokens} "
+                         f"({over} packs over) without more micro-batches than samples; raise the caps, or "
+                         f"lower dp_size x num_microbatches", source="caps",
+                         field="max_tokens" if (packed.tokens > choice.max_tokens).any() else "max_tiles")
+    # derived caps: what the packs really need (the searched caps, or a little over them: see the packer)
+    pack_of[regular] = packed.pack_of
+    q_v, q_t = choice.max_tiles, choice.max_tokens
+    if config.max_tiles is None:
+        q_v = max(int(packed.tiles.max()), 1)
+    if config.max_tokens is None:
+        q_t = -(-int(max(packed.tokens.max(), 1)) // config.token_multiple) * config.token_multiple
+    return len(packed.tiles), (q_v, q_t), packed.passes
+
+
+def _caps_fixed(config: BalanceConfig) -> bool:
+    """A cap is a budget (fixed by the user), not the cap search's choice."""
+    return config.max_tiles is not None or config.max_tokens is not None
+
+
+def _assign(stats, pack_of, num_total, *, dp_size, num_microbatches, config, rng) -> np.ndarray:
+    """``pack_ids`` of the packs (own packs included) by their loads."""
+    in_pack = pack_of >= 0
+    labels = pack_of[in_pack]
+    p_tiles = np.bincount(labels, weights=stats.tiles[in_pack], minlength=num_total)
+    all_v, all_l = config.cost.sample_costs(stats.tiles[in_pack], stats.tokens[in_pack])
+    p_vis = np.bincount(labels, weights=all_v, minlength=num_total)
+    p_llm = np.bincount(labels, weights=all_l, minlength=num_total)
+    empty = int((np.bincount(labels, minlength=num_total) == 0).sum())
+    if empty:  # the packer keeps every pack non-empty when there are no more packs than samples
+        raise InputError(f"{empty} of {num_total} micro-batches came out empty (target_samples "
+                         f"{config.target_samples}); raise target_samples", source=stats.source,
+                         field="target_samples")
+    return assign_sorted(p_tiles, p_vis, p_llm, dp_size=dp_size, num_microbatches=num_microbatches, rng=rng)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from omnibal.data.balance.common import epoch_rng
 from omnibal.data.balance.schedule import Caps, build_schedule
 
 
@@ -57,8 +58,6 @@ def _finish(stats, order, *, dp_size, num_microbatches, seed, epoch, config, met
 
 def balance_random(stats, *, dp_size, num_microbatches, seed, epoch, config):
     """Random fixed micro-batches of ``config.batch_size`` (a DistributedSampler without drop/repeat)."""
-    from omnibal.data.balance.api import epoch_rng
-
     order = epoch_rng(seed, epoch, stream=3).permutation(len(stats))
     return _finish(stats, order, dp_size=dp_size, num_microbatches=num_microbatches, seed=seed, epoch=epoch,
                    config=config, method="random")
@@ -98,8 +97,6 @@ def length_grouped_order(lengths: np.ndarray, *, group: int, batch_size: int, rn
 
 def balance_length_grouped(stats, *, dp_size, num_microbatches, seed, epoch, config):
     """LLaVA-style length grouping by LLM tokens, one mega-batch per micro-batch round of all ranks."""
-    from omnibal.data.balance.api import epoch_rng
-
     order = length_grouped_order(stats.tokens.astype(np.float64), group=dp_size * config.batch_size,
                                  batch_size=config.batch_size, rng=epoch_rng(seed, epoch, stream=4))
     return _finish(stats, order, dp_size=dp_size, num_microbatches=num_microbatches, seed=seed, epoch=epoch,

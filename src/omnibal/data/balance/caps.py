@@ -2,7 +2,8 @@
 
 The number of packs is a multiple of ``dp_size * num_microbatches`` (so every rank gets the same number of
 steps and micro-batches, with no pack left over), chosen among the counts that give a mean of
-``target_samples`` samples per micro-batch (+-10%) by the lowest predicted padding:
+``target_samples`` samples per micro-batch (-max(0.6, 15%) / +max(0.5, 10%): 3.9-5 for the default) by
+the lowest predicted padding:
 
 * tile pad: ``1 - (V/P) / Q_v`` with ``Q_v = ceil(V/P / (1 - tile_slack))``: the packer needs a little room
   (``tile_slack``) to fill tiles and tokens at once, and V/P lands just under an integer for some counts;
@@ -11,10 +12,13 @@ steps and micro-batches, with no pack left over), chosen among the counts that g
 
 The few best-predicted counts (with Q_v and Q_v + 1) are then tried by dealing a 16k-sample subsample and
 measuring the padding: with odd tile counts (1, 3, 5 tiles) a pack of 4 samples cannot reach an odd cap,
-which no closed formula here predicts.
+which no closed formula here predicts. The subsample gets as many packs as keep the full set's mean tiles per
+pack (whether a cap is reachable turns on that mean being just under an integer).
 
 Fixed caps (``max_tiles``/``max_tokens``, a memory budget) instead give the smallest pack count whose mean
-load leaves the packer ``token_slack`` of room. Everything here is O(N log N) once plus O(1) per candidate.
+load leaves the packer ``token_slack`` of room (or, when none does, the smallest that passes the
+feasibility check); the packer adds whole steps of packs for whatever still does not fit.
+Everything here is O(N log N) once plus O(1) per candidate.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from omnibal.data.balance.packer import _deal
 from omnibal.errors import InputError
 
 
@@ -59,6 +64,99 @@ def _round_up(x: float, multiple: int) -> int:
     return int(math.ceil(x / multiple - 1e-9) * multiple)
 
 
+class _CapModel:
+    """The sorted sizes and totals every candidate pack count is judged by (O(N log N) once)."""
+
+    def __init__(self, tiles, tokens, *, slots_per_step, max_tiles, max_tokens, token_slack, tile_slack,
+                 token_multiple) -> None:
+        self.n = len(tiles)
+        self.slots_per_step = slots_per_step
+        self.max_tiles, self.max_tokens = max_tiles, max_tokens
+        self.fixed = max_tiles is not None or max_tokens is not None
+        self.token_slack, self.tile_slack, self.token_multiple = token_slack, tile_slack, token_multiple
+        self.total_v, self.total_t = float(np.sum(tiles, dtype=np.int64)), float(np.sum(tokens, dtype=np.int64))
+        self.v_asc = np.sort(np.asarray(tiles, np.float64))
+        self.t_asc = np.sort(np.asarray(tokens, np.float64))
+        self.max_steps = self.n // slots_per_step
+
+    def caps_for(self, steps: int) -> tuple[int, int]:
+        """(Q_v, Q_t) for ``steps``: the fixed caps, or the mean pack plus the slack (never under the
+        largest sample)."""
+        p = steps * self.slots_per_step
+        qv = self.max_tiles if self.max_tiles is not None else max(
+            int(math.ceil(self.total_v / p / (1 - self.tile_slack) - 1e-9)), int(self.v_asc[-1]))
+        qt = self.max_tokens if self.max_tokens is not None else max(
+            _round_up(self.total_t / p / (1 - self.token_slack), self.token_multiple), int(self.t_asc[-1]))
+        return qv, qt
+
+    def feasible(self, steps: int, qv: int, qt: int) -> bool:
+        p = steps * self.slots_per_step
+        return _feasible(self.v_asc, qv, p) and _feasible(self.t_asc, qt, p)
+
+    def ok(self, steps: int) -> bool:
+        """The mean pack leaves the packer room and the big samples fit (necessary conditions)."""
+        p = steps * self.slots_per_step
+        qv, qt = self.caps_for(steps)
+        return (self.total_v <= qv * p and self.total_t <= qt * p * (1 - self.token_slack / 2)
+                and self.feasible(steps, qv, qt))
+
+    def score(self, steps: int, target_samples: float) -> float:
+        """Predicted padding of both buffers (plus, with free caps, the distance to the target)."""
+        p = steps * self.slots_per_step
+        qv, qt = self.caps_for(steps)
+        pad_v = 1 - self.total_v / (qv * p) if qv else 0.0
+        pad_t = 1 - self.total_t / (qt * p)
+        off = 0.0 if self.fixed else abs(math.log(self.n / p / target_samples))
+        return pad_v + pad_t + 0.05 * off
+
+
+def _fixed_cap_steps(model: _CapModel, num_steps: int | None) -> list[int]:
+    """A budget: the fewest steps whose mean pack fits, then the next few counts if they pad less. When
+    none leaves the slack, the fewest that pass the necessary conditions (the packer adds packs for what
+    still does not fit); an InputError only when not even one sample per pack could fit."""
+    mv, mt = model.max_tiles or np.inf, model.max_tokens or np.inf
+    lo = max(1, math.ceil(max(model.total_v / mv, model.total_t / mt) / model.slots_per_step))
+    steps = next((s for s in range(lo, model.max_steps + 1) if model.ok(s)), None)
+    if steps is None:
+        steps = next((s for s in range(lo, model.max_steps + 1) if model.feasible(s, *model.caps_for(s))), None)
+    if steps is None:
+        raise InputError(f"no pack count fits the caps tiles={model.max_tiles} tokens={model.max_tokens} with "
+                         f"{model.slots_per_step} micro-batches per step (largest sample: {int(model.v_asc[-1])} "
+                         f"tiles, {int(model.t_asc[-1])} tokens)", source="caps", field="max_tokens")
+    if num_steps is not None and lo <= num_steps <= model.max_steps:
+        return [num_steps]
+    return [steps] + [s for s in range(steps + 1, min(model.max_steps, steps + 3) + 1) if model.ok(s)]
+
+
+def _free_cap_steps(model: _CapModel, target_samples: float) -> list[int]:
+    """Step counts whose mean pack holds target_samples -max(0.6, 15%) / +max(0.5, 10%) samples (3.9-5
+    for the default: a little more room below, where a mean tile count just under an integer may be)."""
+    if target_samples <= 0:
+        raise InputError(f"must be > 0, got {target_samples}", source="target_samples", field="target_samples")
+    n, per_step = model.n, model.slots_per_step
+    centre = n / (target_samples * per_step)
+    half_low, half_high = max(0.6, 0.15 * target_samples), max(0.5, 0.1 * target_samples)
+    lo_s = max(1, int(math.ceil(n / ((target_samples + half_high) * per_step))))
+    hi_s = max(lo_s, min(model.max_steps, int(math.floor(n / (max(target_samples - half_low, 0.5) * per_step)))))
+    candidates = [s for s in range(lo_s, hi_s + 1) if model.ok(s)]
+    if not candidates:  # widen: any count that is feasible, nearest the target first
+        candidates = sorted((s for s in range(1, model.max_steps + 1) if model.ok(s)),
+                            key=lambda s: abs(s - centre))[:8]
+    return candidates or [max(1, min(model.max_steps, round(centre)))]
+
+
+def _trials(model: _CapModel, ranked: list[int]) -> list[tuple[int, int, int]]:
+    """(steps, Q_v, Q_t) to measure: each ranked count with its Q_v, and (free tile cap) the tight
+    ``ceil(V/P)`` and ``Q_v + 1`` beside it."""
+    trials = []
+    for steps in ranked:
+        qv, qt = model.caps_for(steps)
+        tight = max(int(math.ceil(model.total_v / (steps * model.slots_per_step) - 1e-9)), int(model.v_asc[-1]))
+        options = [qv] if model.max_tiles is not None else sorted({tight, qv, qv + 1})
+        trials += [(steps, q, qt) for q in options if _feasible(model.v_asc, q, steps * model.slots_per_step)]
+    return trials
+
+
 def choose_caps(
     tiles: np.ndarray,
     tokens: np.ndarray,
@@ -79,77 +177,19 @@ def choose_caps(
     if n < slots_per_step:
         raise InputError(f"dp_size x num_microbatches = {slots_per_step} micro-batches per step, but only {n} "
                          f"samples: some ranks would get no data", source="dp_size", field="dp_size")
-    total_v, total_t = float(np.sum(tiles, dtype=np.int64)), float(np.sum(tokens, dtype=np.int64))
-    v_asc = np.sort(np.asarray(tiles, np.float64))
-    t_asc = np.sort(np.asarray(tokens, np.float64))
-    max_steps = n // slots_per_step
-
-    def caps_for(steps: int) -> tuple[int, int]:
-        p = steps * slots_per_step
-        qv = max_tiles if max_tiles is not None else max(int(math.ceil(total_v / p / (1 - tile_slack) - 1e-9)),
-                                                         int(v_asc[-1]))
-        qt = max_tokens if max_tokens is not None else max(
-            _round_up(total_t / p / (1 - token_slack), token_multiple), int(t_asc[-1]))
-        return qv, qt
-
-    def ok(steps: int) -> bool:
-        p = steps * slots_per_step
-        qv, qt = caps_for(steps)
-        return (total_v <= qv * p and total_t <= qt * p * (1 - token_slack / 2)
-                and _feasible(v_asc, qv, p) and _feasible(t_asc, qt, p))
-
-    if max_tiles is not None or max_tokens is not None:
-        # a budget: the fewest packs that fit, then the next few counts if they pad less
-        lo = max(1, math.ceil(max(total_v / (max_tiles or np.inf), total_t / (max_tokens or np.inf)) / slots_per_step))
-        steps = next((s for s in range(lo, max_steps + 1) if ok(s)), None)
-        if steps is None:
-            raise InputError(f"no pack count fits the caps tiles={max_tiles} tokens={max_tokens} with "
-                             f"{slots_per_step} micro-batches per step (largest sample: {int(v_asc[-1])} tiles, "
-                             f"{int(t_asc[-1])} tokens)", source="caps", field="max_tokens")
-        candidates = [s for s in range(steps, min(max_steps, steps + 3) + 1) if ok(s)]
-        if num_steps is not None and lo <= num_steps <= max_steps:
-            candidates = [num_steps]
-    else:
-        if target_samples <= 0:
-            raise InputError(f"must be > 0, got {target_samples}", source="target_samples", field="target_samples")
-        centre = n / (target_samples * slots_per_step)
-        # step counts whose mean pack holds target_samples +- max(0.5, 10%) samples (4-5 for the default)
-        half = max(0.5, 0.1 * target_samples)
-        lo_s = max(1, int(math.ceil(n / ((target_samples + half) * slots_per_step))))
-        hi_s = max(lo_s, min(max_steps, int(math.floor(n / (max(target_samples - half, 0.5) * slots_per_step)))))
-        candidates = [s for s in range(lo_s, hi_s + 1) if ok(s)]
-        if not candidates:  # widen: any count that is feasible, nearest the target first
-            candidates = sorted((s for s in range(1, max_steps + 1) if ok(s)), key=lambda s: abs(s - centre))[:8]
-        if not candidates:
-            candidates = [max(1, min(max_steps, round(centre)))]
-
-    def score(steps: int) -> float:
-        p = steps * slots_per_step
-        qv, qt = caps_for(steps)
-        pad_v = 1 - total_v / (qv * p) if qv else 0.0
-        pad_t = 1 - total_t / (qt * p)
-        off = abs(math.log(n / p / target_samples)) if max_tiles is None and max_tokens is None else 0.0
-        return pad_v + pad_t + 0.05 * off
-
-    ranked = sorted(candidates, key=score)[:max_trials]
-    trials = []
-    for steps in ranked:
-        qv, qt = caps_for(steps)
-        tight = max(int(math.ceil(total_v / (steps * slots_per_step) - 1e-9)), int(v_asc[-1]))
-        options = [qv] if max_tiles is not None else sorted({tight, qv, qv + 1})
-        for q in options:
-            if not _feasible(v_asc, q, steps * slots_per_step):
-                continue
-            trials.append((steps, q, qt))
+    model = _CapModel(tiles, tokens, slots_per_step=slots_per_step, max_tiles=max_tiles, max_tokens=max_tokens,
+                      token_slack=token_slack, tile_slack=tile_slack, token_multiple=token_multiple)
+    candidates = (_fixed_cap_steps(model, num_steps) if model.fixed
+                  else _free_cap_steps(model, target_samples))
+    ranked = sorted(candidates, key=lambda s: model.score(s, target_samples))[:max_trials]
+    trials = _trials(model, ranked)
     if not trials:
-        steps = ranked[0]
-        qv, qt = caps_for(steps)
-        return CapChoice(num_steps=steps, num_packs=steps * slots_per_step, max_tiles=qv, max_tokens=qt)
-    if rng is None or len(trials) == 1:
+        steps, (qv, qt) = ranked[0], model.caps_for(ranked[0])
+    elif rng is None or len(trials) == 1:
         steps, qv, qt = trials[0]
     else:
-        steps, qv, qt = min(trials, key=lambda tr: _trial_pad(tiles, tokens, tr, slots_per_step, rng, target_samples,
-                                                              max_tiles is None and max_tokens is None))
+        steps, qv, qt = min(trials, key=lambda tr: _trial_pad(tiles, tokens, tr, slots_per_step, rng,
+                                                              target_samples, not model.fixed))
     return CapChoice(num_steps=steps, num_packs=steps * slots_per_step, max_tiles=qv, max_tokens=qt)
 
 
@@ -157,17 +197,18 @@ def _trial_pad(tiles, tokens, trial, slots_per_step, rng, target_samples, use_ta
     """Measured padding of a trial (steps, Q_v, Q_t): deal a subsample into proportionally fewer packs
     and read off how full both buffers are (tile counts are integers, so whether packs can be filled
     exactly depends on which sizes the data has -- cheaper to measure than to predict)."""
-    from omnibal.data.balance.packer import _deal
-
     steps, qv, qt = trial
     n = len(tiles)
     p = steps * slots_per_step
+    v_all = np.asarray(tiles, np.float64)
     if n > sub_size:
         rows = np.sort(np.random.default_rng(12345).choice(n, sub_size, replace=False))
-        p_sub = max(1, int(round(p * sub_size / n)))
+        # as many packs as give the subsample the full set's mean tiles per pack (rounded to more packs):
+        # whether a cap is reachable turns on that mean being just under an integer
+        p_sub = max(1, min(sub_size, int(math.ceil(v_all[rows].sum() * p / max(v_all.sum(), 1) - 1e-9))))
     else:
         rows, p_sub = np.arange(n), p
-    v = np.asarray(tiles, np.float64)[rows]
+    v = v_all[rows]
     t = np.asarray(tokens, np.float64)[rows]
     slots = _deal(v, t, t, p_sub, qv, qt, np.random.default_rng(0))
     pv = np.append(v, 0.0)[slots].sum(1)

@@ -22,8 +22,10 @@ from __future__ import annotations
 import sys
 
 import numpy as np
+from tqdm import tqdm
 
 from omnibal.data.balance.assign import assign_sorted
+from omnibal.data.balance.common import epoch_rng, split_oversize
 from omnibal.data.balance.schedule import Caps, build_schedule
 
 
@@ -119,8 +121,6 @@ def search_caps(tiles, tokens, *, dp_size, threshold, iterations, rng, target=(4
     grid = [(qv, grow) for qv in range(qv0, max(qv0, int(target[1] * mean_v * 1.3)) + 1)
             for grow in (1.0, 1.1, 1.2, 1.3)]
     if progress:
-        from tqdm import tqdm
-
         grid = tqdm(grid, desc="ISF argument search", unit="caps", file=sys.stderr)
     for qv, grow in grid:
         qt = max(int(np.max(tokens)), int(round(qv * per_tile * grow / 128)) * 128)
@@ -140,8 +140,6 @@ def search_caps(tiles, tokens, *, dp_size, threshold, iterations, rng, target=(4
 
 
 def balance_isf(stats, *, dp_size, num_microbatches, seed, epoch, config):
-    from omnibal.data.balance.api import epoch_rng, split_oversize
-
     regular, alone, dropped = split_oversize(stats, config)
     rng = epoch_rng(seed, epoch, stream=1)
     tiles, tokens = stats.tiles[regular], stats.tokens[regular]

@@ -1,20 +1,26 @@
 """omnibal's packer: ``P`` packs whose tile counts are equal (to the integer) and whose LLM costs are equal
 (within a small band), all under the (Q_v, Q_t) buffer.
 
-Three vectorised phases, no per-sample Python loop:
+Four vectorised phases, no per-sample Python loop:
 
 1. **Round dealing** (an LPT in rounds): samples sorted by (tiles, LLM cost), largest first, are dealt ``P``
    at a time; in every round the largest sample goes to the pack with the fewest tiles so far (ties: the
    lowest LLM cost). Every pack gets one sample from every size band.
-2. **Tile repair**: packs whose tile count is outside ``[floor(V/P), ceil(V/P)]`` (V = total tiles; or
-   above a fixed tile cap) are paired with packs on the other side and the single swap or move that brings
+2. **Tile repair**: packs whose tile count is outside ``[floor(V/P), ceil(V/P)]`` (V = total tiles; never
+   above the tile cap) are paired with packs on the other side and the single swap or move that brings
    both closest to the range is applied, all pairs at once as ``[pairs, K, K]`` array operations.
 3. **LLM levelling**: the same pairwise exchange, restricted to swaps that keep both packs' tile counts in
-   range, pulls every pack's LLM cost (and tokens under a fixed token cap) into a band around the mean.
+   range, pulls every pack under the token cap and its LLM cost into ``llm_tol`` (default 1%) of the mean.
    Pairs are heaviest-with-lightest (sorted), alternating with random pairings so that no pair is tried
    twice in a row; only pairs with a pack outside the band are evaluated, so late passes are cheap.
+4. **The tail** (``_enforce_caps``): packs still over a cap give up samples -- per pack the smallest one
+   whose removal suffices -- to whole new steps of packs; then phases 2-3 run again with the caps hard
+   (every pack starts under them and no exchange may bring one over), which spreads the new packs' room
+   over all packs. So a fixed buffer always holds, whatever the caps, as long as every sample fits alone and
+   there are enough samples for the packs. With derived caps a buffer grown to the few packs a little over
+   it is kept instead when that pads less than a step of new packs; outliers far over never set it.
 
-Exactly-once holds by construction: samples only ever swap slots.
+Exactly-once holds by construction: samples only ever change slots.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+from omnibal.data.balance.isf import next_fit
 
 _CHUNK_PAIRS = 1 << 14  # bounds the [pairs, K, K] temporaries to a few MiB each
 
@@ -38,8 +46,8 @@ class PackResult:
     """Tokens per pack."""
     llm: np.ndarray
     """LLM cost per pack (per-sample part)."""
-    passes: tuple[int, int]
-    """Exchange passes run in the tile repair and the LLM levelling."""
+    passes: tuple[int, int, int]
+    """Exchange passes run in the tile repair, the LLM levelling and after the tail's new packs."""
 
 
 class _Packs:
@@ -257,6 +265,213 @@ def _repair(packs: _Packs, objective, deviation, rng, rounds: int, partners: int
     return rounds
 
 
+_HARD = 1e9
+"""Objective weight of a pack over a cap once every pack is under them: no exchange may bring one over."""
+
+DEFAULT_LLM_TOL = 0.01
+"""Default band (relative to the mean) the LLM levelling pulls every pack's LLM cost into."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Targets:
+    """What the exchange phases aim at for ``num_packs`` packs: tiles in ``[tile_lo, tile_hi]``, tokens
+    under the token cap, LLM cost within ``llm_tol`` of the mean. ``hard``: every pack is already under
+    the caps, and going over one costs more than any balance gain (so none ever does again)."""
+
+    mean_v: float
+    mean_t: float
+    mean_l: float
+    tile_lo: float
+    tile_top: float
+    tile_hi: float
+    max_tokens: float
+    llm_tol: float | None
+    hard: bool = False
+
+    @classmethod
+    def of(cls, v, t, lc, num_packs: int, max_tiles: int, max_tokens: int, llm_tol, hard=False) -> "_Targets":
+        mean_v = float(v.sum()) / num_packs
+        return cls(mean_v=mean_v, mean_t=max(float(t.sum()) / num_packs, 1.0),
+                   mean_l=max(float(lc.sum()) / num_packs, 1e-300),
+                   tile_lo=min(np.floor(mean_v + 1e-9), float(max_tiles)),
+                   tile_top=min(np.ceil(mean_v - 1e-9), float(max_tiles)), tile_hi=float(max_tiles),
+                   max_tokens=float(max_tokens), llm_tol=llm_tol, hard=hard)
+
+    def tile_off(self, pv):
+        return np.maximum(pv - self.tile_top, 0) + np.maximum(self.tile_lo - pv, 0)
+
+    def token_over(self, pt):
+        return np.maximum(pt - self.max_tokens, 0) / self.mean_t
+
+    def _hard(self, pv, pt):
+        if not self.hard:
+            return 0.0
+        return _HARD * ((pv > self.tile_hi) | (pt > self.max_tokens))
+
+    def tile_objective(self, pv, pt, pl):
+        off = self.tile_off(pv)
+        return off * off + self._hard(pv, pt)
+
+    def tile_deviation(self, pv, pt, pl):
+        # continuous, so a pack over the range meets one at the low end of it (not one just inside)
+        return pv - self.mean_v
+
+    def llm_dev(self, pv, pl):
+        # every pack aims at the same LLM cost, also those one tile short: they take the text-heavy
+        # samples that would push a full-tile pack over the token cap, which fills both buffers
+        return (pl - self.mean_l) / self.mean_l
+
+    def llm_objective(self, pv, pt, pl):
+        # over the tile cap: forbidden; over the token cap: to be fixed, even by a pack one tile under the
+        # range (a text-heavy sample needs the room of a tile); under the range: a mild cost
+        over = self.token_over(pt)
+        off = self.tile_off(pv)
+        g = 1e6 * np.maximum(pv - self.tile_hi, 0) ** 2 + 1e4 * over * over + 1e-3 * off * off
+        g = g + 1.0 * (over > 0)  # any overflow is bad, however small: 1e4 * 2**2 tokens over lost to balance terms
+        if self.llm_tol is not None:
+            band = np.maximum(np.abs(self.llm_dev(pv, pl)) - self.llm_tol, 0)
+            g = g + 0.01 * band * band
+        return g + self._hard(pv, pt)
+
+    def llm_deviation(self, pv, pt, pl):
+        return self.llm_dev(pv, pl) + 10.0 * self.token_over(pt)
+
+    # a pack merely one tile under the range is acceptable; only caps (and the band) make a pack "bad"
+    ok_level = 1e-3 + 1e-9
+
+
+def _repair_tiles(packs: _Packs, targets: _Targets, rng) -> int:
+    """Phase 2: bring every pack's tile count into ``[tile_lo, tile_hi]``."""
+    passes = _improve(packs, targets.tile_objective, targets.tile_deviation, rng, 8)
+    for group in (1, 2):
+        if (targets.tile_objective(packs.pv, packs.pt, packs.pl) > 0).any():
+            passes += _repair(packs, targets.tile_objective, targets.tile_deviation, rng, rounds=4, partners=24,
+                              group=group)
+    return passes
+
+
+def _level_llm(packs: _Packs, targets: _Targets, rng, max_passes: int) -> int:
+    """Phase 3: token cap and LLM levelling, tile counts kept in range."""
+    ok = targets.ok_level
+    passes = _improve(packs, targets.llm_objective, targets.llm_deviation, rng, max_passes, bad_above=ok)
+    for group in (1, 2):
+        if (targets.llm_objective(packs.pv, packs.pt, packs.pl) > ok).any():
+            passes += _repair(packs, targets.llm_objective, targets.llm_deviation, rng, rounds=6, partners=24,
+                              group=group, bad_above=ok)
+    return passes
+
+
+def _over(packs: _Packs, max_tiles: float, max_tokens: float) -> np.ndarray:
+    return (packs.pv > max_tiles) | (packs.pt > max_tokens)
+
+
+def _evict(packs: _Packs, max_tiles: float, max_tokens: float) -> np.ndarray:
+    """Take samples out of every pack over a cap until it is under both: per round and pack, the smallest
+    sample whose removal suffices, else the one with the largest share of the cap that is exceeded.
+    Returns the evicted samples (each fits a pack alone: oversize samples never reach the packer)."""
+    evicted = []
+    for _ in range(packs.slots.shape[1]):
+        over = np.flatnonzero(_over(packs, max_tiles, max_tokens))
+        if len(over) == 0:
+            break
+        s = packs.slots[over]
+        used = s < packs.n
+        v, t = packs.vv[s], packs.tt[s]
+        need_v = (packs.pv[over] - max_tiles)[:, None]
+        need_t = (packs.pt[over] - max_tokens)[:, None]
+        size = v / max(max_tiles, 1) + t / max(max_tokens, 1)
+        suffices = used & (v >= need_v) & (t >= need_t)
+        share = np.where(need_t > 0, t / max(max_tokens, 1), 0.0) + np.where(need_v > 0, v / max(max_tiles, 1), 0.0)
+        pick = np.where(suffices.any(1), np.argmin(np.where(suffices, size, np.inf), axis=1),
+                        np.argmax(np.where(used, share, -np.inf), axis=1))
+        out = s[np.arange(len(over)), pick]
+        packs.slots[over, pick] = packs.n
+        packs.pv[over] -= packs.vv[out]
+        packs.pt[over] -= packs.tt[out]
+        packs.pl[over] -= packs.ll[out]
+        evicted.append(out)
+    return np.concatenate(evicted) if evicted else np.zeros(0, np.int64)
+
+
+def _next_fit_largest_first(packs: _Packs, items: np.ndarray, max_tiles: float, max_tokens: float,
+                            max_items: int):
+    """A valid packing of ``items`` alone (next-fit, largest first; each item fits a pack alone), with at
+    most ``max_items`` per pack (a pack of many small samples would widen every exchange it takes part
+    in): (items in pack order, pack start positions)."""
+    size = packs.vv[items] / max(max_tiles, 1) + packs.tt[items] / max(max_tokens, 1)
+    order = items[np.argsort(-size, kind="stable")]
+    starts = next_fit(packs.vv[order], packs.tt[order], max_tiles, max_tokens)
+    # cut longer packs into pieces of max_items (parts of a pack under the caps are under them too)
+    sizes = np.diff(np.append(starts, len(order)))
+    pieces = -(-sizes // max_items)
+    first = np.repeat(starts, pieces)
+    piece = np.arange(len(first)) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+    return order, first + piece * max_items
+
+
+def _add_packs(packs: _Packs, order: np.ndarray, starts: np.ndarray, count: int) -> _Packs:
+    """``count`` new packs after the others, the first ``len(starts)`` holding ``order`` cut at ``starts``
+    (a valid packing); the rest start empty (the tile repair fills them)."""
+    assert len(starts) <= count, (len(starts), count)
+    sizes = np.diff(np.append(starts, len(order)))
+    width = max(packs.slots.shape[1], int(sizes.max(initial=0)) + 3)
+    new = np.full((count, width), packs.n, np.int64)
+    new[np.repeat(np.arange(len(starts)), sizes), np.arange(len(order)) - np.repeat(starts, sizes)] = order
+    old = np.concatenate([packs.slots, np.full((len(packs.slots), width - packs.slots.shape[1]), packs.n)], axis=1)
+    return _Packs(np.concatenate([old, new]), packs.vv[:-1], packs.tt[:-1], packs.ll[:-1])
+
+
+def _fill_empty(packs: _Packs, rng) -> None:
+    """Move one sample into every empty pack from the packs with the most samples (a sample alone always
+    fits; a pack that loses one stays under the caps), so no micro-batch is empty."""
+    while True:
+        count = (packs.slots < packs.n).sum(1)
+        empty = np.flatnonzero(count == 0)
+        if len(empty) == 0:
+            return
+        donors = np.argsort(-count + rng.random(len(count)) * 0.5)[: len(empty)]
+        donors = donors[count[donors] >= 2]
+        assert len(donors), "more packs than samples reached the packer"
+        empty = empty[: len(donors)]
+        d_slot = np.argmax(packs.slots[donors] < packs.n, axis=1)
+        e_slot = np.zeros(len(empty), np.int64)
+        packs.apply(donors, empty, d_slot[:, None], e_slot[:, None])
+
+
+def _growing_is_cheaper(packs: _Packs, max_tiles, max_tokens, pack_step: int) -> bool:
+    """Derived caps: would a buffer grown to the packs over it pad less than one more step of packs?"""
+    grow = (max(float(packs.pv.max()) / max(max_tiles, 1) - 1, 0)
+            + max(float(packs.pt.max()) / max(max_tokens, 1) - 1, 0))
+    return grow <= 2 * pack_step / len(packs.pv)  # a step more empties both buffers by pack_step / P
+
+
+def _enforce_caps(packs: _Packs, v, t, lc, *, max_tiles, max_tokens, hard_caps, pack_step, max_packs, llm_tol,
+                  rng, max_passes) -> tuple[_Packs, int]:
+    """Phase 4, the rule for the tail: packs the exchange left over a cap give up samples (``_evict``);
+    those go to whole new steps of packs (``pack_step`` packs each), and the exchange phases run again
+    with the caps hard, which spreads the new packs' room over all. With derived caps (``hard_caps``
+    False) the buffer instead grows to the packs over it when that pads less than a step of new packs
+    (a few packs a little over); never for outliers far over. Returns (packs, exchange passes)."""
+    if not _over(packs, max_tiles, max_tokens).any():
+        return packs, 0
+    p_old = len(packs.pv)
+    if not hard_caps and _growing_is_cheaper(packs, max_tiles, max_tokens, pack_step):
+        return packs, 0
+    snapshot = packs.slots.copy(), packs.pv.copy(), packs.pt.copy(), packs.pl.copy()
+    items = _evict(packs, max_tiles, max_tokens)
+    order, starts = _next_fit_largest_first(packs, items, max_tiles, max_tokens,
+                                            max_items=int(np.ceil(len(v) / p_old)) + 1)
+    p_new = p_old + -(-len(starts) // pack_step) * pack_step
+    if p_new > max_packs:  # no room for more packs (fewer samples than slots): the caller reports it
+        packs.slots, packs.pv, packs.pt, packs.pl = snapshot
+        return packs, 0
+    packs = _add_packs(packs, order, starts, p_new - p_old)
+    _fill_empty(packs, rng)
+    targets = _Targets.of(v, t, lc, p_new, max_tiles, max_tokens, llm_tol, hard=True)
+    passes = _repair_tiles(packs, targets, rng) + _level_llm(packs, targets, rng, max_passes)
+    return packs, passes
+
+
 def pack_balanced(
     tiles: np.ndarray,
     tokens: np.ndarray,
@@ -266,79 +481,35 @@ def pack_balanced(
     max_tiles: int,
     max_tokens: int,
     rng: np.random.Generator,
-    llm_tol: float | None = None,
+    llm_tol: float | None = DEFAULT_LLM_TOL,
     max_passes: int = 24,
+    pack_step: int = 1,
+    max_packs: int | None = None,
+    hard_caps: bool = True,
 ) -> PackResult:
-    """Split samples into ``num_packs`` packs under the (``max_tiles``, ``max_tokens``) buffer with tile
-    counts in ``[floor(V/P), ceil(V/P)]`` and LLM costs levelled (see the module docstring).
+    """Split samples into at least ``num_packs`` packs under the (``max_tiles``, ``max_tokens``) buffer with
+    tile counts in ``[floor(V/P), max_tiles]`` and LLM costs levelled (see the module docstring).
 
-    ``llm_tol``: when set, also level every pack's LLM cost into this relative band around the mean (not
-    needed for balance -- the assignment sorts packs into steps -- and slower). Packs the exchange cannot bring under the caps are left
-    for the caller to detect (it raises the cap or adds packs).
+    ``llm_tol``: the relative band around the mean LLM cost the levelling aims at (None: only the token
+    cap). Packs still over a cap after the exchange give up samples to ``pack_step`` more packs at a time
+    (at most ``max_packs`` in all); only when that bound stops it are packs left over the caps, for the
+    caller to detect. ``hard_caps`` False (caps derived by the cap search, not a budget): packs a little
+    over are kept when growing the buffer to them pads less (see ``_enforce_caps``). Every sample must
+    fit a pack alone.
     """
     n, p = len(tiles), int(num_packs)
-    assert 1 <= p <= max(n, 1)
+    max_packs = n if max_packs is None else int(max_packs)
+    assert 1 <= p <= max(n, 1) and pack_step >= 1
     v = np.asarray(tiles, np.float64)
     t = np.asarray(tokens, np.float64)
     lc = np.asarray(llm_cost, np.float64)
-    mean_v = v.sum() / p
-    mean_t = max(t.sum() / p, 1.0)
-    mean_l = max(lc.sum() / p, 1e-300)
-    tile_lo = min(np.floor(mean_v + 1e-9), float(max_tiles))
-    tile_hi = float(max_tiles)
-    # Every pack aims at the same LLM cost, also those one tile short: they take the text-heavy samples
-    # that would push a full-tile pack over the token cap, which is exactly what fills both buffers.
-    slope = 0.0
-
-    # -- phase 1: round dealing -------------------------------------------------------------------------
-    slots = _deal(v, t, lc, p, max_tiles, max_tokens, rng)
-    packs = _Packs(slots, v, t, lc)
-
-    def tile_off(pv):
-        return np.maximum(pv - tile_hi, 0) + np.maximum(tile_lo - pv, 0)
-
-    def token_over(pt):
-        return np.maximum(pt - max_tokens, 0) / mean_t
-
-    # -- phase 2: tile repair ----------------------------------
-    def tile_objective(pv, pt, pl):
-        off = tile_off(pv)
-        return off * off
-
-    def tile_deviation(pv, pt, pl):
-        # continuous, so a pack over the range meets one at the low end of it (not one just inside)
-        return pv - mean_v
-
-    passes_tiles = _improve(packs, tile_objective, tile_deviation, rng, 8)
-    for group in (1, 2):
-        if (tile_off(packs.pv) > 0).any():
-            passes_tiles += _repair(packs, tile_objective, tile_deviation, rng, rounds=4, partners=24, group=group)
-
-    # -- phase 3: token cap + LLM levelling, tiles kept in range ---------------------------------------
-    def llm_dev(pv, pl):
-        return (pl - mean_l - slope * (pv - mean_v)) / mean_l
-
-    def llm_objective(pv, pt, pl):
-        # over the tile cap: forbidden; over the token cap: to be fixed, even by a pack one tile under the
-        # range (a text-heavy sample needs the room of a tile); under the range: a mild cost
-        over = token_over(pt)
-        under = np.maximum(tile_lo - pv, 0)
-        g = 1e6 * np.maximum(pv - tile_hi, 0) ** 2 + 1e4 * over * over + 1e-3 * under * under
-        g = g + 1.0 * (over > 0)  # any overflow is bad, however small: 1e4 * 2**2 tokens over lost to balance terms
-        if llm_tol is not None:
-            band = np.maximum(np.abs(llm_dev(pv, pl)) - llm_tol, 0)
-            g = g + 0.01 * band * band
-        return g
-
-    def llm_deviation(pv, pt, pl):
-        return llm_dev(pv, pl) + 10.0 * token_over(pt)
-
-    # a pack merely one tile under the range is acceptable; only caps make a pack "bad"
-    ok_level = 1e-3 + 1e-9
-    passes_llm = _improve(packs, llm_objective, llm_deviation, rng, max_passes, bad_above=ok_level)
-    for group in (1, 2):
-        if (llm_objective(packs.pv, packs.pt, packs.pl) > ok_level).any():
-            passes_llm += _repair(packs, llm_objective, llm_deviation, rng, rounds=6, partners=24, group=group,
-                                  bad_above=ok_level)
+    packs = _Packs(_deal(v, t, lc, p, max_tiles, max_tokens, rng), v, t, lc)
+    targets = _Targets.of(v, t, lc, p, max_tiles, max_tokens, llm_tol)
+    passes_tiles = _repair_tiles(packs, targets, rng)
+    passes_llm = _level_llm(packs, targets, rng, max_passes)
+    packs, passes_rescue = _enforce_caps(packs, v, t, lc, max_tiles=max_tiles, max_tokens=max_tokens,
+                                         hard_caps=hard_caps, pack_step=pack_step, max_packs=max_packs,
+                                         llm_tol=llm_tol, rng=rng,
+                                         max_passes=max_passes)
     return PackResult(pack_of=packs.pack_of(), tiles=packs.pv, tokens=packs.pt, llm=packs.pl,
-                      passes=(passes_tiles, passes_llm))
+                      passes=(passes_tiles, passes_llm, passes_rescue))

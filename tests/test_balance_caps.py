@@ -1,0 +1,174 @@
+"""The balancer at fixed caps (any caps ISF packs at), its pads against the buffer, and the structure of
+``omnibal.data.balance`` (acyclic imports, short functions)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from balance_helpers import assert_exactly_once, real_stats, two_profile_mixture
+from omnibal.data.balance import BalanceConfig, balance
+from omnibal.data.balance.isf import isf_pack
+from omnibal.data.metrics import schedule_metrics
+from omnibal.stats.synthetic import synthetic_internvl_mixture
+from omnibal.stats.table import SampleStats
+
+FIXED_CAPS = [(9, 4096), (12, 4096), (12, 4800), (16, 4352)]
+BALANCE_DIR = Path(__file__).resolve().parents[1] / "src" / "omnibal" / "data" / "balance"
+
+
+def _assert_under_caps(sched, stats) -> None:
+    own = set(sched.meta.get("own_packs", []))
+    f = sched.features(stats, padding="varlen")
+    for step, rank, micro in zip(*np.nonzero((f[..., 1] > sched.caps.tiles) | (f[..., 2] > sched.caps.tokens))):
+        rows = sched.microbatch(step, rank, micro).tolist()
+        assert len(rows) == 1 and rows[0] in own, f"micro-batch {(step, rank, micro)} over the caps: {rows}"
+
+
+@pytest.mark.parametrize("caps", FIXED_CAPS)
+@pytest.mark.parametrize("which", ["ai2d", "chartqa", "merged"])
+def test_fixed_caps_pack_on_real_stats_where_isf_does(shared_stats_dir, which, caps):
+    stats = real_stats(str(shared_stats_dir), which)
+    config = dict(max_tiles=caps[0], max_tokens=caps[1])
+    isf = balance(stats, dp_size=32, config=BalanceConfig(method="isf", isf_iterations=10, **config))
+    ours = balance(stats, dp_size=32, config=BalanceConfig(**config))
+    assert_exactly_once(isf)
+    assert_exactly_once(ours)
+    _assert_under_caps(ours, stats)
+    assert (ours.caps.tiles, ours.caps.tokens) == caps
+    mine, theirs = schedule_metrics(ours, stats), schedule_metrics(isf, stats)
+    assert mine["llm_max_mean_ranks"] <= theirs["llm_max_mean_ranks"] + 1e-3
+    assert mine["num_steps"] <= theirs["num_steps"] + 1  # no more micro-batches than ISF needs (+ one step)
+
+
+@pytest.mark.parametrize("caps", FIXED_CAPS)
+def test_fixed_caps_on_the_synthetic_default_with_own_packs(caps):
+    stats = synthetic_internvl_mixture(6000, seed=1)  # up to 13 tiles: over 9 and 12, run alone
+    sched = balance(stats, dp_size=8, config=BalanceConfig(max_tiles=caps[0], max_tokens=caps[1],
+                                                          oversize="own_pack"))
+    assert_exactly_once(sched)
+    _assert_under_caps(sched, stats)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(20, 400), seed=st.integers(0, 10_000), dp=st.integers(1, 4), m=st.integers(1, 2),
+       max_v=st.integers(1, 13), text=st.integers(30, 3000), cap_v=st.integers(1, 40), cap_t=st.integers(64, 9000))
+def test_any_caps_isf_packs_ours_packs(n, seed, dp, m, max_v, text, cap_v, cap_t):
+    """Whenever every sample fits the caps alone and ISF's packs could fill whole steps without an empty
+    micro-batch, ours packs too: every sample once, every micro-batch under the caps."""
+    rng = np.random.default_rng(seed)
+    tiles = rng.integers(0, max_v + 1, n)
+    tokens = tiles * 256 + rng.integers(1, text + 1, n)
+    keep = (tiles <= cap_v) & (tokens <= cap_t)
+    if keep.sum() < dp * m:
+        return
+    stats = SampleStats.from_arrays(tiles=tiles[keep], tokens=tokens[keep], source="random")
+    _, offsets = isf_pack(stats.tiles, stats.tokens, max_tiles=cap_v, max_tokens=cap_t, threshold=128,
+                          iterations=10, rng=np.random.default_rng(seed))
+    per_step = dp * m
+    if len(offsets) - 1 > len(stats) // per_step * per_step:
+        return  # ISF would need empty micro-batches (or more than one sample's worth of slots): out of scope
+    sched = balance(stats, dp_size=dp, num_microbatches=m, seed=seed,
+                    config=BalanceConfig(max_tiles=cap_v, max_tokens=cap_t))
+    assert_exactly_once(sched)
+    _assert_under_caps(sched, stats)
+
+
+@pytest.mark.parametrize("dp_size", [8, 32])
+@pytest.mark.parametrize("which", ["ai2d", "chartqa", "merged"])
+def test_pad_of_the_derived_buffer_on_real_stats(shared_stats_dir, which, dp_size):
+    stats = real_stats(str(shared_stats_dir), which)
+    m = schedule_metrics(balance(stats, dp_size=dp_size), stats)
+    assert m["buffer_pad_tiles"] <= 0.022 and m["buffer_pad_tokens"] <= 0.02, (m["buffer_pad_tiles"],
+                                                                                m["buffer_pad_tokens"])
+    assert m["coverage_ok"] and m["microbatches_over_caps"] == 0
+
+
+@pytest.mark.parametrize("dp_size", [8, 32, 128])
+def test_pad_on_a_mixture_of_a_three_tile_and_a_five_tile_subset(dp_size):
+    stats = two_profile_mixture(30_000)
+    sched = balance(stats, dp_size=dp_size)
+    m = schedule_metrics(sched, stats)
+    assert m["buffer_pad_tiles"] <= 0.02 and m["buffer_pad_tokens"] <= 0.02, (m["buffer_pad_tiles"],
+                                                                               m["buffer_pad_tokens"])
+    assert m["vision_max_mean_ranks"] <= 1.01 and m["llm_max_mean_ranks"] <= 1.01
+    assert_exactly_once(sched)
+
+
+def test_token_buffer_comes_from_the_body_on_the_synthetic_default():
+    """The synthetic default has a tail of long one-tile samples; once it set Q_t (a 21-24% token pad)."""
+    stats = synthetic_internvl_mixture(20_000, seed=0)
+    for dp in (8, 32):
+        m = schedule_metrics(balance(stats, dp_size=dp), stats)
+        assert m["buffer_pad_tokens"] <= 0.03, (dp, m["buffer_pad_tokens"])
+        assert m["buffer_pad_tiles"] <= 0.05, (dp, m["buffer_pad_tiles"])
+        assert m["coverage_ok"] and m["microbatches_over_caps"] == 0
+
+
+def _balance_imports() -> dict[str, set[str]]:
+    """Module -> the modules of omnibal.data.balance it imports (anywhere in the file, functions too)."""
+    package = "omnibal.data.balance"
+    graph = {}
+    for path in BALANCE_DIR.glob("*.py"):
+        name = package if path.stem == "__init__" else f"{package}.{path.stem}"
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(package):
+                edges.add(node.module)
+                edges |= {f"{node.module}.{a.name}" for a in node.names
+                          if (BALANCE_DIR / f"{a.name}.py").exists() and node.module == package}
+            elif isinstance(node, ast.Import):
+                edges |= {a.name for a in node.names if a.name.startswith(package)}
+        graph[name] = edges - {name}
+    return graph
+
+
+def test_balance_module_imports_are_acyclic():
+    graph = _balance_imports()
+    state: dict[str, int] = {}
+
+    def visit(module, trail):
+        if state.get(module) == 1:
+            pytest.fail("import cycle: " + " -> ".join(trail + [module]))
+        if state.get(module) == 2:
+            return
+        state[module] = 1
+        for dep in sorted(graph.get(module, ())):
+            visit(dep, trail + [module])
+        state[module] = 2
+
+    for module in sorted(graph):
+        visit(module, [])
+    inner = {m for m, deps in graph.items() if "omnibal.data.balance" in deps and m != "omnibal.data.balance"}
+    assert not inner, f"modules importing their own package: {inner}"
+
+
+def test_balance_functions_are_short():
+    long = []
+    for path in BALANCE_DIR.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 80:
+                long.append(f"{path.name}:{node.name} ({node.end_lineno - node.lineno + 1} lines)")
+    assert not long, long
+
+
+def test_tail_phase_is_deterministic_and_reshuffles_per_epoch():
+    """Caps that need the tail phase (new steps of packs): the same schedule for the same inputs."""
+    rng = np.random.default_rng(3)
+    tiles = rng.choice([1, 3, 5], 3000, p=[0.1, 0.1, 0.8])
+    stats = SampleStats.from_arrays(tiles=tiles, tokens=tiles * 256 + rng.integers(50, 400, 3000), source="r")
+    config = BalanceConfig(max_tiles=12, max_tokens=4096)
+    a = balance(stats, dp_size=4, num_microbatches=2, seed=5, epoch=1, config=config)
+    b = balance(stats, dp_size=4, num_microbatches=2, seed=5, epoch=1, config=config)
+    c = balance(stats, dp_size=4, num_microbatches=2, seed=5, epoch=2, config=config)
+    assert a.meta["exchange_passes"][2] > 0  # the tail phase ran
+    assert a.equals(b) and a.to_json() == b.to_json()
+    assert not a.equals(c)
+    for sched in (a, c):
+        assert_exactly_once(sched)
+        _assert_under_caps(sched, stats)
