@@ -29,10 +29,6 @@ MAX_MODULE_LINES = 500
 
 # Items owned by other branches of the renovation (issue 21); the integrator empties this at merge.
 KNOWN = {
-    # balancer branch (data/balance): api <-> baselines/isf cycle, long balancing functions
-    "cycle omnibal.data.balance.api omnibal.data.balance.baselines omnibal.data.balance.isf",
-    "function omnibal.data.balance.packer.pack_balanced",
-    "function omnibal.data.balance.caps.choose_caps",
     # stats/cost-memory branch (cost/analytic.py)
     "function omnibal.cost.analytic.layer_work",
     # simulator branch (sim/)
