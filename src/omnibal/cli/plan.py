@@ -55,8 +55,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--radius", type=int, default=2, help="move each stage boundary by up to this many layers")
     s.add_argument("--top-k", type=int, default=8, help="candidates scored with the simulator")
     s.add_argument("--search-steps", type=int, default=192, help="steps the simulator scores candidates on")
-    s.add_argument("--baseline-partition", default="even", choices=("even", "vision-first"),
-                   help="the baseline's layer split")
+    s.add_argument("--baseline-partition", default="vision-first", choices=("even", "vision-first"),
+                   help="the baseline's layer split (default: the vision encoder on stage 0, the paper's)")
+    s.add_argument("--stack", default="megatron-deepspeed", choices=("megatron-deepspeed", "fsdp", "omnibal"),
+                   help="software stack whose weight/gradient/optimizer bytes the memory model counts")
+    s.add_argument("--pack-microbatches", default="8,12,16,24,32", metavar="M,M,...",
+                   help="micro-batch counts the pack-size search tries at the same samples per step ('none': "
+                        "keep --num-microbatches and 4.5 samples per pack)")
     s.add_argument("--seed", type=int, default=0, help="seed of data, shuffles and step sample")
     o = parser.add_argument_group("output")
     o.add_argument("--out", default="omnibal-out", metavar="DIR", help="folder for plan.json, report.md and PNGs")
@@ -99,9 +104,24 @@ def job_config(args: argparse.Namespace):
         baseline_batch_size=args.baseline_batch_size, memory_budget_gib=args.memory_budget,
         stats_path=args.stats, num_samples=args.samples, balance_samples=balance_samples, seed=args.seed,
         profile_path=args.profile, balance_method=args.balance_method, padding=args.padding,
-        baseline_partition=args.baseline_partition, schedule=args.schedule,
+        baseline_partition=args.baseline_partition, schedule=args.schedule, stack=args.stack,
+        pack_search=pack_search_config(args.pack_microbatches),
         search=SearchConfig(radius=args.radius, top_k=args.top_k, sample_steps=args.search_steps, seed=args.seed),
         engine=args.engine)
+
+
+def pack_search_config(text: str):
+    """``--pack-microbatches`` as a PackSearchConfig."""
+    from omnibal.errors import InputError
+    from omnibal.plan.packsize import PackSearchConfig
+
+    if text.strip().lower() == "none":
+        return PackSearchConfig(microbatches=())
+    try:
+        return PackSearchConfig(microbatches=tuple(int(x) for x in text.split(",")))
+    except ValueError:
+        raise InputError(f"must be comma-separated integers or 'none', got {text!r}", source="--pack-microbatches",
+                         field="pack_microbatches") from None
 
 
 def run(args: argparse.Namespace) -> int:
