@@ -84,8 +84,10 @@ class PlanJobConfig:
     stack: str = "megatron-deepspeed"
     """Software stack whose weight/gradient/optimizer bytes the memory model counts (``omnibal.cost.stack``:
     ``megatron-deepspeed``, the paper's, ``fsdp`` or ``omnibal``)."""
-    pack_search: PackSearchConfig = field(default_factory=PackSearchConfig)
-    """Pack sizes (micro-batches per step, samples per pack) searched with partition and recompute."""
+    pack_search: PackSearchConfig = field(default_factory=lambda: PackSearchConfig(microbatches=()))
+    """Pack sizes (micro-batches per step, samples per pack) searched with partition and recompute; the job's
+    own ``num_microbatches`` is always a candidate. Off here (a library caller's M stays M); ``omnibal plan``
+    turns it on (``--pack-microbatches``, default 8,12,16,24,32)."""
     schedule: str = "1f1b"
     """Pipeline schedule the simulator runs."""
     search: SearchConfig = field(default_factory=SearchConfig)
@@ -437,8 +439,9 @@ def _pack_row(config: PlanJobConfig, stats, table, stage_config, sim_config, bal
     out = {"row": None, "num_microbatches": default_m, "report": None}
     if not config.pack_search.microbatches or config.balance_method != "omnibal":
         return out
+    pack_config = replace(config.pack_search, microbatches=tuple(sorted({*config.pack_search.microbatches, default_m})))
     chosen, cands = search_pack_size(stats, table, stage_config, sim_config, balance_config=bal_config,
-                                     samples_per_rank_step=default_m * default_target, config=config.pack_search,
+                                     samples_per_rank_step=default_m * default_target, config=pack_config,
                                      num_total_samples=full_samples, seed=config.seed)
     out["report"] = {"candidates": [c.to_dict() for c in cands],
                      "chosen": None if chosen is None else chosen.to_dict()}
