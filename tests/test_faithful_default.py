@@ -97,6 +97,7 @@ def test_pack_search_picks_the_fastest_fitting_pack_at_the_same_samples_per_step
     for c in cands:
         assert c.num_microbatches * c.target_samples == pytest.approx(36)
         assert c.off_batch == (abs(c.samples_per_microbatch / c.target_samples - 1) > config.batch_tolerance)
+        assert c.off_batch == (c.parts == ())  # reported, not planned
     # packs cannot shrink below the largest sample (5 tiles): 32 packs of 1.1 samples overshoot the batch
     assert cands[-1].off_batch and cands[-1].max_tiles >= 5
     ok = [c for c in cands if not c.oom and not c.off_batch]

@@ -14,8 +14,9 @@ target_samples = samples_per_rank_step``), the search
 2. solves the exact joint partition + least recompute under the memory budget (``JointPlanner``);
 3. simulates that plan over the subset's epoch and scales it to the whole dataset.
 
-Candidates that no plan fits, or that the simulator sees run out of memory, are kept in the report but
-never chosen; the fastest remaining one wins (ties: the larger pack, fewer micro-batches). The chosen
+A candidate whose packs miss the samples per step by more than ``batch_tolerance`` (packs cannot shrink
+below the largest sample) is reported unplanned. Candidates that no plan fits, or that the simulator sees
+run out of memory, are kept in the report but never chosen; the fastest remaining one wins (ties: the larger pack, fewer micro-batches). The chosen
 ``(M, target)`` then goes through the full balance and the neighbour search like any other job.
 """
 
@@ -38,7 +39,7 @@ class PackSearchConfig:
 
     microbatches: tuple[int, ...] = (8, 12, 16, 24, 32)
     """Candidate micro-batches per step per DP rank; empty: no search (the job's own M and target)."""
-    screen_samples: int = 40_000
+    screen_samples: int = 20_000
     """Samples of the subset each candidate is balanced and simulated on (the full balance follows only for
     the chosen one)."""
     batch_tolerance: float = 0.15
@@ -91,9 +92,11 @@ class PackCandidate:
 
 
 def screen_pack_size(stats, table, stage_config, sim_config, *, balance_config, samples_per_rank_step: float,
-                     num_microbatches: int, num_total_samples: int, seed: int) -> PackCandidate:
+                     num_microbatches: int, num_total_samples: int, seed: int,
+                     batch_tolerance: float = float("inf")) -> PackCandidate:
     """Balance ``stats`` (the screening subset) with ``num_microbatches`` packs of ``samples_per_rank_step /
-    num_microbatches`` samples, plan it jointly and simulate it (see the module docstring)."""
+    num_microbatches`` samples, plan it jointly and simulate it (see the module docstring). Packs that miss
+    the samples per step by more than ``batch_tolerance`` are reported without planning them."""
     target = samples_per_rank_step / num_microbatches
     dp = stage_config.dp_size
     sched = balance(stats, dp_size=dp, num_microbatches=num_microbatches, seed=seed,
@@ -104,6 +107,8 @@ def screen_pack_size(stats, table, stage_config, sim_config, *, balance_config, 
     common = dict(num_microbatches=num_microbatches, target_samples=round(target, 4),
                   samples_per_microbatch=round(mb_samples, 3), max_tiles=int(sched.caps.tiles),
                   max_tokens=int(sched.caps.tokens))
+    if abs(mb_samples / target - 1) > batch_tolerance:
+        return PackCandidate(**common, parts=(), num_checkpointed=0, gpu_days=float("inf"), oom=False, off_batch=True)
     try:
         sp = JointPlanner(layer_quantities(table, features, cfg), cfg).plan()
     except InputError:  # no partition fits the budget with these packs
@@ -113,10 +118,6 @@ def screen_pack_size(stats, table, stage_config, sim_config, *, balance_config, 
     gpu_days = res.total_time * (num_total_samples / len(stats)) * res.num_gpus / 86400.0
     return PackCandidate(**common, parts=tuple(sp.parts), num_checkpointed=int(mask.sum()), gpu_days=gpu_days,
                          oom=bool(res.oom.any()) if res.oom is not None else False)
-
-
-def _off_batch(cand: PackCandidate, tolerance: float) -> PackCandidate:
-    return replace(cand, off_batch=abs(cand.samples_per_microbatch / cand.target_samples - 1) > tolerance)
 
 
 def search_pack_size(stats, table, stage_config, sim_config, *, balance_config, samples_per_rank_step: float,
@@ -132,9 +133,10 @@ def search_pack_size(stats, table, stage_config, sim_config, *, balance_config, 
     for m in config.microbatches:
         if len(stats) < stage_config.dp_size * m:
             continue
-        cands.append(_off_batch(screen_pack_size(stats, table, stage_config, sim_config, balance_config=balance_config,
+        cands.append(screen_pack_size(stats, table, stage_config, sim_config, balance_config=balance_config,
                                       samples_per_rank_step=samples_per_rank_step, num_microbatches=m,
-                                      num_total_samples=num_total_samples, seed=seed), config.batch_tolerance))
+                                      num_total_samples=num_total_samples, seed=seed,
+                                      batch_tolerance=config.batch_tolerance))
     fitting = [c for c in cands if not c.oom and not c.off_batch]
     chosen = min(fitting, key=lambda c: (round(c.gpu_days, 6), c.num_microbatches)) if fitting else None
     return chosen, cands
