@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from omnibal.errors import InputError
 from omnibal.plan.job import PlanJobConfig, run_plan_job
 from omnibal.plan.packsize import PackSearchConfig
 from omnibal.stats.io import load_stats, save_stats
@@ -78,7 +79,15 @@ def main() -> None:
         for label, config, stats in variants:
             t0 = time.perf_counter()
             load = os.getloadavg()[0]
-            res = run_plan_job(config, cache=cache, stats=stats)
+            try:
+                res = run_plan_job(config, cache=cache, stats=stats)
+            except InputError as exc:  # a layout that does not fit is a result too
+                out.append({"variant": label, "dp": config.dp_size, "pp": config.pp_size, "tp": config.tp_size,
+                            "num_microbatches": config.num_microbatches, "seconds": time.perf_counter() - t0,
+                            "load_1min": load, "rows": [], "plan_parts": [], "plan_peak_gib": [],
+                            "infeasible": str(exc)})
+                print(f"{label}: infeasible: {exc}", flush=True)
+                continue
             rows = [r.to_dict() for r in res.ablation]
             out.append({"variant": label, "dp": config.dp_size, "pp": config.pp_size, "tp": config.tp_size,
                         "num_microbatches": res.plan.inputs.num_microbatches, "seconds": time.perf_counter() - t0,
@@ -102,6 +111,9 @@ def main() -> None:
              "| --- | --- | --- | --- | --- |"]
     for v in out:
         chain = " -> ".join(f"{r['gpu_days']:.1f}{' OOM' if r['oom'] else ''} ({r['speedup']:.2f}x)" for r in v["rows"])
+        if v.get("infeasible"):
+            chain = "infeasible: " + v["infeasible"].split("; the smallest")[0].split(": ")[-1] + " (" + (
+                v["infeasible"].split("smallest budget that fits is ")[-1].split(" (")[0]) + " needed)"
         lines.append(f"| {v['variant']} | {chain} | {v['num_microbatches']} | {v['plan_parts']} | "
                      f"{v['plan_peak_gib']} |")
     (results / "plan_variants.md").write_text("\n".join(lines) + "\n")

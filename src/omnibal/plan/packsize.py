@@ -93,15 +93,16 @@ class PackCandidate:
 
 def screen_pack_size(stats, table, stage_config, sim_config, *, balance_config, samples_per_rank_step: float,
                      num_microbatches: int, num_total_samples: int, seed: int,
-                     batch_tolerance: float = float("inf")) -> PackCandidate:
+                     batch_tolerance: float = float("inf"), padding: str = "varlen") -> PackCandidate:
     """Balance ``stats`` (the screening subset) with ``num_microbatches`` packs of ``samples_per_rank_step /
     num_microbatches`` samples, plan it jointly and simulate it (see the module docstring). Packs that miss
-    the samples per step by more than ``batch_tolerance`` are reported without planning them."""
+    the samples per step by more than ``batch_tolerance`` are reported without planning them. ``padding``:
+    how the packs run (``varlen``, or ``fixed_buffer``: padded to the caps), as in the job."""
     target = samples_per_rank_step / num_microbatches
     dp = stage_config.dp_size
     sched = balance(stats, dp_size=dp, num_microbatches=num_microbatches, seed=seed,
                     config=replace(balance_config, target_samples=target))
-    features = sched.features(stats, padding="varlen")
+    features = sched.features(stats, padding=padding)
     cfg = replace(stage_config, num_microbatches=num_microbatches)
     mb_samples = len(stats) / max(features.shape[0] * dp * num_microbatches, 1)
     common = dict(num_microbatches=num_microbatches, target_samples=round(target, 4),
@@ -121,7 +122,7 @@ def screen_pack_size(stats, table, stage_config, sim_config, *, balance_config, 
 
 
 def search_pack_size(stats, table, stage_config, sim_config, *, balance_config, samples_per_rank_step: float,
-                     config: PackSearchConfig, num_total_samples: int, seed: int
+                     config: PackSearchConfig, num_total_samples: int, seed: int, padding: str = "varlen"
                      ) -> tuple[PackCandidate | None, list[PackCandidate]]:
     """Screen every candidate of ``config`` on a ``config.screen_samples`` subset of ``stats``; returns the
     chosen one (None: nothing fits) and all of them, in ``config.microbatches`` order."""
@@ -136,7 +137,7 @@ def search_pack_size(stats, table, stage_config, sim_config, *, balance_config, 
         cands.append(screen_pack_size(stats, table, stage_config, sim_config, balance_config=balance_config,
                                       samples_per_rank_step=samples_per_rank_step, num_microbatches=m,
                                       num_total_samples=num_total_samples, seed=seed,
-                                      batch_tolerance=config.batch_tolerance))
+                                      batch_tolerance=config.batch_tolerance, padding=padding))
     fitting = [c for c in cands if not c.oom and not c.off_batch]
     chosen = min(fitting, key=lambda c: (round(c.gpu_days, 6), c.num_microbatches)) if fitting else None
     return chosen, cands
