@@ -112,6 +112,16 @@ def check_tp(spec: ModelSpec, tp_size: int, *, tp_vision: bool = True) -> None:
                              source=spec.name, field=field)
 
 
+def _internvit_extras(v, b: int, tv: int) -> tuple[float, float]:
+    """Per-token (kept activation bytes, element-wise traffic bytes) of InternViT's QK norm and layer scale:
+    QK norm keeps q and k before the RMSNorm (2H) and two fp32 statistics; layer scale keeps both branch
+    outputs (2H), which the scales' gradients need. Traffic: each op reads and writes its operands."""
+    h = v.hidden
+    act = (2 * b * h / tv + 8) * int(v.qk_norm) + 2 * b * h * int(v.layer_scale)
+    mem = 4 * b * h / tv * int(v.qk_norm) + 4 * b * h * int(v.layer_scale)
+    return act, mem
+
+
 def layer_work(spec: ModelSpec, *, tp_size: int = 1, dtype: str = "bf16", tp_vision: bool = True) -> LayerWork:
     """FLOPs and bytes of every layer (see the module docstring for the formulas)."""
     if dtype not in DTYPE_BYTES:
@@ -140,9 +150,7 @@ def layer_work(spec: ModelSpec, *, tp_size: int = 1, dtype: str = "bf16", tp_vis
         out=_vec(tiles=b * n * h, tokens=META_BYTES_BEFORE_EMBED),
         ar_bytes=_vec(), ar_count=0,
     )
-    # QK norm keeps q, k before the norm (2H) + 2 fp32 statistics; layer scale keeps both branch outputs (2H)
-    extra_act = (2 * b * h / tv + 8) * int(v.qk_norm) + 2 * b * h * int(v.layer_scale)
-    extra_mem = 4 * b * h / tv * int(v.qk_norm) + 4 * b * h * int(v.layer_scale)  # read + write each
+    extra_act, extra_mem = _internvit_extras(v, b, tv)
     kinds["vision_block"] = dict(
         matmul=_vec(tiles=2 * n * (4 * h * h + 2 * h * m) / tv),
         attention=_vec(tiles=4 * n * n * h / tv),
