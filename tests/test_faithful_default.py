@@ -144,3 +144,16 @@ def test_paper_columns_leave_the_extra_row_blank():
     out = with_speedups(rows)
     assert [r.paper_gpu_days for r in out] == [61.8, 21.3, None]
     assert out[2].speedup == pytest.approx(2.5) and out[1].paper_speedup == pytest.approx(61.8 / 21.3)
+
+
+def test_ablation_table_shows_each_rows_gap_to_the_paper():
+    from omnibal.plan.ablation import ablation_markdown
+
+    row = dict(data="", partition="", recompute="", parts=(0, 1), num_checkpointed=0, num_steps=1, step_time_s=1.0,
+               epoch_time_s=1.0, bubble=0.0, peak_memory_bytes=(0.0,), oom=False)
+    rows = with_speedups([AblationRow(name=n, gpu_days=d, **row) for n, d in
+                          (("baseline", 61.8), ("+ data balance", 61.8 / 1.41), ("+ pack size", 20.0))])
+    lines = ablation_markdown(rows).splitlines()
+    assert lines[0].endswith("| ours vs paper |")
+    assert lines[2].endswith("| 61.8 | 1.00x |  |") and lines[3].endswith("| 51.9 | 1.19x | +18% |")
+    assert lines[4].endswith("|  |  |  |")

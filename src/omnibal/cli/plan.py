@@ -181,8 +181,8 @@ def run(args: argparse.Namespace) -> int:
     pack = plan.data.settings.get("pack_search")
     if pack and pack["chosen"]:
         caps = plan.data.settings["caps"]
-        print(f"pack size: {plan.inputs.num_microbatches} micro-batches per step of ~{pack['chosen']['target_samples']:.2f} "
-              f"samples (caps {caps['tiles']} tiles / {caps['tokens']} tokens), searched over " + ", ".join(
+        mean = plan.data.metrics.get("samples_per_microbatch_mean", pack["chosen"]["target_samples"])
+        print(f"pack size: {plan.inputs.num_microbatches} micro-batches per step of {mean:.2f} samples on average (caps {caps['tiles']} tiles / {caps['tokens']} tokens), searched over " + ", ".join(
                   str(x["num_microbatches"]) for x in pack["candidates"]) + " micro-batches at the same samples per step")
     print(f"\nPlan: {plan.prediction.step_time_s:.2f} s per step, {plan.prediction.gpu_days:.1f} GPU days per epoch, "
           f"bubble {plan.prediction.bubble:.1%}")
