@@ -67,7 +67,7 @@ def main() -> None:
             ("DP 64 x PP 2 x TP 1", replace(base, dp_size=64, pp_size=2, num_microbatches=4), None),
             ("DP 16 x PP 8 x TP 1", replace(base, dp_size=16, pp_size=8, num_microbatches=16), None),
             ("DP 16 x PP 4 x TP 2", replace(base, dp_size=16, pp_size=4, tp_size=2, num_microbatches=16), None),
-            ("pre-issue-17 default (12 tiles, even split, omnibal stack, no pack search)",
+            ("pre-issue-17 default (12 tiles, even split, bf16 gradients, no pack search; InternViT activations as now)",
              replace(base, baseline_partition="even", stack="omnibal", pack_search=no_pack), twelve),
         ]
         if real is not None:

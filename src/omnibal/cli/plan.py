@@ -13,9 +13,11 @@ DESCRIPTION = (
     "Plan a VLM training job the OmniBal way: balanced micro-batches (data), the exact min-max pipeline "
     "partition searched jointly with per-stage activation checkpointing (model + memory), scored by the "
     "step-time simulator. With no arguments: InternVL-Chat-1.5 (InternViT-6B + InternLM2-20B) on 128 A100-80G "
-    "(DP 32 x PP 4 x TP 1, ZeRO-1, 8 micro-batches per step) with a synthetic InternVL-like 1.2M-sample "
-    "dataset. Prints the plan and the paper's ablation (baseline -> + data balance -> + balanced partition -> "
-    "+ adaptive recompute) and writes plan.json, ablation.json, report.md and PNGs into --out."
+    "(DP 32 x PP 4 x TP 1, ZeRO-1, Megatron-DeepSpeed memory) with a synthetic InternVL-like 1.2M-sample "
+    "dataset fitted to OmniBal's published statistics. Prints the plan and the paper's ablation (baseline -> + "
+    "data balance -> + balanced partition -> + adaptive recompute, then + pack size when the pack-size search "
+    "picks another pack) next to the paper's figures and writes plan.json, ablation.json, report.md and PNGs "
+    "into --out."
 )
 
 
