@@ -79,8 +79,8 @@ class PlanJobConfig:
     or ``fixed_buffer`` (padded to the caps: static shapes, e.g. torch.distributed.pipelining)."""
     baseline_partition: str = "vision-first"
     """The baseline's layer split: ``vision-first`` (the vision encoder and projector on stage 0, LLM layers
-    split evenly over the rest, as InternVL-Chat's Megatron setup, torchtitan and Megatron VLMs do; the
-    paper's baseline, docs/plan.md) or ``even`` (equal layer counts)."""
+    split evenly over the rest, as Megatron-core's LLaVA and torchtitan do; the paper's baseline most
+    likely, docs/plan.md) or ``even`` (equal layer counts)."""
     stack: str = "megatron-deepspeed"
     """Software stack whose weight/gradient/optimizer bytes the memory model counts (``omnibal.cost.stack``:
     ``megatron-deepspeed``, the paper's, ``fsdp`` or ``omnibal``)."""
