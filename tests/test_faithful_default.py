@@ -157,3 +157,16 @@ def test_ablation_table_shows_each_rows_gap_to_the_paper():
     assert lines[0].endswith("| ours vs paper |")
     assert lines[2].endswith("| 61.8 | 1.00x |  |") and lines[3].endswith("| 51.9 | 1.19x | +18% |")
     assert lines[4].endswith("|  |  |  |")
+
+
+def test_pack_search_keeps_the_jobs_own_pack_on_a_near_tie():
+    table, sim, stage, bal = _pack_inputs(76)
+    stats = synthetic_internvl_mixture(20_000, seed=0)
+    kw = dict(balance_config=bal, samples_per_rank_step=36, num_total_samples=20_000, seed=0, incumbent=8)
+    best, cands = search_pack_size(stats, table, stage, sim, config=PackSearchConfig(microbatches=(8, 12)), **kw)
+    own, other = cands
+    gain = 1 - other.gpu_days / own.gpu_days
+    assert gain > 0 and best is other  # 12 smaller packs are faster here ...
+    kept, _ = search_pack_size(stats, table, stage, sim,
+                               config=PackSearchConfig(microbatches=(8, 12), min_gain=gain + 0.01), **kw)
+    assert kept == own  # ... but not by enough to replace the job's own pack

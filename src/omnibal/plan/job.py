@@ -442,7 +442,8 @@ def _pack_row(config: PlanJobConfig, stats, table, stage_config, sim_config, bal
     pack_config = replace(config.pack_search, microbatches=tuple(sorted({*config.pack_search.microbatches, default_m})))
     chosen, cands = search_pack_size(stats, table, stage_config, sim_config, balance_config=bal_config,
                                      samples_per_rank_step=default_m * default_target, config=pack_config,
-                                     num_total_samples=full_samples, seed=config.seed, padding=padding)
+                                     num_total_samples=full_samples, seed=config.seed, padding=padding,
+                                     incumbent=default_m)
     out["report"] = {"candidates": [c.to_dict() for c in cands],
                      "chosen": None if chosen is None else chosen.to_dict()}
     if chosen is None or chosen.num_microbatches == default_m:

@@ -42,6 +42,9 @@ class PackSearchConfig:
     screen_samples: int = 20_000
     """Samples of the subset each candidate is balanced and simulated on (the full balance follows only for
     the chosen one)."""
+    min_gain: float = 0.02
+    """Another pack replaces the job's own (``incumbent``) only when its screened epoch is at least this
+    fraction shorter: the screen runs on a subset, and a near tie is not worth a different pack."""
     batch_tolerance: float = 0.15
     """A candidate whose balanced packs hold more than this fraction more or fewer samples per step than
     asked is not chosen: it would change the global batch (packs cannot shrink below the largest sample,
@@ -54,6 +57,8 @@ class PackSearchConfig:
         if not 0 <= self.batch_tolerance:
             raise InputError(f"must be >= 0, got {self.batch_tolerance}", source="pack batch_tolerance",
                              field="batch_tolerance")
+        if not 0 <= self.min_gain < 1:
+            raise InputError(f"must be in [0, 1), got {self.min_gain}", source="pack min_gain", field="min_gain")
         if self.screen_samples < 1:
             raise InputError(f"must be >= 1, got {self.screen_samples}", source="pack screen_samples",
                              field="screen_samples")
@@ -122,10 +127,11 @@ def screen_pack_size(stats, table, stage_config, sim_config, *, balance_config, 
 
 
 def search_pack_size(stats, table, stage_config, sim_config, *, balance_config, samples_per_rank_step: float,
-                     config: PackSearchConfig, num_total_samples: int, seed: int, padding: str = "varlen"
-                     ) -> tuple[PackCandidate | None, list[PackCandidate]]:
+                     config: PackSearchConfig, num_total_samples: int, seed: int, padding: str = "varlen",
+                     incumbent: int | None = None) -> tuple[PackCandidate | None, list[PackCandidate]]:
     """Screen every candidate of ``config`` on a ``config.screen_samples`` subset of ``stats``; returns the
-    chosen one (None: nothing fits) and all of them, in ``config.microbatches`` order."""
+    chosen one (None: nothing fits) and all of them, in ``config.microbatches`` order. ``incumbent``: the
+    job's own micro-batch count, kept unless another candidate is ``config.min_gain`` faster."""
     config.validate()
     if len(stats) > config.screen_samples:
         rows = np.sort(np.random.default_rng([seed, 0x9AC]).choice(len(stats), config.screen_samples, replace=False))
@@ -140,4 +146,7 @@ def search_pack_size(stats, table, stage_config, sim_config, *, balance_config, 
                                       batch_tolerance=config.batch_tolerance, padding=padding))
     fitting = [c for c in cands if not c.oom and not c.off_batch]
     chosen = min(fitting, key=lambda c: (round(c.gpu_days, 6), c.num_microbatches)) if fitting else None
+    own = next((c for c in fitting if c.num_microbatches == incumbent), None)
+    if chosen is not None and own is not None and chosen.gpu_days > (1 - config.min_gain) * own.gpu_days:
+        chosen = own
     return chosen, cands
