@@ -36,6 +36,25 @@ def run_once(out: Path) -> dict:
             "stdout": proc.stdout}
 
 
+def pack_lines(plan: dict) -> list[str]:
+    """The pack-size search of ``plan`` as a markdown table (empty when the search did not run)."""
+    pack = plan["data"]["settings"].get("pack_search")
+    if not pack:
+        return []
+    lines = ["", "Pack-size search (each candidate balanced, jointly planned and simulated on a subset; the chosen one "
+             "then balanced and searched in full):", "",
+             "| micro-batches | target samples | samples / micro-batch | Q_v | Q_t | checkpointed | GPU days | chosen |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    chosen = (pack["chosen"] or {}).get("num_microbatches")
+    for c in pack["candidates"]:
+        note = "OOM" if c["oom"] else "global batch off" if c["off_batch"] else ""
+        days = "-" if c["gpu_days"] is None else f"{c['gpu_days']:.1f}"
+        lines.append(f"| {c['num_microbatches']} | {c['target_samples']:.2f} | {c['samples_per_microbatch']:.2f} | "
+                     f"{c['max_tiles']} | {c['max_tokens']} | {c['num_checkpointed']} | {days} | "
+                     f"{'**yes**' if c['num_microbatches'] == chosen else note} |")
+    return lines
+
+
 def main() -> None:
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -43,6 +62,7 @@ def main() -> None:
             out = Path(tmp) / f"run{i}"
             r = run_once(out)
             r["ablation"] = json.loads((out / "ablation.json").read_text())
+            r["plan"] = json.loads((out / "plan.json").read_text())
             runs.append(r)
             print(f"run {i}: wall {r['wall_s']:.1f} s, cpu {r['cpu_s']:.1f} s, load {r['load_1min_before']:.1f}",
                   flush=True)
@@ -50,7 +70,8 @@ def main() -> None:
     results = ROOT / "benchmarks" / "results"
     results.mkdir(exist_ok=True)
     (results / "plan_default.json").write_text(json.dumps(
-        {"runs": [{k: v for k, v in r.items() if k != "stdout"} for r in runs]}, indent=2) + "\n")
+        {"runs": [{k: v for k, v in r.items() if k not in ("stdout", "plan")} for r in runs],
+         "pack_search": best["plan"]["data"]["settings"].get("pack_search")}, indent=2) + "\n")
     rows = best["ablation"]["rows"]
     lines = ["# `omnibal plan` (default job) wall time and ablation", "",
              "| run | wall (s) | CPU (s) | load before / after (1 min, 2 cores) |", "| --- | --- | --- | --- |"]
@@ -62,9 +83,11 @@ def main() -> None:
         "| step | cut points | checkpointed | step (s) | GPU days | speed-up | paper GPU days | paper speed-up |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
+        paper = "" if r["paper_speedup"] is None else f"{r['paper_speedup']:.2f}x"
         lines.append(f"| {r['name']} | {r['parts']} | {r['num_checkpointed']} | {r['step_time_s']:.2f} | "
                      f"{r['gpu_days']:.1f}{' (OOM)' if r['oom'] else ''} | {r['speedup']:.2f}x | "
-                     f"{r['paper_gpu_days']} | {r['paper_speedup']:.2f}x |")
+                     f"{r['paper_gpu_days'] or ''} | {paper} |")
+    lines += pack_lines(best["plan"])
     (results / "plan_default.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

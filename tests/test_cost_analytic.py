@@ -63,13 +63,15 @@ def test_table_shapes_and_positive_costs():
 
 def test_activation_bytes_follow_korthikanti():
     # A vision block with M = 4H, t = 1, bf16 keeps 32 H bytes per token (34 s b h without dropout masks),
-    # plus fp32 norm statistics and the log-sum-exp of each head.
+    # plus fp32 norm statistics and the log-sum-exp of each head; InternViT-300M's layer scale keeps both
+    # branch outputs (2 x 2H bytes more).
     spec = get_model_preset("internvl2-8b")
+    assert spec.vision.layer_scale and not spec.vision.qk_norm
     work = layer_work(spec)
     kinds = [layer.kind for layer in spec.layers()]
     v = spec.vision
     block = work.act_bytes[kinds.index("vision_block")]
-    assert block[1] == pytest.approx(v.tokens_per_tile * (32 * v.hidden + 16 + 4 * v.num_heads))
+    assert block[1] == pytest.approx(v.tokens_per_tile * (32 * v.hidden + 4 * v.hidden + 16 + 4 * v.num_heads))
     assert work.ckpt_bytes[kinds.index("vision_block")][1] == v.tokens_per_tile * v.hidden * 2
     llm_block = work.act_bytes[kinds.index("llm_block")]
     assert llm_block[2] > 0 and llm_block[1] == 0 and llm_block[3] == 0

@@ -127,9 +127,13 @@ def test_tiny_vision_share_resembles_internvl_6b_20b(shared_stats_dir):
 
 
 def test_tiny_vision_share_on_the_embedded_mixture():
-    from omnibal.stats.synthetic import synthetic_internvl_mixture
+    from omnibal.stats.synthetic import SyntheticConfig, synthetic_internvl_mixture
+    from omnibal.stats.tiles import TileConfig
 
-    stats = synthetic_internvl_mixture(20_000, seed=0)
+    # InternVL-1.5's 12-tile rule: the default mixture fitted to the published statistics (1-5 tiles, general
+    # VQA with ~200 text tokens) is text-heavier than the real AI2D/ChartQA samples the tiny preset was sized
+    # on (its ViT share there is 0.26 against the 6B + 20B's 0.46); the test above checks the real samples.
+    stats = synthetic_internvl_mixture(20_000, seed=0, config=SyntheticConfig(tiles=TileConfig()))
     big = _vision_flop_share(get_model_preset("internvl-chat-1.5"), stats.tiles, stats.tokens, stats.images)
     tiny = _vision_flop_share(get_model_preset("tiny"), stats.tiles, stats.tokens, stats.images)
     # the tiny model keeps 16 of InternVL's 256 image tokens per tile, so text weighs more in its LLM: on this

@@ -30,10 +30,10 @@ def test_deterministic_and_seeded():
 
 def test_values_follow_the_tile_rule_and_token_budget():
     s = synthetic_internvl_mixture(50_000, seed=0)
-    assert s.tiles.min() >= 1 and s.tiles.max() <= 13
-    # with a thumbnail, 2 tiles is impossible, 13 is reachable
-    counts = np.bincount(s.tiles, minlength=14)
-    assert counts[2] == 0 and counts[13] > 0 and counts[1] > 0
+    assert s.tiles.min() >= 1 and s.tiles.max() <= 5
+    # the published statistics' rule (max 4 + thumbnail): 2 tiles is impossible, 5 is reachable
+    counts = np.bincount(s.tiles, minlength=6)
+    assert counts[2] == 0 and counts[5] > 0 and counts[1] > 0
     with_images = s.images > 0
     text = s.tokens[with_images] - 256 * s.tiles[with_images] - 2
     assert text.min() >= 8  # text floor of every profile

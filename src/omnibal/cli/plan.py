@@ -13,9 +13,11 @@ DESCRIPTION = (
     "Plan a VLM training job the OmniBal way: balanced micro-batches (data), the exact min-max pipeline "
     "partition searched jointly with per-stage activation checkpointing (model + memory), scored by the "
     "step-time simulator. With no arguments: InternVL-Chat-1.5 (InternViT-6B + InternLM2-20B) on 128 A100-80G "
-    "(DP 32 x PP 4 x TP 1, ZeRO-1, 8 micro-batches per step) with a synthetic InternVL-like 1.2M-sample "
-    "dataset. Prints the plan and the paper's ablation (baseline -> + data balance -> + balanced partition -> "
-    "+ adaptive recompute) and writes plan.json, ablation.json, report.md and PNGs into --out."
+    "(DP 32 x PP 4 x TP 1, ZeRO-1, Megatron-DeepSpeed memory) with a synthetic InternVL-like 1.2M-sample "
+    "dataset fitted to OmniBal's published statistics. Prints the plan and the paper's ablation (baseline -> + "
+    "data balance -> + balanced partition -> + adaptive recompute, then + pack size when the pack-size search "
+    "picks another pack) next to the paper's figures and writes plan.json, ablation.json, report.md and PNGs "
+    "into --out."
 )
 
 
@@ -57,8 +59,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--radius", type=int, default=2, help="move each stage boundary by up to this many layers")
     s.add_argument("--top-k", type=int, default=8, help="candidates scored with the simulator")
     s.add_argument("--search-steps", type=int, default=192, help="steps the simulator scores candidates on")
-    s.add_argument("--baseline-partition", default="even", choices=("even", "vision-first"),
-                   help="the baseline's layer split")
+    s.add_argument("--baseline-partition", default="vision-first", choices=("even", "vision-first"),
+                   help="the baseline's layer split (default: the vision encoder on stage 0, the paper's)")
+    s.add_argument("--stack", default="megatron-deepspeed", choices=("megatron-deepspeed", "fsdp", "omnibal"),
+                   help="software stack whose weight/gradient/optimizer bytes the memory model counts")
+    s.add_argument("--pack-microbatches", default="8,12,16,24,32", metavar="M,M,...",
+                   help="micro-batch counts the pack-size search tries at the same samples per step ('none': "
+                        "keep --num-microbatches and 4.5 samples per pack)")
     s.add_argument("--seed", type=int, default=0, help="seed of data, shuffles and step sample")
     s.add_argument("--verify", type=int, default=0, metavar="K", help="measure the top K candidates (partition x "
                    "recompute) in the reference trainer and choose by measurement (tiny / CPU profile, or CUDA)")
@@ -104,9 +111,24 @@ def job_config(args: argparse.Namespace):
         baseline_batch_size=args.baseline_batch_size, memory_budget_gib=args.memory_budget,
         stats_path=args.stats, num_samples=args.samples, balance_samples=balance_samples, seed=args.seed,
         profile_path=args.profile, balance_method=args.balance_method, padding=args.padding,
-        baseline_partition=args.baseline_partition, schedule=args.schedule,
+        baseline_partition=args.baseline_partition, schedule=args.schedule, stack=args.stack,
+        pack_search=pack_search_config(args.pack_microbatches),
         search=SearchConfig(radius=args.radius, top_k=args.top_k, sample_steps=args.search_steps, seed=args.seed),
         engine=args.engine, convert_stats=args.convert_stats)
+
+
+def pack_search_config(text: str):
+    """``--pack-microbatches`` as a PackSearchConfig."""
+    from omnibal.errors import InputError
+    from omnibal.plan.packsize import PackSearchConfig
+
+    if text.strip().lower() == "none":
+        return PackSearchConfig(microbatches=())
+    try:
+        return PackSearchConfig(microbatches=tuple(int(x) for x in text.split(",")))
+    except ValueError:
+        raise InputError(f"must be comma-separated integers or 'none', got {text!r}", source="--pack-microbatches",
+                         field="pack_microbatches") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -172,6 +194,12 @@ def run(args: argparse.Namespace) -> int:
     else:
         print("Ablation (predicted by omnibal's simulator):")
     print(ablation_markdown(result.ablation))
+    pack = plan.data.settings.get("pack_search")
+    if pack and pack["chosen"]:
+        caps = plan.data.settings["caps"]
+        mean = plan.data.metrics.get("samples_per_microbatch_mean", pack["chosen"]["target_samples"])
+        print(f"pack size: {plan.inputs.num_microbatches} micro-batches per step of {mean:.2f} samples on average (caps {caps['tiles']} tiles / {caps['tokens']} tokens), searched over " + ", ".join(
+                  str(x["num_microbatches"]) for x in pack["candidates"]) + " micro-batches at the same samples per step")
     print(f"\nPlan: {plan.prediction.step_time_s:.2f} s per step, {plan.prediction.gpu_days:.1f} GPU days per epoch, "
           f"bubble {plan.prediction.bubble:.1%}")
     print(text_table(stage_rows(plan)))

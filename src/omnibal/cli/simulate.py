@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from omnibal.cost.stack import DEFAULT_STACK, STACKS
 from omnibal.errors import InputError
 
 HELP = "simulate DP x PP training steps of a plan and report time, bubbles and memory"
@@ -44,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="relative standard deviation of a rank's unpredicted step-time variation (stragglers: "
                         "the gradient sync waits for the expected slowest DP rank); 0 = none")
     g.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"), help="training dtype")
+    g.add_argument("--stack", default=None, choices=tuple(STACKS),
+                   help="software stack whose weight/gradient/optimizer bytes the memory model counts and the "
+                        f"gradient all-reduce moves (default: the plan's, else {DEFAULT_STACK}, as omnibal plan)")
     g.add_argument("--profile", default=None, help="measured layer profile JSON (omnibal profile) instead of the "
                    "analytic cost model")
 
@@ -143,12 +147,14 @@ def _load_plan(path: str):
 def _resolve_cluster(args, plan) -> dict:
     """Cluster settings: explicit options win; a plan fills the rest; then the defaults."""
     defaults = {"model": "internvl-chat-1.5", "hardware": "a100-80g", "dp": 1, "pp": 1, "tp": 1,
-                "microbatches": 4, "zero_stage": 1}
+                "microbatches": 4, "zero_stage": 1, "stack": DEFAULT_STACK}
     from_plan = {}
     if plan is not None:
         i = plan.inputs
         from_plan = {"model": i.model, "hardware": i.hardware, "dp": i.dp_size, "pp": i.pp_size, "tp": i.tp_size,
                      "microbatches": i.num_microbatches, "zero_stage": i.zero_stage}
+        if "stack" in plan.data.settings:
+            from_plan["stack"] = plan.data.settings["stack"]
     out = {}
     for key, default in defaults.items():
         given = getattr(args, key)
@@ -237,7 +243,8 @@ def run(args: argparse.Namespace) -> int:
     cluster = _resolve_cluster(args, plan)
     spec = get_model_preset(cluster["model"])
     hardware = hardware_by_name(cluster["hardware"])
-    table = cost_table(spec, hardware, profile_path=args.profile, tp_size=cluster["tp"], dtype=args.dtype)
+    table = cost_table(spec, hardware, profile_path=args.profile, tp_size=cluster["tp"], dtype=args.dtype,
+                       stack=cluster["stack"])
     if cluster["pp"] > table.num_layers:
         raise InputError(f"{cluster['pp']} stages for {table.num_layers} layers", source="--pp", field="pp")
 

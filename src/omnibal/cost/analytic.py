@@ -25,16 +25,18 @@ Time of a pass = GEMM FLOPs / (peak x eff_matmul) + attention FLOPs / (peak x ef
 Activation bytes kept for backward (``act_bytes``) follow Korthikanti et al. 2022 ("Reducing activation
 recomputation in large transformer models"), section 4, for a pre-norm block with flash attention (no s^2
 score matrix is stored), no dropout and no sequence parallelism; per token of a block:
-vision ``b (4H + (4H + 2M)/t)`` (two norm inputs, qkv and fc1 inputs replicated; q, k, v, attention output,
+vision ``b (4H + (4H + 2M)/t)`` (+ ``2bH/t + 8`` with QK norm: q and k before the norm and two fp32
+statistics; + ``2bH`` with layer scale: both branch outputs, which the scales' gradients need) (two norm inputs, qkv and fc1 inputs replicated; q, k, v, attention output,
 GELU input and fc2 input split), LLM ``b (4D + (2D + 2Dkv + 4F)/t)`` (SwiGLU keeps gate, up, silu(gate) and
 their product), plus fp32 norm statistics and the softmax log-sum-exp. With M = 4H, t = 1 and b = 2 the
 vision figure is 32 H bytes per token: Korthikanti's 34 s b h less the two 1-byte dropout masks.
 A checkpointed layer keeps only its input (``ckpt_bytes``); the layer's full activations exist again for a
 moment during its recomputation, which consumers account as a transient.
 
-Parameter, gradient and optimizer bytes (mixed-precision Adam): bf16 parameters (2 B) and gradients (2 B),
-fp32 master weights and two Adam moments (12 B) per parameter; fp32 training: 4 + 4 + 8. ``optim_bytes``
-is before ZeRO sharding: with ZeRO-1 over ``dp`` data-parallel ranks a rank holds ``optim_bytes / dp``
+Parameter, gradient and optimizer bytes per parameter come from the software stack
+(:mod:`omnibal.cost.stack`): ``megatron-deepspeed`` keeps bf16 weights (2 B), an fp32 gradient buffer
+(4 B) and fp32 master weights + two Adam moments (12 B); ``omnibal`` bf16 gradients (2 B) instead; fp32
+training: 4 + 4 + 8. ``optim_bytes`` is before ZeRO sharding: with ZeRO-1 over ``dp`` data-parallel ranks a rank holds ``optim_bytes / dp``
 (ZeRO-2 also divides ``grad_bytes``); :func:`zero_sharded_bytes` does this.
 
 Tensor parallelism (Megatron-style): GEMM and attention FLOPs, the split activations and the block weights
@@ -55,6 +57,7 @@ import numpy as np
 from omnibal.cost.hardware import HardwareSpec
 from omnibal.cost.params import layer_param_counts
 from omnibal.cost.spec import ModelSpec
+from omnibal.cost.stack import FP32_STACK, StackConfig, get_stack
 from omnibal.cost.table import NUM_FEATURES, LayerCostTable
 from omnibal.errors import InputError
 
@@ -109,6 +112,16 @@ def check_tp(spec: ModelSpec, tp_size: int, *, tp_vision: bool = True) -> None:
                              source=spec.name, field=field)
 
 
+def _internvit_extras(v, b: int, tv: int) -> tuple[float, float]:
+    """Per-token (kept activation bytes, element-wise traffic bytes) of InternViT's QK norm and layer scale:
+    QK norm keeps q and k before the RMSNorm (2H) and two fp32 statistics; layer scale keeps both branch
+    outputs (2H), which the scales' gradients need. Traffic: each op reads and writes its operands."""
+    h = v.hidden
+    act = (2 * b * h / tv + 8) * int(v.qk_norm) + 2 * b * h * int(v.layer_scale)
+    mem = 4 * b * h / tv * int(v.qk_norm) + 4 * b * h * int(v.layer_scale)
+    return act, mem
+
+
 def layer_work(spec: ModelSpec, *, tp_size: int = 1, dtype: str = "bf16", tp_vision: bool = True) -> LayerWork:
     """FLOPs and bytes of every layer (see the module docstring for the formulas)."""
     if dtype not in DTYPE_BYTES:
@@ -137,11 +150,12 @@ def layer_work(spec: ModelSpec, *, tp_size: int = 1, dtype: str = "bf16", tp_vis
         out=_vec(tiles=b * n * h, tokens=META_BYTES_BEFORE_EMBED),
         ar_bytes=_vec(), ar_count=0,
     )
+    extra_act, extra_mem = _internvit_extras(v, b, tv)
     kinds["vision_block"] = dict(
         matmul=_vec(tiles=2 * n * (4 * h * h + 2 * h * m) / tv),
         attention=_vec(tiles=4 * n * n * h / tv),
-        memory=_vec(tiles=n * b * (12 * h + 2 * m / tv)),  # 2 norms, 2 residual adds, reshape; GELU
-        act=_vec(tiles=n * (b * (4 * h + (4 * h + 2 * m) / tv) + 16 + 4 * v.num_heads / tv)),
+        memory=_vec(tiles=n * (b * (12 * h + 2 * m / tv) + extra_mem)),  # 2 norms, 2 residual adds; GELU
+        act=_vec(tiles=n * (b * (4 * h + (4 * h + 2 * m) / tv) + 16 + 4 * v.num_heads / tv + extra_act)),
         ckpt=_vec(tiles=n * b * h),
         out=_vec(tiles=b * n * h, tokens=META_BYTES_BEFORE_EMBED),
         ar_bytes=_vec(tiles=4 * n * h * b) if tv > 1 else _vec(), ar_count=4 if tv > 1 else 0,
@@ -202,9 +216,10 @@ def layer_work(spec: ModelSpec, *, tp_size: int = 1, dtype: str = "bf16", tp_vis
     )
 
 
-def layer_param_bytes(spec: ModelSpec, *, tp_size: int = 1, dtype: str = "bf16",
-                      tp_vision: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(param, grad, optim)`` bytes per layer per device (see the module docstring)."""
+def layer_param_bytes(spec: ModelSpec, *, tp_size: int = 1, dtype: str = "bf16", tp_vision: bool = True,
+                      stack: StackConfig | str = "omnibal") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(param, grad, optim)`` bytes per layer per device under ``stack`` (see the module docstring)."""
+    stack = FP32_STACK if DTYPE_BYTES.get(dtype) == 4 else get_stack(stack)
     check_tp(spec, tp_size, tp_vision=tp_vision)
     counts = layer_param_counts(spec).astype(np.float64)
     kinds = [layer.kind for layer in spec.layers()]
@@ -212,20 +227,19 @@ def layer_param_bytes(spec: ModelSpec, *, tp_size: int = 1, dtype: str = "bf16",
     split = np.array([1 if k == "vision_embed" or (k == "vision_block" and not tp_vision) else tp_size
                       for k in kinds], dtype=np.float64)
     counts = counts / split
-    b = DTYPE_BYTES[dtype]
-    grad_b, optim_b = (2.0, 12.0) if b == 2 else (4.0, 8.0)
     frozen = np.array([spec.freeze_vision and k in ("vision_embed", "vision_block") for k in kinds])
-    grads = np.where(frozen, 0.0, counts * grad_b)
-    optim = np.where(frozen, 0.0, counts * optim_b)
-    return counts * b, grads, optim
+    grads = np.where(frozen, 0.0, counts * stack.grad_bytes)
+    optim = np.where(frozen, 0.0, counts * stack.state_bytes)
+    return counts * stack.weight_bytes, grads, optim
 
 
 def analytic_cost_table(spec: ModelSpec, hardware: HardwareSpec, *, tp_size: int = 1, dtype: str = "bf16",
-                        tp_vision: bool = True) -> LayerCostTable:
+                        tp_vision: bool = True, stack: StackConfig | str = "omnibal") -> LayerCostTable:
     """The :class:`LayerCostTable` of ``spec`` on ``hardware`` with tensor parallelism ``tp_size``.
 
     ``tp_vision=False`` replicates the vision encoder on every tensor-parallel rank instead of splitting it
-    (needed when its heads do not divide, e.g. InternViT-6B's 25 heads).
+    (needed when its heads do not divide, e.g. InternViT-6B's 25 heads). ``stack``: the software stack
+    whose weight, gradient and optimizer bytes per parameter the table carries (:mod:`omnibal.cost.stack`).
     """
     work = layer_work(spec, tp_size=tp_size, dtype=dtype, tp_vision=tp_vision)
     peak = hardware.peak_flops(dtype)
@@ -248,7 +262,7 @@ def analytic_cost_table(spec: ModelSpec, hardware: HardwareSpec, *, tp_size: int
         ring = 2.0 * (tp_size - 1) / tp_size
         tp_comm = ring * work.tp_allreduce_bytes / bandwidth
         tp_comm[:, ONE] += 2.0 * (tp_size - 1) * latency * work.tp_allreduce_count
-    param, grad, optim = layer_param_bytes(spec, tp_size=tp_size, dtype=dtype, tp_vision=tp_vision)
+    param, grad, optim = layer_param_bytes(spec, tp_size=tp_size, dtype=dtype, tp_vision=tp_vision, stack=stack)
     layers = spec.layers()
     return LayerCostTable(
         names=tuple(layer.name for layer in layers), kinds=tuple(layer.kind for layer in layers),

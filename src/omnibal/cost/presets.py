@@ -17,11 +17,12 @@ from omnibal.cost.spec import LLMSpec, ModelSpec, VisionSpec
 from omnibal.errors import InputError
 
 INTERNVIT_6B = VisionSpec(num_layers=45, hidden=3200, num_heads=25, mlp_hidden=12800, image_size=448,
-                          patch_size=14, class_token=True)
-"""InternViT-6B-448px-V1-5 (45 of the original 48 blocks are kept)."""
+                          patch_size=14, class_token=True, qk_norm=True, layer_scale=True)
+"""InternViT-6B-448px-V1-5 (45 of the original 48 blocks are kept; ``qk_normalization: true`` and layer
+scale ``ls1``/``ls2`` in its config and modeling code)."""
 INTERNVIT_300M = VisionSpec(num_layers=24, hidden=1024, num_heads=16, mlp_hidden=4096, image_size=448,
-                            patch_size=14, class_token=True)
-"""InternViT-300M-448px (InternVL2-1B..8B)."""
+                            patch_size=14, class_token=True, layer_scale=True)
+"""InternViT-300M-448px (InternVL2-1B..8B; layer scale, no QK norm)."""
 CLIP_L_336 = VisionSpec(num_layers=23, hidden=1024, num_heads=16, mlp_hidden=4096, image_size=336,
                         patch_size=14, class_token=True)
 """CLIP ViT-L/14-336 as LLaVA-1.5 runs it: features of the second to last block, so 23 of 24 blocks run."""

@@ -180,7 +180,7 @@ def check_profile_model(profile: dict[str, Any], spec: ModelSpec, *, source: str
 
 
 def cost_table_from_profile(spec: ModelSpec, profile: dict[str, Any], *, hardware: HardwareSpec | None = None,
-                            tp_size: int = 1, tp_vision: bool = True) -> LayerCostTable:
+                            tp_size: int = 1, tp_vision: bool = True, stack="omnibal") -> LayerCostTable:
     """A :class:`LayerCostTable` whose times and activation bytes are the profile's fits (per kind);
     checkpoint, boundary and parameter bytes come from the analytic model in the profile's dtype.
 
@@ -214,7 +214,7 @@ def cost_table_from_profile(spec: ModelSpec, profile: dict[str, Any], *, hardwar
         tp_comm = split.tp_comm_time
     act[~work.trainable] = 0.0
     bwd[~work.trainable] = 0.0
-    param, grad, optim = layer_param_bytes(spec, dtype=dtype, tp_size=tp_size, tp_vision=tp_vision)
+    param, grad, optim = layer_param_bytes(spec, dtype=dtype, tp_size=tp_size, tp_vision=tp_vision, stack=stack)
     return LayerCostTable(
         names=tuple(layer.name for layer in spec.layers()), kinds=tuple(kinds), fwd_time=fwd, bwd_time=bwd,
         act_bytes=act, ckpt_bytes=np.minimum(work.ckpt_bytes, act), out_bytes=work.out_bytes,

@@ -48,6 +48,12 @@ class VisionSpec:
     """Patch side in pixels."""
     class_token: bool = True
     """Whether a class token is prepended (1025 = 32*32 + 1 tokens per 448px tile)."""
+    qk_norm: bool = False
+    """RMSNorm on q and k over the full width before attention (InternViT-6B's ``qk_normalization``):
+    keeps q and k before the norm and two fp32 statistics per token for the backward."""
+    layer_scale: bool = False
+    """Learned per-channel scales on the attention and MLP outputs (InternViT's ``ls1``/``ls2``): their
+    gradient keeps both branch outputs."""
 
     @property
     def patches_per_side(self) -> int:
@@ -194,6 +200,9 @@ class ModelSpec:
         never applied to a model of another shape."""
         data = self.to_dict()
         data.pop("name")
+        for flag in ("qk_norm", "layer_scale"):  # added later: absent when off, so older fingerprints hold
+            if not data["vision"][flag]:
+                data["vision"].pop(flag)
         blob = json.dumps(data, sort_keys=True).encode()
         return hashlib.blake2b(blob, digest_size=8).hexdigest()
 

@@ -22,6 +22,7 @@ from omnibal.errors import InputError
 from omnibal.plan.ablation import AblationRow, with_speedups
 from omnibal.plan.engines import constraint_rows
 from omnibal.plan.joint import JointPlanner, StagePlanSet
+from omnibal.plan.packsize import PackSearchConfig, search_pack_size
 from omnibal.plan.partition import check_num_stages, even_partition
 from omnibal.plan.plan import DataPlan, Plan, PlanInputs, Prediction, plan_stages
 from omnibal.plan.search import Candidate, SearchConfig, sample_steps, search
@@ -76,9 +77,17 @@ class PlanJobConfig:
     padding: str = "varlen"
     """How balanced packs run: ``varlen`` (variable-length micro-batches, Megatron's variable_seq_lengths)
     or ``fixed_buffer`` (padded to the caps: static shapes, e.g. torch.distributed.pipelining)."""
-    baseline_partition: str = "even"
-    """The baseline's layer split: ``even`` (equal layer counts) or ``vision-first`` (the vision encoder
-    and projector on stage 0, LLM layers split evenly over the rest, as torchtitan and Megatron VLMs do)."""
+    baseline_partition: str = "vision-first"
+    """The baseline's layer split: ``vision-first`` (the vision encoder and projector on stage 0, LLM layers
+    split evenly over the rest, as Megatron-core's LLaVA and torchtitan do; the paper's baseline most
+    likely, docs/plan.md) or ``even`` (equal layer counts)."""
+    stack: str = "megatron-deepspeed"
+    """Software stack whose weight/gradient/optimizer bytes the memory model counts (``omnibal.cost.stack``:
+    ``megatron-deepspeed``, the paper's, ``fsdp`` or ``omnibal``)."""
+    pack_search: PackSearchConfig = field(default_factory=lambda: PackSearchConfig(microbatches=()))
+    """Pack sizes (micro-batches per step, samples per pack) searched with partition and recompute; the job's
+    own ``num_microbatches`` is always a candidate. Off here (a library caller's M stays M); ``omnibal plan``
+    turns it on (``--pack-microbatches``, default 8,12,16,24,32)."""
     schedule: str = "1f1b"
     """Pipeline schedule the simulator runs."""
     search: SearchConfig = field(default_factory=SearchConfig)
@@ -260,7 +269,7 @@ def run_plan_job(config: PlanJobConfig, *, progress: bool = False, stats=None,
         else:
             spec = get_model_preset(config.preset)
         hw = get_hardware(config.hardware)
-        table = cost_table(spec, hw, profile_path=config.profile_path, tp_size=config.tp_size)
+        table = cost_table(spec, hw, profile_path=config.profile_path, tp_size=config.tp_size, stack=config.stack)
         check_num_stages(config.pp_size, table.num_layers)
         fraction = None if config.memory_budget_gib is not None else 0.95
         sim_config = config_for_hardware(hw, dp_size=config.dp_size, pp_size=config.pp_size, tp_size=config.tp_size,
@@ -294,13 +303,12 @@ def run_plan_job(config: PlanJobConfig, *, progress: bool = False, stats=None,
         phases.start("balance", "balancing (baseline and omnibal)")
         cost = balance_cost(table, spec, hw, config.profile_path)
 
-        def balanced(bconfig):
-            key = ("balance", stats.fingerprint(), config.dp_size, config.num_microbatches, config.seed,
-                   repr(bconfig.to_dict()))
+        def balanced(bconfig, num_mb=config.num_microbatches):
+            key = ("balance", stats.fingerprint(), config.dp_size, num_mb, config.seed, repr(bconfig.to_dict()))
             if cache is not None and key in cache:
                 return cache[key]
-            sched = balance(stats, dp_size=config.dp_size, num_microbatches=config.num_microbatches,
-                            seed=config.seed, config=bconfig)
+            sched = balance(stats, dp_size=config.dp_size, num_microbatches=num_mb, seed=config.seed,
+                            config=bconfig)
             if cache is not None:
                 cache[key] = sched
             return sched
@@ -334,6 +342,13 @@ def run_plan_job(config: PlanJobConfig, *, progress: bool = False, stats=None,
 
         best_full, _, _ = search(planner, anchor_full, score, config.search, recompute="full")
         best_joint, scored, num_enumerated = search(planner, anchor_joint, score, config.search, recompute="adaptive")
+        best_full_joint, default_planner = best_joint, planner
+        pack = _pack_row(config, stats, table, stage_config, sim_config, bal_config, full_samples, balanced,
+                         padding_bal)
+        if pack["row"] is not None:  # the plan runs the searched pack size
+            features["packed"], planner, score = pack["features"], pack["planner"], pack["score"]
+            anchor_joint, best_joint, scored, num_enumerated, bal_sched = pack["row"]
+            metrics["packed"] = schedule_metrics(replace_padding(bal_sched, padding_bal), stats, cost)
 
         phases.start("ablation", "simulating the ablation epochs")
         q_base = layer_quantities(table, features["baseline"], stage_config)
@@ -343,7 +358,7 @@ def run_plan_job(config: PlanJobConfig, *, progress: bool = False, stats=None,
         else:
             base_parts = vision_first_partition(table.kinds, config.pp_size)
         base_full = base_planner.evaluate(base_parts, "full")
-        bal_even_full = planner.evaluate(base_parts, "full")
+        bal_even_full = default_planner.evaluate(base_parts, "full")
         data_desc = {"baseline": f"random, {config.baseline_batch_size} samples per micro-batch, padded to the longest",
                      "balanced": f"{config.balance_method} balanced packs ({padding_bal})"}
         split_desc = "even layer count" if config.baseline_partition == "even" else "vision encoder on stage 0"
@@ -351,14 +366,18 @@ def run_plan_job(config: PlanJobConfig, *, progress: bool = False, stats=None,
             ("baseline", "baseline", split_desc, "full", base_full),
             ("+ data balance", "balanced", split_desc, "full", bal_even_full),
             ("+ balanced partition", "balanced", "exact min-max + search", "full", best_full.plan),
-            ("+ adaptive recompute", "balanced", "joint min-max + search", "adaptive", best_joint.plan),
+            ("+ adaptive recompute", "balanced", "joint min-max + search", "adaptive", best_full_joint.plan),
         ]
+        if pack["row"] is not None:
+            specs.append(("+ pack size", "packed", "joint min-max + search", "adaptive", best_joint.plan))
+            data_desc["packed"] = pack["desc"]
         engine_info: dict = {}
         if constraint_rows(config.engine):  # deepspeed and omnibal express every plan: no extra rows
             from omnibal.plan.engine_plan import engine_row_specs
 
             engine_specs, engine_final = engine_row_specs(config.engine, planner, score, config.search)
-            specs += [(name, "balanced", part, rec, sp) for name, part, rec, sp in engine_specs]
+            final_data = "packed" if pack["row"] is not None else "balanced"
+            specs += [(name, final_data, part, rec, sp) for name, part, rec, sp in engine_specs]
             anchor_joint, best_joint, scored, num_enumerated, engine_info = engine_final
         rows, row_plans, row_results = [], {}, {}
         for name, data_key, part_desc, rec_desc, sp in specs:
@@ -386,13 +405,14 @@ def run_plan_job(config: PlanJobConfig, *, progress: bool = False, stats=None,
             model=spec.name, model_spec=asdict(spec), hardware=hw.name,
             num_gpus=config.dp_size * config.pp_size * config.tp_size, dp_size=config.dp_size,
             pp_size=config.pp_size, tp_size=config.tp_size, zero_stage=config.zero_stage,
-            num_microbatches=config.num_microbatches, memory_budget_bytes=budget, stats_source=stats_source,
+            num_microbatches=pack["num_microbatches"], memory_budget_bytes=budget, stats_source=stats_source,
             stats_fingerprint=stats.fingerprint(), num_samples=full_samples, profile=config.profile_path,
             omnibal_version=__version__, stats_convention=convention),
         data=DataPlan(method=bal_sched.method, settings={"caps": bal_sched.caps.to_dict(), "padding": padding_bal,
-                                                         "config": bal_config.to_dict(),
-                                                         "balanced_samples": len(stats)},
-                      num_steps=final.num_steps, metrics=_jsonable(metrics["balanced"])),
+                                                         "config": pack.get("bal_config", bal_config).to_dict(),
+                                                         "balanced_samples": len(stats),
+                                                         "pack_search": pack["report"], "stack": config.stack},
+                      num_steps=final.num_steps, metrics=_jsonable(metrics.pop("packed", metrics["balanced"]))),
         stages=plan_stages(table.names, best_joint.plan, final_res.peak_memory.max(axis=(0, 1))),
         prediction=Prediction(step_time_s=final.step_time_s, epoch_time_s=final.epoch_time_s,
                               gpu_days=final.gpu_days, bubble=final.bubble, num_steps=final.num_steps,
@@ -411,6 +431,46 @@ def run_plan_job(config: PlanJobConfig, *, progress: bool = False, stats=None,
                          scored=scored, epoch_scale=epoch_scale,
                          row_step_times={k: v.step_time for k, v in row_results.items()},
                          balanced_schedule=bal_sched, stats=stats)
+
+
+def _pack_row(config: PlanJobConfig, stats, table, stage_config, sim_config, bal_config, full_samples, balanced,
+              padding) -> dict:
+    """The pack-size search (``plan.packsize``) and, when it picks another pack than the job's, that pack's
+    balanced schedule, joint plan and neighbour search: the ``+ pack size`` row and the plan."""
+    from omnibal.sim.epoch import score_plan
+
+    default_m, default_target = config.num_microbatches, bal_config.target_samples
+    out = {"row": None, "num_microbatches": default_m, "report": None}
+    if not config.pack_search.microbatches or config.balance_method != "omnibal":
+        return out
+    pack_config = replace(config.pack_search, microbatches=tuple(sorted({*config.pack_search.microbatches, default_m})))
+    chosen, cands = search_pack_size(stats, table, stage_config, sim_config, balance_config=bal_config,
+                                     samples_per_rank_step=default_m * default_target, config=pack_config,
+                                     num_total_samples=full_samples, seed=config.seed, padding=padding,
+                                     incumbent=default_m)
+    out["report"] = {"candidates": [c.to_dict() for c in cands],
+                     "chosen": None if chosen is None else chosen.to_dict()}
+    if chosen is None or chosen.num_microbatches == default_m:
+        return out
+    m = chosen.num_microbatches
+    out["bal_config"] = replace(bal_config, target_samples=chosen.target_samples)
+    sched = balanced(out["bal_config"], m)
+    feats = sched.features(stats, padding=padding)
+    cfg = replace(stage_config, num_microbatches=m)
+    planner = JointPlanner(layer_quantities(table, feats, cfg), cfg)
+    psample = sample_steps(feats, config.search.sample_steps, config.search.seed)
+
+    def pscore(sp: StagePlanSet) -> tuple[float, bool]:
+        s = score_plan(table, sp.parts, sp.recompute_mask(table.num_layers), psample, sim_config)
+        return s.step_time_mean, s.oom
+
+    anchor = planner.plan()
+    best, scored, enumerated = search(planner, anchor, pscore, config.search, recompute="adaptive")
+    out.update(row=(anchor, best, scored, enumerated, sched), features=feats, planner=planner, score=pscore,
+               num_microbatches=m,
+               desc=f"{config.balance_method} balanced packs ({padding}), {m} micro-batches of "
+                    f"~{chosen.target_samples:.2f} samples (searched)")
+    return out
 
 
 def replace_padding(schedule, padding: str):

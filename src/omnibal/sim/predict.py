@@ -22,6 +22,7 @@ from dataclasses import replace
 import numpy as np
 
 from omnibal.cost.hardware import HardwareSpec
+from omnibal.cost.stack import DEFAULT_STACK
 from omnibal.cost.spec import ModelSpec
 from omnibal.cost.table import LayerCostTable
 from omnibal.data.balance.cost import BalanceCost
@@ -70,8 +71,9 @@ def model_stats(stats: SampleStats, spec: ModelSpec, *, convert: bool = False,
 
 
 def cost_table(spec: ModelSpec, hardware: HardwareSpec, *, profile_path: str | None = None, tp_size: int = 1,
-               dtype: str = "bf16") -> LayerCostTable:
-    """The per-TP-rank cost table: the analytic model on ``hardware`` or a measured profile (``profile_path``).
+               dtype: str = "bf16", stack: str = DEFAULT_STACK) -> LayerCostTable:
+    """The per-TP-rank cost table: the analytic model on ``hardware`` or a measured profile (``profile_path``),
+    with the static bytes of the software ``stack`` (``omnibal.cost.stack``).
 
     A vision encoder whose heads or MLP width do not divide by ``tp_size`` (InternViT-6B's 25 heads) is
     replicated on every TP rank instead of split."""
@@ -79,11 +81,11 @@ def cost_table(spec: ModelSpec, hardware: HardwareSpec, *, profile_path: str | N
     if profile_path is None:
         from omnibal.cost.analytic import analytic_cost_table
 
-        return analytic_cost_table(spec, hardware, tp_size=tp_size, dtype=dtype, tp_vision=tp_vision)
+        return analytic_cost_table(spec, hardware, tp_size=tp_size, dtype=dtype, tp_vision=tp_vision, stack=stack)
     from omnibal.cost.profile import cost_table_from_profile, load_profile
 
     return cost_table_from_profile(spec, load_profile(profile_path, spec), hardware=hardware, tp_size=tp_size,
-                                   tp_vision=tp_vision)
+                                   tp_vision=tp_vision, stack=stack)
 
 
 def balance_cost(table: LayerCostTable, spec: ModelSpec, hardware: HardwareSpec | None = None,

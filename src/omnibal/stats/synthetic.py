@@ -15,6 +15,22 @@ listed for the InternVL-Chat-1.2 SFT data, typical image resolutions: COCO photo
 of published statistics (ChartQA: most samples 1.1k-1.6k tokens; AI2D: a few hundred to 1.5k). No
 per-sample data is copied: nothing here is read from the real statistics files.
 
+**Fitted to OmniBal's published statistics** (the default since issue 17). OmniBal's reference repository
+publishes per-sample statistics of two subsets of this mixture (AI2D, 12,413 samples; ChartQA, 18,317;
+``internvl-1.2m-stats``). They fix two things the descriptions above do not:
+
+* the tile rule: their samples have only 1, 3, 4 or 5 tiles, i.e. InternVL's dynamic resolution with at
+  most 4 tiles plus the thumbnail (grids 1x1, 1x2, 1x3, 2x2/1x4), not the 12-tile rule of InternVL-1.5's
+  own SFT; :data:`FITTED_TILES` is that rule and the default for every sub-dataset;
+* the two sub-datasets themselves: ``science_diagrams`` (AI2D) and ``charts`` (ChartQA) draw their tile
+  count from the published shares and their text length (``tokens - 256 tiles - 2``) from a log-normal
+  fitted per tile count (median and standard deviation of the log), :class:`TileMix` below. Only these
+  summary numbers are embedded (written out in the profiles), no per-sample row;
+  ``tests/test_stats_synthetic.py`` refits them from the files when those are present.
+
+The other sub-datasets keep their image-size and text models (no per-sample statistics of them are
+published) under the fitted tile rule.
+
 Deterministic in ``(num_samples, seed, profiles, settings)``; each sub-dataset draws from its own random
 stream (seeded by the seed and the profile name), so adding a profile does not change the others.
 Vectorised: 1.2M samples take well under a second of numpy.
@@ -64,6 +80,9 @@ class SubsetProfile:
     """Probabilities of ``aspect_ratios`` (uniform when None)."""
     aspect_jitter: float = 0.05
     """Log-normal jitter around the chosen ratio (0: exact ratios)."""
+    tile_mix: tuple[TileMix, ...] = ()
+    """Fitted per-tile-count model (see the module docstring); when given it replaces the image-size model
+    and ``text_median``/``text_sigma`` (the text clip still applies)."""
 
     def __post_init__(self) -> None:
         if self.weight < 0 or not np.isfinite(self.weight):
@@ -73,6 +92,20 @@ class SubsetProfile:
                              field="aspect_weights")  # fmt: skip
         if not 1 <= self.text_min <= self.text_max:
             raise InputError("need 1 <= text_min <= text_max", source=f"profile {self.name}", field="text_min")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TileMix:
+    """One tile count of a sub-dataset fitted to published per-sample statistics."""
+
+    tiles: int
+    """Tiles per sample (thumbnail included)."""
+    share: float
+    """Fraction of the sub-dataset's samples with this many tiles."""
+    text_median: float
+    """Median text tokens of these samples (LLM tokens less 256 per tile and the two image markers)."""
+    text_sigma: float
+    """Standard deviation of log(text tokens) of these samples."""
 
 
 PHOTO = dict(aspect_ratios=(4 / 3, 3 / 4, 16 / 9, 1.0, 3 / 2, 2 / 3), aspect_weights=(0.45, 0.12, 0.1, 0.13, 0.12, 0.08))
@@ -86,11 +119,19 @@ INTERNVL_12_SFT: tuple[SubsetProfile, ...] = (
                   long_side_sigma=0.2, **PHOTO),
     SubsetProfile(name="synthetic_bar_charts", weight=200_000, text_median=70, text_sigma=0.25,
                   long_side_median=448, long_side_sigma=0.0, aspect_ratios=(1.0,), aspect_jitter=0.0),
-    SubsetProfile(name="charts", weight=18_000, text_median=75, text_sigma=0.35, long_side_median=800,
-                  long_side_sigma=0.12, aspect_ratios=(4 / 3, 1.0, 16 / 9), aspect_weights=(0.8, 0.1, 0.1)),
-    SubsetProfile(name="science_diagrams", weight=12_000, text_median=95, text_sigma=0.3, long_side_median=650,
-                  long_side_sigma=0.45, aspect_ratios=(4 / 3, 1.0, 3 / 2, 3 / 4, 2.0),
-                  aspect_jitter=0.15),
+    # ChartQA, fitted to chartqa_train_18k_wh_token_lengths.json (18,317 samples)
+    SubsetProfile(name="charts", weight=18_000, text_median=55, text_sigma=0.6, text_min=31, text_max=550,
+                  tile_mix=(TileMix(tiles=1, share=0.0316, text_median=152, text_sigma=0.133),
+                            TileMix(tiles=3, share=0.0598, text_median=127, text_sigma=0.578),
+                            TileMix(tiles=4, share=0.0008, text_median=150, text_sigma=0.161),
+                            TileMix(tiles=5, share=0.9078, text_median=48, text_sigma=0.597))),
+    # AI2D, fitted to ai2d_train_12k_wh_token_lengths.json (12,413 samples)
+    SubsetProfile(name="science_diagrams", weight=12_000, text_median=50, text_sigma=0.2, text_min=35,
+                  text_max=345,
+                  tile_mix=(TileMix(tiles=1, share=0.4667, text_median=50, text_sigma=0.198),
+                            TileMix(tiles=3, share=0.2989, text_median=50, text_sigma=0.197),
+                            TileMix(tiles=4, share=0.0486, text_median=50, text_sigma=0.197),
+                            TileMix(tiles=5, share=0.1859, text_median=50, text_sigma=0.202))),
     SubsetProfile(name="documents", weight=10_000, text_median=80, text_sigma=0.4, long_side_median=2200,
                   long_side_sigma=0.2, aspect_ratios=(0.77, 0.71, 1.3), aspect_weights=(0.7, 0.2, 0.1)),
     SubsetProfile(name="geometry", weight=72_000, text_median=170, text_sigma=0.45, long_side_median=230,
@@ -101,6 +142,10 @@ INTERNVL_12_SFT: tuple[SubsetProfile, ...] = (
 )  # fmt: skip
 """The default mixture (weights are sample counts in the 1.2M set)."""
 
+FITTED_TILES = TileConfig(max_tiles=4, use_thumbnail=True)
+"""The tile rule of OmniBal's published InternVL-1.2M statistics: at most 4 tiles plus the thumbnail (their
+samples have 1, 3, 4 or 5 tiles, never 2 or more than 5)."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class SyntheticConfig:
@@ -108,8 +153,9 @@ class SyntheticConfig:
 
     profiles: tuple[SubsetProfile, ...] = INTERNVL_12_SFT
     """Sub-datasets and their shares."""
-    tiles: TileConfig = TileConfig()
-    """Dynamic-resolution rule (InternVL-1.5 chat: 1..12 tiles plus a thumbnail)."""
+    tiles: TileConfig = FITTED_TILES
+    """Dynamic-resolution rule (default: the published statistics' 1..4 tiles plus a thumbnail;
+    ``TileConfig()`` is InternVL-1.5's 12-tile chat rule)."""
     tokens_per_tile: int = 256
     """LLM tokens per vision tile (256 after InternVL's pixel shuffle)."""
     count_dummy_tile: bool = True
@@ -167,7 +213,11 @@ def _profile_stats(profile: SubsetProfile, n: int, seed: int, config: SyntheticC
     rng = np.random.default_rng([seed & 0xFFFFFFFF, hash_key(profile.name) & 0xFFFFFFFF])
     text = profile.text_median * np.exp(profile.text_sigma * rng.standard_normal(n))
     text = np.clip(np.rint(text), profile.text_min, profile.text_max).astype(np.int64)
-    if profile.images == 0:
+    if profile.tile_mix:
+        tiles, text = _fitted_draw(profile, n, rng)
+        images = np.ones(n, dtype=np.int64)
+        tokens = text + tiles * config.tokens_per_tile + images * IMAGE_MARKER_TOKENS
+    elif profile.images == 0:
         tiles = np.full(n, 1 if config.count_dummy_tile else 0, dtype=np.int64)
         images = np.zeros(n, dtype=np.int64)
         tokens = text
@@ -183,3 +233,14 @@ def _profile_stats(profile: SubsetProfile, n: int, seed: int, config: SyntheticC
         tiles=tiles, tokens=tokens, images=images,
         keys=index_keys(f"synthetic/{profile.name}/seed={seed}", n), source=profile.name,
     )  # fmt: skip
+
+
+def _fitted_draw(profile: SubsetProfile, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """``(tiles, text tokens)`` of ``n`` samples from ``profile.tile_mix``."""
+    shares = np.array([m.share for m in profile.tile_mix], dtype=np.float64)
+    which = rng.choice(len(shares), size=n, p=shares / shares.sum())
+    tiles = np.array([m.tiles for m in profile.tile_mix], dtype=np.int64)[which]
+    median = np.array([m.text_median for m in profile.tile_mix])[which]
+    sigma = np.array([m.text_sigma for m in profile.tile_mix])[which]
+    text = median * np.exp(sigma * rng.standard_normal(n))
+    return tiles, np.clip(np.rint(text), profile.text_min, profile.text_max).astype(np.int64)
