@@ -8,40 +8,37 @@
    16 LLM tokens per tile), each layer kind timed on each pack with varlen segments = the samples.
 4. Relative errors per layer kind of (a) the profile-fitted table, (b) the calibrated analytic table and
    (c) the uncalibrated analytic table (measured CPU peak, default efficiencies); and of the whole model's
-   forward+backward per micro-batch (sum over the chain). Results: benchmarks/results/cost_validation.{json,md}.
+   forward+backward per micro-batch (sum over the chain). Results: benchmarks/results/cost_validation.{json,md}
+   (``--out`` elsewhere), with the provenance.
 
-    PYTHONPATH=src python benchmarks/bench_cost_validation.py [--profile PATH] [--repeats 5]
+    python -m benchmarks.bench_cost_validation [--profile PATH] [--repeats 5]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 from pathlib import Path
 
 import numpy as np
 
+from benchmarks.common import RESULTS, SHARED_STATS, STATS_FILES, write_result
 from omnibal.cost.analytic import analytic_cost_table
 from omnibal.cost.calibrate import calibrate_hardware, prediction_errors
 from omnibal.cost.fit import relative_errors
-from omnibal.cost.hardware import measure_cpu
 from omnibal.cost.presets import get_model_preset
-from omnibal.cost.profile import Point, cost_table_from_profile, load_profile, measure, measure_points, save_profile
+from omnibal.cost.profile import Point, cost_table_from_profile, fit_profile, load_profile, save_profile
+from omnibal.measure.hardware import measure_cpu
+from omnibal.measure.machine import load_average
+from omnibal.measure.profile import measure, measure_points
 from omnibal.stats.io import load_stats
 from omnibal.stats.table import SampleStats
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
-STATS = Path(os.environ.get("OMNIBAL_SHARED_STATS") or next(
-    (p / "shared" / "data" / "internvl-1.2m-stats" for p in ROOT.parents
-     if (p / "shared" / "data" / "internvl-1.2m-stats").is_dir()), ROOT.parent / "shared"))
-STATS_FILES = ("ai2d_train_12k_wh_token_lengths.json", "chartqa_train_18k_wh_token_lengths.json")
-
 
 def validation_packs(spec, num_packs: int, seed: int) -> list[tuple[int, tuple[int, ...]]]:
-    stats = SampleStats.concat([load_stats(STATS / f) for f in STATS_FILES])
+    """``num_packs`` packs of 1-6 consecutive samples of a shuffled pool of the real statistics, as
+    ``(tiles, LLM tokens per sample)`` in the model's units."""
+    stats = SampleStats.concat([load_stats(SHARED_STATS / f) for f in STATS_FILES])
     rng = np.random.default_rng(seed)
     order = rng.permutation(len(stats.tiles))
     tiles = stats.tiles[order].astype(np.int64)
@@ -76,8 +73,6 @@ def with_statistic(rows: list[dict], statistic: str) -> list[dict]:
 
 def evaluate(spec, profile_rows, validation_rows, packs, cpu, dtype) -> dict:
     """Fit + calibrate on the calibration rows, predict the validation rows."""
-    from omnibal.cost.profile import fit_profile
-
     profile = {"format": "omnibal-profile/1", "model": {"name": spec.name, "fingerprint": spec.fingerprint()},
                "dtype": dtype, "measurements": profile_rows, "fit": fit_profile(profile_rows)}
     calibrated = calibrate_hardware(spec, cpu, profile)
@@ -92,20 +87,16 @@ def evaluate(spec, profile_rows, validation_rows, packs, cpu, dtype) -> dict:
                             for name, table in tables.items()}}
 
 
-def load_now() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
-
-
 def one_trial(spec, args, packs, progress, profile=None) -> tuple[dict, dict]:
     if profile is None:
         profile = measure(spec, repeats=args.repeats, progress=progress, statistic=args.statistic)
     cpu = measure_cpu(threads=1)
     kinds = tuple(dict.fromkeys(layer.kind for layer in spec.layers()))
     points = [Point(kind, tiles, lengths) for tiles, lengths in packs for kind in kinds]
-    load_before = load_now()
+    load_before = load_average()
     rows = measure_points(spec, points, repeats=args.repeats, progress=progress, statistic=args.statistic,
                           dtype=profile["dtype"])
-    load_after = load_now()
+    load_after = load_average()
     for row, point in zip(rows, points):
         row["pack"] = (point.tiles, list(point.lengths))
     statistics = [args.statistic] + [st for st in ("median", "min", "cpu", "cpu_min") if st != args.statistic
@@ -145,7 +136,7 @@ def main(argv=None) -> int:
     given = load_profile(args.profile, spec) if args.profile else None
     trials, profiles = [], []
     for trial in range(1 if given else args.trials):
-        print(f"trial {trial + 1}/{args.trials}: load {load_now()}", file=sys.stderr, flush=True)
+        print(f"trial {trial + 1}/{args.trials}: load {load_average()}", file=sys.stderr, flush=True)
         result, profile = one_trial(spec, args, packs, progress, given)
         trials.append(result)
         profiles.append(profile)
@@ -164,9 +155,7 @@ def main(argv=None) -> int:
               "retest_profile": [retest(profiles[0]["measurements"], p["measurements"]) for p in profiles[1:]],
               "retest_validation": [retest(trials[0]["measurements"], t["measurements"]) for t in trials[1:]],
               **trials[best], "trials": [{k: v for k, v in t.items() if k != "measurements"} for t in trials]}
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "cost_validation.json").write_text(json.dumps(result, indent=1) + "\n")
-    (out / "cost_validation.md").write_text(render(result, profiles[best]))
+    write_result("cost_validation", result, render(result, profiles[best]), out=out)
     print(render(result, profiles[best]))
     return 0
 

@@ -7,7 +7,8 @@ Implements the protocol of docs/sim.md ("Validation protocol", committed before 
 * **calibration** (``CAL_SPECS``): DP 1 and DP 2 whole-model runs at 4 micro-batches, baseline + full
   recompute and balanced + none; ``omnibal.sim.calibrate`` fits one overall scale of a measured layer profile,
   the per-step overhead and the shared-host factor from each rank's own CPU time, and the rank jitter;
-  the gloo links are measured separately by ``sim_links.py`` (message ping-pong, not steps);
+  the gloo links are measured separately by :func:`omnibal.measure.links.measure_links` (message ping-pong,
+  not steps);
 * **validation** (``VAL_SPECS``, ``RANK_SPECS``): micro-batch counts never calibrated (6, 8), the DP 1 x PP 2
   layout and pipeline partitions never calibrated, and four candidate plans (partition x recompute) of one
   job that the simulator must rank as measured.
@@ -18,211 +19,38 @@ shape). Measured and predicted time are the sums over the timed steps (the first
 warm-up and is dropped). Error = predicted / measured - 1. Runs are repeated in rounds, each holding every
 run once in a seeded random order, so that calibration and validation see the same drift of this VM's speed.
 
-    PYTHONPATH=src python benchmarks/bench_sim_validation.py [--steps 8] [--repeats 3] [--quick]
+The trainer runs and the calibration are the shared helpers of :mod:`benchmarks.cpu_runs`; this module holds the
+protocol's runs and its summary. Writes ``benchmarks/results/sim_validation.{json,md}`` (``--out`` elsewhere).
+
+    python -m benchmarks.bench_sim_validation [--steps 8] [--repeats 3] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import sys
-import time
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from omnibal.cost.table import microbatch_features  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
-_CANDIDATES = [Path(os.environ["OMNIBAL_SHARED_STATS"])] if "OMNIBAL_SHARED_STATS" in os.environ else [
-    up / "shared" / "data" / "internvl-1.2m-stats" for up in (ROOT.parent, ROOT.parent.parent)]  # checkout, worktree
-SHARED_STATS = next((p for p in _CANDIDATES if p.is_dir()), _CANDIDATES[0])
-STATS_FILES = ("ai2d_train_12k_wh_token_lengths.json", "chartqa_train_18k_wh_token_lengths.json")
-MODEL = "tiny"
-NUM_MB = 4
-BATCH = 4
-CAL_SEED, VAL_SEED = 1001, 0
-
-
-# ------------------------------------------------------------------------------------------------ data
-
-
-POOL_SEED = 20261124
-"""Seed of the one shuffle that cuts the real rows into the calibration and the validation pool (docs/sim.md)."""
-
-
-def load_real_subset(num_samples: int, seed: int, pool: str | None = None):
-    """A random subset of the real InternVL-1.2M statistics, in the files' units (256 tokens per tile).
-
-    ``pool``: ``"calibration"`` / ``"validation"`` draws from that half of the fixed shuffle only (the held-out
-    protocol of docs/sim.md); None draws from all rows."""
-    from omnibal.stats.io import load_stats as read
-    from omnibal.stats.table import SampleStats
-
-    parts = [read(SHARED_STATS / f) for f in STATS_FILES]
-    stats = SampleStats.concat(parts, source="internvl-1.2m-stats (ai2d + chartqa)")
-    candidates = np.arange(len(stats))
-    if pool is not None:
-        halves = np.array_split(np.random.default_rng(POOL_SEED).permutation(len(stats)), 2)
-        candidates = halves[("calibration", "validation").index(pool)]
-    rows = np.sort(np.random.default_rng(seed).choice(candidates, size=num_samples, replace=False))
-    label = f" {pool} pool" if pool else ""
-    return replace(stats.take(rows), source=f"{stats.source}{label} subset {num_samples} seed {seed}")
-
-
-def load_stats(num_samples: int, seed: int, pool: str | None = None):
-    """:func:`load_real_subset` with tokens as the tiny model counts them (what its balancer and trainer see)."""
-    return model_units(load_real_subset(num_samples, seed, pool))
-
-
-def model_units(stats):
-    """``stats`` with tokens as the tiny model counts them."""
-    from omnibal.cost.presets import get_model_preset
-    from omnibal.stats.table import SampleStats
-
-    spec = get_model_preset(MODEL)
-    tokens = spec.sample_tokens(stats.tiles, stats.tokens, images=stats.images)
-    return SampleStats(tiles=stats.tiles, tokens=tokens, images=stats.images, keys=stats.keys,
-                       source=f"{stats.source}, tokens for {MODEL}")
-
-
-def baseline_schedule(stats, dp: int, num_steps: int, seed: int, mb: int = NUM_MB):
-    from omnibal.train.feed import random_microbatch_schedule
-
-    return random_microbatch_schedule(len(stats), dp_size=dp, num_microbatches=mb, batch_size=BATCH, seed=seed,
-                                      num_steps=num_steps)
-
-
-def balanced_schedule(stats, dp: int, seed: int, table, mb: int = NUM_MB):
-    from omnibal.data.balance import BalanceConfig, BalanceCost, balance
-
-    return balance(stats, dp_size=dp, num_microbatches=mb, seed=seed,
-                   config=BalanceConfig(method="omnibal", cost=BalanceCost.from_cost_table(table)))
-
-
-def step_features(schedule, stats, num_steps: int, *, padded: bool) -> np.ndarray:
-    """``[S, D, M, 4]`` features of what the trainer computes: packs varlen, baseline rows padded."""
-    out = np.zeros((num_steps, schedule.dp_size, schedule.num_microbatches, 4))
-    for s in range(num_steps):
-        for r in range(schedule.dp_size):
-            for k in range(schedule.num_microbatches):
-                mb = np.asarray(schedule.microbatch(s, r, k))
-                t = stats.tokens[mb].astype(np.float64)
-                tiles = float(stats.tiles[mb].sum())
-                if padded:
-                    out[s, r, k] = microbatch_features(tiles, len(mb) * t.max(), len(mb) * t.max() ** 2)
-                else:
-                    out[s, r, k] = microbatch_features(tiles, t.sum(), (t * t).sum())
-    return out
-
-
-# ------------------------------------------------------------------------------------------------ runs
-
-
-def rank_run(run: dict, stats, schedule):
-    """One rank of a trainer run: warm-up + timed steps; rank 0 returns the step records."""
-    import torch
-
-    torch.set_num_threads(1)
-    from omnibal.cost.presets import get_model_preset
-    from omnibal.data.dataset import SyntheticSampleConfig, SyntheticVLMDataset
-    from omnibal.train.distributed import destroy_world, init_world
-    from omnibal.train.loop import Buffer, Trainer
-    from omnibal.train.model import VLM
-    from omnibal.train.pipeline import resolve_layout
-
-    spec = get_model_preset(MODEL)
-    world = init_world(dp_size=run["dp"], pp_size=run["pp"], timeout_s=300)
-    dataset = SyntheticVLMDataset(stats, SyntheticSampleConfig(
-        image_size=spec.vision.image_size, tokens_per_tile=spec.llm_tokens_per_tile, vocab_size=spec.llm.vocab_size,
-        image_token_id=spec.llm.vocab_size - 1, seed=0))
-    model = VLM(spec, seed=0)
-    names = [s.name for s, _ in model.chain()]
-    layout = resolve_layout(names, pp_size=run["pp"], mode=run["mode"], stage_layers=run["ranges"],
-                            recompute=run["recompute_sets"])
-    buffer = Buffer(*run["buffer"]) if run["pp"] > 1 else None
-    trainer = Trainer(world=world, model=model, layout=layout, schedule=schedule, dataset=dataset, mode=run["mode"],
-                      num_microbatches=run["mb"], pipeline_schedule="1f1b", lr=1e-4, buffer=buffer)
-    records, cpu = [], []
-    for _ in range(run["steps"]):
-        c0 = time.thread_time()  # this rank's own CPU seconds: compute runs on this thread (1 torch thread)
-        rec = trainer.train_step()
-        cpu.append(time.thread_time() - c0)
-        if rec is not None:
-            records.append({"step_s": rec.step_s, "ranks": rec.ranks, "load": os.getloadavg()[0]})
-    destroy_world()
-    return {"records": records, "cpu": cpu}
-
-
-def launch(run: dict, stats, schedule) -> list[dict]:
-    from omnibal.train.distributed import spawn_local
-
-    results = spawn_local(rank_run, run["dp"] * run["pp"], args=(run, stats, schedule), deadline_s=900,
-                          start_method="fork")
-    errors = [r.error for r in results if r.error]
-    if errors:
-        raise RuntimeError("\n".join(errors))
-    records = results[0].value["records"]
-    cpu = np.array([r.value["cpu"] for r in results])  # [ranks, steps]
-    for s, rec in enumerate(records):
-        busy_wall = sum(r["compute_s"] + r["optim_s"] + r["data_s"] for r in rec["ranks"])
-        rec["cpu_s"] = cpu[:, s].tolist()
-        # contention: how much longer the ranks' own work took on the wall clock than on their CPU clocks
-        rec["slowdown"] = float(busy_wall / max(cpu[:, s].sum(), 1e-9))
-    return records
-
-
-# ------------------------------------------------------------------------------------------------ main
-
-
-def recompute_mask(names, recompute: str) -> np.ndarray:
-    """Per-layer checkpoint mask of ``recompute``: 'full', 'none' or 'vision' (the encoder's layers only)."""
-    if recompute == "vision":
-        return np.array([n.startswith("vision.") for n in names])
-    assert recompute in ("full", "none"), recompute
-    return np.full(len(names), recompute == "full")
-
-
-def make_run(name, *, dp, pp, mode, ranges, recompute, seed, stats, table, steps, names, mb=NUM_MB):
-    """Schedule, layout and features of one run (``recompute``: 'full', 'none' or 'vision')."""
-    from omnibal.train.loop import fixed_buffer
-
-    if mode == "baseline":
-        sched = baseline_schedule(stats, dp, steps, seed, mb)
-    else:
-        sched = balanced_schedule(stats, dp, seed, table, mb)
-    if ranges is None:
-        from omnibal.train.pipeline import even_split
-
-        ranges = even_split(len(names), pp)
-    mask = recompute_mask(names, recompute)
-    rec_sets = tuple(tuple(n for n, m in zip(names[a:b], mask[a:b]) if m) for a, b in ranges)
-    buf = fixed_buffer(sched, stats, mode=mode) if pp > 1 else None
-    feats = step_features(sched, stats, steps, padded=mode == "baseline")
-    run = {"name": name, "dp": dp, "pp": pp, "mb": mb, "mode": mode, "ranges": [list(r) for r in ranges],
-           "recompute_sets": rec_sets, "recompute": recompute, "seed": seed, "steps": steps,
-           "buffer": None if buf is None else [buf.tiles, buf.tokens]}
-    return run, sched, feats
-
-
-def simulate_run(run, feats, table, links, overhead, jitter=0.0):
-    from omnibal.sim import SimConfig, simulate_epoch
-
-    cuts = [r[0] for r in run["ranges"]] + [run["ranges"][-1][1]]
-    rec = recompute_mask(table.names, run["recompute"])
-    buffer = None
-    if run["buffer"] is not None:
-        q_v, q_t = run["buffer"]
-        buffer = np.broadcast_to(microbatch_features(q_v, q_t, q_t * q_t), feats.shape)
-    cfg = SimConfig(dp_size=run["dp"], p2p_bandwidth=links["p2p_bandwidth"], p2p_latency=links["p2p_latency"],
-                    dp_bandwidth=links["dp_bandwidth"], dp_latency=links["dp_latency"], step_overhead=overhead,
-                    p2p_occupancy=1.0, compute_jitter=jitter)
-    return simulate_epoch(table, cuts, rec, feats, cfg, buffer_features=buffer)
-
+from benchmarks.common import RESULTS, logger, write_result
+from benchmarks.cpu_runs import (
+    BATCH,
+    CAL_SEED,
+    MODEL,
+    POOL_SEED,
+    VAL_SEED,
+    CalibrationData,
+    launch,
+    load_stats,
+    make_run,
+    simulate_run,
+)
+from omnibal.cost.analytic import analytic_cost_table
+from omnibal.cost.presets import get_model_preset
+from omnibal.cost.profile import cost_table_from_profile
+from omnibal.measure.hardware import measure_cpu
+from omnibal.measure.links import measure_links
+from omnibal.measure.profile import measure
 
 CAL_SPECS = (
     # the held-out protocol of docs/sim.md: whole-model layouts at 4 micro-batches only
@@ -252,78 +80,12 @@ RANK_SPECS = tuple(
 """The candidate plans (partition x recompute) of one job the simulator must rank as measured."""
 
 
-class CalibrationData:
-    """What the calibration runs measured, gathered over rounds; :meth:`fit` gives the calibrated tables."""
-
-    def __init__(self, table, names, stats, steps: int) -> None:
-        self.table, self.names, self.stats, self.steps = table, names, stats, steps
-        self.runs: list = []  # CalibrationRun per rank and run
-        self.rows: list[dict] = []  # one table row per rank and run (same order as ``runs``)
-        self.dp_runs: list = []  # (features [S, D, M, 4], recompute mask, per-rank CPU [S, D]) of each DP run
-
-    def run_round(self, rep: int, log) -> None:
-        """Every calibration run once (one round)."""
-        for name, kw in CAL_SPECS:
-            self.run_one(name, kw, rep, log)
-
-    def run_one(self, name: str, kw: dict, rep: int, log) -> None:
-        """One calibration run (``name``, ``kw`` from :data:`CAL_SPECS`) of round ``rep``."""
-        from omnibal.sim.calibrate import CalibrationRun
-
-        run, sched, feats = make_run(name, seed=CAL_SEED, stats=self.stats, table=self.table, steps=self.steps,
-                                     names=self.names, **kw)
-        log(f"running {name} (round {rep + 1})")
-        records = launch(run, self.stats, sched)[1:]
-        wall = np.array([r["step_s"] for r in records])
-        rec_mask = recompute_mask(self.names, run["recompute"])
-        if run["dp"] > 1 and run["pp"] == 1:  # per-rank times of a DP run: the stragglers' jitter
-            self.dp_runs.append((feats[1:], rec_mask, np.array([r["cpu_s"] for r in records])))
-        for rank in range(run["dp"] * run["pp"]):
-            dp_rank, stage = divmod(rank, run["pp"])  # global rank = dp_rank * pp + stage
-            a, b = run["ranges"][stage]
-            cpu = np.array([r["cpu_s"][rank] for r in records])  # the rank's own compute
-            layers = None if run["pp"] == 1 else (a, b)
-            self.runs.append(CalibrationRun(feats[1:, dp_rank], rec_mask, cpu, layers=layers,
-                                            shared_host=run["dp"] * run["pp"] > 1))
-            where = (f", DP rank {dp_rank}" if run["dp"] > 1 else "") + (
-                "" if layers is None else f", stage {stage} (layers {a}-{b - 1})")
-            self.rows.append({"name": name + where, "steps": len(cpu), "cpu_s": float(cpu.sum()),
-                              "wall_s": float(wall.sum()), "load": float(np.mean([r["load"] for r in records])),
-                              "repeat": rep})
-
-    def fit(self, groups=("vision", "llm"), separate_backward: bool = False):
-        """``(calibration, table alone, table on shared cores, rank jitter)``; the jitter pools the DP runs
-        (each compared with the table under its own recompute mask)."""
-        from omnibal.sim.calibrate import calibrate, rank_jitter
-
-        cal = calibrate(self.table, self.runs, groups=tuple(groups), separate_backward=separate_backward)
-        alone, shared = cal.apply(self.table), cal.apply(self.table, shared_host=True)
-        variances, weights = [], []
-        for feats, mask, cpu in self.dp_runs:
-            variances.append(rank_jitter(shared, feats, mask, cpu) ** 2)
-            weights.append(len(cpu))
-        jitter = float(np.sqrt(np.average(variances, weights=weights))) if variances else 0.0
-        return cal, alone, shared, jitter
-
-    def residuals(self, cal) -> dict[str, float]:
-        """Per calibration run and rank (over the rounds): measured / fitted CPU time - 1. What the fit cannot
-        follow shows here as a bias of one kind of run; noise averages out over the rounds."""
-        from omnibal.sim.calibrate import design_matrix
-
-        ratios: dict[str, list[tuple[float, float]]] = {}
-        for run, row in zip(self.runs, self.rows):
-            table = cal.apply(self.table, shared_host=run.shared_host)
-            pred = design_matrix(table, run, ("all",), separate_backward=False)[:, 0] + cal.step_overhead
-            ratios.setdefault(row["name"], []).append((float(run.step_times.sum()), float(pred.sum())))
-        return {name: sum(m for m, _ in v) / sum(p for _, p in v) - 1.0 for name, v in ratios.items()}
-
-
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=8, help="timed steps per run (plus one warm-up)")
     ap.add_argument("--samples", type=int, default=3000, help="rows of the real stats used per seed")
-    ap.add_argument("--quick", action="store_true", help="calibration + two validation runs only")
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    ap.add_argument("--quick", action="store_true", help="calibration + three validation runs only")
+    ap.add_argument("--out", type=Path, default=RESULTS, help="results folder (default: benchmarks/results)")
     ap.add_argument("--table", choices=("profile", "analytic"), default="profile",
                     help="base cost table: measured layer profile (default) or the analytic model")
     ap.add_argument("--profile-repeats", type=int, default=3)
@@ -333,50 +95,37 @@ def main() -> None:
                     help="rounds of all calibration and validation runs (mixed order; validation averaged)")
     ap.add_argument("--groups", default="all", help="layer groups with their own scale: 'all' (default: the "
                     "protocol of docs/sim.md fixes it) or 'vision,llm'")
-    args = ap.parse_args()
+    return ap.parse_args(argv)
 
-    from omnibal.cost.analytic import analytic_cost_table
-    from omnibal.cost.hardware import get_hardware
-    from omnibal.cost.presets import get_model_preset
-    from sim_links import measure_links
 
-    spec = get_model_preset(MODEL)
-    names = [layer.name for layer in spec.layers()]
-    steps = args.steps + 1
-    t_start = time.time()
-    log = lambda msg: print(f"[{time.time() - t_start:6.0f}s load {os.getloadavg()[0]:.1f}] {msg}",  # noqa: E731
-                            file=sys.stderr, flush=True)
-    if args.table == "profile":
-        from omnibal.cost.profile import cost_table_from_profile, measure
+def base_table(spec, args, log):
+    """``(table, profile)``: the measured layer profile's table (profile None for the analytic table)."""
+    if args.table == "analytic":
+        return analytic_cost_table(spec, measure_cpu(threads=1), dtype="fp32"), None
+    log("profiling the layers (omnibal.measure.profile, CPU time per op)")
+    profile = measure(spec, threads=1, statistic="cpu", repeats=args.profile_repeats)
+    return cost_table_from_profile(spec, profile), profile
 
-        log("profiling the layers (omnibal.cost.profile, CPU time per op)")
-        profile = measure(spec, threads=1, statistic="cpu", repeats=args.profile_repeats)
-        table = cost_table_from_profile(spec, profile)
-    else:
-        table = analytic_cost_table(spec, get_hardware("cpu", threads=1), dtype="fp32")
 
-    cal_stats = load_stats(args.samples, CAL_SEED, "calibration")
-    val_stats = load_stats(args.samples, VAL_SEED, "validation")
+def held_out_stats(samples: int):
+    """Calibration and validation data from the two pools; stops if they share a sample."""
+    cal_stats = load_stats(samples, CAL_SEED, "calibration")
+    val_stats = load_stats(samples, VAL_SEED, "validation")
     shared_keys = np.intersect1d(cal_stats.keys, val_stats.keys)
     if len(shared_keys):
         raise SystemExit(f"calibration and validation data share {len(shared_keys)} samples: not held out")
-    log("measuring gloo links")
-    links = measure_links()
-    log(f"links: p2p {links['p2p_latency'] * 1e3:.2f} ms + {links['p2p_bandwidth'] / 1e9:.2f} GB/s, all-reduce "
-        f"{links['dp_latency'] * 1e3:.2f} ms + {links['dp_bandwidth'] / 1e9:.2f} GB/s")
-    common = dict(table=table, steps=steps, names=names)
-    val_specs, rank_specs = list(VAL_SPECS), list(RANK_SPECS)
-    if args.quick:
-        val_specs, rank_specs = val_specs[:1], rank_specs[:2]
+    return cal_stats, val_stats
 
-    # Calibration and validation runs in a random order in every round: this machine's speed drifts by 10-25%
-    # over minutes (a fixed GEMM loop varies that much, with no steal time or load to show for it), so
-    # calibrating in one block of time and validating in another would measure the drift, not the simulator.
-    calib = CalibrationData(table, names, cal_stats, steps)
+
+def run_rounds(calib: CalibrationData, val_stats, val_specs, args, common: dict, log) -> list[tuple]:
+    """Every round: the calibration and validation runs in a seeded random order. This machine's speed drifts
+    by 10-25% over minutes (a fixed GEMM loop varies that much, with no steal time or load to show for it), so
+    calibrating in one block of time and validating in another would measure the drift, not the simulator.
+    Returns per validation run and round ``(name, run, features, wall [S], slowdown [S], load)``."""
     runs = []
     order_rng = np.random.default_rng(0)
     for rep in range(args.repeats):
-        jobs = [("cal", name, kw) for name, kw in CAL_SPECS] + [("val", name, kw) for name, kw in val_specs + rank_specs]
+        jobs = [("cal", name, kw) for name, kw in CAL_SPECS] + [("val", name, kw) for name, kw in val_specs]
         for kind, name, kw in [jobs[i] for i in order_rng.permutation(len(jobs))]:
             if kind == "cal":
                 calib.run_one(name, kw, rep, log)
@@ -389,36 +138,59 @@ def main() -> None:
             runs.append((name, run, feats, wall, slowdown, float(np.mean([r["load"] for r in records]))))
             log(f"{name}: wall {wall.sum():.2f} s, slowdown {slowdown.mean():.2f}, "
                 f"measured {(wall / slowdown).sum():.2f} s")
-    # the ranks of a multi-rank run share this machine's cores
-    cal, ctable, ctable_shared, jitter = calib.fit(args.groups.split(","), args.separate_backward)
-    log(f"calibration: {cal.to_dict()}, rank jitter {jitter:.3f}")
+    return runs
+
+
+def validation_row(name: str, mine: list[tuple], fitted, links: dict, ranking: bool) -> dict:
+    """Measured (mean over the rounds, step by step: the same steps on the same data each time) vs predicted."""
+    cal, ctable, ctable_shared, jitter = fitted
+    _, run, feats, _, _, _ = mine[0]
+    shared = run["dp"] * run["pp"] > 1  # the ranks of a multi-rank run share this machine's cores
+    sim = simulate_run(run, feats[1:], ctable_shared if shared else ctable, links["wall_clock"], cal.step_overhead,
+                       jitter)
+    pred = sim.step_time
+    per_rep = [r[3].sum() for r in mine]
+    wall = np.mean([r[3] for r in mine], axis=0)
+    slowdown = np.mean([r[4] for r in mine], axis=0)
+    measured = np.mean([r[3] / r[4] for r in mine], axis=0)
+    return {"name": name, "dp": run["dp"], "pp": run["pp"], "mb": run["mb"], "mode": run["mode"],
+            "ranges": run["ranges"], "recompute": run["recompute"], "steps": len(measured), "repeats": len(mine),
+            "wall_repeats_s": [float(x) for x in per_rep], "wall_s": float(wall.sum()),
+            "slowdown": float(slowdown.mean()), "normalised_s": float(measured.sum()),
+            "predicted_s": float(pred.sum()), "error": float(pred.sum() / wall.sum() - 1.0),
+            "error_normalised": float(pred.sum() / measured.sum() - 1.0),
+            "step_errors": (pred / wall - 1.0).tolist(), "bubble_pred": float(sim.bubble.mean()),
+            "load": float(np.mean([r[5] for r in mine])), "ranking": ranking}
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    log = logger("sim_validation")
+    spec = get_model_preset(MODEL)
+    names = [layer.name for layer in spec.layers()]
+    steps = args.steps + 1
+    table, profile = base_table(spec, args, log)
+    cal_stats, val_stats = held_out_stats(args.samples)
+    log("measuring gloo links")
+    links = measure_links()
+    log(f"links: p2p {links['p2p_latency'] * 1e3:.2f} ms + {links['p2p_bandwidth'] / 1e9:.2f} GB/s, all-reduce "
+        f"{links['dp_latency'] * 1e3:.2f} ms + {links['dp_bandwidth'] / 1e9:.2f} GB/s")
+    val_specs, rank_specs = list(VAL_SPECS), list(RANK_SPECS)
+    if args.quick:
+        val_specs, rank_specs = val_specs[:1], rank_specs[:2]
+
+    calib = CalibrationData(table, names, cal_stats, steps, specs=CAL_SPECS)
+    runs = run_rounds(calib, val_stats, val_specs + rank_specs, args, dict(table=table, steps=steps, names=names), log)
+    fitted = calib.fit(args.groups.split(","), args.separate_backward)
+    log(f"calibration: {fitted[0].to_dict()}, rank jitter {fitted[3]:.3f}")
 
     rows = []
     for name, _kw in val_specs + rank_specs:
-        mine = [r for r in runs if r[0] == name]
-        _, run, feats, _, _, _ = mine[0]
-        shared = run["dp"] * run["pp"] > 1
-        sim = simulate_run(run, feats[1:], ctable_shared if shared else ctable, links["wall_clock"], cal.step_overhead,
-                           jitter)
-        pred = sim.step_time
-        per_rep = [wall.sum() for _, _, _, wall, _, _ in mine]
-        # the same steps on the same data each time: average the repeats step by step
-        wall = np.mean([r[3] for r in mine], axis=0)
-        slowdown = np.mean([r[4] for r in mine], axis=0)
-        measured = np.mean([r[3] / r[4] for r in mine], axis=0)
-        rows.append({"name": name, "dp": run["dp"], "pp": run["pp"], "mb": run["mb"], "mode": run["mode"], "ranges": run["ranges"],
-                     "recompute": run["recompute"], "steps": len(measured), "repeats": len(mine),
-                     "wall_repeats_s": [float(x) for x in per_rep], "wall_s": float(wall.sum()),
-                     "slowdown": float(slowdown.mean()), "normalised_s": float(measured.sum()),
-                     "predicted_s": float(pred.sum()), "error": float(pred.sum() / wall.sum() - 1.0),
-                     "error_normalised": float(pred.sum() / measured.sum() - 1.0),
-                     "step_errors": (pred / wall - 1.0).tolist(), "bubble_pred": float(sim.bubble.mean()),
-                     "load": float(np.mean([r[5] for r in mine])), "ranking": name in dict(rank_specs)})
-        log(f"{name}: measured {wall.sum():.2f} s (repeats {np.round(per_rep, 2).tolist()}), predicted "
-            f"{pred.sum():.2f} s, error {rows[-1]['error']:+.1%}")
-
-    write_results(Path(args.out), links, cal, calib.rows, rows, args, jitter, calib.residuals(cal),
-                  profile if args.table == "profile" else None)
+        row = validation_row(name, [r for r in runs if r[0] == name], fitted, links, name in dict(rank_specs))
+        rows.append(row)
+        log(f"{name}: measured {row['wall_s']:.2f} s (repeats {np.round(row['wall_repeats_s'], 2).tolist()}), "
+            f"predicted {row['predicted_s']:.2f} s, error {row['error']:+.1%}")
+    write_results(args.out, links, fitted[0], calib.rows, rows, args, fitted[3], calib.residuals(fitted[0]), profile)
 
 
 def kendall_tau(a, b) -> float:
@@ -447,7 +219,7 @@ def summary(rows: list[dict]) -> dict:
 
 def write_results(out: Path, links, cal, cal_rows, rows, args, jitter: float, residuals: dict[str, float],
                   profile: dict | None) -> None:
-    out.mkdir(parents=True, exist_ok=True)
+    """``out/sim_validation.{json,md}`` with the provenance (:func:`benchmarks.common.write_result`)."""
     summ = summary(rows)
     doc = {"protocol": "docs/sim.md, 'Validation protocol (held out)'", "model": MODEL, "baseline_batch": BATCH,
            "timed_steps": args.steps, "samples_per_seed": args.samples, "repeats": args.repeats, "table": args.table,
@@ -455,7 +227,6 @@ def write_results(out: Path, links, cal, cal_rows, rows, args, jitter: float, re
            "links": {k: v for k, v in links.items() if k != "raw"},
            "calibration": {**cal.to_dict(), "rank_jitter": jitter, "residuals": residuals, "runs": cal_rows},
            "validation": rows, "profile": profile}
-    (out / "sim_validation.json").write_text(json.dumps(doc, indent=2) + "\n")
     lines = [
         "# Simulator validation against the reference trainer (CPU, gloo), held out", "",
         "Protocol: `docs/sim.md`, section *Validation protocol*, committed before this run. Model `tiny`; one torch "
@@ -463,7 +234,7 @@ def write_results(out: Path, links, cal, cal_rows, rows, args, jitter: float, re
         f"one half of a fixed shuffle (seed {POOL_SEED}) and validation from the other (disjoint keys, checked). "
         f"Each run: one warm-up step, then {args.steps} timed steps (sums below). {args.repeats} rounds, each holding "
         "every calibration and validation run once in a seeded random order. Produced by "
-        "`benchmarks/bench_sim_validation.py`.", "",
+        "`python -m benchmarks.bench_sim_validation`.", "",
         f"## Calibration (calibration pool, seed {CAL_SEED})", "",
         "| run | repeat | steps | CPU s | wall s | load |", "|---|---|---|---|---|---|"]
     lines += [f"| {r['name']} | {r['repeat'] + 1} | {r['steps']} | {r['cpu_s']:.2f} | {r['wall_s']:.2f} | "
@@ -495,7 +266,7 @@ def write_results(out: Path, links, cal, cal_rows, rows, args, jitter: float, re
               f"- simulated, fastest first: {'; '.join(summ['predicted_order'])}",
               f"- same order: **{'yes' if summ['same_order'] else 'no'}** (Kendall tau {summ['kendall_tau']:+.2f}; "
               f"measured gaps between neighbours: {', '.join(f'{g:.2f} s' for g in summ['measured_gaps_s'])})"]
-    (out / "sim_validation.md").write_text("\n".join(lines) + "\n")
+    write_result("sim_validation", doc, "\n".join(lines), out=out)
     print("\n".join(lines))
 
 

@@ -2,7 +2,9 @@
 model's units, baseline and balanced schedules, one trainer run over local gloo ranks (warm-up + timed
 steps, per-rank CPU time), its features for the simulator, and the calibration runs with their fit.
 
-Moved here from ``bench_sim_validation.py`` so that benchmarks share it without importing each other.
+Moved here from ``bench_sim_validation.py`` so that benchmarks share it without importing each other; the held-out
+protocol's pieces (``pool`` of :func:`load_real_subset`, ``mb`` micro-batches per step, ``'vision'`` recompute)
+are optional arguments whose defaults keep the earlier behaviour.
 """
 
 from __future__ import annotations
@@ -33,22 +35,35 @@ MODEL = "tiny"
 NUM_MB = 4
 BATCH = 4
 CAL_SEED, VAL_SEED = 1001, 0
+POOL_SEED = 20261124
+"""Seed of the one shuffle that cuts the real rows into the calibration and the validation pool (docs/sim.md)."""
+POOLS = ("calibration", "validation")
 
 
 # ------------------------------------------------------------------------------------------------ data
 
 
-def load_real_subset(num_samples: int, seed: int):
-    """A random subset of the real InternVL-1.2M statistics, in the files' units (256 tokens per tile)."""
+def load_real_subset(num_samples: int, seed: int, pool: str | None = None):
+    """A random subset of the real InternVL-1.2M statistics, in the files' units (256 tokens per tile).
+
+    ``pool``: ``"calibration"`` / ``"validation"`` draws from that half of the fixed shuffle (``POOL_SEED``) only,
+    the held-out protocol of docs/sim.md; None draws from all rows."""
+    if pool is not None and pool not in POOLS:
+        raise ValueError(f"pool must be one of {POOLS} or None, got {pool!r}")
     parts = [read_stats(SHARED_STATS / f) for f in STATS_FILES]
     stats = SampleStats.concat(parts, source="internvl-1.2m-stats (ai2d + chartqa)")
-    rows = np.sort(np.random.default_rng(seed).choice(len(stats), size=num_samples, replace=False))
-    return replace(stats.take(rows), source=f"{stats.source} subset {num_samples} seed {seed}")
+    candidates = np.arange(len(stats))
+    if pool is not None:
+        halves = np.array_split(np.random.default_rng(POOL_SEED).permutation(len(stats)), 2)
+        candidates = halves[POOLS.index(pool)]
+    rows = np.sort(np.random.default_rng(seed).choice(candidates, size=num_samples, replace=False))
+    label = f" {pool} pool" if pool else ""
+    return replace(stats.take(rows), source=f"{stats.source}{label} subset {num_samples} seed {seed}")
 
 
-def load_stats(num_samples: int, seed: int):
+def load_stats(num_samples: int, seed: int, pool: str | None = None):
     """:func:`load_real_subset` with tokens as the tiny model counts them (what its balancer and trainer see)."""
-    return model_units(load_real_subset(num_samples, seed))
+    return model_units(load_real_subset(num_samples, seed, pool))
 
 
 def model_units(stats):
@@ -59,13 +74,15 @@ def model_units(stats):
                        source=f"{stats.source}, tokens for {MODEL}")
 
 
-def baseline_schedule(stats, dp: int, num_steps: int, seed: int):
-    return random_microbatch_schedule(len(stats), dp_size=dp, num_microbatches=NUM_MB, batch_size=BATCH, seed=seed,
+def baseline_schedule(stats, dp: int, num_steps: int, seed: int, mb: int = NUM_MB):
+    """Random rows of ``BATCH`` samples, ``mb`` micro-batches per rank and step (the trainer pads them)."""
+    return random_microbatch_schedule(len(stats), dp_size=dp, num_microbatches=mb, batch_size=BATCH, seed=seed,
                                       num_steps=num_steps)
 
 
-def balanced_schedule(stats, dp: int, seed: int, table):
-    return balance(stats, dp_size=dp, num_microbatches=NUM_MB, seed=seed,
+def balanced_schedule(stats, dp: int, seed: int, table, mb: int = NUM_MB):
+    """omnibal's balanced packs under ``table``, ``mb`` micro-batches per rank and step."""
+    return balance(stats, dp_size=dp, num_microbatches=mb, seed=seed,
                    config=BalanceConfig(method="omnibal", cost=BalanceCost.from_cost_table(table)))
 
 
@@ -103,7 +120,7 @@ def rank_run(run: dict, stats, schedule):
                             recompute=run["recompute_sets"])
     buffer = Buffer(*run["buffer"]) if run["pp"] > 1 else None
     trainer = Trainer(world=world, model=model, layout=layout, schedule=schedule, dataset=dataset, mode=run["mode"],
-                      num_microbatches=NUM_MB, pipeline_schedule="1f1b", lr=1e-4, buffer=buffer)
+                      num_microbatches=run["mb"], pipeline_schedule="1f1b", lr=1e-4, buffer=buffer)
     records, cpu = [], []
     for _ in range(run["steps"]):
         c0 = time.thread_time()  # this rank's own CPU seconds: compute runs on this thread (1 torch thread)
@@ -116,6 +133,8 @@ def rank_run(run: dict, stats, schedule):
 
 
 def launch(run: dict, stats, schedule) -> list[dict]:
+    """Run ``run`` (from :func:`make_run`) on local gloo ranks; per step: rank 0's record plus every rank's CPU
+    seconds (``cpu_s``) and the wall / CPU ``slowdown`` of the ranks' own work."""
     results = spawn_local(rank_run, run["dp"] * run["pp"], args=(run, stats, schedule), deadline_s=900,
                           start_method="fork")
     errors = [r.error for r in results if r.error]
@@ -134,28 +153,37 @@ def launch(run: dict, stats, schedule) -> list[dict]:
 # ------------------------------------------------------------------------------------------------ main
 
 
-def make_run(name, *, dp, pp, mode, ranges, recompute, seed, stats, table, steps, names):
-    """Schedule, layout and features of one run (``recompute``: 'full' or 'none')."""
+def recompute_mask(names, recompute: str) -> np.ndarray:
+    """Per-layer checkpoint mask of ``recompute``: 'full', 'none' or 'vision' (the encoder's layers only)."""
+    if recompute == "vision":
+        return np.array([n.startswith("vision.") for n in names])
+    assert recompute in ("full", "none"), recompute
+    return np.full(len(names), recompute == "full")
+
+
+def make_run(name, *, dp, pp, mode, ranges, recompute, seed, stats, table, steps, names, mb=NUM_MB):
+    """Schedule, layout and features of one run (``recompute``: 'full', 'none' or 'vision'; ``mb``
+    micro-batches per rank and step)."""
     if mode == "baseline":
-        sched = baseline_schedule(stats, dp, steps, seed)
+        sched = baseline_schedule(stats, dp, steps, seed, mb)
     else:
-        sched = balanced_schedule(stats, dp, seed, table)
+        sched = balanced_schedule(stats, dp, seed, table, mb)
     if ranges is None:
         ranges = even_split(len(names), pp)
-    rec_sets = tuple(tuple(names[a:b]) if recompute == "full" else () for a, b in ranges)
+    mask = recompute_mask(names, recompute)
+    rec_sets = tuple(tuple(n for n, m in zip(names[a:b], mask[a:b]) if m) for a, b in ranges)
     buf = fixed_buffer(sched, stats, mode=mode) if pp > 1 else None
     feats = step_features(sched, stats, steps, padded=mode == "baseline")
-    run = {"name": name, "dp": dp, "pp": pp, "mode": mode, "ranges": [list(r) for r in ranges],
+    run = {"name": name, "dp": dp, "pp": pp, "mb": mb, "mode": mode, "ranges": [list(r) for r in ranges],
            "recompute_sets": rec_sets, "recompute": recompute, "seed": seed, "steps": steps,
            "buffer": None if buf is None else [buf.tiles, buf.tokens]}
     return run, sched, feats
 
 
 def simulate_run(run, feats, table, links, overhead, jitter=0.0):
+    """The simulator's prediction of ``run`` (from :func:`make_run`) on ``feats`` under ``table`` and ``links``."""
     cuts = [r[0] for r in run["ranges"]] + [run["ranges"][-1][1]]
-    rec = np.zeros(table.num_layers, bool)
-    if run["recompute"] == "full":
-        rec[:] = True
+    rec = recompute_mask(table.names, run["recompute"])
     buffer = None
     if run["buffer"] is not None:
         q_v, q_t = run["buffer"]
@@ -178,30 +206,33 @@ CAL_SPECS = (
     ("cal: 2x1 baseline, full recompute (per-rank CPU)",
      dict(dp=2, pp=1, mode="baseline", ranges=None, recompute="full")),
 )
-"""Calibration runs (name, make_run arguments), run on the calibration data (``CAL_SEED``)."""
+"""Calibration runs (name, make_run arguments), run on the calibration data (``CAL_SEED``): the default of
+:class:`CalibrationData` (bench_sim_validation's held-out protocol has its own)."""
 
 
 class CalibrationData:
-    """What the calibration runs measured, gathered over rounds; :meth:`fit` gives the calibrated tables."""
-    def __init__(self, table, names, stats, steps: int) -> None:
-        self.table, self.names, self.stats, self.steps = table, names, stats, steps
+    """What the calibration runs measured, gathered over rounds; :meth:`fit` gives the calibrated tables.
+    ``specs``: the calibration runs of a round (name, :func:`make_run` arguments)."""
+
+    def __init__(self, table, names, stats, steps: int, specs=CAL_SPECS) -> None:
+        self.table, self.names, self.stats, self.steps, self.specs = table, names, stats, steps, tuple(specs)
         self.runs: list = []  # CalibrationRun per rank and run
         self.rows: list[dict] = []  # one table row per rank and run (same order as ``runs``)
         self.dp_runs: list = []  # (features [S, D, M, 4], recompute mask, per-rank CPU [S, D]) of each DP run
 
     def run_round(self, rep: int, log) -> None:
         """Every calibration run once (one round)."""
-        for name, kw in CAL_SPECS:
+        for name, kw in self.specs:
             self.run_one(name, kw, rep, log)
 
     def run_one(self, name: str, kw: dict, rep: int, log) -> None:
-        """One calibration run (``name``, ``kw`` from :data:`CAL_SPECS`) of round ``rep``."""
+        """One calibration run (``name``, ``kw`` as in ``specs``) of round ``rep``."""
         run, sched, feats = make_run(name, seed=CAL_SEED, stats=self.stats, table=self.table, steps=self.steps,
                                      names=self.names, **kw)
         log(f"running {name} (round {rep + 1})")
         records = launch(run, self.stats, sched)[1:]
         wall = np.array([r["step_s"] for r in records])
-        rec_mask = np.full(len(self.names), run["recompute"] == "full")
+        rec_mask = recompute_mask(self.names, run["recompute"])
         if run["dp"] > 1 and run["pp"] == 1:  # per-rank times of a DP run: the stragglers' jitter
             self.dp_runs.append((feats[1:], rec_mask, np.array([r["cpu_s"] for r in records])))
         for rank in range(run["dp"] * run["pp"]):

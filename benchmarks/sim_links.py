@@ -1,8 +1,8 @@
 """Measure the gloo links of this machine (CPU ranks): point-to-point and all-reduce latency/bandwidth.
 
-Used by ``bench_sim_validation.py``, ``bench_train.py`` and ``bench_plan_cpu.py`` as the communication half of
-the simulator's calibration. The measurement is :func:`omnibal.measure.links.measure_links` (its one
-owner); this script prints its result as JSON.
+The communication half of the simulator's calibration (``bench_sim_validation``, ``bench_train``,
+``bench_plan_cpu``). The measurement is :func:`omnibal.measure.links.measure_links` (its one owner, which the
+benchmarks import directly); this script prints its result as JSON.
 
     python -m benchmarks.sim_links
 """
