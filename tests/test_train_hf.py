@@ -31,9 +31,9 @@ def example(tmp_path_factory):
     return root
 
 
-def _config(root: Path, kind: str, **kw) -> TrainConfig:
+def _config(root: Path, kind: str, *, hf_model: str | None = None, **kw) -> TrainConfig:
     return TrainConfig(annotations_path=str(root / "annotations.jsonl"), image_root=str(root / "images"),
-                       tokenizer_path=str(root / "tokenizer"), hf_model=str(root / kind), max_tiles=6,
+                       tokenizer_path=str(root / "tokenizer"), hf_model=hf_model or str(root / kind), max_tiles=6,
                        num_microbatches=4, timeout_s=TIMEOUT_S, quiet=True, lr=1e-3, **kw)
 
 
@@ -149,7 +149,13 @@ def test_train_saves_an_hf_checkpoint_that_loads_and_loss_falls_over_an_epoch(ex
                  str(tmp_path / "ckpt"), "--checkpoint-every", "4", "--log", str(log),
                  "--summary-json", str(summary)]) == 0
     losses = [json.loads(line)["loss"] for line in log.read_text().splitlines()[1:]]
-    assert len(losses) == steps and np.mean(losses[-3:]) < 0.9 * np.mean(losses[:3]), losses
+    assert len(losses) == steps and all(np.isfinite(losses)), losses
+    # training lowers the loss: the HF model's own loss over the whole epoch's samples, before and after (the
+    # per-step losses are of different packs, too noisy to compare)
+    every = list(range(len(load_stats(_stats_file(example, "internvl")))))
+    before = _hf_reference(_config(example, "internvl"), every)[0]
+    after = _hf_reference(_config(example, "internvl", hf_model=str(save)), every)[0]
+    assert after < 0.9 * before, (before, after)
     for folder in (save, save / "checkpoint-4", save / f"checkpoint-{steps}"):
         model = AutoModelForImageTextToText.from_pretrained(folder, local_files_only=True)
         assert type(model).__name__ == "InternVLForConditionalGeneration"

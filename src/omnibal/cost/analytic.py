@@ -129,18 +129,34 @@ def layer_work(spec: ModelSpec, *, tp_size: int = 1, dtype: str = "bf16", tp_vis
                          field="dtype")
     check_tp(spec, tp_size, tp_vision=tp_vision)
     b = DTYPE_BYTES[dtype]
-    v, llm = spec.vision, spec.llm
-    tv = tp_size if tp_vision else 1
-    t = tp_size
+    kinds = {**_vision_kinds(spec, b, tp_size if tp_vision else 1), **_llm_kinds(spec, b, tp_size)}
+    layers = spec.layers()
+    trainable = np.array([not (spec.freeze_vision and layer.kind in ("vision_embed", "vision_block"))
+                          for layer in layers])
+
+    def stack(key: str) -> np.ndarray:
+        return np.stack([kinds[layer.kind][key] for layer in layers])
+
+    act = stack("act")
+    ckpt = np.minimum(stack("ckpt"), act)  # checkpointing never keeps more than the layer itself
+    act[~trainable] = 0.0  # a frozen encoder runs without autograd
+    ckpt[~trainable] = 0.0
+    return LayerWork(
+        matmul_flops=stack("matmul"), attention_flops=stack("attention"), memory_bytes=stack("memory"),
+        act_bytes=act, ckpt_bytes=ckpt, out_bytes=stack("out"), tp_allreduce_bytes=stack("ar_bytes"),
+        tp_allreduce_count=np.array([kinds[layer.kind]["ar_count"] for layer in layers], dtype=np.float64),
+        trainable=trainable,
+    )
+
+
+def _vision_kinds(spec: ModelSpec, b: int, tv: int) -> dict[str, dict]:
+    """Per-kind work of the vision encoder's layers (patch embedding, blocks) with ``b`` bytes per value,
+    split over ``tv`` tensor-parallel ranks."""
+    v = spec.vision
     n, h, m = v.tokens_per_tile, v.hidden, v.mlp_hidden
     patches = v.patches_per_side**2
-    r, d_in = spec.llm_tokens_per_tile, spec.projector_in
-    d, f, vocab = llm.hidden, llm.mlp_hidden, llm.vocab_size
-    dkv = llm.num_kv_heads * llm.head_dim
     pixels = 3 * v.image_size**2
-    vocab_t = -(-vocab // t)  # vocabulary-parallel shard (padded up)
-
-    kinds: dict[str, dict[str, np.ndarray]] = {}
+    kinds: dict[str, dict] = {}
     kinds["vision_embed"] = dict(
         matmul=_vec(tiles=2 * patches * 3 * v.patch_size**2 * h),
         attention=_vec(),
@@ -160,6 +176,19 @@ def layer_work(spec: ModelSpec, *, tp_size: int = 1, dtype: str = "bf16", tp_vis
         out=_vec(tiles=b * n * h, tokens=META_BYTES_BEFORE_EMBED),
         ar_bytes=_vec(tiles=4 * n * h * b) if tv > 1 else _vec(), ar_count=4 if tv > 1 else 0,
     )
+    return kinds
+
+
+def _llm_kinds(spec: ModelSpec, b: int, t: int) -> dict[str, dict]:
+    """Per-kind work of the projector and the language model's layers (embedding, blocks, head) with ``b``
+    bytes per value, split over ``t`` tensor-parallel ranks."""
+    v, llm = spec.vision, spec.llm
+    n, h = v.tokens_per_tile, v.hidden
+    r, d_in = spec.llm_tokens_per_tile, spec.projector_in
+    d, f, vocab = llm.hidden, llm.mlp_hidden, llm.vocab_size
+    dkv = llm.num_kv_heads * llm.head_dim
+    vocab_t = -(-vocab // t)  # vocabulary-parallel shard (padded up)
+    kinds: dict[str, dict] = {}
     norm_in = d_in * int(spec.projector_norm)
     kinds["projector"] = dict(
         matmul=_vec(tiles=2 * r * (d_in * d + d * d) / t),
@@ -196,24 +225,7 @@ def layer_work(spec: ModelSpec, *, tp_size: int = 1, dtype: str = "bf16", tp_vis
         out=_vec(one=4),  # the loss
         ar_bytes=_vec(tokens=8 + d * b) if t > 1 else _vec(), ar_count=3 if t > 1 else 0,
     )
-
-    layers = spec.layers()
-    trainable = np.array([not (spec.freeze_vision and layer.kind in ("vision_embed", "vision_block"))
-                          for layer in layers])
-
-    def stack(key: str) -> np.ndarray:
-        return np.stack([kinds[layer.kind][key] for layer in layers])
-
-    act = stack("act")
-    ckpt = np.minimum(stack("ckpt"), act)  # checkpointing never keeps more than the layer itself
-    act[~trainable] = 0.0  # a frozen encoder runs without autograd
-    ckpt[~trainable] = 0.0
-    return LayerWork(
-        matmul_flops=stack("matmul"), attention_flops=stack("attention"), memory_bytes=stack("memory"),
-        act_bytes=act, ckpt_bytes=ckpt, out_bytes=stack("out"), tp_allreduce_bytes=stack("ar_bytes"),
-        tp_allreduce_count=np.array([kinds[layer.kind]["ar_count"] for layer in layers], dtype=np.float64),
-        trainable=trainable,
-    )
+    return kinds
 
 
 def layer_param_bytes(spec: ModelSpec, *, tp_size: int = 1, dtype: str = "bf16", tp_vision: bool = True,

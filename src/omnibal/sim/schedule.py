@@ -219,6 +219,44 @@ def simulate_pipeline(
     while its backward runs (the recomputed layer's full activations). Leading axes broadcast. Per-device
     results (``stage_end``, ``busy``, memory) have P entries; the timeline keeps V.
     """
+    fwd, bwd, rec, pf, pb = _checked_durations(fwd, bwd, recompute, p2p_fwd, p2p_bwd, num_chunks)
+    num_mb, num_virtual = fwd.shape[-2:]
+    num_stages = num_virtual // num_chunks
+    check_layout(schedule, num_stages, num_mb, num_chunks)
+
+    batch_shape = np.broadcast_shapes(fwd.shape[:-2], bwd.shape[:-2], rec.shape[:-2], pf.shape[:-2], pb.shape[:-2])
+    full = batch_shape + (num_mb, num_virtual)
+    link = batch_shape + (num_mb, max(num_virtual - 1, 0))
+    F = _front(np.broadcast_to(fwd, full))
+    Bt = _front(np.broadcast_to(bwd, full) + np.broadcast_to(rec, full))  # a backward op = recompute + backward
+    PF = _front(np.broadcast_to(pf, link))
+    PB = _front(np.broadcast_to(pb, link))
+    free, (fs, fe, bs, be) = _run_ops(schedule, num_stages, num_mb, num_chunks, F, Bt, PF, PB, batch_shape)
+
+    stage_end = np.stack(free, axis=-1)
+    makespan = stage_end.max(axis=-1)
+    busy_v = _back(F).sum(axis=-2) + _back(Bt).sum(axis=-2)  # [..., V]
+    busy = busy_v.reshape(busy_v.shape[:-1] + (num_chunks, num_stages)).sum(axis=-2)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        bubble = np.where(makespan > 0, 1.0 - busy.sum(axis=-1) / (num_stages * makespan), 0.0)
+
+    peak_act = None
+    if act_bytes is not None or transient_bytes is not None:
+        peak_act = _peak_activation_bytes(schedule, num_stages, num_mb, num_chunks, act_bytes, transient_bytes,
+                                          full, batch_shape)
+    timeline = {}
+    if keep_timeline:
+        timeline = dict(fwd_start=_back(fs), fwd_end=_back(fe), bwd_start=_back(bs), bwd_end=_back(be))
+    return PipelineTimes(
+        schedule=schedule, num_chunks=num_chunks, stage_end=stage_end, makespan=makespan, busy=busy,
+        bubble=bubble, peak_inflight=peak_inflight(schedule, num_stages, num_mb, num_chunks),
+        peak_act_bytes=peak_act, **timeline,
+    )
+
+
+def _checked_durations(fwd, bwd, recompute, p2p_fwd, p2p_bwd, num_chunks: int):
+    """The duration arrays as float64 with their defaults filled in; a shape or value that cannot be a
+    ``[..., M, V]`` duration (``[..., M, V-1]`` for links) is an InputError naming the argument."""
     fwd = np.asarray(fwd, dtype=np.float64)
     bwd = np.asarray(bwd, dtype=np.float64)
     if fwd.ndim < 2:
@@ -230,8 +268,6 @@ def simulate_pipeline(
     if num_chunks < 1 or num_virtual % num_chunks:
         raise InputError(f"{num_virtual} virtual stages do not split into {num_chunks} chunks per device",
                          source="num_chunks", field="num_chunks")
-    num_stages = num_virtual // num_chunks
-    check_layout(schedule, num_stages, num_mb, num_chunks)
     rec = np.zeros((1, 1)) if recompute is None else np.asarray(recompute, dtype=np.float64)
     pf = np.zeros((1, max(num_virtual - 1, 0))) if p2p_fwd is None else np.asarray(p2p_fwd, dtype=np.float64)
     pb = pf if p2p_bwd is None else np.asarray(p2p_bwd, dtype=np.float64)
@@ -242,21 +278,15 @@ def simulate_pipeline(
     for name, arr in (("fwd", fwd), ("bwd", bwd), ("recompute", rec), ("p2p_fwd", pf), ("p2p_bwd", pb)):
         if arr.size and not (np.all(np.isfinite(arr)) and arr.min() >= 0):
             raise InputError("durations must be finite and >= 0", source=name, field="value")
+    return fwd, bwd, rec, pf, pb
 
-    batch_shape = np.broadcast_shapes(fwd.shape[:-2], bwd.shape[:-2], rec.shape[:-2], pf.shape[:-2], pb.shape[:-2])
-    full = batch_shape + (num_mb, num_virtual)
-    link = batch_shape + (num_mb, max(num_virtual - 1, 0))
-    F = _front(np.broadcast_to(fwd, full))
-    Bt = _front(np.broadcast_to(bwd, full) + np.broadcast_to(rec, full))  # a backward op = recompute + backward
-    PF = _front(np.broadcast_to(pf, link))
-    PB = _front(np.broadcast_to(pb, link))
 
-    fs = np.empty_like(F)
-    fe = np.empty_like(F)
-    bs = np.empty_like(F)
-    be = np.empty_like(F)
+def _run_ops(schedule: str, num_stages: int, num_mb: int, num_chunks: int, F, Bt, PF, PB, batch_shape):
+    """Play the schedule's global op order: ``(per-device free times, (fwd start, fwd end, bwd start, bwd
+    end))``, each op starting when its device is free and its input (previous stage's output + link) is in."""
+    fs, fe, bs, be = (np.empty_like(F) for _ in range(4))
     free = [np.zeros(batch_shape) for _ in range(num_stages)]
-    last = num_virtual - 1
+    last = F.shape[1] - 1
     for d, kind, m, k in global_op_order(schedule, num_stages, num_mb, num_chunks):
         if kind == FWD:
             start = free[d] if k == 0 else np.maximum(free[d], fe[m, k - 1] + PF[m, k - 1])
@@ -268,36 +298,23 @@ def simulate_pipeline(
             bs[m, k] = start
             be[m, k] = start + Bt[m, k]
             free[d] = be[m, k]
+    return free, (fs, fe, bs, be)
 
-    stage_end = np.stack(free, axis=-1)
-    makespan = stage_end.max(axis=-1)
-    busy_v = _back(F).sum(axis=-2) + _back(Bt).sum(axis=-2)  # [..., V]
-    busy = busy_v.reshape(busy_v.shape[:-1] + (num_chunks, num_stages)).sum(axis=-2)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        bubble = np.where(makespan > 0, 1.0 - busy.sum(axis=-1) / (num_stages * makespan), 0.0)
 
-    peak_act = None
-    if act_bytes is not None or transient_bytes is not None:
-        act = _front(np.broadcast_to(np.asarray(0.0 if act_bytes is None else act_bytes, np.float64), full))
-        trans = None if transient_bytes is None else _front(
-            np.broadcast_to(np.asarray(transient_bytes, np.float64), full))
-        peaks = []
-        for d, mask in enumerate(inflight_masks(schedule, num_stages, num_mb, num_chunks)):
-            chunks = [c * num_stages + d for c in range(num_chunks)]
-            held_act = act[:, chunks].reshape((num_mb * num_chunks,) + batch_shape)  # column mb * v + chunk
-            held = np.tensordot(mask, held_act, axes=(1, 0))  # [K, ...]
-            if trans is not None:
-                ops = device_op_order(schedule, num_stages, num_mb, d, num_chunks)
-                rows = [i for i, op in enumerate(ops) if op[0] == BWD]
-                held[rows] += trans[[ops[i][1] for i in rows], [ops[i][2] for i in rows]]
-            peaks.append(held.max(axis=0))
-        peak_act = np.stack(peaks, axis=-1)
-
-    timeline = {}
-    if keep_timeline:
-        timeline = dict(fwd_start=_back(fs), fwd_end=_back(fe), bwd_start=_back(bs), bwd_end=_back(be))
-    return PipelineTimes(
-        schedule=schedule, num_chunks=num_chunks, stage_end=stage_end, makespan=makespan, busy=busy,
-        bubble=bubble, peak_inflight=peak_inflight(schedule, num_stages, num_mb, num_chunks),
-        peak_act_bytes=peak_act, **timeline,
-    )
+def _peak_activation_bytes(schedule: str, num_stages: int, num_mb: int, num_chunks: int, act_bytes,
+                           transient_bytes, full, batch_shape) -> np.ndarray:
+    """``[..., P]`` peak activation bytes per device: the kept activations of its in-flight micro-batches at
+    every op, plus the transient bytes of the backward running then."""
+    act = _front(np.broadcast_to(np.asarray(0.0 if act_bytes is None else act_bytes, np.float64), full))
+    trans = None if transient_bytes is None else _front(np.broadcast_to(np.asarray(transient_bytes, np.float64), full))
+    peaks = []
+    for d, mask in enumerate(inflight_masks(schedule, num_stages, num_mb, num_chunks)):
+        chunks = [c * num_stages + d for c in range(num_chunks)]
+        held_act = act[:, chunks].reshape((num_mb * num_chunks,) + batch_shape)  # column mb * v + chunk
+        held = np.tensordot(mask, held_act, axes=(1, 0))  # [K, ...]
+        if trans is not None:
+            ops = device_op_order(schedule, num_stages, num_mb, d, num_chunks)
+            rows = [i for i, op in enumerate(ops) if op[0] == BWD]
+            held[rows] += trans[[ops[i][1] for i in rows], [ops[i][2] for i in rows]]
+        peaks.append(held.max(axis=0))
+    return np.stack(peaks, axis=-1)
