@@ -29,10 +29,6 @@ MAX_MODULE_LINES = 500
 
 # Items owned by other branches of the renovation (issue 21); the integrator empties this at merge.
 KNOWN = {
-    # stats/cost-memory branch (cost/analytic.py)
-    "function omnibal.cost.analytic.layer_work",
-    # simulator branch (sim/)
-    "function omnibal.sim.schedule.simulate_pipeline",
     # CLI branch (cli/*, plan/job.py)
     "function omnibal.cli.simulate.run",
     "function omnibal.plan.job.run_plan_job",
