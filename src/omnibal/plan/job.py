@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass, field, replace
 import numpy as np
 
 from omnibal.errors import InputError
+from omnibal.layout import (PLAN_PADDINGS, PLANNER_SCHEDULES, BalanceMethod, BaselinePartition, Engine, Layout,
+                            check_choice, default_layout, holds_layout)
 from omnibal.plan.ablation import AblationRow, with_speedups
 from omnibal.plan.engines import constraint_rows
 from omnibal.plan.joint import JointPlanner, StagePlanSet
@@ -28,9 +30,10 @@ from omnibal.plan.search import Candidate, SearchConfig, sample_steps, search
 from omnibal.plan.stages import StageModelConfig, layer_quantities
 
 GiB = float(1 << 30)
-BASELINE_PARTITIONS = ("even", "vision-first")
+BASELINE_PARTITIONS = tuple(BaselinePartition)
 
 
+@holds_layout
 @dataclass(frozen=True, kw_only=True)
 class PlanJobConfig:
     """Everything ``omnibal plan`` needs. Defaults: the README's main job (see docs/plan.md for why)."""
@@ -44,16 +47,10 @@ class PlanJobConfig:
     """Hardware preset (``omnibal.cost.hardware``)."""
     num_gpus: int | None = None
     """Devices in the job; None: dp_size * pp_size * tp_size. Must equal that product."""
-    dp_size: int = 32
-    """Data-parallel size."""
-    pp_size: int = 4
-    """Pipeline stages."""
-    tp_size: int = 1
-    """Tensor-parallel size."""
-    zero_stage: int = 1
-    """ZeRO stage over DP (1: optimizer state sharded)."""
-    num_microbatches: int = 8
-    """Micro-batches per step per DP rank (baseline: 8 x 4 samples x DP 32 = global batch 1024)."""
+    layout: Layout = default_layout(dp_size=32, pp_size=4, tp_size=1, zero_stage=1, num_microbatches=8)
+    """DP x PP x TP, ZeRO stage and micro-batches per step per DP rank (default DP 32 x PP 4, ZeRO-1, 8
+    micro-batches: 8 x 4 samples x DP 32 = global batch 1024). Its fields also read and construct flat:
+    ``PlanJobConfig(pp_size=2).pp_size``."""
     baseline_batch_size: int = 4
     """Samples per micro-batch of the baseline (random, fixed size, padded to the longest sample)."""
     memory_budget_gib: float | None = None
@@ -90,27 +87,22 @@ class PlanJobConfig:
     def validate(self) -> None:
         from omnibal.plan.engines import check_job
 
+        check_choice(self.engine, Engine, source="--engine", field="engine")
+        check_choice(self.schedule, PLANNER_SCHEDULES, source="--schedule", field="schedule")
         check_job(self.engine, schedule=self.schedule, zero_stage=self.zero_stage)
-        for name in ("dp_size", "pp_size", "tp_size", "num_microbatches", "baseline_batch_size", "num_samples"):
+        for name in ("baseline_batch_size", "num_samples"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InputError(f"must be a positive integer, got {value!r}", source=f"--{name.replace('_', '-')}",
                                  field=name)
-        product = self.dp_size * self.pp_size * self.tp_size
-        if self.num_gpus is not None and self.num_gpus != product:
-            raise InputError(f"DP x PP x TP = {self.dp_size} x {self.pp_size} x {self.tp_size} = {product} does not "
-                             f"match the {self.num_gpus} devices of the job; choose sizes whose product is "
-                             f"{self.num_gpus}", source="--gpus", field="num_gpus")
+        self.layout.check_devices(self.num_gpus)
         if self.memory_budget_gib is not None and not self.memory_budget_gib > 0:
             raise InputError(f"must be positive, got {self.memory_budget_gib}", source="--memory-budget",
                              field="memory_budget_gib")
-        if self.baseline_partition not in BASELINE_PARTITIONS:
-            raise InputError(f"unknown baseline partition {self.baseline_partition!r}; choose one of "
-                             f"{', '.join(BASELINE_PARTITIONS)}", source="--baseline-partition",
-                             field="baseline_partition")
-        if self.padding not in ("varlen", "fixed_buffer"):
-            raise InputError(f"must be varlen or fixed_buffer, got {self.padding!r}", source="--padding",
-                             field="padding")
+        check_choice(self.baseline_partition, BaselinePartition, source="--baseline-partition",
+                     field="baseline_partition")
+        check_choice(self.padding, PLAN_PADDINGS, source="--padding", field="padding")
+        check_choice(self.balance_method, BalanceMethod, source="--balance-method", field="balance_method")
         if self.balance_samples is not None and self.balance_samples < self.dp_size * self.num_microbatches:
             raise InputError(f"needs at least dp_size x num_microbatches = {self.dp_size * self.num_microbatches} "
                              f"samples, got {self.balance_samples}", source="--balance-samples",

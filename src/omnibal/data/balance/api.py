@@ -13,9 +13,10 @@ from omnibal.data.balance.cost import DEFAULT_COST, BalanceCost
 from omnibal.data.balance.packer import pack_balanced
 from omnibal.data.balance.schedule import Caps, Schedule, build_schedule
 from omnibal.errors import InputError
+from omnibal.layout import BalanceMethod, OversizePolicy
 
-METHODS = ("omnibal", "isf", "isf+assign", "random", "length-grouped")
-OVERSIZE_POLICIES = ("error", "own_pack", "drop")
+METHODS = tuple(BalanceMethod)
+OVERSIZE_POLICIES = tuple(OversizePolicy)
 
 
 @dataclass(frozen=True, kw_only=True)
