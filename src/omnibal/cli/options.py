@@ -98,7 +98,8 @@ def add_deprecated_alias(group, alias: str, action: argparse.Action) -> None:
     stderr and then stores like it."""
     group.add_argument(alias, dest=action.dest, default=argparse.SUPPRESS, help=argparse.SUPPRESS,
                        action=DeprecatedAlias, new_flag=action.option_strings[0], nargs=action.nargs,
-                       const=action.const, type=action.type, choices=action.choices, metavar=action.metavar)
+                       const=action.const, type=action.type, metavar=action.metavar,
+                       choices=getattr(action, "alias_choices", action.choices))
 
 
 class DeprecatedAlias(argparse.Action):
@@ -123,6 +124,9 @@ def warn_deprecated(parser: argparse.ArgumentParser, old: str, new: str) -> None
 class ScheduleOrFile(argparse.Action):
     """``omnibal train --schedule``: a pipeline schedule as everywhere else; a value that names no schedule
     is read as the schedule file the flag used to mean (deprecated: ``--schedule-file``)."""
+
+    alias_choices = PLANNER_SCHEDULES
+    """What its deprecated alias ``--pipeline-schedule`` accepts (never a file)."""
 
     def __call__(self, parser, namespace, values, option_string=None) -> None:
         if values in PLANNER_SCHEDULES:

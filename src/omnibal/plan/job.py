@@ -28,6 +28,7 @@ from omnibal.plan.partition import check_num_stages, even_partition
 from omnibal.plan.plan import DataPlan, Plan, PlanInputs, Prediction, plan_stages
 from omnibal.plan.search import Candidate, SearchConfig, sample_steps, search
 from omnibal.plan.stages import StageModelConfig, layer_quantities
+from omnibal.sim.epoch import simulate_epoch
 
 GiB = float(1 << 30)
 BASELINE_PARTITIONS = tuple(BaselinePartition)
@@ -231,174 +232,263 @@ def run_plan_job(config: PlanJobConfig, *, progress: bool = False, stats=None,
     ``source`` is recorded). ``cache``: a dict kept between calls (benchmarks running several variants)
     that memoises the synthetic stats and the balanced schedules by their inputs.
     """
-    from omnibal import __version__
-    from omnibal.cost.hardware import get_hardware
-    from omnibal.cost.presets import get_model_preset
-    from omnibal.data.balance.api import BalanceConfig, balance
-    from omnibal.data.balance.cost import BalanceCost
-    from omnibal.data.metrics import schedule_metrics
-    from omnibal.sim.costs import config_for_hardware
-    from omnibal.sim.epoch import score_plan, simulate_epoch
-
     config.validate()
     phases = _Phases(progress, {"model": 1, "stats": 2, "balance": 8, "plan": 3, "search": 3, "ablation": 5})
     try:
         phases.start("model", "cost model")
-        if config.hf_model is not None:
-            from omnibal.cost.hf_spec import load_hf_spec
-
-            spec = load_hf_spec(config.hf_model)
-        else:
-            spec = get_model_preset(config.preset)
-        hw = get_hardware(config.hardware)
-        table = _cost_table(config, spec, hw)
-        check_num_stages(config.pp_size, table.num_layers)
-        fraction = None if config.memory_budget_gib is not None else 0.95
-        sim_config = config_for_hardware(hw, dp_size=config.dp_size, pp_size=config.pp_size, tp_size=config.tp_size,
-                                         schedule=config.schedule, zero_stage=config.zero_stage,
-                                         memory_fraction=fraction)
-        if config.memory_budget_gib is not None:
-            sim_config = replace(sim_config, memory_budget_bytes=config.memory_budget_gib * GiB)
-        budget = sim_config.memory_budget_bytes
-        _check_static_memory(table, config, budget)
-
+        model = _model_phase(config)
         phases.start("stats", "statistics")
-        if stats is not None:
-            stats_source = stats.source
-        else:
-            key = ("stats", config.stats_path, config.num_samples, config.seed)
-            if cache is not None and key in cache:
-                stats, stats_source = cache[key]
-            else:
-                stats, stats_source = _stats(config)
-                if cache is not None:
-                    cache[key] = (stats, stats_source)
-        full_samples = len(stats)
-        if config.balance_samples is not None and config.balance_samples < full_samples:
-            rows = np.sort(np.random.default_rng(config.seed).choice(full_samples, config.balance_samples,
-                                                                     replace=False))
-            stats = stats.take(rows)
-        epoch_scale = full_samples / len(stats)
-
+        data = _stats_phase(config, stats, cache)
         phases.start("balance", "balancing (baseline and omnibal)")
-        cost = BalanceCost.from_cost_table(table, name=f"analytic:{spec.name}@{hw.name}")
-
-        def balanced(bconfig):
-            key = ("balance", stats.fingerprint(), config.dp_size, config.num_microbatches, config.seed,
-                   repr(bconfig.to_dict()))
-            if cache is not None and key in cache:
-                return cache[key]
-            sched = balance(stats, dp_size=config.dp_size, num_microbatches=config.num_microbatches,
-                            seed=config.seed, config=bconfig)
-            if cache is not None:
-                cache[key] = sched
-            return sched
-
-        base_sched = balanced(BalanceConfig(method="random", batch_size=config.baseline_batch_size, cost=cost))
-        bal_config = BalanceConfig(method=config.balance_method, cost=cost)
-        bal_sched = balanced(bal_config)
-        padding_base = "pad_to_longest"
-        padding_bal = config.padding if config.balance_method != "random" else "pad_to_longest"
-        features = {"baseline": base_sched.features(stats, padding=padding_base),
-                    "balanced": bal_sched.features(stats, padding=padding_bal)}
-        metrics = {"baseline": schedule_metrics(replace_padding(base_sched, padding_base), stats, cost),
-                   "balanced": schedule_metrics(replace_padding(bal_sched, padding_bal), stats, cost)}
-
+        data = _balance_phase(config, model, data, cache)
         phases.start("plan", "joint partition + recompute")
-        stage_config = StageModelConfig(num_stages=config.pp_size, num_microbatches=config.num_microbatches,
-                                        dp_size=config.dp_size, zero_stage=config.zero_stage,
-                                        memory_budget_bytes=budget, p2p_bandwidth=sim_config.p2p_bandwidth,
-                                        p2p_latency=sim_config.p2p_latency, schedule=config.schedule)
-        q_bal = layer_quantities(table, features["balanced"], stage_config)
-        planner = JointPlanner(q_bal, stage_config)
-        anchor_joint = planner.plan()
-        anchor_full = planner.plan_fixed_recompute("full")
-
+        found = _plan_phase(config, model, data)
         phases.start("search", "simulator-scored search")
-        sample = sample_steps(features["balanced"], config.search.sample_steps, config.search.seed)
-
-        def score(sp: StagePlanSet) -> tuple[float, bool]:
-            s = score_plan(table, sp.parts, sp.recompute_mask(table.num_layers), sample, sim_config)
-            return s.step_time_mean, s.oom
-
-        best_full, _, _ = search(planner, anchor_full, score, config.search, recompute="full")
-        best_joint, scored, num_enumerated = search(planner, anchor_joint, score, config.search, recompute="adaptive")
-
+        found = _search_phase(config, model, data, found)
         phases.start("ablation", "simulating the ablation epochs")
-        q_base = layer_quantities(table, features["baseline"], stage_config)
-        base_planner = JointPlanner(q_base, stage_config)
-        if config.baseline_partition == "even":
-            base_parts = even_partition(table.num_layers, config.pp_size)
-        else:
-            base_parts = vision_first_partition(table.kinds, config.pp_size)
-        base_full = base_planner.evaluate(base_parts, "full")
-        bal_even_full = planner.evaluate(base_parts, "full")
-        data_desc = {"baseline": f"random, {config.baseline_batch_size} samples per micro-batch, padded to the longest",
-                     "balanced": f"{config.balance_method} balanced packs ({padding_bal})"}
-        split_desc = "even layer count" if config.baseline_partition == "even" else "vision encoder on stage 0"
-        specs = [
-            ("baseline", "baseline", split_desc, "full", base_full),
-            ("+ data balance", "balanced", split_desc, "full", bal_even_full),
-            ("+ balanced partition", "balanced", "exact min-max + search", "full", best_full.plan),
-            ("+ adaptive recompute", "balanced", "joint min-max + search", "adaptive", best_joint.plan),
-        ]
-        engine_info: dict = {}
-        if constraint_rows(config.engine):  # deepspeed and omnibal express every plan: no extra rows
-            from omnibal.plan.engine_plan import engine_row_specs
-
-            engine_specs, engine_final = engine_row_specs(config.engine, planner, score, config.search)
-            specs += [(name, "balanced", part, rec, sp) for name, part, rec, sp in engine_specs]
-            anchor_joint, best_joint, scored, num_enumerated, engine_info = engine_final
-        rows, row_plans, row_results = [], {}, {}
-        for name, data_key, part_desc, rec_desc, sp in specs:
-            mask = sp.recompute_mask(table.num_layers)
-            res = simulate_epoch(table, sp.parts, mask, features[data_key], sim_config)
-            summary = res.summary()
-            epoch_time = res.total_time * epoch_scale
-            rows.append(AblationRow(
-                name=name, data=data_desc[data_key], partition=part_desc, recompute=rec_desc, parts=sp.parts,
-                num_checkpointed=int(mask.sum()), num_steps=int(round(len(res.step_time) * epoch_scale)),
-                step_time_s=summary["step_time_mean_s"], epoch_time_s=epoch_time,
-                gpu_days=epoch_time * res.num_gpus / 86400.0, bubble=summary["bubble_mean"],
-                peak_memory_bytes=tuple(st["peak_memory_bytes"] for st in summary["stages"]),
-                oom=bool(summary["oom_steps"])))
-            row_plans[name] = (sp.parts, mask)
-            row_results[name] = res
-        rows = with_speedups(rows, spec.name)
+        rows, row_plans, row_results, found = _ablation_phase(config, model, data, found)
     finally:
         phases.close()
+    plan = _assemble_plan(config, model, data, found, rows[-1], row_results[rows[-1].name])
+    return PlanJobResult(plan=plan, ablation=rows, balance_metrics=_jsonable(data.metrics), timings=phases.timings,
+                         table=model.table, sim_config=model.sim_config, features=data.features,
+                         row_plans=row_plans, scored=found.scored, epoch_scale=data.epoch_scale,
+                         row_step_times={k: v.step_time for k, v in row_results.items()})
 
-    final = rows[-1]
-    final_res = row_results[final.name]
-    plan = Plan(
+
+@dataclass(frozen=True, eq=False)
+class _Model:
+    """Phase 1: the model, the hardware and how the cluster runs it."""
+
+    spec: object
+    hw: object
+    table: object
+    sim_config: object
+    budget: float | None
+    stage_config: StageModelConfig
+
+
+@dataclass(frozen=True, eq=False)
+class _Data:
+    """Phases 2-3: the statistics (subsampled), and both schedules' features and metrics."""
+
+    stats: object
+    stats_source: str
+    full_samples: int
+    epoch_scale: float
+    bal_sched: object = None
+    bal_config: object = None
+    padding_bal: str = ""
+    features: dict = field(default_factory=dict)
+    metrics: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True, eq=False)
+class _Found:
+    """Phases 4-6: the planner, its anchors, the searched plans and what the search scored."""
+
+    planner: JointPlanner
+    anchor_joint: StagePlanSet
+    anchor_full: StagePlanSet
+    score: object
+    sample: object = None
+    best_full: Candidate | None = None
+    best_joint: Candidate | None = None
+    scored: list = field(default_factory=list)
+    num_enumerated: int = 0
+    engine_info: dict = field(default_factory=dict)
+
+
+def _model_phase(config: PlanJobConfig) -> _Model:
+    from omnibal.cost.hardware import get_hardware
+    from omnibal.cost.presets import get_model_preset
+    from omnibal.sim.costs import config_for_hardware
+
+    if config.hf_model is not None:
+        from omnibal.cost.hf_spec import load_hf_spec
+
+        spec = load_hf_spec(config.hf_model)
+    else:
+        spec = get_model_preset(config.preset)
+    hw = get_hardware(config.hardware)
+    table = _cost_table(config, spec, hw)
+    check_num_stages(config.pp_size, table.num_layers)
+    fraction = None if config.memory_budget_gib is not None else 0.95
+    sim_config = config_for_hardware(hw, dp_size=config.dp_size, pp_size=config.pp_size, tp_size=config.tp_size,
+                                     schedule=config.schedule, zero_stage=config.zero_stage,
+                                     memory_fraction=fraction)
+    if config.memory_budget_gib is not None:
+        sim_config = replace(sim_config, memory_budget_bytes=config.memory_budget_gib * GiB)
+    budget = sim_config.memory_budget_bytes
+    _check_static_memory(table, config, budget)
+    stage_config = StageModelConfig(num_stages=config.pp_size, num_microbatches=config.num_microbatches,
+                                    dp_size=config.dp_size, zero_stage=config.zero_stage,
+                                    memory_budget_bytes=budget, p2p_bandwidth=sim_config.p2p_bandwidth,
+                                    p2p_latency=sim_config.p2p_latency, schedule=config.schedule)
+    return _Model(spec=spec, hw=hw, table=table, sim_config=sim_config, budget=budget, stage_config=stage_config)
+
+
+def _stats_phase(config: PlanJobConfig, stats, cache: dict | None) -> _Data:
+    """The statistics (given, cached, read or synthetic) and the uniform subset that is balanced."""
+    if stats is not None:
+        stats_source = stats.source
+    else:
+        key = ("stats", config.stats_path, config.num_samples, config.seed)
+        if cache is not None and key in cache:
+            stats, stats_source = cache[key]
+        else:
+            stats, stats_source = _stats(config)
+            if cache is not None:
+                cache[key] = (stats, stats_source)
+    full_samples = len(stats)
+    if config.balance_samples is not None and config.balance_samples < full_samples:
+        rows = np.sort(np.random.default_rng(config.seed).choice(full_samples, config.balance_samples,
+                                                                 replace=False))
+        stats = stats.take(rows)
+    return _Data(stats=stats, stats_source=stats_source, full_samples=full_samples,
+                 epoch_scale=full_samples / len(stats))
+
+
+def _balance_phase(config: PlanJobConfig, model: _Model, data: _Data, cache: dict | None) -> _Data:
+    """The baseline's and the planned balancer's schedules, their micro-batch features and metrics."""
+    from omnibal.data.balance.api import BalanceConfig, balance
+    from omnibal.data.balance.cost import BalanceCost
+    from omnibal.data.metrics import schedule_metrics
+
+    stats = data.stats
+    cost = BalanceCost.from_cost_table(model.table, name=f"analytic:{model.spec.name}@{model.hw.name}")
+
+    def balanced(bconfig):
+        key = ("balance", stats.fingerprint(), config.dp_size, config.num_microbatches, config.seed,
+               repr(bconfig.to_dict()))
+        if cache is not None and key in cache:
+            return cache[key]
+        sched = balance(stats, dp_size=config.dp_size, num_microbatches=config.num_microbatches,
+                        seed=config.seed, config=bconfig)
+        if cache is not None:
+            cache[key] = sched
+        return sched
+
+    base_sched = balanced(BalanceConfig(method="random", batch_size=config.baseline_batch_size, cost=cost))
+    bal_config = BalanceConfig(method=config.balance_method, cost=cost)
+    bal_sched = balanced(bal_config)
+    padding_base = "pad_to_longest"
+    padding_bal = config.padding if config.balance_method != "random" else "pad_to_longest"
+    features = {"baseline": base_sched.features(stats, padding=padding_base),
+                "balanced": bal_sched.features(stats, padding=padding_bal)}
+    metrics = {"baseline": schedule_metrics(replace_padding(base_sched, padding_base), stats, cost),
+               "balanced": schedule_metrics(replace_padding(bal_sched, padding_bal), stats, cost)}
+    return replace(data, bal_sched=bal_sched, bal_config=bal_config, padding_bal=padding_bal, features=features,
+                   metrics=metrics)
+
+
+def _plan_phase(config: PlanJobConfig, model: _Model, data: _Data) -> _Found:
+    """The exact joint partition + recompute (and the full-recompute one) on the balanced micro-batches."""
+    from omnibal.sim.epoch import score_plan
+
+    planner = JointPlanner(layer_quantities(model.table, data.features["balanced"], model.stage_config),
+                           model.stage_config)
+    sample = sample_steps(data.features["balanced"], config.search.sample_steps, config.search.seed)
+
+    def score(sp: StagePlanSet) -> tuple[float, bool]:
+        s = score_plan(model.table, sp.parts, sp.recompute_mask(model.table.num_layers), sample, model.sim_config)
+        return s.step_time_mean, s.oom
+
+    return _Found(planner=planner, anchor_joint=planner.plan(), anchor_full=planner.plan_fixed_recompute("full"),
+                  score=score, sample=sample)
+
+
+def _search_phase(config: PlanJobConfig, model: _Model, data: _Data, found: _Found) -> _Found:
+    """The simulator-scored neighbour search around both anchors."""
+    best_full, _, _ = search(found.planner, found.anchor_full, found.score, config.search, recompute="full")
+    best_joint, scored, num_enumerated = search(found.planner, found.anchor_joint, found.score, config.search,
+                                                recompute="adaptive")
+    return replace(found, best_full=best_full, best_joint=best_joint, scored=scored, num_enumerated=num_enumerated)
+
+
+def _ablation_phase(config: PlanJobConfig, model: _Model, data: _Data, found: _Found):
+    """Every ablation row simulated over its whole epoch: (rows, row plans, row results, found), ``found``
+    replaced by the engine's constrained plan where the engine has constraints."""
+    table = model.table
+    specs, found = _ablation_specs(config, model, data, found)
+    data_desc = {"baseline": f"random, {config.baseline_batch_size} samples per micro-batch, padded to the longest",
+                 "balanced": f"{config.balance_method} balanced packs ({data.padding_bal})"}
+    rows, row_plans, row_results = [], {}, {}
+    for name, data_key, part_desc, rec_desc, sp in specs:
+        mask = sp.recompute_mask(table.num_layers)
+        res = simulate_epoch(table, sp.parts, mask, data.features[data_key], model.sim_config)
+        summary = res.summary()
+        epoch_time = res.total_time * data.epoch_scale
+        rows.append(AblationRow(
+            name=name, data=data_desc[data_key], partition=part_desc, recompute=rec_desc, parts=sp.parts,
+            num_checkpointed=int(mask.sum()), num_steps=int(round(len(res.step_time) * data.epoch_scale)),
+            step_time_s=summary["step_time_mean_s"], epoch_time_s=epoch_time,
+            gpu_days=epoch_time * res.num_gpus / 86400.0, bubble=summary["bubble_mean"],
+            peak_memory_bytes=tuple(st["peak_memory_bytes"] for st in summary["stages"]),
+            oom=bool(summary["oom_steps"])))
+        row_plans[name] = (sp.parts, mask)
+        row_results[name] = res
+    return with_speedups(rows, model.spec.name), row_plans, row_results, found
+
+
+def _ablation_specs(config: PlanJobConfig, model: _Model, data: _Data, found: _Found):
+    """(name, data key, partition text, recompute text, plan) per ablation row, and ``found`` (the
+    engine's constrained plan where it has constraints: the last row is the plan)."""
+    table = model.table
+    base_planner = JointPlanner(layer_quantities(table, data.features["baseline"], model.stage_config),
+                                model.stage_config)
+    if config.baseline_partition == "even":
+        base_parts = even_partition(table.num_layers, config.pp_size)
+    else:
+        base_parts = vision_first_partition(table.kinds, config.pp_size)
+    split_desc = "even layer count" if config.baseline_partition == "even" else "vision encoder on stage 0"
+    specs = [
+        ("baseline", "baseline", split_desc, "full", base_planner.evaluate(base_parts, "full")),
+        ("+ data balance", "balanced", split_desc, "full", found.planner.evaluate(base_parts, "full")),
+        ("+ balanced partition", "balanced", "exact min-max + search", "full", found.best_full.plan),
+        ("+ adaptive recompute", "balanced", "joint min-max + search", "adaptive", found.best_joint.plan),
+    ]
+    if constraint_rows(config.engine):  # deepspeed and omnibal express every plan: no extra rows
+        from omnibal.plan.engine_plan import engine_row_specs
+
+        engine_specs, engine_final = engine_row_specs(config.engine, found.planner, found.score, config.search)
+        specs += [(name, "balanced", part, rec, sp) for name, part, rec, sp in engine_specs]
+        anchor_joint, best_joint, scored, num_enumerated, engine_info = engine_final
+        found = replace(found, anchor_joint=anchor_joint, best_joint=best_joint, scored=scored,
+                        num_enumerated=num_enumerated, engine_info=engine_info)
+    return specs, found
+
+
+def _assemble_plan(config: PlanJobConfig, model: _Model, data: _Data, found: _Found, final: AblationRow,
+                   final_res) -> Plan:
+    """The :class:`Plan`: its inputs, data plan, stages, prediction (the last ablation row) and search."""
+    from omnibal import __version__
+
+    table, stats, bal_sched = model.table, data.stats, data.bal_sched
+    return Plan(
         inputs=PlanInputs(
-            model=spec.name, model_spec=asdict(spec), hardware=hw.name,
-            num_gpus=config.dp_size * config.pp_size * config.tp_size, dp_size=config.dp_size,
-            pp_size=config.pp_size, tp_size=config.tp_size, zero_stage=config.zero_stage,
-            num_microbatches=config.num_microbatches, memory_budget_bytes=budget, stats_source=stats_source,
-            stats_fingerprint=stats.fingerprint(), num_samples=full_samples, profile=config.profile_path,
-            omnibal_version=__version__),
-        data=DataPlan(method=bal_sched.method, settings={"caps": bal_sched.caps.to_dict(), "padding": padding_bal,
-                                                         "config": bal_config.to_dict(),
+            model=model.spec.name, model_spec=asdict(model.spec), hardware=model.hw.name,
+            num_gpus=config.layout.num_gpus, dp_size=config.dp_size, pp_size=config.pp_size, tp_size=config.tp_size,
+            zero_stage=config.zero_stage, num_microbatches=config.num_microbatches,
+            memory_budget_bytes=model.budget, stats_source=data.stats_source, stats_fingerprint=stats.fingerprint(),
+            num_samples=data.full_samples, profile=config.profile_path, omnibal_version=__version__),
+        data=DataPlan(method=bal_sched.method, settings={"caps": bal_sched.caps.to_dict(), "padding": data.padding_bal,
+                                                         "config": data.bal_config.to_dict(),
                                                          "balanced_samples": len(stats)},
-                      num_steps=final.num_steps, metrics=_jsonable(metrics["balanced"])),
-        stages=plan_stages(table.names, best_joint.plan, final_res.peak_memory.max(axis=(0, 1))),
+                      num_steps=final.num_steps, metrics=_jsonable(data.metrics["balanced"])),
+        stages=plan_stages(table.names, found.best_joint.plan, final_res.peak_memory.max(axis=(0, 1))),
         prediction=Prediction(step_time_s=final.step_time_s, epoch_time_s=final.epoch_time_s,
                               gpu_days=final.gpu_days, bubble=final.bubble, num_steps=final.num_steps,
                               oom=final.oom),
         engine=config.engine,
-        search={"anchor_parts": list(anchor_joint.parts), "anchor_bottleneck_s": anchor_joint.bottleneck,
-                "radius": config.search.radius, "enumerated": num_enumerated, "scored": len(scored),
-                "sample_steps": int(len(sample)),
+        search={"anchor_parts": list(found.anchor_joint.parts), "anchor_bottleneck_s": found.anchor_joint.bottleneck,
+                "radius": config.search.radius, "enumerated": found.num_enumerated, "scored": len(found.scored),
+                "sample_steps": int(len(found.sample)),
                 "candidates": [{"parts": list(c.plan.parts), "model_step_time_s": c.model_step_time,
-                                "sim_step_time_s": c.sim_step_time, "oom": c.oom} for c in scored],
-                "chosen_parts": list(best_joint.plan.parts), "epoch_scale": epoch_scale,
+                                "sim_step_time_s": c.sim_step_time, "oom": c.oom} for c in found.scored],
+                "chosen_parts": list(found.best_joint.plan.parts), "epoch_scale": data.epoch_scale,
                 "schedule": config.schedule, "baseline_partition": config.baseline_partition,
-                "sim_config": asdict(sim_config), **engine_info})
-    return PlanJobResult(plan=plan, ablation=rows, balance_metrics=_jsonable(metrics), timings=phases.timings,
-                         table=table, sim_config=sim_config, features=features, row_plans=row_plans,
-                         scored=scored, epoch_scale=epoch_scale,
-                         row_step_times={k: v.step_time for k, v in row_results.items()})
+                "sim_config": asdict(model.sim_config), **found.engine_info})
 
 
 def replace_padding(schedule, padding: str):

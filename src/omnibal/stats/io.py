@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from omnibal.errors import InputError
+from omnibal.layout import OnError
 from omnibal.stats.json_records import (
     OMNIBAL,
     TOKEN_LENGTHS,
@@ -52,7 +53,7 @@ from omnibal.stats.json_records import (
 from omnibal.stats.table import MAX_IMAGES, MAX_TILES, MAX_TOKENS, SampleStats, index_keys
 
 FORMATS = ("jsonl", "json", "parquet", "token-lengths")
-ON_ERROR = ("raise", "skip")
+ON_ERROR = tuple(OnError)
 
 _EXTENSIONS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet", ".pq": "parquet"}
 # Kept in the report; the count covers all of them.

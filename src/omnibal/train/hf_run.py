@@ -108,9 +108,10 @@ def real_data_config(cfg, model) -> RealDataConfig:
                           **_normalisation(cfg.hf_model), **ids)
 
 
-def real_stats(cfg, data: RealDataConfig):
+def real_stats(cfg, data: RealDataConfig, notify=None):
     """The run's statistics: ``--stats`` (made by ``omnibal stats`` with the same settings; joined by key and
-    checked sample by sample) or computed now from the annotations."""
+    checked sample by sample) or computed now from the annotations. ``notify(line)``: told how many bad
+    records ``--on-error skip`` left out."""
     from omnibal.stats.annotations import compute_stats
     from omnibal.stats.io import load_stats
 
@@ -118,8 +119,8 @@ def real_stats(cfg, data: RealDataConfig):
         stats = load_stats(cfg.stats_path)
     else:
         stats, report = compute_stats(cfg.annotations_path, data.annotation_config(on_error=cfg.on_error))
-        if report.num_skipped and not cfg.quiet and int(os.environ.get("RANK", "0")) == 0:
-            print(f"omnibal train: {report.summary()}", flush=True)
+        if report.num_skipped and notify is not None:
+            notify(report.summary())
     return stats
 
 

@@ -22,9 +22,8 @@ Any backend failure (a peer died, a timeout) becomes a PeerFailure naming this r
 from __future__ import annotations
 
 import hashlib
-import sys
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -35,9 +34,12 @@ from omnibal.train import checkpoint as ckpt
 from omnibal.train.distributed import World, is_comm_error, peer_failure
 from omnibal.train.feed import (Buffer, ScheduleLike, check_schedule, fixed_buffer,  # noqa: F401 (re-exported)
                                 schedule_fingerprint)
-from omnibal.train.metrics_log import (MetricsLog, RankTimes, StepRecord, format_summary, process_memory,
-                                       progress_bar, summarize)
+from omnibal.train.metrics_log import MetricsLog, RankTimes, StepRecord, process_memory, progress_bar, summarize
 from omnibal.train.pipeline import GradSync, StageLayout, StageRunner
+
+def _ignore(line: str) -> None:
+    """The ``notify`` of a quiet run, and of every rank but 0."""
+
 
 _COUNT_FIELDS = ("targets", "samples", "tokens", "tiles", "buffer_tokens", "buffer_tiles")
 
@@ -54,7 +56,8 @@ class Trainer:
                  mode: str, num_microbatches: int, pipeline_schedule: str = "1f1b", lr: float = 1e-4,
                  weight_decay: float = 0.0, buffer: Buffer | None = None, log_path: str | None = None,
                  quiet: bool = True, checkpoint_dir: str | None = None, checkpoint_every: int = 0,
-                 run_info: dict | None = None, dp_sync: str = "flat", ledger_path: str | None = None):
+                 run_info: dict | None = None, dp_sync: str = "flat", ledger_path: str | None = None,
+                 notify: Callable[[str], None] | None = None):
         from omnibal.train.stage import apply_checkpointing, build_stage, example_carry
 
         self.world = world
@@ -65,6 +68,9 @@ class Trainer:
         self.mode = mode
         self.num_microbatches = num_microbatches
         self.quiet = quiet
+        # what the run decided (resumed, stopping early, checkpoints skipped), told on rank 0 unless quiet; the
+        # caller (the CLI) prints it: the trainer itself never writes to the terminal, the progress bar aside
+        self.notify = notify if notify is not None and not quiet and world.rank == 0 else _ignore
         self.checkpoint_dir = checkpoint_dir
         self.checkpoint_every = checkpoint_every
         self.model_id = model_identity(self.spec)
@@ -309,11 +315,7 @@ class Trainer:
                 self._ledger = None
         if self.world.rank != 0:
             return {}
-        summary = summarize(self.log.records, warmup=warmup)
-        if not self.quiet:
-            print(format_summary(summary, f"{self.mode} dp{self.world.dp_size} x pp{self.world.pp_size}"),
-                  file=sys.stderr)
-        return summary
+        return summarize(self.log.records, warmup=warmup)
 
     def _steps_to_run(self, num_steps: int | None) -> int:
         """The step to stop at. After a reshard the epoch has the new world's length, which the caller could
@@ -329,9 +331,9 @@ class Trainer:
                                  f"{self.world.dp_size} (steps {self.step}..{end - 1}); {num_steps} steps in total "
                                  f"leaves nothing to train: ask for {end} steps, or 0 for the rest of the epoch",
                                  source=source, field="num_steps")
-            if num_steps < end and not self.quiet and self.world.rank == 0:
-                print(f"omnibal train: stopping at step {num_steps} of the re-balanced epoch (it ends at step {end}): "
-                      f"the samples of steps {num_steps}..{end - 1} are not trained", file=sys.stderr)
+            if num_steps < end:
+                self.notify(f"stopping at step {num_steps} of the re-balanced epoch (it ends at step {end}): "
+                            f"the samples of steps {num_steps}..{end - 1} are not trained")
             return min(num_steps, end)
         if num_steps > end:
             raise InputError(f"{num_steps} steps requested but the schedule has {end}", source=source,
@@ -393,9 +395,8 @@ class Trainer:
         if "error" in decision:
             raise InputError(decision["error"], source=decision["source"], field=decision["field"])
         self.skipped_checkpoints = decision["skipped"]
-        if not self.quiet and w.rank == 0:
-            for line in self.skipped_checkpoints:
-                print(f"omnibal train: {line}", file=sys.stderr)
+        for line in self.skipped_checkpoints:
+            self.notify(line)
         if decision["path"] is None:
             return False
         from pathlib import Path
@@ -406,10 +407,9 @@ class Trainer:
             self._use_resharded(decision["schedule"])
         self.step = int(decision["manifest"]["sampler"]["next_step"])
         self.resumed_from = decision["path"]
-        if not self.quiet and w.rank == 0:
-            how = (f", the rest of the epoch re-balanced for dp {w.dp_size} (steps {self.step}.."
-                   f"{self.schedule.num_steps - 1})" if self.resharded else "")
-            print(f"omnibal train: resumed from {decision['path']} at step {self.step}{how}", file=sys.stderr)
+        how = (f", the rest of the epoch re-balanced for dp {w.dp_size} (steps {self.step}.."
+               f"{self.schedule.num_steps - 1})" if self.resharded else "")
+        self.notify(f"resumed from {decision['path']} at step {self.step}{how}")
         return True
 
     def _resume_decision(self, root, reshard: bool) -> dict:
