@@ -180,8 +180,8 @@ class Layout:
 # How each layout field is spelled on the command line: the CLI's layout options are built from this.
 LAYOUT_FLAGS = {
     "dp_size": _cli("--dp", "data-parallel size", "--dp-size"),
-    "pp_size": _cli("--pp", "pipeline stages", "--pp-size"),
-    "tp_size": _cli("--tp", "tensor-parallel size", "--tp-size"),
+    "pp_size": _cli("--pp", "pipeline stages"),
+    "tp_size": _cli("--tp", "tensor-parallel size"),
     "zero_stage": _cli("--zero-stage", "ZeRO stage over DP (0: nothing sharded, 1: optimizer state, 2: and "
                        "gradients)"),
     "num_microbatches": _cli("--microbatches", "micro-batches per DP rank per step", "--num-microbatches"),

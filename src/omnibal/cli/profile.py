@@ -15,7 +15,7 @@ DESCRIPTION = (
     "Time forward and backward of every layer kind of the reference model (the real omnibal.train modules) "
     "over a grid of micro-batch shapes, record the activation bytes saved for backward, fit per-kind "
     "coefficients over (one, tiles, tokens, tokens_sq) and write a JSON profile that "
-    "omnibal.cost.cost_table_from_profile loads. Example: omnibal profile --preset tiny -o profile.json"
+    "omnibal.cost.cost_table_from_profile loads. Example: omnibal profile --model tiny -o profile.json"
 )
 
 
