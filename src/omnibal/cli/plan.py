@@ -108,7 +108,8 @@ def run(args: argparse.Namespace) -> int:
           f"({config.layout.describe()}, engine {config.engine})", flush=True)
     result = run_plan_job(config, progress=progress)
     files = _write_outputs(result, args.out, timelines=not args.no_timelines, progress=progress)
-    _print_plan(result, Path(args.out))
+    exports = write_engine_exports(result.plan, Path(args.out) / "exports")
+    _print_plan(result, exports)
     print(f"\nwrote {files['plan']}, {files['report']} and {sum(1 for k in files if k.startswith('png:'))} "
           f"PNGs into {args.out}/ ({time.perf_counter() - t0:.1f} s)")
     return 0
@@ -139,8 +140,9 @@ def _write_outputs(result, out: str, *, timelines: bool, progress: bool) -> dict
         bar.close()
 
 
-def _print_plan(result, out: Path) -> None:
-    """The data line, the ablation, the plan's stages, the engine exports (written here) and the balance."""
+def _print_plan(result, exports: tuple[dict, dict]) -> None:
+    """The data line, the ablation, the plan's stages, the engine exports (``write_engine_exports``'s answer)
+    and the balance."""
     from omnibal.plan.ablation import ablation_markdown
     from omnibal.plan.report import balance_rows, stage_rows, text_table
 
@@ -160,7 +162,7 @@ def _print_plan(result, out: Path) -> None:
     print(f"\nPlan: {plan.prediction.step_time_s:.2f} s per step, {plan.prediction.gpu_days:.1f} GPU days per epoch, "
           f"bubble {plan.prediction.bubble:.1%}")
     print(text_table(stage_rows(plan)))
-    written, skipped = write_engine_exports(plan, out / "exports")
+    written, skipped = exports
     if plan.engine == "omnibal":
         print(f"\nDeepSpeed parts: {list(plan.parts)}")
     for engine, paths in written.items():

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from omnibal.cli.options import add_option
+from omnibal.cost.profile import STATISTICS
 from omnibal.errors import InputError
 
 HELP = "time forward/backward of each layer kind on this device and fit the cost model"
@@ -40,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_option(parser, "threads", default=1, help="torch CPU threads while measuring")
     parser.add_argument("--warmup", type=int, default=2, help="untimed runs per shape")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per shape")
-    parser.add_argument("--statistic", default="median", choices=("median", "min", "cpu", "cpu_min"),
+    parser.add_argument("--statistic", default="median", choices=STATISTICS,
                         help="what to fit: median wall time; min: the least disturbed run; cpu: median process "
                              "CPU time (CPU only; robust when other jobs share the cores); cpu_min: its minimum")
     parser.add_argument("--tiles", type=_int_list, default=None, help="tiles grid, e.g. 1,2,4,8")

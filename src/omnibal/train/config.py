@@ -10,7 +10,8 @@ from dataclasses import asdict, dataclass
 from typing import Literal
 
 from omnibal.errors import InputError
-from omnibal.layout import PLANNER_SCHEDULES, DpSync, Layout, OnError, TrainMode, check_choice, default_layout, holds_layout
+from omnibal.layout import (PLANNER_SCHEDULES, Device, DpSync, Layout, OnError, TrainMode, check_choice,
+                            default_layout, holds_layout)
 
 MODES = tuple(TrainMode)
 SCHEDULES = PLANNER_SCHEDULES
@@ -118,8 +119,7 @@ class TrainConfig:
             raise InputError("the reference trainer has no tensor parallelism and no ZeRO: tp_size must be 1 "
                              f"and zero_stage 0, got {self.layout.tp_size} and {self.layout.zero_stage}",
                              source=src, field="layout")
-        if self.device not in ("cpu", "cuda"):
-            raise InputError(f"must be 'cpu' or 'cuda', got {self.device!r}", source=src, field="device")
+        check_choice(self.device, Device, source=src, field="device")
         if not isinstance(self.num_steps, int) or isinstance(self.num_steps, bool) or self.num_steps < 0:
             raise InputError(f"must be an integer >= 0 (0: the whole epoch), got {self.num_steps!r}", source=src,
                              field="num_steps")
