@@ -175,7 +175,7 @@ def _stats(path: Path, n: int, seed: int = 0) -> Path:
 
 
 def test_schedule_balanced_from_other_stats_is_refused(tmp_path, capsys):
-    """``omnibal train --stats s480 --schedule <balanced for a 240-row file>`` trained 240 of 480 rows, exit 0:
+    """``omnibal train --stats s480 --schedule-file <balanced for a 240-row file>`` trained 240 of 480 rows, exit 0:
     a schedule is bound to the fingerprint of the statistics it was balanced from."""
     big, small = _stats(tmp_path / "s480.jsonl", 480), _stats(tmp_path / "s240.jsonl", 240, seed=1)
     sched = tmp_path / "sched.json"

@@ -18,6 +18,7 @@ This module sits at the bottom of the layer order (beside ``errors``): it import
 from __future__ import annotations
 
 import functools
+import numbers
 from dataclasses import dataclass, field, fields, replace
 from enum import StrEnum
 
@@ -158,7 +159,7 @@ class Layout:
         """The layout of ``num_gpus`` devices; ``dp_size`` None: what is left after PP x TP. Refuses a
         product that is not ``num_gpus`` (flags named as the CLI spells them)."""
         check_layout_fields({"num_gpus": num_gpus}, source="--gpus")
-        layout = cls(dp_size=dp_size or 1, **rest)
+        layout = cls(dp_size=1 if dp_size is None else dp_size, **rest)
         if dp_size is None:
             per_replica = layout.pp_size * layout.tp_size
             if num_gpus % per_replica:
@@ -214,8 +215,8 @@ def check_choice(value, vocabulary, *, source: str, field: str, choices=None) ->
 
 
 def _is_int(value) -> bool:
-    # numpy integers count (cut points and sizes read from arrays); bools do not
-    return isinstance(value, int) and not isinstance(value, bool) or type(value).__name__.startswith(("int", "uint"))
+    # numpy integers count (sizes read from arrays are numbers.Integral); bools do not
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def holds_layout(cls):
@@ -225,24 +226,19 @@ def holds_layout(cls):
     default layout, or into the ``layout`` given), so configs that held flat fields keep their callers."""
     names = tuple(f.name for f in fields(Layout))
     default = next(f for f in fields(cls) if f.name == "layout").default_factory
+    init = cls.__init__
 
-    def wrap(cls):
-        init = cls.__init__
+    @functools.wraps(init)
+    def __init__(self, **kwargs):
+        flat = {name: kwargs.pop(name) for name in names if name in kwargs}
+        if flat:
+            kwargs["layout"] = replace(kwargs["layout"] if "layout" in kwargs else default(), **flat)
+        init(self, **kwargs)
 
-        @functools.wraps(init)
-        def __init__(self, **kwargs):
-            flat = {name: kwargs.pop(name) for name in names if name in kwargs}
-            if flat:
-                kwargs["layout"] = replace(kwargs["layout"] if "layout" in kwargs else default(), **flat)
-            init(self, **kwargs)
-
-        cls.__init__ = __init__
-        for name in names:
-            setattr(cls, name, property(lambda self, _n=name: getattr(self.layout, _n),
-                                        doc=f"``layout.{name}``"))
-        return cls
-
-    return wrap(cls)
+    cls.__init__ = __init__
+    for name in names:
+        setattr(cls, name, property(lambda self, _n=name: getattr(self.layout, _n), doc=f"``layout.{name}``"))
+    return cls
 
 
 def default_layout(**values) -> Layout:

@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
     print(format_text_table(result.totals))
     print()
     print(format_text_table(result.stages))
-    if result.files:
+    if result.files and not args.quiet:
         files = {k: Path(v) for k, v in result.files.items()}
         _say(f"report: {files['markdown']} (+ {files['timeline'].name}, {files['load'].name}, {files['json'].name})")
     return 0
