@@ -303,7 +303,9 @@ def _check_values(plan: Plan, source: str) -> None:
         return math.isfinite(v) and v >= 0
 
     i = plan.inputs
-    check_layout_fields({**i.layout.to_dict(), "num_gpus": i.num_gpus}, source=source, field_prefix="inputs.")
+    check_layout_fields({name: getattr(i, name) for name in ("num_gpus", "dp_size", "pp_size", "tp_size",
+                                                             "zero_stage", "num_microbatches")},
+                        source=source, field_prefix="inputs.")  # not via i.layout: the error names the file
     need(i.num_samples >= 1, f"must be >= 1, got {i.num_samples}", "inputs.num_samples")
     need(i.memory_budget_bytes is None or (math.isfinite(i.memory_budget_bytes) and i.memory_budget_bytes > 0),
          f"must be a positive number of bytes or null, got {i.memory_budget_bytes}", "inputs.memory_budget_bytes")
