@@ -30,8 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from omnibal.data.balance.isf import next_fit
-
-_CHUNK_PAIRS = 1 << 14  # bounds the [pairs, K, K] temporaries to a few MiB each
+from omnibal.data.balance.packs import Packs
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,91 +49,7 @@ class PackResult:
     """Exchange passes run in the tile repair, the LLM levelling and after the tail's new packs."""
 
 
-class _Packs:
-    """Packs as a padded ``[P, K]`` slot matrix (``n`` = empty slot, a zero-size sentinel sample)."""
-
-    def __init__(self, slots: np.ndarray, v: np.ndarray, t: np.ndarray, lc: np.ndarray) -> None:
-        n = len(v)
-        self.n = n
-        self.slots = slots
-        self.vv, self.tt, self.ll = np.append(v, 0.0), np.append(t, 0.0), np.append(lc, 0.0)
-        self.pv = self.vv[slots].sum(1)
-        self.pt = self.tt[slots].sum(1)
-        self.pl = self.ll[slots].sum(1)
-
-    def best_moves(self, a: np.ndarray, b: np.ndarray, objective, group: int = 1):
-        """For every pair (a[k], b[k]) the best exchange that lowers ``objective(pv, pt, pl)`` of the
-        pair: a single swap/move (``group=1``; moves go through an empty slot) or a swap of up to two
-        samples against up to two (``group=2``). Returns (gain [h], slots sent by a [h, g], slots sent by
-        b [h, g]); gain <= 0 means no improving exchange."""
-        if len(a) == 0:  # no pair to try (e.g. no active pair in a pass): nothing to reduce over
-            empty = np.zeros((0, group), np.int64)
-            return np.zeros(0), empty, empty.copy()
-        both = np.unique(np.concatenate([a, b]))
-        # only the occupied slots plus one free one matter: compact the rows of these packs
-        self.slots[both] = np.sort(self.slots[both], axis=1)  # the empty marker n sorts last
-        width = min(self.slots.shape[1], int((self.slots[both] < self.n).sum(1).max()) + 1)
-        if group == 1:
-            sel = np.arange(width)[:, None]
-        else:
-            i1, i2 = np.triu_indices(width, 1)
-            sel = np.stack([i1, i2], axis=1)  # pairs of slots; an empty slot in a pair makes it a single
-        k = len(sel)
-        h = len(a)
-        gains = np.full(h, -np.inf)
-        best_i = np.zeros((h, sel.shape[1]), np.int64)
-        best_j = np.zeros((h, sel.shape[1]), np.int64)
-        chunk = max(1, _CHUNK_PAIRS * 64 // (k * k))
-        for c0 in range(0, h, chunk):
-            ca, cb = a[c0:c0 + chunk], b[c0:c0 + chunk]
-            sa, sb = self.slots[ca, :width], self.slots[cb, :width]
-            ga, gb = sa[:, sel], sb[:, sel]  # [c, k, group] sample ids per candidate subset
-            dv = self.vv[ga].sum(2)[:, :, None] - self.vv[gb].sum(2)[:, None, :]  # a sends minus receives
-            dt = self.tt[ga].sum(2)[:, :, None] - self.tt[gb].sum(2)[:, None, :]
-            dl = self.ll[ga].sum(2)[:, :, None] - self.ll[gb].sum(2)[:, None, :]
-            before = objective(self.pv[ca], self.pt[ca], self.pl[ca]) + objective(self.pv[cb], self.pt[cb],
-                                                                                  self.pl[cb])
-            after = objective(self.pv[ca][:, None, None] - dv, self.pt[ca][:, None, None] - dt,
-                              self.pl[ca][:, None, None] - dl)
-            after += objective(self.pv[cb][:, None, None] + dv, self.pt[cb][:, None, None] + dt,
-                               self.pl[cb][:, None, None] + dl)
-            gain = before[:, None, None] - after
-            gain[(ga == self.n).all(2)[:, :, None] & (gb == self.n).all(2)[:, None, :]] = -np.inf
-            flat = gain.reshape(len(ca), k * k)
-            best = np.argmax(flat, axis=1)
-            g = flat[np.arange(len(ca)), best]
-            gains[c0:c0 + chunk] = np.where(g > 1e-12 * np.maximum(before, 1e-300), g, -np.inf)
-            best_i[c0:c0 + chunk] = sel[best // k]
-            best_j[c0:c0 + chunk] = sel[best % k]
-        return gains, best_i, best_j
-
-    def apply(self, a: np.ndarray, b: np.ndarray, i: np.ndarray, j: np.ndarray) -> None:
-        """Swap slots ``i`` of packs ``a`` with slots ``j`` of packs ``b`` (all packs distinct)."""
-        x = self.slots[a[:, None], i]
-        y = self.slots[b[:, None], j]
-        self.slots[a[:, None], i], self.slots[b[:, None], j] = y, x
-        for total, per in ((self.pv, self.vv), (self.pt, self.tt), (self.pl, self.ll)):
-            d = per[x].sum(1) - per[y].sum(1)
-            total[a] -= d
-            total[b] += d
-
-    def exchange(self, a: np.ndarray, b: np.ndarray, objective, group: int = 1) -> int:
-        """Apply the best improving exchange of every disjoint pair (a[k], b[k]); returns pairs changed."""
-        gains, i, j = self.best_moves(a, b, objective, group)
-        take = gains > 0
-        if take.any():
-            self.apply(a[take], b[take], i[take], j[take])
-        return int(take.sum())
-
-    def pack_of(self) -> np.ndarray:
-        p, width = self.slots.shape
-        out = np.empty(self.n, dtype=np.int64)
-        used = self.slots < self.n
-        out[self.slots[used]] = np.broadcast_to(np.arange(p)[:, None], (p, width))[used]
-        return out
-
-
-def _improve(packs: _Packs, objective, deviation, rng, max_passes: int, group: int = 1,
+def _improve(packs: Packs, objective, deviation, rng, max_passes: int, group: int = 1,
              bad_above: float = 0.0) -> int:
     """Pairwise exchange passes until no pack is off (objective 0) or nothing improves for a while."""
     p = len(packs.pv)
@@ -227,7 +142,7 @@ def _deal(v, t, lc, p, max_tiles, max_tokens, rng) -> np.ndarray:
     return slots
 
 
-def _repair(packs: _Packs, objective, deviation, rng, rounds: int, partners: int, group: int,
+def _repair(packs: Packs, objective, deviation, rng, rounds: int, partners: int, group: int,
             bad_above: float = 0.0) -> int:
     """For the few packs still off: try ``partners`` packs that are fine, drawn from those with the most
     room (lowest deviation), for each of them; keep the best improving exchange per off pack (each partner
@@ -340,7 +255,7 @@ class _Targets:
     ok_level = 1e-3 + 1e-9
 
 
-def _repair_tiles(packs: _Packs, targets: _Targets, rng) -> int:
+def _repair_tiles(packs: Packs, targets: _Targets, rng) -> int:
     """Phase 2: bring every pack's tile count into ``[tile_lo, tile_hi]``."""
     passes = _improve(packs, targets.tile_objective, targets.tile_deviation, rng, 8)
     for group in (1, 2):
@@ -350,7 +265,7 @@ def _repair_tiles(packs: _Packs, targets: _Targets, rng) -> int:
     return passes
 
 
-def _level_llm(packs: _Packs, targets: _Targets, rng, max_passes: int) -> int:
+def _level_llm(packs: Packs, targets: _Targets, rng, max_passes: int) -> int:
     """Phase 3: token cap and LLM levelling, tile counts kept in range."""
     ok = targets.ok_level
     passes = _improve(packs, targets.llm_objective, targets.llm_deviation, rng, max_passes, bad_above=ok)
@@ -361,11 +276,11 @@ def _level_llm(packs: _Packs, targets: _Targets, rng, max_passes: int) -> int:
     return passes
 
 
-def _over(packs: _Packs, max_tiles: float, max_tokens: float) -> np.ndarray:
+def _over(packs: Packs, max_tiles: float, max_tokens: float) -> np.ndarray:
     return (packs.pv > max_tiles) | (packs.pt > max_tokens)
 
 
-def _evict(packs: _Packs, max_tiles: float, max_tokens: float) -> np.ndarray:
+def _evict(packs: Packs, max_tiles: float, max_tokens: float) -> np.ndarray:
     """Take samples out of every pack over a cap until it is under both: per round and pack, the smallest
     sample whose removal suffices, else the one with the largest share of the cap that is exceeded.
     Returns the evicted samples (each fits a pack alone: oversize samples never reach the packer)."""
@@ -393,7 +308,7 @@ def _evict(packs: _Packs, max_tiles: float, max_tokens: float) -> np.ndarray:
     return np.concatenate(evicted) if evicted else np.zeros(0, np.int64)
 
 
-def _next_fit_largest_first(packs: _Packs, items: np.ndarray, max_tiles: float, max_tokens: float,
+def _next_fit_largest_first(packs: Packs, items: np.ndarray, max_tiles: float, max_tokens: float,
                             max_items: int):
     """A valid packing of ``items`` alone (next-fit, largest first; each item fits a pack alone), with at
     most ``max_items`` per pack (a pack of many small samples would widen every exchange it takes part
@@ -409,7 +324,7 @@ def _next_fit_largest_first(packs: _Packs, items: np.ndarray, max_tiles: float, 
     return order, first + piece * max_items
 
 
-def _add_packs(packs: _Packs, order: np.ndarray, starts: np.ndarray, count: int) -> _Packs:
+def _add_packs(packs: Packs, order: np.ndarray, starts: np.ndarray, count: int) -> Packs:
     """``count`` new packs after the others, the first ``len(starts)`` holding ``order`` cut at ``starts``
     (a valid packing); the rest start empty (the tile repair fills them)."""
     assert len(starts) <= count, (len(starts), count)
@@ -418,10 +333,10 @@ def _add_packs(packs: _Packs, order: np.ndarray, starts: np.ndarray, count: int)
     new = np.full((count, width), packs.n, np.int64)
     new[np.repeat(np.arange(len(starts)), sizes), np.arange(len(order)) - np.repeat(starts, sizes)] = order
     old = np.concatenate([packs.slots, np.full((len(packs.slots), width - packs.slots.shape[1]), packs.n)], axis=1)
-    return _Packs(np.concatenate([old, new]), packs.vv[:-1], packs.tt[:-1], packs.ll[:-1])
+    return Packs(np.concatenate([old, new]), packs.vv[:-1], packs.tt[:-1], packs.ll[:-1])
 
 
-def _fill_empty(packs: _Packs, rng) -> None:
+def _fill_empty(packs: Packs, rng) -> None:
     """Move one sample into every empty pack from the packs with the most samples (a sample alone always
     fits; a pack that loses one stays under the caps), so no micro-batch is empty."""
     while True:
@@ -438,15 +353,15 @@ def _fill_empty(packs: _Packs, rng) -> None:
         packs.apply(donors, empty, d_slot[:, None], e_slot[:, None])
 
 
-def _growing_is_cheaper(packs: _Packs, max_tiles, max_tokens, pack_step: int) -> bool:
+def _growing_is_cheaper(packs: Packs, max_tiles, max_tokens, pack_step: int) -> bool:
     """Derived caps: would a buffer grown to the packs over it pad less than one more step of packs?"""
     grow = (max(float(packs.pv.max()) / max(max_tiles, 1) - 1, 0)
             + max(float(packs.pt.max()) / max(max_tokens, 1) - 1, 0))
     return grow <= 2 * pack_step / len(packs.pv)  # a step more empties both buffers by pack_step / P
 
 
-def _enforce_caps(packs: _Packs, v, t, lc, *, max_tiles, max_tokens, hard_caps, pack_step, max_packs, llm_tol,
-                  rng, max_passes) -> tuple[_Packs, int]:
+def _enforce_caps(packs: Packs, v, t, lc, *, max_tiles, max_tokens, hard_caps, pack_step, max_packs, llm_tol,
+                  rng, max_passes) -> tuple[Packs, int]:
     """Phase 4, the rule for the tail: packs the exchange left over a cap give up samples (``_evict``);
     those go to whole new steps of packs (``pack_step`` packs each), and the exchange phases run again
     with the caps hard, which spreads the new packs' room over all. With derived caps (``hard_caps``
@@ -503,7 +418,7 @@ def pack_balanced(
     v = np.asarray(tiles, np.float64)
     t = np.asarray(tokens, np.float64)
     lc = np.asarray(llm_cost, np.float64)
-    packs = _Packs(_deal(v, t, lc, p, max_tiles, max_tokens, rng), v, t, lc)
+    packs = Packs(_deal(v, t, lc, p, max_tiles, max_tokens, rng), v, t, lc)
     targets = _Targets.of(v, t, lc, p, max_tiles, max_tokens, llm_tol)
     passes_tiles = _repair_tiles(packs, targets, rng)
     passes_llm = _level_llm(packs, targets, rng, max_passes)
