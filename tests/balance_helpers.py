@@ -44,6 +44,7 @@ def two_profile_mixture(n: int, seed: int = 0) -> SampleStats:
     """Two synthetic subsets with different tile profiles: wide charts (mostly 3 tiles: a 2x1 grid plus the
     thumbnail) and square documents (mostly 5: 2x2 plus the thumbnail), half and half."""
     from omnibal.stats.synthetic import SubsetProfile, SyntheticConfig, synthetic_internvl_mixture
+    from omnibal.stats.tiles import TileConfig
 
     profiles = (
         SubsetProfile(name="wide_charts", weight=1, text_median=120, text_sigma=0.4, long_side_median=900,
@@ -51,4 +52,5 @@ def two_profile_mixture(n: int, seed: int = 0) -> SampleStats:
         SubsetProfile(name="square_docs", weight=1, text_median=150, text_sigma=0.4, long_side_median=800,
                       long_side_sigma=0.1, aspect_ratios=(1.0,), aspect_jitter=0.05),
     )
-    return synthetic_internvl_mixture(n, seed=seed, config=SyntheticConfig(profiles=profiles))
+    # InternVL-1.5's 12-tile rule, as when these profiles were written (the default became the fitted 4-tile one)
+    return synthetic_internvl_mixture(n, seed=seed, config=SyntheticConfig(profiles=profiles, tiles=TileConfig()))
