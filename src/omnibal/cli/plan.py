@@ -99,7 +99,8 @@ def job_config(args: argparse.Namespace):
         raise InputError("--radius must be >= 0, --top-k and --search-steps >= 1", source="--radius",
                          field="radius")
     return PlanJobConfig(
-        preset=args.model, hf_model=args.hf_model, hardware=hardware_by_name(args.hardware), num_gpus=args.num_gpus, layout=layout,
+        preset=args.model, hf_model=args.hf_model, hardware=hardware_by_name(args.hardware), num_gpus=args.num_gpus,
+        layout=layout,
         baseline_batch_size=args.batch_size, memory_budget_gib=args.memory_budget, stats_path=args.stats,
         num_samples=args.samples, balance_samples=_balance_samples(args.balance_samples), seed=args.seed,
         profile_path=args.profile, balance_method=args.balance_method, padding=args.padding,

@@ -154,7 +154,8 @@ def _online_vs_offline(args: argparse.Namespace) -> int:
     if samples < 1:
         raise InputError(f"must be a positive integer, got {samples!r}", source="--samples", field="samples")
     print(comparison_markdown(compare_online_offline(
-        model=args.model or "internvl-chat-1.5", hardware=resolve_hardware(args.hardware or "a100-80g"), dp_size=args.dp_size or 32,
+        model=args.model or "internvl-chat-1.5", hardware=resolve_hardware(args.hardware or "a100-80g"),
+        dp_size=args.dp_size or 32,
         pp_size=args.pp_size or 4, num_microbatches=args.num_microbatches or 8, batch_size=args.batch_size,
         num_samples=samples, seed=args.seed)), end="")
     return 0

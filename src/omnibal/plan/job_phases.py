@@ -230,7 +230,8 @@ def pack_phase(config, model: Model, data: Data, found: Found, cache: dict | Non
         return data, found
     pack_config = replace(config.pack_search, microbatches=tuple(sorted({*config.pack_search.microbatches, default_m})))
     chosen, cands = search_pack_size(data.stats, model.table, model.stage_config, model.sim_config,
-                                     balance_config=bal_config, samples_per_rank_step=default_m * bal_config.target_samples,
+                                     balance_config=bal_config,
+                                     samples_per_rank_step=default_m * bal_config.target_samples,
                                      config=pack_config, num_total_samples=data.full_samples, seed=config.seed,
                                      padding=data.padding_bal, incumbent=default_m)
     data = replace(data, pack_report={"candidates": [c.to_dict() for c in cands],

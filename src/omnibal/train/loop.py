@@ -114,8 +114,8 @@ class Trainer:
         self.online_info: list = []
         """``--mode online``: per step, the dispatch's per-phase balance (:class:`omnibal.train.online.OnlineStepInfo`)."""
 
-    def _build_stage_runner(self, model, buffer: Buffer | None, *, pipeline_schedule: str, dp_sync: str, lr: float,
-                            weight_decay: float) -> None:
+    def _build_stage_runner(self, model, buffer: Buffer | None, *, pipeline_schedule: str, dp_sync: str,
+                            lr: float, weight_decay: float) -> None:
         """This rank's stage module (checkpointed as the layout says), its pipeline runner, optimizer and
         gradient sync."""
         from omnibal.train.stage import apply_checkpointing, build_stage, example_carry
