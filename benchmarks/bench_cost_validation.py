@@ -166,7 +166,7 @@ def render(result, profile) -> str:
         "# Cost model validation: tiny preset, CPU, 1 thread",
         "",
         f"Headline trial {result['headline_trial'] + 1} of {len(result['trials'])} (the quietest). "
-        f"Calibration run: `omnibal profile --preset tiny` ({len(profile['measurements'])} grid shapes, "
+        f"Calibration run: `omnibal profile --model tiny` ({len(profile['measurements'])} grid shapes, "
         f"{profile['repeats']} repeats, {profile.get('statistic', 'median')}), created {profile['created']}, "
         f"load average {profile['load_average']['before']} -> {profile['load_average']['after']}.",
         f"Validation run (separate): {len(result['packs'])} micro-batches packed from the real AI2D + ChartQA "

@@ -71,7 +71,7 @@ def main(argv=None) -> int:
     log = logger("bench_online")
     layouts = []
     for dp in (int(x) for x in args.layouts.split(",")):
-        # what `omnibal train --mode omnibal` balances itself from the statistics (no --schedule file)
+        # what `omnibal train --mode omnibal` balances itself from the statistics (no --schedule-file)
         omni = build_schedule(TrainConfig(mode="omnibal", dp_size=dp, num_microbatches=args.microbatches,
                                           seed=args.seed, stats_path=str(stats_path)), stats)
         rand = random_microbatch_schedule(len(stats), dp_size=dp, num_microbatches=args.microbatches,

@@ -179,7 +179,7 @@ def main(argv=None) -> int:
                   "--microbatches", str(args.microbatches), "--seed", str(args.seed), "--threads", "1",
                   "--timeout", "300"]
         extra_of = {"baseline": ["--batch-size", str(args.batch_size)],
-                    "omnibal": ["--schedule", str(omni_path)] + (["--plan", str(plan_path)] if plan_path else [])}
+                    "omnibal": ["--schedule-file", str(omni_path)] + (["--plan", str(plan_path)] if plan_path else [])}
         steps_of = {m: schedule_of[m].num_steps if args.epoch else args.steps for m in MODES}
         layouts.append({"dp": dp, "pp": pp, "schedule_of": schedule_of, "steps_of": steps_of, "layer_times": layer_times,
                         "args_of": {m: common + ["--mode", m, "--steps", str(steps_of[m])] + extra_of[m] for m in MODES},

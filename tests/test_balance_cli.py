@@ -20,7 +20,7 @@ def test_balance_cli_writes_schedule_metrics_and_plot(tmp_path, capsys):
     stats = tmp_path / "stats.json"
     _write_token_lengths(stats)
     out, png, mjson = tmp_path / "s.json", tmp_path / "load.png", tmp_path / "m.json"
-    rc = main(["balance", "--stats", str(stats), "--dp-size", "4", "--num-microbatches", "2", "--out", str(out),
+    rc = main(["balance", "--stats", str(stats), "--dp", "4", "--microbatches", "2", "--out", str(out),
                "--plot", str(png), "--metrics-json", str(mjson), "--seed", "3"])
     assert rc == 0
     d = json.loads(out.read_text())
@@ -35,8 +35,8 @@ def test_balance_cli_writes_schedule_metrics_and_plot(tmp_path, capsys):
 def test_balance_cli_baseline_and_bad_input(tmp_path, capsys):
     stats = tmp_path / "stats.json"
     _write_token_lengths(stats, n=50)
-    assert main(["balance", "--stats", str(stats), "--dp-size", "2", "--method", "random", "--quiet"]) == 0
-    assert main(["balance", "--stats", str(stats), "--dp-size", "64"]) == 2
+    assert main(["balance", "--stats", str(stats), "--dp", "2", "--balance-method", "random", "--quiet"]) == 0
+    assert main(["balance", "--stats", str(stats), "--dp", "64"]) == 2
     assert "dp_size" in capsys.readouterr().err
-    assert main(["balance", "--stats", str(stats), "--dp-size", "2", "--max-tiles", "2", "--max-tokens", "9000"]) == 2
-    assert main(["balance", "--stats", str(tmp_path / "missing.json"), "--dp-size", "2"]) == 2
+    assert main(["balance", "--stats", str(stats), "--dp", "2", "--max-tiles", "2", "--max-tokens", "9000"]) == 2
+    assert main(["balance", "--stats", str(tmp_path / "missing.json"), "--dp", "2"]) == 2

@@ -146,7 +146,7 @@ def test_cli_refuses_what_the_engine_cannot_run(argv, match, capsys, tmp_path):
     assert match in capsys.readouterr().err
 
 
-TINY = ["--preset", "tiny", "--gpus", "4", "--pp", "2", "--num-microbatches", "4", "--samples", "3000",
+TINY = ["--model", "tiny", "--gpus", "4", "--pp", "2", "--microbatches", "4", "--samples", "3000",
         "--search-steps", "16", "--top-k", "3", "--quiet", "--no-timelines"]
 
 

@@ -13,6 +13,7 @@ import pytest
 
 from omnibal.cli import main
 from omnibal.errors import InputError
+from omnibal.measure.hardware import hardware_by_name
 from omnibal.measure.verify import VerifyConfig, check_verifiable, top_candidates, verify_plan
 from omnibal.plan.job import PlanJobConfig, run_plan_job
 from omnibal.plan.plan import Plan
@@ -49,9 +50,10 @@ def _stats(n: int = 240) -> SampleStats:
 
 @pytest.mark.skipif(not TINY_PROFILE.is_file(), reason="no committed CPU profile of the tiny preset")
 def test_verify_measures_top_k_candidates_and_chooses_the_fastest(tmp_path):
-    config = PlanJobConfig(preset="tiny", hardware="cpu", profile_path=str(TINY_PROFILE), dp_size=1, pp_size=2,
-                           num_microbatches=2, balance_samples=None, search=SearchConfig(radius=2, top_k=4,
-                                                                                            sample_steps=8))
+    # the caller resolves --hardware cpu (a measurement of this machine), as omnibal plan does
+    config = PlanJobConfig(preset="tiny", hardware=hardware_by_name("cpu"), profile_path=str(TINY_PROFILE), dp_size=1,
+                           pp_size=2, num_microbatches=2, balance_samples=None,
+                           search=SearchConfig(radius=2, top_k=4, sample_steps=8))
     result = run_plan_job(config, stats=_stats())
     assert len(top_candidates(result.scored, 2)) == 2
     plan, measured = verify_plan(result, VerifyConfig(top_k=2, steps=1, device="cpu"), config)

@@ -14,7 +14,7 @@ from omnibal.plan.plan import Plan
 from omnibal.plan.report import render_report, write_job_outputs
 from omnibal.plan.search import SearchConfig
 
-TINY = ["--preset", "tiny", "--gpus", "4", "--pp", "2", "--num-microbatches", "4", "--samples", "3000",
+TINY = ["--model", "tiny", "--gpus", "4", "--pp", "2", "--microbatches", "4", "--samples", "3000",
         "--search-steps", "16", "--top-k", "3", "--quiet"]
 
 
@@ -100,9 +100,9 @@ def test_vision_first_split_puts_the_encoder_on_stage_zero():
 @pytest.mark.parametrize("argv,match", [
     (["--gpus", "128", "--dp", "16", "--pp", "4"], "does not match the 128 devices"),
     (["--gpus", "130", "--pp", "4"], "not a multiple of 4"),
-    (["--preset", "nope"], "unknown model preset 'nope'"),
+    (["--model", "nope"], "unknown model preset 'nope'"),
     (["--hardware", "tpu"], "unknown hardware 'tpu'"),
-    (["--preset", "tiny", "--gpus", "64", "--pp", "64"], f"only {len(get_model_preset('tiny').layers())} layers"),
+    (["--model", "tiny", "--gpus", "64", "--pp", "64"], f"only {len(get_model_preset('tiny').layers())} layers"),
     (["--memory-budget", "10"], "alone need at least .* GiB"),
     (["--stats", "/nonexistent/stats.jsonl"], "nonexistent"),
 ])

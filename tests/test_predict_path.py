@@ -14,6 +14,7 @@ import pytest
 from omnibal.cli import main
 from omnibal.cost.presets import get_model_preset, preset_names
 from omnibal.errors import InputError
+from omnibal.measure.hardware import hardware_by_name
 from omnibal.plan.job import PlanJobConfig, run_plan_job
 from omnibal.plan.plan import Plan
 from omnibal.plan.search import SearchConfig
@@ -36,7 +37,8 @@ def _simulated_step(argv: list[str]) -> float:
 
 
 def _plan_then_simulate(tmp_path: Path, preset: str, hardware: str, profile: str | None) -> tuple[float, float]:
-    config = PlanJobConfig(preset=preset, hardware=hardware, dp_size=2, pp_size=2, num_microbatches=2,
+    # the plan's caller resolves --hardware (cpu: measured here), as omnibal plan does
+    config = PlanJobConfig(preset=preset, hardware=hardware_by_name(hardware), dp_size=2, pp_size=2, num_microbatches=2,
                            num_samples=SAMPLES, balance_samples=None, memory_budget_gib=1e5, profile_path=profile,
                            search=SearchConfig(radius=1, top_k=2, sample_steps=8))
     plan = run_plan_job(config).plan

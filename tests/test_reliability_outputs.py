@@ -49,7 +49,7 @@ def test_balance_with_a_target_below_one_sample_writes_no_empty_microbatch(tmp_p
     balancer never makes more micro-batches than samples."""
     stats = _stats_file(tmp_path / "s.jsonl", n=300)
     out = tmp_path / "sched.json"
-    assert main(["balance", "--stats", str(stats), "--dp-size", "4", "--num-microbatches", "2",
+    assert main(["balance", "--stats", str(stats), "--dp", "4", "--microbatches", "2",
                  "--target-samples", "0.4", "--out", str(out), "--quiet"]) == 0
     sizes = _microbatch_sizes(out)
     assert min(sizes) >= 1 and sum(sizes) == 300
@@ -60,13 +60,13 @@ def test_balance_with_every_row_in_its_own_pack_refuses_empty_microbatches(tmp_p
     micro-batches without empty ones; refused with a named error instead of writing empties."""
     stats = _stats_file(tmp_path / "s.jsonl", n=300)
     out = tmp_path / "sched.json"
-    rc = main(["balance", "--stats", str(stats), "--dp-size", "4", "--num-microbatches", "2", "--max-tiles", "1",
+    rc = main(["balance", "--stats", str(stats), "--dp", "4", "--microbatches", "2", "--max-tiles", "1",
                "--max-tokens", "10", "--oversize", "own_pack", "--out", str(out), "--quiet"])
     assert rc == 2 and not out.exists()
     assert "oversize" in capsys.readouterr().err
     # 296 rows fill 37 steps exactly: accepted, one row per micro-batch
     _stats_file(stats, n=296)
-    assert main(["balance", "--stats", str(stats), "--dp-size", "4", "--num-microbatches", "2", "--max-tiles", "1",
+    assert main(["balance", "--stats", str(stats), "--dp", "4", "--microbatches", "2", "--max-tiles", "1",
                  "--max-tokens", "10", "--oversize", "own_pack", "--out", str(out), "--quiet"]) == 0
     assert set(_microbatch_sizes(out)) == {1}
 
@@ -75,7 +75,7 @@ def test_balance_with_every_row_in_its_own_pack_refuses_empty_microbatches(tmp_p
 def test_balance_target_samples_not_finite_is_a_named_error(tmp_path, capsys, value):
     """``--target-samples inf`` ended in a ValueError traceback."""
     stats = _stats_file(tmp_path / "s.jsonl")
-    assert main(["balance", "--stats", str(stats), "--dp-size", "2", "--target-samples", value, "--quiet"]) == 2
+    assert main(["balance", "--stats", str(stats), "--dp", "2", "--target-samples", value, "--quiet"]) == 2
     assert "target_samples" in capsys.readouterr().err
 
 
@@ -84,7 +84,7 @@ def test_balance_target_samples_not_finite_is_a_named_error(tmp_path, capsys, va
 
 def _balance(tmp_path, **outs) -> list[str]:
     stats = _stats_file(tmp_path / "s.jsonl")
-    args = ["balance", "--stats", str(stats), "--dp-size", "2", "--quiet"]
+    args = ["balance", "--stats", str(stats), "--dp", "2", "--quiet"]
     for flag, value in outs.items():
         args += [f"--{flag.replace('_', '-')}", str(value)]
     return args
@@ -188,7 +188,7 @@ def test_balance_out_killed_mid_write_leaves_the_previous_file(tmp_path):
     the schedule is written to a temporary name and renamed, so the old file stays whole."""
     out = _stats_file(tmp_path / "s.jsonl")  # any previous good file
     sched = tmp_path / "sched.json"
-    assert main(["balance", "--stats", str(out), "--dp-size", "2", "--out", str(sched), "--quiet"]) == 0
+    assert main(["balance", "--stats", str(out), "--dp", "2", "--out", str(sched), "--quiet"]) == 0
     before = sched.read_bytes()
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(sched)], stdout=subprocess.PIPE, env=env)

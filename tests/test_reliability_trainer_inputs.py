@@ -175,18 +175,18 @@ def _stats(path: Path, n: int, seed: int = 0) -> Path:
 
 
 def test_schedule_balanced_from_other_stats_is_refused(tmp_path, capsys):
-    """``omnibal train --stats s480 --schedule <balanced for a 240-row file>`` trained 240 of 480 rows, exit 0:
+    """``omnibal train --stats s480 --schedule-file <balanced for a 240-row file>`` trained 240 of 480 rows, exit 0:
     a schedule is bound to the fingerprint of the statistics it was balanced from."""
     big, small = _stats(tmp_path / "s480.jsonl", 480), _stats(tmp_path / "s240.jsonl", 240, seed=1)
     sched = tmp_path / "sched.json"
-    assert main(["balance", "--stats", str(small), "--dp-size", "1", "--num-microbatches", "2", "--out", str(sched),
+    assert main(["balance", "--stats", str(small), "--dp", "1", "--microbatches", "2", "--out", str(sched),
                  "--quiet"]) == 0
-    rc = main(["train", "--stats", str(big), "--schedule", str(sched), "--microbatches", "2", "--steps", "1",
+    rc = main(["train", "--stats", str(big), "--schedule-file", str(sched), "--microbatches", "2", "--steps", "1",
                "--quiet"])
     err = capsys.readouterr().err
     assert rc == 2 and "stats_fingerprint" in err and str(sched) in err
     # the same schedule with the statistics it was made from is accepted
-    assert main(["train", "--stats", str(small), "--schedule", str(sched), "--microbatches", "2", "--steps", "1",
+    assert main(["train", "--stats", str(small), "--schedule-file", str(sched), "--microbatches", "2", "--steps", "1",
                  "--quiet"]) == 0
 
 
@@ -195,7 +195,7 @@ def test_schedule_balanced_from_other_stats_is_refused(tmp_path, capsys):
 def test_schedule_must_schedule_each_row_once(tmp_path, capsys, edit):
     stats = _stats(tmp_path / "s.jsonl", 100)
     sched = tmp_path / "sched.json"
-    assert main(["balance", "--stats", str(stats), "--dp-size", "1", "--num-microbatches", "2", "--out", str(sched),
+    assert main(["balance", "--stats", str(stats), "--dp", "1", "--microbatches", "2", "--out", str(sched),
                  "--quiet"]) == 0
     doc = json.loads(sched.read_text())
     first = doc["steps"][0][0]
@@ -210,7 +210,7 @@ def test_schedule_must_schedule_each_row_once(tmp_path, capsys, edit):
     else:
         doc["droped"] = doc.pop("dropped")
     sched.write_text(json.dumps(doc))
-    assert main(["train", "--stats", str(stats), "--schedule", str(sched), "--microbatches", "2", "--steps", "1",
+    assert main(["train", "--stats", str(stats), "--schedule-file", str(sched), "--microbatches", "2", "--steps", "1",
                  "--quiet"]) == 2
     err = capsys.readouterr().err
     assert str(sched) in err and "Traceback" not in err

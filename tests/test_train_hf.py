@@ -95,7 +95,7 @@ def test_a_dp_pp_step_equals_the_hf_models_own_unpacked_loss(example, kind, dp, 
     if pp > 1 and mode == "omnibal":  # the plan omnibal plan --hf-model makes for this checkpoint (config.json only)
         out = example / f"plan-{kind}"
         assert main(["plan", "--hf-model", str(example / kind), "--gpus", str(pp), "--pp", str(pp), "--tp", "1",
-                     "--num-microbatches", "4", "--stats", str(_stats_file(example, kind)), "--balance-samples",
+                     "--microbatches", "4", "--stats", str(_stats_file(example, kind)), "--balance-samples",
                      "all", "--out", str(out), "--no-timelines", "--quiet"]) == 0
         plan = str(out / "plan.json")
         assert json.loads(Path(plan).read_text())["model"] == f"hf-{kind}"
@@ -246,7 +246,7 @@ def test_pp2_with_a_plan_saves_the_model_a_single_process_run_saves(example, tmp
     from transformers import AutoModelForImageTextToText
 
     plan = tmp_path / "plan"
-    assert main(["plan", "--hf-model", str(example / "internvl"), "--gpus", "2", "--pp", "2", "--num-microbatches",
+    assert main(["plan", "--hf-model", str(example / "internvl"), "--gpus", "2", "--pp", "2", "--microbatches",
                  "2", "--stats", str(_stats_file(example, "internvl")), "--balance-samples", "all", "--out", str(plan),
                  "--no-timelines", "--quiet"]) == 0
     cfg = ["--annotations", str(example / "annotations.jsonl"), "--image-root", str(example / "images"),

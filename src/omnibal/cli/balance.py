@@ -7,6 +7,10 @@ import json
 import sys
 import time
 
+from omnibal.cli.options import add_option
+from omnibal.errors import InputError
+from omnibal.layout import OversizePolicy
+
 HELP = "pack samples into balanced micro-batches and assign them to (step, dp_rank, micro-batch)"
 DESCRIPTION = (HELP + ". Reads per-sample statistics (any format `omnibal stats` loaders read; without "
                "--stats the synthetic default mixture), writes the schedule JSON "
@@ -15,30 +19,31 @@ DESCRIPTION = (HELP + ". Reads per-sample statistics (any format `omnibal stats`
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--stats", help="per-sample statistics file (json/jsonl/parquet/OmniBal token-length)")
-    parser.add_argument("--synthetic-samples", type=int, default=1_200_000,
-                        help="rows of the synthetic default mixture used when --stats is not given")
-    parser.add_argument("--dp-size", type=int, required=True, help="data-parallel ranks")
-    parser.add_argument("--num-microbatches", type=int, default=1, help="micro-batches per rank per step")
+    add_option(parser, "stats", help="per-sample statistics file (json/jsonl/parquet/OmniBal token-length)")
+    add_option(parser, "samples", default=1_200_000,
+               help="rows of the synthetic default mixture used when --stats is not given")
+    # required, but checked in run: argparse's required= would refuse the deprecated --dp-size spelling
+    add_option(parser, "dp_size", help="data-parallel ranks (required)")
+    add_option(parser, "num_microbatches", default=1)
     parser.add_argument("--target-samples", type=float, default=4.5, help="mean samples per micro-batch")
     parser.add_argument("--max-tiles", type=int, default=None, help="fixed Q_v (default: cap search)")
     parser.add_argument("--max-tokens", type=int, default=None, help="fixed Q_t / token budget (default: cap search)")
-    parser.add_argument("--oversize", choices=("error", "own_pack", "drop"), default="error",
+    parser.add_argument("--oversize", choices=tuple(OversizePolicy), default="error",
                         help="samples over a fixed cap")
-    parser.add_argument("--method", choices=("omnibal", "isf", "isf+assign", "random", "length-grouped"),
-                        default="omnibal")
-    parser.add_argument("--batch-size", type=int, default=4, help="samples per micro-batch (random, length-grouped)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--epoch", type=int, default=0)
-    parser.add_argument("--out", help="write the schedule JSON here")
+    add_option(parser, "balance_method", default="omnibal")
+    add_option(parser, "batch_size", default=4, help="samples per micro-batch (random, length-grouped)")
+    add_option(parser, "seed", default=0)
+    add_option(parser, "epoch", default=0)
+    add_option(parser, "out", help="write the schedule JSON here")
     parser.add_argument("--metrics-json", help="write the metrics as JSON here")
     parser.add_argument("--plot", help="PNG of per-rank vision and LLM load per step")
-    parser.add_argument("--quiet", action="store_true", help="no table on stdout")
+    add_option(parser, "quiet", help="no table on stdout")
     m = parser.add_argument_group("cost model (as omnibal plan's)")
-    m.add_argument("--model", help="model preset: balance by its cost on --hardware (or --profile), stats in its units")
-    m.add_argument("--hardware", default="a100-80g", help="hardware preset of --model's analytic cost")
-    m.add_argument("--profile", metavar="FILE", help="measured layer profile (omnibal profile) of --model")
-    m.add_argument("--convert-stats", action="store_true", help="convert stats of another image convention to --model's")
+    add_option(m, "model", help="model preset: balance by its cost on --hardware (or --profile), stats in its units")
+    add_option(m, "hardware", default="a100-80g", help="hardware preset of --model's analytic cost (cpu: measured "
+               "here)")
+    add_option(m, "profile", help="measured layer profile (omnibal profile) of --model")
+    add_option(m, "convert_stats", help="convert stats of another image convention to --model's")
 
 
 def _load(path: str | None, synthetic_samples: int):
@@ -55,7 +60,6 @@ def _model_cost(args: argparse.Namespace, stats):
     """``(balancer cost, stats)``: with --model, the cost ``omnibal plan`` balances by (``omnibal.sim.predict``)
     and the stats in the model's units; without it the default cost and the stats as given."""
     from omnibal.data.balance.cost import DEFAULT_COST
-    from omnibal.errors import InputError
 
     if args.model is None:
         if args.profile:
@@ -103,9 +107,12 @@ def run(args: argparse.Namespace) -> int:
     check_file(args.out, "--out")  # every output path before any work: none fails after another is written
     check_file(args.metrics_json, "--metrics-json")
     check_image(args.plot, "--plot")  # before any work: a bad path never fails after another output is written
-    stats = _load(args.stats, args.synthetic_samples)
+    if args.dp_size is None:
+        raise InputError("required: the number of data-parallel ranks", source="--dp", field="dp_size")
+    stats = _load(args.stats, args.samples)
     cost, stats = _model_cost(args, stats)
-    config = BalanceConfig(cost=cost, method=args.method, target_samples=args.target_samples, max_tiles=args.max_tiles,
+    config = BalanceConfig(cost=cost, method=args.balance_method, target_samples=args.target_samples,
+                           max_tiles=args.max_tiles,
                            max_tokens=args.max_tokens, oversize=args.oversize, batch_size=args.batch_size,
                            progress=sys.stderr.isatty() and not args.quiet)
     t0 = time.perf_counter()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from omnibal.cli.options import add_option
 from omnibal.errors import InputError
 
 HELP = "write a small real dataset (charts, text pages) and two tiny random-init HF VLMs to train on"
@@ -19,9 +20,9 @@ DESCRIPTION = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", default="omnibal-example", metavar="DIR", help="output folder")
+    add_option(parser, "out", default="omnibal-example", metavar="DIR", help="output folder")
     parser.add_argument("--records", type=int, default=400, metavar="N", help="annotation records to write")
-    parser.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the data, tokenizer and weights")
+    add_option(parser, "seed", default=0, metavar="S", help="seed of the data, tokenizer and weights")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
+
+from omnibal.cli.options import add_layout_options, add_option, check_layout_args
+from omnibal.cost.stack import DEFAULT_STACK
+from omnibal.errors import InputError
+from omnibal.layout import PLAN_PADDINGS, PLANNER_SCHEDULES, BaselinePartition, Layout
 
 HELP = "plan data caps, pipeline partition and per-stage recompute for a model on a cluster"
 DESCRIPTION = (
@@ -23,93 +27,82 @@ DESCRIPTION = (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("model and cluster")
-    g.add_argument("--preset", default="internvl-chat-1.5", help="model preset (omnibal.cost.presets)")
-    g.add_argument("--hf-model", metavar="DIR", help="plan a local Hugging Face checkpoint (Llava / InternVL; reads "
-                   "its config.json) instead of --preset")
-    g.add_argument("--hardware", default="a100-80g", help="hardware preset (a100-40g, a100-80g, h100, h200)")
-    g.add_argument("--gpus", type=int, default=128, help="devices in the job; DP x PP x TP must equal it")
-    g.add_argument("--dp", type=int, default=None, help="data-parallel size (default: gpus / (pp x tp))")
-    g.add_argument("--pp", type=int, default=4, help="pipeline stages")
-    g.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
-    g.add_argument("--zero-stage", type=int, default=None, choices=(0, 1, 2),
-                   help="ZeRO stage over DP (default: 1; torchtitan: 2, FSDP with reshard_after_forward never)")
-    g.add_argument("--engine", default="omnibal", choices=("omnibal", "deepspeed", "megatron", "torchtitan"),
-                   help="engine that will run the plan: its constraints are planner inputs, the ablation prices "
-                        "each of them, and its ready-to-use files go to OUT/exports/ (docs/engines/)")
-    g.add_argument("--num-microbatches", type=int, default=8, help="micro-batches per step per DP rank")
+    add_option(g, "model", default="internvl-chat-1.5")
+    add_option(g, "hf_model", help="plan a local Hugging Face checkpoint (Llava / InternVL; reads its config.json) "
+               "instead of --model")
+    add_option(g, "hardware", default="a100-80g")
+    add_option(g, "num_gpus", default=128)
+    add_layout_options(g, defaults={"pp_size": 4, "tp_size": 1, "num_microbatches": 8}, helps={
+        "dp_size": "data-parallel size (default: gpus / (pp x tp))",
+        "zero_stage": "ZeRO stage over DP (default: 1; torchtitan: 2, FSDP with reshard_after_forward never)"})
+    add_option(g, "engine", default="omnibal",
+               help="engine that will run the plan: its constraints are planner inputs, the ablation prices each of "
+                    "them, and its ready-to-use files go to OUT/exports/ (docs/engines/)")
     g.add_argument("--memory-budget", type=float, default=None, metavar="GIB",
                    help="bytes per device the plan may use, in GiB (default: 95%% of the device memory)")
-    g.add_argument("--profile", default=None, metavar="FILE",
-                   help="measured layer profile (omnibal profile) to use instead of the analytic cost model")
-    g.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe"), help="pipeline schedule")
+    add_option(g, "profile", help="measured layer profile (omnibal profile) to use instead of the analytic cost model")
+    add_option(g, "schedule", default="1f1b", choices=PLANNER_SCHEDULES)
     d = parser.add_argument_group("data")
-    d.add_argument("--stats", default=None, metavar="FILE",
-                   help="per-sample statistics (omnibal stats); default: synthetic InternVL-like mixture")
-    d.add_argument("--convert-stats", action="store_true", help="convert --stats made in another image convention "
-                   "(InternVL tiles / LLaVA single image) to the model's instead of refusing them")
-    d.add_argument("--samples", type=int, default=1_200_000, help="size of the synthetic mixture")
+    add_option(d, "stats", help="per-sample statistics (omnibal stats); default: synthetic InternVL-like mixture")
+    add_option(d, "convert_stats", help="convert --stats made in another image convention (InternVL tiles / LLaVA "
+               "single image) to the model's instead of refusing them")
+    add_option(d, "samples", default=1_200_000, help="size of the synthetic mixture")
     d.add_argument("--balance-samples", default="200000", metavar="N",
                    help="balance a uniform random subset of N samples and scale the epoch to the whole "
                         "dataset ('all': every sample; balancing 1.2M samples takes ~30 s of CPU)")
-    d.add_argument("--balance-method", default="omnibal", help="balancer of the planned job")
-    d.add_argument("--padding", default="varlen", choices=("varlen", "fixed_buffer"),
-                   help="how balanced packs run: variable length, or padded to the caps (static shapes)")
-    d.add_argument("--baseline-batch-size", type=int, default=4, help="samples per baseline micro-batch")
+    add_option(d, "balance_method", default="omnibal", help="balancer of the planned job")
+    add_option(d, "padding", default="varlen", choices=PLAN_PADDINGS,
+               help="how balanced packs run: variable length, or padded to the caps (static shapes)")
+    add_option(d, "batch_size", default=4, help="samples per baseline micro-batch")
     s = parser.add_argument_group("search")
     s.add_argument("--radius", type=int, default=2, help="move each stage boundary by up to this many layers")
     s.add_argument("--top-k", type=int, default=8, help="candidates scored with the simulator")
     s.add_argument("--search-steps", type=int, default=192, help="steps the simulator scores candidates on")
-    s.add_argument("--baseline-partition", default="vision-first", choices=("even", "vision-first"),
+    s.add_argument("--baseline-partition", default="vision-first", choices=tuple(BaselinePartition),
                    help="the baseline's layer split (default: the vision encoder on stage 0, the paper's)")
-    s.add_argument("--stack", default="megatron-deepspeed", choices=("megatron-deepspeed", "fsdp", "omnibal"),
-                   help="software stack whose weight/gradient/optimizer bytes the memory model counts")
+    add_option(s, "stack", default=DEFAULT_STACK)
     s.add_argument("--pack-microbatches", default="8,12,16,24,32", metavar="M,M,...",
                    help="micro-batch counts the pack-size search tries at the same samples per step ('none': "
                         "keep --num-microbatches and 4.5 samples per pack)")
-    s.add_argument("--seed", type=int, default=0, help="seed of data, shuffles and step sample")
+    add_option(s, "seed", default=0, help="seed of data, shuffles and step sample")
     s.add_argument("--verify", type=int, default=0, metavar="K", help="measure the top K candidates (partition x "
                    "recompute) in the reference trainer and choose by measurement (tiny / CPU profile, or CUDA)")
     s.add_argument("--verify-steps", type=int, default=3, metavar="N", help="timed steps per --verify candidate")
     o = parser.add_argument_group("output")
-    o.add_argument("--out", default="omnibal-out", metavar="DIR", help="folder for plan.json, report.md and PNGs")
+    add_option(o, "out", default="omnibal-out", metavar="DIR", help="folder for plan.json, report.md and PNGs")
     o.add_argument("--no-timelines", action="store_true", help="skip the per-row pipeline timeline PNGs")
-    o.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_option(o, "quiet", help="no progress bar")
+
+
+def _balance_samples(text: str) -> int | None:
+    if str(text).lower() == "all":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise InputError(f"must be a number of samples or 'all', got {text!r}", source="--balance-samples",
+                         field="balance_samples") from None
 
 
 def job_config(args: argparse.Namespace):
-    from omnibal.errors import InputError
+    """The :class:`PlanJobConfig` the arguments describe (refusing bad ones, named by their flags)."""
+    from omnibal.measure.hardware import hardware_by_name
+    from omnibal.plan.engines import get_engine
     from omnibal.plan.job import PlanJobConfig
     from omnibal.plan.search import SearchConfig
 
-    for name in ("gpus", "pp", "tp"):
-        value = getattr(args, name)
-        if value is None or value < 1:
-            raise InputError(f"must be a positive integer, got {value!r}", source=f"--{name}", field=name)
-    dp = args.dp
-    if dp is None:
-        if args.gpus % (args.pp * args.tp):
-            raise InputError(f"{args.gpus} devices do not split into PP {args.pp} x TP {args.tp} x DP: "
-                             f"{args.gpus} is not a multiple of {args.pp * args.tp}", source="--gpus", field="gpus")
-        dp = args.gpus // (args.pp * args.tp)
-    if str(args.balance_samples).lower() == "all":
-        balance_samples = None
-    else:
-        try:
-            balance_samples = int(args.balance_samples)
-        except ValueError:
-            raise InputError(f"must be a number of samples or 'all', got {args.balance_samples!r}",
-                             source="--balance-samples", field="balance_samples") from None
-    from omnibal.plan.engines import get_engine
-
+    check_layout_args(args)
     zero_stage = get_engine(args.engine).default_zero_stage if args.zero_stage is None else args.zero_stage
+    layout = Layout.for_devices(args.num_gpus, dp_size=args.dp_size, pp_size=args.pp_size, tp_size=args.tp_size,
+                                zero_stage=zero_stage, num_microbatches=args.num_microbatches)
     if args.radius < 0 or args.top_k < 1 or args.search_steps < 1:
         raise InputError("--radius must be >= 0, --top-k and --search-steps >= 1", source="--radius",
                          field="radius")
     return PlanJobConfig(
-        preset=args.preset, hf_model=args.hf_model, hardware=args.hardware, num_gpus=args.gpus, dp_size=dp, pp_size=args.pp,
-        tp_size=args.tp, zero_stage=zero_stage, num_microbatches=args.num_microbatches,
-        baseline_batch_size=args.baseline_batch_size, memory_budget_gib=args.memory_budget,
-        stats_path=args.stats, num_samples=args.samples, balance_samples=balance_samples, seed=args.seed,
+        preset=args.model, hf_model=args.hf_model, hardware=hardware_by_name(args.hardware), num_gpus=args.num_gpus,
+        layout=layout,
+        baseline_batch_size=args.batch_size, memory_budget_gib=args.memory_budget, stats_path=args.stats,
+        num_samples=args.samples, balance_samples=_balance_samples(args.balance_samples), seed=args.seed,
         profile_path=args.profile, balance_method=args.balance_method, padding=args.padding,
         baseline_partition=args.baseline_partition, schedule=args.schedule, stack=args.stack,
         pack_search=pack_search_config(args.pack_microbatches),
@@ -132,56 +125,69 @@ def pack_search_config(text: str):
 
 
 def run(args: argparse.Namespace) -> int:
-    from omnibal.plan.ablation import ablation_markdown
-    from omnibal.plan.job import run_plan_job
-    from omnibal.plan.report import balance_rows, stage_rows, text_table, write_job_outputs
-
     from omnibal.outputs import check_dir
+    from omnibal.plan.job import run_plan_job
 
     t0 = time.perf_counter()
     config = job_config(args)
     check_dir(args.out, "--out")  # before minutes of planning, not after
     progress = not args.quiet and sys.stderr.isatty()
-    inp = config
-    print(f"omnibal plan: {inp.hf_model or inp.preset} on {inp.dp_size * inp.pp_size * inp.tp_size} x {inp.hardware} "
-          f"(DP {inp.dp_size} x PP {inp.pp_size} x TP {inp.tp_size}, ZeRO-{inp.zero_stage}, "
-          f"{inp.num_microbatches} micro-batches per step, engine {inp.engine})", flush=True)
+    print(f"omnibal plan: {config.hf_model or config.preset} on {config.layout.num_gpus} x {config.hardware_name} "
+          f"({config.layout.describe()}, engine {config.engine})", flush=True)
     if args.verify:  # fail in a second, not after planning
-        from omnibal.errors import InputError
-        from omnibal.measure.verify import check_verifiable, resolve_device
-
-        if args.verify < 1 or args.verify_steps < 1:
-            raise InputError("--verify and --verify-steps must be >= 1", source="--verify", field="verify")
-        check_verifiable(config, device=resolve_device("auto", config.dp_size * config.pp_size))
+        _check_verify(args, config)
     result = run_plan_job(config, progress=progress)
     if args.verify:
         result = _verified(args, config, result)
-    plan = result.plan
-    t_report = time.perf_counter()
-    bar = None
-    if progress:
-        from tqdm import tqdm
+    files = _write_outputs(result, args.out, timelines=not args.no_timelines, progress=progress)
+    exports = write_engine_exports(result.plan, Path(args.out) / "exports")
+    _print_plan(result, exports)
+    print(f"\nwrote {files['plan']}, {files['report']} and {sum(1 for k in files if k.startswith('png:'))} "
+          f"PNGs into {args.out}/ ({time.perf_counter() - t0:.1f} s)")
+    return 0
 
-        bar = tqdm(total=1 if args.no_timelines else 1 + len(result.ablation), desc="writing report", leave=False,
-                   bar_format="{desc}: {n_fmt}/{total_fmt} pictures |{bar}| {elapsed}{postfix}")
+
+def _check_verify(args: argparse.Namespace, config) -> None:
+    """``--verify``: refuse what cannot be measured here before minutes of planning."""
+    from omnibal.measure.verify import check_verifiable, resolve_device
+
+    if args.verify < 1 or args.verify_steps < 1:
+        raise InputError("--verify and --verify-steps must be >= 1", source="--verify", field="verify")
+    check_verifiable(config, device=resolve_device("auto", config.dp_size * config.pp_size))
+
+
+def _write_outputs(result, out: str, *, timelines: bool, progress: bool) -> dict:
+    """plan.json, ablation.json, report.md and the PNGs, with a progress bar over the pictures."""
+    from omnibal.plan.report import write_job_outputs
+
+    if not progress:
+        return write_job_outputs(result, out, timelines=timelines)
+    from tqdm import tqdm
+
+    bar = tqdm(total=1 + len(result.ablation) if timelines else 1, desc="writing report", leave=False,
+               bar_format="{desc}: {n_fmt}/{total_fmt} pictures |{bar}| {elapsed}{postfix}")
+    started = False
 
     def step(label: str) -> None:
-        if bar is not None:
-            if step.started:
-                bar.update(1)
-            step.started = True
-            bar.set_postfix_str(label)
+        nonlocal started
+        if started:
+            bar.update(1)
+        started = True
+        bar.set_postfix_str(label)
 
-    step.started = False
     try:
-        files = write_job_outputs(result, args.out, timelines=not args.no_timelines, progress=step)
+        return write_job_outputs(result, out, timelines=timelines, progress=step)
     finally:
-        if bar is not None:
-            bar.close()
-    result.timings["report"] = round(time.perf_counter() - t_report, 3)
-    (Path(args.out) / "ablation.json").write_text(json.dumps(
-        {**json.loads((Path(args.out) / "ablation.json").read_text()), "timings": result.timings}, indent=2) + "\n")
-    p = plan.inputs
+        bar.close()
+
+
+def _print_plan(result, exports: tuple[dict, dict]) -> None:
+    """The data line, the ablation, the plan's stages, the engine exports (``write_engine_exports``'s answer)
+    and the balance."""
+    from omnibal.plan.ablation import ablation_markdown
+    from omnibal.plan.report import balance_rows, stage_rows, text_table
+
+    plan, p = result.plan, result.plan.inputs
     note = ""
     if result.epoch_scale != 1.0:
         note = (f"; balanced a uniform random subset of {plan.data.settings['balanced_samples']:,} and scaled the "
@@ -203,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"\nPlan: {plan.prediction.step_time_s:.2f} s per step, {plan.prediction.gpu_days:.1f} GPU days per epoch, "
           f"bubble {plan.prediction.bubble:.1%}")
     print(text_table(stage_rows(plan)))
-    written, skipped = write_engine_exports(plan, Path(args.out) / "exports")
+    written, skipped = exports
     if plan.engine == "omnibal":
         print(f"\nDeepSpeed parts: {list(plan.parts)}")
     for engine, paths in written.items():
@@ -212,9 +218,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"no {engine} export: {reason}")
     print("\nBalance:")
     print(text_table(balance_rows(result.balance_metrics)))
-    print(f"\nwrote {files['plan']}, {files['report']} and {sum(1 for k in files if k.startswith('png:'))} "
-          f"PNGs into {args.out}/ ({time.perf_counter() - t0:.1f} s)")
-    return 0
 
 
 def _verified(args, config, result):
@@ -237,7 +240,6 @@ def _verified(args, config, result):
 def write_engine_exports(plan, out_dir: Path) -> tuple[dict, dict]:
     """The plan's engine files under ``out_dir`` (``--engine omnibal``: every engine that can express the plan).
     Returns ({engine: [paths]}, {engine: why not written})."""
-    from omnibal.errors import InputError
     from omnibal.plan.exports import EXPORT_ENGINES
 
     engines = EXPORT_ENGINES if plan.engine == "omnibal" else (plan.engine,)

@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+from omnibal.cli.options import add_option
+from omnibal.cost.profile import STATISTICS
 from omnibal.errors import InputError
 
 HELP = "time forward/backward of each layer kind on this device and fit the cost model"
@@ -14,7 +16,7 @@ DESCRIPTION = (
     "Time forward and backward of every layer kind of the reference model (the real omnibal.train modules) "
     "over a grid of micro-batch shapes, record the activation bytes saved for backward, fit per-kind "
     "coefficients over (one, tiles, tokens, tokens_sq) and write a JSON profile that "
-    "omnibal.cost.cost_table_from_profile loads. Example: omnibal profile --preset tiny -o profile.json"
+    "omnibal.cost.cost_table_from_profile loads. Example: omnibal profile --model tiny -o profile.json"
 )
 
 
@@ -30,25 +32,24 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_mutually_exclusive_group()
-    model.add_argument("--preset", default=None, help="model preset (default: tiny); see omnibal.cost.presets")
+    add_option(model, "model", default=None, help="model preset (default: tiny); see omnibal.cost.presets")
     model.add_argument("--spec", type=Path, default=None, help="model spec JSON (ModelSpec.to_dict())")
-    parser.add_argument("-o", "--output", type=Path, default=None,
-                        help="profile JSON to write (default: profile_<model>_<device>.json)")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    parser.add_argument("--dtype", default=None, choices=("bf16", "fp16", "fp32"),
-                        help="training dtype (default: fp32 on cpu, bf16 on cuda)")
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads while measuring")
+    add_option(parser, "out", type=Path, default=None, help="profile JSON to write (default: "
+               "profile_<model>_<device>.json)")
+    add_option(parser, "device", default="cpu", choices=None, help="cpu or cuda[:N]")
+    add_option(parser, "dtype", default=None, help="training dtype (default: fp32 on cpu, bf16 on cuda)")
+    add_option(parser, "threads", default=1, help="torch CPU threads while measuring")
     parser.add_argument("--warmup", type=int, default=2, help="untimed runs per shape")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per shape")
-    parser.add_argument("--statistic", default="median", choices=("median", "min", "cpu", "cpu_min"),
+    parser.add_argument("--statistic", default="median", choices=STATISTICS,
                         help="what to fit: median wall time; min: the least disturbed run; cpu: median process "
                              "CPU time (CPU only; robust when other jobs share the cores); cpu_min: its minimum")
     parser.add_argument("--tiles", type=_int_list, default=None, help="tiles grid, e.g. 1,2,4,8")
     parser.add_argument("--tokens", type=_int_list, default=None, help="LLM tokens grid, e.g. 256,1024")
     parser.add_argument("--segments", type=_int_list, default=None, help="attention segment lengths grid")
     parser.add_argument("--kinds", default=None, help="comma-separated layer kinds (default: all six)")
-    parser.add_argument("--seed", type=int, default=0, help="weight init seed")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar, no table")
+    add_option(parser, "seed", default=0, help="weight init seed")
+    add_option(parser, "quiet", help="no progress bar, no table")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -65,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         except json.JSONDecodeError as exc:
             raise InputError(f"not JSON: {exc}", source=str(args.spec), record=f"line {exc.lineno}") from None
     else:
-        spec = get_model_preset(args.preset or "tiny")
+        spec = get_model_preset(args.model or "tiny")
     base = GPU_GRID if args.device.startswith("cuda") else CPU_GRID
     grid = ProfileGrid(tiles=args.tiles or base.tiles, tokens=args.tokens or base.tokens,
                        segments=args.segments or base.segments)
@@ -74,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     profile = measure(spec, device=args.device, dtype=args.dtype, threads=args.threads, grid=grid, kinds=kinds,
                       warmup=args.warmup, repeats=args.repeats, progress=progress, seed=args.seed,
                       statistic=args.statistic)
-    out = args.output or Path(f"profile_{spec.name}_{args.device.replace(':', '')}.json")
+    out = args.out or Path(f"profile_{spec.name}_{args.device.replace(':', '')}.json")
     save_profile(profile, out)
     if not args.quiet:
         print(format_fit_table(profile))

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from omnibal.cli.options import add_option
+
 HELP = "render a markdown + PNG report from plan/simulation/training outputs"
 DESCRIPTION = (
     "Render report.md and PNGs from a plan.json written by `omnibal plan` (its ablation.json beside it is "
@@ -20,7 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="ablation.json (default: the one beside the plan, if any)")
     parser.add_argument("--simulate", default=None, metavar="FILE", help="omnibal simulate summary JSON")
     parser.add_argument("--train", default=None, metavar="FILE", help="training metrics log (JSON lines)")
-    parser.add_argument("--out", default=None, metavar="DIR", help="output folder (default: the plan's folder)")
+    add_option(parser, "out", default=None, metavar="DIR", help="output folder (default: the plan's folder)")
 
 
 def run(args: argparse.Namespace) -> int:

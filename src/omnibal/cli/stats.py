@@ -8,7 +8,9 @@ import os
 import sys
 from pathlib import Path
 
+from omnibal.cli.options import add_option
 from omnibal.errors import InputError
+from omnibal.stats.io import FORMATS
 
 HELP = "compute per-sample statistics (tiles, tokens, images) from annotations or convert stats files"
 DESCRIPTION = """\
@@ -35,11 +37,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mode.add_argument("--summary", metavar="FILE", help="summarise an existing stats file")
     mode.add_argument("--convert", metavar="IN", help="convert stats file IN to --out")
     mode.add_argument("--synthetic", type=int, metavar="N", help="generate the synthetic InternVL-like mixture of N samples")
-    mode.add_argument("--seed", type=int, default=0, help="seed of --synthetic (default 0)")
+    add_option(mode, "seed", default=0, help="seed of --synthetic (default 0)")
 
     ann = parser.add_argument_group("annotations")
-    ann.add_argument("--image-root", metavar="DIR", help="folder image paths are relative to (default: each annotation file's folder)")
-    ann.add_argument("--tokenizer", metavar="PATH", help="local tokenizer.json or tokenizer folder (default: a labelled estimate)")
+    add_option(ann, "image_root", help="folder image paths are relative to (default: each annotation file's folder)")
+    add_option(ann, "tokenizer", help="local tokenizer.json or tokenizer folder (default: a labelled estimate)")
     ann.add_argument("--min-tiles", type=int, default=1, help="smallest tile grid (default 1)")
     ann.add_argument("--max-tiles", type=int, default=12, help="largest tile grid, thumbnail not counted (default 12)")
     ann.add_argument("--tile-size", type=int, default=448, help="tile side in pixels (default 448)")
@@ -60,13 +62,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ann.add_argument("--chunk-size", type=int, default=256, help="records per worker task (default 256)")
 
     out = parser.add_argument_group("output")
-    out.add_argument("--out", metavar="FILE", help="write the statistics here (.jsonl, .json, .parquet)")
-    out.add_argument("--format", choices=("jsonl", "json", "parquet", "token-lengths"), help="format of --out (default: by extension)")
-    out.add_argument("--input-format", choices=("jsonl", "json", "parquet", "token-lengths"), help="format of --summary/--convert input (default: detected)")
-    out.add_argument("--on-error", choices=("raise", "skip"), default="raise", help="stop at the first bad record, or skip bad records and report them (default raise)")
+    add_option(out, "out", metavar="FILE", help="write the statistics here (.jsonl, .json, .parquet)")
+    out.add_argument("--format", choices=FORMATS, help="format of --out (default: by extension)")
+    out.add_argument("--input-format", choices=FORMATS, help="format of --summary/--convert input (default: detected)")
+    add_option(out, "on_error", default="raise", help="stop at the first bad record, or skip bad records and report them (default raise)")
     out.add_argument("--report", metavar="FILE", help="write the summary (and the run report) as JSON")
     out.add_argument("--plot", metavar="PNG", help="write histograms of tiles and tokens as a PNG")
-    out.add_argument("--quiet", action="store_true", help="no progress bar and no summary table")
+    add_option(out, "quiet", help="no progress bar and no summary table")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -11,7 +11,9 @@ import argparse
 import os
 import sys
 
+from omnibal.cli.options import ScheduleOrFile, add_layout_options, add_option, check_layout_args
 from omnibal.errors import InputError
+from omnibal.layout import DpSync, TrainMode
 
 HELP = "run the reference DP x PP trainer (baseline or omnibal mode) on a plan"
 DESCRIPTION = (HELP + ". Examples: `omnibal train --stats stats.json --dp 2 --mode omnibal --steps 20`; "
@@ -20,57 +22,54 @@ DESCRIPTION = (HELP + ". Examples: `omnibal train --stats stats.json --dp 2 --mo
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("run")
-    g.add_argument("--mode", choices=("baseline", "omnibal", "online"), default="omnibal",
+    g.add_argument("--mode", choices=tuple(TrainMode), default="omnibal",
                    help="baseline: random padded micro-batches, even split, full recompute; omnibal: balanced "
                         "packs, planned partition and recompute; online (pp 1): the baseline's random draws "
                         "re-dealt every step, vision and LLM phases balanced separately (OrchMLLM)")
-    g.add_argument("--model", default="tiny", help="model preset (omnibal.cost.presets)")
-    g.add_argument("--stats", dest="stats_path", help="per-sample statistics: the synthetic data follows them, or "
-                   "with --annotations the rows to train (omnibal stats of that file with the model's settings; "
-                   "default: computed from the annotations)")
+    add_option(g, "model", default="tiny")
+    add_option(g, "stats", help="per-sample statistics: the synthetic data follows them, or with --annotations the "
+               "rows to train (omnibal stats of that file with the model's settings; default: computed from the "
+               "annotations)")
     r = parser.add_argument_group("real data and Hugging Face models")
     r.add_argument("--annotations", dest="annotations_path", metavar="FILE",
                    help="LLaVA/InternVL annotation file (.json/.jsonl) to train on: real images and text")
-    r.add_argument("--image-root", metavar="DIR", help="folder image paths are relative to (default: the annotation "
-                                                        "file's folder)")
-    r.add_argument("--tokenizer", dest="tokenizer_path", metavar="PATH", help="local tokenizer.json or tokenizer folder")
-    r.add_argument("--hf-model", metavar="DIR", help="local Hugging Face checkpoint (Llava or InternVL) to fine-tune "
-                                                     "instead of the reference model")
+    add_option(r, "image_root", help="folder image paths are relative to (default: the annotation file's folder)")
+    add_option(r, "tokenizer")
+    add_option(r, "hf_model", help="local Hugging Face checkpoint (Llava or InternVL) to fine-tune instead of the "
+               "reference model")
     r.add_argument("--save-dir", metavar="DIR", help="write the fine-tuned model here as an HF checkpoint at the end "
                                                      "(and to DIR/checkpoint-STEP at every checkpoint)")
     r.add_argument("--max-tiles", type=int, default=12, help="dynamic-resolution tiles per image, thumbnail not counted "
                                                              "(InternVL-style models; a Llava image is one tile)")
-    r.add_argument("--on-error", choices=("raise", "skip"), default="raise",
-                   help="bad annotation records: stop at the first, or skip and report them")
+    add_option(r, "on_error", default="raise")
     g.add_argument("--max-samples", type=int, help="seeded random subset of the statistics")
     g.add_argument("--stats-tokens-per-tile", type=int, default=256,
                    help="image tokens per tile counted in the statistics (rescaled to the model's)")
-    g.add_argument("--steps", dest="num_steps", type=int, default=10, help="optimizer steps in total, counting resumed ones (0: to the end of the epoch)")
+    g.add_argument("--steps", dest="num_steps", type=int, default=10, help="optimizer steps in total, counting resumed "
+                   "ones (0: to the end of the epoch)")
     g.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate")
-    g.add_argument("--seed", type=int, default=0, help="model init and baseline sampling seed")
+    add_option(g, "seed", default=0, help="model init and baseline sampling seed")
     w = parser.add_argument_group("world")
-    w.add_argument("--dp", dest="dp_size", type=int, default=1, help="data-parallel degree")
-    w.add_argument("--pp", dest="pp_size", type=int, default=1, help="pipeline stages")
+    add_layout_options(w, defaults={"dp_size": 1, "pp_size": 1}, only=("dp_size", "pp_size"))
     w.add_argument("--nproc", type=int, help="local processes to start (default dp x pp; not under torchrun)")
-    w.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="gloo on cpu, NCCL on cuda")
+    add_option(w, "device", default="cpu", help="gloo on cpu, NCCL on cuda")
     w.add_argument("--timeout", dest="timeout_s", type=float, default=60.0,
                    help="seconds a collective may block before the rank fails (dead or stuck peer)")
-    w.add_argument("--threads", dest="torch_threads", type=int, default=1, help="torch threads per rank")
+    add_option(w, "threads", default=1, help="torch threads per rank")
     p = parser.add_argument_group("pipeline and data")
-    p.add_argument("--microbatches", dest="num_microbatches", type=int, default=4, help="micro-batches per rank per step")
-    p.add_argument("--pipeline-schedule", choices=("1f1b", "gpipe"), default="1f1b")
-    p.add_argument("--dp-sync", choices=("flat", "ddp"), default="flat",
+    add_option(p, "num_microbatches", default=4, help="micro-batches per rank per step")
+    add_option(p, "schedule", default="1f1b", action=ScheduleOrFile, choices=None, metavar="{1f1b,gpipe}",
+               help="pipeline schedule (a file name here is the deprecated spelling of --schedule-file)")
+    p.add_argument("--dp-sync", choices=tuple(DpSync), default="flat",
                    help="gradient sum over DP: one flat all-reduce after the step (its wait is logged) or "
                         "DistributedDataParallel (overlaps the last backward)")
-    p.add_argument("--plan", dest="plan_path", help="Plan JSON (stage ranges and recompute sets; omnibal mode)")
+    add_option(p, "plan", help="Plan JSON (stage ranges and recompute sets; omnibal mode)")
     p.add_argument("--stage-layers", help='explicit half-open layer ranges per stage, e.g. "0:9,9:20"')
-    p.add_argument("--recompute", help='per-stage layer names to recompute: stages split by ";", names by ",", '
-                                       'e.g. "vision.blocks.0,vision.blocks.1;" (empty stage: none)')
-    p.add_argument("--schedule", dest="schedule_path", help="balanced schedule JSON (omnibal mode; default: "
-                                                            "balance the statistics now)")
-    p.add_argument("--batch-size", dest="baseline_batch_size", type=int, default=4,
-                   help="samples per micro-batch in baseline mode; online mode draws --microbatches x this "
-                        "many samples per rank per step")
+    add_option(p, "recompute", help='per-stage layer names to recompute: stages split by ";", names by ",", '
+               'e.g. "vision.blocks.0,vision.blocks.1;" (empty stage: none)')
+    add_option(p, "schedule_file", help="balanced schedule JSON (omnibal mode; default: balance the statistics now)")
+    add_option(p, "batch_size", default=4, help="samples per micro-batch in baseline mode; online mode draws "
+               "--microbatches x this many samples per rank per step")
     o = parser.add_argument_group("output")
     o.add_argument("--metrics-log", "--log", dest="log_path", metavar="FILE",
                    help="JSONL metrics log (one line per step); under torchrun spell it --metrics-log (torchrun's own "
@@ -83,7 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--resume", action="store_true", help="continue from the newest valid checkpoint")
     o.add_argument("--reshard", action="store_true", help="with --resume: accept a checkpoint written with another "
                    "dp size (same pp and stage layers) and re-balance the rest of its epoch for this one")
-    o.add_argument("--quiet", action="store_true", help="no progress bar, no summary table")
+    add_option(o, "quiet", help="no progress bar, no summary table")
 
 
 def config_from_args(args: argparse.Namespace):
@@ -94,17 +93,19 @@ def config_from_args(args: argparse.Namespace):
     recompute = None
     if args.recompute is not None:
         recompute = tuple(tuple(n.strip() for n in part.split(",") if n.strip()) for part in args.recompute.split(";"))
+    check_layout_args(args)
     return TrainConfig(
         mode=args.mode, dp_size=args.dp_size, pp_size=args.pp_size, num_microbatches=args.num_microbatches,
-        pipeline_schedule=args.pipeline_schedule, dp_sync=args.dp_sync, stage_layers=stage_layers, recompute=recompute,
-        plan_path=args.plan_path, model=args.model, stats_path=args.stats_path, schedule_path=args.schedule_path,
+        pipeline_schedule=args.schedule, dp_sync=args.dp_sync, stage_layers=stage_layers, recompute=recompute,
+        plan_path=args.plan, model=args.model, stats_path=args.stats, schedule_path=args.schedule_file,
         max_samples=args.max_samples, stats_tokens_per_tile=args.stats_tokens_per_tile,
-        annotations_path=args.annotations_path, image_root=args.image_root, tokenizer_path=args.tokenizer_path,
+        annotations_path=args.annotations_path, image_root=args.image_root, tokenizer_path=args.tokenizer,
         hf_model=args.hf_model, save_dir=args.save_dir, max_tiles=args.max_tiles, on_error=args.on_error,
-        baseline_batch_size=args.baseline_batch_size, num_steps=args.num_steps, lr=args.lr, seed=args.seed,
-        device=args.device, timeout_s=args.timeout_s, torch_threads=args.torch_threads,
-        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, resume=args.resume, reshard=args.reshard,
-        log_path=args.log_path, summary_path=args.summary_path, ledger_path=args.ledger_path, quiet=args.quiet)
+        baseline_batch_size=args.batch_size, num_steps=args.num_steps, lr=args.lr, seed=args.seed,
+        device=args.device, timeout_s=args.timeout_s, torch_threads=args.threads,
+        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, resume=args.resume,
+        reshard=args.reshard, log_path=args.log_path, summary_path=args.summary_path, ledger_path=args.ledger_path,
+        quiet=args.quiet)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -117,22 +118,35 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(f"--nproc {nproc} but dp {cfg.dp_size} x pp {cfg.pp_size} = {cfg.world_size}",
                          source="--nproc")
     if nproc == 1 or "RANK" in os.environ:
-        train_rank(cfg)
+        _print_summary(cfg, train_rank(cfg, notice))
         return 0
     from omnibal.train.distributed import spawn_local
 
     # once a rank fails, the others' collectives fail within the timeout; a rank still there after twice that
     # is stopped or hung, and is killed and named rather than waited on
-    results = spawn_local(train_rank, nproc, args=(cfg,), deadline_s=7 * 24 * 3600.0,
+    results = spawn_local(train_rank, nproc, args=(cfg, notice), deadline_s=7 * 24 * 3600.0,
                           failure_grace_s=2 * cfg.timeout_s + 10)
     failed = [r for r in results if r.error]
     if not failed:
+        _print_summary(cfg, results[0].value)
         return 0
-    input_errors = [r for r in failed if "omnibal.errors.InputError:" in (r.error or "")]
-    if input_errors and len(input_errors) == len(failed):
-        raise InputError(input_errors[0].error.strip().splitlines()[-1].split("InputError: ", 1)[-1])
+    if all(r.input_error is not None for r in failed):
+        raise failed[0].input_error  # every rank refused the same input: one line, exit status 2
     for r in failed:
-        last = (r.error or "").strip().splitlines()[-1] if r.error else f"exit code {r.exitcode}"
+        last = r.message or f"exit code {r.exitcode}"
         print(f"omnibal train: {'' if last.startswith(f'rank {r.rank} ') else f'rank {r.rank}: '}{last}",
               file=sys.stderr)
     return 1
+
+
+def notice(line: str) -> None:
+    """What the trainer tells (rank 0, not quiet): one line on stderr. Module-level: spawned ranks pickle it."""
+    print(f"omnibal train: {line}", file=sys.stderr, flush=True)
+
+
+def _print_summary(cfg, summary: dict | None) -> None:
+    """The end-of-run table (rank 0 returns the summary; other ranks an empty one)."""
+    from omnibal.train.metrics_log import format_summary
+
+    if summary and not cfg.quiet:
+        print(format_summary(summary, f"{cfg.mode} dp{cfg.dp_size} x pp{cfg.pp_size}"), file=sys.stderr)

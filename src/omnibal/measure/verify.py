@@ -93,8 +93,9 @@ def check_verifiable(config, *, device: str = "cpu") -> None:
             raise InputError(f"--verify on CPU runs only {', '.join(CPU_MODELS)} (model {config.preset} would take "
                              "hours per step); plan --preset tiny, or verify on CUDA devices", source="--verify",
                              field="preset")
-        if config.hardware != "cpu":
-            raise InputError(f"--verify measures on this machine's CPU but the plan predicts {config.hardware}: plan "
+        hardware = config.hardware_name
+        if hardware != "cpu" and not hardware.startswith("cpu-"):  # a measured CPU spec is named cpu-<threads>t
+            raise InputError(f"--verify measures on this machine's CPU but the plan predicts {hardware}: plan "
                              "with --hardware cpu (and a --profile measured here)", source="--hardware",
                              field="hardware")
 

@@ -23,8 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from omnibal.errors import InputError
+from omnibal.layout import Engine
 
-ENGINES = ("omnibal", "deepspeed", "megatron", "torchtitan")
+ENGINES = tuple(Engine)
 """``omnibal``: no engine constraint (the reference trainer, or any engine that can express any plan)."""
 
 RECOMPUTE_POLICIES = ("per-layer", "count", "all-or-none")

@@ -91,6 +91,16 @@ def interval_cost_matrix(layer_cost: np.ndarray, boundary_cost: np.ndarray | Non
     return cost
 
 
+def vision_first_partition(kinds: tuple[str, ...], num_stages: int) -> tuple[int, ...]:
+    """Vision encoder + projector on stage 0, the LLM layers split evenly (by count) over the others."""
+    check_num_stages(num_stages, len(kinds))
+    if num_stages == 1:
+        return (0, len(kinds))
+    first_llm = next((i for i, k in enumerate(kinds) if k.startswith("llm") or k == "lm_head"), len(kinds))
+    rest = even_partition(len(kinds) - first_llm, num_stages - 1)
+    return (0, *(first_llm + c for c in rest))
+
+
 def min_max_partition_matrices(stage_costs: Sequence[np.ndarray] | np.ndarray) -> Partition:
     """Exact min-max partition given one ``[L+1, L+1]`` cost matrix per stage (``inf`` = not allowed).
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from omnibal.errors import InputError
+from omnibal.layout import Layout, check_layout_fields
 from omnibal.plan.engines import ENGINES
 from omnibal.plan.exports import export_all
 
@@ -56,6 +57,12 @@ class PlanInputs:
     stats_convention: str = ""
     """Image convention the statistics were read in and what the model ran them as (``omnibal.sim.predict``),
     e.g. ``internvl/256 (not recorded: default) -> internvl/16``."""
+
+    @property
+    def layout(self) -> Layout:
+        """The cluster layout (validated on the way)."""
+        return Layout(dp_size=self.dp_size, pp_size=self.pp_size, tp_size=self.tp_size,
+                      zero_stage=self.zero_stage, num_microbatches=self.num_microbatches)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -297,9 +304,10 @@ def _check_values(plan: Plan, source: str) -> None:
         return math.isfinite(v) and v >= 0
 
     i = plan.inputs
-    for name in ("num_gpus", "dp_size", "pp_size", "tp_size", "num_microbatches", "num_samples"):
-        need(getattr(i, name) >= 1, f"must be >= 1, got {getattr(i, name)}", f"inputs.{name}")
-    need(i.zero_stage in (0, 1, 2), f"must be 0, 1 or 2, got {i.zero_stage}", "inputs.zero_stage")
+    check_layout_fields({name: getattr(i, name) for name in ("num_gpus", "dp_size", "pp_size", "tp_size",
+                                                             "zero_stage", "num_microbatches")},
+                        source=source, field_prefix="inputs.")  # not via i.layout: the error names the file
+    need(i.num_samples >= 1, f"must be >= 1, got {i.num_samples}", "inputs.num_samples")
     need(i.memory_budget_bytes is None or (math.isfinite(i.memory_budget_bytes) and i.memory_budget_bytes > 0),
          f"must be a positive number of bytes or null, got {i.memory_budget_bytes}", "inputs.memory_budget_bytes")
     need(plan.data.num_steps >= 0, f"must be >= 0, got {plan.data.num_steps}", "data.num_steps")

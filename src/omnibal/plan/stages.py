@@ -22,7 +22,7 @@ import numpy as np
 
 from omnibal.cost.table import NUM_FEATURES, LayerCostTable
 from omnibal.errors import InputError
-from omnibal.validate import check_positive_int
+from omnibal.layout import PLANNER_SCHEDULES, check_choice, check_layout_fields
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,21 +49,18 @@ class StageModelConfig:
     """Pipeline schedule: ``1f1b`` (stage s holds min(P - s, M) micro-batches) or ``gpipe`` (all M)."""
 
     def validate(self, num_layers: int) -> None:
-        for name in ("num_stages", "num_microbatches", "dp_size"):
-            check_positive_int(getattr(self, name), name)
+        check_layout_fields({"num_stages": self.num_stages, "num_microbatches": self.num_microbatches,
+                             "dp_size": self.dp_size, "zero_stage": self.zero_stage})
         if self.num_stages > num_layers:
             raise InputError(f"{self.num_stages} pipeline stages but the model has only {num_layers} layers "
                              "(each stage needs at least one)", source="num_stages", field="num_stages")
-        if self.zero_stage not in (0, 1, 2):
-            raise InputError(f"must be 0, 1 or 2, got {self.zero_stage!r}", source="zero_stage", field="zero_stage")
         if self.memory_budget_bytes is not None and not self.memory_budget_bytes > 0:
             raise InputError(f"must be positive, got {self.memory_budget_bytes!r}", source="memory_budget",
                              field="memory_budget_bytes")
         if not self.p2p_bandwidth > 0 or not self.p2p_latency >= 0:
             raise InputError("p2p bandwidth must be positive and latency non-negative", source="hardware",
                              field="p2p_bandwidth")
-        if self.schedule not in ("1f1b", "gpipe"):
-            raise InputError(f"must be 1f1b or gpipe, got {self.schedule!r}", source="schedule", field="schedule")
+        check_choice(self.schedule, PLANNER_SCHEDULES, source="schedule", field="schedule")
         if not 0.0 < self.memory_quantile <= 1.0:
             raise InputError(f"must be in (0, 1], got {self.memory_quantile!r}", source="memory_quantile",
                              field="memory_quantile")

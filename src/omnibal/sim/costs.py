@@ -15,6 +15,7 @@ import numpy as np
 from omnibal.cost.table import NUM_FEATURES, LayerCostTable
 from omnibal.cost.spec import even_cuts as _even_cuts
 from omnibal.errors import InputError
+from omnibal.layout import check_layout_fields
 from omnibal.sim.schedule import SCHEDULES
 
 
@@ -57,12 +58,11 @@ class SimConfig:
         if self.schedule not in SCHEDULES:
             raise InputError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}",
                              source="schedule", field="schedule")
-        for name in ("dp_size", "tp_size", "num_chunks"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
-                raise InputError(f"must be a positive integer, got {value!r}", source=name, field=name)
-        if self.zero_stage not in (0, 1, 2):
-            raise InputError(f"must be 0, 1 or 2, got {self.zero_stage!r}", source="zero_stage", field="zero_stage")
+        check_layout_fields({"dp_size": self.dp_size, "tp_size": self.tp_size, "zero_stage": self.zero_stage})
+        if not isinstance(self.num_chunks, (int, np.integer)) or isinstance(self.num_chunks, bool) \
+                or self.num_chunks < 1:
+            raise InputError(f"must be a positive integer, got {self.num_chunks!r}", source="num_chunks",
+                             field="num_chunks")
         if (self.schedule == "interleaved") != (self.num_chunks > 1):
             raise InputError(f"schedule {self.schedule!r} with {self.num_chunks} model chunks per device: only "
                              "'interleaved' runs (and needs) more than one", source="num_chunks", field="num_chunks")

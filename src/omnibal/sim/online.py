@@ -83,16 +83,17 @@ def online_comm_time(tiles, tokens, owners, *, dp_size: int, bandwidth: float, l
             "total_s": gather + samples + feats}
 
 
-def compare_online_offline(*, model: str = "internvl-chat-1.5", hardware: str = "a100-80g", dp_size: int = 32,
+def compare_online_offline(*, model: str = "internvl-chat-1.5", hardware="a100-80g", dp_size: int = 32,
                            pp_size: int = 4, num_microbatches: int = 8, batch_size: int = 4,
                            num_samples: int = 40_000, epoch_samples: int = 1_200_000, seed: int = 0,
                            dtype_bytes: int = 2) -> dict:
     """baseline (random draws, padded rows), online (the same draws, post-balanced per phase, varlen, plus its
     collectives) and omnibal (the offline balancer's packs) on one cluster, even partition and full
     recompute for all three (so only the data differs). ``num_samples`` of the synthetic InternVL-like
-    mixture are simulated and the epoch is scaled to ``epoch_samples``."""
+    mixture are simulated and the epoch is scaled to ``epoch_samples``. ``hardware``: a preset name or a
+    ``HardwareSpec`` (``cpu`` is measured: the caller passes ``omnibal.measure.hardware.hardware_by_name``'s)."""
     from omnibal.cost.analytic import analytic_cost_table
-    from omnibal.cost.hardware import get_hardware
+    from omnibal.cost.hardware import HardwareSpec, get_hardware
     from omnibal.cost.presets import get_model_preset
     from omnibal.data.balance import BalanceConfig, balance
     from omnibal.sim.costs import config_for_hardware, even_cuts
@@ -101,7 +102,7 @@ def compare_online_offline(*, model: str = "internvl-chat-1.5", hardware: str = 
     from omnibal.stats.table import SampleStats
 
     spec = get_model_preset(model)
-    hw = get_hardware(hardware)
+    hw = hardware if isinstance(hardware, HardwareSpec) else get_hardware(hardware)
     table = analytic_cost_table(spec, hw)
     raw = synthetic_internvl_mixture(num_samples, seed=seed)
     stats = SampleStats(tiles=raw.tiles, tokens=spec.sample_tokens(raw.tiles, raw.tokens, images=raw.images),

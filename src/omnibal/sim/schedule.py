@@ -26,9 +26,10 @@ from typing import Literal
 import numpy as np
 
 from omnibal.errors import InputError
+from omnibal.layout import PipelineSchedule
 
 ScheduleKind = Literal["gpipe", "1f1b", "interleaved"]
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved")
+SCHEDULES: tuple[str, ...] = tuple(PipelineSchedule)
 
 FWD, BWD = 0, 1
 

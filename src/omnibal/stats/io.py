@@ -47,6 +47,7 @@ from pathlib import Path
 import numpy as np
 
 from omnibal.errors import InputError
+from omnibal.layout import OnError
 from omnibal.outputs import atomic_path, check_file
 from omnibal.stats.json_records import (
     OMNIBAL,
@@ -69,7 +70,7 @@ from omnibal.stats.table import (
 )
 
 FORMATS = ("jsonl", "json", "parquet", "token-lengths")
-ON_ERROR = ("raise", "skip")
+ON_ERROR = tuple(OnError)
 
 _EXTENSIONS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet", ".pq": "parquet"}
 # Kept in the report; the count covers all of them.

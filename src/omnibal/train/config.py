@@ -10,12 +10,15 @@ from dataclasses import asdict, dataclass
 from typing import Literal
 
 from omnibal.errors import InputError
+from omnibal.layout import (PLANNER_SCHEDULES, Device, DpSync, Layout, OnError, TrainMode, check_choice,
+                            default_layout, holds_layout)
 from omnibal.validate import check_positive_int, is_int
 
-MODES = ("baseline", "omnibal", "online")
-SCHEDULES = ("1f1b", "gpipe")
+MODES = tuple(TrainMode)
+SCHEDULES = PLANNER_SCHEDULES
 
 
+@holds_layout
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """One training run of the reference DP x PP trainer."""
@@ -27,12 +30,10 @@ class TrainConfig:
     random local draws of `num_microbatches x baseline_batch_size` samples per rank, re-dealt every step by
     an all-gather of sizes and all-to-alls, the vision phase balanced by vision cost and the LLM phase by
     LLM cost (:mod:`omnibal.train.online`)."""
-    dp_size: int = 1
-    """Data-parallel degree (ranks with different data)."""
-    pp_size: int = 1
-    """Pipeline-parallel degree (stages); world size = dp_size * pp_size."""
-    num_microbatches: int = 4
-    """Micro-batches per DP rank per step (must match the schedule file when one is given)."""
+    layout: Layout = default_layout(zero_stage=0, num_microbatches=4)
+    """DP x PP (world size = dp_size * pp_size) and micro-batches per DP rank per step (must match the
+    schedule file when one is given); no TP and no ZeRO (tp_size 1, zero_stage 0). Its fields also read and
+    construct flat: ``TrainConfig(dp_size=2).dp_size``."""
     pipeline_schedule: Literal["1f1b", "gpipe"] = "1f1b"
     """Pipeline schedule (torch.distributed.pipelining Schedule1F1B or ScheduleGPipe)."""
     dp_sync: Literal["flat", "ddp"] = "flat"
@@ -112,19 +113,18 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         src = "train config"
-        if self.mode not in MODES:
-            raise InputError(f"must be one of {MODES}, got {self.mode!r}", source=src, field="mode")
-        if self.dp_sync not in ("flat", "ddp"):
-            raise InputError(f"must be 'flat' or 'ddp', got {self.dp_sync!r}", source=src, field="dp_sync")
-        if self.pipeline_schedule not in SCHEDULES:
-            raise InputError(f"must be one of {SCHEDULES}, got {self.pipeline_schedule!r}", source=src,
-                             field="pipeline_schedule")
-        if self.device not in ("cpu", "cuda"):
-            raise InputError(f"must be 'cpu' or 'cuda', got {self.device!r}", source=src, field="device")
+        check_choice(self.mode, TrainMode, source=src, field="mode")
+        check_choice(self.dp_sync, DpSync, source=src, field="dp_sync")
+        check_choice(self.pipeline_schedule, SCHEDULES, source=src, field="pipeline_schedule")
+        if self.layout.tp_size != 1 or self.layout.zero_stage != 0:
+            raise InputError("the reference trainer has no tensor parallelism and no ZeRO: tp_size must be 1 "
+                             f"and zero_stage 0, got {self.layout.tp_size} and {self.layout.zero_stage}",
+                             source=src, field="layout")
+        check_choice(self.device, Device, source=src, field="device")
         if not is_int(self.num_steps) or self.num_steps < 0:
             raise InputError(f"must be an integer >= 0 (0: the whole epoch), got {self.num_steps!r}", source=src,
                              field="num_steps")
-        for name in ("dp_size", "pp_size", "num_microbatches", "baseline_batch_size", "torch_threads", "max_tiles"):
+        for name in ("baseline_batch_size", "torch_threads", "max_tiles"):
             check_positive_int(getattr(self, name), name, source=src)
         if self.checkpoint_every < 0:
             raise InputError(f"must be >= 0, got {self.checkpoint_every}", source=src, field="checkpoint_every")
@@ -158,8 +158,7 @@ class TrainConfig:
         if self.save_dir is not None and self.hf_model is None:
             raise InputError("save_dir writes a Hugging Face checkpoint: pass hf_model (--hf-model)", source=src,
                              field="save_dir")
-        if self.on_error not in ("raise", "skip"):
-            raise InputError(f"must be 'raise' or 'skip', got {self.on_error!r}", source=src, field="on_error")
+        check_choice(self.on_error, OnError, source=src, field="on_error")
         if self.resume and not self.checkpoint_dir:
             raise InputError("resume needs checkpoint_dir", source=src, field="resume")
         if self.reshard and not self.resume:
@@ -170,4 +169,6 @@ class TrainConfig:
         return self.dp_size * self.pp_size
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """Flat (the layout's fields beside the others), as the summary JSON has always been."""
+        flat = asdict(self)
+        return {**flat.pop("layout"), **flat}

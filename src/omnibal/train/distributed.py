@@ -214,6 +214,12 @@ class RankResult:
     """Formatted exception when the rank's function raised."""
     value: Any = None
     """What the rank's function returned (must be picklable)."""
+    input_error: InputError | None = None
+    """The :class:`InputError` the rank raised, as raised (source, record and field kept), so a caller can
+    report bad input without reading ``error``'s traceback text; None when it raised something else."""
+    message: str | None = None
+    """One line saying how the rank failed (the exception's type and message, or how it exited or was
+    killed); None when it succeeded."""
 
 
 def spawn_local(fn: Callable[..., Any], world_size: int, *, args: tuple = (), deadline_s: float = 600.0,
@@ -242,7 +248,7 @@ def spawn_local(fn: Callable[..., Any], world_size: int, *, args: tuple = (), de
         proc = ctx.Process(target=_rank_main, args=(fn, args, rank_env, results), daemon=False)
         proc.start()
         procs.append(proc)
-    reported: dict[int, tuple[str | None, Any]] = {}
+    reported: dict[int, tuple] = {}  # rank -> (error, value, input_error, message)
     failed_at = _wait(procs, results, reported, time.monotonic() + deadline_s, failure_grace_s)
     oom = _oom_kills() - oom_before if oom_before is not None else None
     out = []
@@ -256,12 +262,12 @@ def spawn_local(fn: Callable[..., Any], world_size: int, *, args: tuple = (), de
             else:
                 why = (f"{'stopped (SIGSTOP or a debugger)' if state in ('T', 't') else 'still running (hung?)'} "
                        f"{failed_at[1]:.0f} s after rank {failed_at[0]} failed")
-            out.append(RankResult(rank, None, f"rank {rank} {why}: killed"))
+            out.append(RankResult(rank, None, f"rank {rank} {why}: killed", message=f"rank {rank} {why}: killed"))
             continue
-        error, value = reported.get(rank, (None, None))
+        error, value, input_error, message = reported.get(rank, (None, None, None, None))
         if error is None and proc.exitcode != 0:
-            error = f"rank {rank} {describe_exit(proc.exitcode, oom_kills=oom)}"
-        out.append(RankResult(rank, proc.exitcode, error, value))
+            error = message = f"rank {rank} {describe_exit(proc.exitcode, oom_kills=oom)}"
+        out.append(RankResult(rank, proc.exitcode, error, value, input_error, message))
     results.close()
     return out
 
@@ -273,8 +279,8 @@ def _wait(procs, results, reported: dict, deadline: float, grace_s: float) -> tu
     first_failure: tuple[int, float] | None = None
     while time.monotonic() < deadline:
         try:
-            rank, error, value = results.get(timeout=0.1)
-            reported[rank] = (error, value)
+            rank, *item = results.get(timeout=0.1)
+            reported[rank] = item
             continue
         except queue_mod.Empty:
             pass
@@ -289,10 +295,10 @@ def _wait(procs, results, reported: dict, deadline: float, grace_s: float) -> tu
             break
     while True:
         try:
-            rank, error, value = results.get(timeout=0.2)
+            rank, *item = results.get(timeout=0.2)
         except queue_mod.Empty:
             break
-        reported[rank] = (error, value)
+        reported[rank] = item
     if first_failure is None or all(not p.is_alive() for p in procs):
         return None
     return first_failure[0], time.monotonic() - first_failure[1]
@@ -346,10 +352,11 @@ def _rank_main(fn: Callable[..., Any], args: tuple, env: dict[str, str], results
     try:
         value = fn(*args)
     except BaseException as exc:  # report everything, including KeyboardInterrupt, then exit non-zero
-        results.put((rank, "".join(traceback.format_exception(exc)), None))
+        results.put((rank, "".join(traceback.format_exception(exc)), None,
+                     exc if isinstance(exc, InputError) else None, traceback.format_exception_only(exc)[-1].strip()))
         results.close()
         results.join_thread()
         os._exit(1)  # no destroy_process_group: with a dead peer it may block; exiting frees the sockets
-    results.put((rank, None, value))
+    results.put((rank, None, value, None, None))
     results.close()
     results.join_thread()

@@ -110,15 +110,16 @@ def real_data_config(cfg, model) -> RealDataConfig:
                           **_normalisation(cfg.hf_model), **ids)
 
 
-def real_stats(cfg, data: RealDataConfig):
+def real_stats(cfg, data: RealDataConfig, notify=None):
     """The run's statistics: ``--stats`` (made by ``omnibal stats`` with the same settings; joined by key and
-    checked sample by sample) or computed now from the annotations."""
+    checked sample by sample) or computed now from the annotations. ``notify(line)``: told how many bad
+    records ``--on-error skip`` left out."""
     if cfg.stats_path is not None:
         stats = load_stats(cfg.stats_path)
     else:
         stats, report = compute_stats(cfg.annotations_path, data.annotation_config(on_error=cfg.on_error))
-        if report.num_skipped and not cfg.quiet and int(os.environ.get("RANK", "0")) == 0:
-            print(f"omnibal train: {report.summary()}", flush=True)
+        if report.num_skipped and notify is not None:
+            notify(report.summary())
     return stats
 
 

@@ -21,9 +21,8 @@ Any backend failure (a peer died, a timeout) becomes a PeerFailure naming this r
 
 from __future__ import annotations
 
-import sys
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -34,10 +33,13 @@ from omnibal.train import checkpoint as ckpt
 from omnibal.train.distributed import World, caused_by_comm_error, is_comm_error, peer_failure
 from omnibal.train.feed import (Buffer, ScheduleLike, check_schedule, fixed_buffer,  # noqa: F401 (re-exported)
                                 schedule_fingerprint)
-from omnibal.train.metrics_log import (MetricsLog, RankTimes, StepRecord, format_summary, process_memory,
-                                       progress_bar, summarize)
+from omnibal.train.metrics_log import MetricsLog, RankTimes, StepRecord, process_memory, progress_bar, summarize
 from omnibal.train.online import online_forward_backward
 from omnibal.train.pipeline import GradSync, StageLayout, StageRunner
+
+def _ignore(line: str) -> None:
+    """The ``notify`` of a quiet run, and of every rank but 0."""
+
 
 _COUNT_FIELDS = ("targets", "samples", "tokens", "tiles", "buffer_tokens", "buffer_tiles")
 
@@ -55,9 +57,8 @@ class Trainer:
                  mode: str, num_microbatches: int, pipeline_schedule: str = "1f1b", lr: float = 1e-4,
                  weight_decay: float = 0.0, buffer: Buffer | None = None, log_path: str | None = None,
                  quiet: bool = True, checkpoint_dir: str | None = None, checkpoint_every: int = 0,
-                 run_info: dict | None = None, dp_sync: str = "flat", ledger_path: str | None = None):
-        from omnibal.train.stage import apply_checkpointing, build_stage, example_carry
-
+                 run_info: dict | None = None, dp_sync: str = "flat", ledger_path: str | None = None,
+                 notify: Callable[[str], None] | None = None):
         self.world = world
         self.spec = model.spec
         self.layout = layout
@@ -66,6 +67,9 @@ class Trainer:
         self.mode = mode
         self.num_microbatches = num_microbatches
         self.quiet = quiet
+        # what the run decided (resumed, stopping early, checkpoints skipped), told on rank 0 unless quiet; the
+        # caller (the CLI) prints it: the trainer itself never writes to the terminal, the progress bar aside
+        self.notify = notify if notify is not None and not quiet and world.rank == 0 else _ignore
         self.checkpoint_dir = checkpoint_dir
         self.checkpoint_every = checkpoint_every
         self.model_id = model_identity(self.spec)
@@ -87,6 +91,36 @@ class Trainer:
                            num_samples=len(dataset), source=getattr(schedule, "source", "schedule"))
         self.schedule_id = schedule_fingerprint(schedule)
 
+        self._build_stage_runner(model, buffer, pipeline_schedule=pipeline_schedule, dp_sync=dp_sync, lr=lr,
+                                 weight_decay=weight_decay)
+        image_id = getattr(dataset, "image_token_id", None)  # real data: the tokenizer's image token
+        self._collate_base = model.collate_config(num_tiles=1, num_tokens=1, **(
+            {} if image_id is None else {"image_token_id": image_id})) if hasattr(model, "collate_config") else None
+        self.on_checkpoint = None
+        """Called with the step after every checkpoint and with None at the end of a run (by whoever runs
+        it), on every rank: e.g. export the model in another format (:func:`omnibal.train.hf_run.export_hf`)."""
+        self._log_path = log_path if world.rank == 0 else None
+        self._log_header = {**(run_info or {}), "world": {"dp": world.dp_size, "pp": world.pp_size},
+                            "model_id": self.model_id, "stage_layers": [list(r) for r in layout.ranges],
+                            "recompute": [list(r) for r in layout.recompute], "mode": mode,
+                            "dp_sync": dp_sync}
+        self.log = MetricsLog(None)
+        """Step records (the JSONL file opens at the first step: appended to when resuming)."""
+        self.consumed: list[list[int]] = []
+        """Per completed step, the sample indices this rank's stage 0 fed (for resume checks)."""
+        self.ledger_path = ledger_path
+        """Per-sample ledger (:mod:`omnibal.train.ledger`): every rank gathers its keys, global rank 0 writes."""
+        self._ledger = None
+        self.online_info: list = []
+        """``--mode online``: per step, the dispatch's per-phase balance (:class:`omnibal.train.online.OnlineStepInfo`)."""
+
+    def _build_stage_runner(self, model, buffer: Buffer | None, *, pipeline_schedule: str, dp_sync: str,
+                            lr: float, weight_decay: float) -> None:
+        """This rank's stage module (checkpointed as the layout says), its pipeline runner, optimizer and
+        gradient sync."""
+        from omnibal.train.stage import apply_checkpointing, build_stage, example_carry
+
+        world, layout, num_microbatches = self.world, self.layout, self.num_microbatches
         start, end = layout.ranges[world.pp_rank]
         self.stage_module = build_stage(model, start, end)
         apply_checkpointing(self.stage_module, layout.recompute[world.pp_rank])
@@ -109,26 +143,6 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay) if params else None
         # with DDP the runner's wrapped module reduces the gradients inside the backward
         self.grad_sync = GradSync(params, world.dp_group, 1 if self.runner.ddp else world.dp_size)
-        image_id = getattr(dataset, "image_token_id", None)  # real data: the tokenizer's image token
-        self._collate_base = model.collate_config(num_tiles=1, num_tokens=1, **(
-            {} if image_id is None else {"image_token_id": image_id})) if hasattr(model, "collate_config") else None
-        self.on_checkpoint = None
-        """Called with the step after every checkpoint and with None at the end of a run (by whoever runs
-        it), on every rank: e.g. export the model in another format (:func:`omnibal.train.hf_run.export_hf`)."""
-        self._log_path = log_path if world.rank == 0 else None
-        self._log_header = {**(run_info or {}), "world": {"dp": world.dp_size, "pp": world.pp_size},
-                            "model_id": self.model_id, "stage_layers": [list(r) for r in layout.ranges],
-                            "recompute": [list(r) for r in layout.recompute], "mode": mode,
-                            "dp_sync": dp_sync}
-        self.log = MetricsLog(None)
-        """Step records (the JSONL file opens at the first step: appended to when resuming)."""
-        self.consumed: list[list[int]] = []
-        """Per completed step, the sample indices this rank's stage 0 fed (for resume checks)."""
-        self.ledger_path = ledger_path
-        """Per-sample ledger (:mod:`omnibal.train.ledger`): every rank gathers its keys, global rank 0 writes."""
-        self._ledger = None
-        self.online_info: list = []
-        """``--mode online``: per step, the dispatch's per-phase balance (:class:`omnibal.train.online.OnlineStepInfo`)."""
 
     # ---------------------------------------------------------------------------------------------- data
 
@@ -309,11 +323,7 @@ class Trainer:
                 self._ledger = None
         if self.world.rank != 0:
             return {}
-        summary = summarize(self.log.records, warmup=warmup)
-        if not self.quiet:
-            print(format_summary(summary, f"{self.mode} dp{self.world.dp_size} x pp{self.world.pp_size}"),
-                  file=sys.stderr)
-        return summary
+        return summarize(self.log.records, warmup=warmup)
 
     def _steps_to_run(self, num_steps: int | None) -> int:
         """The step to stop at. After a reshard the epoch has the new world's length, which the caller could
@@ -329,9 +339,9 @@ class Trainer:
                                  f"{self.world.dp_size} (steps {self.step}..{end - 1}); {num_steps} steps in total "
                                  f"leaves nothing to train: ask for {end} steps, or 0 for the rest of the epoch",
                                  source=source, field="num_steps")
-            if num_steps < end and not self.quiet and self.world.rank == 0:
-                print(f"omnibal train: stopping at step {num_steps} of the re-balanced epoch (it ends at step {end}): "
-                      f"the samples of steps {num_steps}..{end - 1} are not trained", file=sys.stderr)
+            if num_steps < end:
+                self.notify(f"stopping at step {num_steps} of the re-balanced epoch (it ends at step {end}): "
+                            f"the samples of steps {num_steps}..{end - 1} are not trained")
             return min(num_steps, end)
         if num_steps > end:
             raise InputError(f"{num_steps} steps requested but the schedule has {end}", source=source,
@@ -393,9 +403,8 @@ class Trainer:
         if "error" in decision:
             raise InputError(decision["error"], source=decision["source"], field=decision["field"])
         self.skipped_checkpoints = decision["skipped"]
-        if not self.quiet and w.rank == 0:
-            for line in self.skipped_checkpoints:
-                print(f"omnibal train: {line}", file=sys.stderr)
+        for line in self.skipped_checkpoints:
+            self.notify(line)
         if decision["path"] is None:
             return False
         from pathlib import Path
@@ -406,10 +415,9 @@ class Trainer:
             self._use_resharded(decision["schedule"])
         self.step = int(decision["manifest"]["sampler"]["next_step"])
         self.resumed_from = decision["path"]
-        if not self.quiet and w.rank == 0:
-            how = (f", the rest of the epoch re-balanced for dp {w.dp_size} (steps {self.step}.."
-                   f"{self.schedule.num_steps - 1})" if self.resharded else "")
-            print(f"omnibal train: resumed from {decision['path']} at step {self.step}{how}", file=sys.stderr)
+        how = (f", the rest of the epoch re-balanced for dp {w.dp_size} (steps {self.step}.."
+               f"{self.schedule.num_steps - 1})" if self.resharded else "")
+        self.notify(f"resumed from {decision['path']} at step {self.step}{how}")
         return True
 
     def _resume_decision(self, root, reshard: bool) -> dict:

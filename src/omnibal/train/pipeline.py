@@ -32,9 +32,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from omnibal.cost.spec import even_cuts
 from omnibal.errors import InputError
+from omnibal.layout import DpSync
 from omnibal.plan.plan import Plan
 
-DP_SYNCS = ("flat", "ddp")
+DP_SYNCS = tuple(DpSync)
 """How gradients are summed over DP: ``flat`` (one all-reduce after the step, so the time a rank waits for
 the slowest is measured on its own) or ``ddp`` (DistributedDataParallel: bucketed all-reduces overlapping
 the last micro-batch's backward; the wait then hides inside that backward)."""

@@ -96,13 +96,13 @@ def build_data(cfg: TrainConfig, model):
     return stats, dataset
 
 
-def build_inputs(cfg: TrainConfig, model):
+def build_inputs(cfg: TrainConfig, model, notify=None):
     """:func:`build_data` plus the fingerprint of the statistics as their file has them (what a ``--schedule``
-    file made by ``omnibal balance --stats`` records)."""
+    file made by ``omnibal balance --stats`` records). ``notify(line)``: told about skipped records."""
     spec = model.spec
     if cfg.annotations_path is not None:
         data = real_data_config(cfg, model)
-        stats = max_samples_subset(real_stats(cfg, data), cfg)
+        stats = max_samples_subset(real_stats(cfg, data, notify), cfg)
         dataset = RealDataset(cfg.annotations_path, data, stats=stats)
         if dataset.vocab_size_needed > spec.llm.vocab_size:
             raise InputError(f"the samples need {dataset.vocab_size_needed} token ids (tokenizer plus image "
@@ -117,10 +117,12 @@ def build_inputs(cfg: TrainConfig, model):
         vocab_size=spec.llm.vocab_size, image_token_id=spec.llm.vocab_size - 1, seed=cfg.seed)), raw.fingerprint()
 
 
-def build_trainer(cfg: TrainConfig, world: World):
+def build_trainer(cfg: TrainConfig, world: World, notify=None):
+    """The rank's :class:`Trainer`; ``notify(line)`` (rank 0, not quiet) is told what the run decides."""
     model = build_model(cfg)
     spec = model.spec
-    stats, dataset, fingerprint = build_inputs(cfg, model)
+    notify = notify if world.rank == 0 and not cfg.quiet else None
+    stats, dataset, fingerprint = build_inputs(cfg, model, notify)
     schedule = build_schedule(cfg, stats, fingerprint)
     names = [layer.name for layer, _ in model.chain()]
     recomputable = [layer.name for layer, _ in model.chain() if layer.kind in ("vision_block", "llm_block")]
@@ -135,7 +137,8 @@ def build_trainer(cfg: TrainConfig, world: World):
                       mode=cfg.mode, num_microbatches=cfg.num_microbatches, pipeline_schedule=cfg.pipeline_schedule,
                       lr=cfg.lr, dp_sync=cfg.dp_sync, weight_decay=cfg.weight_decay, buffer=buffer,
                       log_path=cfg.log_path, quiet=cfg.quiet, checkpoint_dir=cfg.checkpoint_dir,
-                      checkpoint_every=cfg.checkpoint_every, run_info=info, ledger_path=cfg.ledger_path)
+                      checkpoint_every=cfg.checkpoint_every, run_info=info, ledger_path=cfg.ledger_path,
+                      notify=notify)
     if cfg.save_dir is not None:
         def save(step: int | None) -> None:
             out = Path(cfg.save_dir) if step is None else Path(cfg.save_dir) / f"checkpoint-{step}"
@@ -175,14 +178,16 @@ def preflight(cfg: TrainConfig) -> None:
                          "for synthetic samples shaped like those statistics", source="--stats")
 
 
-def train_rank(cfg: TrainConfig) -> dict:
-    """Everything one rank does: join the world, build, resume, train; returns the summary on rank 0."""
+def train_rank(cfg: TrainConfig, notify=None) -> dict:
+    """Everything one rank does: join the world, build, resume, train; returns the summary on rank 0.
+    ``notify(line)``: told on rank 0 (unless ``cfg.quiet``) what the run decided (resumed, records or
+    checkpoints skipped, stopping early); it must pickle when the rank is spawned (a module-level function)."""
     torch.set_num_threads(cfg.torch_threads)
     if cfg.world_size == 1 and "RANK" not in __import__("os").environ:
         world = local_world(cfg.device, cfg.timeout_s)
     else:
         world = init_world(dp_size=cfg.dp_size, pp_size=cfg.pp_size, device=cfg.device, timeout_s=cfg.timeout_s)
-    trainer = build_trainer(cfg, world)
+    trainer = build_trainer(cfg, world, notify)
     if cfg.resume:
         trainer.maybe_resume(reshard=cfg.reshard)
     summary = trainer.run(cfg.num_steps)

@@ -16,8 +16,9 @@ from omnibal.data.balance.isf import balance_isf
 from omnibal.data.balance.packer import DEFAULT_LLM_TOL, pack_balanced
 from omnibal.data.balance.schedule import Caps, Schedule, build_schedule
 from omnibal.errors import InputError
+from omnibal.layout import BalanceMethod
 
-METHODS = ("omnibal", "isf", "isf+assign", "random", "length-grouped")
+METHODS = tuple(BalanceMethod)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -9,8 +9,9 @@ from __future__ import annotations
 import numpy as np
 
 from omnibal.errors import InputError
+from omnibal.layout import OversizePolicy
 
-OVERSIZE_POLICIES = ("error", "own_pack", "drop")
+OVERSIZE_POLICIES = tuple(OversizePolicy)
 
 
 def epoch_rng(seed: int, epoch: int, stream: int = 0) -> np.random.Generator:

@@ -23,9 +23,10 @@ import numpy as np
 
 from omnibal.cost.table import NUM_FEATURES, microbatch_features, pack_features
 from omnibal.errors import InputError
+from omnibal.layout import Padding
 
 FORMAT = "omnibal.schedule/1"
-PADDINGS = ("varlen", "pad_to_longest", "fixed_buffer")
+PADDINGS = tuple(Padding)
 
 
 @dataclass(frozen=True, kw_only=True)

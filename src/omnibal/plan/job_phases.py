@@ -1,0 +1,342 @@
+"""The phases of :func:`omnibal.plan.job.run_plan_job`, one function each: model and cluster, statistics,
+balancing, the exact joint plan, the simulator-scored search, the pack-size search, and the ablation epochs.
+Each takes the job's config and what the earlier phases produced, and returns a frozen record."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from omnibal.cost.hardware import HardwareSpec, get_hardware
+from omnibal.errors import InputError
+from omnibal.plan.ablation import AblationRow, with_speedups
+from omnibal.plan.engines import constraint_rows
+from omnibal.plan.joint import JointPlanner, StagePlanSet
+from omnibal.plan.packsize import search_pack_size
+from omnibal.plan.partition import check_num_stages, even_partition, min_max_partition, vision_first_partition
+from omnibal.plan.search import Candidate, sample_steps, search
+from omnibal.plan.stages import StageModelConfig, layer_quantities
+from omnibal.sim.epoch import score_plan, simulate_epoch
+from omnibal.sim.predict import balance_cost, convention_label, cost_table, model_stats
+
+GiB = float(1 << 30)
+
+
+@dataclass(frozen=True, eq=False)
+class Model:
+    """Phase 1: the model, the hardware and how the cluster runs it."""
+
+    spec: object
+    hw: object
+    table: object
+    sim_config: object
+    budget: float | None
+    stage_config: StageModelConfig
+
+
+@dataclass(frozen=True, eq=False)
+class Data:
+    """Phases 2-3 (and the pack-size search): the statistics (subsampled), the schedules, their features and
+    metrics."""
+
+    stats: object
+    stats_source: str
+    convention: str
+    full_samples: int
+    epoch_scale: float
+    cost: object = None
+    bal_sched: object = None
+    bal_config: object = None
+    padding_bal: str = ""
+    features: dict = field(default_factory=dict)
+    metrics: dict = field(default_factory=dict)
+    num_microbatches: int = 0
+    """Micro-batches per step of the plan (the pack-size search's choice, else the job's)."""
+    pack_report: dict | None = None
+    """The pack-size search's candidates and choice (None: not searched)."""
+    pack_desc: str | None = None
+    """The ``+ pack size`` row's data description (None: the search kept the job's pack)."""
+
+    @property
+    def final_key(self) -> str:
+        """The features the plan runs: ``packed`` when the pack-size search chose another pack."""
+        return "packed" if "packed" in self.features else "balanced"
+
+
+@dataclass(frozen=True, eq=False)
+class Found:
+    """Phases 4-6: the planner, its anchors, the searched plans and what the search scored."""
+
+    planner: JointPlanner
+    anchor_joint: StagePlanSet
+    anchor_full: StagePlanSet
+    score: object
+    sample: object = None
+    best_full: Candidate | None = None
+    best_joint: Candidate | None = None
+    best_adaptive: Candidate | None = None
+    """The joint plan at the job's own pack (the ``+ adaptive recompute`` row)."""
+    default_planner: JointPlanner | None = None
+    """The planner at the job's own pack (the ``+ data balance`` row)."""
+    scored: list = field(default_factory=list)
+    num_enumerated: int = 0
+    engine_info: dict = field(default_factory=dict)
+
+
+def resolve_hardware(hardware) -> HardwareSpec:
+    """A :class:`HardwareSpec` as given, or a preset by name (``cpu`` is measured: the caller resolves it
+    with ``omnibal.measure.hardware.hardware_by_name`` and passes the spec)."""
+    return hardware if isinstance(hardware, HardwareSpec) else get_hardware(hardware)
+
+
+def model_phase(config) -> Model:
+    """The cost table on the hardware, the simulator's config, the memory budget and the stage model."""
+    from omnibal.sim.costs import config_for_hardware
+
+    if config.hf_model is not None:
+        from omnibal.cost.hf_spec import load_hf_spec
+
+        spec = load_hf_spec(config.hf_model)
+    else:
+        from omnibal.cost.presets import get_model_preset
+
+        spec = get_model_preset(config.preset)
+    hw = resolve_hardware(config.hardware)
+    table = cost_table(spec, hw, profile_path=config.profile_path, tp_size=config.tp_size, stack=config.stack)
+    check_num_stages(config.pp_size, table.num_layers)
+    fraction = None if config.memory_budget_gib is not None else 0.95
+    sim_config = config_for_hardware(hw, dp_size=config.dp_size, pp_size=config.pp_size, tp_size=config.tp_size,
+                                     schedule=config.schedule, zero_stage=config.zero_stage,
+                                     memory_fraction=fraction)
+    if config.memory_budget_gib is not None:
+        sim_config = replace(sim_config, memory_budget_bytes=config.memory_budget_gib * GiB)
+    budget = sim_config.memory_budget_bytes
+    _check_static_memory(table, config, budget)
+    stage_config = StageModelConfig(num_stages=config.pp_size, num_microbatches=config.num_microbatches,
+                                    dp_size=config.dp_size, zero_stage=config.zero_stage,
+                                    memory_budget_bytes=budget, p2p_bandwidth=sim_config.p2p_bandwidth,
+                                    p2p_latency=sim_config.p2p_latency, schedule=config.schedule)
+    return Model(spec=spec, hw=hw, table=table, sim_config=sim_config, budget=budget, stage_config=stage_config)
+
+
+def _stats(config, spec):
+    """The statistics in the model's units (``omnibal.sim.predict.model_stats``, as ``omnibal simulate``)."""
+    if config.stats_path is not None:
+        from omnibal.stats.io import load_stats
+
+        raw = load_stats(config.stats_path)
+        stats = model_stats(raw, spec, convert=config.convert_stats)
+        return stats, str(config.stats_path), convention_label(raw, spec)
+    from omnibal.stats.synthetic import synthetic_internvl_mixture
+
+    raw = synthetic_internvl_mixture(config.num_samples, config.seed)
+    stats = model_stats(raw, spec, convert=True)
+    return stats, stats.source, convention_label(raw, spec)
+
+
+def stats_phase(config, model: Model, stats, cache: dict | None) -> Data:
+    """The statistics (given, cached, read or synthetic) in the model's units and the uniform subset that
+    is balanced."""
+    spec = model.spec
+    if stats is not None:
+        convention = convention_label(stats, spec)
+        stats = model_stats(stats, spec, convert=config.convert_stats)
+        stats_source = stats.source
+    else:
+        key = ("stats", config.stats_path, config.num_samples, config.seed, spec.name, config.convert_stats)
+        if cache is not None and key in cache:
+            stats, stats_source, convention = cache[key]
+        else:
+            stats, stats_source, convention = _stats(config, spec)
+            if cache is not None:
+                cache[key] = (stats, stats_source, convention)
+    full_samples = len(stats)
+    if config.balance_samples is not None and config.balance_samples < full_samples:
+        rows = np.sort(np.random.default_rng(config.seed).choice(full_samples, config.balance_samples,
+                                                                 replace=False))
+        stats = stats.take(rows)
+    return Data(stats=stats, stats_source=stats_source, convention=convention, full_samples=full_samples,
+                epoch_scale=full_samples / len(stats), num_microbatches=config.num_microbatches)
+
+
+def _balanced(config, stats, cache: dict | None, bconfig, num_microbatches: int):
+    """``stats`` balanced by ``bconfig`` for DP x ``num_microbatches`` slots (memoised in ``cache``)."""
+    from omnibal.data.balance.api import balance
+
+    key = ("balance", stats.fingerprint(), config.dp_size, num_microbatches, config.seed, repr(bconfig.to_dict()))
+    if cache is not None and key in cache:
+        return cache[key]
+    sched = balance(stats, dp_size=config.dp_size, num_microbatches=num_microbatches, seed=config.seed,
+                    config=bconfig)
+    if cache is not None:
+        cache[key] = sched
+    return sched
+
+
+def balance_phase(config, model: Model, data: Data, cache: dict | None) -> Data:
+    """The baseline's and the planned balancer's schedules, their micro-batch features and metrics."""
+    from omnibal.data.balance.api import BalanceConfig
+    from omnibal.data.metrics import schedule_metrics
+
+    stats, m = data.stats, config.num_microbatches
+    cost = balance_cost(model.table, model.spec, model.hw, config.profile_path)
+    base_sched = _balanced(config, stats, cache,
+                           BalanceConfig(method="random", batch_size=config.baseline_batch_size, cost=cost), m)
+    bal_config = BalanceConfig(method=config.balance_method, cost=cost)
+    bal_sched = _balanced(config, stats, cache, bal_config, m)
+    padding_base = "pad_to_longest"
+    padding_bal = config.padding if config.balance_method != "random" else "pad_to_longest"
+    features = {"baseline": base_sched.features(stats, padding=padding_base),
+                "balanced": bal_sched.features(stats, padding=padding_bal)}
+    metrics = {"baseline": schedule_metrics(replace_padding(base_sched, padding_base), stats, cost),
+               "balanced": schedule_metrics(replace_padding(bal_sched, padding_bal), stats, cost)}
+    return replace(data, cost=cost, bal_sched=bal_sched, bal_config=bal_config, padding_bal=padding_bal,
+                   features=features, metrics=metrics)
+
+
+def _scorer(model: Model, sample):
+    """The search's score: the simulated mean step time of ``sample`` and whether any step runs out of memory."""
+    def score(sp: StagePlanSet) -> tuple[float, bool]:
+        s = score_plan(model.table, sp.parts, sp.recompute_mask(model.table.num_layers), sample, model.sim_config)
+        return s.step_time_mean, s.oom
+
+    return score
+
+
+def plan_phase(config, model: Model, data: Data) -> Found:
+    """The exact joint partition + recompute (and the full-recompute one) on the balanced micro-batches."""
+    planner = JointPlanner(layer_quantities(model.table, data.features["balanced"], model.stage_config),
+                           model.stage_config)
+    sample = sample_steps(data.features["balanced"], config.search.sample_steps, config.search.seed)
+    return Found(planner=planner, anchor_joint=planner.plan(), anchor_full=planner.plan_fixed_recompute("full"),
+                 score=_scorer(model, sample), sample=sample, default_planner=planner)
+
+
+def search_phase(config, model: Model, data: Data, found: Found) -> Found:
+    """The simulator-scored neighbour search around both anchors."""
+    best_full, _, _ = search(found.planner, found.anchor_full, found.score, config.search, recompute="full")
+    best_joint, scored, num_enumerated = search(found.planner, found.anchor_joint, found.score, config.search,
+                                                recompute="adaptive")
+    return replace(found, best_full=best_full, best_joint=best_joint, best_adaptive=best_joint, scored=scored,
+                   num_enumerated=num_enumerated)
+
+
+def pack_phase(config, model: Model, data: Data, found: Found, cache: dict | None) -> tuple[Data, Found]:
+    """The pack-size search (``plan.packsize``) and, when it picks another pack than the job's, that pack's
+    balanced schedule, joint plan and neighbour search: the ``+ pack size`` row and the plan."""
+    default_m, bal_config = config.num_microbatches, data.bal_config
+    if not config.pack_search.microbatches or config.balance_method != "omnibal":
+        return data, found
+    pack_config = replace(config.pack_search, microbatches=tuple(sorted({*config.pack_search.microbatches, default_m})))
+    chosen, cands = search_pack_size(data.stats, model.table, model.stage_config, model.sim_config,
+                                     balance_config=bal_config,
+                                     samples_per_rank_step=default_m * bal_config.target_samples,
+                                     config=pack_config, num_total_samples=data.full_samples, seed=config.seed,
+                                     padding=data.padding_bal, incumbent=default_m)
+    data = replace(data, pack_report={"candidates": [c.to_dict() for c in cands],
+                                      "chosen": None if chosen is None else chosen.to_dict()})
+    if chosen is None or chosen.num_microbatches == default_m:
+        return data, found
+    from omnibal.data.metrics import schedule_metrics
+
+    m, pad = chosen.num_microbatches, data.padding_bal
+    pack_bal_config = replace(bal_config, target_samples=chosen.target_samples)
+    sched = _balanced(config, data.stats, cache, pack_bal_config, m)
+    feats = sched.features(data.stats, padding=pad)
+    stage_config = replace(model.stage_config, num_microbatches=m)
+    planner = JointPlanner(layer_quantities(model.table, feats, stage_config), stage_config)
+    score = _scorer(model, sample_steps(feats, config.search.sample_steps, config.search.seed))
+    anchor = planner.plan()
+    best, scored, enumerated = search(planner, anchor, score, config.search, recompute="adaptive")
+    metrics = {**data.metrics, "packed": schedule_metrics(replace_padding(sched, pad), data.stats, data.cost)}
+    data = replace(data, bal_sched=sched, bal_config=pack_bal_config, features={**data.features, "packed": feats},
+                   metrics=metrics, num_microbatches=m,
+                   pack_desc=f"{config.balance_method} balanced packs ({pad}), {m} micro-batches of "
+                             f"~{chosen.target_samples:.2f} samples (searched)")
+    found = replace(found, planner=planner, score=score, anchor_joint=anchor, best_joint=best, scored=scored,
+                    num_enumerated=enumerated)
+    return data, found
+
+
+def ablation_phase(config, model: Model, data: Data, found: Found):
+    """Every ablation row simulated over its whole epoch: (rows, row plans, row results, found), ``found``
+    replaced by the engine's constrained plan where the engine has constraints."""
+    table = model.table
+    specs, found = _ablation_specs(config, model, data, found)
+    data_desc = {"baseline": f"random, {config.baseline_batch_size} samples per micro-batch, padded to the longest",
+                 "balanced": f"{config.balance_method} balanced packs ({data.padding_bal})"}
+    if data.pack_desc is not None:
+        data_desc["packed"] = data.pack_desc
+    rows, row_plans, row_results = [], {}, {}
+    for name, data_key, part_desc, rec_desc, sp in specs:
+        mask = sp.recompute_mask(table.num_layers)
+        res = simulate_epoch(table, sp.parts, mask, data.features[data_key], model.sim_config)
+        summary = res.summary()
+        epoch_time = res.total_time * data.epoch_scale
+        rows.append(AblationRow(
+            name=name, data=data_desc[data_key], partition=part_desc, recompute=rec_desc, parts=sp.parts,
+            num_checkpointed=int(mask.sum()), num_steps=int(round(len(res.step_time) * data.epoch_scale)),
+            step_time_s=summary["step_time_mean_s"], epoch_time_s=epoch_time,
+            gpu_days=epoch_time * res.num_gpus / 86400.0, bubble=summary["bubble_mean"],
+            peak_memory_bytes=tuple(st["peak_memory_bytes"] for st in summary["stages"]),
+            oom=bool(summary["oom_steps"])))
+        row_plans[name] = (sp.parts, mask)
+        row_results[name] = res
+    return with_speedups(rows, model.spec.name), row_plans, row_results, found
+
+
+def _ablation_specs(config, model: Model, data: Data, found: Found):
+    """(name, data key, partition text, recompute text, plan) per ablation row, and ``found`` (the
+    engine's constrained plan where it has constraints: the last row is the plan)."""
+    table = model.table
+    base_planner = JointPlanner(layer_quantities(table, data.features["baseline"], model.stage_config),
+                                model.stage_config)
+    if config.baseline_partition == "even":
+        base_parts = even_partition(table.num_layers, config.pp_size)
+    else:
+        base_parts = vision_first_partition(table.kinds, config.pp_size)
+    split_desc = "even layer count" if config.baseline_partition == "even" else "vision encoder on stage 0"
+    specs = [
+        ("baseline", "baseline", split_desc, "full", base_planner.evaluate(base_parts, "full")),
+        ("+ data balance", "balanced", split_desc, "full", found.default_planner.evaluate(base_parts, "full")),
+        ("+ balanced partition", "balanced", "exact min-max + search", "full", found.best_full.plan),
+        ("+ adaptive recompute", "balanced", "joint min-max + search", "adaptive", found.best_adaptive.plan),
+    ]
+    if data.final_key == "packed":
+        specs.append(("+ pack size", "packed", "joint min-max + search", "adaptive", found.best_joint.plan))
+    if constraint_rows(config.engine):  # deepspeed and omnibal express every plan: no extra rows
+        from omnibal.plan.engine_plan import engine_row_specs
+
+        engine_specs, engine_final = engine_row_specs(config.engine, found.planner, found.score, config.search)
+        specs += [(name, data.final_key, part, rec, sp) for name, part, rec, sp in engine_specs]
+        anchor_joint, best_joint, scored, num_enumerated, engine_info = engine_final
+        found = replace(found, anchor_joint=anchor_joint, best_joint=best_joint, scored=scored,
+                        num_enumerated=num_enumerated, engine_info=engine_info)
+    return specs, found
+
+
+def _check_static_memory(table, config, budget: float | None) -> None:
+    """Fail before balancing when parameters, gradients and optimizer state alone cannot fit (the exact
+    check, activations included, follows once the micro-batches are known)."""
+    if budget is None:
+        return
+    dp = config.dp_size
+    static = (table.param_bytes + table.grad_bytes / (dp if config.zero_stage >= 2 else 1)
+              + table.optim_bytes / (dp if config.zero_stage >= 1 else 1))
+    part = min_max_partition(static, config.pp_size)
+    if part.bottleneck > budget:
+        worst = int(np.argmax(part.stage_costs))
+        raise InputError(
+            f"parameters, gradients and optimizer state alone need at least {part.bottleneck / GiB:.2f} GiB on "
+            f"stage {worst} of the best split into {config.pp_size} stages (ZeRO-{config.zero_stage} over DP "
+            f"{dp}), more than the {budget / GiB:.2f} GiB budget; use more pipeline stages, tensor parallelism, "
+            f"a higher ZeRO stage or a larger budget", source="--memory-budget", record=f"stage {worst}",
+            field="memory_budget_gib")
+
+
+def replace_padding(schedule, padding: str):
+    """The schedule as it runs with ``padding`` (metrics read the schedule's own padding)."""
+    if schedule.padding == padding:
+        return schedule
+    return replace(schedule, padding=padding)

@@ -1,0 +1,78 @@
+"""omnibal.layout: one Layout validated once, and one vocabulary per choice."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import given, strategies as st
+
+from omnibal.errors import InputError
+from omnibal.layout import (BalanceMethod, Engine, Layout, OversizePolicy, Padding, PipelineSchedule,
+                            check_layout_fields)
+from omnibal.plan.job import PlanJobConfig
+from omnibal.train.config import TrainConfig
+
+
+@given(dp=st.integers(-2, 64), pp=st.integers(-2, 16), tp=st.integers(-2, 8), zero=st.integers(-1, 3),
+       mb=st.integers(-2, 32))
+def test_layout_accepts_exactly_positive_sizes_and_zero_0_to_2(dp, pp, tp, zero, mb):
+    ok = min(dp, pp, tp, mb) >= 1 and zero in (0, 1, 2)
+    if ok:
+        layout = Layout(dp_size=dp, pp_size=pp, tp_size=tp, zero_stage=zero, num_microbatches=mb)
+        assert layout.num_gpus == dp * pp * tp
+    else:
+        with pytest.raises(InputError):
+            Layout(dp_size=dp, pp_size=pp, tp_size=tp, zero_stage=zero, num_microbatches=mb)
+
+
+def test_layout_refuses_bools_and_floats():
+    for bad in (True, 2.0, "2"):
+        with pytest.raises(InputError, match="dp_size"):
+            Layout(dp_size=bad)
+
+
+def test_for_devices_fills_dp_or_refuses_a_product_that_is_not_the_device_count():
+    assert Layout.for_devices(128, pp_size=4).dp_size == 32
+    with pytest.raises(InputError, match="not a multiple of 4"):
+        Layout.for_devices(10, pp_size=4)
+    with pytest.raises(InputError, match="--gpus"):
+        Layout.for_devices(16, dp_size=2, pp_size=4)
+    with pytest.raises(InputError, match="--gpus"):
+        Layout.for_devices(0)
+
+
+def test_configs_hold_a_layout_and_still_take_and_show_flat_fields():
+    config = PlanJobConfig(dp_size=2, pp_size=2, num_microbatches=4)
+    assert config.layout == Layout(dp_size=2, pp_size=2, tp_size=1, zero_stage=1, num_microbatches=4)
+    assert (config.dp_size, config.pp_size, config.num_microbatches) == (2, 2, 4)
+    assert PlanJobConfig().layout.num_gpus == 128  # the README's job
+    assert dataclasses.replace(config, dp_size=8).layout.dp_size == 8
+    assert dataclasses.replace(config, dp_size=8).pp_size == 2
+    given = PlanJobConfig(layout=Layout(dp_size=3), pp_size=5)  # flat values merge into the layout given
+    assert (given.dp_size, given.pp_size) == (3, 5)
+    train = TrainConfig(dp_size=2, pp_size=2)
+    assert train.world_size == 4 and train.layout.num_microbatches == 4
+    with pytest.raises(InputError, match="dp_size"):
+        TrainConfig(dp_size=0)
+    with pytest.raises(InputError, match="tensor parallelism"):
+        TrainConfig(tp_size=2)
+    assert {"dp_size", "pp_size", "num_microbatches", "mode"} <= set(train.to_dict())  # still flat
+
+
+def test_check_layout_fields_names_the_source_and_field():
+    with pytest.raises(InputError, match=r"--pp: field 'pp_size'"):
+        check_layout_fields({"pp_size": 0}, source="--pp")
+    with pytest.raises(InputError, match=r"plan.json: field 'inputs.zero_stage'"):
+        check_layout_fields({"zero_stage": 3}, source="plan.json", field_prefix="inputs.")
+
+
+def test_the_libraries_lists_are_the_vocabularies():
+    from omnibal.data.balance.api import METHODS, OVERSIZE_POLICIES
+    from omnibal.data.balance.schedule import PADDINGS
+    from omnibal.plan.engines import ENGINES
+    from omnibal.sim.schedule import SCHEDULES
+
+    assert METHODS == tuple(BalanceMethod) and OVERSIZE_POLICIES == tuple(OversizePolicy)
+    assert PADDINGS == tuple(Padding) and ENGINES == tuple(Engine) and SCHEDULES == tuple(PipelineSchedule)
+    assert BalanceMethod.ISF_ASSIGN == "isf+assign" and f"{PipelineSchedule.ONE_F_ONE_B}" == "1f1b"

@@ -1,0 +1,42 @@
+"""run_simulate_job: omnibal simulate as a library call."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from omnibal.errors import InputError
+from omnibal.layout import Layout
+from omnibal.sim.job import PlannedRun, SimulateJobConfig, resolve_cluster, run_simulate_job
+
+TINY = dict(model="tiny", hardware="a100-80g", samples=3000, dp_size=2, pp_size=2, num_microbatches=4)
+
+
+def test_result_is_serialisable_and_matches_the_files(tmp_path):
+    lines = []
+    result = run_simulate_job(SimulateJobConfig(**TINY, out=str(tmp_path / "r")), log=lines.append)
+    data = json.loads(json.dumps(result.to_dict()))
+    assert data["header"]["dp x pp x tp"] == "2 x 2 x 1" and data["summary"]["num_steps"] > 0
+    assert data["totals"][0] == ["quantity", "value"] and len(data["stages"]) == 3  # header + 2 stages
+    assert set(data["files"]) == {"markdown", "json", "timeline", "load"}
+    assert json.loads((tmp_path / "r" / "simulate.json").read_text())  # written
+    assert any(line.startswith("simulating") for line in lines)
+
+
+def test_no_out_writes_nothing(tmp_path):
+    result = run_simulate_job(SimulateJobConfig(**TINY, out=None))
+    assert result.files == {} and not list(tmp_path.iterdir())
+
+
+def test_explicit_settings_win_the_plan_fills_the_rest_and_a_contradiction_is_refused():
+    plan = PlannedRun(source="p.json", model="tiny", hardware="h100", layout=Layout(dp_size=4, pp_size=2,
+                      num_microbatches=8), parts=(0, 5, 10), recompute=frozenset(), num_layers=10)
+    cluster = resolve_cluster(SimulateJobConfig(dp_size=2), plan)
+    assert (cluster["dp_size"], cluster["pp_size"], cluster["hardware"], cluster["num_microbatches"]) == \
+        (2, 2, "h100", 8)
+    assert resolve_cluster(SimulateJobConfig(), None)["model"] == "internvl-chat-1.5"
+    with pytest.raises(InputError, match="--pp 4 contradicts the plan's 2"):
+        resolve_cluster(SimulateJobConfig(pp_size=4), plan)
+    with pytest.raises(InputError, match="--dp"):
+        resolve_cluster(SimulateJobConfig(dp_size=0), None)
