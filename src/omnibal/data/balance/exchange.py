@@ -253,6 +253,6 @@ def level_llm(packs: Packs, targets: Targets, rng, max_passes: int) -> int:
     passes = improve(packs, targets.llm_objective, targets.llm_deviation, rng, max_passes, bad_above=ok)
     for group in (1, 2):
         if (targets.llm_objective(packs.pv, packs.pt, packs.pl) > ok).any():
-            passes += _repair(packs, targets.llm_objective, targets.llm_deviation, rng, rounds=6, partners=24,
+            passes += _repair(packs, targets.llm_objective, targets.llm_deviation, rng, rounds=6, partners=256,
                               group=group, bad_above=ok)
     return passes
