@@ -38,6 +38,7 @@ from omnibal.train.feed import (Buffer, ScheduleLike, check_schedule, fixed_buff
 from omnibal.train.metrics_log import (MetricsLog, RankTimes, StepRecord, format_summary, process_memory,
                                        progress_bar, summarize)
 from omnibal.train.pipeline import GradSync, StageLayout, StageRunner
+from omnibal.train.sp import SequenceParallel, check_sp_run, sp_schedule
 
 _COUNT_FIELDS = ("targets", "samples", "tokens", "tiles", "buffer_tokens", "buffer_tiles")
 
@@ -54,7 +55,8 @@ class Trainer:
                  mode: str, num_microbatches: int, pipeline_schedule: str = "1f1b", lr: float = 1e-4,
                  weight_decay: float = 0.0, buffer: Buffer | None = None, log_path: str | None = None,
                  quiet: bool = True, checkpoint_dir: str | None = None, checkpoint_every: int = 0,
-                 run_info: dict | None = None, dp_sync: str = "flat", ledger_path: str | None = None):
+                 run_info: dict | None = None, dp_sync: str = "flat", ledger_path: str | None = None,
+                 sp_degree: int = 1, level_curriculum: bool = False):
         from omnibal.train.stage import apply_checkpointing, build_stage, example_carry
 
         self.world = world
@@ -81,6 +83,10 @@ class Trainer:
         if layout.ranges[-1][1] != len(layer_names) or len(layout.ranges) != world.pp_size:
             raise InputError(f"stage layout {layout.ranges} does not split the {len(layer_names)}-layer model into "
                              f"{world.pp_size} stages", source="stage_layers")
+        schedule, self.step_sp = sp_schedule(schedule, sp_degree=sp_degree, curriculum=level_curriculum,
+                                             dp_size=world.dp_size, num_heads=self.spec.llm.num_heads)
+        """``step_sp``: SP degree of every step (1: plain data parallel)."""
+        self.schedule = schedule
         if dataset is not None:
             check_schedule(schedule, dp_size=world.dp_size, num_microbatches=num_microbatches,
                            num_samples=len(dataset), source=getattr(schedule, "source", "schedule"))
@@ -90,6 +96,12 @@ class Trainer:
         self.stage_module = build_stage(model, start, end)
         apply_checkpointing(self.stage_module, layout.recompute[world.pp_rank])
         self.stage_module.to(world.device)
+        self.sp = None
+        """:class:`omnibal.train.sp.SequenceParallel` when a step runs with an SP degree > 1."""
+        if self.step_sp.max(initial=1) > 1:
+            check_sp_run(self.stage_module, pp_size=world.pp_size, mode=mode, dp_sync=dp_sync)
+            self.sp = SequenceParallel(self.stage_module, world=world, degrees=set(self.step_sp.tolist()),
+                                       num_heads=self.spec.llm.num_heads)
 
         if world.pp_size > 1 and buffer is None:
             raise InputError("a pipeline needs one fixed micro-batch buffer (tiles, tokens)", source="buffer")
@@ -128,6 +140,13 @@ class Trainer:
         self._ledger = None
         self.online_info: list = []
         """``--mode online``: per step, the dispatch's per-phase balance (:class:`omnibal.train.online.OnlineStepInfo`)."""
+
+    # ---------------------------------------------------------------------------------------------- SP
+
+    def _sp_leader(self, step: int) -> bool:
+        """Whether this rank counts its micro-batches for ``step`` (the first rank of its SP group: the
+        group's ranks hold the same packs, which count once in the targets, samples and the ledger)."""
+        return self.world.dp_rank % int(self.step_sp[step]) == 0
 
     # ---------------------------------------------------------------------------------------------- data
 
@@ -182,6 +201,8 @@ class Trainer:
         self._cpu_start = time.process_time()
         counts = torch.zeros(len(_COUNT_FIELDS), dtype=torch.float64)
         carries = None
+        module = self.sp.activate(int(self.step_sp[step])) if self.sp is not None else None
+        self._fed = []
         if w.is_first_stage:
             batches = self.load_microbatches(step)
             carries = [b.carry() for b in batches]
@@ -191,11 +212,14 @@ class Trainer:
                 sum(b.num_real_tokens for b in batches), tiles, sum(int(b.sizes[0, SIZE_TOKENS]) for b in batches),
                 tiles], dtype=torch.float64)
             self._fed = [int(i) for b in batches for i in b.sample_indices]
+            if not self._sp_leader(step):
+                counts.zero_()
+                self._fed = []
         times.data_s = time.perf_counter() - t_start
         try:
             self._all_reduce(counts)
             self._counts = dict(zip(_COUNT_FIELDS, counts.tolist()))
-            result = self.runner.run_step(carries, global_targets=self._counts["targets"])
+            result = self.runner.run_step(carries, global_targets=self._counts["targets"], module=module)
             t_sync = time.perf_counter()
             self.grad_sync()
             times.dp_sync_s = time.perf_counter() - t_sync
@@ -383,6 +407,9 @@ class Trainer:
         becomes that remainder, numbered from the checkpoint's ``next_step``, and :meth:`run` ends with it."""
         root = checkpoint_dir or self.checkpoint_dir
         w = self.world
+        if reshard and self.step_sp.max(initial=1) > 1:
+            raise InputError("a resume on another dp size re-balances one level for plain DP; this run uses "
+                             "sequence parallelism", source="--reshard", field="reshard")
         decision: dict[str, Any] = {}
         if w.rank == 0:
             try:
