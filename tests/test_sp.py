@@ -148,3 +148,35 @@ def test_levels_exactly_once_in_the_ledger(tmp_path):
     assert len(counts) == len(scheduled) and set(counts.values()) == {1}
     losses = values[0]["losses"]
     assert len(losses) == len(LEVELS) and all(np.isfinite(losses))
+
+
+def test_config_and_cli_refuse_what_sp_does_not_run():
+    from omnibal.cli import main
+    from omnibal.train.config import TrainConfig
+
+    assert TrainConfig(dp_size=4, sp_degree=2).sp_degree == 2
+    for kwargs, match in (({"dp_size": 3, "sp_degree": 2}, "does not divide the 3"),
+                          ({"dp_size": 2, "pp_size": 2, "num_microbatches": 4, "sp_degree": 2}, "pp = 1"),
+                          ({"dp_size": 2, "sp_degree": 2, "dp_sync": "ddp"}, "dp_sync flat"),
+                          ({"dp_size": 2, "sp_degree": 0}, "positive integer")):
+        with pytest.raises(InputError, match=match) as err:
+            TrainConfig(**kwargs)
+        assert err.value.field == "sp_degree"
+    assert main(["train", "--dp", "3", "--sp-degree", "2", "--steps", "1", "--quiet"]) == 2
+
+
+def test_exactly_once_check_counts_an_sp_group_once():
+    """``omnibal train --schedule`` checks a file schedules every row once: a level's SP group shares its
+    packs and counts once (before, every rank of a group counted and a valid HBP schedule was refused)."""
+    from dataclasses import replace
+
+    from omnibal.train.feed import check_schedule_covers
+
+    stats = tiny_stats()
+    sched = level_schedule(stats, dp_size=4, level_sp=(1, 2, 4), levels=LEVELS)
+    rest = np.setdiff1d(np.arange(len(stats)), np.asarray(sched.pack_samples))
+    check_schedule_covers(replace(sched, dropped=rest), stats_fingerprint=stats.fingerprint(),
+                          num_samples=len(stats), source="levels")
+    with pytest.raises(InputError, match="not scheduled exactly once"):
+        check_schedule_covers(replace(sched, dropped=rest[1:]), stats_fingerprint=stats.fingerprint(),
+                              num_samples=len(stats), source="levels")

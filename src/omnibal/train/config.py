@@ -30,6 +30,13 @@ class TrainConfig:
     """Data-parallel degree (ranks with different data)."""
     pp_size: int = 1
     """Pipeline-parallel degree (stages); world size = dp_size * pp_size."""
+    sp_degree: int = 1
+    """Sequence-parallel degree of a single-level run (:mod:`omnibal.train.sp`): every ``sp_degree``
+    consecutive DP ranks form one group that splits each pack's tokens (Ulysses) and tiles, so the data is
+    balanced for ``dp_size / sp_degree`` groups. A multi-level (HBP) schedule sets its own degrees per level
+    (leave this at 1). Needs pp = 1, dp_sync flat, the reference VLM."""
+    level_curriculum: bool = False
+    """Run a multi-level schedule's short levels (smaller SP degree) first (HBP's curriculum)."""
     num_microbatches: int = 4
     """Micro-batches per DP rank per step (must match the schedule file when one is given)."""
     pipeline_schedule: Literal["1f1b", "gpipe"] = "1f1b"
@@ -123,7 +130,7 @@ class TrainConfig:
         if not isinstance(self.num_steps, int) or isinstance(self.num_steps, bool) or self.num_steps < 0:
             raise InputError(f"must be an integer >= 0 (0: the whole epoch), got {self.num_steps!r}", source=src,
                              field="num_steps")
-        for name in ("dp_size", "pp_size", "num_microbatches", "baseline_batch_size", "torch_threads", "max_tiles"):
+        for name in ("dp_size", "pp_size", "sp_degree", "num_microbatches", "baseline_batch_size", "torch_threads", "max_tiles"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InputError(f"must be a positive integer, got {value!r}", source=src, field=name)
@@ -142,6 +149,7 @@ class TrainConfig:
         if self.mode == "online" and self.pp_size != 1:
             raise InputError("online mode runs data parallel only (pp = 1): the vision encoder and the LLM of a "
                              "sample run on different DP ranks", source=src, field="pp_size")
+        self._check_sp()
         if self.stage_layers is not None and len(self.stage_layers) != self.pp_size:
             raise InputError(f"{len(self.stage_layers)} ranges given for {self.pp_size} stages", source=src,
                              field="stage_layers")
@@ -165,6 +173,19 @@ class TrainConfig:
             raise InputError("resume needs checkpoint_dir", source=src, field="resume")
         if self.reshard and not self.resume:
             raise InputError("reshard applies to a resume: pass resume too", source=src, field="reshard")
+
+    def _check_sp(self) -> None:
+        if self.sp_degree == 1:
+            return
+        src = "train config"
+        if self.dp_size % self.sp_degree:
+            raise InputError(f"SP degree {self.sp_degree} does not divide the {self.dp_size} data-parallel ranks "
+                             f"(an SP group is {self.sp_degree} consecutive ranks)", source=src, field="sp_degree")
+        for bad, why in ((self.pp_size != 1, "pp = 1"), (self.mode == "online", "baseline or omnibal mode"),
+                         (self.dp_sync != "flat", "dp_sync flat"), (self.hf_model is not None, "the reference VLM"),
+                         (self.reshard, "no reshard")):
+            if bad:
+                raise InputError(f"sequence parallelism runs with {why}", source=src, field="sp_degree")
 
     @property
     def world_size(self) -> int:

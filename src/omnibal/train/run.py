@@ -57,8 +57,9 @@ def build_schedule(cfg: TrainConfig, stats, stats_fingerprint: str | None = None
     default ``stats.fingerprint()``) and schedule each of their rows once."""
     from omnibal.train.feed import check_schedule_covers, load_schedule, random_microbatch_schedule
 
+    groups = cfg.dp_size // cfg.sp_degree  # data-parallel groups: the trainer deals each to its SP ranks
     if cfg.mode in ("baseline", "online"):  # online: the same local draws, re-dealt every step
-        return random_microbatch_schedule(len(stats), dp_size=cfg.dp_size, num_microbatches=cfg.num_microbatches,
+        return random_microbatch_schedule(len(stats), dp_size=groups, num_microbatches=cfg.num_microbatches,
                                           batch_size=cfg.baseline_batch_size, seed=cfg.seed)
     if cfg.schedule_path is not None:
         schedule = load_schedule(cfg.schedule_path)
@@ -68,7 +69,7 @@ def build_schedule(cfg: TrainConfig, stats, stats_fingerprint: str | None = None
         return schedule
     from omnibal.data.balance import balance
 
-    return balance(stats, dp_size=cfg.dp_size, num_microbatches=cfg.num_microbatches, seed=cfg.seed)
+    return balance(stats, dp_size=groups, num_microbatches=cfg.num_microbatches, seed=cfg.seed)
 
 
 def build_model(cfg: TrainConfig):
@@ -137,7 +138,8 @@ def build_trainer(cfg: TrainConfig, world: World):
                       mode=cfg.mode, num_microbatches=cfg.num_microbatches, pipeline_schedule=cfg.pipeline_schedule,
                       lr=cfg.lr, dp_sync=cfg.dp_sync, weight_decay=cfg.weight_decay, buffer=buffer,
                       log_path=cfg.log_path, quiet=cfg.quiet, checkpoint_dir=cfg.checkpoint_dir,
-                      checkpoint_every=cfg.checkpoint_every, run_info=info, ledger_path=cfg.ledger_path)
+                      checkpoint_every=cfg.checkpoint_every, run_info=info, ledger_path=cfg.ledger_path,
+                      sp_degree=cfg.sp_degree, level_curriculum=cfg.level_curriculum)
     if cfg.save_dir is not None:
         from pathlib import Path
 
