@@ -10,16 +10,18 @@ buffer, and all ranks run the same level in a step.
 two from the median sample up to the first one holding the longest sample) to minimise the estimated epoch
 time :func:`levels_cost`. Each sample goes to the shortest level that holds it (the shortest feasible
 level is the one with the smallest SP degree, so the least communication and recompute). The estimate of
-one level of length ``L`` with SP degree ``d`` (``d`` = the smallest of ``sp_degrees`` such that a rank's
-``L / d`` tokens fit ``max_tokens_per_rank``, the memory term) over ``G = dp_size / d`` SP groups:
+one level of length ``L`` with SP degree ``d`` over ``G = dp_size / d`` SP groups of ``M`` micro-batches:
 
     packs  = max(ceil(sum(tokens) / (fill * L)), #(tokens > L/2)) padding: a pack is at most L tokens
     steps  = ceil(packs / (G * M))                               step granularity
     pack   = max(sum(cost) / (steps * G * M), max(cost))         attention imbalance: a pack is never
                                                                  cheaper than its costliest sample
-    time   = steps * M * (pack / d + a2a[d] * L / d + overhead)  SP splits the pack; Ulysses all-to-all
-                                                                 on a rank's L/d tokens
+    time   = steps * M * (pack / d * (1 + recompute(L / d))      SP splits the pack; recompute share at a
+                          + a2a[d] * L / d + overhead)           rank's L/d tokens; Ulysses all-to-all
 
+minimised over the SP degrees ``d`` whose ``L / d`` fits ``max_tokens_per_rank`` (memory): a larger
+degree costs all-to-all time but needs less recompute. ``recompute``, ``a2a`` and the memory limit come
+from the planner (:mod:`omnibal.plan.hbp`).
 ``cost`` is the balancer's vision + LLM cost (:class:`BalanceCost`, attention ``sum len^2`` included).
 The minimum over every subset of at most ``max_levels`` candidates (whose longest holds every sample) is
 found by dynamic programming over the sorted candidates, which gives the same optimum as trying every
@@ -51,6 +53,8 @@ from omnibal.data.balance.schedule import Caps, Schedule
 from omnibal.errors import InputError
 
 HBP_OVERSIZE = ("error", "drop")
+LEVEL_RETRIES = 4
+"""More steps a level may take when the packer leaves a few packs over its length."""
 INTERLEAVE_STREAM = 0x4B5
 """epoch_rng stream of the level interleaving (independent of the balancer's shuffles)."""
 
@@ -70,6 +74,11 @@ class LevelCostModel:
     """Most LLM tokens one rank's micro-batch may hold (the memory budget with the level's recompute)."""
     microbatch_overhead: float = 0.0
     """Fixed time per micro-batch (kernel launches, the all-to-all latency)."""
+    recompute_tokens: tuple[int, ...] = ()
+    """Per-rank token counts (ascending) at which ``recompute_ratio`` is given."""
+    recompute_ratio: tuple[float, ...] = ()
+    """Extra time share that recompute costs a micro-batch of up to ``recompute_tokens[i]`` tokens per
+    rank (the least recompute that fits memory; the last entry holds up to ``max_tokens_per_rank``)."""
 
     def __post_init__(self) -> None:
         degrees = tuple(int(d) for d in self.sp_degrees)
@@ -81,10 +90,21 @@ class LevelCostModel:
                              field="a2a_per_token")
         if self.max_tokens_per_rank < 1:
             raise InputError("must be >= 1", source="LevelCostModel", field="max_tokens_per_rank")
+        if len(self.recompute_tokens) != len(self.recompute_ratio) or list(self.recompute_tokens) != sorted(
+                self.recompute_tokens) or any(r < 0 for r in self.recompute_ratio):
+            raise InputError("recompute_tokens (ascending) and recompute_ratio (>= 0) must pair up",
+                             source="LevelCostModel", field="recompute_ratio")
 
-    def sp_for(self, length: int) -> int | None:
-        """Smallest SP degree whose per-rank share of a ``length``-token pack fits memory (None: none)."""
-        return next((d for d in self.sp_degrees if math.ceil(length / d) <= self.max_tokens_per_rank), None)
+    def recompute(self, tokens_per_rank: float) -> float:
+        """Extra time share of recompute at ``tokens_per_rank`` (0 when no table is given)."""
+        if not self.recompute_ratio:
+            return 0.0
+        i = int(np.searchsorted(np.asarray(self.recompute_tokens), tokens_per_rank, side="left"))
+        return float(self.recompute_ratio[min(i, len(self.recompute_ratio) - 1)])
+
+    def feasible_sp(self, length: int) -> tuple[int, ...]:
+        """SP degrees whose per-rank share of a ``length``-token pack fits memory."""
+        return tuple(d for d in self.sp_degrees if math.ceil(length / d) <= self.max_tokens_per_rank)
 
     def a2a(self, degree: int) -> float:
         return float(self.a2a_per_token[self.sp_degrees.index(degree)])
@@ -98,6 +118,8 @@ class HBPConfig:
     """Level cost model (memory, SP degrees, communication; filled in by ``omnibal.plan.hbp``)."""
     pack_lengths: tuple[int, ...] | None = None
     """Fixed level lengths (ascending; e.g. a resumed run's); None: chosen by :func:`choose_levels`."""
+    level_sp: tuple[int, ...] | None = None
+    """Fixed SP degree per ``pack_lengths`` level (e.g. a resharded run's); None: the estimate's best."""
     candidate_lengths: tuple[int, ...] | None = None
     """Lengths the level search may use; None: powers of two from the median sample to the longest."""
     max_levels: int = 3
@@ -164,20 +186,26 @@ class _LevelCosts:
 
     def level(self, lo: int, hi: int, length: int) -> float:
         """Estimated time of the level of length ``length`` holding sorted samples ``[lo, hi)`` (inf: infeasible)."""
+        return self.level_sp(lo, hi, length)[0]
+
+    def level_sp(self, lo: int, hi: int, length: int) -> tuple[float, int]:
+        """(estimated time, best SP degree) of a level; an empty level costs nothing and never runs."""
         if hi <= lo:
-            return 0.0  # an empty level costs nothing (and is never run)
-        d = self.model.sp_for(length)
-        if d is None:
-            return math.inf
-        slots = self.groups_of(d) * self.m
-        if slots == 0 or hi - lo < slots:
-            return math.inf
+            return 0.0, 1
         halves = hi - max(lo, self.upto(length / 2))  # samples over half the length: one pack each
         packs = max(math.ceil((self.cum_tokens[hi] - self.cum_tokens[lo]) / (self.fill * length)), halves)
-        steps = max(math.ceil(packs / slots), 1)
         total = self.cum_cost[hi] - self.cum_cost[lo]
-        pack = max(total / (steps * slots), float(self.cost_sorted[lo:hi].max()))
-        return steps * self.m * (pack / d + self.model.a2a(d) * length / d + self.model.microbatch_overhead)
+        biggest = float(self.cost_sorted[lo:hi].max())
+        best = (math.inf, 0)
+        for d in self.model.feasible_sp(length):
+            slots = self.groups_of(d) * self.m
+            if slots == 0 or hi - lo < slots:
+                continue
+            steps = max(math.ceil(packs / slots), 1)
+            pack = max(total / (steps * slots), biggest) / d * (1 + self.model.recompute(length / d))
+            time = steps * self.m * (pack + self.model.a2a(d) * length / d + self.model.microbatch_overhead)
+            best = min(best, (time, d))
+        return best
 
 
 def _sample_costs(stats, model: LevelCostModel) -> np.ndarray:
@@ -239,7 +267,17 @@ def choose_levels(stats, *, dp_size: int, num_microbatches: int, config: HBPConf
         if hi > lo:
             used.append(length)
         lo = hi
-    return LevelChoice(lengths=tuple(used), sp=tuple(config.model.sp_for(n) for n in used), cost=answer[0])
+    return LevelChoice(lengths=tuple(used), sp=level_degrees(lc, used), cost=answer[0])
+
+
+def level_degrees(lc: "_LevelCosts", lengths) -> tuple[int, ...]:
+    """The estimate's best SP degree of each level (samples to the shortest level holding them)."""
+    degrees, lo = [], 0
+    for length in lengths:
+        hi = lc.upto(length)
+        degrees.append(lc.level_sp(lo, hi, length)[1])
+        lo = hi
+    return tuple(degrees)
 
 
 def candidate_lengths(tokens: np.ndarray, config: HBPConfig) -> tuple[int, ...]:
@@ -329,6 +367,25 @@ def _settle_levels(level_of: np.ndarray, tokens: np.ndarray, lengths, slots: lis
     return level_of, packs
 
 
+def _balance_level(level_stats, length: int, num_steps: int, *, dp_size: int, num_microbatches: int, seed: int,
+                   epoch: int, config: HBPConfig) -> Schedule:
+    """One level balanced under its length; the packer is not an exact bin packer, so when a few packs
+    stay over the length the level gets one more step (as long as it has a sample per pack)."""
+    most = len(level_stats) // (dp_size * num_microbatches)
+    error = None
+    for steps in range(num_steps, min(num_steps + LEVEL_RETRIES, most) + 1):
+        bconfig = replace(config.balance, method="omnibal", max_tokens=int(length), oversize="error",
+                          num_steps=steps)
+        try:
+            return balance(level_stats, dp_size=dp_size, num_microbatches=num_microbatches, seed=seed,
+                           epoch=epoch, config=bconfig)
+        except InputError as exc:
+            error = exc
+    raise InputError(f"level of length {length} ({len(level_stats)} samples) could not be packed under its length "
+                     f"with {num_steps}..{num_steps + LEVEL_RETRIES} steps: {error}", source=level_stats.source,
+                     field="pack_lengths")
+
+
 def balance_hbp(stats, *, dp_size: int, num_microbatches: int = 1, seed: int = 0, epoch: int = 0,
                 config: HBPConfig | None = None, rows=None) -> Schedule:
     """One multi-level epoch of ``stats`` (or of its ``rows``; see the module docstring)."""
@@ -344,13 +401,18 @@ def balance_hbp(stats, *, dp_size: int, num_microbatches: int = 1, seed: int = 0
     sub = stats.take(kept)
     if config.pack_lengths is None:
         choice = choose_levels(sub, dp_size=dp_size, num_microbatches=num_microbatches, config=config)
-        lengths, estimate = choice.lengths, choice.cost
+        lengths, sp, estimate = choice.lengths, list(choice.sp), choice.cost
     else:
         lengths, estimate = config.pack_lengths, None
-    sp = [config.model.sp_for(n) for n in lengths]
-    if None in sp:
-        raise InputError(f"level length {lengths[sp.index(None)]} does not fit any SP degree's memory",
-                         source="pack_lengths", field="pack_lengths")
+        sp = list(config.level_sp or level_degrees(_LevelCosts(
+            np.asarray(sub.tokens), _sample_costs(sub, config.model), groups_of=_groups_of(dp_size),
+            num_microbatches=num_microbatches, model=config.model, fill=config.fill), lengths))
+    if 0 in sp:  # no SP degree fits memory or fills a step: the smallest that fits memory still runs it
+        sp = [d or next(iter(config.model.feasible_sp(n)), 0) for d, n in zip(sp, lengths)]
+    if 0 in sp or len(sp) != len(lengths):
+        raise InputError(f"level lengths {list(lengths)} need SP degrees {sp}: a level's per-rank share must fit "
+                         f"max_tokens_per_rank {config.model.max_tokens_per_rank}", source="pack_lengths",
+                         field="pack_lengths")
     tokens = np.asarray(sub.tokens, np.int64)
     level_of = np.searchsorted(np.asarray(lengths), tokens, side="left")
     slots = [dp_size // d * num_microbatches for d in sp]
@@ -359,10 +421,8 @@ def balance_hbp(stats, *, dp_size: int, num_microbatches: int = 1, seed: int = 0
     for k, (length, d) in enumerate(zip(lengths, sp)):
         members = np.flatnonzero(level_of == k)
         if len(members):
-            bconfig = replace(config.balance, method="omnibal", max_tokens=int(length), oversize="error",
-                              num_steps=packs[k] // slots[k])
-            sched = balance(sub.take(members), dp_size=dp_size // d, num_microbatches=num_microbatches,
-                            seed=seed, epoch=epoch, config=bconfig)
+            sched = _balance_level(sub.take(members), length, packs[k] // slots[k], dp_size=dp_size // d,
+                                   num_microbatches=num_microbatches, seed=seed, epoch=epoch, config=config)
             parts.append((k, d, kept[members], sched))
     return _combine(parts, stats, lengths, dropped, dp_size=dp_size, num_microbatches=num_microbatches,
                     seed=seed, epoch=epoch, estimate=estimate, config=config)
