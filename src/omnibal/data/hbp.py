@@ -12,7 +12,8 @@ time :func:`levels_cost`. Each sample goes to the shortest level that holds it (
 level is the one with the smallest SP degree, so the least communication and recompute). The estimate of
 one level of length ``L`` with SP degree ``d`` over ``G = dp_size / d`` SP groups of ``M`` micro-batches:
 
-    packs  = max(ceil(sum(tokens) / (fill * L)), #(tokens > L/2)) padding: a pack is at most L tokens
+    packs  = max(ceil(sum(tokens) / (fill * L)),                padding: a pack is at most L tokens, and
+                 max_k ceil(#(tokens > L/(k+1)) / k))            at most k samples over L/(k+1) share one
     steps  = ceil(packs / (G * M))                               step granularity
     pack   = max(sum(cost) / (steps * G * M), max(cost))         attention imbalance: a pack is never
                                                                  cheaper than its costliest sample
@@ -53,8 +54,10 @@ from omnibal.data.balance.schedule import Caps, Schedule
 from omnibal.errors import InputError
 
 HBP_OVERSIZE = ("error", "drop")
-LEVEL_RETRIES = 4
-"""More steps a level may take when the packer leaves a few packs over its length."""
+LEVEL_RETRIES = 8
+"""Tries with more steps (+1, +2, then +10% each) when the packer leaves a few packs over a level's length."""
+CROWD_DEPTH = 4
+"""Pack-count bound: at most k samples over length / (k + 1) share a pack, for k = 1..CROWD_DEPTH."""
 INTERLEAVE_STREAM = 0x4B5
 """epoch_rng stream of the level interleaving (independent of the balancer's shuffles)."""
 
@@ -192,8 +195,9 @@ class _LevelCosts:
         """(estimated time, best SP degree) of a level; an empty level costs nothing and never runs."""
         if hi <= lo:
             return 0.0, 1
-        halves = hi - max(lo, self.upto(length / 2))  # samples over half the length: one pack each
-        packs = max(math.ceil((self.cum_tokens[hi] - self.cum_tokens[lo]) / (self.fill * length)), halves)
+        # at most k samples over length/(k+1) share a pack
+        crowded = max(math.ceil((hi - max(lo, self.upto(length / (k + 1)))) / k) for k in range(1, CROWD_DEPTH + 1))
+        packs = max(math.ceil((self.cum_tokens[hi] - self.cum_tokens[lo]) / (self.fill * length)), crowded)
         total = self.cum_cost[hi] - self.cum_cost[lo]
         biggest = float(self.cost_sorted[lo:hi].max())
         best = (math.inf, 0)
@@ -327,10 +331,11 @@ def _check_oversize(stats, rows: np.ndarray, config: HBPConfig) -> tuple[np.ndar
 
 def required_packs(tokens: np.ndarray, length: int, slots: int, fill: float) -> int:
     """Packs a level of ``length`` needs for ``tokens``, whole steps of ``slots``: enough room at ``fill``,
-    and one pack per sample over half the length (two of them never share a pack)."""
+    and room for the big ones (at most ``k`` samples over ``length / (k + 1)`` share a pack)."""
     if len(tokens) == 0:
         return 0
-    need = max(math.ceil(float(tokens.sum()) / (fill * length)), int((tokens > length / 2).sum()), 1)
+    crowded = max(math.ceil(int((tokens > length / (k + 1)).sum()) / k) for k in range(1, CROWD_DEPTH + 1))
+    need = max(math.ceil(float(tokens.sum()) / (fill * length)), crowded, 1)
     return -(-need // slots) * slots
 
 
@@ -373,7 +378,8 @@ def _balance_level(level_stats, length: int, num_steps: int, *, dp_size: int, nu
     stay over the length the level gets one more step (as long as it has a sample per pack)."""
     most = len(level_stats) // (dp_size * num_microbatches)
     error = None
-    for steps in range(num_steps, min(num_steps + LEVEL_RETRIES, most) + 1):
+    tries = sorted({num_steps + i for i in range(3)} | {math.ceil(num_steps * (1 + 0.1 * i)) for i in range(1, 7)})
+    for steps in [t for t in tries if t <= most][:LEVEL_RETRIES] or [num_steps]:
         bconfig = replace(config.balance, method="omnibal", max_tokens=int(length), oversize="error",
                           num_steps=steps)
         try:
@@ -382,8 +388,19 @@ def _balance_level(level_stats, length: int, num_steps: int, *, dp_size: int, nu
         except InputError as exc:
             error = exc
     raise InputError(f"level of length {length} ({len(level_stats)} samples) could not be packed under its length "
-                     f"with {num_steps}..{num_steps + LEVEL_RETRIES} steps: {error}", source=level_stats.source,
+                     f"with {num_steps} or a few more steps: {error}", source=level_stats.source,
                      field="pack_lengths")
+
+
+def _degrees_dividing(model: LevelCostModel, dp_size: int) -> LevelCostModel:
+    """The model with only the SP degrees a world of ``dp_size`` ranks can form (a resharded world may
+    have fewer; a sample that then fits no level is an oversize sample)."""
+    keep = [i for i, d in enumerate(model.sp_degrees) if dp_size % d == 0]
+    if not keep:
+        raise InputError(f"no SP degree of {list(model.sp_degrees)} divides dp_size {dp_size}", source="sp_degrees",
+                         field="sp_degrees")
+    return replace(model, sp_degrees=tuple(model.sp_degrees[i] for i in keep),
+                   a2a_per_token=tuple(model.a2a_per_token[i] for i in keep))
 
 
 def balance_hbp(stats, *, dp_size: int, num_microbatches: int = 1, seed: int = 0, epoch: int = 0,
@@ -393,10 +410,7 @@ def balance_hbp(stats, *, dp_size: int, num_microbatches: int = 1, seed: int = 0
     rows = np.arange(len(stats), dtype=np.int64) if rows is None else np.unique(np.asarray(rows, np.int64))
     if len(rows) == 0:
         raise InputError("no samples to schedule", source=stats.source)
-    bad_sp = [d for d in config.model.sp_degrees if dp_size % d]
-    if bad_sp:
-        raise InputError(f"SP degree {bad_sp[0]} does not divide dp_size {dp_size}", source="sp_degrees",
-                         field="sp_degrees")
+    config = replace(config, model=_degrees_dividing(config.model, dp_size))
     kept, dropped = _check_oversize(stats, rows, config)
     sub = stats.take(kept)
     if config.pack_lengths is None:
