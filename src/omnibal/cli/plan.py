@@ -51,6 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d.add_argument("--padding", default="varlen", choices=("varlen", "fixed_buffer"),
                    help="how balanced packs run: variable length, or padded to the caps (static shapes)")
     d.add_argument("--baseline-batch-size", type=int, default=4, help="samples per baseline micro-batch")
+    d.add_argument("--hbp", nargs="?", const="job", default=None, choices=("job", "long-context"),
+                   help="plan HBP multi-level packing instead (docs/hbp.md): per-level pack length, SP degree and "
+                        "recompute vs single-level packing, on the job's data or the long-context mixture")
     s = parser.add_argument_group("search")
     s.add_argument("--radius", type=int, default=2, help="move each stage boundary by up to this many layers")
     s.add_argument("--top-k", type=int, default=8, help="candidates scored with the simulator")
@@ -113,6 +116,10 @@ def run(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     config = job_config(args)
+    if args.hbp:
+        from omnibal.cli.plan_hbp import run_hbp
+
+        return run_hbp(args, config)
     check_dir(args.out, "--out")  # before minutes of planning, not after
     progress = not args.quiet and sys.stderr.isatty()
     inp = config
