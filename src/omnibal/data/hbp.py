@@ -48,14 +48,13 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from omnibal.data.balance.api import BalanceConfig, balance, epoch_rng
+from omnibal.data.balance.api import BalanceConfig, epoch_rng
 from omnibal.data.balance.cost import DEFAULT_COST, BalanceCost
 from omnibal.data.balance.schedule import Caps, Schedule
+from omnibal.data.hbp_pack import balance_level
 from omnibal.errors import InputError
 
 HBP_OVERSIZE = ("error", "drop")
-LEVEL_RETRIES = 8
-"""Tries with more steps (+1, +2, then +10% each) when the packer leaves a few packs over a level's length."""
 CROWD_DEPTH = 4
 """Pack-count bound: at most k samples over length / (k + 1) share a pack, for k = 1..CROWD_DEPTH."""
 INTERLEAVE_STREAM = 0x4B5
@@ -372,26 +371,6 @@ def _settle_levels(level_of: np.ndarray, tokens: np.ndarray, lengths, slots: lis
     return level_of, packs
 
 
-def _balance_level(level_stats, length: int, num_steps: int, *, dp_size: int, num_microbatches: int, seed: int,
-                   epoch: int, config: HBPConfig) -> Schedule:
-    """One level balanced under its length; the packer is not an exact bin packer, so when a few packs
-    stay over the length the level gets one more step (as long as it has a sample per pack)."""
-    most = len(level_stats) // (dp_size * num_microbatches)
-    error = None
-    tries = sorted({num_steps + i for i in range(3)} | {math.ceil(num_steps * (1 + 0.1 * i)) for i in range(1, 7)})
-    for steps in [t for t in tries if t <= most][:LEVEL_RETRIES] or [num_steps]:
-        bconfig = replace(config.balance, method="omnibal", max_tokens=int(length), oversize="error",
-                          num_steps=steps)
-        try:
-            return balance(level_stats, dp_size=dp_size, num_microbatches=num_microbatches, seed=seed,
-                           epoch=epoch, config=bconfig)
-        except InputError as exc:
-            error = exc
-    raise InputError(f"level of length {length} ({len(level_stats)} samples) could not be packed under its length "
-                     f"with {num_steps} or a few more steps: {error}", source=level_stats.source,
-                     field="pack_lengths")
-
-
 def _degrees_dividing(model: LevelCostModel, dp_size: int) -> LevelCostModel:
     """The model with only the SP degrees a world of ``dp_size`` ranks can form (a resharded world may
     have fewer; a sample that then fits no level is an oversize sample)."""
@@ -435,8 +414,9 @@ def balance_hbp(stats, *, dp_size: int, num_microbatches: int = 1, seed: int = 0
     for k, (length, d) in enumerate(zip(lengths, sp)):
         members = np.flatnonzero(level_of == k)
         if len(members):
-            sched = _balance_level(sub.take(members), length, packs[k] // slots[k], dp_size=dp_size // d,
-                                   num_microbatches=num_microbatches, seed=seed, epoch=epoch, config=config)
+            sched = balance_level(sub.take(members), length, packs[k] // slots[k], dp_size=dp_size // d,
+                                  num_microbatches=num_microbatches, seed=seed, epoch=epoch,
+                                  balance_config=config.balance)
             parts.append((k, d, kept[members], sched))
     return _combine(parts, stats, lengths, dropped, dp_size=dp_size, num_microbatches=num_microbatches,
                     seed=seed, epoch=epoch, estimate=estimate, config=config)
