@@ -130,7 +130,8 @@ class TrainConfig:
         if not isinstance(self.num_steps, int) or isinstance(self.num_steps, bool) or self.num_steps < 0:
             raise InputError(f"must be an integer >= 0 (0: the whole epoch), got {self.num_steps!r}", source=src,
                              field="num_steps")
-        for name in ("dp_size", "pp_size", "sp_degree", "num_microbatches", "baseline_batch_size", "torch_threads", "max_tiles"):
+        for name in ("dp_size", "pp_size", "sp_degree", "num_microbatches", "baseline_batch_size", "torch_threads",
+                     "max_tiles"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InputError(f"must be a positive integer, got {value!r}", source=src, field=name)

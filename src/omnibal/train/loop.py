@@ -39,6 +39,7 @@ from omnibal.train.metrics_log import (MetricsLog, RankTimes, StepRecord, format
                                        progress_bar, summarize)
 from omnibal.train.pipeline import GradSync, StageLayout, StageRunner
 from omnibal.train.sp import SequenceParallel, check_sp_run, sp_schedule
+from omnibal.train.stage import apply_checkpointing, build_stage, example_carry
 
 _COUNT_FIELDS = ("targets", "samples", "tokens", "tiles", "buffer_tokens", "buffer_tiles")
 
@@ -57,8 +58,6 @@ class Trainer:
                  quiet: bool = True, checkpoint_dir: str | None = None, checkpoint_every: int = 0,
                  run_info: dict | None = None, dp_sync: str = "flat", ledger_path: str | None = None,
                  sp_degree: int = 1, level_curriculum: bool = False):
-        from omnibal.train.stage import apply_checkpointing, build_stage, example_carry
-
         self.world = world
         self.spec = model.spec
         self.layout = layout
@@ -83,25 +82,13 @@ class Trainer:
         if layout.ranges[-1][1] != len(layer_names) or len(layout.ranges) != world.pp_size:
             raise InputError(f"stage layout {layout.ranges} does not split the {len(layer_names)}-layer model into "
                              f"{world.pp_size} stages", source="stage_layers")
-        schedule, self.step_sp = sp_schedule(schedule, sp_degree=sp_degree, curriculum=level_curriculum,
-                                             dp_size=world.dp_size, num_heads=self.spec.llm.num_heads)
-        """``step_sp``: SP degree of every step (1: plain data parallel)."""
-        self.schedule = schedule
+        self.schedule = schedule = self._sp_schedule(schedule, sp_degree, level_curriculum)
         if dataset is not None:
             check_schedule(schedule, dp_size=world.dp_size, num_microbatches=num_microbatches,
                            num_samples=len(dataset), source=getattr(schedule, "source", "schedule"))
         self.schedule_id = schedule_fingerprint(schedule)
 
-        start, end = layout.ranges[world.pp_rank]
-        self.stage_module = build_stage(model, start, end)
-        apply_checkpointing(self.stage_module, layout.recompute[world.pp_rank])
-        self.stage_module.to(world.device)
-        self.sp = None
-        """:class:`omnibal.train.sp.SequenceParallel` when a step runs with an SP degree > 1."""
-        if self.step_sp.max(initial=1) > 1:
-            check_sp_run(self.stage_module, pp_size=world.pp_size, mode=mode, dp_sync=dp_sync)
-            self.sp = SequenceParallel(self.stage_module, world=world, degrees=set(self.step_sp.tolist()),
-                                       num_heads=self.spec.llm.num_heads)
+        start, end = self._build_stage(model, dp_sync)
 
         if world.pp_size > 1 and buffer is None:
             raise InputError("a pipeline needs one fixed micro-batch buffer (tiles, tokens)", source="buffer")
@@ -142,6 +129,28 @@ class Trainer:
         """``--mode online``: per step, the dispatch's per-phase balance (:class:`omnibal.train.online.OnlineStepInfo`)."""
 
     # ---------------------------------------------------------------------------------------------- SP
+
+    def _sp_schedule(self, schedule, sp_degree: int, curriculum: bool):
+        """The schedule as this world runs it (:func:`omnibal.train.sp.sp_schedule`); sets ``step_sp``."""
+        schedule, self.step_sp = sp_schedule(schedule, sp_degree=sp_degree, curriculum=curriculum,
+                                             dp_size=self.world.dp_size, num_heads=self.spec.llm.num_heads)
+        """SP degree of every step (1: plain data parallel)."""
+        return schedule
+
+    def _build_stage(self, model, dp_sync: str) -> tuple[int, int]:
+        """This rank's stage (its layer range of ``model``, recompute set, device) and, when a step runs with
+        an SP degree > 1, ``self.sp`` (:class:`omnibal.train.sp.SequenceParallel`; else None). Returns the
+        stage's layer range."""
+        start, end = self.layout.ranges[self.world.pp_rank]
+        self.stage_module = build_stage(model, start, end)
+        apply_checkpointing(self.stage_module, self.layout.recompute[self.world.pp_rank])
+        self.stage_module.to(self.world.device)
+        self.sp = None
+        if self.step_sp.max(initial=1) > 1:
+            check_sp_run(self.stage_module, pp_size=self.world.pp_size, mode=self.mode, dp_sync=dp_sync)
+            self.sp = SequenceParallel(self.stage_module, world=self.world, degrees=set(self.step_sp.tolist()),
+                                       num_heads=self.spec.llm.num_heads)
+        return start, end
 
     def _sp_leader(self, step: int) -> bool:
         """Whether this rank counts its micro-batches for ``step`` (the first rank of its SP group: the

@@ -190,9 +190,7 @@ class SequenceParallel:
     ranks with the same ``degrees``."""
 
     def __init__(self, stage: nn.Module, *, world, degrees, num_heads: int) -> None:
-        if world.pp_size != 1:
-            raise InputError("sequence parallelism runs with pp = 1 (each SP rank holds the whole chain)",
-                             source="--sp-degree", field="pp_size")
+        assert world.pp_size == 1, "check_sp_run refuses SP with a pipeline"
         self.stage = stage
         self.modules: dict[int, nn.Module] = {1: stage}
         for d in sorted({int(x) for x in degrees}):
