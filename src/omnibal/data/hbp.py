@@ -6,10 +6,10 @@ and the short majority pays the communication and the recompute of the long few.
 packs each sample at a level whose length fits it; every level has its own SP degree and its own static
 buffer, and all ranks run the same level in a step.
 
-**Levels.** :func:`choose_levels` picks the level lengths from ``candidate_lengths`` (default: the powers of
-two from the median sample up to the first one holding the longest sample) to minimise the estimated epoch
-time :func:`levels_cost`. Each sample goes to the shortest level that holds it (the shortest feasible
-level is the one with the smallest SP degree, so the least communication and recompute). The estimate of
+**Levels.** :func:`choose_levels` picks the level lengths from ``candidate_lengths`` (default: powers of
+two and their 1.5x midpoints, from the median sample up to the first one holding the longest sample) to
+minimise the estimated epoch time :func:`levels_cost`. Each sample goes to the shortest level that holds
+it (a shorter level needs a smaller SP degree or less recompute for the same per-rank memory). The estimate of
 one level of length ``L`` with SP degree ``d`` over ``G = dp_size / d`` SP groups of ``M`` micro-batches:
 
     packs  = max(ceil(sum(tokens) / (fill * L)),                padding: a pack is at most L tokens, and
@@ -123,8 +123,8 @@ class HBPConfig:
     level_sp: tuple[int, ...] | None = None
     """Fixed SP degree per ``pack_lengths`` level (e.g. a resharded run's); None: the estimate's best."""
     candidate_lengths: tuple[int, ...] | None = None
-    """Lengths the level search may use; None: powers of two from the median sample to the longest."""
-    max_levels: int = 3
+    """Lengths the level search may use; None: :func:`default_candidates`."""
+    max_levels: int = 4
     """Most levels."""
     fill: float = 0.95
     """Expected fill of a pack (the packer's slack)."""
@@ -164,10 +164,14 @@ class LevelChoice:
 
 # -- level choice ------------------------------------------------------------------------------------
 def default_candidates(tokens: np.ndarray) -> tuple[int, ...]:
-    """Powers of two from the median sample's up to the first holding the longest sample."""
-    lo = 1 << max(int(math.ceil(math.log2(max(float(np.median(tokens)), 1.0)))), 0)
-    hi = 1 << int(math.ceil(math.log2(max(int(tokens.max()), 1))))
-    return tuple(1 << k for k in range(lo.bit_length() - 1, hi.bit_length()))
+    """Powers of two and the midpoints 1.5 x 2^k (multiples of 8 from 16 on), from the median sample's
+    length up to the first holding the longest sample."""
+    median, longest = max(float(np.median(tokens)), 1.0), max(int(tokens.max()), 1)
+    grid = sorted({x for k in range(0, 31) for x in (1 << k, 3 << k >> 1) if x >= 1})
+    below = [x for x in grid if x < median]
+    start = below[-1] if below else grid[0]
+    stop = next(x for x in grid if x >= longest)
+    return tuple(x for x in grid if start <= x <= stop)
 
 
 class _LevelCosts:

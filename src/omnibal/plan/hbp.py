@@ -48,10 +48,11 @@ class HBPPlanConfig:
 
     sp_degrees: tuple[int, ...] = (1, 2, 4, 8)
     """SP degrees a level may use (each divides dp_size; 8 = one node of A100s)."""
-    max_levels: int = 3
+    max_levels: int = 4
     """Most levels."""
     candidate_lengths: tuple[int, ...] | None = None
-    """Level lengths to choose from; None: powers of two from the median sample to the longest."""
+    """Level lengths to choose from; None: powers of two and 1.5x midpoints from the median sample to the
+    longest (``omnibal.data.hbp.default_candidates``)."""
     oversize: str = "error"
     """A sample no level holds even at the largest SP degree: ``error`` or ``drop`` (listed)."""
     baseline_batch_size: int = 4
