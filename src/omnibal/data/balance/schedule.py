@@ -132,15 +132,14 @@ class Schedule:
     def sp_group_mismatch(self) -> tuple[int, int] | None:
         """(step, rank) of the first rank whose micro-batches differ from its SP group leader's, else None."""
         sp = self.step_sp()
-        for step in np.flatnonzero(sp > 1):
-            d = int(sp[step])
-            ids = self.pack_ids[step]
-            for r in range(self.dp_size):
-                lead = (r // d) * d
-                if r == lead or np.array_equal(ids[r], ids[lead]):
-                    continue
-                if any(not np.array_equal(self.pack(int(a)), self.pack(int(b))) for a, b in zip(ids[r], ids[lead])):
-                    return int(step), r
+        ranks = np.arange(self.dp_size)
+        leader = (ranks[None, :] // sp[:, None]) * sp[:, None]  # [S, D]
+        lead_ids = np.take_along_axis(self.pack_ids, leader[:, :, None], axis=1)
+        # the same pack ids: equal; other ids (e.g. read from JSON) are compared by content
+        for step, r in np.argwhere((lead_ids != self.pack_ids).any(axis=2)):
+            if any(not np.array_equal(self.pack(int(a)), self.pack(int(b)))
+                   for a, b in zip(self.pack_ids[step, r], lead_ids[step, r])):
+                return int(step), int(r)
         return None
 
     # -- shape --------------------------------------------------------------------------------------
