@@ -60,8 +60,8 @@ def run_case(name: str, config: PlanJobConfig, stats, batch: int) -> dict:
 def markdown(results: list[dict], load: str) -> str:
     lines = ["# HBP: predicted GPU days per epoch (128 A100-80G)", "",
              "Predicted by omnibal's cost model + simulator (`omnibal.plan.hbp`); see docs/hbp.md. " + load, "",
-             "| case | packing | levels (pack length x SP) | checkpointed layers per level | GPU days | vs single level "
-             "| vs baseline |", "|---|---|---|---|---|---|---|"]
+             "| case | packing | levels (pack length x SP) | checkpointed layers per level | GPU days "
+             "| vs single level | vs baseline |", "|---|---|---|---|---|---|---|"]
     for res in results:
         rows = {r["name"]: r for r in res["rows"]}
         single, base = rows["single level"]["gpu_days"], rows["baseline"]["gpu_days"]

@@ -208,7 +208,8 @@ def level_cost_model(ctx: HBPContext, hbp: HBPPlanConfig, tiles_per_token: float
                           recompute_tokens=tuple(grid), recompute_ratio=ratios)
 
 
-def recompute_ratio(table: LayerCostTable, stage_config: StageModelConfig, tokens: int, tiles_per_token: float) -> float:
+def recompute_ratio(table: LayerCostTable, stage_config: StageModelConfig, tokens: int,
+                    tiles_per_token: float) -> float:
     """Extra time share of the least recompute that fits micro-batches of ``tokens`` per rank: the joint
     optimum's bottleneck over the min-max bottleneck without recompute, less one."""
     feats = np.array([[1.0, tokens * tiles_per_token, tokens, float(tokens) ** 2]])
@@ -375,7 +376,8 @@ def hbp_markdown(result: HBPPlanResult) -> str:
     for i, lv in enumerate(result.row("hbp").levels):
         lines.append(f"| {i} | {lv.length:,} | {lv.sp} | {lv.steps:,} | {lv.samples:,} | {lv.checkpointed} | "
                      f"{lv.a2a_share:.1%} | {lv.time_s / 3600:.2f} |")
-    lines += ["", "| packing | levels (length x SP) | GPU days | vs single level | OOM steps |", "|---|---|---|---|---|"]
+    lines += ["", "| packing | levels (length x SP) | GPU days | vs single level | OOM steps |",
+              "|---|---|---|---|---|"]
     single = result.row("single level").gpu_days
     for row in result.rows:
         desc = ", ".join(f"{lv.length:,} x {lv.sp}" for lv in row.levels)
