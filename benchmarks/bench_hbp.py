@@ -80,7 +80,10 @@ def markdown(results: list[dict], load: str) -> str:
         hbp = next(r for r in res["rows"] if r["name"] == "hbp")
         desc = "; ".join(f"{lv['length']:,} x SP {lv['sp']}: {lv['steps']} steps, {lv['samples']:,} samples, "
                          f"a2a {lv['a2a_share']:.1%}" for lv in hbp["levels"])
-        lines.append(f"- {res['case']}: {desc} (planned in {res['cpu_s']} CPU s)")
+        tried = "; ".join(f"{'/'.join(f'{n // 1024}k' for n in t['lengths'])}: {t['gpu_days']:.1f}"
+                          for t in res["level_sets_tried"])
+        lines.append(f"- {res['case']}: {desc}. Level sets the simulator compared (GPU days): {tried}. "
+                     f"Planned in {res['cpu_s']} CPU s.")
     return "\n".join(lines) + "\n"
 
 

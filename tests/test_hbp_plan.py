@@ -77,6 +77,8 @@ def test_small_plan_covers_every_sample_once_and_is_serialisable(small_plan):
         assert row.gpu_days > 0 and row.oom_steps == 0
         for lv in row.levels:
             assert lv.length <= result.model.max_tokens_per_rank * lv.sp or row.name == "baseline"
+    assert hbp.gpu_days <= result.row("single level").gpu_days  # the simulator keeps the best level set
+    assert len(result.tried) >= 1 and min(v for _, v in result.tried) == pytest.approx(hbp.gpu_days)
     json.dumps(result.to_dict())
     assert "| hbp |" in hbp_markdown(result)
 

@@ -279,6 +279,8 @@ class HBPPlanResult:
     """The level cost model the levels were chosen with."""
     schedule: object
     """The HBP schedule (of the balanced samples)."""
+    tried: tuple = ()
+    """``(level lengths, predicted GPU days)`` of every level set the simulator compared."""
 
     def row(self, name: str) -> HBPRow:
         return next(r for r in self.rows if r.name == name)
@@ -288,6 +290,7 @@ class HBPPlanResult:
         return {"rows": [r.to_dict() for r in self.rows],
                 "model": {"sp_degrees": list(m.sp_degrees), "a2a_s_per_token": list(m.a2a_per_token),
                           "max_tokens_per_rank": int(m.max_tokens_per_rank)},
+                "level_sets_tried": [{"lengths": k, "gpu_days": v} for k, v in self.tried],
                 "speedup_hbp_vs_single": self.row("single level").gpu_days / self.row("hbp").gpu_days,
                 "speedup_hbp_vs_baseline": self.row("baseline").gpu_days / self.row("hbp").gpu_days}
 
@@ -307,26 +310,40 @@ def _baseline_row(ctx: HBPContext, hbp: HBPPlanConfig, stats, model: LevelCostMo
 
 
 def plan_hbp(ctx: HBPContext, hbp: HBPPlanConfig, stats) -> HBPPlanResult:
-    """Choose the levels, balance them, and simulate HBP against single-level packing and the baseline."""
+    """Choose the levels, balance them, and simulate HBP against single-level packing and the baseline.
+
+    The estimate (:func:`omnibal.data.hbp.choose_levels`) proposes the best level set for each level count
+    up to ``max_levels``; the simulator keeps the fastest of them, so HBP is never predicted slower than the
+    single level (level count 1) it is compared with."""
     tiles_per_token = float(stats.tiles.sum()) / max(float(stats.tokens.sum()), 1.0)
     model = level_cost_model(ctx, hbp, tiles_per_token)
-    config = HBPConfig(model=model, max_levels=hbp.max_levels, candidate_lengths=hbp.candidate_lengths,
-                       oversize=hbp.oversize, balance=BalanceConfig(cost=model.cost))
+    config = HBPConfig(model=model, max_levels=1, candidate_lengths=hbp.candidate_lengths, oversize=hbp.oversize,
+                       balance=BalanceConfig(cost=model.cost))
     layout = dict(dp_size=ctx.dp_size, num_microbatches=ctx.num_microbatches, seed=ctx.seed)
-    sched = balance_hbp(stats, **layout, config=config)
-    lengths = tuple(sched.meta["hbp"]["level_lengths"])
-    top = (lengths[-1],)
-    single = balance_hbp(stats, **layout, config=replace(config, pack_lengths=top))
+    single = balance_hbp(stats, **layout, config=config)
+    top = tuple(single.meta["hbp"]["level_lengths"])
+    single_row = simulate_levels(ctx, hbp, level_features(single, stats), top, name="single level",
+                                 dropped=len(single.dropped))
+    best, best_row, tried = single, replace(single_row, name="hbp"), {top: single_row.gpu_days}
+    for count in range(2, hbp.max_levels + 1):
+        sched = balance_hbp(stats, **layout, config=replace(config, max_levels=count))
+        lengths = tuple(sched.meta["hbp"]["level_lengths"])
+        if lengths in tried:
+            continue
+        row = simulate_levels(ctx, hbp, level_features(sched, stats), lengths, name="hbp",
+                              dropped=len(sched.dropped))
+        tried[lengths] = row.gpu_days
+        if row.gpu_days < best_row.gpu_days:
+            best, best_row = sched, row
     # the usual long-context recipe: the smallest SP degree the longest pack needs, full recompute, for all
     recipe = balance_hbp(stats, **layout, config=replace(config, pack_lengths=top,
                                                          level_sp=(model.feasible_sp(top[0])[0],)))
     rows = (_baseline_row(ctx, hbp, stats, model),
             simulate_levels(ctx, hbp, level_features(recipe, stats), top, name="single level, full recompute",
                             recompute="full", dropped=len(recipe.dropped)),
-            simulate_levels(ctx, hbp, level_features(single, stats), top, name="single level",
-                            dropped=len(single.dropped)),
-            simulate_levels(ctx, hbp, level_features(sched, stats), lengths, name="hbp", dropped=len(sched.dropped)))
-    return HBPPlanResult(rows=rows, model=model, schedule=sched)
+            single_row, best_row)
+    return HBPPlanResult(rows=rows, model=model, schedule=best,
+                         tried=tuple((list(k), v) for k, v in tried.items()))
 
 
 def hbp_context(config, *, num_samples: int, balanced_samples: int, cost: BalanceCost | None = None) -> HBPContext:
