@@ -95,10 +95,10 @@ def test_pad_tokens_adds_an_ignored_segment():
 
 # ------------------------------------------------------------------------------------------- multi-process
 
-pytestmark_mp = pytest.mark.multiprocess
+multiprocess = pytest.mark.multiprocess
 
 
-@pytestmark_mp
+@multiprocess
 @pytest.mark.parametrize("dp,sp,recompute", [(2, 2, False), (4, 4, False), (4, 2, True)])
 def test_sp_step_matches_the_run_without_sp(dp, sp, recompute):
     """One step of --sp-degree sp over dp ranks (dp/sp groups, each pack split over its group's ranks) gives
@@ -116,7 +116,7 @@ LEVEL_SP = (1, 2, 4)
 LEVELS = (2, 0, 1, 0, 2, 1)
 
 
-@pytestmark_mp
+@multiprocess
 def test_levels_switch_sp_per_step_and_match_one_process():
     """A 3-level schedule (SP 1, 2, 4) on 4 ranks: every step's loss and gradients equal one process
     running that step's distinct packs (each SP group's once), normalised by that global batch's targets,
@@ -132,7 +132,7 @@ def test_levels_switch_sp_per_step_and_match_one_process():
         _assert_grads_equal([v["steps"][step]["grads"] for v in values], ref_grads)
 
 
-@pytestmark_mp
+@multiprocess
 def test_levels_exactly_once_in_the_ledger(tmp_path):
     """The whole multi-level epoch through Trainer.run, in curriculum order: the trainer's ledger holds every
     scheduled sample exactly once (an SP group's packs counted once, not once per rank)."""
