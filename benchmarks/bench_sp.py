@@ -18,7 +18,8 @@ B. **HBP vs one level** on the data helper's scaled-down long mixture (``cpu_lon
    budget; on this host it runs, so it shows what SP itself costs).
 
 Reported per configuration: real samples/s (wall), samples per CPU-second (all ranks' process CPU time:
-less sensitive to the other jobs on this host), the per-rank peak RSS, and the largest LLM token share one
+less sensitive to the other jobs on this host), samples per compute-second (forward + backward only, the
+per-step optimizer / all-reduce / data costs left out), the per-rank peak RSS, and the largest LLM token share one
 rank held in a micro-batch (what activation memory follows). Writes benchmarks/results/sp.json and sp.md.
 """
 
@@ -104,7 +105,7 @@ def rank_run(schedule, stats, sp_degree: int):
                       sp_degree=sp_degree)
     trainer.run(0)
     records = [{"samples": r.samples, "step_s": r.step_s, "cpu_s": sum(rk["cpu_s"] for rk in r.ranks),
-                "loss": r.loss} for r in trainer.log.records] if world.rank == 0 else None
+                "compute_s": sum(rk["compute_s"] for rk in r.ranks), "loss": r.loss} for r in trainer.log.records] if world.rank == 0 else None
     rss = torch.tensor([resource_peak()], dtype=torch.float64)
     gathered = [torch.zeros_like(rss) for _ in range(DP)]
     torch.distributed.all_gather(gathered, rss)
@@ -138,10 +139,12 @@ def measure(name: str, schedule, stats, sp_degree: int = 1) -> dict:
     use = out["records"][1:] or out["records"]
     wall = sum(r["step_s"] for r in use)
     cpu = sum(r["cpu_s"] for r in use)
+    compute = sum(r["compute_s"] for r in use)
     samples = sum(r["samples"] for r in use)
     levels = getattr(schedule, "level_sp", None)
     row = {"config": name, "steps": len(out["records"]), "steps_timed": len(use), "samples_timed": samples,
            "samples_per_s": samples / wall, "samples_per_cpu_s": samples / cpu, "wall_s": wall, "cpu_s": cpu,
+           "samples_per_compute_s": samples / compute, "compute_share_of_cpu": compute / cpu,
            "peak_rss_mib": [round(x / 2**20) for x in out["peak_rss"]], "max_rank_tokens": out["max_rank_tokens"],
            "level_sp": list(levels) if levels else [sp_degree], "final_loss": out["records"][-1]["loss"],
            "load_after": os.getloadavg()[0]}
@@ -154,7 +157,8 @@ def median_rows(rows: list[dict]) -> dict:
     """Median of the repeats' rates (the other fields of the median-throughput repeat)."""
     rows = sorted(rows, key=lambda r: r["samples_per_s"])
     mid = dict(rows[len(rows) // 2])
-    mid["samples_per_cpu_s"] = statistics.median(r["samples_per_cpu_s"] for r in rows)
+    for key in ("samples_per_s", "samples_per_cpu_s", "samples_per_compute_s"):
+        mid[key] = statistics.median(r[key] for r in rows)
     mid["repeats_samples_per_s"] = [round(r["samples_per_s"], 4) for r in rows]
     return mid
 
@@ -162,11 +166,13 @@ def median_rows(rows: list[dict]) -> dict:
 def table(rows: list[dict], base: str) -> list[str]:
     ref = next(r for r in rows if r["config"] == base)
     lines = ["| config | SP degree(s) | steps | samples/s | vs " + base + " | samples / CPU-s | vs " + base +
-             " | peak RSS per rank (MiB) | max LLM tokens per rank |", "|---|---|---|---|---|---|---|---|---|"]
+             " | samples / compute-s | vs " + base + " | peak RSS per rank (MiB) | max LLM tokens per rank |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['config']} | {r['level_sp']} | {r['steps']} | {r['samples_per_s']:.3f} | "
                      f"{r['samples_per_s'] / ref['samples_per_s']:.2f}x | {r['samples_per_cpu_s']:.3f} | "
-                     f"{r['samples_per_cpu_s'] / ref['samples_per_cpu_s']:.2f}x | {r['peak_rss_mib']} | "
+                     f"{r['samples_per_cpu_s'] / ref['samples_per_cpu_s']:.2f}x | {r['samples_per_compute_s']:.3f} | "
+                     f"{r['samples_per_compute_s'] / ref['samples_per_compute_s']:.2f}x | {r['peak_rss_mib']} | "
                      f"{r['max_rank_tokens']} |")
     return lines
 
@@ -235,7 +241,11 @@ def render(doc: dict) -> str:
              f"`{h['model']}` preset, {h['microbatches']} micro-batches per rank, median of {h['repeats']} "
              f"repeat(s), first step of each run excluded. Host: {h['cpus']} CPUs shared with other jobs, load "
              f"{h['load_before'][0]:.1f} before / {h['load_after'][0]:.1f} after: compare samples per CPU-second "
-             "(all ranks' process CPU time) beside wall-clock samples/s.", "",
+             "(all ranks' process CPU time) beside wall-clock samples/s; samples / compute-s counts only the "
+             "ranks' forward + backward seconds (no optimizer, gradient all-reduce, data or metrics: the per-step "
+             "costs that a schedule of more, smaller steps pays more often) -- wall seconds, so as load-sensitive "
+             "as samples/s. Repeats of one configuration differed by up to 5x in samples/s (sp1: 0.19 vs 1.01) as "
+             "the load moved between 2 and 15; samples / CPU-s by under 5%.", "",
              f"## A. Long packs: SP 2 vs DP 2 ({doc['long_packs']['samples']} samples of "
              f"{doc['long_packs']['tokens_per_sample'][0]}-{doc['long_packs']['tokens_per_sample'][1]} tokens, "
              "2 per pack)", "", *table(doc["long_packs"]["rows"], "sp1"), "",
