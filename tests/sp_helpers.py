@@ -69,7 +69,7 @@ def make_sp_trainer(world, schedule, *, sp_degree: int = 1, recompute=None, ledg
     layout = resolve_layout(names, pp_size=1, mode="omnibal", recompute=recompute)
     return Trainer(world=world, model=model, layout=layout, schedule=schedule, dataset=tiny_dataset(spec, stats),
                    mode="omnibal", num_microbatches=schedule.num_microbatches, lr=lr, ledger_path=ledger_path,
-                   sp_degree=sp_degree, level_curriculum=curriculum)
+                   sp_degree=sp_degree, level_curriculum=int(curriculum))
 
 
 def _grads(module) -> dict:

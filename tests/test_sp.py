@@ -57,7 +57,7 @@ def test_schedule_errors_name_the_input():
         expand_for_sp(levels, 2, dp_size=8)
     # a level whose degree does not divide the heads (the tiny LLM has 4)
     with pytest.raises(InputError, match="attention heads") as err:
-        sp_schedule(levels, sp_degree=1, curriculum=False, dp_size=4, num_heads=1)
+        sp_schedule(levels, sp_degree=1, curriculum_epochs=0, dp_size=4, num_heads=1)
     assert err.value.field == "level_sp"
     # the trainer refuses --sp-degree that does not divide dp, before any process group is needed
     with pytest.raises(InputError, match="does not divide the 1 data-parallel"):
@@ -76,8 +76,14 @@ def test_expand_and_curriculum():
     assert list(ordered.step_sp()) == [1, 1, 2, 4, 4]
     assert np.array_equal(ordered.pack_ids[2], sched.pack_ids[2]) and np.array_equal(ordered.pack_ids[0],
                                                                                        sched.pack_ids[1])
-    _, step_sp = sp_schedule(single, sp_degree=2, curriculum=True, dp_size=4, num_heads=4)
+    _, step_sp = sp_schedule(single, sp_degree=2, curriculum_epochs=1, dp_size=4, num_heads=4)
     assert list(step_sp) == [2, 2]
+    # the curriculum covers the first epochs only: epoch 1 keeps the schedule's order
+    from dataclasses import replace
+
+    first, _ = sp_schedule(sched, sp_degree=1, curriculum_epochs=1, dp_size=4, num_heads=4)
+    later, _ = sp_schedule(replace(sched, epoch=1), sp_degree=1, curriculum_epochs=1, dp_size=4, num_heads=4)
+    assert list(first.step_sp()) == [1, 1, 2, 4, 4] and list(later.step_sp()) == list(sched.step_sp())
 
 
 def test_pad_tokens_adds_an_ignored_segment():

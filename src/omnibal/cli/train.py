@@ -74,7 +74,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s = parser.add_argument_group("sequence parallelism")
     s.add_argument("--sp-degree", type=int, default=1, help="Ulysses SP degree: each group of N consecutive DP ranks "
                    "splits every pack (data balanced for dp/N groups; pp 1). A multi-level schedule sets its own")
-    s.add_argument("--level-curriculum", action="store_true", help="multi-level schedule: short levels first")
+    s.add_argument("--level-curriculum", type=int, default=0, metavar="EPOCHS",
+                   help="multi-level schedule of one of the first EPOCHS epochs: short levels first (default 0)")
     o = parser.add_argument_group("output")
     o.add_argument("--metrics-log", "--log", dest="log_path", metavar="FILE",
                    help="JSONL metrics log (one line per step); under torchrun spell it --metrics-log (torchrun's own "

@@ -35,8 +35,9 @@ class TrainConfig:
     consecutive DP ranks form one group that splits each pack's tokens (Ulysses) and tiles, so the data is
     balanced for ``dp_size / sp_degree`` groups. A multi-level (HBP) schedule sets its own degrees per level
     (leave this at 1). Needs pp = 1, dp_sync flat, the reference VLM."""
-    level_curriculum: bool = False
-    """Run a multi-level schedule's short levels (smaller SP degree) first (HBP's curriculum)."""
+    level_curriculum: int = 0
+    """HBP's curriculum: in a multi-level schedule of one of the first ``level_curriculum`` epochs (its
+    ``epoch`` field), the short levels' steps (smaller SP degree) run first. 0: the schedule's order."""
     num_microbatches: int = 4
     """Micro-batches per DP rank per step (must match the schedule file when one is given)."""
     pipeline_schedule: Literal["1f1b", "gpipe"] = "1f1b"
@@ -135,6 +136,10 @@ class TrainConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InputError(f"must be a positive integer, got {value!r}", source=src, field=name)
+        if not isinstance(self.level_curriculum, int) or isinstance(self.level_curriculum, bool) or \
+                self.level_curriculum < 0:
+            raise InputError(f"must be an integer >= 0 (epochs), got {self.level_curriculum!r}", source=src,
+                             field="level_curriculum")
         if self.checkpoint_every < 0:
             raise InputError(f"must be >= 0, got {self.checkpoint_every}", source=src, field="checkpoint_every")
         if not self.timeout_s > 0:

@@ -57,7 +57,7 @@ class Trainer:
                  weight_decay: float = 0.0, buffer: Buffer | None = None, log_path: str | None = None,
                  quiet: bool = True, checkpoint_dir: str | None = None, checkpoint_every: int = 0,
                  run_info: dict | None = None, dp_sync: str = "flat", ledger_path: str | None = None,
-                 sp_degree: int = 1, level_curriculum: bool = False):
+                 sp_degree: int = 1, level_curriculum: int = 0):
         self.world = world
         self.spec = model.spec
         self.layout = layout
@@ -130,9 +130,9 @@ class Trainer:
 
     # ---------------------------------------------------------------------------------------------- SP
 
-    def _sp_schedule(self, schedule, sp_degree: int, curriculum: bool):
+    def _sp_schedule(self, schedule, sp_degree: int, curriculum_epochs: int):
         """The schedule as this world runs it (:func:`omnibal.train.sp.sp_schedule`); sets ``step_sp``."""
-        schedule, self.step_sp = sp_schedule(schedule, sp_degree=sp_degree, curriculum=curriculum,
+        schedule, self.step_sp = sp_schedule(schedule, sp_degree=sp_degree, curriculum_epochs=curriculum_epochs,
                                              dp_size=self.world.dp_size, num_heads=self.spec.llm.num_heads)
         """SP degree of every step (1: plain data parallel)."""
         return schedule

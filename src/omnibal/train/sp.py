@@ -247,17 +247,18 @@ def step_degrees(schedule, default: int = 1) -> np.ndarray:
     return np.full(schedule.num_steps, default, np.int64)
 
 
-def sp_schedule(schedule, *, sp_degree: int, curriculum: bool, dp_size: int, num_heads: int):
+def sp_schedule(schedule, *, sp_degree: int, curriculum_epochs: int, dp_size: int, num_heads: int):
     """``(schedule, step_sp)`` as a world of ``dp_size`` ranks runs it: a single-level schedule balanced for
     ``dp_size / sp_degree`` groups dealt to every rank of each group, a multi-level one's degrees checked;
-    in curriculum order when asked. ``step_sp`` is the SP degree of every step."""
+    in curriculum order when its ``epoch`` (0 when it has none) is one of the first ``curriculum_epochs``.
+    ``step_sp`` is the SP degree of every step."""
     source = getattr(schedule, "source", "schedule")
     if sp_degree != 1:
         check_sp_degree(sp_degree, dp_size=dp_size, num_heads=num_heads)
         schedule = expand_for_sp(schedule, sp_degree, dp_size=dp_size)
     for d in getattr(schedule, "level_sp", None) or ():
         check_sp_degree(d, dp_size=dp_size, num_heads=num_heads, source=source, field="level_sp")
-    if curriculum:
+    if int(getattr(schedule, "epoch", 0)) < curriculum_epochs:
         schedule = curriculum_order(schedule)
     return schedule, step_degrees(schedule, sp_degree)
 
