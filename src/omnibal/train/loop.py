@@ -38,7 +38,7 @@ from omnibal.train.feed import (Buffer, ScheduleLike, check_schedule, fixed_buff
 from omnibal.train.metrics_log import (MetricsLog, RankTimes, StepRecord, format_summary, process_memory,
                                        progress_bar, summarize)
 from omnibal.train.pipeline import GradSync, StageLayout, StageRunner
-from omnibal.train.sp import SequenceParallel, check_sp_run, sp_schedule
+from omnibal.train.sp import SequenceParallel, check_sp_run, sp_schedule, step_degrees
 from omnibal.train.stage import apply_checkpointing, build_stage, example_carry
 
 _COUNT_FIELDS = ("targets", "samples", "tokens", "tiles", "buffer_tokens", "buffer_tiles")
@@ -154,7 +154,10 @@ class Trainer:
 
     def _sp_leader(self, step: int) -> bool:
         """Whether this rank counts its micro-batches for ``step`` (the first rank of its SP group: the
-        group's ranks hold the same packs, which count once in the targets, samples and the ledger)."""
+        group's ranks hold the same packs, which count once in the targets, samples and the ledger).
+        Without SP every rank counts, whatever the schedule's length (a resharded remainder is longer)."""
+        if self.sp is None:
+            return True
         return self.world.dp_rank % int(self.step_sp[step]) == 0
 
     # ---------------------------------------------------------------------------------------------- data
@@ -486,6 +489,9 @@ class Trainer:
                                  f"buffer, the pipeline was built for ({self.buffer.tiles}, {self.buffer.tokens})",
                                  source=schedule.source, field="buffer")
         self.schedule = schedule
+        # step_sp follows the schedule: the remainder is numbered from the checkpoint's next_step and can be
+        # longer than the fresh epoch step_sp was built for (dp 1 -> 2); a reshard runs plain DP (degree 1)
+        self.step_sp = step_degrees(schedule)
         self.schedule_id = schedule_fingerprint(schedule)
         self.resharded = True
 
