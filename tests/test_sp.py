@@ -99,6 +99,22 @@ def test_pad_tokens_adds_an_ignored_segment():
     assert out[0, META_IMAGE_INDEX, 3:].tolist() == [-1, -1]
 
 
+def test_a_resharded_remainder_longer_than_the_fresh_epoch_trains_without_sp():
+    """Regression (dp 1 -> 2 reshard died with IndexError): the per-step SP degrees were built for the fresh
+    epoch and not for the re-balanced remainder, which is numbered from the checkpoint's next step and can
+    be longer. A run without SP must take every step of the schedule it runs, whatever its length."""
+    stats = tiny_stats()
+    trainer = make_sp_trainer(local_world(), pack_schedule(stats, dp_size=1, num_microbatches=NUM_MICRO,
+                                                           num_steps=1))
+    assert trainer.sp is None and len(trainer.step_sp) == 1
+    longer = pack_schedule(stats, dp_size=1, num_microbatches=NUM_MICRO, num_steps=3)
+    trainer._use_resharded(longer)
+    assert list(trainer.step_sp) == [1, 1, 1]
+    trainer.step = 2  # past the fresh epoch's single step
+    record = trainer.train_step()
+    assert trainer.step == 3 and record is not None and record.samples > 0
+
+
 # ------------------------------------------------------------------------------------------- multi-process
 
 multiprocess = pytest.mark.multiprocess
