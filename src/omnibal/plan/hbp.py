@@ -348,9 +348,12 @@ def plan_hbp(ctx: HBPContext, hbp: HBPPlanConfig, stats) -> HBPPlanResult:
 
 def hbp_context(config, *, num_samples: int, balanced_samples: int, cost: BalanceCost | None = None) -> HBPContext:
     """The :class:`HBPContext` of an ``omnibal plan`` job (:class:`omnibal.plan.job.PlanJobConfig`)."""
-    from omnibal.cost.hardware import get_hardware
+    from omnibal.cost.hardware import GiB, get_hardware
     from omnibal.cost.presets import get_model_preset
-    from omnibal.plan.job import GiB, _cost_table  # noqa: PLC0415 -- the job owns cost-table selection
+    # TODO(merge): use the public omnibal.sim.predict.cost_table(spec, hw, profile_path=config.profile_path,
+    # tp_size=config.tp_size, stack=config.stack) from main; this branch has no sim.predict, so the job's
+    # private table selection is borrowed until then (one owner of analytic-vs-profile choice).
+    from omnibal.plan.job import _cost_table  # noqa: PLC0415 -- the job owns cost-table selection
     from omnibal.sim.costs import config_for_hardware
 
     config.validate()
