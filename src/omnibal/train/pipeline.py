@@ -305,7 +305,7 @@ class StageRunner:
                              field="labels")
         self._scale = self._grad_multiplier / float(global_targets)
         if self.num_stages == 1:
-            return self._accumulate(microbatches, module or self.module)
+            return self._accumulate(microbatches, self.module if module is None else module)
         assert module is None, "a pipeline stage runs its own module"
         self.stage.compute_s = 0.0
         args = ()
