@@ -54,6 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_option(d, "padding", default="varlen", choices=PLAN_PADDINGS,
                help="how balanced packs run: variable length, or padded to the caps (static shapes)")
     add_option(d, "batch_size", default=4, help="samples per baseline micro-batch")
+    d.add_argument("--hbp", nargs="?", const="job", default=None, choices=("job", "long-context"),
+                   help="plan HBP multi-level packing instead (docs/hbp.md): per-level pack length, SP degree and "
+                        "recompute vs single-level packing, on the job's data or the long-context mixture")
     s = parser.add_argument_group("search")
     s.add_argument("--radius", type=int, default=2, help="move each stage boundary by up to this many layers")
     s.add_argument("--top-k", type=int, default=8, help="candidates scored with the simulator")
@@ -130,6 +133,10 @@ def run(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     config = job_config(args)
+    if args.hbp:
+        from omnibal.cli.plan_hbp import run_hbp
+
+        return run_hbp(args, config)
     check_dir(args.out, "--out")  # before minutes of planning, not after
     progress = not args.quiet and sys.stderr.isatty()
     print(f"omnibal plan: {config.hf_model or config.preset} on {config.layout.num_gpus} x {config.hardware_name} "

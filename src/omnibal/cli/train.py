@@ -70,6 +70,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_option(p, "schedule_file", help="balanced schedule JSON (omnibal mode; default: balance the statistics now)")
     add_option(p, "batch_size", default=4, help="samples per micro-batch in baseline mode; online mode draws "
                "--microbatches x this many samples per rank per step")
+    s = parser.add_argument_group("sequence parallelism")
+    s.add_argument("--sp-degree", type=int, default=1, help="Ulysses SP degree: each group of N consecutive DP ranks "
+                   "splits every pack (data balanced for dp/N groups; pp 1). A multi-level schedule sets its own")
+    s.add_argument("--level-curriculum", type=int, default=0, metavar="EPOCHS",
+                   help="multi-level schedule of one of the first EPOCHS epochs: short levels first (default 0)")
     o = parser.add_argument_group("output")
     o.add_argument("--metrics-log", "--log", dest="log_path", metavar="FILE",
                    help="JSONL metrics log (one line per step); under torchrun spell it --metrics-log (torchrun's own "
@@ -105,7 +110,7 @@ def config_from_args(args: argparse.Namespace):
         device=args.device, timeout_s=args.timeout_s, torch_threads=args.threads,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, resume=args.resume,
         reshard=args.reshard, log_path=args.log_path, summary_path=args.summary_path, ledger_path=args.ledger_path,
-        quiet=args.quiet)
+        quiet=args.quiet, sp_degree=args.sp_degree, level_curriculum=args.level_curriculum)
 
 
 def run(args: argparse.Namespace) -> int:

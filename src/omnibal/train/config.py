@@ -34,6 +34,14 @@ class TrainConfig:
     """DP x PP (world size = dp_size * pp_size) and micro-batches per DP rank per step (must match the
     schedule file when one is given); no TP and no ZeRO (tp_size 1, zero_stage 0). Its fields also read and
     construct flat: ``TrainConfig(dp_size=2).dp_size``."""
+    sp_degree: int = 1
+    """Sequence-parallel degree of a single-level run (:mod:`omnibal.train.sp`): every ``sp_degree``
+    consecutive DP ranks form one group that splits each pack's tokens (Ulysses) and tiles, so the data is
+    balanced for ``dp_size / sp_degree`` groups. A multi-level (HBP) schedule sets its own degrees per level
+    (leave this at 1). Needs pp = 1, dp_sync flat, the reference VLM."""
+    level_curriculum: int = 0
+    """HBP's curriculum: in a multi-level schedule of one of the first ``level_curriculum`` epochs (its
+    ``epoch`` field), the short levels' steps (smaller SP degree) run first. 0: the schedule's order."""
     pipeline_schedule: Literal["1f1b", "gpipe"] = "1f1b"
     """Pipeline schedule (torch.distributed.pipelining Schedule1F1B or ScheduleGPipe)."""
     dp_sync: Literal["flat", "ddp"] = "flat"
@@ -126,6 +134,10 @@ class TrainConfig:
                              field="num_steps")
         for name in ("baseline_batch_size", "torch_threads", "max_tiles"):
             check_positive_int(getattr(self, name), name, source=src)
+        check_positive_int(self.sp_degree, "sp_degree", source=src)
+        if not is_int(self.level_curriculum) or self.level_curriculum < 0:
+            raise InputError(f"must be an integer >= 0 (epochs), got {self.level_curriculum!r}", source=src,
+                             field="level_curriculum")
         if self.checkpoint_every < 0:
             raise InputError(f"must be >= 0, got {self.checkpoint_every}", source=src, field="checkpoint_every")
         if not self.timeout_s > 0:
@@ -141,6 +153,7 @@ class TrainConfig:
         if self.mode == "online" and self.pp_size != 1:
             raise InputError("online mode runs data parallel only (pp = 1): the vision encoder and the LLM of a "
                              "sample run on different DP ranks", source=src, field="pp_size")
+        self._check_sp()
         if self.stage_layers is not None and len(self.stage_layers) != self.pp_size:
             raise InputError(f"{len(self.stage_layers)} ranges given for {self.pp_size} stages", source=src,
                              field="stage_layers")
@@ -163,6 +176,19 @@ class TrainConfig:
             raise InputError("resume needs checkpoint_dir", source=src, field="resume")
         if self.reshard and not self.resume:
             raise InputError("reshard applies to a resume: pass resume too", source=src, field="reshard")
+
+    def _check_sp(self) -> None:
+        if self.sp_degree == 1:
+            return
+        src = "train config"
+        if self.dp_size % self.sp_degree:
+            raise InputError(f"SP degree {self.sp_degree} does not divide the {self.dp_size} data-parallel ranks "
+                             f"(an SP group is {self.sp_degree} consecutive ranks)", source=src, field="sp_degree")
+        for bad, why in ((self.pp_size != 1, "pp = 1"), (self.mode == "online", "baseline or omnibal mode"),
+                         (self.dp_sync != "flat", "dp_sync flat"), (self.hf_model is not None, "the reference VLM"),
+                         (self.reshard, "no reshard")):
+            if bad:
+                raise InputError(f"sequence parallelism runs with {why}", source=src, field="sp_degree")
 
     @property
     def world_size(self) -> int:

@@ -212,7 +212,9 @@ def _row_counts(schedule, num_samples: int, source: str) -> np.ndarray:
             raise bad("empty micro-batch", *np.unravel_index(int(empty[0]), ids.shape))
         if len(samples) and (samples.min() < 0 or samples.max() >= num_samples):
             raise InputError(f"sample index outside the dataset of {num_samples}", source=source, field="steps")
-        uses = np.repeat(np.bincount(ids.reshape(-1), minlength=len(sizes)), sizes)
+        # an SP group's ranks hold the same packs: its leader's slots count (every slot without levels)
+        counted = ids[schedule.leader_mask()] if getattr(schedule, "levels", None) is not None else ids
+        uses = np.repeat(np.bincount(counted.reshape(-1), minlength=len(sizes)), sizes)
         return np.bincount(samples, weights=uses, minlength=num_samples).astype(np.int64)
     counts = np.zeros(num_samples, np.int64)
     for s in range(schedule.num_steps):

@@ -43,6 +43,11 @@ class Options:
             raise ValueError(f"attn_impl must be auto, varlen, mask or flash, got {attn_impl!r}")
         self.attn_impl = attn_impl
         self.compute_tail = compute_tail
+        self.sequence_parallel = None
+        """Set from outside by :mod:`omnibal.train.sp` (None: no sequence parallelism): an object whose
+        ``attention(q, k, v, segment_ids, impl)`` takes this rank's token shard of the heads and returns the
+        attention output of that shard, exchanging with the other ranks of its group (model code itself
+        never talks to torch.distributed)."""
 
 
 def active_count(sizes: torch.Tensor, which: int, limit: int, opts: Options) -> int:
@@ -243,7 +248,10 @@ class LLMBlock(nn.Module):
         v = self.v(a).view(n, self.num_kv_heads, hd).transpose(0, 1)
         cos, sin = rope_cos_sin(token_meta[0, META_POSITION_IDS, :n], hd, self.rope_theta, q.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        att = packed_causal_attention(q, k, v, token_meta[0, META_SEGMENT_IDS, :n], self.opts.attn_impl)
+        segments = token_meta[0, META_SEGMENT_IDS, :n]
+        sp = self.opts.sequence_parallel
+        att = (packed_causal_attention(q, k, v, segments, self.opts.attn_impl) if sp is None
+               else sp.attention(q, k, v, segments, self.opts.attn_impl))
         h = h + self.o(att.transpose(0, 1).reshape(n, self.num_heads * hd))
         m = self.norm2(h)
         h = h + self.down(F.silu(self.gate(m)) * self.up(m))

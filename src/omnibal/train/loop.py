@@ -29,13 +29,15 @@ import torch
 import torch.distributed as dist
 
 from omnibal.errors import InputError
-from omnibal.train import checkpoint as ckpt
 from omnibal.train.distributed import World, caused_by_comm_error, is_comm_error, peer_failure
 from omnibal.train.feed import (Buffer, ScheduleLike, check_schedule, fixed_buffer,  # noqa: F401 (re-exported)
                                 schedule_fingerprint)
 from omnibal.train.metrics_log import MetricsLog, RankTimes, StepRecord, process_memory, progress_bar, summarize
 from omnibal.train.online import online_forward_backward
 from omnibal.train.pipeline import GradSync, StageLayout, StageRunner
+from omnibal.train.resume import CheckpointResume
+from omnibal.train.sp import SequenceParallel, check_sp_run, sp_schedule
+from omnibal.train.stage import apply_checkpointing, build_stage, example_carry
 
 def _ignore(line: str) -> None:
     """The ``notify`` of a quiet run, and of every rank but 0."""
@@ -50,7 +52,7 @@ def model_identity(spec) -> str:
     return f"{spec.name}:{spec.fingerprint()}"
 
 
-class Trainer:
+class Trainer(CheckpointResume):
     """One rank of a DP x PP run of the reference VLM (see the module docstring)."""
 
     def __init__(self, *, world: World, model, layout: StageLayout, schedule: ScheduleLike, dataset,
@@ -58,7 +60,7 @@ class Trainer:
                  weight_decay: float = 0.0, buffer: Buffer | None = None, log_path: str | None = None,
                  quiet: bool = True, checkpoint_dir: str | None = None, checkpoint_every: int = 0,
                  run_info: dict | None = None, dp_sync: str = "flat", ledger_path: str | None = None,
-                 notify: Callable[[str], None] | None = None):
+                 notify: Callable[[str], None] | None = None, sp_degree: int = 1, level_curriculum: int = 0):
         self.world = world
         self.spec = model.spec
         self.layout = layout
@@ -86,6 +88,7 @@ class Trainer:
         if layout.ranges[-1][1] != len(layer_names) or len(layout.ranges) != world.pp_size:
             raise InputError(f"stage layout {layout.ranges} does not split the {len(layer_names)}-layer model into "
                              f"{world.pp_size} stages", source="stage_layers")
+        self.schedule = schedule = self._sp_schedule(schedule, sp_degree, level_curriculum)
         if dataset is not None:
             check_schedule(schedule, dp_size=world.dp_size, num_microbatches=num_microbatches,
                            num_samples=len(dataset), source=getattr(schedule, "source", "schedule"))
@@ -118,13 +121,8 @@ class Trainer:
                             lr: float, weight_decay: float) -> None:
         """This rank's stage module (checkpointed as the layout says), its pipeline runner, optimizer and
         gradient sync."""
-        from omnibal.train.stage import apply_checkpointing, build_stage, example_carry
-
-        world, layout, num_microbatches = self.world, self.layout, self.num_microbatches
-        start, end = layout.ranges[world.pp_rank]
-        self.stage_module = build_stage(model, start, end)
-        apply_checkpointing(self.stage_module, layout.recompute[world.pp_rank])
-        self.stage_module.to(world.device)
+        world, num_microbatches = self.world, self.num_microbatches
+        start, end = self._build_stage(model, dp_sync)
 
         if world.pp_size > 1 and buffer is None:
             raise InputError("a pipeline needs one fixed micro-batch buffer (tiles, tokens)", source="buffer")
@@ -143,6 +141,38 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay) if params else None
         # with DDP the runner's wrapped module reduces the gradients inside the backward
         self.grad_sync = GradSync(params, world.dp_group, 1 if self.runner.ddp else world.dp_size)
+
+    # ---------------------------------------------------------------------------------------------- SP
+
+    def _sp_schedule(self, schedule, sp_degree: int, curriculum_epochs: int):
+        """The schedule as this world runs it (:func:`omnibal.train.sp.sp_schedule`); sets ``step_sp``."""
+        schedule, self.step_sp = sp_schedule(schedule, sp_degree=sp_degree, curriculum_epochs=curriculum_epochs,
+                                             dp_size=self.world.dp_size, num_heads=self.spec.llm.num_heads)
+        """SP degree of every step (1: plain data parallel)."""
+        return schedule
+
+    def _build_stage(self, model, dp_sync: str) -> tuple[int, int]:
+        """This rank's stage (its layer range of ``model``, recompute set, device) and, when a step runs with
+        an SP degree > 1, ``self.sp`` (:class:`omnibal.train.sp.SequenceParallel`; else None). Returns the
+        stage's layer range."""
+        start, end = self.layout.ranges[self.world.pp_rank]
+        self.stage_module = build_stage(model, start, end)
+        apply_checkpointing(self.stage_module, self.layout.recompute[self.world.pp_rank])
+        self.stage_module.to(self.world.device)
+        self.sp = None
+        if self.step_sp.max(initial=1) > 1:
+            check_sp_run(self.stage_module, pp_size=self.world.pp_size, mode=self.mode, dp_sync=dp_sync)
+            self.sp = SequenceParallel(self.stage_module, world=self.world, degrees=set(self.step_sp.tolist()),
+                                       num_heads=self.spec.llm.num_heads)
+        return start, end
+
+    def _sp_leader(self, step: int) -> bool:
+        """Whether this rank counts its micro-batches for ``step`` (the first rank of its SP group: the
+        group's ranks hold the same packs, which count once in the targets, samples and the ledger).
+        Without SP every rank counts, whatever the schedule's length (a resharded remainder is longer)."""
+        if self.sp is None:
+            return True
+        return self.world.dp_rank % int(self.step_sp[step]) == 0
 
     # ---------------------------------------------------------------------------------------------- data
 
@@ -196,6 +226,8 @@ class Trainer:
         self._cpu_start = time.process_time()
         counts = torch.zeros(len(_COUNT_FIELDS), dtype=torch.float64)
         carries = None
+        module = self.sp.activate(int(self.step_sp[step])) if self.sp is not None else None
+        self._fed = []
         if w.is_first_stage:
             batches = self.load_microbatches(step)
             carries = [b.carry() for b in batches]
@@ -205,11 +237,14 @@ class Trainer:
                 sum(b.num_real_tokens for b in batches), tiles, sum(int(b.sizes[0, SIZE_TOKENS]) for b in batches),
                 tiles], dtype=torch.float64)
             self._fed = [int(i) for b in batches for i in b.sample_indices]
+            if not self._sp_leader(step):
+                counts.zero_()
+                self._fed = []
         times.data_s = time.perf_counter() - t_start
         try:
             self._all_reduce(counts)
             self._counts = dict(zip(_COUNT_FIELDS, counts.tolist()))
-            result = self.runner.run_step(carries, global_targets=self._counts["targets"])
+            result = self.runner.run_step(carries, global_targets=self._counts["targets"], module=module)
             t_sync = time.perf_counter()
             self.grad_sync()
             times.dp_sync_s = time.perf_counter() - t_sync
@@ -347,119 +382,6 @@ class Trainer:
             raise InputError(f"{num_steps} steps requested but the schedule has {end}", source=source,
                              field="num_steps")
         return num_steps
-
-    # ---------------------------------------------------------------------------------------------- checkpoints
-
-    def _world_doc(self) -> dict:
-        return {"dp_size": self.world.dp_size, "pp_size": self.world.pp_size}
-
-    def sampler_state(self) -> dict:
-        """The data position a checkpoint records: the next step, i.e. the steps *trained* so far. Stage 0
-        reads a step's micro-batches from the schedule inside that step (no DataLoader prefetching ahead)
-        and ``self.step`` advances only after the optimizer step, so nothing fetched-but-untrained is
-        counted (unlike a sampler behind a DataLoader with workers; see ``BalancedBatchSampler.mark_trained``)."""
-        from omnibal.train.reshard import balance_record
-
-        state = {"next_step": self.step, "schedule_fingerprint": self.schedule_id}
-        record = balance_record(self.schedule)
-        if record is not None:  # lets a resume on another dp size rebuild this stream (reshard=True)
-            state["balance"] = record
-        return state
-
-    def save_checkpoint(self) -> None:
-        """Write this step's checkpoint: each stage's dp-rank-0 writes its file, rank 0 the manifest."""
-        w = self.world
-        record = None
-        if w.dp_rank == 0:
-            record = ckpt.write_stage_file(self.checkpoint_dir, self.step, w.pp_rank, model=self.stage_module,
-                                           optimizer=self.optimizer)
-        records = self._gather_objects(record, "checkpoint")
-        if w.rank == 0:
-            ckpt.write_manifest(self.checkpoint_dir, self.step, stage_records=[r for r in records if r is not None],
-                                world=self._world_doc(), model_id=self.model_id,
-                                stage_layers=[list(r) for r in self.layout.ranges], sampler=self.sampler_state(),
-                                extra={"mode": self.mode})
-        self._barrier("checkpoint")
-        if self.on_checkpoint is not None:
-            self.on_checkpoint(self.step)
-
-    def maybe_resume(self, checkpoint_dir: str | None = None, *, reshard: bool = False) -> bool:
-        """Load the newest valid checkpoint (corrupt newer ones are skipped and listed in
-        ``skipped_checkpoints``); returns False when there is none. Incompatible ones raise InputError.
-
-        ``reshard=True`` also accepts a checkpoint written with another DP size (same pp and stage layers):
-        each stage loads its weights and optimizer state (replicated over DP), and the samples the old world
-        had not trained yet are re-balanced for this world (:mod:`omnibal.train.reshard`); the schedule
-        becomes that remainder, numbered from the checkpoint's ``next_step``, and :meth:`run` ends with it."""
-        root = checkpoint_dir or self.checkpoint_dir
-        w = self.world
-        decision: dict[str, Any] = {}
-        if w.rank == 0:
-            try:
-                decision = self._resume_decision(root, reshard)
-            except InputError as exc:
-                decision = {"error": exc.message, "source": exc.source, "field": exc.field}
-        decision = self._broadcast_object(decision)
-        if "error" in decision:
-            raise InputError(decision["error"], source=decision["source"], field=decision["field"])
-        self.skipped_checkpoints = decision["skipped"]
-        for line in self.skipped_checkpoints:
-            self.notify(line)
-        if decision["path"] is None:
-            return False
-        from pathlib import Path
-
-        ckpt.load_stage_file(Path(decision["path"]), decision["manifest"], w.pp_rank, model=self.stage_module,
-                             optimizer=self.optimizer, map_location=w.device)
-        if decision.get("schedule") is not None:
-            self._use_resharded(decision["schedule"])
-        self.step = int(decision["manifest"]["sampler"]["next_step"])
-        self.resumed_from = decision["path"]
-        how = (f", the rest of the epoch re-balanced for dp {w.dp_size} (steps {self.step}.."
-               f"{self.schedule.num_steps - 1})" if self.resharded else "")
-        self.notify(f"resumed from {decision['path']} at step {self.step}{how}")
-        return True
-
-    def _resume_decision(self, root, reshard: bool) -> dict:
-        """Global rank 0: the checkpoint to resume (checked against this run) and, when resharding, the
-        re-balanced rest of its epoch."""
-        found = ckpt.find_latest_valid(root, world=self._world_doc(), model_id=self.model_id,
-                                       stage_layers=[list(r) for r in self.layout.ranges], any_dp_size=reshard)
-        decision = {"path": str(found.path) if found.path else None, "manifest": found.manifest,
-                    "skipped": found.skipped}
-        if found.manifest is None:
-            return decision
-        sampler = found.manifest["sampler"]
-        fp, next_step = sampler.get("schedule_fingerprint"), sampler["next_step"]
-        if reshard and (fp != self.schedule_id or found.manifest["world"] != self._world_doc()):
-            from omnibal.train.reshard import reshard_schedule
-
-            decision["schedule"] = reshard_schedule(
-                found.manifest, getattr(self.dataset, "stats", None), dp_size=self.world.dp_size,
-                num_microbatches=self.num_microbatches, source=str(found.path), fingerprint=schedule_fingerprint)
-        elif fp != self.schedule_id:
-            raise InputError(f"checkpoint was trained on schedule {fp}, this run uses {self.schedule_id}: "
-                             f"resuming would not continue the same sample stream", source=str(found.path),
-                             field="sampler")
-        elif next_step > self.schedule.num_steps:
-            raise InputError(f"next_step {next_step} is past the end of the schedule ({self.schedule.num_steps} "
-                             f"steps)", source=str(found.path), field="sampler.next_step")
-        return decision
-
-    def _use_resharded(self, schedule) -> None:
-        """Switch to the re-balanced rest of the epoch (built on global rank 0, the same on every rank)."""
-        if self.dataset is not None:
-            check_schedule(schedule, dp_size=self.world.dp_size, num_microbatches=self.num_microbatches,
-                           num_samples=len(self.dataset), source=schedule.source)
-        if self.buffer is not None and self.mode == "omnibal":
-            need = fixed_buffer(schedule, self.dataset.stats, mode=self.mode) if self.dataset is not None else None
-            if need is not None and (need.tiles > self.buffer.tiles or need.tokens > self.buffer.tokens):
-                raise InputError(f"the re-balanced rest of the epoch needs a ({need.tiles}, {need.tokens}) micro-batch "
-                                 f"buffer, the pipeline was built for ({self.buffer.tiles}, {self.buffer.tokens})",
-                                 source=schedule.source, field="buffer")
-        self.schedule = schedule
-        self.schedule_id = schedule_fingerprint(schedule)
-        self.resharded = True
 
     def _gather_objects(self, obj: Any, what: str) -> list:
         if self.world.world_size == 1:

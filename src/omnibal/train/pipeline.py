@@ -294,17 +294,21 @@ class StageRunner:
                 raise InputError(f"micro-batch shapes {got} differ from the fixed pipeline buffer "
                                  f"{self._input_shapes}", source="collate", record=f"micro-batch {k}")
 
-    def run_step(self, microbatches: Sequence[Sequence[torch.Tensor]] | None, *, global_targets: float) -> StepResult:
+    def run_step(self, microbatches: Sequence[Sequence[torch.Tensor]] | None, *, global_targets: float,
+                 module: nn.Module | None = None) -> StepResult:
         """Forward + backward of this step's micro-batches; gradients accumulate in the module's params.
 
         ``microbatches`` is needed on the first stage only (stage inputs); other stages pass None.
+        ``module`` (pp = 1 only): run this instead of the stage, e.g. its sequence-parallel wrapper
+        (:mod:`omnibal.train.sp`) for this step's SP degree.
         """
         if global_targets <= 0:
             raise InputError("the global batch has no target tokens (every label is ignored)", source="data",
                              field="labels")
         self._scale = self._grad_multiplier / float(global_targets)
         if self.num_stages == 1:
-            return self._accumulate(microbatches)
+            return self._accumulate(microbatches, self.module if module is None else module)
+        assert module is None, "a pipeline stage runs its own module"
         self.stage.compute_s = 0.0
         args = ()
         if self.stage_index == 0:
@@ -321,7 +325,7 @@ class StageRunner:
         loss_sum = float(sum(l.detach().float().item() for l in losses)) if losses else 0.0
         return StepResult(loss_sum=loss_sum / self._grad_multiplier, compute_s=self.stage.compute_s)
 
-    def _accumulate(self, microbatches) -> StepResult:
+    def _accumulate(self, microbatches, module: nn.Module) -> StepResult:
         assert microbatches is not None
         self.check_inputs(microbatches)
         compute = 0.0
@@ -330,9 +334,9 @@ class StageRunner:
             _sync(self.device)
             t0 = time.perf_counter()
             # DDP reduces gradients in the last micro-batch's backward only (gradient accumulation)
-            quiet = self.module.no_sync() if self.ddp and k < len(microbatches) - 1 else contextlib.nullcontext()
+            quiet = module.no_sync() if self.ddp and k < len(microbatches) - 1 else contextlib.nullcontext()
             with quiet:
-                out = self.module(*[t.to(self.device) for t in mb])
+                out = module(*[t.to(self.device) for t in mb])
                 loss = out[0] * self._scale
                 loss.backward()
             _sync(self.device)

@@ -67,8 +67,9 @@ def build_schedule(cfg: TrainConfig, stats, stats_fingerprint: str | None = None
     """The run's schedule (the same on every rank: a pure function of the inputs). A ``--schedule`` file must
     have been balanced from these statistics (``stats_fingerprint``: of the rows as the stats file has them;
     default ``stats.fingerprint()``) and schedule each of their rows once."""
+    groups = cfg.dp_size // cfg.sp_degree  # data-parallel groups: the trainer deals each to its SP ranks
     if cfg.mode in ("baseline", "online"):  # online: the same local draws, re-dealt every step
-        return random_microbatch_schedule(len(stats), dp_size=cfg.dp_size, num_microbatches=cfg.num_microbatches,
+        return random_microbatch_schedule(len(stats), dp_size=groups, num_microbatches=cfg.num_microbatches,
                                           batch_size=cfg.baseline_batch_size, seed=cfg.seed)
     if cfg.schedule_path is not None:
         schedule = load_schedule(cfg.schedule_path)
@@ -77,7 +78,7 @@ def build_schedule(cfg: TrainConfig, stats, stats_fingerprint: str | None = None
                               stats_source=f"the statistics of this run ({stats.source})")
         return schedule
 
-    return balance(stats, dp_size=cfg.dp_size, num_microbatches=cfg.num_microbatches, seed=cfg.seed)
+    return balance(stats, dp_size=groups, num_microbatches=cfg.num_microbatches, seed=cfg.seed)
 
 
 def build_model(cfg: TrainConfig):
@@ -138,7 +139,7 @@ def build_trainer(cfg: TrainConfig, world: World, notify=None):
                       lr=cfg.lr, dp_sync=cfg.dp_sync, weight_decay=cfg.weight_decay, buffer=buffer,
                       log_path=cfg.log_path, quiet=cfg.quiet, checkpoint_dir=cfg.checkpoint_dir,
                       checkpoint_every=cfg.checkpoint_every, run_info=info, ledger_path=cfg.ledger_path,
-                      notify=notify)
+                      notify=notify, sp_degree=cfg.sp_degree, level_curriculum=cfg.level_curriculum)
     if cfg.save_dir is not None:
         def save(step: int | None) -> None:
             out = Path(cfg.save_dir) if step is None else Path(cfg.save_dir) / f"checkpoint-{step}"

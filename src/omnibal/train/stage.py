@@ -61,7 +61,12 @@ class Stage(nn.Module):
         return self.end == self.num_layers
 
     def forward(self, *carry: torch.Tensor):
-        for name, module in zip(self.layer_names, self._layers):
+        return self.run_layers(0, len(self._layers), *carry)
+
+    def run_layers(self, first: int, last: int, *carry: torch.Tensor):
+        """The stage's own layers ``[first, last)`` (indices into ``layer_names``) on ``carry``, recomputing
+        the chosen ones: :mod:`omnibal.train.sp` runs the vision and LLM halves on differently split carries."""
+        for name, module in zip(self.layer_names[first:last], self._layers[first:last]):
             if name in self.recompute and torch.is_grad_enabled():
                 carry = checkpoint(module, *carry, use_reentrant=False)
             else:

@@ -11,6 +11,13 @@ The stable JSON form (``to_json``) is the one the issue specifies, with metadata
      "steps": [ [ [ [i, ...] per micro-batch ] per rank ] per step ], ...metadata}
 
 where ``i`` is the row index of the sample in the stats file.
+
+Multi-level (HBP) schedules add ``"levels": [l, ...]`` (the packing level of each step) and
+``"level_sp": [d, ...]`` (the sequence-parallel degree of each level); both are absent for a single-level
+schedule, so older files load unchanged. In a step of a level with SP degree ``d`` the ranks ``r`` with the
+same ``r // d`` form one SP group and hold identical micro-batch lists (the same packs, split along the
+sequence at run time); exactly-once is counted over distinct SP groups, i.e. over the group leaders
+``r % d == 0`` (:meth:`Schedule.leader_mask`).
 """
 
 from __future__ import annotations
@@ -75,6 +82,10 @@ class Schedule:
     """Rows left out on purpose (``oversize='drop'``); never silent: listed here and in the metrics."""
     meta: dict = field(default_factory=dict)
     """JSON-able extras (config, timings, cost model name)."""
+    levels: tuple[int, ...] | None = None
+    """Packing level of each step (HBP); ``None`` = one level (SP degree 1 everywhere)."""
+    level_sp: tuple[int, ...] | None = None
+    """Sequence-parallel degree of each level (divides ``dp_size``); set exactly when ``levels`` is."""
 
     def __post_init__(self) -> None:
         samples = np.ascontiguousarray(self.pack_samples, dtype=np.int64)
@@ -89,6 +100,48 @@ class Schedule:
                           ("dropped", dropped)):
             arr.setflags(write=False)
             object.__setattr__(self, name, arr)
+        self._init_levels()
+
+    def _init_levels(self) -> None:
+        """Normalise ``levels``/``level_sp`` to int tuples and check SP groups hold identical packs."""
+        assert (self.levels is None) == (self.level_sp is None), "levels and level_sp come together"
+        if self.levels is None:
+            return
+        levels, level_sp = tuple(int(x) for x in self.levels), tuple(int(x) for x in self.level_sp)
+        object.__setattr__(self, "levels", levels)
+        object.__setattr__(self, "level_sp", level_sp)
+        assert len(levels) == self.num_steps, (len(levels), self.num_steps)
+        assert all(0 <= lv < len(level_sp) for lv in levels), "level index out of range"
+        assert all(d >= 1 and self.dp_size % d == 0 for d in level_sp), "an SP degree must divide dp_size"
+        bad = self.sp_group_mismatch()
+        assert bad is None, f"SP group of step {bad[0]} rank {bad[1]} holds other packs than its leader"
+
+    # -- sequence-parallel levels ---------------------------------------------------------------------
+    def step_sp(self) -> np.ndarray:
+        """SP degree of every step (``[num_steps]``; 1 for a single-level schedule)."""
+        if self.levels is None:
+            return np.ones(self.num_steps, np.int64)
+        return np.asarray(self.level_sp, np.int64)[np.asarray(self.levels, np.int64)] if self.num_steps else (
+            np.ones(0, np.int64))
+
+    def leader_mask(self) -> np.ndarray:
+        """``[num_steps, dp_size]``: True for the first rank of each SP group -- the slots that count once
+        for exactly-once (every rank of a single-level schedule)."""
+        ranks = np.arange(self.dp_size)
+        return (ranks[None, :] % self.step_sp()[:, None]) == 0
+
+    def sp_group_mismatch(self) -> tuple[int, int] | None:
+        """(step, rank) of the first rank whose micro-batches differ from its SP group leader's, else None."""
+        sp = self.step_sp()
+        ranks = np.arange(self.dp_size)
+        leader = (ranks[None, :] // sp[:, None]) * sp[:, None]  # [S, D]
+        lead_ids = np.take_along_axis(self.pack_ids, leader[:, :, None], axis=1)
+        # the same pack ids: equal; other ids (e.g. read from JSON) are compared by content
+        for step, r in np.argwhere((lead_ids != self.pack_ids).any(axis=2)):
+            if any(not np.array_equal(self.pack(int(a)), self.pack(int(b)))
+                   for a, b in zip(self.pack_ids[step, r], lead_ids[step, r])):
+                return int(step), int(r)
+        return None
 
     # -- shape --------------------------------------------------------------------------------------
     @property
@@ -111,12 +164,10 @@ class Schedule:
 
     def sample_counts(self) -> np.ndarray:
         """How many times each stats row is scheduled (1 everywhere for a valid epoch, 0 for dropped rows)."""
-        used = self.pack_samples.reshape(-1)
-        scheduled = np.zeros(len(self.pack_offsets) - 1, bool)
-        scheduled[self.pack_ids.reshape(-1)] = True
-        sizes = self.pack_sizes()
-        rows = used[np.repeat(scheduled, sizes)]
-        return np.bincount(rows, minlength=self.num_samples)
+        # an SP group's ranks share one pack: only its leader's slots count (every slot when single-level)
+        uses = np.bincount(self.pack_ids[self.leader_mask()].reshape(-1), minlength=self.num_packs)
+        weights = np.repeat(uses, self.pack_sizes()).astype(np.float64)
+        return np.bincount(self.pack_samples, weights=weights, minlength=self.num_samples).astype(np.int64)
 
     # -- costs --------------------------------------------------------------------------------------
     def features(self, stats, padding: str | None = None) -> np.ndarray:
@@ -163,6 +214,7 @@ class Schedule:
         return [[[pack_lists[k] for k in rank] for rank in step] for step in self.pack_ids.tolist()]
 
     def to_dict(self) -> dict:
+        levels = {} if self.levels is None else {"levels": list(self.levels), "level_sp": list(self.level_sp)}
         return {
             "dp_size": int(self.dp_size),
             "num_microbatches": int(self.num_microbatches),
@@ -177,6 +229,7 @@ class Schedule:
             "stats_fingerprint": self.stats_fingerprint,
             "dropped": self.dropped.tolist(),
             "meta": self.meta,
+            **levels,
         }
 
     def to_json(self, path: str | Path | None = None) -> str:
@@ -217,15 +270,18 @@ class Schedule:
             if key in d and not isinstance(d[key], kind):
                 raise InputError(f"must be a {kind.__name__}", source=source, field=key)
         num_steps = len(d["steps"])
+        levels, level_sp = _read_levels(d, num_steps, dp, source)
+        pack_ids = np.arange(num_steps * dp * m, dtype=np.int64).reshape(num_steps, dp, m)
+        if levels is not None:
+            pack_ids = _share_sp_packs(pack_ids, levels, level_sp, d["steps"], source)
         return cls(
             dp_size=dp, num_microbatches=m, caps=Caps(tiles=tiles, tokens=tokens), pack_samples=arr,
             pack_offsets=np.asarray(offsets, dtype=np.int64),
-            pack_ids=np.arange(num_steps * dp * m, dtype=np.int64).reshape(num_steps, dp, m),
-            num_samples=num_samples, padding=padding, method=d.get("method", "unknown"),
+            pack_ids=pack_ids, num_samples=num_samples, padding=padding, method=d.get("method", "unknown"),
             seed=_int_field(d, "seed", 0, source) if "seed" in d else 0,
             epoch=_int_field(d, "epoch", 0, source) if "epoch" in d else 0,
             stats_fingerprint=d.get("stats_fingerprint", ""), dropped=np.asarray(dropped, dtype=np.int64),
-            meta=d.get("meta", {}),
+            meta=d.get("meta", {}), levels=levels, level_sp=level_sp,
         )
 
     @classmethod
@@ -253,11 +309,12 @@ class Schedule:
         if (self.dp_size, self.num_microbatches, self.num_steps) != (other.dp_size, other.num_microbatches,
                                                                       other.num_steps):
             return False
-        return self.steps_nested() == other.steps_nested() and self.caps == other.caps
+        return (self.steps_nested() == other.steps_nested() and self.caps == other.caps
+                and self.levels == other.levels and self.level_sp == other.level_sp)
 
 
 KEYS = ("dp_size", "num_microbatches", "caps", "steps", "format", "num_samples", "padding", "method", "seed",
-        "epoch", "stats_fingerprint", "dropped", "meta")
+        "epoch", "stats_fingerprint", "dropped", "meta", "levels", "level_sp")
 """Every key of the JSON form (extras go under ``meta``)."""
 
 
@@ -278,6 +335,41 @@ def _int_field(d: dict, key: str, low: int, source: str, prefix: str = "") -> in
     if not _is_int(value) or not low <= value < 2**62:
         raise InputError(f"must be an integer >= {low}, got {value!r:.40}", source=source, field=prefix + key)
     return value
+
+
+def _read_levels(d: dict, num_steps: int, dp: int, source: str):
+    """``levels``/``level_sp`` of the JSON form checked (both or neither), or ``(None, None)``."""
+    if ("levels" in d) != ("level_sp" in d):
+        missing = "level_sp" if "levels" in d else "levels"
+        raise InputError("'levels' and 'level_sp' come together", source=source, field=missing)
+    if "levels" not in d:
+        return None, None
+    level_sp, levels = d["level_sp"], d["levels"]
+    if not isinstance(level_sp, list) or not level_sp or not all(
+            _is_int(x) and 1 <= x <= dp and dp % x == 0 for x in level_sp):
+        raise InputError(f"must be a non-empty list of SP degrees that divide dp_size {dp}", source=source,
+                         field="level_sp")
+    if not isinstance(levels, list) or len(levels) != num_steps or not all(
+            _is_int(x) and 0 <= x < len(level_sp) for x in levels):
+        raise InputError(f"must list one level in [0, {len(level_sp)}) per step ({num_steps} steps)",
+                         source=source, field="levels")
+    return tuple(levels), tuple(level_sp)
+
+
+def _share_sp_packs(pack_ids: np.ndarray, levels, level_sp, steps: list, source: str) -> np.ndarray:
+    """Point every rank of an SP group at its leader's packs; a rank whose lists differ is an InputError."""
+    pack_ids = pack_ids.copy()
+    for s, level in enumerate(levels):
+        d = level_sp[level]
+        for r in range(len(steps[s]) if d > 1 else 0):
+            lead = (r // d) * d
+            if r != lead:
+                if steps[s][r] != steps[s][lead]:
+                    raise InputError(f"rank {r} is in the SP group of rank {lead} (SP degree {d}) and must hold "
+                                     "the same micro-batches", source=source, record=f"step {s} rank {r}",
+                                     field="steps")
+                pack_ids[s, r] = pack_ids[s, lead]
+    return pack_ids
 
 
 def _read_steps(steps, dp: int, m: int, source: str) -> tuple[list[int], list[int]]:

@@ -1,0 +1,44 @@
+"""``omnibal plan --hbp``: HBP multi-level packing for the plan's job, per level and against one level."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+MIXTURES = ("job", "long-context")
+"""``job``: the job's data (``--stats`` or the synthetic InternVL mixture); ``long-context``: the synthetic
+long-context mixture (``omnibal.stats.long_context``) of ``--samples`` rows."""
+
+
+def run_hbp(args: argparse.Namespace, config) -> int:
+    """Choose the levels, print the per-level table and the comparison, write ``OUT/hbp.json``."""
+    from omnibal.outputs import check_dir, write_text
+    from omnibal.plan.hbp import HBPPlanConfig, hbp_markdown, run_hbp_job
+
+    t0 = time.perf_counter()
+    check_dir(args.out, "--out")
+    if args.hbp == "long-context":
+        from omnibal.stats.long_context import long_context_mixture
+
+        stats = long_context_mixture(config.num_samples, config.seed)
+    elif config.stats_path is not None:
+        from omnibal.stats.io import load_stats
+
+        stats = load_stats(config.stats_path)
+    else:
+        from omnibal.stats.synthetic import synthetic_internvl_mixture
+
+        stats = synthetic_internvl_mixture(config.num_samples, config.seed)
+    result = run_hbp_job(config, HBPPlanConfig(baseline_batch_size=config.baseline_batch_size), stats)
+    gpus = config.dp_size * config.pp_size * config.tp_size
+    print(f"omnibal plan --hbp: {config.hf_model or config.preset} on {gpus} x {config.hardware_name} (DP {config.dp_size}"
+          f" x PP {config.pp_size} x TP {config.tp_size}), data {stats.source}")
+    print(f"memory: at most {result.model.max_tokens_per_rank:,} LLM tokens per rank's micro-batch (every layer "
+          f"checkpointed); SP degrees {list(result.model.sp_degrees)}\n")
+    print(hbp_markdown(result))
+    path = Path(args.out) / "hbp.json"
+    write_text(path, json.dumps(result.to_dict(), indent=2) + "\n")
+    print(f"\nwrote {path} ({time.perf_counter() - t0:.1f} s)")
+    return 0

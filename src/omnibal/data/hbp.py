@@ -1,0 +1,473 @@
+"""HBP (Hierarchical Balance Packing): several packing levels of different pack lengths, one schedule.
+
+Mixed short and long samples packed at one length force one compromise on every step: the pack length
+(and the sequence-parallel degree and recompute that memory needs for it) is set by the longest sample,
+and the short majority pays the communication and the recompute of the long few. HBP (Yao et al. 2025)
+packs each sample at a level whose length fits it; every level has its own SP degree and its own static
+buffer, and all ranks run the same level in a step.
+
+**Levels.** :func:`choose_levels` picks the level lengths from ``candidate_lengths`` (default: powers of
+two and their 1.5x midpoints, from the median sample up to the first one holding the longest sample) to
+minimise the estimated epoch time :func:`levels_cost`. Each sample goes to the shortest level that holds
+it (a shorter level needs a smaller SP degree or less recompute for the same per-rank memory). The estimate of
+one level of length ``L`` with SP degree ``d`` over ``G = dp_size / d`` SP groups of ``M`` micro-batches:
+
+    packs  = max(ceil(sum(tokens) / (fill * L)),                padding: a pack is at most L tokens, and
+                 max_k ceil(#(tokens > L/(k+1)) / k))            at most k samples over L/(k+1) share one
+    steps  = ceil(packs / (G * M))                               step granularity
+    pack   = max(sum(cost) / (steps * G * M), max(cost))         attention imbalance: a pack is never
+                                                                 cheaper than its costliest sample
+    time   = steps * M * (pack / d * (1 + recompute(L / d))      SP splits the pack; recompute share at a
+                          + a2a[d] * L / d + overhead)           rank's L/d tokens; Ulysses all-to-all
+
+minimised over the SP degrees ``d`` whose ``L / d`` fits ``max_tokens_per_rank`` (memory): a larger
+degree costs all-to-all time but needs less recompute. ``recompute``, ``a2a`` and the memory limit come
+from the planner (:mod:`omnibal.plan.hbp`).
+``cost`` is the balancer's vision + LLM cost (:class:`BalanceCost`, attention ``sum len^2`` included).
+The minimum over every subset of at most ``max_levels`` candidates (whose longest holds every sample) is
+found by dynamic programming over the sorted candidates, which gives the same optimum as trying every
+subset (tested). A level needs at least ``G * M`` samples (no empty micro-batch).
+
+**Packing.** Each level is balanced by the existing balancer (:func:`omnibal.data.balance.balance`, omnibal
+method, vision + LLM cost) for its ``G`` SP groups with the token cap fixed to the level length; a group's
+packs are given to all ``d`` ranks of the group (identical lists: :class:`Schedule` ``levels``/``level_sp``).
+The levels' steps are interleaved by a seeded permutation, so long and short steps alternate over the
+epoch. Deterministic in (stats, config, dp_size, num_microbatches, seed, epoch); every row is scheduled
+exactly once per epoch (counted over SP groups), except rows dropped by ``oversize='drop'``.
+
+**Resume / reshard.** A schedule is rebuilt from its inputs, so a resumed run continues at its step.
+:func:`untrained_rows` lists the rows of the steps not yet trained; :func:`balance_hbp` with ``rows=`` and
+``pack_lengths`` fixed to the old levels balances exactly them for a new world (another ``dp_size``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from omnibal.data.balance.api import BalanceConfig, epoch_rng
+from omnibal.data.balance.cost import DEFAULT_COST, BalanceCost
+from omnibal.data.balance.schedule import Caps, Schedule
+from omnibal.data.hbp_pack import balance_level
+from omnibal.errors import InputError
+
+HBP_OVERSIZE = ("error", "drop")
+CROWD_DEPTH = 4
+"""Pack-count bound: at most k samples over length / (k + 1) share a pack, for k = 1..CROWD_DEPTH."""
+INTERLEAVE_STREAM = 0x4B5
+"""epoch_rng stream of the level interleaving (independent of the balancer's shuffles)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LevelCostModel:
+    """What a level costs; every time in the units of ``cost`` (seconds with a cost-table BalanceCost)."""
+
+    cost: BalanceCost = field(default_factory=lambda: DEFAULT_COST)
+    """Per-sample vision + LLM cost (the balancer's)."""
+    sp_degrees: tuple[int, ...] = (1,)
+    """SP degrees a level may use, ascending (each must divide dp_size)."""
+    a2a_per_token: tuple[float, ...] = (0.0,)
+    """Ulysses all-to-all time per rank-local token of a micro-batch (all layers, forward + backward), one
+    per ``sp_degrees`` entry (0 for degree 1)."""
+    max_tokens_per_rank: int = 1 << 62
+    """Most LLM tokens one rank's micro-batch may hold (the memory budget with the level's recompute)."""
+    microbatch_overhead: float = 0.0
+    """Fixed time per micro-batch (kernel launches, the all-to-all latency)."""
+    recompute_tokens: tuple[int, ...] = ()
+    """Per-rank token counts (ascending) at which ``recompute_ratio`` is given."""
+    recompute_ratio: tuple[float, ...] = ()
+    """Extra time share that recompute costs a micro-batch of up to ``recompute_tokens[i]`` tokens per
+    rank (the least recompute that fits memory; the last entry holds up to ``max_tokens_per_rank``)."""
+
+    def __post_init__(self) -> None:
+        degrees = tuple(int(d) for d in self.sp_degrees)
+        if not degrees or any(d < 1 for d in degrees) or list(degrees) != sorted(set(degrees)):
+            raise InputError(f"must be distinct positive integers, ascending; got {self.sp_degrees!r}",
+                             source="LevelCostModel", field="sp_degrees")
+        if len(self.a2a_per_token) != len(degrees) or min(self.a2a_per_token) < 0:
+            raise InputError("needs one non-negative time per SP degree", source="LevelCostModel",
+                             field="a2a_per_token")
+        if self.max_tokens_per_rank < 1:
+            raise InputError("must be >= 1", source="LevelCostModel", field="max_tokens_per_rank")
+        if len(self.recompute_tokens) != len(self.recompute_ratio) or list(self.recompute_tokens) != sorted(
+                self.recompute_tokens) or any(r < 0 for r in self.recompute_ratio):
+            raise InputError("recompute_tokens (ascending) and recompute_ratio (>= 0) must pair up",
+                             source="LevelCostModel", field="recompute_ratio")
+
+    def recompute(self, tokens_per_rank: float) -> float:
+        """Extra time share of recompute at ``tokens_per_rank`` (0 when no table is given)."""
+        if not self.recompute_ratio:
+            return 0.0
+        i = int(np.searchsorted(np.asarray(self.recompute_tokens), tokens_per_rank, side="left"))
+        return float(self.recompute_ratio[min(i, len(self.recompute_ratio) - 1)])
+
+    def feasible_sp(self, length: int) -> tuple[int, ...]:
+        """SP degrees whose per-rank share of a ``length``-token pack fits memory."""
+        return tuple(d for d in self.sp_degrees if math.ceil(length / d) <= self.max_tokens_per_rank)
+
+    def a2a(self, degree: int) -> float:
+        return float(self.a2a_per_token[self.sp_degrees.index(degree)])
+
+
+@dataclass(frozen=True, kw_only=True)
+class HBPConfig:
+    """How to build a multi-level schedule."""
+
+    model: LevelCostModel = field(default_factory=LevelCostModel)
+    """Level cost model (memory, SP degrees, communication; filled in by ``omnibal.plan.hbp``)."""
+    pack_lengths: tuple[int, ...] | None = None
+    """Fixed level lengths (ascending; e.g. a resumed run's); None: chosen by :func:`choose_levels`."""
+    level_sp: tuple[int, ...] | None = None
+    """Fixed SP degree per ``pack_lengths`` level (e.g. a resharded run's); None: the estimate's best."""
+    candidate_lengths: tuple[int, ...] | None = None
+    """Lengths the level search may use; None: :func:`default_candidates`."""
+    max_levels: int = 4
+    """Most levels."""
+    fill: float = 0.95
+    """Expected fill of a pack (the packer's slack)."""
+    balance: BalanceConfig = field(default_factory=BalanceConfig)
+    """Balancer settings of every level (``max_tokens`` is set to the level length)."""
+    oversize: str = "error"
+    """A sample over the longest level at the largest SP degree: ``error`` (InputError naming it) or
+    ``drop`` (left out, listed in ``Schedule.dropped``)."""
+
+    def __post_init__(self) -> None:
+        if self.oversize not in HBP_OVERSIZE:
+            raise InputError(f"unknown policy {self.oversize!r}; choose one of {HBP_OVERSIZE}", source="oversize",
+                             field="oversize")
+        if not isinstance(self.max_levels, int) or self.max_levels < 1:
+            raise InputError(f"must be an integer >= 1, got {self.max_levels!r}", source="max_levels",
+                             field="max_levels")
+        if not 0 < self.fill <= 1:
+            raise InputError(f"must be in (0, 1], got {self.fill}", source="fill", field="fill")
+        for name in ("pack_lengths", "candidate_lengths"):
+            lengths = getattr(self, name)
+            if lengths is not None and (not lengths or list(lengths) != sorted(set(lengths)) or min(lengths) < 1):
+                raise InputError(f"must be distinct positive lengths, ascending; got {lengths!r}", source=name,
+                                 field=name)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LevelChoice:
+    """The chosen levels."""
+
+    lengths: tuple[int, ...]
+    """Pack length (token cap) of each level, ascending."""
+    sp: tuple[int, ...]
+    """SP degree of each level."""
+    cost: float
+    """Estimated epoch time (:func:`levels_cost`)."""
+
+
+# -- level choice ------------------------------------------------------------------------------------
+def default_candidates(tokens: np.ndarray) -> tuple[int, ...]:
+    """Powers of two and the midpoints 1.5 x 2^k (multiples of 8 from 16 on), from the median sample's
+    length up to the first holding the longest sample."""
+    median, longest = max(float(np.median(tokens)), 1.0), max(int(tokens.max()), 1)
+    grid = sorted({x for k in range(0, 31) for x in (1 << k, 3 << k >> 1) if x >= 1})
+    below = [x for x in grid if x < median]
+    start = below[-1] if below else grid[0]
+    stop = next(x for x in grid if x >= longest)
+    return tuple(x for x in grid if start <= x <= stop)
+
+
+class _LevelCosts:
+    """Aggregates of the samples sorted by length, so one level's estimate is O(1) after a prefix sum."""
+
+    def __init__(self, tokens: np.ndarray, costs: np.ndarray, *, groups_of, num_microbatches: int,
+                 model: LevelCostModel, fill: float) -> None:
+        order = np.argsort(tokens, kind="stable")
+        self.tokens = tokens[order].astype(np.float64)
+        self.cost_sorted = costs[order]
+        self.cum_tokens = np.concatenate([[0.0], np.cumsum(self.tokens)])
+        self.cum_cost = np.concatenate([[0.0], np.cumsum(self.cost_sorted)])
+        self.groups_of, self.m, self.model, self.fill = groups_of, num_microbatches, model, fill
+
+    def upto(self, length: float) -> int:
+        """Samples of at most ``length`` tokens."""
+        return int(np.searchsorted(self.tokens, length, side="right"))
+
+    def level(self, lo: int, hi: int, length: int) -> float:
+        """Estimated time of the level of length ``length`` holding sorted samples ``[lo, hi)`` (inf: infeasible)."""
+        return self.level_sp(lo, hi, length)[0]
+
+    def level_sp(self, lo: int, hi: int, length: int) -> tuple[float, int]:
+        """(estimated time, best SP degree) of a level; an empty level costs nothing and never runs."""
+        if hi <= lo:
+            return 0.0, 1
+        # at most k samples over length/(k+1) share a pack
+        crowded = max(math.ceil((hi - max(lo, self.upto(length / (k + 1)))) / k) for k in range(1, CROWD_DEPTH + 1))
+        packs = max(math.ceil((self.cum_tokens[hi] - self.cum_tokens[lo]) / (self.fill * length)), crowded)
+        total = self.cum_cost[hi] - self.cum_cost[lo]
+        biggest = float(self.cost_sorted[lo:hi].max())
+        best = (math.inf, 0)
+        for d in self.model.feasible_sp(length):
+            slots = self.groups_of(d) * self.m
+            if slots == 0 or hi - lo < slots:
+                continue
+            steps = max(math.ceil(packs / slots), 1)
+            pack = max(total / (steps * slots), biggest) / d * (1 + self.model.recompute(length / d))
+            time = steps * self.m * (pack + self.model.a2a(d) * length / d + self.model.microbatch_overhead)
+            best = min(best, (time, d))
+        return best
+
+
+def _sample_costs(stats, model: LevelCostModel) -> np.ndarray:
+    vision, llm = model.cost.sample_costs(stats.tiles, stats.tokens)
+    return vision + llm
+
+
+def _groups_of(dp_size: int):
+    return lambda d: dp_size // d if dp_size % d == 0 else 0
+
+
+def levels_cost(stats, lengths, *, dp_size: int, num_microbatches: int, config: HBPConfig) -> float:
+    """Estimated epoch time of the levels ``lengths`` (module docstring); inf when infeasible."""
+    lc = _LevelCosts(np.asarray(stats.tokens), _sample_costs(stats, config.model), groups_of=_groups_of(dp_size),
+                     num_microbatches=num_microbatches, model=config.model, fill=config.fill)
+    if lc.upto(max(lengths)) < len(lc.tokens):
+        return math.inf
+    total, lo = 0.0, 0
+    for length in sorted(lengths):
+        hi = lc.upto(length)
+        total += lc.level(lo, hi, length)
+        lo = hi
+    return total
+
+
+def choose_levels(stats, *, dp_size: int, num_microbatches: int, config: HBPConfig) -> LevelChoice:
+    """The subset of the candidate lengths (at most ``max_levels``) of least :func:`levels_cost`.
+
+    Dynamic programme: ``best[k][j]`` = least time of ``k`` levels whose longest is candidate ``j``
+    covering every sample up to it. Ties go to fewer levels, then to the lexicographically smaller lengths.
+    """
+    tokens = np.asarray(stats.tokens)
+    cands = candidate_lengths(tokens, config)
+    lc = _LevelCosts(tokens, _sample_costs(stats, config.model), groups_of=_groups_of(dp_size),
+                     num_microbatches=num_microbatches, model=config.model, fill=config.fill)
+    upto = [lc.upto(c) for c in cands]
+    top = len(cands) - 1  # candidate_lengths ends at the first length holding every sample
+    # best[j] for the current level count: (time, lengths)
+    best = [(lc.level(0, upto[j], cands[j]), (cands[j],)) for j in range(len(cands))]
+    answer = best[top]
+    for _ in range(2, config.max_levels + 1):
+        nxt = []
+        for j in range(len(cands)):
+            options = [(best[i][0] + lc.level(upto[i], upto[j], cands[j]), best[i][1] + (cands[j],))
+                       for i in range(j) if math.isfinite(best[i][0])]
+            nxt.append(min(options, default=(math.inf, ())))
+        best = nxt
+        if best[top][0] < answer[0]:
+            answer = best[top]
+    if not math.isfinite(answer[0]):
+        raise InputError(f"no level choice fits: every level needs at least (dp_size / SP degree) x "
+                         f"num_microbatches samples and a rank's share of a pack must fit "
+                         f"max_tokens_per_rank {config.model.max_tokens_per_rank}", source=stats.source,
+                         field="pack_lengths")
+    # a level no sample lands in costs nothing and never runs: leave it out
+    used, lo = [], 0
+    for length in answer[1]:
+        hi = lc.upto(length)
+        if hi > lo:
+            used.append(length)
+        lo = hi
+    return LevelChoice(lengths=tuple(used), sp=level_degrees(lc, used), cost=answer[0])
+
+
+def level_degrees(lc: "_LevelCosts", lengths) -> tuple[int, ...]:
+    """The estimate's best SP degree of each level (samples to the shortest level holding them)."""
+    degrees, lo = [], 0
+    for length in lengths:
+        hi = lc.upto(length)
+        degrees.append(lc.level_sp(lo, hi, length)[1])
+        lo = hi
+    return tuple(degrees)
+
+
+def candidate_lengths(tokens: np.ndarray, config: HBPConfig) -> tuple[int, ...]:
+    """The candidates up to (and including) the first that holds the longest sample."""
+    cands = config.candidate_lengths or default_candidates(tokens)
+    longest = int(tokens.max())
+    fitting = [c for c in cands if c >= longest]
+    if not fitting:
+        raise InputError(f"the longest sample has {longest} tokens, more than every candidate level length "
+                         f"(up to {max(cands)})", field="candidate_lengths", source="candidate_lengths")
+    return tuple(c for c in cands if c <= fitting[0])
+
+
+def exhaustive_levels(stats, *, dp_size: int, num_microbatches: int, config: HBPConfig) -> float:
+    """Least :func:`levels_cost` over every subset of candidates (for tests: exponential in candidates)."""
+    cands = candidate_lengths(np.asarray(stats.tokens), config)
+    best = math.inf
+    for k in range(1, config.max_levels + 1):
+        for subset in itertools.combinations(cands, k):
+            if subset[-1] == cands[-1]:
+                best = min(best, levels_cost(stats, subset, dp_size=dp_size, num_microbatches=num_microbatches,
+                                             config=config))
+    return best
+
+
+# -- packing -----------------------------------------------------------------------------------------
+def _check_oversize(stats, rows: np.ndarray, config: HBPConfig) -> tuple[np.ndarray, np.ndarray]:
+    """(kept rows, dropped rows): a sample no level can hold is an InputError or, on request, dropped."""
+    model = config.model
+    limit = model.max_tokens_per_rank * max(model.sp_degrees)
+    if config.pack_lengths is not None:
+        limit = min(limit, max(config.pack_lengths))
+    over = stats.tokens[rows] > limit
+    if not over.any():
+        return rows, rows[:0]
+    bad = rows[over]
+    if config.oversize == "error":
+        listed = ", ".join(f"{int(i)} ({int(stats.tokens[i])} tokens)" for i in bad[:10])
+        more = f" and {len(bad) - 10} more" if len(bad) > 10 else ""
+        raise InputError(f"{len(bad)} samples are longer than the longest level can hold ({limit} tokens: "
+                         f"{model.max_tokens_per_rank} per rank x SP degree {max(model.sp_degrees)}"
+                         f"{', longest level ' + str(max(config.pack_lengths)) if config.pack_lengths else ''}): "
+                         f"rows {listed}{more}; allow a larger SP degree or memory budget, or pass oversize='drop'",
+                         source=stats.source, record=int(bad[0]), field="tokens")
+    return rows[~over], bad
+
+
+def required_packs(tokens: np.ndarray, length: int, slots: int, fill: float) -> int:
+    """Packs a level of ``length`` needs for ``tokens``, whole steps of ``slots``: enough room at ``fill``,
+    and room for the big ones (at most ``k`` samples over ``length / (k + 1)`` share a pack)."""
+    if len(tokens) == 0:
+        return 0
+    crowded = max(math.ceil(int((tokens > length / (k + 1)).sum()) / k) for k in range(1, CROWD_DEPTH + 1))
+    need = max(math.ceil(float(tokens.sum()) / (fill * length)), crowded, 1)
+    return -(-need // slots) * slots
+
+
+def _settle_levels(level_of: np.ndarray, tokens: np.ndarray, lengths, slots: list[int], fill: float,
+                   source: str) -> tuple[np.ndarray, list[int]]:
+    """Levels and pack counts such that every used level has a sample for each of its packs (no empty
+    micro-batch): a level short of samples takes the longest samples of the levels below it; a level too
+    small for one step hands its samples to the next longer level."""
+    level_of = level_of.copy()
+    top = len(lengths) - 1
+    for _ in range(2 * len(lengths) + 2):
+        changed = False
+        for k in range(top, -1, -1):
+            members = np.flatnonzero(level_of == k)
+            if len(members) == 0:
+                continue
+            need = required_packs(tokens[members], lengths[k], slots[k], fill)
+            if len(members) >= need:
+                continue
+            below = np.flatnonzero(level_of < k)
+            if k < top and len(members) + len(below) < need:
+                level_of[members] = k + 1  # cannot fill a step: the next level takes them
+            else:
+                order = below[np.argsort(-tokens[below], kind="stable")]
+                level_of[order[:need - len(members)]] = k
+            changed = True
+        if not changed:
+            break
+    packs = [required_packs(tokens[level_of == k], lengths[k], slots[k], fill) for k in range(len(lengths))]
+    if any(int((level_of == k).sum()) < packs[k] for k in range(len(lengths))):
+        raise InputError(f"{len(level_of)} samples cannot fill whole steps of every level without empty "
+                         f"micro-batches (levels {list(lengths)}, micro-batches per step {slots})", source=source,
+                         field="dp_size")
+    return level_of, packs
+
+
+def _degrees_dividing(model: LevelCostModel, dp_size: int) -> LevelCostModel:
+    """The model with only the SP degrees a world of ``dp_size`` ranks can form (a resharded world may
+    have fewer; a sample that then fits no level is an oversize sample)."""
+    keep = [i for i, d in enumerate(model.sp_degrees) if dp_size % d == 0]
+    if not keep:
+        raise InputError(f"no SP degree of {list(model.sp_degrees)} divides dp_size {dp_size}", source="sp_degrees",
+                         field="sp_degrees")
+    return replace(model, sp_degrees=tuple(model.sp_degrees[i] for i in keep),
+                   a2a_per_token=tuple(model.a2a_per_token[i] for i in keep))
+
+
+def balance_hbp(stats, *, dp_size: int, num_microbatches: int = 1, seed: int = 0, epoch: int = 0,
+                config: HBPConfig | None = None, rows=None) -> Schedule:
+    """One multi-level epoch of ``stats`` (or of its ``rows``; see the module docstring)."""
+    config = config or HBPConfig()
+    rows = np.arange(len(stats), dtype=np.int64) if rows is None else np.unique(np.asarray(rows, np.int64))
+    if len(rows) == 0:
+        raise InputError("no samples to schedule", source=stats.source)
+    config = replace(config, model=_degrees_dividing(config.model, dp_size))
+    kept, dropped = _check_oversize(stats, rows, config)
+    sub = stats.take(kept)
+    if config.pack_lengths is None:
+        choice = choose_levels(sub, dp_size=dp_size, num_microbatches=num_microbatches, config=config)
+        lengths, sp, estimate = choice.lengths, list(choice.sp), choice.cost
+    else:
+        lengths, estimate = config.pack_lengths, None
+        sp = list(config.level_sp or level_degrees(_LevelCosts(
+            np.asarray(sub.tokens), _sample_costs(sub, config.model), groups_of=_groups_of(dp_size),
+            num_microbatches=num_microbatches, model=config.model, fill=config.fill), lengths))
+    if 0 in sp:  # no SP degree fits memory or fills a step: the smallest that fits memory still runs it
+        sp = [d or next(iter(config.model.feasible_sp(n)), 0) for d, n in zip(sp, lengths)]
+    if 0 in sp or len(sp) != len(lengths):
+        raise InputError(f"level lengths {list(lengths)} need SP degrees {sp}: a level's per-rank share must fit "
+                         f"max_tokens_per_rank {config.model.max_tokens_per_rank}", source="pack_lengths",
+                         field="pack_lengths")
+    tokens = np.asarray(sub.tokens, np.int64)
+    level_of = np.searchsorted(np.asarray(lengths), tokens, side="left")
+    slots = [dp_size // d * num_microbatches for d in sp]
+    level_of, packs = _settle_levels(level_of, tokens, lengths, slots, config.fill, stats.source)
+    parts = []
+    for k, (length, d) in enumerate(zip(lengths, sp)):
+        members = np.flatnonzero(level_of == k)
+        if len(members):
+            sched = balance_level(sub.take(members), length, packs[k] // slots[k], dp_size=dp_size // d,
+                                  num_microbatches=num_microbatches, seed=seed, epoch=epoch,
+                                  balance_config=config.balance)
+            parts.append((k, d, kept[members], sched))
+    return _combine(parts, stats, lengths, dropped, dp_size=dp_size, num_microbatches=num_microbatches,
+                    seed=seed, epoch=epoch, estimate=estimate, config=config)
+
+
+def _combine(parts, stats, lengths, dropped, *, dp_size, num_microbatches, seed, epoch, estimate,
+             config: HBPConfig) -> Schedule:
+    """One schedule of the levels' schedules: rows mapped back, SP groups expanded, steps interleaved."""
+    samples, offsets, step_ids, step_level = [], [0], [], []
+    for level, (_, d, rows, sched) in enumerate(parts):
+        base = len(offsets) - 1
+        samples.append(rows[sched.pack_samples])
+        offsets.extend((offsets[-1] + sched.pack_offsets[1:]).tolist())
+        step_ids.append(np.repeat(sched.pack_ids + base, d, axis=1))  # every rank of an SP group: same packs
+        step_level.extend([level] * sched.num_steps)
+    pack_ids = np.concatenate(step_ids)
+    order = epoch_rng(seed, epoch, INTERLEAVE_STREAM).permutation(len(pack_ids))
+    level_caps = [p[3].caps.to_dict() for p in parts]
+    meta = {"hbp": {"level_lengths": [int(lengths[p[0]]) for p in parts], "level_caps": level_caps,
+                    "level_steps": [int(p[3].num_steps) for p in parts],
+                    "estimated_time": None if estimate is None else float(estimate),
+                    "config": {"max_levels": config.max_levels, "fill": config.fill,
+                               "sp_degrees": list(config.model.sp_degrees),
+                               "max_tokens_per_rank": int(config.model.max_tokens_per_rank),
+                               "balance": config.balance.to_dict()}}}
+    return Schedule(
+        dp_size=dp_size, num_microbatches=num_microbatches,
+        caps=Caps(tiles=max(c["tiles"] for c in level_caps), tokens=max(c["tokens"] for c in level_caps)),
+        pack_samples=np.concatenate(samples), pack_offsets=np.asarray(offsets, np.int64),
+        pack_ids=pack_ids[order], num_samples=len(stats), padding="varlen", method="hbp", seed=seed,
+        epoch=epoch, stats_fingerprint=stats.fingerprint(), dropped=np.sort(dropped), meta=meta,
+        levels=tuple(int(step_level[i]) for i in order), level_sp=tuple(int(p[1]) for p in parts))
+
+
+def untrained_rows(schedule: Schedule, steps_done: int) -> np.ndarray:
+    """Rows of the steps from ``steps_done`` on (each once: SP group leaders only), sorted."""
+    if not 0 <= steps_done <= schedule.num_steps:
+        raise InputError(f"steps_done must be in [0, {schedule.num_steps}], got {steps_done}", field="steps_done",
+                         source="schedule")
+    ids = schedule.pack_ids[steps_done:][schedule.leader_mask()[steps_done:]].reshape(-1)
+    return np.sort(np.concatenate([schedule.pack(int(k)) for k in ids] or [np.zeros(0, np.int64)]))
+
+
+def level_lengths(schedule: Schedule) -> tuple[int, ...]:
+    """The level lengths a multi-level schedule was built with (to rebuild or reshard it)."""
+    return tuple(schedule.meta["hbp"]["level_lengths"])
+
+
+__all__ = ["HBPConfig", "LevelChoice", "LevelCostModel", "balance_hbp", "choose_levels", "exhaustive_levels",
+           "level_lengths", "levels_cost", "untrained_rows"]

@@ -1,0 +1,383 @@
+"""Per-level settings of an HBP schedule: SP degree, partition and recompute, priced by the simulator.
+
+:mod:`omnibal.data.hbp` chooses the levels from a :class:`LevelCostModel`; this module fills that model
+from the cost table and the hardware, and prices the result with the step-time simulator:
+
+* **Ulysses all-to-all** (:func:`ulysses_a2a_time`): an SP group of ``d`` DP ranks splits a pack along the
+  sequence; each LLM block exchanges q, k, v before attention and the attention output after it (four
+  all-to-alls forward, four backward), each moving a rank's ``(d-1)/d`` share of its ``tokens/d`` rows
+  (``2 hidden + 2 kv_dim`` values per token in all), over NVLink when ``d <= gpus_per_node`` (SP groups are
+  adjacent DP ranks, as Megatron orders context parallelism inside data parallelism). The time enters the
+  cost table's ``tp_comm_time`` (a per-layer collective the simulator and planner already charge; recompute
+  repeats the forward half). Vision tiles are split over the group without communication (a tile is its
+  own ViT sequence).
+* **Per-rank work**: a rank of an SP group runs ``1/d`` of the pack's tiles, tokens and attention
+  (``sum len^2``; Ulysses gives each rank ``heads/d`` over the full sequence) -- :func:`per_rank_features`.
+* **Memory** (:func:`max_tokens_per_rank`): the most LLM tokens per rank for which some partition fits the
+  budget with every layer checkpointed (the planner's exact minimum-memory partition).
+* **Partition and recompute**: one partition for the whole run (the joint min-max optimum over every
+  level's micro-batches, sized for the largest), and per level the least recompute that fits its own
+  micro-batches (:meth:`JointPlanner.evaluate` with ``adaptive``): short levels recompute less.
+* **SP degree** per level: the one of least estimated level time (``omnibal.data.hbp``): a larger degree
+  adds all-to-all time but shrinks a rank's share of the pack, so less recompute is needed; the cost model
+  gets the recompute price per per-rank length from the planner (:func:`recompute_ratio`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from omnibal.cost.table import LayerCostTable
+from omnibal.data.balance.api import BalanceConfig, balance
+from omnibal.data.balance.cost import BalanceCost
+from omnibal.data.hbp import HBPConfig, LevelCostModel, balance_hbp
+from omnibal.errors import InputError
+from omnibal.plan.joint import JointPlanner
+from omnibal.plan.partition import even_partition
+from omnibal.plan.stages import StageModelConfig, layer_quantities
+from omnibal.sim.epoch import SECONDS_PER_DAY, simulate_epoch
+
+LLM_ATTENTION_KINDS = ("llm_block",)
+
+
+@dataclass(frozen=True, kw_only=True)
+class HBPPlanConfig:
+    """HBP settings of a plan."""
+
+    sp_degrees: tuple[int, ...] = (1, 2, 4, 8)
+    """SP degrees a level may use (each divides dp_size; 8 = one node of A100s)."""
+    max_levels: int = 4
+    """Most levels."""
+    candidate_lengths: tuple[int, ...] | None = None
+    """Level lengths to choose from; None: powers of two and 1.5x midpoints from the median sample to the
+    longest (``omnibal.data.hbp.default_candidates``)."""
+    oversize: str = "error"
+    """A sample no level holds even at the largest SP degree: ``error`` or ``drop`` (listed)."""
+    baseline_batch_size: int = 4
+    """Samples per micro-batch of the baseline (random, padded to the longest)."""
+    dtype_bytes: int = 2
+    """Bytes per activation value the all-to-alls move (bf16)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LevelResult:
+    """One level as simulated."""
+
+    length: int
+    """Pack length (token cap of a pack, before the SP split)."""
+    sp: int
+    """SP degree."""
+    steps: int
+    """Steps of the level in the balanced epoch."""
+    samples: int
+    """Samples of the level."""
+    checkpointed: int
+    """Layers checkpointed on the level's steps."""
+    time_s: float
+    """Simulated seconds of the level's steps."""
+    a2a_share: float
+    """Share of the level's busy time that is SP all-to-all."""
+    oom_steps: int
+    """Steps over the memory budget."""
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+@dataclass(frozen=True, kw_only=True)
+class HBPRow:
+    """One row of the comparison (baseline, single level, HBP)."""
+
+    name: str
+    levels: tuple[LevelResult, ...]
+    epoch_time_s: float
+    """Simulated epoch seconds (scaled to the whole dataset)."""
+    gpu_days: float
+    parts: tuple[int, ...]
+    """Partition cut points."""
+    oom_steps: int
+    dropped: int = 0
+    """Samples left out on purpose (``oversize='drop'``)."""
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "levels": [lv.to_dict() for lv in self.levels], "epoch_time_s": self.epoch_time_s,
+                "gpu_days": self.gpu_days, "parts": list(self.parts), "oom_steps": self.oom_steps,
+                "dropped": self.dropped}
+
+
+@dataclass(frozen=True, kw_only=True)
+class HBPContext:
+    """Model, cluster and data of one HBP plan (what :func:`plan_hbp` needs besides the HBP settings)."""
+
+    table: LayerCostTable
+    spec: object
+    """The ModelSpec (width and heads size the all-to-alls)."""
+    hardware: object
+    """The HardwareSpec (links)."""
+    stage_config: StageModelConfig
+    sim_config: object
+    """The simulator's SimConfig (dp_size, budget, links)."""
+    epoch_scale: float = 1.0
+    """Whole dataset / balanced samples."""
+    seed: int = 0
+    cost: BalanceCost | None = field(default=None)
+    """Per-sample cost (default: from the table)."""
+
+    @property
+    def dp_size(self) -> int:
+        return self.stage_config.dp_size
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.stage_config.num_microbatches
+
+    @property
+    def num_gpus(self) -> int:
+        return self.sim_config.dp_size * self.stage_config.num_stages * self.sim_config.tp_size
+
+
+# -- the cost model's SP terms -----------------------------------------------------------------------
+def ulysses_a2a_time(table: LayerCostTable, spec, hardware, degree: int, *, tp_size: int = 1,
+                     dtype_bytes: int = 2) -> np.ndarray:
+    """``[L, 4]`` all-to-all seconds (forward + backward) per layer of one rank in an SP group of ``degree``."""
+    out = np.zeros((table.num_layers, 4))
+    if degree <= 1:
+        return out
+    llm = spec.llm
+    kv_dim = llm.num_kv_heads * (llm.hidden // llm.num_heads)
+    values = (2 * llm.hidden + 2 * kv_dim) / tp_size  # q, k, v in; attention output back
+    bandwidth, latency = hardware.link(inter_node=degree * tp_size > hardware.gpus_per_node)
+    per_token = values * dtype_bytes * (degree - 1) / degree / bandwidth
+    rows = np.isin(np.asarray(table.kinds), LLM_ATTENTION_KINDS)
+    out[rows, 2] = 2.0 * per_token  # forward and backward
+    out[rows, 0] = 2.0 * 4 * (degree - 1) * latency
+    return out
+
+
+def sp_table(table: LayerCostTable, a2a: np.ndarray) -> LayerCostTable:
+    """The table with the all-to-all time added to its per-layer collectives."""
+    base = np.zeros_like(a2a) if table.tp_comm_time is None else table.tp_comm_time
+    return replace(table, tp_comm_time=base + a2a)
+
+
+def per_rank_features(features: np.ndarray, degree: int) -> np.ndarray:
+    """Features of one rank's share of micro-batches split over an SP group of ``degree``."""
+    out = np.array(features, dtype=np.float64, copy=True)
+    out[..., 1:] /= degree
+    return out
+
+
+def max_tokens_per_rank(table: LayerCostTable, stage_config: StageModelConfig, tiles_per_token: float) -> int:
+    """Most LLM tokens per rank's micro-batch (with ``tiles_per_token`` tiles each) that some partition fits
+    in the budget with every layer checkpointed; 2**30 without a budget."""
+    budget = stage_config.memory_budget_bytes
+    if budget is None:
+        return 1 << 30
+
+    def fits(tokens: int) -> bool:
+        feats = np.array([[1.0, tokens * tiles_per_token, tokens, float(tokens) ** 2]])
+        planner = JointPlanner(layer_quantities(table, feats, stage_config), stage_config)
+        return planner.min_memory_partition().bottleneck <= budget
+
+    if not fits(1):
+        raise InputError("not even a one-token micro-batch fits the memory budget", source="--memory-budget",
+                         field="memory_budget_gib")
+    lo, hi = 1, 1 << 30
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def level_cost_model(ctx: HBPContext, hbp: HBPPlanConfig, tiles_per_token: float) -> LevelCostModel:
+    """The :class:`LevelCostModel` of this model, cluster and memory budget (seconds per sample)."""
+    degrees = tuple(d for d in hbp.sp_degrees if ctx.dp_size % d == 0)
+    if not degrees:
+        raise InputError(f"no SP degree of {hbp.sp_degrees} divides dp_size {ctx.dp_size}", field="sp_degrees",
+                         source="--hbp")
+    a2a = [float(ulysses_a2a_time(ctx.table, ctx.spec, ctx.hardware, d, tp_size=ctx.sim_config.tp_size,
+                                  dtype_bytes=hbp.dtype_bytes)[:, 2].sum()) for d in degrees]
+    # the estimate works in whole-model seconds, the pipeline spreads them over its stages
+    cost = ctx.cost or BalanceCost.from_cost_table(ctx.table, name="cost-table")
+    most = max_tokens_per_rank(ctx.table, ctx.stage_config, tiles_per_token)
+    grid = sorted({*(1 << k for k in range(9, most.bit_length()) if (1 << k) < most), most})
+    ratios = tuple(recompute_ratio(ctx.table, ctx.stage_config, t, tiles_per_token) for t in grid)
+    return LevelCostModel(cost=cost, sp_degrees=degrees, a2a_per_token=tuple(a2a), max_tokens_per_rank=most,
+                          recompute_tokens=tuple(grid), recompute_ratio=ratios)
+
+
+def recompute_ratio(table: LayerCostTable, stage_config: StageModelConfig, tokens: int,
+                    tiles_per_token: float) -> float:
+    """Extra time share of the least recompute that fits micro-batches of ``tokens`` per rank: the joint
+    optimum's bottleneck over the min-max bottleneck without recompute, less one."""
+    feats = np.array([[1.0, tokens * tiles_per_token, tokens, float(tokens) ** 2]])
+    planner = JointPlanner(layer_quantities(table, feats, stage_config), stage_config)
+    return max(planner.plan().bottleneck / planner.plan_fixed_recompute("none").bottleneck - 1.0, 0.0)
+
+
+# -- simulation --------------------------------------------------------------------------------------
+def level_features(schedule, stats, padding: str = "varlen") -> list[tuple[int, np.ndarray, int]]:
+    """``[(SP degree, per-rank features [S_k, D, M, 4], samples)]`` per level of a (multi-level) schedule."""
+    feats = schedule.features(stats, padding=padding)
+    sizes = np.diff(schedule.pack_offsets)[schedule.pack_ids].sum(axis=2) * schedule.leader_mask()  # [S, D]
+    if schedule.levels is None:
+        return [(1, feats, int(sizes.sum()))]
+    levels = np.asarray(schedule.levels)
+    return [(d, per_rank_features(feats[levels == k], d), int(sizes[levels == k].sum()))
+            for k, d in enumerate(schedule.level_sp) if (levels == k).any()]
+
+
+def _a2a(ctx: HBPContext, hbp: HBPPlanConfig, degree: int) -> np.ndarray:
+    return ulysses_a2a_time(ctx.table, ctx.spec, ctx.hardware, degree, tp_size=ctx.sim_config.tp_size,
+                            dtype_bytes=hbp.dtype_bytes)
+
+
+def choose_partition(ctx: HBPContext, hbp: HBPPlanConfig, level_feats) -> tuple[int, ...]:
+    """One partition for every level: the joint min-max optimum over all levels' per-rank micro-batches
+    (time: their mean; memory: the largest), each level's all-to-all included at its share."""
+    everything = np.concatenate([f.reshape(-1, 4) for _, f, _ in level_feats])
+    weights = np.array([f[..., 0].size for _, f, _ in level_feats], np.float64)
+    a2a = sum(w * _a2a(ctx, hbp, d) for w, (d, _, _) in zip(weights, level_feats)) / weights.sum()
+    planner = JointPlanner(layer_quantities(sp_table(ctx.table, a2a), everything, ctx.stage_config),
+                           ctx.stage_config)
+    return tuple(planner.plan().parts)
+
+
+def simulate_levels(ctx: HBPContext, hbp: HBPPlanConfig, level_feats, lengths, *, name: str, parts=None,
+                    recompute: str = "adaptive", dropped: int = 0) -> HBPRow:
+    """Simulate every level's steps with its SP degree and its own recompute (``adaptive``: the least that
+    fits its micro-batches; ``full``) on one partition (None: :func:`choose_partition`)."""
+    parts = tuple(parts) if parts is not None else choose_partition(ctx, hbp, level_feats)
+    results = []
+    for length, (d, feats, samples) in zip(lengths, level_feats):
+        a2a = _a2a(ctx, hbp, d)
+        table = sp_table(ctx.table, a2a)
+        planner = JointPlanner(layer_quantities(table, feats, ctx.stage_config), ctx.stage_config)
+        plan = planner.evaluate(parts, recompute) or planner.evaluate(parts, "full")
+        mask = plan.recompute_mask(table.num_layers)
+        res = simulate_epoch(table, parts, mask, feats, ctx.sim_config)
+        busy = float(res.busy.sum())
+        comm = float((feats @ a2a.T).sum())  # device-seconds, as busy
+        results.append(LevelResult(
+            length=int(length), sp=int(d), steps=int(len(feats)), samples=samples, checkpointed=int(mask.sum()),
+            time_s=res.total_time * ctx.epoch_scale, a2a_share=comm / busy if busy > 0 else 0.0,
+            oom_steps=int(res.oom.any(axis=(1, 2)).sum()) if res.oom is not None else 0))
+    total = sum(r.time_s for r in results)
+    return HBPRow(name=name, levels=tuple(results), epoch_time_s=total,
+                  gpu_days=total * ctx.num_gpus / SECONDS_PER_DAY, parts=parts,
+                  oom_steps=sum(r.oom_steps for r in results), dropped=dropped)
+
+
+@dataclass(frozen=True, kw_only=True)
+class HBPPlanResult:
+    """Baseline, single-level omnibal packing and HBP, as simulated."""
+
+    rows: tuple[HBPRow, ...]
+    model: LevelCostModel
+    """The level cost model the levels were chosen with."""
+    schedule: object
+    """The HBP schedule (of the balanced samples)."""
+    tried: tuple = ()
+    """``(level lengths, predicted GPU days)`` of every level set the simulator compared."""
+
+    def row(self, name: str) -> HBPRow:
+        return next(r for r in self.rows if r.name == name)
+
+    def to_dict(self) -> dict:
+        m = self.model
+        return {"rows": [r.to_dict() for r in self.rows],
+                "model": {"sp_degrees": list(m.sp_degrees), "a2a_s_per_token": list(m.a2a_per_token),
+                          "max_tokens_per_rank": int(m.max_tokens_per_rank)},
+                "level_sets_tried": [{"lengths": k, "gpu_days": v} for k, v in self.tried],
+                "speedup_hbp_vs_single": self.row("single level").gpu_days / self.row("hbp").gpu_days,
+                "speedup_hbp_vs_baseline": self.row("baseline").gpu_days / self.row("hbp").gpu_days}
+
+
+def _baseline_row(ctx: HBPContext, hbp: HBPPlanConfig, stats, model: LevelCostModel) -> HBPRow:
+    """Random micro-batches of ``baseline_batch_size`` padded to the longest, one SP degree for all (the
+    smallest that holds a micro-batch of the longest samples), even partition, full recompute."""
+    longest = int(stats.tokens.max()) * hbp.baseline_batch_size
+    d = (model.feasible_sp(longest) or model.sp_degrees[-1:])[0]
+    cost = model.cost
+    sched = balance(stats, dp_size=ctx.dp_size // d, num_microbatches=ctx.num_microbatches, seed=ctx.seed,
+                    config=BalanceConfig(method="random", batch_size=hbp.baseline_batch_size, cost=cost))
+    feats = per_rank_features(np.repeat(sched.features(stats, padding="pad_to_longest"), d, axis=1), d)
+    parts = even_partition(ctx.table.num_layers, ctx.stage_config.num_stages)
+    return simulate_levels(ctx, hbp, [(d, feats, int(len(stats) - len(sched.dropped)))], [longest],
+                           name="baseline", parts=parts, recompute="full")
+
+
+def plan_hbp(ctx: HBPContext, hbp: HBPPlanConfig, stats) -> HBPPlanResult:
+    """Choose the levels, balance them, and simulate HBP against single-level packing and the baseline.
+
+    The estimate (:func:`omnibal.data.hbp.choose_levels`) proposes the best level set for each level count
+    up to ``max_levels``; the simulator keeps the fastest of them, so HBP is never predicted slower than the
+    single level (level count 1) it is compared with."""
+    tiles_per_token = float(stats.tiles.sum()) / max(float(stats.tokens.sum()), 1.0)
+    model = level_cost_model(ctx, hbp, tiles_per_token)
+    config = HBPConfig(model=model, max_levels=1, candidate_lengths=hbp.candidate_lengths, oversize=hbp.oversize,
+                       balance=BalanceConfig(cost=model.cost))
+    layout = dict(dp_size=ctx.dp_size, num_microbatches=ctx.num_microbatches, seed=ctx.seed)
+    single = balance_hbp(stats, **layout, config=config)
+    top = tuple(single.meta["hbp"]["level_lengths"])
+    single_row = simulate_levels(ctx, hbp, level_features(single, stats), top, name="single level",
+                                 dropped=len(single.dropped))
+    best, best_row, tried = single, replace(single_row, name="hbp"), {top: single_row.gpu_days}
+    for count in range(2, hbp.max_levels + 1):
+        sched = balance_hbp(stats, **layout, config=replace(config, max_levels=count))
+        lengths = tuple(sched.meta["hbp"]["level_lengths"])
+        if lengths in tried:
+            continue
+        row = simulate_levels(ctx, hbp, level_features(sched, stats), lengths, name="hbp",
+                              dropped=len(sched.dropped))
+        tried[lengths] = row.gpu_days
+        if row.gpu_days < best_row.gpu_days:
+            best, best_row = sched, row
+    # the usual long-context recipe: the smallest SP degree the longest pack needs, full recompute, for all
+    recipe = balance_hbp(stats, **layout, config=replace(config, pack_lengths=top,
+                                                         level_sp=(model.feasible_sp(top[0])[0],)))
+    rows = (_baseline_row(ctx, hbp, stats, model),
+            simulate_levels(ctx, hbp, level_features(recipe, stats), top, name="single level, full recompute",
+                            recompute="full", dropped=len(recipe.dropped)),
+            single_row, best_row)
+    return HBPPlanResult(rows=rows, model=model, schedule=best,
+                         tried=tuple((list(k), v) for k, v in tried.items()))
+
+
+def hbp_context(config, *, num_samples: int, balanced_samples: int, cost: BalanceCost | None = None) -> HBPContext:
+    """The :class:`HBPContext` of an ``omnibal plan`` job (:class:`omnibal.plan.job.PlanJobConfig`)."""
+    from omnibal.plan.job_phases import model_phase  # the job's cost table, hardware, simulator and stages
+
+    config.validate()
+    model = model_phase(config)
+    return HBPContext(table=model.table, spec=model.spec, hardware=model.hw, stage_config=model.stage_config,
+                      sim_config=model.sim_config,
+                      epoch_scale=num_samples / balanced_samples, seed=config.seed, cost=cost)
+
+
+def run_hbp_job(config, hbp: HBPPlanConfig, stats) -> HBPPlanResult:
+    """``omnibal plan --hbp``: the job's model and cluster, ``stats`` subsampled as the job does."""
+    full = len(stats)
+    if config.balance_samples is not None and config.balance_samples < full:
+        rows = np.sort(np.random.default_rng(config.seed).choice(full, config.balance_samples, replace=False))
+        stats = stats.take(rows)
+    ctx = hbp_context(config, num_samples=full, balanced_samples=len(stats))
+    return plan_hbp(ctx, hbp, stats)
+
+
+def hbp_markdown(result: HBPPlanResult) -> str:
+    """Per-level table of the HBP plan and the comparison rows."""
+    lines = ["| level | pack length | SP | steps | samples | checkpointed layers | all-to-all share | time (h) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for i, lv in enumerate(result.row("hbp").levels):
+        lines.append(f"| {i} | {lv.length:,} | {lv.sp} | {lv.steps:,} | {lv.samples:,} | {lv.checkpointed} | "
+                     f"{lv.a2a_share:.1%} | {lv.time_s / 3600:.2f} |")
+    lines += ["", "| packing | levels (length x SP) | GPU days | vs single level | OOM steps |",
+              "|---|---|---|---|---|"]
+    single = result.row("single level").gpu_days
+    for row in result.rows:
+        desc = ", ".join(f"{lv.length:,} x {lv.sp}" for lv in row.levels)
+        lines.append(f"| {row.name} | {desc} | {row.gpu_days:.1f} | {single / row.gpu_days:.2f}x | {row.oom_steps} |")
+    return "\n".join(lines)

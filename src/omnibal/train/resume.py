@@ -1,0 +1,133 @@
+"""Checkpoints of the training loop: what a step's checkpoint records, writing it, and resuming from the
+newest valid one, also on another DP size (the rest of the epoch re-balanced, :mod:`omnibal.train.reshard`).
+
+A mixin of :class:`omnibal.train.loop.Trainer` (kept apart so each module stays readable); it uses the
+trainer's world, schedule, stage module, optimizer and its object collectives (``_gather_objects``,
+``_broadcast_object``, ``_barrier``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from omnibal.errors import InputError
+from omnibal.train import checkpoint as ckpt
+from omnibal.train.feed import check_schedule, fixed_buffer, schedule_fingerprint
+from omnibal.train.reshard import balance_record, reshard_schedule
+from omnibal.train.sp import step_degrees
+
+
+class CheckpointResume:
+    """Checkpoint writing and resuming for :class:`omnibal.train.loop.Trainer`."""
+
+    def _world_doc(self) -> dict:
+        return {"dp_size": self.world.dp_size, "pp_size": self.world.pp_size}
+
+    def sampler_state(self) -> dict:
+        """The data position a checkpoint records: the next step, i.e. the steps *trained* so far. Stage 0
+        reads a step's micro-batches from the schedule inside that step (no DataLoader prefetching ahead)
+        and ``self.step`` advances only after the optimizer step, so nothing fetched-but-untrained is
+        counted (unlike a sampler behind a DataLoader with workers; see ``BalancedBatchSampler.mark_trained``)."""
+        state = {"next_step": self.step, "schedule_fingerprint": self.schedule_id}
+        record = balance_record(self.schedule)
+        if record is not None:  # lets a resume on another dp size rebuild this stream (reshard=True)
+            state["balance"] = record
+        return state
+
+    def save_checkpoint(self) -> None:
+        """Write this step's checkpoint: each stage's dp-rank-0 writes its file, rank 0 the manifest."""
+        w = self.world
+        record = None
+        if w.dp_rank == 0:
+            record = ckpt.write_stage_file(self.checkpoint_dir, self.step, w.pp_rank, model=self.stage_module,
+                                           optimizer=self.optimizer)
+        records = self._gather_objects(record, "checkpoint")
+        if w.rank == 0:
+            ckpt.write_manifest(self.checkpoint_dir, self.step, stage_records=[r for r in records if r is not None],
+                                world=self._world_doc(), model_id=self.model_id,
+                                stage_layers=[list(r) for r in self.layout.ranges], sampler=self.sampler_state(),
+                                extra={"mode": self.mode})
+        self._barrier("checkpoint")
+        if self.on_checkpoint is not None:
+            self.on_checkpoint(self.step)
+
+    def maybe_resume(self, checkpoint_dir: str | None = None, *, reshard: bool = False) -> bool:
+        """Load the newest valid checkpoint (corrupt newer ones are skipped and listed in
+        ``skipped_checkpoints``); returns False when there is none. Incompatible ones raise InputError.
+
+        ``reshard=True`` also accepts a checkpoint written with another DP size (same pp and stage layers):
+        each stage loads its weights and optimizer state (replicated over DP), and the samples the old world
+        had not trained yet are re-balanced for this world (:mod:`omnibal.train.reshard`); the schedule
+        becomes that remainder, numbered from the checkpoint's ``next_step``, and :meth:`run` ends with it."""
+        root = checkpoint_dir or self.checkpoint_dir
+        w = self.world
+        if reshard and self.step_sp.max(initial=1) > 1:
+            raise InputError("a resume on another dp size re-balances one level for plain DP; this run uses "
+                             "sequence parallelism", source="--reshard", field="reshard")
+        decision: dict[str, Any] = {}
+        if w.rank == 0:
+            try:
+                decision = self._resume_decision(root, reshard)
+            except InputError as exc:
+                decision = {"error": exc.message, "source": exc.source, "field": exc.field}
+        decision = self._broadcast_object(decision)
+        if "error" in decision:
+            raise InputError(decision["error"], source=decision["source"], field=decision["field"])
+        self.skipped_checkpoints = decision["skipped"]
+        for line in self.skipped_checkpoints:
+            self.notify(line)
+        if decision["path"] is None:
+            return False
+        ckpt.load_stage_file(Path(decision["path"]), decision["manifest"], w.pp_rank, model=self.stage_module,
+                             optimizer=self.optimizer, map_location=w.device)
+        if decision.get("schedule") is not None:
+            self._use_resharded(decision["schedule"])
+        self.step = int(decision["manifest"]["sampler"]["next_step"])
+        self.resumed_from = decision["path"]
+        how = (f", the rest of the epoch re-balanced for dp {w.dp_size} (steps {self.step}.."
+               f"{self.schedule.num_steps - 1})" if self.resharded else "")
+        self.notify(f"resumed from {decision['path']} at step {self.step}{how}")
+        return True
+
+    def _resume_decision(self, root, reshard: bool) -> dict:
+        """Global rank 0: the checkpoint to resume (checked against this run) and, when resharding, the
+        re-balanced rest of its epoch."""
+        found = ckpt.find_latest_valid(root, world=self._world_doc(), model_id=self.model_id,
+                                       stage_layers=[list(r) for r in self.layout.ranges], any_dp_size=reshard)
+        decision = {"path": str(found.path) if found.path else None, "manifest": found.manifest,
+                    "skipped": found.skipped}
+        if found.manifest is None:
+            return decision
+        sampler = found.manifest["sampler"]
+        fp, next_step = sampler.get("schedule_fingerprint"), sampler["next_step"]
+        if reshard and (fp != self.schedule_id or found.manifest["world"] != self._world_doc()):
+            decision["schedule"] = reshard_schedule(
+                found.manifest, getattr(self.dataset, "stats", None), dp_size=self.world.dp_size,
+                num_microbatches=self.num_microbatches, source=str(found.path), fingerprint=schedule_fingerprint)
+        elif fp != self.schedule_id:
+            raise InputError(f"checkpoint was trained on schedule {fp}, this run uses {self.schedule_id}: "
+                             f"resuming would not continue the same sample stream", source=str(found.path),
+                             field="sampler")
+        elif next_step > self.schedule.num_steps:
+            raise InputError(f"next_step {next_step} is past the end of the schedule ({self.schedule.num_steps} "
+                             f"steps)", source=str(found.path), field="sampler.next_step")
+        return decision
+
+    def _use_resharded(self, schedule) -> None:
+        """Switch to the re-balanced rest of the epoch (built on global rank 0, the same on every rank)."""
+        if self.dataset is not None:
+            check_schedule(schedule, dp_size=self.world.dp_size, num_microbatches=self.num_microbatches,
+                           num_samples=len(self.dataset), source=schedule.source)
+        if self.buffer is not None and self.mode == "omnibal":
+            need = fixed_buffer(schedule, self.dataset.stats, mode=self.mode) if self.dataset is not None else None
+            if need is not None and (need.tiles > self.buffer.tiles or need.tokens > self.buffer.tokens):
+                raise InputError(f"the re-balanced rest of the epoch needs a ({need.tiles}, {need.tokens}) micro-batch "
+                                 f"buffer, the pipeline was built for ({self.buffer.tiles}, {self.buffer.tokens})",
+                                 source=schedule.source, field="buffer")
+        self.schedule = schedule
+        # step_sp follows the schedule: the remainder is numbered from the checkpoint's next_step and can be
+        # longer than the fresh epoch step_sp was built for (dp 1 -> 2); a reshard runs plain DP (degree 1)
+        self.step_sp = step_degrees(schedule)
+        self.schedule_id = schedule_fingerprint(schedule)
+        self.resharded = True

@@ -1,0 +1,101 @@
+"""HBP planner: the SP terms of the cost model, a small plan end to end, and ``omnibal plan --hbp``."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from omnibal.cli import main
+from omnibal.cost.analytic import analytic_cost_table
+from omnibal.cost.hardware import get_hardware
+from omnibal.cost.presets import get_model_preset
+from omnibal.errors import InputError
+from omnibal.plan.hbp import (HBPPlanConfig, hbp_markdown, max_tokens_per_rank, per_rank_features, run_hbp_job,
+                              ulysses_a2a_time)
+from omnibal.plan.job import PlanJobConfig
+from omnibal.plan.joint import JointPlanner
+from omnibal.plan.stages import StageModelConfig, layer_quantities
+from omnibal.stats.long_context import long_context_mixture
+
+SMALL_JOB = dict(preset="internvl2-8b", dp_size=8, pp_size=2, num_microbatches=2, balance_samples=None)
+
+
+@pytest.fixture(scope="module")
+def table_8b():
+    spec, hw = get_model_preset("internvl2-8b"), get_hardware("a100-80g")
+    return spec, hw, analytic_cost_table(spec, hw)
+
+
+def test_ulysses_all_to_all_only_in_llm_blocks_and_grows_with_degree(table_8b):
+    spec, hw, table = table_8b
+    assert not ulysses_a2a_time(table, spec, hw, 1).any()
+    per_token = [ulysses_a2a_time(table, spec, hw, d)[:, 2] for d in (2, 4, 8, 16)]
+    blocks = np.asarray(table.kinds) == "llm_block"
+    assert np.all(per_token[0][blocks] > 0) and not per_token[0][~blocks].any()
+    assert per_token[0][blocks][0] < per_token[1][blocks][0] < per_token[2][blocks][0]
+    assert per_token[3][blocks][0] > 3 * per_token[2][blocks][0]  # 16 ranks leave the node: slower link
+    # 2 (2 hidden + 2 kv_dim) bf16 values per token, forward and backward, (d-1)/d of them sent
+    bw, _ = hw.link(inter_node=False)
+    expect = 2 * (2 * 4096 + 2 * 1024) * 2 * (1 / 2) / bw
+    assert per_token[0][blocks][0] == pytest.approx(expect)
+
+
+def test_per_rank_features_split_everything_but_the_fixed_term():
+    feats = np.array([[1.0, 8.0, 4096.0, 4096.0**2]])
+    assert per_rank_features(feats, 4).tolist() == [[1.0, 2.0, 1024.0, 4096.0**2 / 4]]
+
+
+def test_max_tokens_per_rank_is_the_memory_edge(table_8b):
+    _, _, table = table_8b
+    config = StageModelConfig(num_stages=2, num_microbatches=2, dp_size=8, memory_budget_bytes=40 * 2**30)
+    most = max_tokens_per_rank(table, config, tiles_per_token=0.002)
+
+    def min_memory(tokens):
+        feats = np.array([[1.0, tokens * 0.002, tokens, float(tokens) ** 2]])
+        return JointPlanner(layer_quantities(table, feats, config), config).min_memory_partition().bottleneck
+
+    assert min_memory(most) <= 40 * 2**30 < min_memory(most + 1)
+
+
+@pytest.fixture(scope="module")
+def small_plan():
+    stats = long_context_mixture(3000, seed=4)
+    return stats, run_hbp_job(PlanJobConfig(**SMALL_JOB), HBPPlanConfig(baseline_batch_size=1), stats)
+
+
+def test_small_plan_covers_every_sample_once_and_is_serialisable(small_plan):
+    stats, result = small_plan
+    assert [r.name for r in result.rows] == ["baseline", "single level, full recompute", "single level", "hbp"]
+    hbp = result.row("hbp")
+    assert sum(lv.samples for lv in hbp.levels) == len(stats)
+    assert np.all(result.schedule.sample_counts() == 1)
+    lengths = [lv.length for lv in hbp.levels]
+    assert lengths == sorted(lengths) and lengths[-1] >= stats.tokens.max()
+    for row in result.rows:
+        assert row.gpu_days > 0 and row.oom_steps == 0
+        for lv in row.levels:
+            assert lv.length <= result.model.max_tokens_per_rank * lv.sp or row.name == "baseline"
+    assert hbp.gpu_days <= result.row("single level").gpu_days  # the simulator keeps the best level set
+    assert len(result.tried) >= 1 and min(v for _, v in result.tried) == pytest.approx(hbp.gpu_days)
+    json.dumps(result.to_dict())
+    assert "| hbp |" in hbp_markdown(result)
+
+
+def test_plan_refuses_a_sample_no_level_can_hold():
+    stats = long_context_mixture(3000, seed=4)
+    with pytest.raises(InputError) as err:  # SP <= 2 on a 24 GiB budget cannot hold the 100k-token videos
+        run_hbp_job(PlanJobConfig(**SMALL_JOB, memory_budget_gib=24.0), HBPPlanConfig(sp_degrees=(1, 2)), stats)
+    assert err.value.field == "tokens" and "oversize" in str(err.value)
+
+
+def test_cli_plan_hbp_writes_the_level_table(tmp_path, capsys):
+    code = main(["plan", "--hbp", "long-context", "--preset", "internvl2-8b", "--gpus", "16", "--pp", "2",
+                 "--num-microbatches", "2", "--samples", "2500", "--balance-samples", "all",
+                 "--baseline-batch-size", "1", "--out", str(tmp_path)])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "| level | pack length | SP |" in out and "| hbp |" in out
+    doc = json.loads((tmp_path / "hbp.json").read_text())
+    assert doc["speedup_hbp_vs_single"] > 0 and doc["rows"][-1]["name"] == "hbp"
