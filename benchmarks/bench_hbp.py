@@ -24,17 +24,16 @@ plan`` does). Writes benchmarks/results/hbp.json and hbp.md.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from pathlib import Path
 
+from benchmarks.common import RESULTS, write_result
 from omnibal.plan.hbp import HBPPlanConfig, run_hbp_job
 from omnibal.plan.job import PlanJobConfig, run_plan_job
 from omnibal.stats.long_context import llm_only, long_context_mixture
 from omnibal.stats.synthetic import synthetic_internvl_mixture
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def cases(samples: int, balance_samples: int):
@@ -91,15 +90,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--samples", type=int, default=1_200_000)
     parser.add_argument("--balance-samples", type=int, default=60_000)
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
     load = f"Host load average at start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (planning times only)."
     results = [run_case(*case) for case in cases(args.samples, args.balance_samples)]
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "hbp.json").write_text(json.dumps({"samples": args.samples, "balance_samples": args.balance_samples,
-                                              "results": results}, indent=2) + "\n")
-    (out / "hbp.md").write_text(markdown(results, load))
+    write_result("hbp", {"samples": args.samples, "balance_samples": args.balance_samples, "results": results},
+                 markdown(results, load), out=Path(args.out))
     print(markdown(results, load))
 
 

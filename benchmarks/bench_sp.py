@@ -26,7 +26,6 @@ rank held in a micro-batch (what activation memory follows). Writes benchmarks/r
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -36,7 +35,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks.common import RESULTS, write_result
+
 DP = 2
 MICRO = 2
 
@@ -182,7 +182,7 @@ def main() -> None:
     parser.add_argument("--long-samples", type=int, default=32)
     parser.add_argument("--mixture-samples", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
     torch.set_num_threads(1)
     from omnibal.stats.long_context import cpu_long_context_mixture
@@ -214,10 +214,7 @@ def main() -> None:
            "hbp_mixture": {"samples": args.mixture_samples, "level_lengths": hbp.meta["hbp"]["level_lengths"],
                            "level_sp": list(hbp.level_sp), "least_level_sp": list(least_sp.level_sp), "level_steps": hbp.meta["hbp"]["level_steps"],
                            "rows": rows_b}}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "sp.json").write_text(json.dumps(doc, indent=1) + "\n")
-    (out / "sp.md").write_text(render(doc) + "\n")
+    write_result("sp", doc, render(doc), out=Path(args.out))
     print(render(doc))
 
 
@@ -258,5 +255,4 @@ def render(doc: dict) -> str:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT / "src"))
     main()

@@ -24,6 +24,8 @@ ALL=(
   bench_online            # online vs offline balance on the CPU trainer
   bench_train_hf          # omnibal vs baseline on an HF InternVL checkpoint
   bench_online_hf         # online vs offline on the HF checkpoint
+  bench_hbp               # HBP vs single-level packing, predicted (long-context mixture)
+  bench_sp                # Ulysses SP and HBP levels on the CPU trainer
 )
 names=("${@:-${ALL[@]}}")
 for name in "${names[@]}"; do
