@@ -297,16 +297,21 @@ class HBPPlanResult:
 
 def _baseline_row(ctx: HBPContext, hbp: HBPPlanConfig, stats, model: LevelCostModel) -> HBPRow:
     """Random micro-batches of ``baseline_batch_size`` padded to the longest, one SP degree for all (the
-    smallest that holds a micro-batch of the longest samples), even partition, full recompute."""
+    smallest whose run fits memory on the even partition: the per-rank token limit is for the best partition,
+    so a degree it allows can still overflow a stage of the even one), even partition, full recompute."""
     longest = int(stats.tokens.max()) * hbp.baseline_batch_size
-    d = (model.feasible_sp(longest) or model.sp_degrees[-1:])[0]
-    cost = model.cost
-    sched = balance(stats, dp_size=ctx.dp_size // d, num_microbatches=ctx.num_microbatches, seed=ctx.seed,
-                    config=BalanceConfig(method="random", batch_size=hbp.baseline_batch_size, cost=cost))
-    feats = per_rank_features(np.repeat(sched.features(stats, padding="pad_to_longest"), d, axis=1), d)
+    degrees = model.feasible_sp(longest) or model.sp_degrees[-1:]
     parts = even_partition(ctx.table.num_layers, ctx.stage_config.num_stages)
-    return simulate_levels(ctx, hbp, [(d, feats, int(len(stats) - len(sched.dropped)))], [longest],
-                           name="baseline", parts=parts, recompute="full")
+    row = None
+    for d in degrees:
+        sched = balance(stats, dp_size=ctx.dp_size // d, num_microbatches=ctx.num_microbatches, seed=ctx.seed,
+                        config=BalanceConfig(method="random", batch_size=hbp.baseline_batch_size, cost=model.cost))
+        feats = per_rank_features(np.repeat(sched.features(stats, padding="pad_to_longest"), d, axis=1), d)
+        row = simulate_levels(ctx, hbp, [(d, feats, int(len(stats) - len(sched.dropped)))], [longest],
+                              name="baseline", parts=parts, recompute="full")
+        if row.oom_steps == 0:
+            break
+    return row
 
 
 def plan_hbp(ctx: HBPContext, hbp: HBPPlanConfig, stats) -> HBPPlanResult:
