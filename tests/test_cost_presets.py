@@ -114,10 +114,9 @@ def test_tiny_vision_share_resembles_internvl_6b_20b(shared_stats_dir):
     """The tiny CPU model stands in for InternViT-6B + InternLM2-20B in the measured runs: on the same real
     samples its ViT must take about the share of the work the 6B ViT takes, or the baseline's LLM padding
     and the pipeline's ViT/LLM imbalance would be mis-weighted on CPU."""
+    from conftest import REAL_STATS_FILES
     from omnibal.stats.io import load_stats
     from omnibal.stats.table import SampleStats
-
-    from conftest import REAL_STATS_FILES
 
     stats = SampleStats.concat([load_stats(shared_stats_dir / f) for f in REAL_STATS_FILES.values()])
     big = _vision_flop_share(get_model_preset("internvl-chat-1.5"), stats.tiles, stats.tokens, stats.images)

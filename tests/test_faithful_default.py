@@ -18,8 +18,13 @@ from omnibal.plan.packsize import PackSearchConfig, search_pack_size
 from omnibal.plan.search import SearchConfig
 from omnibal.plan.stages import StageModelConfig
 from omnibal.sim.costs import config_for_hardware
-from omnibal.stats.synthetic import (FITTED_TILES, INTERNVL_12_SFT, SyntheticConfig, mixture_layout,
-                                     synthetic_internvl_mixture)
+from omnibal.stats.synthetic import (
+    FITTED_TILES,
+    INTERNVL_12_SFT,
+    SyntheticConfig,
+    mixture_layout,
+    synthetic_internvl_mixture,
+)
 
 FITTED = {"science_diagrams": "ai2d", "charts": "chartqa"}
 

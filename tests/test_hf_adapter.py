@@ -5,8 +5,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from omnibal.errors import InputError  # noqa: E402
 from omnibal.data.collate import collate  # noqa: E402
+from omnibal.errors import InputError  # noqa: E402
 from omnibal.train.hf_adapter import from_hf, from_llava  # noqa: E402
 from omnibal.train.stage import apply_checkpointing, example_carry, split_model  # noqa: E402
 from train_helpers import rel_err, tiny_dataset  # noqa: E402

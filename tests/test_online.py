@@ -55,7 +55,8 @@ def test_bad_input():
 
 
 # ------------------------------------------------------------------ per-phase dispatch (OrchMLLM)
-from hypothesis import given, settings, strategies as st  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st
 
 from omnibal.data.online import balance_phases, phase_loads  # noqa: E402
 

@@ -5,8 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from omnibal.cost.presets import get_model_preset
 from omnibal.cli import main
+from omnibal.cost.presets import get_model_preset
 from omnibal.errors import InputError
 from omnibal.plan.ablation import ROW_NAMES
 from omnibal.plan.job import PlanJobConfig, run_plan_job, vision_first_partition

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from sim_helpers import random_features, random_table
 
 from omnibal.errors import InputError
 from omnibal.sim.calibrate import Calibration, CalibrationRun, calibrate, nonneg_lstsq
 from omnibal.sim.costs import SimConfig
 from omnibal.sim.epoch import simulate_epoch
+from sim_helpers import random_features, random_table
 
 
 def _kinds_table(num_layers=9, seed=0):

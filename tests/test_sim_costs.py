@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from sim_helpers import random_features, random_table
 
 from omnibal.errors import InputError
 from omnibal.sim.costs import (
@@ -19,6 +18,7 @@ from omnibal.sim.costs import (
 )
 from omnibal.sim.epoch import score_plan, simulate_epoch, simulate_one_step
 from omnibal.sim.schedule import simulate_pipeline
+from sim_helpers import random_features, random_table
 
 
 def test_stage_sums_match_per_layer_evaluation():

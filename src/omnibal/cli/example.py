@@ -26,7 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from omnibal.examples.real_example import prepare_output, make_real_example, train_command
+    from omnibal.examples.real_example import make_real_example, prepare_output, train_command
 
     if args.seed < 0:
         raise InputError(f"must be >= 0, got {args.seed}", source="--seed")

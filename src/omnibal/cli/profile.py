@@ -55,8 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from omnibal.cost.presets import get_model_preset
     from omnibal.cost.profile import CPU_GRID, GPU_GRID, ProfileGrid, save_profile
-    from omnibal.measure.profile import measure
     from omnibal.cost.spec import LAYER_KINDS, ModelSpec
+    from omnibal.measure.profile import measure
 
     if args.spec is not None:
         try:

@@ -186,7 +186,7 @@ class ModelSpec:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], *, source: str = "model spec") -> "ModelSpec":
+    def from_dict(cls, data: dict[str, Any], *, source: str = "model spec") -> ModelSpec:
         try:
             fields = dict(data)
             fields["vision"] = VisionSpec(**fields["vision"])

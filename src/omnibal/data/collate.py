@@ -143,7 +143,7 @@ class MicroBatch:
         """The carry at the chain's input (stage 0's ``forward(*carry)``)."""
         return (self.pixel_values, self.token_meta, self.sizes)
 
-    def to(self, device) -> "MicroBatch":
+    def to(self, device) -> MicroBatch:
         move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
         return MicroBatch(move(self.pixel_values), move(self.token_meta), move(self.sizes), move(self.tile_mask),
                           move(self.cu_seqlens), self.sample_indices, self.num_real_tokens)

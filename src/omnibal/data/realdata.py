@@ -106,7 +106,7 @@ class RealDataConfig:
         return AnnotationConfig(**fields)
 
     @classmethod
-    def like_stats(cls, annotation_config, **overrides) -> "RealDataConfig":
+    def like_stats(cls, annotation_config, **overrides) -> RealDataConfig:
         """The settings of an ``omnibal.stats.annotations.AnnotationConfig`` (same tokenizer, tile rule, token
         layout), so the samples have exactly the sizes ``omnibal stats`` computed with it."""
         a = annotation_config

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from omnibal.cost.table import NUM_FEATURES, LayerCostTable
 from omnibal.cost.spec import even_cuts as _even_cuts
+from omnibal.cost.table import NUM_FEATURES, LayerCostTable
 from omnibal.errors import InputError
 from omnibal.layout import check_layout_fields
 from omnibal.sim.schedule import SCHEDULES

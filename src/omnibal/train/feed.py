@@ -64,7 +64,7 @@ class IndexSchedule:
                 "stats_fingerprint": self.stats_fingerprint, "dropped": list(self.dropped)}
 
     @classmethod
-    def from_dict(cls, doc: Any, *, source: str = "<schedule>") -> "IndexSchedule":
+    def from_dict(cls, doc: Any, *, source: str = "<schedule>") -> IndexSchedule:
         if not isinstance(doc, dict):
             raise InputError("a schedule is a JSON object", source=source)
         for key in ("dp_size", "num_microbatches", "steps"):
@@ -105,7 +105,7 @@ class IndexSchedule:
                    tuple(dropped))
 
     @classmethod
-    def from_json(cls, path: str | Path) -> "IndexSchedule":
+    def from_json(cls, path: str | Path) -> IndexSchedule:
         return cls.from_dict(_read_json(path), source=str(path))
 
 
