@@ -63,7 +63,7 @@ def test_chain_maps_llava_modules_and_skips_the_unused_last_vision_layer():
     assert chain.spec.llm_tokens_per_tile == 16
     assert chain.hf_module_names["vision.blocks.1"] == ("model.vision_tower.encoder.layers.1",)
     assert chain.hf_module_names["llm.head"] == ("model.language_model.norm", "lm_head")
-    for name, hf_names in chain.hf_module_names.items():
+    for hf_names in chain.hf_module_names.values():
         for hf_name in hf_names:
             chain.hf_model.get_submodule(hf_name)
     with pytest.raises(InputError, match="vision_feature_select_strategy"):

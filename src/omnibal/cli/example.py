@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {summary['records']} records ({kinds}) with {summary['images']} images in {summary['seconds']:.1f} s")
     print(f"  {summary['annotations']}\n  {summary['image_root']}/")
     print(f"  {summary['tokenizer']}/  (byte-level BPE, {summary['vocab_size']} tokens)")
-    for name, m in summary["models"].items():
+    for m in summary["models"].values():
         hist = " ".join(f"{t}:{n}" for t, n in m["tiles_per_sample"].items())
         print(f"  {m['path']}/  ({m['parameters'] / 1e6:.2f}M parameters, {m['tile_size']} px tiles, "
               f"{m['tokens_per_tile']} tokens per tile; tiles per sample {hist}; tokens per sample "
