@@ -224,8 +224,8 @@ def _row_counts(schedule, num_samples: int, source: str) -> np.ndarray:
                 if len(mb) == 0:
                     raise bad("empty micro-batch", s, r, k)
                 if mb.min() < 0 or mb.max() >= num_samples:
-                    raise bad(f"sample index {int(mb.max() if mb.max() >= num_samples else mb.min())} outside the dataset of "
-                              f"{num_samples}", s, r, k)
+                    index = int(mb.max() if mb.max() >= num_samples else mb.min())
+                    raise bad(f"sample index {index} outside the dataset of {num_samples}", s, r, k)
                 np.add.at(counts, mb, 1)
     return counts
 

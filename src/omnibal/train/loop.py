@@ -115,7 +115,8 @@ class Trainer(CheckpointResume):
         """Per-sample ledger (:mod:`omnibal.train.ledger`): every rank gathers its keys, global rank 0 writes."""
         self._ledger = None
         self.online_info: list = []
-        """``--mode online``: per step, the dispatch's per-phase balance (:class:`omnibal.train.online.OnlineStepInfo`)."""
+        """``--mode online``: per step, the dispatch's per-phase balance
+        (:class:`omnibal.train.online.OnlineStepInfo`)."""
 
     def _build_stage_runner(self, model, buffer: Buffer | None, *, pipeline_schedule: str, dp_sync: str,
                             lr: float, weight_decay: float) -> None:
