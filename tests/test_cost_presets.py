@@ -106,7 +106,8 @@ def _vision_flop_share(spec, tiles, tokens, images) -> float:
     work = layer_work(spec)
     coef = work.matmul_flops + work.attention_flops  # [layers, features]
     per_layer = coef @ microbatch_features(tiles, tok, tok * tok).sum(axis=0)  # one sample = one segment
-    vision = [i for i, layer in enumerate(spec.layers()) if layer.name.startswith("vision") or layer.name == "projector"]
+    vision = [i for i, layer in enumerate(spec.layers())
+              if layer.name.startswith("vision") or layer.name == "projector"]
     return float(per_layer[vision].sum() / per_layer.sum())
 
 

@@ -70,7 +70,8 @@ def test_default_mixture_uses_the_published_tile_rule():
 def test_default_job_is_the_papers_setting():
     cfg = PlanJobConfig()
     assert cfg.baseline_partition == "vision-first" and cfg.stack == "megatron-deepspeed"
-    assert (cfg.preset, cfg.hardware, cfg.dp_size, cfg.pp_size, cfg.tp_size) == ("internvl-chat-1.5", "a100-80g", 32, 4, 1)
+    assert ((cfg.preset, cfg.hardware, cfg.dp_size, cfg.pp_size, cfg.tp_size)
+            == ("internvl-chat-1.5", "a100-80g", 32, 4, 1))
     assert cfg.pack_search.microbatches == ()  # library callers keep their M
     from omnibal.cli.plan import add_arguments, job_config
 

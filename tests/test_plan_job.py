@@ -120,7 +120,8 @@ def test_cli_end_to_end_on_tiny(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "+ adaptive recompute" in out and "DeepSpeed parts" in out and "wrote" in out
     doc = json.loads((tmp_path / "o" / "plan.json").read_text())
-    assert doc["format"] == "omnibal.plan" and doc["exports"]["deepspeed"]["parts"][-1] == len(get_model_preset("tiny").layers())
+    assert doc["format"] == "omnibal.plan"
+    assert doc["exports"]["deepspeed"]["parts"][-1] == len(get_model_preset("tiny").layers())
     assert main(["report", str(tmp_path / "o")]) == 0
     assert (tmp_path / "o" / "report.md").is_file()
     np.testing.assert_equal(len(doc["stages"]), 2)

@@ -128,7 +128,8 @@ def test_summary_is_json_ready():
     import json
 
     table = random_table(8)
-    res = simulate_epoch(table, even_cuts(8, 2), None, random_features(2, 2, 3), SimConfig(dp_size=2, memory_budget_bytes=1.0))
+    res = simulate_epoch(table, even_cuts(8, 2), None, random_features(2, 2, 3),
+                         SimConfig(dp_size=2, memory_budget_bytes=1.0))
     summary = json.loads(json.dumps(res.summary()))
     assert summary["oom_steps"] == 2 and len(summary["stages"]) == 2
 

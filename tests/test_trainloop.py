@@ -305,8 +305,8 @@ def test_cli_omnibal_mode_trains_a_schedule_file(tmp_path, with_caps):
     sched_path.write_text(json.dumps(doc))
     loaded = load_schedule(sched_path)
     assert type(loaded).__name__ == ("Schedule" if with_caps else "IndexSchedule")
-    rc = main(["train", "--mode", "omnibal", "--stats", str(stats_path), "--schedule-file", str(sched_path), "--steps", "2",
-               "--microbatches", "2", "--summary-json", str(tmp_path / "sum.json"), "--quiet"])
+    rc = main(["train", "--mode", "omnibal", "--stats", str(stats_path), "--schedule-file", str(sched_path),
+               "--steps", "2", "--microbatches", "2", "--summary-json", str(tmp_path / "sum.json"), "--quiet"])
     assert rc == 0
     doc = json.loads((tmp_path / "sum.json").read_text())
     assert doc["summary"]["token_pad_ratio"] == 0 and doc["recompute"] == [[]]
