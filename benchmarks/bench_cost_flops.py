@@ -53,7 +53,8 @@ def rule_flops(spec, tiles, tokens, pub) -> float:
     n_llm = pub.get("llm", counts["llm"]) - llm_embed_params(llm)
     vit_tokens = tiles * v.tokens_per_tile
     flops = 6 * (n_vision * vit_tokens + counts["projector"] * tiles * spec.llm_tokens_per_tile + n_llm * tokens)
-    return flops + 12 * v.num_layers * v.hidden * v.tokens_per_tile * vit_tokens + 6 * llm.num_layers * llm.hidden * tokens**2
+    return (flops + 12 * v.num_layers * v.hidden * v.tokens_per_tile * vit_tokens
+            + 6 * llm.num_layers * llm.hidden * tokens**2)
 
 
 def main() -> int:

@@ -199,8 +199,8 @@ def render(result, profile) -> str:
     for name, e in result["whole_model"].items():
         lines.append(f"| {name} | {e['points']} | {e['step_mean_abs']:.1%} | {e['step_max_abs']:.1%} | "
                      f"{e['step_bias']:+.1%} |")
-    lines += ["", "Whole-model error over all trials and timing statistics (profile fit / analytic calibrated, mean abs "
-              "err; the same measurements refitted with each statistic):", "",
+    lines += ["", "Whole-model error over all trials and timing statistics (profile fit / analytic calibrated, mean "
+              "abs err; the same measurements refitted with each statistic):", "",
               "| trial | mean 1-min load | statistic | profile fit | analytic, calibrated | analytic, default |",
               "| ---: | ---: | --- | ---: | ---: | ---: |"]
     for i, trial in enumerate(result["trials"]):

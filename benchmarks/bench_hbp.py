@@ -35,7 +35,6 @@ from omnibal.stats.long_context import llm_only, long_context_mixture
 from omnibal.stats.synthetic import synthetic_internvl_mixture
 
 
-
 def cases(samples: int, balance_samples: int):
     long_mix = long_context_mixture(samples, 0)
     job = dict(balance_samples=balance_samples, num_samples=samples)

@@ -181,23 +181,28 @@ def to_markdown(doc: dict) -> str:
         lines += ["## Balance 10M synthetic samples (dp 64 x 4 micro-batches)", "",
                   "| samples | synthesise | balance | samples/s | steps | caps (tiles, tokens) | peak RSS | load |",
                   "|---:|---:|---:|---:|---:|---|---:|---|",
-                  f"| {b['num_samples']:,} | {b['synth_s']:.1f} s | {b['balance_s']:.1f} s | {b['samples_per_s']:,.0f} | "
-                  f"{b['num_steps']:,} | {b['caps']} | {b['peak_rss_mb']:,.0f} MB (stats alone "
-                  f"{b['peak_rss_after_synth_mb']:,.0f} MB) | {b['load_before']} / {b['load_after']} |", ""]
+                  f"| {b['num_samples']:,} | {b['synth_s']:.1f} s | {b['balance_s']:.1f} s | "
+                  f"{b['samples_per_s']:,.0f} | {b['num_steps']:,} | {b['caps']} | {b['peak_rss_mb']:,.0f} MB "
+                  f"(stats alone {b['peak_rss_after_synth_mb']:,.0f} MB) | {b['load_before']} / "
+                  f"{b['load_after']} |", ""]
     s = doc["parts"].get("sampler1k")
     if s:
         lines += ["## Sampler with 1,000 DP ranks (1.2M samples)", "",
-                  "| ranks | steps/rank | build (one rank) | first step | per step | state_dict | load_state_dict* | state size | peak RSS | load |",
+                  "| ranks | steps/rank | build (one rank) | first step | per step | state_dict | load_state_dict* "
+                  "| state size | peak RSS | load |",
                   "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
-                  f"| {s['dp_size']:,} | {s['steps_per_rank']} | {s['build_s']:.1f} s | {1e3 * s['first_step_s']:.1f} ms | "
-                  f"{s['per_step_us']:.1f} us | {s['state_dict_us']:.0f} us | {s['load_state_s']:.2f} s | "
-                  f"{s['state_json_bytes']} B | {s['peak_rss_mb']:,.0f} MB | {s['load_before']} / {s['load_after']} |", "",
+                  f"| {s['dp_size']:,} | {s['steps_per_rank']} | {s['build_s']:.1f} s | "
+                  f"{1e3 * s['first_step_s']:.1f} ms | {s['per_step_us']:.1f} us | {s['state_dict_us']:.0f} us | "
+                  f"{s['load_state_s']:.2f} s | "
+                  f"{s['state_json_bytes']} B | {s['peak_rss_mb']:,.0f} MB | {s['load_before']} / "
+                  f"{s['load_after']} |", "",
                   "\\* `load_state_dict` only records the state; the resumed sampler rebuilds the epoch's schedule on "
                   "first use, which costs about the build time again.", ""]
     rows = [doc["parts"][k] for k in ("loader0", "loader4") if k in doc["parts"]]
     if rows:
         lines += ["## DataLoader feeding the tiny VLM (fwd + bwd + AdamW, 1 torch thread)", "",
-                  "| workers | step | data wait | data-wait fraction | samples/s | load |", "|---:|---:|---:|---:|---:|---|"]
+                  "| workers | step | data wait | data-wait fraction | samples/s | load |",
+                  "|---:|---:|---:|---:|---:|---|"]
         for r in rows:
             lines.append(f"| {r['num_workers']} | {r['step_ms']:.1f} ms | {r['data_wait_ms']:.2f} ms | "
                          f"{100 * r['data_wait_fraction']:.1f} % | {r['samples_per_s']:.1f} | "
@@ -224,7 +229,8 @@ def main() -> int:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / "load.json"
     doc = json.loads(path.read_text()) if path.is_file() else {"parts": {}}
-    doc["machine"] = f"{os.cpu_count()} CPUs, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB"
+    memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    doc["machine"] = f"{os.cpu_count()} CPUs, {memory_gib:.0f} GiB"
     for part in args.parts.split(","):
         runs = []
         for _ in range(args.repeats):

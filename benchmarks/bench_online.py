@@ -89,7 +89,8 @@ def main(argv=None) -> int:
             for mode in MODES:
                 tag = f"{mode}_dp{lay['dp']}_r{rep}"
                 log(tag)
-                lay["runs_of"][mode].append(run_train(lay["args_of"][mode], work, tag, metrics_log=True, timeout_s=1800))
+                lay["runs_of"][mode].append(run_train(lay["args_of"][mode], work, tag, metrics_log=True,
+                                                      timeout_s=1800))
 
     res = {"model": "tiny", "stats": raw.source,
            "num_samples": args.samples, "num_microbatches": args.microbatches, "batch_size": args.batch_size,
@@ -120,8 +121,9 @@ def main(argv=None) -> int:
 
 def render(res: dict) -> str:
     lines = ["# baseline vs online (OrchMLLM-style) vs omnibal (offline), CPU trainer", "",
-             f"`python -m benchmarks.bench_online`: `tiny` preset, {res['num_samples']} samples of {res['stats']}, each mode over "
-             f"its whole epoch, local draws of {res['num_microbatches']} x {res['batch_size']} samples per rank "
+             f"`python -m benchmarks.bench_online`: `tiny` preset, {res['num_samples']} samples of {res['stats']}, "
+             f"each mode over its whole epoch, local draws of {res['num_microbatches']} x {res['batch_size']} samples "
+             f"per rank "
              f"(baseline and online), median of {res['repeats']} interleaved rounds, one torch thread per rank. "
              "Per-phase max/mean: across DP ranks, of the cost each rank's step "
              "carries, mean over steps.", "",

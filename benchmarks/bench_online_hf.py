@@ -37,13 +37,15 @@ def main(argv=None) -> int:
                    / sum(x["cpu_s"] for x in d["summary"]["per_rank"]) for d in docs]
         res["runs"][mode] = {"samples_per_s_runs": sps, "samples_per_s_median": statistics.median(sps),
                              "samples_per_cpu_s_median": statistics.median(per_cpu),
-                             "steps": docs[0]["summary"]["steps"], "token_pad_ratio": docs[0]["summary"]["token_pad_ratio"],
+                             "steps": docs[0]["summary"]["steps"],
+                             "token_pad_ratio": docs[0]["summary"]["token_pad_ratio"],
                              "load": [d["load"] for d in docs]}
     base = res["runs"]["baseline"]
     lines = ["# baseline vs online vs omnibal, `omnibal train --hf-model` (HF InternVL, real example), DP2", "",
              f"`python -m benchmarks.bench_online_hf`: {args.records} example records, whole epoch per run, median of "
              f"{args.repeats} interleaved rounds, one torch thread per rank.", "",
-             "| mode | steps | samples/s | vs baseline | samples per CPU-s | vs baseline | token pad | load (before, after) |",
+             "| mode | steps | samples/s | vs baseline | samples per CPU-s | vs baseline | token pad "
+             "| load (before, after) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for mode, r in res["runs"].items():
         lines.append(f"| {mode} | {r['steps']} | {r['samples_per_s_median']:.2f} | "

@@ -43,7 +43,8 @@ def pack_lines(plan: dict) -> list[str]:
         return []
     lines = ["", "Pack-size search (each candidate balanced, jointly planned and simulated on a subset; the chosen one "
              "then balanced and searched in full):", "",
-             "| micro-batches | target samples | samples / micro-batch | Q_v | Q_t | checkpointed | GPU days | chosen |",
+             "| micro-batches | target samples | samples / micro-batch | Q_v | Q_t | checkpointed | GPU days "
+             "| chosen |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     chosen = (pack["chosen"] or {}).get("num_microbatches")
     for c in pack["candidates"]:

@@ -56,7 +56,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         real = real_mixture(base.num_samples, Path(tmp))
         variants = [
-            ("default (fitted synthetic 1.2M, vision-first baseline, Megatron-DeepSpeed memory, pack search)", base, None),
+            ("default (fitted synthetic 1.2M, vision-first baseline, Megatron-DeepSpeed memory, pack search)",
+             base, None),
             ("no pack-size search (8 micro-batches of ~4.5 samples)", replace(base, pack_search=no_pack), None),
             ("baseline split: even layer count", replace(base, baseline_partition="even"), None),
             ("stack omnibal (bf16 gradients)", replace(base, stack="omnibal"), None),
@@ -67,7 +68,8 @@ def main() -> None:
             ("DP 64 x PP 2 x TP 1", replace(base, dp_size=64, pp_size=2, num_microbatches=4), None),
             ("DP 16 x PP 8 x TP 1", replace(base, dp_size=16, pp_size=8, num_microbatches=16), None),
             ("DP 16 x PP 4 x TP 2", replace(base, dp_size=16, pp_size=4, tp_size=2, num_microbatches=16), None),
-            ("pre-issue-17 default (12 tiles, even split, bf16 gradients, no pack search; InternViT activations as now)",
+            ("pre-issue-17 default (12 tiles, even split, bf16 gradients, no pack search; "
+             "InternViT activations as now)",
              replace(base, baseline_partition="even", stack="omnibal", pack_search=no_pack), twelve),
         ]
         if real is not None:
@@ -107,7 +109,8 @@ def main() -> None:
              "GPU days per epoch: baseline -> + data balance -> + balanced partition -> + adaptive recompute "
              "(-> + pack size when the search picks another pack) (speed-up over the baseline in brackets); paper: "
              "61.8 -> 51.9 -> 29.0 -> 21.3 (1.00x -> 1.19x -> 2.13x -> 2.90x).", "",
-             "| variant | GPU days (speed-up) | plan's micro-batches | planned cut points | planned peak GiB per stage |",
+             "| variant | GPU days (speed-up) | plan's micro-batches | planned cut points "
+             "| planned peak GiB per stage |",
              "| --- | --- | --- | --- | --- |"]
     for v in out:
         chain = " -> ".join(f"{r['gpu_days']:.1f}{' OOM' if r['oom'] else ''} ({r['speedup']:.2f}x)" for r in v["rows"])

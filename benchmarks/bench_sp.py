@@ -105,7 +105,8 @@ def rank_run(schedule, stats, sp_degree: int):
                       sp_degree=sp_degree)
     trainer.run(0)
     records = [{"samples": r.samples, "step_s": r.step_s, "cpu_s": sum(rk["cpu_s"] for rk in r.ranks),
-                "compute_s": sum(rk["compute_s"] for rk in r.ranks), "loss": r.loss} for r in trainer.log.records] if world.rank == 0 else None
+                "compute_s": sum(rk["compute_s"] for rk in r.ranks), "loss": r.loss}
+               for r in trainer.log.records] if world.rank == 0 else None
     rss = torch.tensor([resource_peak()], dtype=torch.float64)
     gathered = [torch.zeros_like(rss) for _ in range(DP)]
     torch.distributed.all_gather(gathered, rss)
@@ -212,7 +213,8 @@ def main() -> None:
                                                                              int(stats.tokens.max())],
                           "rows": rows_a},
            "hbp_mixture": {"samples": args.mixture_samples, "level_lengths": hbp.meta["hbp"]["level_lengths"],
-                           "level_sp": list(hbp.level_sp), "least_level_sp": list(least_sp.level_sp), "level_steps": hbp.meta["hbp"]["level_steps"],
+                           "level_sp": list(hbp.level_sp), "least_level_sp": list(least_sp.level_sp),
+                           "level_steps": hbp.meta["hbp"]["level_steps"],
                            "rows": rows_b}}
     write_result("sp", doc, render(doc), out=Path(args.out))
     print(render(doc))

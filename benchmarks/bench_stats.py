@@ -166,7 +166,8 @@ def bench_synthetic(repeats: int) -> dict:
         t = time.perf_counter()
         summarize(s)
         sum_times.append(time.perf_counter() - t)
-    return {"rows": 1_200_000, "generate_s_min": round(min(times), 3), "generate_s_median": round(statistics.median(times), 3),
+    return {"rows": 1_200_000, "generate_s_min": round(min(times), 3),
+            "generate_s_median": round(statistics.median(times), 3),
             "summarize_s_min": round(min(sum_times), 3), "load_avg": load_avg()}  # fmt: skip
 
 
@@ -206,7 +207,8 @@ def markdown(res: dict) -> str:
         "(independent of the machine's load): with W workers, wall time on an idle machine with W free "
         "cores approaches CPU s / W plus the main process's share.",
         "",
-        "| tokens | workers | samples/s | run s (min) | run s (median) | CPU s (min) | samples per CPU s | wall s (min) | headers read | load avg (start-end of each run) |",
+        "| tokens | workers | samples/s | run s (min) | run s (median) | CPU s (min) | samples per CPU s "
+        "| wall s (min) | headers read | load avg (start-end of each run) |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for r in t:

@@ -181,8 +181,10 @@ def main(argv=None) -> int:
         extra_of = {"baseline": ["--batch-size", str(args.batch_size)],
                     "omnibal": ["--schedule-file", str(omni_path)] + (["--plan", str(plan_path)] if plan_path else [])}
         steps_of = {m: schedule_of[m].num_steps if args.epoch else args.steps for m in MODES}
-        layouts.append({"dp": dp, "pp": pp, "schedule_of": schedule_of, "steps_of": steps_of, "layer_times": layer_times,
-                        "args_of": {m: common + ["--mode", m, "--steps", str(steps_of[m])] + extra_of[m] for m in MODES},
+        layouts.append({"dp": dp, "pp": pp, "schedule_of": schedule_of, "steps_of": steps_of,
+                        "layer_times": layer_times,
+                        "args_of": {m: common + ["--mode", m, "--steps", str(steps_of[m])] + extra_of[m]
+                                    for m in MODES},
                         "runs_of": {m: [] for m in MODES}})
 
     # rounds: the calibration runs, then every layout and mode once (interleaved, so a change of machine
@@ -193,7 +195,8 @@ def main(argv=None) -> int:
             for mode in MODES:
                 tag = f"{mode}_dp{lay['dp']}_pp{lay['pp']}_r{rep}"
                 log(tag)
-                lay["runs_of"][mode].append(run_train(lay["args_of"][mode], work, tag, metrics_log=True, timeout_s=1800))
+                lay["runs_of"][mode].append(run_train(lay["args_of"][mode], work, tag, metrics_log=True,
+                                                      timeout_s=1800))
     calibrated = calib.fit()
     results["calibration"] = {**calibrated[0].to_dict(), "rank_jitter": calibrated[3], "links": links,
                               "runs": calib.rows}
@@ -273,13 +276,14 @@ def render_markdown(res: dict) -> str:
                      f"{e['recompute_layers']} | {ranks} | {loads} |")
     if cal:
         scales = ", ".join(f"{g} {f:.3f}" for g, f in zip(cal["groups"], cal["fwd_scale"]))
-        lines += ["", "Simulator: this CPU's measured layer profile (`omnibal.measure.profile`), calibrated on separate "
-                  "runs on other data (`benchmarks.cpu_runs.CAL_SPECS`: single-process, pipeline and DP runs, one "
-                  f"round before each repeat): scales {scales}, shared-core factor {cal['shared_host_scale']:.3f}, "
-                  f"step overhead {cal['step_overhead'] * 1e3:.0f} ms, rank jitter {cal['rank_jitter']:.1%}; gloo links "
-                  f"measured: p2p {cal['links']['p2p_latency'] * 1e3:.2f} ms + bytes / "
-                  f"{cal['links']['p2p_bandwidth'] / 1e9:.2f} GB/s, all-reduce {cal['links']['dp_latency'] * 1e3:.2f} ms "
-                  f"per ring step + bytes / {cal['links']['dp_bandwidth'] / 1e9:.2f} GB/s."]
+        lines += ["", "Simulator: this CPU's measured layer profile (`omnibal.measure.profile`), calibrated on "
+                  "separate runs on other data (`benchmarks.cpu_runs.CAL_SPECS`: single-process, pipeline and DP "
+                  f"runs, one round before each repeat): scales {scales}, shared-core factor "
+                  f"{cal['shared_host_scale']:.3f}, step overhead {cal['step_overhead'] * 1e3:.0f} ms, rank jitter "
+                  f"{cal['rank_jitter']:.1%}; gloo links measured: p2p {cal['links']['p2p_latency'] * 1e3:.2f} ms + "
+                  f"bytes / {cal['links']['p2p_bandwidth'] / 1e9:.2f} GB/s, all-reduce "
+                  f"{cal['links']['dp_latency'] * 1e3:.2f} ms per ring step + bytes / "
+                  f"{cal['links']['dp_bandwidth'] / 1e9:.2f} GB/s."]
     return "\n".join(lines) + "\n"
 
 

@@ -82,7 +82,8 @@ def write_plan(path: Path, model_name: str, names: list[str], layer_times: np.nd
     part = min_max_partition(layer_times, pp)
     parts = [int(x) for x in part.parts]
     measured_plan(model=model_name, layer_names=names, parts=parts, stage_times_s=part.stage_costs,
-                  num_samples=num_samples, num_microbatches=MICROBATCHES, source="bench_train_hf: measured per-layer times").save(path)
+                  num_samples=num_samples, num_microbatches=MICROBATCHES,
+                  source="bench_train_hf: measured per-layer times").save(path)
     return parts
 
 
@@ -124,8 +125,9 @@ def main(argv=None) -> int:
         base = result["runs"][f"baseline_dp{dp}_pp{pp}"]["samples_per_s_median"]
         omni = result["runs"][f"omnibal_dp{dp}_pp{pp}"]["samples_per_s_median"]
         result[f"speedup_dp{dp}_pp{pp}"] = omni / base
-        result[f"cpu_work_ratio_dp{dp}_pp{pp}"] = (result["runs"][f"omnibal_dp{dp}_pp{pp}"]["samples_per_cpu_s_median"]
-                                                   / result["runs"][f"baseline_dp{dp}_pp{pp}"]["samples_per_cpu_s_median"])
+        runs = result["runs"]
+        result[f"cpu_work_ratio_dp{dp}_pp{pp}"] = (runs[f"omnibal_dp{dp}_pp{pp}"]["samples_per_cpu_s_median"]
+                                                   / runs[f"baseline_dp{dp}_pp{pp}"]["samples_per_cpu_s_median"])
     write_result("train_hf", result, render_markdown(result), out=Path(args.out))
     print(render_markdown(result))
     return 0
@@ -137,7 +139,8 @@ def render_markdown(res: dict) -> str:
              f"one torch thread per rank; vision encoder "
              f"{res['vision_share']:.0%} of the measured layer time; omnibal PP2 cut at layer {res['pp2_cut'][1]}.",
              "",
-             "| layout | baseline samples/s | omnibal samples/s | speed-up | samples per CPU-s, baseline / omnibal (ratio) |",
+             "| layout | baseline samples/s | omnibal samples/s | speed-up "
+             "| samples per CPU-s, baseline / omnibal (ratio) |",
              "| --- | --- | --- | --- | --- |"]
     for key in [k for k in res if k.startswith("speedup_")]:
         lay = key.removeprefix("speedup_")

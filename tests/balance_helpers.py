@@ -12,9 +12,8 @@ from omnibal.stats.table import SampleStats
 @lru_cache(maxsize=4)
 def real_stats(stats_dir: str, which: str = "merged") -> SampleStats:
     """The real InternVL-1.2M subsets through the project's loader (``which``: ai2d, chartqa, merged)."""
-    from omnibal.stats.io import load_stats
-
     from conftest import REAL_STATS_FILES
+    from omnibal.stats.io import load_stats
 
     parts = {name: load_stats(f"{stats_dir}/{fname}") for name, fname in REAL_STATS_FILES.items()}
     if which == "merged":

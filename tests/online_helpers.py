@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from dist_helpers import TIMEOUT_S, tiny_dataset, tiny_spec, tiny_stats

@@ -42,7 +42,8 @@ def start_torchrun(nproc: int, args: list[str], *, max_restarts: int = 0, log: P
     return subprocess.Popen(cmd, env=worker_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def start_ranks(world_size: int, args: list[str], *, attempt: int = 0, log_dir: Path | None = None) -> list[subprocess.Popen]:
+def start_ranks(world_size: int, args: list[str], *, attempt: int = 0,
+                log_dir: Path | None = None) -> list[subprocess.Popen]:
     """The ranks as plain processes (what torchrun does, without its agent): direct control of each pid."""
     port = free_port()
     procs = []

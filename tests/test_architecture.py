@@ -2,7 +2,8 @@
 modules, no import from a lower layer into a higher one, no function over 80 lines, no module over 500.
 
 Layers, lowest first (docs/architecture.md); a module may import its own layer (if acyclic) and lower ones:
-errors/outputs/validate/tables/layout -> stats -> cost -> data/sim -> plan/train -> measure/integrations/examples -> cli.
+errors/outputs/validate/tables/layout -> stats -> cost -> data/sim -> plan/train -> measure/integrations/examples
+-> cli.
 Every import counts: module level, inside functions, under ``if TYPE_CHECKING``.
 """
 

@@ -137,9 +137,9 @@ def test_bad_inputs_are_named():
 
 
 def test_cost_defaults_and_cost_table():
-    v, l = DEFAULT_COST.vision_coef, DEFAULT_COST.llm_coef
-    assert 3.4e13 < v[1] < 3.8e13  # ~12 TFLOP forward per tile, x3 for training
-    assert 1.1e11 < l[2] < 1.2e11 and 1.7e6 < l[3] < 1.8e6
+    vision, llm = DEFAULT_COST.vision_coef, DEFAULT_COST.llm_coef
+    assert 3.4e13 < vision[1] < 3.8e13  # ~12 TFLOP forward per tile, x3 for training
+    assert 1.1e11 < llm[2] < 1.2e11 and 1.7e6 < llm[3] < 1.8e6
     kinds = ("vision_embed", "vision_block", "projector", "llm_embed", "llm_block", "lm_head")
     fwd = np.arange(24, dtype=float).reshape(6, 4)
     zeros6 = np.zeros(6)

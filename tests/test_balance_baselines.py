@@ -100,7 +100,8 @@ _layouts = st.tuples(st.integers(1, 6), st.integers(1, 3))
 def test_every_method_schedules_each_sample_once(n, seed, layout, method, max_tiles, epoch):
     dp, m = layout
     stats = random_stats(n, seed=seed, max_tiles=max_tiles)
-    cfg = BalanceConfig(method=method, isf_search=False, isf_iterations=10, max_tiles=None if method == "omnibal" else 40,
+    cfg = BalanceConfig(method=method, isf_search=False, isf_iterations=10,
+                        max_tiles=None if method == "omnibal" else 40,
                         max_tokens=None if method == "omnibal" else 12000, oversize="own_pack")
     if n < dp * m:
         with pytest.raises(InputError, match="dp_size"):

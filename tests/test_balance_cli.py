@@ -12,7 +12,8 @@ from omnibal.cli import main
 def _write_token_lengths(path, n=400, seed=0):
     rng = np.random.default_rng(seed)
     tiles = rng.choice([1, 3, 5], n)
-    rows = [{"vit_num": int(v), "token_num": int(256 * v + rng.integers(30, 300)), "image_flags": int(v)} for v in tiles]
+    rows = [{"vit_num": int(v), "token_num": int(256 * v + rng.integers(30, 300)), "image_flags": int(v)}
+            for v in tiles]
     path.write_text(json.dumps(rows))
 
 

@@ -5,8 +5,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from omnibal.data.collate import (IGNORE_INDEX, META_IMAGE_INDEX, META_LABELS, META_POSITION_IDS,
-                                  META_SEGMENT_IDS, CollateConfig, collate, stack_carries)
+from omnibal.data.collate import (
+    IGNORE_INDEX,
+    META_IMAGE_INDEX,
+    META_LABELS,
+    META_POSITION_IDS,
+    META_SEGMENT_IDS,
+    CollateConfig,
+    collate,
+    stack_carries,
+)
 from omnibal.errors import InputError
 from train_helpers import collate_cfg, pack, tiny_dataset, tiny_spec
 

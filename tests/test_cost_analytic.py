@@ -3,8 +3,13 @@ import dataclasses
 import numpy as np
 import pytest
 
-from omnibal.cost.analytic import (analytic_cost_table, forward_flops, layer_work, total_flops_per_sample,
-                                   zero_sharded_bytes)
+from omnibal.cost.analytic import (
+    analytic_cost_table,
+    forward_flops,
+    layer_work,
+    total_flops_per_sample,
+    zero_sharded_bytes,
+)
 from omnibal.cost.hardware import get_hardware
 from omnibal.cost.params import llm_embed_params
 from omnibal.cost.presets import PUBLISHED_PARAMS, get_model_preset, preset_names

@@ -106,7 +106,8 @@ def _vision_flop_share(spec, tiles, tokens, images) -> float:
     work = layer_work(spec)
     coef = work.matmul_flops + work.attention_flops  # [layers, features]
     per_layer = coef @ microbatch_features(tiles, tok, tok * tok).sum(axis=0)  # one sample = one segment
-    vision = [i for i, layer in enumerate(spec.layers()) if layer.name.startswith("vision") or layer.name == "projector"]
+    vision = [i for i, layer in enumerate(spec.layers())
+              if layer.name.startswith("vision") or layer.name == "projector"]
     return float(per_layer[vision].sum() / per_layer.sum())
 
 
@@ -114,10 +115,9 @@ def test_tiny_vision_share_resembles_internvl_6b_20b(shared_stats_dir):
     """The tiny CPU model stands in for InternViT-6B + InternLM2-20B in the measured runs: on the same real
     samples its ViT must take about the share of the work the 6B ViT takes, or the baseline's LLM padding
     and the pipeline's ViT/LLM imbalance would be mis-weighted on CPU."""
+    from conftest import REAL_STATS_FILES
     from omnibal.stats.io import load_stats
     from omnibal.stats.table import SampleStats
-
-    from conftest import REAL_STATS_FILES
 
     stats = SampleStats.concat([load_stats(shared_stats_dir / f) for f in REAL_STATS_FILES.values()])
     big = _vision_flop_share(get_model_preset("internvl-chat-1.5"), stats.tiles, stats.tokens, stats.images)

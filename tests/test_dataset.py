@@ -44,8 +44,8 @@ def test_dataloader_workers_with_the_pack_collator():
 
 def test_text_only_rows_with_a_dummy_tile_run_the_encoder_but_fill_no_slot():
     from omnibal.data.collate import collate
-    from omnibal.stats.table import SampleStats
     from omnibal.data.dataset import SyntheticSampleConfig, SyntheticVLMDataset
+    from omnibal.stats.table import SampleStats
 
     stats = SampleStats.from_arrays(tiles=[1, 2], tokens=[6, 12], images=[0, 1], source="dummy")
     ds = SyntheticVLMDataset(stats, SyntheticSampleConfig(image_size=32, tokens_per_tile=4, vocab_size=64,

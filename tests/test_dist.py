@@ -5,8 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dist_helpers import (NUM_STEPS, TIMEOUT_S, rank_dies_mid_step, rank_forward_backward, rank_train_steps,
-                          single_process_reference)
+from dist_helpers import (
+    NUM_STEPS,
+    TIMEOUT_S,
+    rank_dies_mid_step,
+    rank_forward_backward,
+    rank_train_steps,
+    single_process_reference,
+)
 from omnibal.train.distributed import spawn_local
 
 pytestmark = pytest.mark.multiprocess

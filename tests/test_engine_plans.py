@@ -27,7 +27,7 @@ MEGATRON_DEFAULT_BUDGET = 77.0
 docs/engines/megatron.md); its tests plan it with 77 GiB."""
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def engine_plan(preset: str, engine: str):
     """``run_plan_job`` of the default job (or ``--preset``) for ``engine``, as ``omnibal plan`` runs it."""
     kw = {"zero_stage": 2} if engine == "torchtitan" else {}

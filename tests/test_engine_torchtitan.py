@@ -37,8 +37,13 @@ def test_torchtitan_accepts_the_fragment_and_splits_every_parameter_onto_its_sta
     from torchtitan.distributed.activation_checkpoint import FullAC
     from torchtitan.distributed.pipeline_parallel import _split_module
 
-    from omnibal.integrations.torchtitan import (activation_checkpoint_config, check_model, load_fragment,
-                                                 parallelism_config, write_exports)
+    from omnibal.integrations.torchtitan import (
+        activation_checkpoint_config,
+        check_model,
+        load_fragment,
+        parallelism_config,
+        write_exports,
+    )
 
     plan = engine_plan(preset, "torchtitan").plan
     fragment = load_fragment(write_exports(plan, tmp_path)[0])

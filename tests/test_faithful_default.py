@@ -18,8 +18,13 @@ from omnibal.plan.packsize import PackSearchConfig, search_pack_size
 from omnibal.plan.search import SearchConfig
 from omnibal.plan.stages import StageModelConfig
 from omnibal.sim.costs import config_for_hardware
-from omnibal.stats.synthetic import (FITTED_TILES, INTERNVL_12_SFT, SyntheticConfig, mixture_layout,
-                                     synthetic_internvl_mixture)
+from omnibal.stats.synthetic import (
+    FITTED_TILES,
+    INTERNVL_12_SFT,
+    SyntheticConfig,
+    mixture_layout,
+    synthetic_internvl_mixture,
+)
 
 FITTED = {"science_diagrams": "ai2d", "charts": "chartqa"}
 
@@ -65,7 +70,8 @@ def test_default_mixture_uses_the_published_tile_rule():
 def test_default_job_is_the_papers_setting():
     cfg = PlanJobConfig()
     assert cfg.baseline_partition == "vision-first" and cfg.stack == "megatron-deepspeed"
-    assert (cfg.preset, cfg.hardware, cfg.dp_size, cfg.pp_size, cfg.tp_size) == ("internvl-chat-1.5", "a100-80g", 32, 4, 1)
+    assert ((cfg.preset, cfg.hardware, cfg.dp_size, cfg.pp_size, cfg.tp_size)
+            == ("internvl-chat-1.5", "a100-80g", 32, 4, 1))
     assert cfg.pack_search.microbatches == ()  # library callers keep their M
     from omnibal.cli.plan import add_arguments, job_config
 

@@ -142,7 +142,8 @@ def test_adversarial_manifest_never_crashes_resume(tmp_path_factory, edits, resi
             doc[key] = value
         elif kind == "del":
             doc.pop(key, None)
-        elif isinstance(doc.get("files"), list) and len(doc["files"]) > key[0] and isinstance(doc["files"][key[0]], dict):
+        elif (isinstance(doc.get("files"), list) and len(doc["files"]) > key[0]
+              and isinstance(doc["files"][key[0]], dict)):
             if kind == "file":
                 doc["files"][key[0]][key[1]] = value
             else:

@@ -22,8 +22,17 @@ import time
 
 import pytest
 
-from reliab_helpers import (effective_samples, kill_all, read_ledger, start_ranks, start_torchrun, trainer_counts,
-                            wait_all, wait_for_event, worker_args)
+from reliab_helpers import (
+    effective_samples,
+    kill_all,
+    read_ledger,
+    start_ranks,
+    start_torchrun,
+    trainer_counts,
+    wait_all,
+    wait_for_event,
+    worker_args,
+)
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("omnibal.train.loop", reason="the distributed trainer is not on this branch yet")

@@ -76,8 +76,9 @@ json_leaf = (st.none() | st.booleans() | st.integers(-(2**66), 2**66) | st.float
 json_any = st.recursive(json_leaf, lambda kids: st.lists(kids, max_size=3) | st.dictionaries(
     st.sampled_from(["from", "value", "image", "id", "width", "height", "conversations", "x"]), kids, max_size=4),
     max_leaves=10)
-turn = st.fixed_dictionaries({"from": st.sampled_from(["human", "gpt"]), "value": st.text(max_size=30) | st.sampled_from(
-    ["<image>\nWhat is this?", "A chart.", "<image><image> compare", ""])})
+turn = st.fixed_dictionaries({"from": st.sampled_from(["human", "gpt"]),
+                              "value": st.text(max_size=30) | st.sampled_from(
+                                  ["<image>\nWhat is this?", "A chart.", "<image><image> compare", ""])})
 good = st.fixed_dictionaries({"conversations": st.lists(turn, min_size=1, max_size=4)}, optional={
     "id": st.text(max_size=8) | st.integers(0, 10**6), "image": st.sampled_from(["ok.png", "sub/tall.png"]),
 })
@@ -144,7 +145,8 @@ def test_large_but_real_image_is_counted_not_refused(tmp_path, image_root):
     """A 30000 x 30000 scan is a legitimate (if large) image: only its header is read, so Pillow's
     decompression-bomb guard (meant for decoding) must not turn it into a crash."""
     (image_root / "scan.png").write_bytes(png_header(30_000, 30_000))
-    stats, _ = compute_stats(_write(tmp_path, _one_image_record("scan.png")), AnnotationConfig(image_root=str(image_root)))
+    stats, _ = compute_stats(_write(tmp_path, _one_image_record("scan.png")),
+                             AnnotationConfig(image_root=str(image_root)))
     assert stats.tiles[0] >= 1 and stats.images[0] == 1
 
 

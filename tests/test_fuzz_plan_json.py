@@ -104,7 +104,8 @@ def test_truncated_plan_is_refused(tmp_path, cut):
 
 @FUZZ
 @given(at=st.integers(0, len(GOOD_TEXT.encode()) - 1),
-       junk=st.sampled_from([b"\xff", b"\xfe\xff", b"\xc3", b"\xed\xa0\x80", b"\x00"]) | st.binary(min_size=1, max_size=4))
+       junk=(st.sampled_from([b"\xff", b"\xfe\xff", b"\xc3", b"\xed\xa0\x80", b"\x00"])
+             | st.binary(min_size=1, max_size=4)))
 @example(at=0, junk=b"\xef\xbb\xbf")  # a BOM
 def test_bytes_inserted_anywhere(tmp_path, at, junk):
     data = GOOD_TEXT.encode()

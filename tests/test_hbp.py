@@ -11,8 +11,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from omnibal.data.balance.schedule import Caps, Schedule
-from omnibal.data.hbp import (HBPConfig, LevelCostModel, balance_hbp, choose_levels, exhaustive_levels,
-                              level_lengths, levels_cost, untrained_rows)
+from omnibal.data.hbp import (
+    HBPConfig,
+    LevelCostModel,
+    balance_hbp,
+    choose_levels,
+    exhaustive_levels,
+    level_lengths,
+    levels_cost,
+    untrained_rows,
+)
 from omnibal.errors import InputError
 from omnibal.stats.long_context import cpu_long_context_mixture, long_context_mixture
 from omnibal.stats.table import SampleStats, index_keys

@@ -12,8 +12,14 @@ from omnibal.cost.analytic import analytic_cost_table
 from omnibal.cost.hardware import get_hardware
 from omnibal.cost.presets import get_model_preset
 from omnibal.errors import InputError
-from omnibal.plan.hbp import (HBPPlanConfig, hbp_markdown, max_tokens_per_rank, per_rank_features, run_hbp_job,
-                              ulysses_a2a_time)
+from omnibal.plan.hbp import (
+    HBPPlanConfig,
+    hbp_markdown,
+    max_tokens_per_rank,
+    per_rank_features,
+    run_hbp_job,
+    ulysses_a2a_time,
+)
 from omnibal.plan.job import PlanJobConfig
 from omnibal.plan.joint import JointPlanner
 from omnibal.plan.stages import StageModelConfig, layer_quantities

@@ -5,8 +5,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from omnibal.errors import InputError  # noqa: E402
 from omnibal.data.collate import collate  # noqa: E402
+from omnibal.errors import InputError  # noqa: E402
 from omnibal.train.hf_adapter import from_hf, from_llava  # noqa: E402
 from omnibal.train.stage import apply_checkpointing, example_carry, split_model  # noqa: E402
 from train_helpers import rel_err, tiny_dataset  # noqa: E402
@@ -63,7 +63,7 @@ def test_chain_maps_llava_modules_and_skips_the_unused_last_vision_layer():
     assert chain.spec.llm_tokens_per_tile == 16
     assert chain.hf_module_names["vision.blocks.1"] == ("model.vision_tower.encoder.layers.1",)
     assert chain.hf_module_names["llm.head"] == ("model.language_model.norm", "lm_head")
-    for name, hf_names in chain.hf_module_names.items():
+    for hf_names in chain.hf_module_names.values():
         for hf_name in hf_names:
             chain.hf_model.get_submodule(hf_name)
     with pytest.raises(InputError, match="vision_feature_select_strategy"):

@@ -5,11 +5,11 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from omnibal.errors import InputError
-from omnibal.layout import (BalanceMethod, Engine, Layout, OversizePolicy, Padding, PipelineSchedule,
-                            check_layout_fields)
+from omnibal.layout import BalanceMethod, Engine, Layout, OversizePolicy, Padding, PipelineSchedule, check_layout_fields
 from omnibal.plan.job import PlanJobConfig
 from omnibal.train.config import TrainConfig
 

@@ -18,7 +18,6 @@ from omnibal.measure.verify import VerifyConfig, check_verifiable, top_candidate
 from omnibal.plan.job import PlanJobConfig, run_plan_job
 from omnibal.plan.plan import Plan
 from omnibal.plan.search import SearchConfig
-from omnibal.stats.io import save_stats
 from omnibal.stats.table import SampleStats
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -6,9 +6,11 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from omnibal.data.balance.cost import DEFAULT_COST
-from omnibal.data.online import rebalance_global_batch
+from omnibal.data.online import balance_phases, phase_loads, rebalance_global_batch
 from omnibal.errors import InputError
 
 
@@ -55,10 +57,6 @@ def test_bad_input():
 
 
 # ------------------------------------------------------------------ per-phase dispatch (OrchMLLM)
-from hypothesis import given, settings, strategies as st  # noqa: E402
-
-from omnibal.data.online import balance_phases, phase_loads  # noqa: E402
-
 
 @pytest.mark.parametrize("dp", [2, 4, 8])
 def test_balance_phases_each_phase_balanced_by_its_own_cost(dp):
@@ -67,7 +65,7 @@ def test_balance_phases_each_phase_balanced_by_its_own_cost(dp):
     below the one-combined-cost assignment's on its worse phase."""
     tiles, tokens = _batch(16 * dp, dp)
     a = balance_phases(tiles, tokens, dp_size=dp)
-    for r in range(dp):  # what rank r computes from the gathered sizes
+    for _rank in range(dp):  # what each rank computes from the gathered sizes
         other = balance_phases(tiles.copy(), tokens.copy(), dp_size=dp)
         assert other.vision == a.vision and other.llm == a.llm
     for lists in (a.vision, a.llm):

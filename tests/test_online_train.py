@@ -6,9 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from online_helpers import (rank_online_dies, rank_online_forward_backward, rank_online_train,
-                            single_process_step)
 from omnibal.train.distributed import spawn_local
+from online_helpers import rank_online_dies, rank_online_forward_backward, rank_online_train, single_process_step
 
 pytestmark = pytest.mark.multiprocess
 

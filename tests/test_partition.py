@@ -6,8 +6,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from omnibal.errors import InputError
-from omnibal.plan.partition import (check_parts, evaluate_partition, even_partition, interval_cost_matrix,
-                                    min_max_partition)
+from omnibal.plan.partition import (
+    check_parts,
+    evaluate_partition,
+    even_partition,
+    interval_cost_matrix,
+    min_max_partition,
+)
 
 
 def brute_force(costs, num_stages, boundary):

@@ -5,8 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from omnibal.cost.presets import get_model_preset
 from omnibal.cli import main
+from omnibal.cost.presets import get_model_preset
 from omnibal.errors import InputError
 from omnibal.plan.ablation import ROW_NAMES
 from omnibal.plan.job import PlanJobConfig, run_plan_job, vision_first_partition
@@ -120,7 +120,8 @@ def test_cli_end_to_end_on_tiny(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "+ adaptive recompute" in out and "DeepSpeed parts" in out and "wrote" in out
     doc = json.loads((tmp_path / "o" / "plan.json").read_text())
-    assert doc["format"] == "omnibal.plan" and doc["exports"]["deepspeed"]["parts"][-1] == len(get_model_preset("tiny").layers())
+    assert doc["format"] == "omnibal.plan"
+    assert doc["exports"]["deepspeed"]["parts"][-1] == len(get_model_preset("tiny").layers())
     assert main(["report", str(tmp_path / "o")]) == 0
     assert (tmp_path / "o" / "report.md").is_file()
     np.testing.assert_equal(len(doc["stages"]), 2)

@@ -63,7 +63,8 @@ def test_joint_equals_exhaustive_search(seed, num_layers, data, num_micro, budge
     for stage in result.stages:
         mask = np.zeros(stage.stop - stage.start, dtype=bool)
         mask[[c - stage.start for c in stage.checkpointed]] = True
-        assert stage.memory_bytes == pytest.approx(stage_memory(q, stage.start, stage.stop, stage.in_flight, mask), rel=1e-12)
+        assert stage.memory_bytes == pytest.approx(stage_memory(q, stage.start, stage.stop, stage.in_flight, mask),
+                                                   rel=1e-12)
 
 
 def test_budget_no_plan_fits_names_smallest_budget_and_stage():

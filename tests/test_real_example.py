@@ -82,7 +82,8 @@ def test_tile_counts_and_lengths_vary_and_match_the_summary(example):
 def test_chart_answers_come_from_the_plotted_data(tmp_path, monkeypatch):
     figures = []
     real_save = render._save_figure
-    monkeypatch.setattr(render, "_save_figure", lambda fig, size, path: (figures.append(fig), real_save(fig, size, path)))
+    monkeypatch.setattr(render, "_save_figure",
+                        lambda fig, size, path: (figures.append(fig), real_save(fig, size, path)))
     rng = np.random.default_rng(5)
     for i in range(4):
         title, qa = render.bar_chart(rng, (320, 160), tmp_path / f"bar{i}.png")

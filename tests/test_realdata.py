@@ -64,7 +64,8 @@ def test_sizes_follow_the_tile_rule_and_the_token_count(example):
              int(count_tiles([90], [40], TileConfig(max_tiles=6, tile_size=32))[0]),
              1 + int(count_tiles([100], [30], TileConfig(max_tiles=6, tile_size=32))[0]), 1]
     assert tiles[0] > 1 and tiles[1] > 1
-    texts = [["<image>\n" + TEXTS[0], TEXTS[1]], TEXTS[2:6], ["<image> left, right <image>" + TEXTS[0], TEXTS[1]], TEXTS[4:6]]
+    texts = [["<image>\n" + TEXTS[0], TEXTS[1]], TEXTS[2:6], ["<image> left, right <image>" + TEXTS[0], TEXTS[1]],
+             TEXTS[4:6]]
     images = [1, 1, 2, 0]
     for i, s in enumerate(ds[i] for i in range(len(ds))):
         assert s["pixel_values"].shape == (tiles[i], 3, 32, 32), i

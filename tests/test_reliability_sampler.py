@@ -10,12 +10,12 @@ stops and resumes and whatever DP size or loader workers it resumes with; the or
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections import Counter
 
 import numpy as np
 import pytest
-import subprocess
-import sys
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

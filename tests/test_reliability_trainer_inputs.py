@@ -421,7 +421,7 @@ def test_every_train_option_passes_through_torchrun_as_documented():
     assert ours.parse_args(["--metrics-log", "x.jsonl"]).log_path == "x.jsonl"
     assert ours.parse_args(["--log", "x.jsonl"]).log_path == "x.jsonl"  # omnibal train still takes --log
     docs = (Path(__file__).resolve().parents[1] / "docs" / "train.md").read_text()
-    lines = [ln.split("#")[0].strip().rstrip("\\\\").strip() for ln in docs.splitlines() if ln.startswith("torchrun ")]
+    lines = [ln.split("#")[0].strip().rstrip("\\").strip() for ln in docs.splitlines() if ln.startswith("torchrun ")]
     assert lines and any("--metrics-log" in ln for ln in lines)
     for line in lines:
         args = [a for a in shlex.split(line)[1:] if a != "..."]

@@ -5,10 +5,8 @@ caps for the whole run (recorded in the state), cached schedules."""
 from __future__ import annotations
 
 import copy
-import dataclasses
 from functools import lru_cache
 
-import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st

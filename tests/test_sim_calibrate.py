@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from sim_helpers import random_features, random_table
 
 from omnibal.errors import InputError
 from omnibal.sim.calibrate import Calibration, CalibrationRun, calibrate, nonneg_lstsq
 from omnibal.sim.costs import SimConfig
 from omnibal.sim.epoch import simulate_epoch
+from sim_helpers import random_features, random_table
 
 
 def _kinds_table(num_layers=9, seed=0):
@@ -174,6 +174,7 @@ def test_skewed_noise_does_not_bias_the_scale():
 def test_golden_section_finds_the_minimum(center):
     from omnibal.sim.calibrate import golden_section_min
 
-    assert golden_section_min(lambda v: (v - center) ** 2 + 1.0, -1.4, 1.4) == pytest.approx(center, abs=1e-6)  # sqrt(eps): f is flat there
+    # tolerance sqrt(eps): f is flat there
+    assert golden_section_min(lambda v: (v - center) ** 2 + 1.0, -1.4, 1.4) == pytest.approx(center, abs=1e-6)
     # a minimum at the edge of the interval is approached, not missed
     assert golden_section_min(lambda v: v, -1.4, 1.4) == pytest.approx(-1.4, abs=1e-6)

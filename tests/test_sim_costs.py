@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from sim_helpers import random_features, random_table
 
 from omnibal.errors import InputError
 from omnibal.sim.costs import (
@@ -19,6 +18,7 @@ from omnibal.sim.costs import (
 )
 from omnibal.sim.epoch import score_plan, simulate_epoch, simulate_one_step
 from omnibal.sim.schedule import simulate_pipeline
+from sim_helpers import random_features, random_table
 
 
 def test_stage_sums_match_per_layer_evaluation():
@@ -128,7 +128,8 @@ def test_summary_is_json_ready():
     import json
 
     table = random_table(8)
-    res = simulate_epoch(table, even_cuts(8, 2), None, random_features(2, 2, 3), SimConfig(dp_size=2, memory_budget_bytes=1.0))
+    res = simulate_epoch(table, even_cuts(8, 2), None, random_features(2, 2, 3),
+                         SimConfig(dp_size=2, memory_budget_bytes=1.0))
     summary = json.loads(json.dumps(res.summary()))
     assert summary["oom_steps"] == 2 and len(summary["stages"]) == 2
 

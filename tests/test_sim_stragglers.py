@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from sim_helpers import random_features, random_table
 
 from omnibal.errors import InputError
 from omnibal.sim import SimConfig, rank_jitter, simulate_epoch
 from omnibal.sim.step import expected_max
+from sim_helpers import random_features, random_table
 
 
 @pytest.mark.parametrize("num_ranks", [2, 3, 8, 64])

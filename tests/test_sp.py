@@ -11,8 +11,15 @@ from dist_helpers import pack_schedule, single_process_reference, tiny_stats
 from omnibal.errors import InputError
 from omnibal.train.distributed import local_world, spawn_local
 from omnibal.train.sp import check_sp_degree, curriculum_order, expand_for_sp, pad_tokens, sp_schedule
-from sp_helpers import (NUM_MICRO, level_schedule, make_sp_trainer, rank_level_grads, rank_level_run, rank_sp_step,
-                        reference_step)
+from sp_helpers import (
+    NUM_MICRO,
+    level_schedule,
+    make_sp_trainer,
+    rank_level_grads,
+    rank_level_run,
+    rank_sp_step,
+    reference_step,
+)
 
 
 def _values(results):

@@ -1,9 +1,9 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-import torch
 
 from omnibal.errors import InputError
 from omnibal.train.model import VLM

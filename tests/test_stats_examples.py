@@ -65,7 +65,8 @@ def test_tokenizer_loads_in_transformers():
 def test_compute_stats_on_examples(workers):
     from tokenizers import Tokenizer
 
-    stats, report = compute_stats(ANNOTATIONS, AnnotationConfig(tokenizer=str(TOKENIZER), workers=workers, chunk_size=4))
+    stats, report = compute_stats(ANNOTATIONS,
+                                  AnnotationConfig(tokenizer=str(TOKENIZER), workers=workers, chunk_size=4))
     assert stats.tiles.tolist() == list(EXPECTED.values())
     assert stats.images.tolist() == [IMAGES.get(k, 1) for k in EXPECTED]
     tok = Tokenizer.from_file(str(TOKENIZER))

@@ -115,9 +115,12 @@ def test_two_records_on_one_line_is_an_error(tmp_path):
 
 BAD = [
     ("a.jsonl", b'{"tiles": 1, "tokens": 2, "images": 1}\n{"tiles": 1, "tokens": 2\n', "line 2", None),
-    ("b.jsonl", b'{"tiles": 1, "tokens": 5, "images": 1}\n\n{"tiles": 1, "tokens": -2, "images": 1}\n', "line 3", "tokens"),
-    ("c.json", b'[{"tiles": 1, "tokens": 2, "images": 1}, {"tiles": "x", "tokens": 2, "images": 1}]', "index 1", "tiles"),
-    ("d.json", b'[{"vit_num": 3, "token_num": 900, "image_flags": 3}, {"vit_num": 1, "token_num": NaN, "image_flags": 1}]', "index 1", "token_num"),
+    ("b.jsonl", b'{"tiles": 1, "tokens": 5, "images": 1}\n\n{"tiles": 1, "tokens": -2, "images": 1}\n',
+     "line 3", "tokens"),
+    ("c.json", b'[{"tiles": 1, "tokens": 2, "images": 1}, {"tiles": "x", "tokens": 2, "images": 1}]',
+     "index 1", "tiles"),
+    ("d.json", b'[{"vit_num": 3, "token_num": 900, "image_flags": 3}, '
+               b'{"vit_num": 1, "token_num": NaN, "image_flags": 1}]', "index 1", "token_num"),
     ("e.jsonl", b"", "empty", None),
     ("e2.json", b"[]", "no records", None),
     ("f.jsonl", b'{"tiles": 1, "tokens": 2, "images": 1}\n\xff\n', "line 2", None),

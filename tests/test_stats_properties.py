@@ -58,7 +58,8 @@ def _valid(rec) -> bool:
             return False
         return lo <= v <= hi
 
-    ok = whole(rec["tiles"], 0, MAX_TILES) and whole(rec["tokens"], 1, MAX_TOKENS) and whole(rec["images"], 0, MAX_IMAGES)
+    ok = (whole(rec["tiles"], 0, MAX_TILES) and whole(rec["tokens"], 1, MAX_TOKENS)
+          and whole(rec["images"], 0, MAX_IMAGES))
     ok = ok and rec["images"] <= rec["tiles"]
     if "key" in rec:
         k = rec["key"]

@@ -150,12 +150,12 @@ def test_single_process_loop_logs_and_pads(tmp_path):
     torch.set_num_threads(1)
     trainer = make_trainer(local_world(), num_microbatches=2, num_steps=3, log_path=str(tmp_path / "log.jsonl"))
     summary = trainer.run(3, warmup=1)
-    header, *lines = [json.loads(l) for l in (tmp_path / "log.jsonl").read_text().splitlines()]
+    header, *lines = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
     assert header["run"]["stage_layers"] == [[0, 8]]
-    assert len(lines) == 3 and [l["step"] for l in lines] == [0, 1, 2]
+    assert len(lines) == 3 and [rec["step"] for rec in lines] == [0, 1, 2]
     fed = sum(len(trainer.schedule.microbatch(s, 0, k)) for s in range(3) for k in range(2))
-    assert sum(l["samples"] for l in lines) == fed
-    assert all(l["token_pad_ratio"] == 0 for l in lines)  # packs: no padding inside the active prefix
+    assert sum(rec["samples"] for rec in lines) == fed
+    assert all(rec["token_pad_ratio"] == 0 for rec in lines)  # packs: no padding inside the active prefix
     assert np.isfinite(summary["final_loss"]) and summary["samples_per_s"] > 0
     rank = summary["per_rank"][0]
     assert rank["compute_s"] > 0 and rank["compute_s"] <= rank["step_s"]
@@ -224,8 +224,8 @@ def test_cli_one_process_run_writes_log_and_summary(tmp_path):
                "--batch-size", "2", "--log", str(tmp_path / "log.jsonl"), "--checkpoint-dir", str(tmp_path / "ck"),
                "--resume", "--quiet"])
     assert rc == 0
-    lines = [json.loads(l) for l in (tmp_path / "log.jsonl").read_text().splitlines()]
-    assert [l.get("step") for l in lines] == [None, 0, 1, None, 2] and lines[3]["run"]["resumed_at_step"] == 2
+    lines = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert [rec.get("step") for rec in lines] == [None, 0, 1, None, 2] and lines[3]["run"]["resumed_at_step"] == 2
 
 
 def test_cli_bad_input_exits_2(tmp_path, capsys):
@@ -305,8 +305,8 @@ def test_cli_omnibal_mode_trains_a_schedule_file(tmp_path, with_caps):
     sched_path.write_text(json.dumps(doc))
     loaded = load_schedule(sched_path)
     assert type(loaded).__name__ == ("Schedule" if with_caps else "IndexSchedule")
-    rc = main(["train", "--mode", "omnibal", "--stats", str(stats_path), "--schedule-file", str(sched_path), "--steps", "2",
-               "--microbatches", "2", "--summary-json", str(tmp_path / "sum.json"), "--quiet"])
+    rc = main(["train", "--mode", "omnibal", "--stats", str(stats_path), "--schedule-file", str(sched_path),
+               "--steps", "2", "--microbatches", "2", "--summary-json", str(tmp_path / "sum.json"), "--quiet"])
     assert rc == 0
     doc = json.loads((tmp_path / "sum.json").read_text())
     assert doc["summary"]["token_pad_ratio"] == 0 and doc["recompute"] == [[]]

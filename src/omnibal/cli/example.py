@@ -26,7 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from omnibal.examples.real_example import prepare_output, make_real_example, train_command
+    from omnibal.examples.real_example import make_real_example, prepare_output, train_command
 
     if args.seed < 0:
         raise InputError(f"must be >= 0, got {args.seed}", source="--seed")
@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {summary['records']} records ({kinds}) with {summary['images']} images in {summary['seconds']:.1f} s")
     print(f"  {summary['annotations']}\n  {summary['image_root']}/")
     print(f"  {summary['tokenizer']}/  (byte-level BPE, {summary['vocab_size']} tokens)")
-    for name, m in summary["models"].items():
+    for m in summary["models"].values():
         hist = " ".join(f"{t}:{n}" for t, n in m["tiles_per_sample"].items())
         print(f"  {m['path']}/  ({m['parameters'] / 1e6:.2f}M parameters, {m['tile_size']} px tiles, "
               f"{m['tokens_per_tile']} tokens per tile; tiles per sample {hist}; tokens per sample "

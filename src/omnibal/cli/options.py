@@ -18,8 +18,18 @@ import sys
 from dataclasses import dataclass, field
 
 from omnibal.cost.stack import STACKS
-from omnibal.layout import (LAYOUT_FLAGS, PLANNER_SCHEDULES, ZERO_STAGES, BalanceMethod, Device, Dtype, Engine,
-                            OnError, PipelineSchedule, check_layout_fields)
+from omnibal.layout import (
+    LAYOUT_FLAGS,
+    PLANNER_SCHEDULES,
+    ZERO_STAGES,
+    BalanceMethod,
+    Device,
+    Dtype,
+    Engine,
+    OnError,
+    PipelineSchedule,
+    check_layout_fields,
+)
 
 
 @dataclass(frozen=True)
@@ -142,7 +152,7 @@ class ScheduleOrFile(argparse.Action):
             parser.error(f"argument {option_string}: the reference trainer runs "
                          f"{' or '.join(PLANNER_SCHEDULES)}, not {values}")
         warn_deprecated(parser, f"{option_string} FILE", OPTIONS["schedule_file"].flag)
-        setattr(namespace, "schedule_file", values)
+        namespace.schedule_file = values
 
 
 def check_layout_args(args: argparse.Namespace) -> None:

@@ -211,8 +211,10 @@ def _print_plan(result, exports: tuple[dict, dict]) -> None:
     if pack and pack["chosen"]:
         caps = plan.data.settings["caps"]
         mean = plan.data.metrics.get("samples_per_microbatch_mean", pack["chosen"]["target_samples"])
-        print(f"pack size: {plan.inputs.num_microbatches} micro-batches per step of {mean:.2f} samples on average (caps {caps['tiles']} tiles / {caps['tokens']} tokens), searched over " + ", ".join(
-                  str(x["num_microbatches"]) for x in pack["candidates"]) + " micro-batches at the same samples per step")
+        searched = ", ".join(str(x["num_microbatches"]) for x in pack["candidates"])
+        print(f"pack size: {plan.inputs.num_microbatches} micro-batches per step of {mean:.2f} samples on average "
+              f"(caps {caps['tiles']} tiles / {caps['tokens']} tokens), searched over {searched} micro-batches at the "
+              f"same samples per step")
     print(f"\nPlan: {plan.prediction.step_time_s:.2f} s per step, {plan.prediction.gpu_days:.1f} GPU days per epoch, "
           f"bubble {plan.prediction.bubble:.1%}")
     print(text_table(stage_rows(plan)))

@@ -33,8 +33,8 @@ def run_hbp(args: argparse.Namespace, config) -> int:
         stats = synthetic_internvl_mixture(config.num_samples, config.seed)
     result = run_hbp_job(config, HBPPlanConfig(baseline_batch_size=config.baseline_batch_size), stats)
     gpus = config.dp_size * config.pp_size * config.tp_size
-    print(f"omnibal plan --hbp: {config.hf_model or config.preset} on {gpus} x {config.hardware_name} (DP {config.dp_size}"
-          f" x PP {config.pp_size} x TP {config.tp_size}), data {stats.source}")
+    print(f"omnibal plan --hbp: {config.hf_model or config.preset} on {gpus} x {config.hardware_name} "
+          f"(DP {config.dp_size} x PP {config.pp_size} x TP {config.tp_size}), data {stats.source}")
     print(f"memory: at most {result.model.max_tokens_per_rank:,} LLM tokens per rank's micro-batch (every layer "
           f"checkpointed); SP degrees {list(result.model.sp_degrees)}\n")
     print(hbp_markdown(result))

@@ -55,8 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from omnibal.cost.presets import get_model_preset
     from omnibal.cost.profile import CPU_GRID, GPU_GRID, ProfileGrid, save_profile
-    from omnibal.measure.profile import measure
     from omnibal.cost.spec import LAYER_KINDS, ModelSpec
+    from omnibal.measure.profile import measure
 
     if args.spec is not None:
         try:
@@ -92,5 +92,6 @@ def format_fit_table(profile: dict) -> str:
         for name in ("fwd_time", "bwd_time"):
             c = entry[name]["coef"]
             lines.append(f"| {kind} | {name[:3]} | {c[0] * 1e3:.3f} | {c[1] * 1e3:.3f} | {c[2] * 1e6:.3f} | "
-                         f"{c[3] * 1e9:.4f} | {entry[name]['mean_rel_error']:.1%} | {entry[name]['max_rel_error']:.1%} |")
+                         f"{c[3] * 1e9:.4f} | {entry[name]['mean_rel_error']:.1%} | "
+                         f"{entry[name]['max_rel_error']:.1%} |")
     return "\n".join(lines)

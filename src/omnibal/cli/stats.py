@@ -36,7 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mode = parser.add_argument_group("other modes (instead of annotation files)")
     mode.add_argument("--summary", metavar="FILE", help="summarise an existing stats file")
     mode.add_argument("--convert", metavar="IN", help="convert stats file IN to --out")
-    mode.add_argument("--synthetic", type=int, metavar="N", help="generate the synthetic InternVL-like mixture of N samples")
+    mode.add_argument("--synthetic", type=int, metavar="N",
+                      help="generate the synthetic InternVL-like mixture of N samples")
     add_option(mode, "seed", default=0, help="seed of --synthetic (default 0)")
 
     ann = parser.add_argument_group("annotations")
@@ -47,17 +48,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ann.add_argument("--tile-size", type=int, default=448, help="tile side in pixels (default 448)")
     ann.add_argument("--no-thumbnail", action="store_true", help="no thumbnail tile for multi-tile images")
     ann.add_argument("--tokens-per-tile", type=int, default=256, help="LLM tokens per tile (default 256)")
-    ann.add_argument("--image-marker-tokens", type=int, default=2, help="tokens around each image, <img></img> (default 2)")
+    ann.add_argument("--image-marker-tokens", type=int, default=2,
+                     help="tokens around each image, <img></img> (default 2)")
     ann.add_argument("--tokens-per-turn", type=int, default=0, help="chat-template tokens per turn (default 0)")
-    ann.add_argument("--tokens-per-sample", type=int, default=0, help="tokens once per sample, e.g. a system prompt (default 0)")
-    ann.add_argument("--no-dummy-tile", action="store_true", help="text-only samples get 0 tiles instead of InternVL's dummy tile")
-    ann.add_argument("--split-max-tiles", action="store_true", help="multi-image samples: max-tiles // images per image (InternVL2)")
+    ann.add_argument("--tokens-per-sample", type=int, default=0,
+                     help="tokens once per sample, e.g. a system prompt (default 0)")
+    ann.add_argument("--no-dummy-tile", action="store_true",
+                     help="text-only samples get 0 tiles instead of InternVL's dummy tile")
+    ann.add_argument("--split-max-tiles", action="store_true",
+                     help="multi-image samples: max-tiles // images per image (InternVL2)")
     ann.add_argument("--ignore-exif", action="store_true", help="do not swap sides for EXIF orientations 5-8")
-    ann.add_argument("--allow-outside-root", action="store_true", help="accept image paths leading outside the image root (../, absolute, symlinks)")
+    ann.add_argument("--allow-outside-root", action="store_true",
+                     help="accept image paths leading outside the image root (../, absolute, symlinks)")
     ann.add_argument("--convention", metavar="LAYOUT[/N]", help="image convention the stats are made in and record: "
-                     "internvl[/tokens per tile] (dynamic tiles, the default) or llava[/N] (one 336 px image = one tile "
-                     "of 576 tokens: sets --max-tiles 1 --tile-size 336 --tokens-per-tile 576, no thumbnail); with "
-                     "--convert: convert the input to it")
+                     "internvl[/tokens per tile] (dynamic tiles, the default) or llava[/N] (one 336 px image = one "
+                     "tile of 576 tokens: sets --max-tiles 1 --tile-size 336 --tokens-per-tile 576, no thumbnail); "
+                     "with --convert: convert the input to it")
     ann.add_argument("--workers", type=int, default=0, help="worker processes (default 0: one per available core)")
     ann.add_argument("--chunk-size", type=int, default=256, help="records per worker task (default 256)")
 
@@ -65,7 +71,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_option(out, "out", metavar="FILE", help="write the statistics here (.jsonl, .json, .parquet)")
     out.add_argument("--format", choices=FORMATS, help="format of --out (default: by extension)")
     out.add_argument("--input-format", choices=FORMATS, help="format of --summary/--convert input (default: detected)")
-    add_option(out, "on_error", default="raise", help="stop at the first bad record, or skip bad records and report them (default raise)")
+    add_option(out, "on_error", default="raise",
+               help="stop at the first bad record, or skip bad records and report them (default raise)")
     out.add_argument("--report", metavar="FILE", help="write the summary (and the run report) as JSON")
     out.add_argument("--plot", metavar="PNG", help="write histograms of tiles and tokens as a PNG")
     add_option(out, "quiet", help="no progress bar and no summary table")
@@ -76,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
     from omnibal.stats.summary import plot_histograms, summarize
 
     modes = [m for m, on in (("annotations", bool(args.annotations)), ("--summary", args.summary is not None),
-                             ("--convert", args.convert is not None), ("--synthetic", args.synthetic is not None)) if on]  # fmt: skip
+                             ("--convert", args.convert is not None), ("--synthetic", args.synthetic is not None))
+             if on]
     if len(modes) != 1:
         raise InputError(
             "give annotation files, or exactly one of --summary, --convert, --synthetic"

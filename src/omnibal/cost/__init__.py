@@ -20,6 +20,7 @@ from omnibal.cost.table import FEATURES, LayerCostTable, microbatch_features, pa
 
 __all__ = [
     "FEATURES", "HardwareSpec", "LLMSpec", "LayerCostTable", "ModelSpec", "VisionSpec", "analytic_cost_table",
-    "calibrate_hardware", "cost_table_from_profile", "get_hardware", "load_profile", "get_model_preset", "layer_param_counts", "microbatch_features", "pack_features",
+    "calibrate_hardware", "cost_table_from_profile", "get_hardware", "load_profile", "get_model_preset",
+    "layer_param_counts", "microbatch_features", "pack_features",
     "param_counts", "preset_names", "total_flops_per_sample", "zero_sharded_bytes",
 ]

@@ -26,18 +26,19 @@ Activation bytes kept for backward (``act_bytes``) follow Korthikanti et al. 202
 recomputation in large transformer models"), section 4, for a pre-norm block with flash attention (no s^2
 score matrix is stored), no dropout and no sequence parallelism; per token of a block:
 vision ``b (4H + (4H + 2M)/t)`` (+ ``2bH/t + 8`` with QK norm: q and k before the norm and two fp32
-statistics; + ``2bH`` with layer scale: both branch outputs, which the scales' gradients need) (two norm inputs, qkv and fc1 inputs replicated; q, k, v, attention output,
-GELU input and fc2 input split), LLM ``b (4D + (2D + 2Dkv + 4F)/t)`` (SwiGLU keeps gate, up, silu(gate) and
-their product), plus fp32 norm statistics and the softmax log-sum-exp. With M = 4H, t = 1 and b = 2 the
-vision figure is 32 H bytes per token: Korthikanti's 34 s b h less the two 1-byte dropout masks.
+statistics; + ``2bH`` with layer scale: both branch outputs, which the scales' gradients need) (two norm
+inputs, qkv and fc1 inputs replicated; q, k, v, attention output, GELU input and fc2 input split), LLM
+``b (4D + (2D + 2Dkv + 4F)/t)`` (SwiGLU keeps gate, up, silu(gate) and their product), plus fp32 norm
+statistics and the softmax log-sum-exp. With M = 4H, t = 1 and b = 2 the vision figure is 32 H bytes per
+token: Korthikanti's 34 s b h less the two 1-byte dropout masks.
 A checkpointed layer keeps only its input (``ckpt_bytes``); the layer's full activations exist again for a
 moment during its recomputation, which consumers account as a transient.
 
 Parameter, gradient and optimizer bytes per parameter come from the software stack
 (:mod:`omnibal.cost.stack`): ``megatron-deepspeed`` keeps bf16 weights (2 B), an fp32 gradient buffer
 (4 B) and fp32 master weights + two Adam moments (12 B); ``omnibal`` bf16 gradients (2 B) instead; fp32
-training: 4 + 4 + 8. ``optim_bytes`` is before ZeRO sharding: with ZeRO-1 over ``dp`` data-parallel ranks a rank holds ``optim_bytes / dp``
-(ZeRO-2 also divides ``grad_bytes``); :func:`zero_sharded_bytes` does this.
+training: 4 + 4 + 8. ``optim_bytes`` is before ZeRO sharding: with ZeRO-1 over ``dp`` data-parallel ranks a
+rank holds ``optim_bytes / dp`` (ZeRO-2 also divides ``grad_bytes``); :func:`zero_sharded_bytes` does this.
 
 Tensor parallelism (Megatron-style): GEMM and attention FLOPs, the split activations and the block weights
 are divided by t; each transformer block does two all-reduces of its ``tokens x width`` activation in the

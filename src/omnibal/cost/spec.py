@@ -186,7 +186,7 @@ class ModelSpec:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], *, source: str = "model spec") -> "ModelSpec":
+    def from_dict(cls, data: dict[str, Any], *, source: str = "model spec") -> ModelSpec:
         try:
             fields = dict(data)
             fields["vision"] = VisionSpec(**fields["vision"])
@@ -216,7 +216,8 @@ def even_cuts(num_layers: int, num_stages: int) -> tuple[int, ...]:
     """Cut points ``(0, ..., num_layers)`` of the even layer-count split: counts differ by at most one and the
     first ``num_layers % num_stages`` stages take the extra layer (DeepSpeed's ``partition_uniform``). The one
     definition of "even split": the planner's baseline, the simulator and the trainer all call it."""
-    if isinstance(num_stages, bool) or not isinstance(num_stages, (int, np.integer)) or not 1 <= num_stages <= num_layers:
+    if (isinstance(num_stages, bool) or not isinstance(num_stages, (int, np.integer))
+            or not 1 <= num_stages <= num_layers):
         raise InputError(f"cannot split {num_layers} layers into {num_stages!r} non-empty stages", source="pp_size",
                          field="pp_size")
     base, extra = divmod(int(num_layers), int(num_stages))

@@ -21,8 +21,8 @@ fixed buffer costs memory but no compute in either mode; what the baseline pays 
 
 Sample format (what :mod:`omnibal.data.dataset` and :mod:`omnibal.data.realdata` yield): a dict with
 ``pixel_values`` float [tiles, 3, S, S], ``input_ids`` int64 [tokens] (image slots hold
-``image_token_id``, ``tokens_per_tile`` of them per tile, in tile order; or none at all: a text-only sample's *dummy* tiles
-run through the vision encoder, as in InternVL, but fill no slot), ``labels`` int64 [tokens]
+``image_token_id``, ``tokens_per_tile`` of them per tile, in tile order; or none at all: a text-only sample's
+*dummy* tiles run through the vision encoder, as in InternVL, but fill no slot), ``labels`` int64 [tokens]
 (unshifted, Hugging Face style: the token id where the token is a target, ``IGNORE_INDEX`` elsewhere) and
 ``index`` (the dataset index, for error messages).
 
@@ -143,7 +143,7 @@ class MicroBatch:
         """The carry at the chain's input (stage 0's ``forward(*carry)``)."""
         return (self.pixel_values, self.token_meta, self.sizes)
 
-    def to(self, device) -> "MicroBatch":
+    def to(self, device) -> MicroBatch:
         move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
         return MicroBatch(move(self.pixel_values), move(self.token_meta), move(self.sizes), move(self.tile_mask),
                           move(self.cu_seqlens), self.sample_indices, self.num_real_tokens)

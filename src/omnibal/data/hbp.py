@@ -277,7 +277,7 @@ def choose_levels(stats, *, dp_size: int, num_microbatches: int, config: HBPConf
     return LevelChoice(lengths=tuple(used), sp=level_degrees(lc, used), cost=answer[0])
 
 
-def level_degrees(lc: "_LevelCosts", lengths) -> tuple[int, ...]:
+def level_degrees(lc: _LevelCosts, lengths) -> tuple[int, ...]:
     """The estimate's best SP degree of each level (samples to the shortest level holding them)."""
     degrees, lo = [], 0
     for length in lengths:

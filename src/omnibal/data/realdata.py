@@ -99,14 +99,15 @@ class RealDataConfig:
         fields = dict(image_root=self.image_root, tokenizer=self.tokenizer, tiles=self.tiles,
                       tokens=TokenConfig(tokens_per_tile=self.tokens_per_tile,
                                          image_marker_tokens=self.image_marker_tokens,
-                                         tokens_per_turn=self.tokens_per_turn, tokens_per_sample=self.tokens_per_sample),
+                                         tokens_per_turn=self.tokens_per_turn,
+                                         tokens_per_sample=self.tokens_per_sample),
                       count_dummy_tile=self.count_dummy_tile, split_max_tiles=self.split_max_tiles,
                       apply_exif=self.apply_exif, allow_outside_root=self.allow_outside_root)
         fields.update(overrides)
         return AnnotationConfig(**fields)
 
     @classmethod
-    def like_stats(cls, annotation_config, **overrides) -> "RealDataConfig":
+    def like_stats(cls, annotation_config, **overrides) -> RealDataConfig:
         """The settings of an ``omnibal.stats.annotations.AnnotationConfig`` (same tokenizer, tile rule, token
         layout), so the samples have exactly the sizes ``omnibal stats`` computed with it."""
         a = annotation_config
@@ -220,7 +221,8 @@ class RealDataset(Dataset):
             for cut, block in zip(cuts, inserted):
                 stop = next((k for k in range(at, len(starts)) if starts[k] >= cut), len(starts))
                 turn_ids += enc_ids[at:stop] + block
-                turn_labels += (enc_ids[at:stop] if target else [IGNORE_INDEX] * (stop - at)) + [IGNORE_INDEX] * len(block)
+                turn_labels += ((enc_ids[at:stop] if target else [IGNORE_INDEX] * (stop - at))
+                                + [IGNORE_INDEX] * len(block))
                 at = stop
             turn_ids += enc_ids[at:]
             turn_labels += enc_ids[at:] if target else [IGNORE_INDEX] * (len(enc_ids) - at)
@@ -289,7 +291,8 @@ class RealDataset(Dataset):
                   for r in self.records]
         return SampleStats.from_arrays(tiles=[s["pixel_values"].shape[0] for s in samples],
                                        tokens=[len(s["input_ids"]) for s in samples], images=images,
-                                       keys=np.array([s["key"] for s in samples], dtype=np.uint64), source=str(self.path))
+                                       keys=np.array([s["key"] for s in samples], dtype=np.uint64),
+                                       source=str(self.path))
 
 
 def _read_records(path: Path, *, strict: bool) -> tuple[list[dict], list[str], np.ndarray]:

@@ -45,15 +45,23 @@ WORDS = (
 
 CONVERSATIONS = [
     ("square_448.png", "What is shown in the image?", "A small square picture with a red circle on a flat background."),
-    ("wide_1920x1080.png", "Describe the scene in detail.", "A wide landscape frame: a blue band of sky above a green field, with a yellow sun near the top right corner."),
-    ("tall_300x900.png", "Read the text on the banner.", "The tall banner has three coloured blocks stacked from top to bottom."),
+    ("wide_1920x1080.png", "Describe the scene in detail.",
+     "A wide landscape frame: a blue band of sky above a green field, with a yellow sun near the top right corner."),
+    ("tall_300x900.png", "Read the text on the banner.",
+     "The tall banner has three coloured blocks stacked from top to bottom."),
     ("tiny_16x16.png", "What colour is this icon?", "The icon is a single flat green square."),
-    ("tiny_40x30.png", "What does this thumbnail show?", "A tiny orange rectangle; it is too small to show any detail."),
-    ("chart_800x600.png", "Which bar is the highest in the chart?", "The third bar, labelled 2023, is the highest at about 75 percent."),
-    ("large_3000x3000.png", "Is there anything in the centre of this large image?", "Yes, a dark square sits in the middle of a pale grey field."),
-    ("photo_1000x750.jpg", "How many shapes are in the photo?", "There are two shapes: a rectangle on the left and a circle on the right."),
-    ("rotated_640x200_exif6.jpg", "Which way is the image oriented?", "It is a portrait strip; the camera stored it sideways and marked the rotation in its metadata."),
-    ("strip_4000x300.png", "What is this long strip?", "A very wide panorama strip with alternating light and dark segments."),
+    ("tiny_40x30.png", "What does this thumbnail show?",
+     "A tiny orange rectangle; it is too small to show any detail."),
+    ("chart_800x600.png", "Which bar is the highest in the chart?",
+     "The third bar, labelled 2023, is the highest at about 75 percent."),
+    ("large_3000x3000.png", "Is there anything in the centre of this large image?",
+     "Yes, a dark square sits in the middle of a pale grey field."),
+    ("photo_1000x750.jpg", "How many shapes are in the photo?",
+     "There are two shapes: a rectangle on the left and a circle on the right."),
+    ("rotated_640x200_exif6.jpg", "Which way is the image oriented?",
+     "It is a portrait strip; the camera stored it sideways and marked the rotation in its metadata."),
+    ("strip_4000x300.png", "What is this long strip?",
+     "A very wide panorama strip with alternating light and dark segments."),
 ]
 
 
@@ -85,16 +93,18 @@ def annotations() -> list[dict]:
     recs.append({"id": "multi-0", "image": ["images/square_448.png", "images/wide_1920x1080.png"],
                  "conversations": [{"from": "human", "value": "Image 1: <image>\nImage 2: <image>\nWhat differs?"},
                                    {"from": "gpt", "value": "The first is a small square, the second a wide scene."}]})
-    recs.append({"id": "multi-1", "image": ["images/tall_300x900.png", "images/tiny_16x16.png", "images/chart_800x600.png"],
+    recs.append({"id": "multi-1",
+                 "image": ["images/tall_300x900.png", "images/tiny_16x16.png", "images/chart_800x600.png"],
                  "conversations": [{"from": "human", "value": "<image><image><image>\nWhich image is a chart?"},
                                    {"from": "gpt", "value": "The third one."},
                                    {"from": "human", "value": "And which is the smallest?"},
                                    {"from": "gpt", "value": "The second, a 16 pixel icon."}]})
     recs.append({"id": "text-0", "conversations": [
         {"from": "human", "value": "Explain what a pipeline bubble is in distributed training."},
-        {"from": "gpt", "value": "When a model is split into stages across devices, the first micro-batch must pass through "
-                                 "every stage before the last stage has work; the idle time at the start and end of each "
-                                 "step is the bubble. More micro-batches per step make it a smaller share."}]})
+        {"from": "gpt", "value": "When a model is split into stages across devices, the first micro-batch must pass "
+                                 "through every stage before the last stage has work; the idle time at the start and "
+                                 "end of each step is the bubble. More micro-batches per step make it a smaller "
+                                 "share."}]})
     recs.append({"id": "text-1", "conversations": [
         {"from": "human", "value": "Give me three words that rhyme with light."},
         {"from": "gpt", "value": "Night, bright and kite."}]})

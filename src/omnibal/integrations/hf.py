@@ -116,7 +116,7 @@ class HFPackCollator:
         self.source = source
 
     @classmethod
-    def for_model(cls, model, **overrides) -> "HFPackCollator":
+    def for_model(cls, model, **overrides) -> HFPackCollator:
         """The collator a HF model needs: its ``image_token_id``; a bool mask for sdpa, an additive mask in the
         model's dtype for eager, varlen kwargs for ``flash_attention_*``."""
         config = getattr(model, "config", None)
@@ -250,7 +250,7 @@ def _state_error(path, exc: InputError) -> InputError:
 class _OmnibalCallback(TrainerCallback):
     """Keeps the sampler in step with the Trainer (epoch, trained micro-batches, checkpoints)."""
 
-    def __init__(self, trainer: "OmnibalTrainer") -> None:
+    def __init__(self, trainer: OmnibalTrainer) -> None:
         self.trainer = trainer
 
     def on_train_begin(self, args, state, control, **kwargs):

@@ -241,8 +241,8 @@ def _plan_for(result, candidate):
 
 def verify_markdown(measured: list[CandidateMeasurement], chosen: int) -> str:
     """Predicted vs measured per candidate, as a markdown table."""
-    lines = ["| # | cut points | recomputed layers | search score s | predicted s/step | measured wall s/step | error | "
-             "slowdown | CPU-normalised s/step | error | |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| # | cut points | recomputed layers | search score s | predicted s/step | measured wall s/step "
+             "| error | slowdown | CPU-normalised s/step | error | |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for n, m in enumerate(measured):
         mark = "chosen (fastest measured)" if n == chosen else ""
         lines.append(f"| {n + 1} | {list(m.parts)} | {sum(len(r) for r in m.recompute)} | {m.search_step_s:.4g} | "

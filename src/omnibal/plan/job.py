@@ -20,15 +20,37 @@ import numpy as np
 
 from omnibal.cost.hardware import HardwareSpec
 from omnibal.errors import InputError
-from omnibal.layout import (PLAN_PADDINGS, PLANNER_SCHEDULES, BalanceMethod, BaselinePartition, Engine, Layout,
-                            check_choice, default_layout, holds_layout)
+from omnibal.layout import (
+    PLAN_PADDINGS,
+    PLANNER_SCHEDULES,
+    BalanceMethod,
+    BaselinePartition,
+    Engine,
+    Layout,
+    check_choice,
+    default_layout,
+    holds_layout,
+)
 from omnibal.plan.ablation import AblationRow
-from omnibal.plan.job_phases import (GiB, Data, Found, Model, ablation_phase, balance_phase, model_phase,  # noqa: F401
-                                     pack_phase, plan_phase, replace_padding, search_phase, stats_phase)
+from omnibal.plan.job_phases import (  # noqa: F401
+    Data,
+    Found,
+    GiB,
+    Model,
+    ablation_phase,
+    balance_phase,
+    model_phase,
+    pack_phase,
+    plan_phase,
+    replace_padding,
+    search_phase,
+    stats_phase,
+)
 from omnibal.plan.packsize import PackSearchConfig
 from omnibal.plan.partition import vision_first_partition  # noqa: F401 (re-exported)
 from omnibal.plan.plan import DataPlan, Plan, PlanInputs, Prediction, plan_stages
 from omnibal.plan.search import Candidate, SearchConfig
+
 BASELINE_PARTITIONS = tuple(BaselinePartition)
 
 

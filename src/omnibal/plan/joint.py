@@ -21,8 +21,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from omnibal.errors import InputError
-from omnibal.plan.partition import (check_num_stages, check_parts, even_partition, interval_cost_matrix,
-                                    min_max_partition_matrices)
+from omnibal.plan.partition import (
+    check_num_stages,
+    check_parts,
+    even_partition,
+    interval_cost_matrix,
+    min_max_partition_matrices,
+)
 from omnibal.plan.recompute import RecomputeSolver, fits, full_recompute
 from omnibal.plan.stages import LayerQuantities, StageModelConfig, stage_boundary_time, stage_memory
 

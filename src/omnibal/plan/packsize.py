@@ -16,8 +16,9 @@ target_samples = samples_per_rank_step``), the search
 
 A candidate whose packs miss the samples per step by more than ``batch_tolerance`` (packs cannot shrink
 below the largest sample) is reported unplanned. Candidates that no plan fits, or that the simulator sees
-run out of memory, are kept in the report but never chosen; the fastest remaining one wins (ties: the larger pack, fewer micro-batches). The chosen
-``(M, target)`` then goes through the full balance and the neighbour search like any other job.
+run out of memory, are kept in the report but never chosen; the fastest remaining one wins (ties: the larger
+pack, fewer micro-batches). The chosen ``(M, target)`` then goes through the full balance and the neighbour
+search like any other job.
 """
 
 from __future__ import annotations
@@ -90,7 +91,8 @@ class PackCandidate:
     """Its packs miss the samples per step by more than ``batch_tolerance`` (not chosen)."""
 
     def to_dict(self) -> dict:
-        return {"off_batch": self.off_batch, "num_microbatches": self.num_microbatches, "target_samples": self.target_samples,
+        return {"off_batch": self.off_batch, "num_microbatches": self.num_microbatches,
+                "target_samples": self.target_samples,
                 "samples_per_microbatch": self.samples_per_microbatch, "max_tiles": self.max_tiles,
                 "max_tokens": self.max_tokens, "parts": list(self.parts), "num_checkpointed": self.num_checkpointed,
                 "gpu_days": self.gpu_days if np.isfinite(self.gpu_days) else None, "oom": self.oom}

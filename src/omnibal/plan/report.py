@@ -328,7 +328,7 @@ def _train_section(plan: Plan, path: Path) -> list[str]:
     """Measured step times from a training metrics log (JSON lines with ``step_time_s``)."""
     times = []
     try:
-        for number, line in enumerate(path.read_text().splitlines(), start=1):
+        for line in path.read_text().splitlines():
             if not line.strip():
                 continue
             rec = json.loads(line)

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from omnibal.cost.table import NUM_FEATURES, LayerCostTable
 from omnibal.cost.spec import even_cuts as _even_cuts
+from omnibal.cost.table import NUM_FEATURES, LayerCostTable
 from omnibal.errors import InputError
 from omnibal.layout import check_layout_fields
 from omnibal.sim.schedule import SCHEDULES
@@ -217,8 +217,9 @@ def stage_costs(table: LayerCostTable, cuts, recompute_mask, features: np.ndarra
 
 
 def config_for_hardware(hardware, *, dp_size: int, pp_size: int, tp_size: int = 1, schedule: str = "1f1b",
-                        num_chunks: int = 1, zero_stage: int = 1, memory_fraction: float | None = 0.95, step_overhead: float = 0.0,
-                        p2p_occupancy: float | None = None, compute_jitter: float = 0.0) -> SimConfig:
+                        num_chunks: int = 1, zero_stage: int = 1, memory_fraction: float | None = 0.95,
+                        step_overhead: float = 0.0, p2p_occupancy: float | None = None,
+                        compute_jitter: float = 0.0) -> SimConfig:
     """A :class:`SimConfig` for ``hardware`` (an ``omnibal.cost.hardware.HardwareSpec``: anything with
     ``link(inter_node=...)``, ``gpus_per_node`` and ``memory_bytes``).
 
@@ -233,7 +234,8 @@ def config_for_hardware(hardware, *, dp_size: int, pp_size: int, tp_size: int = 
     if p2p_occupancy is None:
         p2p_occupancy = 1.0 if str(getattr(hardware, "name", "")).startswith("cpu") else 0.0
     budget = None if memory_fraction is None else float(hardware.memory_bytes) * memory_fraction
-    config = SimConfig(schedule=schedule, num_chunks=num_chunks, dp_size=dp_size, tp_size=tp_size, zero_stage=zero_stage,
+    config = SimConfig(schedule=schedule, num_chunks=num_chunks, dp_size=dp_size, tp_size=tp_size,
+                       zero_stage=zero_stage,
                        p2p_bandwidth=p2p_bw, p2p_latency=p2p_lat, dp_bandwidth=dp_bw, dp_latency=dp_lat,
                        memory_budget_bytes=budget, step_overhead=step_overhead, p2p_occupancy=p2p_occupancy,
                        compute_jitter=compute_jitter)

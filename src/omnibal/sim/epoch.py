@@ -58,7 +58,8 @@ class EpochResult:
     def stage_layers(self, stage: int) -> list[list[int]]:
         """Layer ranges ``[start, stop)`` of pipeline device ``stage`` (one per model chunk)."""
         p = self.num_stages
-        return [[int(self.cuts[c * p + stage]), int(self.cuts[c * p + stage + 1])] for c in range(self.config.num_chunks)]
+        return [[int(self.cuts[c * p + stage]), int(self.cuts[c * p + stage + 1])]
+                for c in range(self.config.num_chunks)]
 
     @property
     def num_gpus(self) -> int:

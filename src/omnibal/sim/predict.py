@@ -22,8 +22,8 @@ from dataclasses import replace
 import numpy as np
 
 from omnibal.cost.hardware import HardwareSpec
-from omnibal.cost.stack import DEFAULT_STACK
 from omnibal.cost.spec import ModelSpec
+from omnibal.cost.stack import DEFAULT_STACK
 from omnibal.cost.table import LayerCostTable
 from omnibal.data.balance.cost import BalanceCost
 from omnibal.errors import InputError

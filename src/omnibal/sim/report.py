@@ -115,7 +115,7 @@ def plot_timeline(costs: StageCosts, step: StepTimes, path: str | Path, *, ranks
     ax = fig.subplots()
     label_mb = num_mb * pipe.num_chunks <= 24
     edge = dict(edgecolor="white", linewidth=0.4)
-    for (d, s), y in row_of.items():
+    for (_d, s), y in row_of.items():
         ax.broken_barh([(0, step_time)], (y - 0.4, 0.8), color=COLOURS["idle"])
         ar = step.allreduce_time[s]
         if ar > 0:

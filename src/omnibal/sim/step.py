@@ -20,7 +20,6 @@ the *expected* maximum (Clark's moment matching): one rank is unchanged, 2 ranks
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass
 
 import numpy as np

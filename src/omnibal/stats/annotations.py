@@ -443,7 +443,8 @@ def _process_chunk(task) -> _ChunkResult:
     keep = np.ones(n, dtype=bool)
     for r in np.flatnonzero((tokens < 1) | (tokens > (1 << 24)) | (tiles > 4096)).tolist():
         index, locator, _, _ = parsed[r]
-        what = "no tokens (empty conversation)" if tokens[r] < 1 else f"absurd size: {tiles[r]} tiles, {tokens[r]} tokens"
+        what = ("no tokens (empty conversation)" if tokens[r] < 1
+                else f"absurd size: {tiles[r]} tiles, {tokens[r]} tokens")
         errors.append((index, InputError(what, source=source, record=locator, field="conversations")))
         keep[r] = False
     errors.sort(key=lambda e: e[0])

@@ -324,7 +324,8 @@ def _value_errors(cols: Columns, source: str) -> np.ndarray:
     ]
     for values, name, lo, hi in checks:
         rows = (values < lo) | (values > hi)
-        _note(cols, rows & ~bad, lambda i, v=values, nm=name, lo=lo, hi=hi: (f"must be in [{lo}, {hi}], got {v[i]}", nm))
+        _note(cols, rows & ~bad,
+              lambda i, v=values, nm=name, lo=lo, hi=hi: (f"must be in [{lo}, {hi}], got {v[i]}", nm))
         bad |= rows
     over = cols.images > cols.tiles
     what = "image tiles" if s.images_from_flags else "images"

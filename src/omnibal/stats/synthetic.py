@@ -108,7 +108,8 @@ class TileMix:
     """Standard deviation of log(text tokens) of these samples."""
 
 
-PHOTO = dict(aspect_ratios=(4 / 3, 3 / 4, 16 / 9, 1.0, 3 / 2, 2 / 3), aspect_weights=(0.45, 0.12, 0.1, 0.13, 0.12, 0.08))
+PHOTO = dict(aspect_ratios=(4 / 3, 3 / 4, 16 / 9, 1.0, 3 / 2, 2 / 3),
+             aspect_weights=(0.45, 0.12, 0.1, 0.13, 0.12, 0.08))
 
 INTERNVL_12_SFT: tuple[SubsetProfile, ...] = (
     SubsetProfile(name="general_vqa", weight=568_000, text_median=190, text_sigma=0.75, long_side_median=640,

@@ -94,7 +94,7 @@ class ImageConvention:
         return f"{what}, {self.tokens_per_tile} tokens per tile ({self})"
 
     @classmethod
-    def parse(cls, text: str, *, source: str = "convention") -> "ImageConvention":
+    def parse(cls, text: str, *, source: str = "convention") -> ImageConvention:
         """``"internvl/256"``, ``"llava/576"``; a bare ``internvl`` / ``llava`` takes the family's default."""
         layout, _, count = str(text).strip().partition("/")
         if not count:
@@ -166,7 +166,7 @@ class SampleStats:
         images=None,
         keys=None,
         source: str = "<memory>",
-    ) -> "SampleStats":
+    ) -> SampleStats:
         """Build from array-likes; ``images`` defaults to one per sample with tiles, ``keys`` to index keys."""
         tiles_arr = np.asarray(tiles)
         n = len(tiles_arr)
@@ -177,7 +177,7 @@ class SampleStats:
         return cls(tiles=tiles_arr, tokens=np.asarray(tokens), images=np.asarray(images), keys=keys, source=source)
 
     @classmethod
-    def concat(cls, parts: "list[SampleStats]", *, source: str | None = None) -> "SampleStats":
+    def concat(cls, parts: list[SampleStats], *, source: str | None = None) -> SampleStats:
         """Rows of ``parts`` one after another (e.g. sub-datasets of a mixture)."""
         if not parts:
             raise InputError("nothing to concatenate", source=source or "<concat>")
@@ -202,7 +202,7 @@ class SampleStats:
     def num_samples(self) -> int:
         return len(self.tiles)
 
-    def take(self, indices) -> "SampleStats":
+    def take(self, indices) -> SampleStats:
         """Rows at ``indices`` (in that order), e.g. a subset or a permutation."""
         idx = np.asarray(indices, dtype=np.int64)
         return SampleStats(
@@ -214,7 +214,7 @@ class SampleStats:
             convention=self.convention,
         )
 
-    def replicate(self, num_samples: int) -> "SampleStats":
+    def replicate(self, num_samples: int) -> SampleStats:
         """Cycle the rows up to ``num_samples`` rows; copies get fresh keys so every row stays distinct.
 
         Used to scale real statistics (~30k rows) to the 1.2M of the full InternVL SFT mixture in benchmarks.
@@ -235,7 +235,7 @@ class SampleStats:
             convention=self.convention,
         )
 
-    def equals(self, other: "SampleStats") -> bool:
+    def equals(self, other: SampleStats) -> bool:
         """Same rows, same order, same keys (``source`` is ignored)."""
         return len(self) == len(other) and all(
             np.array_equal(getattr(self, c), getattr(other, c)) for c in ("tiles", "tokens", "images", "keys")

@@ -10,8 +10,17 @@ from dataclasses import asdict, dataclass
 from typing import Literal
 
 from omnibal.errors import InputError
-from omnibal.layout import (PLANNER_SCHEDULES, Device, DpSync, Layout, OnError, TrainMode, check_choice,
-                            default_layout, holds_layout)
+from omnibal.layout import (
+    PLANNER_SCHEDULES,
+    Device,
+    DpSync,
+    Layout,
+    OnError,
+    TrainMode,
+    check_choice,
+    default_layout,
+    holds_layout,
+)
 from omnibal.validate import check_positive_int, is_int
 
 MODES = tuple(TrainMode)

@@ -64,7 +64,7 @@ class IndexSchedule:
                 "stats_fingerprint": self.stats_fingerprint, "dropped": list(self.dropped)}
 
     @classmethod
-    def from_dict(cls, doc: Any, *, source: str = "<schedule>") -> "IndexSchedule":
+    def from_dict(cls, doc: Any, *, source: str = "<schedule>") -> IndexSchedule:
         if not isinstance(doc, dict):
             raise InputError("a schedule is a JSON object", source=source)
         for key in ("dp_size", "num_microbatches", "steps"):
@@ -105,7 +105,7 @@ class IndexSchedule:
                    tuple(dropped))
 
     @classmethod
-    def from_json(cls, path: str | Path) -> "IndexSchedule":
+    def from_json(cls, path: str | Path) -> IndexSchedule:
         return cls.from_dict(_read_json(path), source=str(path))
 
 
@@ -224,8 +224,8 @@ def _row_counts(schedule, num_samples: int, source: str) -> np.ndarray:
                 if len(mb) == 0:
                     raise bad("empty micro-batch", s, r, k)
                 if mb.min() < 0 or mb.max() >= num_samples:
-                    raise bad(f"sample index {int(mb.max() if mb.max() >= num_samples else mb.min())} outside the dataset of "
-                              f"{num_samples}", s, r, k)
+                    index = int(mb.max() if mb.max() >= num_samples else mb.min())
+                    raise bad(f"sample index {index} outside the dataset of {num_samples}", s, r, k)
                 np.add.at(counts, mb, 1)
     return counts
 

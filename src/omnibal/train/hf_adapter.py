@@ -31,8 +31,17 @@ from torch import nn
 
 from omnibal.cost.hf_spec import spec_from_hf_config
 from omnibal.cost.spec import LayerSpec, ModelSpec
-from omnibal.data.collate import (IGNORE_INDEX, META_IMAGE_INDEX, META_INPUT_IDS, META_LABELS,
-                                  META_POSITION_IDS, META_SEGMENT_IDS, SIZE_TILES, SIZE_TOKENS, CollateConfig)
+from omnibal.data.collate import (
+    IGNORE_INDEX,
+    META_IMAGE_INDEX,
+    META_INPUT_IDS,
+    META_LABELS,
+    META_POSITION_IDS,
+    META_SEGMENT_IDS,
+    SIZE_TILES,
+    SIZE_TOKENS,
+    CollateConfig,
+)
 from omnibal.errors import InputError
 from omnibal.train.layers import Options, active_count
 from omnibal.train.model import carry_activation_shape

@@ -113,7 +113,8 @@ class VisionBlock(nn.Module):
 
 class Projector(nn.Module):
     """Drop the class token, pixel-shuffle the patch grid by ``downsample_ratio`` (channels x 1/r^2),
-    LayerNorm (if ``spec.projector_norm``), Linear, GELU, Linear into the LLM width. Carry [1, Q_v, T_v, Dv] -> [1, Q_v, tpt, D]."""
+    LayerNorm (if ``spec.projector_norm``), Linear, GELU, Linear into the LLM width.
+    Carry [1, Q_v, T_v, Dv] -> [1, Q_v, tpt, D]."""
 
     def __init__(self, spec: ModelSpec, opts: Options) -> None:
         super().__init__()

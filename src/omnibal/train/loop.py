@@ -30,14 +30,14 @@ import torch.distributed as dist
 
 from omnibal.errors import InputError
 from omnibal.train.distributed import World, caused_by_comm_error, is_comm_error, peer_failure
-from omnibal.train.feed import (Buffer, ScheduleLike, check_schedule, fixed_buffer,  # noqa: F401 (re-exported)
-                                schedule_fingerprint)
+from omnibal.train.feed import Buffer, ScheduleLike, check_schedule, fixed_buffer, schedule_fingerprint  # noqa: F401 (re-exported)
 from omnibal.train.metrics_log import MetricsLog, RankTimes, StepRecord, process_memory, progress_bar, summarize
 from omnibal.train.online import online_forward_backward
 from omnibal.train.pipeline import GradSync, StageLayout, StageRunner
 from omnibal.train.resume import CheckpointResume
 from omnibal.train.sp import SequenceParallel, check_sp_run, sp_schedule
 from omnibal.train.stage import apply_checkpointing, build_stage, example_carry
+
 
 def _ignore(line: str) -> None:
     """The ``notify`` of a quiet run, and of every rank but 0."""
@@ -115,7 +115,8 @@ class Trainer(CheckpointResume):
         """Per-sample ledger (:mod:`omnibal.train.ledger`): every rank gathers its keys, global rank 0 writes."""
         self._ledger = None
         self.online_info: list = []
-        """``--mode online``: per step, the dispatch's per-phase balance (:class:`omnibal.train.online.OnlineStepInfo`)."""
+        """``--mode online``: per step, the dispatch's per-phase balance
+        (:class:`omnibal.train.online.OnlineStepInfo`)."""
 
     def _build_stage_runner(self, model, buffer: Buffer | None, *, pipeline_schedule: str, dp_sync: str,
                             lr: float, weight_decay: float) -> None:

@@ -47,7 +47,7 @@ class RankTimes:
         return [float(getattr(self, f)) for f in RANK_FIELDS]
 
     @classmethod
-    def from_list(cls, values: Sequence[float]) -> "RankTimes":
+    def from_list(cls, values: Sequence[float]) -> RankTimes:
         return cls(**dict(zip(RANK_FIELDS, (float(v) for v in values))))
 
 

@@ -21,8 +21,16 @@ from torch import nn
 
 from omnibal.cost.spec import LayerSpec, ModelSpec
 from omnibal.data.collate import CollateConfig, MicroBatch
-from omnibal.train.layers import (LLMBlock, LLMEmbed, LMHead, Options, Projector, VisionBlock, VisionEmbed,
-                                  init_parameters)
+from omnibal.train.layers import (
+    LLMBlock,
+    LLMEmbed,
+    LMHead,
+    Options,
+    Projector,
+    VisionBlock,
+    VisionEmbed,
+    init_parameters,
+)
 
 
 class _Group(nn.Module):

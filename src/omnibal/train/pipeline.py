@@ -322,7 +322,7 @@ class StageRunner:
             self.schedule.step(*args, target=dummy_target, losses=losses, return_outputs=False)
         else:
             self.schedule.step(*args, return_outputs=False)
-        loss_sum = float(sum(l.detach().float().item() for l in losses)) if losses else 0.0
+        loss_sum = float(sum(loss.detach().float().item() for loss in losses)) if losses else 0.0
         return StepResult(loss_sum=loss_sum / self._grad_multiplier, compute_s=self.stage.compute_s)
 
     def _accumulate(self, microbatches, module: nn.Module) -> StepResult:

@@ -171,9 +171,9 @@ def preflight(cfg: TrainConfig) -> None:
     else:
         spec = get_model_preset(cfg.model)
     layers = spec.layers()
-    resolve_layout([l.name for l in layers], pp_size=cfg.pp_size, mode=cfg.mode, stage_layers=cfg.stage_layers,
+    resolve_layout([layer.name for layer in layers], pp_size=cfg.pp_size, mode=cfg.mode, stage_layers=cfg.stage_layers,
                    recompute=cfg.recompute, plan_path=cfg.plan_path, model_name=spec.name,
-                   recomputable=[l.name for l in layers if l.kind in ("vision_block", "llm_block")])
+                   recomputable=[layer.name for layer in layers if layer.kind in ("vision_block", "llm_block")])
     if cfg.stats_path is None and cfg.annotations_path is None:
         raise InputError("no data given: pass --annotations FILE (with --tokenizer) for real data, or --stats FILE "
                          "for synthetic samples shaped like those statistics", source="--stats")

@@ -39,8 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from omnibal.data.collate import (IGNORE_INDEX, META_IMAGE_INDEX, META_LABELS, META_SEGMENT_IDS, SIZE_TILES,
-                                  SIZE_TOKENS)
+from omnibal.data.collate import IGNORE_INDEX, META_IMAGE_INDEX, META_LABELS, META_SEGMENT_IDS, SIZE_TILES, SIZE_TOKENS
 from omnibal.errors import InputError
 from omnibal.train.layers import packed_causal_attention
 

@@ -16,7 +16,8 @@ global-token normalisation use a loss_fn like ``lambda out, _: out[0].sum() / gl
 ``scale_grads=False`` (and divide by nothing else: DDP's averaging over DP ranks must be undone, or the count
 taken per rank times dp_size). The schedule needs a ``target`` on the last stage even when the loss_fn
 ignores it: pass e.g. ``torch.tensor([mb.num_targets for mb in micro_batches])``. Checked with
-Schedule1F1B and ScheduleGPipe on 2 gloo ranks: gradients match the single-process model to ~1e-7. All shapes depend only on (Q_v, Q_t), so they never change across steps.
+Schedule1F1B and ScheduleGPipe on 2 gloo ranks: gradients match the single-process model to ~1e-7. All shapes
+depend only on (Q_v, Q_t), so they never change across steps.
 
 ``model`` is anything with ``chain() -> [(LayerSpec, module)]`` and ``boundary_activation(start, ...)``:
 the reference :class:`~omnibal.train.model.VLM` or a Hugging Face model wrapped by

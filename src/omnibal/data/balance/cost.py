@@ -87,13 +87,13 @@ class BalanceCost:
                              source="BalanceCost", field="llm_coef")
 
     @classmethod
-    def internvl_6b_20b(cls) -> "BalanceCost":
+    def internvl_6b_20b(cls) -> BalanceCost:
         """Analytic default for InternViT-6B + InternLM2-20B (training FLOPs; see the derivation)."""
         vision, llm = _internvl_6b_20b_coefficients()
         return cls(vision_coef=vision, llm_coef=llm, name="analytic:internvit-6b+internlm2-20b")
 
     @classmethod
-    def from_cost_table(cls, table, *, name: str | None = None) -> "BalanceCost":
+    def from_cost_table(cls, table, *, name: str | None = None) -> BalanceCost:
         """Sum the forward + backward time coefficients of the vision-kind layers (vision_embed,
         vision_block, projector) and of the LLM-kind layers (llm_embed, llm_block, lm_head) of a
         :class:`omnibal.cost.table.LayerCostTable` (analytic or calibrated)."""
@@ -129,7 +129,7 @@ class BalanceCost:
         return {"name": self.name, "vision_coef": list(self.vision_coef), "llm_coef": list(self.llm_coef)}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "BalanceCost":
+    def from_dict(cls, d: dict) -> BalanceCost:
         return cls(vision_coef=tuple(d["vision_coef"]), llm_coef=tuple(d["llm_coef"]), name=d.get("name", "custom"))
 
 

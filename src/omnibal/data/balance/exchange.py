@@ -186,7 +186,7 @@ class Targets:
     hard: bool = False
 
     @classmethod
-    def of(cls, v, t, lc, num_packs: int, max_tiles: int, max_tokens: int, llm_tol, hard=False) -> "Targets":
+    def of(cls, v, t, lc, num_packs: int, max_tiles: int, max_tokens: int, llm_tol, hard=False) -> Targets:
         mean_v = float(v.sum()) / num_packs
         return cls(mean_v=mean_v, mean_t=max(float(t.sum()) / num_packs, 1.0),
                    mean_l=max(float(lc.sum()) / num_packs, 1e-300),

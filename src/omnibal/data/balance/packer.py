@@ -32,8 +32,6 @@ import numpy as np
 from omnibal.data.balance.exchange import Packs, Targets, level_llm, repair_tiles
 from omnibal.data.balance.tail import enforce_caps
 
-
-
 DEFAULT_LLM_TOL = 0.01
 """Default band (relative to the mean) the LLM levelling pulls every pack's LLM cost into."""
 

@@ -241,7 +241,7 @@ class Schedule:
         return text
 
     @classmethod
-    def from_dict(cls, d: dict, *, source: str = "<schedule>") -> "Schedule":
+    def from_dict(cls, d: dict, *, source: str = "<schedule>") -> Schedule:
         """The JSON form back; every field is checked (an InputError names the file, record and field)."""
         if not isinstance(d, dict):
             raise InputError("a schedule is a JSON object", source=source)
@@ -285,7 +285,7 @@ class Schedule:
         )
 
     @classmethod
-    def from_json(cls, text_or_path: str | Path) -> "Schedule":
+    def from_json(cls, text_or_path: str | Path) -> Schedule:
         source = "<json>"
         text = str(text_or_path)
         if isinstance(text_or_path, Path) or not text.lstrip().startswith("{"):
@@ -304,7 +304,7 @@ class Schedule:
             raise InputError(f"not valid JSON: {type(exc).__name__}", source=source) from None
         return cls.from_dict(d, source=source)
 
-    def equals(self, other: "Schedule") -> bool:
+    def equals(self, other: Schedule) -> bool:
         """Same micro-batches in the same slots (packs compared by content, not by numbering)."""
         if (self.dp_size, self.num_microbatches, self.num_steps) != (other.dp_size, other.num_microbatches,
                                                                       other.num_steps):
