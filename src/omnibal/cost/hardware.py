@@ -47,13 +47,19 @@ class HardwareSpec:
     gpus_per_node: int = 8
     """Devices sharing the fast intra-node links."""
     eff_matmul: float = 0.6
-    """Achieved fraction of the peak for GEMMs."""
+    """Achieved fraction of the peak for GEMMs. Source of the default: Megatron-LM's whole training steps reach
+    ~52% of A100 peak (Narayanan et al., SC'21: 163 of 312 TFLOP/s), which includes non-GEMM work, so the GEMMs
+    alone run somewhat higher. :func:`omnibal.cost.calibrate` replaces it with a measured value."""
     eff_attention: float = 0.45
-    """Achieved fraction of the peak for the attention core (flash attention)."""
+    """Achieved fraction of the peak for the attention core (flash attention). Source of the default:
+    FlashAttention-2 (Dao, 2023) reaches 50-73% of A100 peak in the forward pass and less in the backward; the
+    varlen (packed) kernels of short samples run lower. Calibration replaces it."""
     eff_memory: float = 0.7
-    """Achieved fraction of the memory bandwidth for element-wise ops."""
+    """Achieved fraction of the memory bandwidth for element-wise ops (a typical fraction for fused
+    element-wise kernels; unfused PyTorch ops reach less). Calibration replaces it."""
     eff_comm: float = 0.75
-    """Achieved fraction of the link bandwidths for communication."""
+    """Achieved fraction of the link bandwidths for communication (NCCL rings do not reach the datasheet link
+    rate: protocol overhead and the ring's 2(n-1)/n factor counted separately). Calibration replaces it."""
     layer_overhead_s: float = 3e-5
     """Fixed time per layer and pass (kernel launches, small tensors), s."""
 

@@ -168,6 +168,18 @@ def _repair(packs: Packs, objective, deviation, rng, rounds: int, partners: int,
 _HARD = 1e9
 """Objective weight of a pack over a cap once every pack is under them: no exchange may bring one over."""
 
+# The LLM levelling's objective is meant to be lexicographic: a pack over the tile cap outweighs a token overflow,
+# a token overflow outweighs the balance terms (tiles off the range, LLM cost outside the band), and those only
+# order what is left. The weights are spaced by orders of magnitude for the sizes the packer sees (tile offs of a
+# few units; token overflows and LLM deviations as fractions of the mean pack). A squared relative overflow can
+# be tiny (one token over a 4,000-token pack: 6e-8), so any overflow also pays a flat 1, which outranks the
+# balance terms (at most ~1e-2 each); exchanges never trade an overflow for balance.
+_W_TILE_CAP = 1e6
+_W_TOKEN_OVER = 1e4
+_W_ANY_OVER = 1.0
+_W_TILE_RANGE = 1e-3
+_W_LLM_BAND = 1e-2
+
 
 @dataclass(frozen=True, kw_only=True)
 class Targets:
@@ -223,18 +235,18 @@ class Targets:
         # range (a text-heavy sample needs the room of a tile); under the range: a mild cost
         over = self.token_over(pt)
         off = self.tile_off(pv)
-        g = 1e6 * np.maximum(pv - self.tile_hi, 0) ** 2 + 1e4 * over * over + 1e-3 * off * off
-        g = g + 1.0 * (over > 0)  # any overflow is bad, however small: 1e4 * 2**2 tokens over lost to balance terms
+        g = _W_TILE_CAP * np.maximum(pv - self.tile_hi, 0) ** 2 + _W_TOKEN_OVER * over * over
+        g = g + _W_TILE_RANGE * off * off + _W_ANY_OVER * (over > 0)
         if self.llm_tol is not None:
             band = np.maximum(np.abs(self.llm_dev(pv, pl)) - self.llm_tol, 0)
-            g = g + 0.01 * band * band
+            g = g + _W_LLM_BAND * band * band
         return g + self._hard(pv, pt)
 
     def llm_deviation(self, pv, pt, pl):
         return self.llm_dev(pv, pl) + 10.0 * self.token_over(pt)
 
     # a pack merely one tile under the range is acceptable; only caps (and the band) make a pack "bad"
-    ok_level = 1e-3 + 1e-9
+    ok_level = _W_TILE_RANGE + 1e-9
 
 
 def repair_tiles(packs: Packs, targets: Targets, rng) -> int:
