@@ -141,6 +141,17 @@ def rank_forward_backward(dp: int, pp: int, schedule: str, dp_sync: str = "flat"
     return {"rank": world.rank, "loss_part": result.loss_sum, "grads": grads}
 
 
+def timed_failing_step(trainer) -> dict:
+    """One step of a run whose peer is about to die: how it ended (exception type and message) and how long
+    it took to end."""
+    t0 = time.monotonic()
+    try:
+        trainer.train_step()
+    except Exception as exc:
+        return {"error_type": type(exc).__name__, "message": str(exc), "elapsed": time.monotonic() - t0}
+    return {"error_type": None, "message": "", "elapsed": time.monotonic() - t0}
+
+
 def rank_dies_mid_step(dp: int, pp: int, victim: int):
     """The victim rank crashes inside step 1, in the forward of its second micro-batch (mid-pipeline)."""
     torch.set_num_threads(1)
@@ -158,12 +169,7 @@ def rank_dies_mid_step(dp: int, pp: int, victim: int):
                 os._exit(7)  # a crash: no clean-up, the sockets close
 
         trainer.stage_module.register_forward_pre_hook(crash)
-    t0 = time.monotonic()
-    try:
-        trainer.train_step()
-    except Exception as exc:
-        return {"error_type": type(exc).__name__, "message": str(exc), "elapsed": time.monotonic() - t0}
-    return {"error_type": None, "message": "", "elapsed": time.monotonic() - t0}
+    return timed_failing_step(trainer)
 
 
 def rank_train_steps(dp: int, pp: int, checkpoint_dir: str, num_steps: int, resume: bool, every: int):

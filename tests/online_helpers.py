@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from dist_helpers import TIMEOUT_S, tiny_dataset, tiny_spec, tiny_stats
+from dist_helpers import TIMEOUT_S, timed_failing_step, tiny_dataset, tiny_spec, tiny_stats
 
 BATCH = 3
 MICRO = 2
@@ -96,7 +96,6 @@ def rank_online_train(dp: int, checkpoint_dir: str, num_steps: int, resume: bool
 def rank_online_dies(dp: int, victim: int):
     """The victim exits in the middle of step 1 (after the all-gather, before the all-to-alls)."""
     import os
-    import time
 
     torch.set_num_threads(1)
     from omnibal.train.distributed import init_world
@@ -113,9 +112,4 @@ def rank_online_dies(dp: int, victim: int):
             os._exit(7)
         online.balance_phases = crash
         del real
-    t0 = time.monotonic()
-    try:
-        trainer.train_step()
-    except Exception as exc:
-        return {"error_type": type(exc).__name__, "message": str(exc), "elapsed": time.monotonic() - t0}
-    return {"error_type": None, "message": "", "elapsed": time.monotonic() - t0}
+    return timed_failing_step(trainer)

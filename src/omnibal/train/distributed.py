@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import queue as queue_mod
 import signal as signal_mod
 import socket
@@ -210,16 +211,46 @@ class RankResult:
     rank: int
     exitcode: int | None
     """Process exit code (None: killed by spawn_local after its deadline)."""
-    error: str | None
-    """Formatted exception when the rank's function raised."""
+    exception: BaseException | None = None
+    """What the rank's function raised, as raised (an :class:`InputError` keeps its source, record and field;
+    an exception that cannot be pickled arrives as a RuntimeError naming its type and message); None when it
+    returned, or when the process ended without raising (see ``failure``). The rank printed the traceback of
+    anything but an InputError on its own stderr."""
     value: Any = None
     """What the rank's function returned (must be picklable)."""
-    input_error: InputError | None = None
-    """The :class:`InputError` the rank raised, as raised (source, record and field kept), so a caller can
-    report bad input without reading ``error``'s traceback text; None when it raised something else."""
-    message: str | None = None
-    """One line saying how the rank failed (the exception's type and message, or how it exited or was
-    killed); None when it succeeded."""
+    failure: str | None = None
+    """How the rank ended when it did not raise but did not return either: a non-zero exit, a signal, or
+    killed after its deadline or its peer's failure."""
+
+    @property
+    def input_error(self) -> InputError | None:
+        """The :class:`InputError` the rank raised (bad input, to report as one line), else None."""
+        return self.exception if isinstance(self.exception, InputError) else None
+
+    @property
+    def error(self) -> str | None:
+        """One line saying how the rank failed (the exception's type and message, or ``failure``); None when
+        it succeeded."""
+        return _one_line(self.exception) if self.exception is not None else self.failure
+
+    @property
+    def message(self) -> str | None:
+        """The same line as :attr:`error` (the name the CLI reads)."""
+        return self.error
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _sendable(exc: BaseException) -> BaseException:
+    """``exc`` itself when it survives pickling (the result queue pickles it), else a RuntimeError naming it."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+    except Exception:  # an exception whose constructor takes other arguments than its args, or holds a lock
+        return RuntimeError(_one_line(exc))
+    return exc
 
 
 def spawn_local(fn: Callable[..., Any], world_size: int, *, args: tuple = (), deadline_s: float = 600.0,
@@ -248,7 +279,7 @@ def spawn_local(fn: Callable[..., Any], world_size: int, *, args: tuple = (), de
         proc = ctx.Process(target=_rank_main, args=(fn, args, rank_env, results), daemon=False)
         proc.start()
         procs.append(proc)
-    reported: dict[int, tuple] = {}  # rank -> (error, value, input_error, message)
+    reported: dict[int, tuple] = {}  # rank -> (exception, value)
     failed_at = _wait(procs, results, reported, time.monotonic() + deadline_s, failure_grace_s)
     oom = _oom_kills() - oom_before if oom_before is not None else None
     out = []
@@ -262,12 +293,13 @@ def spawn_local(fn: Callable[..., Any], world_size: int, *, args: tuple = (), de
             else:
                 why = (f"{'stopped (SIGSTOP or a debugger)' if state in ('T', 't') else 'still running (hung?)'} "
                        f"{failed_at[1]:.0f} s after rank {failed_at[0]} failed")
-            out.append(RankResult(rank, None, f"rank {rank} {why}: killed", message=f"rank {rank} {why}: killed"))
+            out.append(RankResult(rank, None, failure=f"rank {rank} {why}: killed"))
             continue
-        error, value, input_error, message = reported.get(rank, (None, None, None, None))
-        if error is None and proc.exitcode != 0:
-            error = message = f"rank {rank} {describe_exit(proc.exitcode, oom_kills=oom)}"
-        out.append(RankResult(rank, proc.exitcode, error, value, input_error, message))
+        exception, value = reported.get(rank, (None, None))
+        failure = None
+        if exception is None and proc.exitcode != 0:
+            failure = f"rank {rank} {describe_exit(proc.exitcode, oom_kills=oom)}"
+        out.append(RankResult(rank, proc.exitcode, exception, value, failure))
     results.close()
     return out
 
@@ -352,11 +384,12 @@ def _rank_main(fn: Callable[..., Any], args: tuple, env: dict[str, str], results
     try:
         value = fn(*args)
     except BaseException as exc:  # report everything, including KeyboardInterrupt, then exit non-zero
-        results.put((rank, "".join(traceback.format_exception(exc)), None,
-                     exc if isinstance(exc, InputError) else None, traceback.format_exception_only(exc)[-1].strip()))
+        if not isinstance(exc, InputError):  # a bug or a crash: its traceback, where Python would print it
+            traceback.print_exception(exc)
+        results.put((rank, _sendable(exc), None))
         results.close()
         results.join_thread()
         os._exit(1)  # no destroy_process_group: with a dead peer it may block; exiting frees the sockets
-    results.put((rank, None, value, None, None))
+    results.put((rank, None, value))
     results.close()
     results.join_thread()
