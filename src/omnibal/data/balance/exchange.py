@@ -127,6 +127,17 @@ def improve(packs: Packs, objective, deviation, rng, max_passes: int, group: int
     return passes
 
 
+def _occupied(packs: Packs, rows: np.ndarray) -> int:
+    """Occupied slots of the widest of ``rows``, plus two (the free slot a move goes through, and margin)."""
+    return int((packs.slots[rows] < packs.n).sum(1).max()) + 2
+
+
+def _pair_budget(width: int, group: int) -> int:
+    """Pairs of packs one repair round may try so that it weighs ~1M candidate exchanges in all."""
+    subsets = width if group == 1 else width * (width - 1) // 2
+    return max(16, (1 << 20) // (subsets * subsets))
+
+
 def _repair(packs: Packs, objective, deviation, rng, rounds: int, partners: int, group: int,
             bad_above: float = 0.0) -> int:
     """For the few packs still off: try ``partners`` packs that are fine, drawn from those with the most
@@ -139,9 +150,8 @@ def _repair(packs: Packs, objective, deviation, rng, rounds: int, partners: int,
         if len(bad) == 0 or len(good) == 0:
             return r - 1
         # bounded work per round: many partners for a short tail, fewer when many packs are off
-        width = int((packs.slots[bad] < packs.n).sum(1).max()) + 2
-        subsets = width if group == 1 else width * (width - 1) // 2
-        budget = max(16, (1 << 20) // (subsets * subsets))  # ~1M candidate exchanges per round
+        width = _occupied(packs, bad)
+        budget = _pair_budget(width, group)
         partners_now = max(1, min(partners, budget // len(bad)))
         if len(bad) > budget:
             bad = bad[rng.permutation(len(bad))[:budget]]
@@ -149,6 +159,13 @@ def _repair(packs: Packs, objective, deviation, rng, rounds: int, partners: int,
         dev = deviation(packs.pv[good], packs.pt[good], packs.pl[good])
         sign = np.sign(np.median(deviation(packs.pv[bad], packs.pt[bad], packs.pl[bad])))
         pool = good[np.argsort(sign * dev, kind="stable")[:pool_size]]  # room on the side the off ones need
+        # a pair's work is set by the wider of its two packs: partners wider than the off packs (many short
+        # samples, as in LLM-only data) would otherwise multiply the round's work by (their width)^2
+        pool_width = _occupied(packs, pool)
+        if pool_width > width:
+            budget = _pair_budget(pool_width, group)
+            partners_now = max(1, min(partners, budget // len(bad)))
+            bad = bad[:budget]
         a = np.repeat(bad, partners_now)
         b = pool[rng.integers(0, len(pool), size=len(a))]
         gains, i, j = packs.best_moves(a, b, objective, group)
