@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from balance_helpers import assert_exactly_once, random_stats, real_stats
 from omnibal.data.balance import METHODS, BalanceConfig, balance
-from omnibal.data.balance.baselines import length_grouped_order
+from omnibal.data.balance.baselines import grouping_lengths, length_grouped_order
 from omnibal.data.balance.isf import contiguous_blocks, isf_pack, next_fit
 from omnibal.data.metrics import schedule_metrics
 from omnibal.errors import InputError
@@ -68,6 +68,32 @@ def test_length_grouped_chunks():
     # greedy split inside one mega-batch keeps chunk totals close
     mega = chunks[:4].sum(1)
     assert mega.max() / mega.mean() < 1.3
+
+
+def test_grouping_lengths_follow_internvl():
+    # InternVL sorts an image sample by its text plus a constant (max tiles x tokens per tile), not its tiles
+    stats = SampleStats.from_arrays(tiles=np.array([1, 5, 0, 3]), tokens=np.array([256 + 40, 5 * 256 + 40, 40, 800]))
+    assert grouping_lengths(stats).tolist() == [40 + 1280, 40 + 1280, 40, 800 - 768 + 1280]
+
+
+def test_length_grouped_megabatch_is_one_step():
+    # LLaVA and InternVL pass world_size x grad-accum steps as the sampler's world size: a step's micro-batches
+    # come from one sorted mega-batch, so within every full step their grouping-length totals are balanced
+    stats = random_stats(4 * 8 * 3 * 20, seed=5, text_only=0.3)
+    sched = balance(stats, dp_size=4, num_microbatches=3, seed=2,
+                    config=BalanceConfig(method="length-grouped", batch_size=8))
+    lengths = grouping_lengths(stats)
+    spreads = []
+    for step in range(sched.num_steps):
+        totals = [lengths[sched.microbatch(step, r, m)].sum() for r in range(4) for m in range(3)]
+        spreads.append(max(totals) / np.mean(totals))
+    assert np.mean(spreads) < 1.05 and max(spreads) < 1.15
+    # the random sampler's micro-batches of the same data are far less even
+    rand = balance(stats, dp_size=4, num_microbatches=3, seed=2, config=BalanceConfig(method="random", batch_size=8))
+    rand_spread = np.mean([max(lengths[rand.microbatch(s, r, m)].sum() for r in range(4) for m in range(3))
+                           / np.mean([lengths[rand.microbatch(s, r, m)].sum() for r in range(4) for m in range(3)])
+                           for s in range(rand.num_steps)])
+    assert rand_spread > np.mean(spreads) + 0.1
 
 
 @pytest.mark.parametrize("method", ["random", "length-grouped"])

@@ -70,6 +70,7 @@ def test_default_mixture_uses_the_published_tile_rule():
 def test_default_job_is_the_papers_setting():
     cfg = PlanJobConfig()
     assert cfg.baseline_partition == "vision-first" and cfg.stack == "megatron-deepspeed"
+    assert cfg.baseline_sampler == "length-grouped"  # InternVL-1.5's fine-tuning scripts pass --group_by_length
     assert ((cfg.preset, cfg.hardware, cfg.dp_size, cfg.pp_size, cfg.tp_size)
             == ("internvl-chat-1.5", "a100-80g", 32, 4, 1))
     assert cfg.pack_search.microbatches == ()  # library callers keep their M
@@ -79,6 +80,8 @@ def test_default_job_is_the_papers_setting():
     add_arguments(parser)
     cli = job_config(parser.parse_args([]))
     assert cli.baseline_partition == "vision-first" and cli.stack == "megatron-deepspeed"
+    assert cli.baseline_sampler == "length-grouped"
+    assert job_config(parser.parse_args(["--baseline-sampler", "random"])).baseline_sampler == "random"
     assert cli.pack_search.microbatches == (8, 12, 16, 24, 32)
     assert job_config(parser.parse_args(["--pack-microbatches", "none"])).pack_search.microbatches == ()
 

@@ -110,6 +110,13 @@ class BaselinePartition(StrEnum):
     VISION_FIRST = "vision-first"
 
 
+class BaselineSampler(StrEnum):
+    """The ablation baseline's sampler (fixed micro-batches of ``--batch-size`` samples, padded)."""
+
+    LENGTH_GROUPED = "length-grouped"
+    RANDOM = "random"
+
+
 class OnError(StrEnum):
     """What a reader does with a bad input record."""
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from omnibal.cli.options import add_layout_options, add_option, check_layout_args
 from omnibal.cost.stack import DEFAULT_STACK
 from omnibal.errors import InputError
-from omnibal.layout import PLAN_PADDINGS, PLANNER_SCHEDULES, BaselinePartition, Layout
+from omnibal.layout import PLAN_PADDINGS, PLANNER_SCHEDULES, BaselinePartition, BaselineSampler, Layout
 
 HELP = "plan data caps, pipeline partition and per-stage recompute for a model on a cluster"
 DESCRIPTION = (
@@ -63,6 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--search-steps", type=int, default=192, help="steps the simulator scores candidates on")
     s.add_argument("--baseline-partition", default="vision-first", choices=tuple(BaselinePartition),
                    help="the baseline's layer split (default: the vision encoder on stage 0, the paper's)")
+    s.add_argument("--baseline-sampler", default="length-grouped", choices=tuple(BaselineSampler),
+                   help="the baseline's sampler (default: length-grouped, as InternVL-Chat's fine-tuning scripts "
+                        "run it; random: a plain shuffle)")
     add_option(s, "stack", default=DEFAULT_STACK)
     s.add_argument("--pack-microbatches", default="8,12,16,24,32", metavar="M,M,...",
                    help="micro-batch counts the pack-size search tries at the same samples per step ('none': "
@@ -107,7 +110,7 @@ def job_config(args: argparse.Namespace):
         baseline_batch_size=args.batch_size, memory_budget_gib=args.memory_budget, stats_path=args.stats,
         num_samples=args.samples, balance_samples=_balance_samples(args.balance_samples), seed=args.seed,
         profile_path=args.profile, balance_method=args.balance_method, padding=args.padding,
-        baseline_partition=args.baseline_partition, schedule=args.schedule, stack=args.stack,
+        baseline_partition=args.baseline_partition, baseline_sampler=args.baseline_sampler, schedule=args.schedule, stack=args.stack,
         pack_search=pack_search_config(args.pack_microbatches),
         search=SearchConfig(radius=args.radius, top_k=args.top_k, sample_steps=args.search_steps, seed=args.seed),
         engine=args.engine, convert_stats=args.convert_stats)

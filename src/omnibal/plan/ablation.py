@@ -3,8 +3,9 @@
 Each row changes one thing over the row before it, exactly as in OmniBal's Table (6B + 20B on
 Megatron-DeepSpeed: 61.8 -> 51.9 -> 29.0 -> 21.3 GPU days):
 
-1. **baseline**: random fixed micro-batches (4 samples, padded to the longest), InternVL-Chat's
-   vision-first split (the vision encoder and projector on stage 0, the LLM split evenly over the rest;
+1. **baseline**: InternVL-Chat's fixed micro-batches (4 samples, padded to the longest) from its
+   length-grouped sampler (``--group_by_length``, on in its InternVL-1.5 fine-tuning scripts;
+   ``--baseline-sampler random``: a plain shuffle), the vision-first split (the vision encoder and projector on stage 0, the LLM split evenly over the rest;
    ``--baseline-partition even``: equal layer counts), every layer checkpointed (full recompute);
 2. **+ data balance**: omnibal's balanced packs (variable sample count, equal vision and LLM cost per
    micro-batch and per rank), same split, full recompute;

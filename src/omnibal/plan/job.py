@@ -4,7 +4,8 @@ Flow (each phase is a pure call into the layer that owns it):
 
 1. model preset -> ``cost.analytic_cost_table`` (or a measured profile) on the hardware preset, per TP rank;
 2. per-sample stats (a file, or the synthetic InternVL-like 1.2M mixture);
-3. ``data.balance``: the baseline schedule (random fixed micro-batches of 4, padded to the longest sample)
+3. ``data.balance``: the baseline schedule (fixed micro-batches of 4, length-grouped or random, padded to the
+   longest sample)
    and omnibal's balanced schedule, both for DP x M micro-batch slots per step;
 4. ``plan.joint``: the exact joint partition + recompute on the balanced schedule's micro-batches, then the
    simulator-scored neighbour search (``plan.search``);
@@ -25,6 +26,7 @@ from omnibal.layout import (
     PLANNER_SCHEDULES,
     BalanceMethod,
     BaselinePartition,
+    BaselineSampler,
     Engine,
     Layout,
     check_choice,
@@ -52,6 +54,7 @@ from omnibal.plan.plan import DataPlan, Plan, PlanInputs, Prediction, plan_stage
 from omnibal.plan.search import Candidate, SearchConfig
 
 BASELINE_PARTITIONS = tuple(BaselinePartition)
+BASELINE_SAMPLERS = tuple(BaselineSampler)
 
 
 @holds_layout
@@ -95,6 +98,10 @@ class PlanJobConfig:
     padding: str = "varlen"
     """How balanced packs run: ``varlen`` (variable-length micro-batches, Megatron's variable_seq_lengths)
     or ``fixed_buffer`` (padded to the caps: static shapes, e.g. torch.distributed.pipelining)."""
+    baseline_sampler: str = "length-grouped"
+    """The baseline's sampler: ``length-grouped`` (InternVL-Chat's ``--group_by_length``, on in its official
+    InternVL-1.5 fine-tuning scripts: one mega-batch per step sorted by length and split into micro-batches of
+    balanced total length, ``omnibal.data.balance.baselines``) or ``random`` (a plain shuffle)."""
     baseline_partition: str = "vision-first"
     """The baseline's layer split: ``vision-first`` (the vision encoder and projector on stage 0, LLM layers
     split evenly over the rest, as Megatron-core's LLaVA and torchtitan do; the paper's baseline most
@@ -138,6 +145,7 @@ class PlanJobConfig:
         if self.memory_budget_gib is not None and not self.memory_budget_gib > 0:
             raise InputError(f"must be positive, got {self.memory_budget_gib}", source="--memory-budget",
                              field="memory_budget_gib")
+        check_choice(self.baseline_sampler, BaselineSampler, source="--baseline-sampler", field="baseline_sampler")
         check_choice(self.baseline_partition, BaselinePartition, source="--baseline-partition",
                      field="baseline_partition")
         check_choice(self.padding, PLAN_PADDINGS, source="--padding", field="padding")
@@ -277,6 +285,7 @@ def _assemble_plan(config: PlanJobConfig, model: Model, data: Data, found: Found
                                 "sim_step_time_s": c.sim_step_time, "oom": c.oom} for c in found.scored],
                 "chosen_parts": list(found.best_joint.plan.parts), "epoch_scale": data.epoch_scale,
                 "schedule": config.schedule, "baseline_partition": config.baseline_partition,
+                "baseline_sampler": config.baseline_sampler,
                 "sim_config": asdict(model.sim_config), **found.engine_info})
 
 

@@ -182,7 +182,8 @@ def balance_phase(config, model: Model, data: Data, cache: dict | None) -> Data:
     stats, m = data.stats, config.num_microbatches
     cost = balance_cost(model.table, model.spec, model.hw, config.profile_path)
     base_sched = _balanced(config, stats, cache,
-                           BalanceConfig(method="random", batch_size=config.baseline_batch_size, cost=cost), m)
+                           BalanceConfig(method=config.baseline_sampler, batch_size=config.baseline_batch_size,
+                                         cost=cost), m)
     bal_config = BalanceConfig(method=config.balance_method, cost=cost)
     bal_sched = _balanced(config, stats, cache, bal_config, m)
     padding_base = "pad_to_longest"
@@ -264,7 +265,8 @@ def ablation_phase(config, model: Model, data: Data, found: Found):
     replaced by the engine's constrained plan where the engine has constraints."""
     table = model.table
     specs, found = _ablation_specs(config, model, data, found)
-    data_desc = {"baseline": f"random, {config.baseline_batch_size} samples per micro-batch, padded to the longest",
+    data_desc = {"baseline": f"{config.baseline_sampler}, {config.baseline_batch_size} samples per micro-batch, "
+                             "padded to the longest",
                  "balanced": f"{config.balance_method} balanced packs ({data.padding_bal})"}
     if data.pack_desc is not None:
         data_desc["packed"] = data.pack_desc

@@ -46,10 +46,10 @@ class BalanceConfig:
     token_slack: float = 0.015
     """Room left in the derived token cap over the mean pack (the packer needs some to fill both buffers)."""
     token_multiple: int = 8
+    """Derived Q_t is rounded up to a multiple of this (kernel-friendly shapes)."""
     llm_tol: float | None = DEFAULT_LLM_TOL
     """LLM levelling: the packer pulls every pack's LLM cost into this band around the mean (relative);
     None: only the token cap is enforced."""
-    """Derived Q_t is rounded up to a multiple of this (kernel-friendly shapes)."""
     batch_size: int = 4
     """Samples per micro-batch of the ``random`` and ``length-grouped`` baselines."""
     isf_iterations: int = 50

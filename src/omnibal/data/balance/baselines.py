@@ -13,6 +13,7 @@ import numpy as np
 
 from omnibal.data.balance.common import epoch_rng
 from omnibal.data.balance.schedule import Caps, build_schedule
+from omnibal.stats.table import INTERNVL_CONVENTION
 
 
 def _layout(order: np.ndarray, *, dp_size: int, num_microbatches: int, batch_size: int):
@@ -95,9 +96,23 @@ def length_grouped_order(lengths: np.ndarray, *, group: int, batch_size: int, rn
     return np.concatenate(out) if out else np.zeros(0, np.int64)
 
 
+def grouping_lengths(stats) -> np.ndarray:
+    """The length InternVL-Chat's ``--group_by_length`` sorts by: a sample's text tokens plus, for a sample
+    with an image, ``num_image_token x (max_dynamic_patch + thumbnail)`` -- one constant for every image
+    sample, not its own tile count (InternVL's ``LazySupervisedDataset``). The constant here is the tile
+    tokens of the table's largest sample (its tile rule's maximum, thumbnail included)."""
+    convention = stats.convention if stats.convention is not None else INTERNVL_CONVENTION
+    per_tile = convention.tokens_per_tile
+    text = stats.tokens.astype(np.float64) - per_tile * stats.tiles.astype(np.float64)
+    image_tokens = per_tile * float(stats.tiles.max()) if len(stats) else 0.0
+    return np.maximum(text, 0.0) + np.where(stats.tiles > 0, image_tokens, 0.0)
+
+
 def balance_length_grouped(stats, *, dp_size, num_microbatches, seed, epoch, config):
-    """LLaVA-style length grouping by LLM tokens, one mega-batch per micro-batch round of all ranks."""
-    order = length_grouped_order(stats.tokens.astype(np.float64), group=dp_size * config.batch_size,
+    """LLaVA's / InternVL-Chat's length-grouped sampler: one mega-batch per optimizer step (both trainers pass
+    ``world_size x gradient_accumulation_steps`` as the sampler's world size), sorted by
+    :func:`grouping_lengths` and split into the step's micro-batches of balanced total length."""
+    order = length_grouped_order(grouping_lengths(stats), group=dp_size * num_microbatches * config.batch_size,
                                  batch_size=config.batch_size, rng=epoch_rng(seed, epoch, stream=4))
     return _finish(stats, order, dp_size=dp_size, num_microbatches=num_microbatches, seed=seed, epoch=epoch,
                    config=config, method="length-grouped")
