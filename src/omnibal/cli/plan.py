@@ -110,7 +110,8 @@ def job_config(args: argparse.Namespace):
         baseline_batch_size=args.batch_size, memory_budget_gib=args.memory_budget, stats_path=args.stats,
         num_samples=args.samples, balance_samples=_balance_samples(args.balance_samples), seed=args.seed,
         profile_path=args.profile, balance_method=args.balance_method, padding=args.padding,
-        baseline_partition=args.baseline_partition, baseline_sampler=args.baseline_sampler, schedule=args.schedule, stack=args.stack,
+        baseline_partition=args.baseline_partition, baseline_sampler=args.baseline_sampler,
+        schedule=args.schedule, stack=args.stack,
         pack_search=pack_search_config(args.pack_microbatches),
         search=SearchConfig(radius=args.radius, top_k=args.top_k, sample_steps=args.search_steps, seed=args.seed),
         engine=args.engine, convert_stats=args.convert_stats)

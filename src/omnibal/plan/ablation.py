@@ -5,8 +5,9 @@ Megatron-DeepSpeed: 61.8 -> 51.9 -> 29.0 -> 21.3 GPU days):
 
 1. **baseline**: InternVL-Chat's fixed micro-batches (4 samples, padded to the longest) from its
    length-grouped sampler (``--group_by_length``, on in its InternVL-1.5 fine-tuning scripts;
-   ``--baseline-sampler random``: a plain shuffle), the vision-first split (the vision encoder and projector on stage 0, the LLM split evenly over the rest;
-   ``--baseline-partition even``: equal layer counts), every layer checkpointed (full recompute);
+   ``--baseline-sampler random``: a plain shuffle), the vision-first split (the vision encoder and
+   projector on stage 0, the LLM split evenly over the rest; ``--baseline-partition even``: equal layer
+   counts), every layer checkpointed (full recompute);
 2. **+ data balance**: omnibal's balanced packs (variable sample count, equal vision and LLM cost per
    micro-batch and per rank), same split, full recompute;
 3. **+ balanced partition**: the exact min-max partition (stage times include the full recompute) and the
