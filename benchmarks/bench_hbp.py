@@ -29,7 +29,8 @@ import time
 from pathlib import Path
 
 from benchmarks.common import RESULTS, write_result
-from omnibal.plan.hbp import HBPPlanConfig, run_hbp_job
+from omnibal.plan.hbp import HBPPlanConfig
+from omnibal.plan.hbp_job import run_hbp_job
 from omnibal.plan.job import PlanJobConfig, run_plan_job
 from omnibal.stats.long_context import llm_only, long_context_mixture
 from omnibal.stats.synthetic import synthetic_internvl_mixture
