@@ -88,6 +88,18 @@ def test_small_plan_covers_every_sample_once_and_is_serialisable(small_plan):
     assert "| hbp |" in hbp_markdown(result)
 
 
+def test_bound_on_the_long_mixture_lies_between_hbp_and_the_single_level(small_plan):
+    stats, result = small_plan
+    b = result.bound
+    assert b.single_gpu_days == result.row("single level").gpu_days and b.hbp_gpu_days == result.row("hbp").gpu_days
+    assert b.free_gpu_days < b.single_gpu_days  # the single level recomputes and sends all-to-alls here
+    assert b.gain_free >= b.gain_amdahl >= b.hbp_gain >= 1.0
+    assert 0 < b.long_share < 1 and b.long_length < stats.tokens.max()
+    # the longest level at every SP degree dividing dp_size, memory ignored, and the single level's own packing
+    assert len(b.free_trials) == 1 + len(result.model.sp_degrees)
+    assert result.notes and "not tried" in result.notes[0]  # one rank cannot hold the 100k-token videos
+
+
 def test_plan_refuses_a_sample_no_level_can_hold():
     stats = long_context_mixture(3000, seed=4)
     # SP <= 2 on a 32 GiB budget cannot hold the 100k-token videos (the megatron-deepspeed stack needs 28.6 GiB
@@ -104,6 +116,7 @@ def test_cli_plan_hbp_writes_the_level_table(tmp_path, capsys):
     assert code == 0
     out = capsys.readouterr().out
     assert "| level | pack length | SP |" in out and "| hbp |" in out
-    assert "SP degree per level, chosen by the simulator" in out
+    assert "SP degree per level, chosen by the simulator" in out and "Bound on HBP's gain" in out
     doc = json.loads((tmp_path / "hbp.json").read_text())
     assert doc["speedup_hbp_vs_single"] > 0 and doc["rows"][3]["name"] == "hbp"
+    assert doc["bound"]["gain_bound_free"] >= doc["speedup_hbp_vs_single"]

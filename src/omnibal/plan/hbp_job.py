@@ -1,5 +1,6 @@
 """``omnibal plan --hbp`` as a library call: the plan job's model, cluster and data planned with HBP
-(:mod:`omnibal.plan.hbp`) and the plain ``omnibal plan`` packing as one more single-level candidate.
+(:mod:`omnibal.plan.hbp`), the plain ``omnibal plan`` packing as one more single-level candidate, and the
+bound on what HBP can gain (:mod:`omnibal.plan.hbp_bound`).
 
 The plain candidate is the plan job itself (:func:`omnibal.plan.job.run_plan_job` on the same job and data:
 the balancer's own caps, SP 1, its partition search and adaptive recompute), re-simulated here with the plan's
@@ -24,6 +25,7 @@ from omnibal.plan.hbp import (
     plan_hbp,
     simulate_levels,
 )
+from omnibal.plan.hbp_bound import hbp_bound
 
 PLAIN = "omnibal plan"
 """Name of the plain plan's row (and its ``origin`` when it is the single level)."""
@@ -60,9 +62,10 @@ def plain_candidate(config, ctx: HBPContext, hbp: HBPPlanConfig, stats, balanced
     return Candidate(row=row, schedule=sched, level_feats=((1, feats, samples),))
 
 
-def run_hbp_job(config, hbp: HBPPlanConfig, stats, *, plain: bool = True) -> HBPPlanResult:
+def run_hbp_job(config, hbp: HBPPlanConfig, stats, *, plain: bool = True, bound: bool = True) -> HBPPlanResult:
     """``omnibal plan --hbp``: the job's model and cluster, ``stats`` subsampled as the job does; with
-    ``plain`` the plain plan as a single-level candidate (when SP 1 holds every sample)."""
+    ``plain`` the plain plan as a single-level candidate (when SP 1 holds every sample), with ``bound`` the
+    bound on HBP's gain."""
     full = stats
     if config.balance_samples is not None and config.balance_samples < len(full):
         rows = np.sort(np.random.default_rng(config.seed).choice(len(full), config.balance_samples, replace=False))
@@ -80,6 +83,8 @@ def run_hbp_job(config, hbp: HBPPlanConfig, stats, *, plain: bool = True) -> HBP
         except InputError as exc:
             notes.append(f"{PLAIN} (SP 1) not tried: {exc}")
     result = plan_hbp(ctx, hbp, stats, model=model, extra=extra, cache=cache)
+    if bound:
+        result = replace(result, bound=hbp_bound(ctx, hbp, stats, result, cache=cache))
     return replace(result, notes=tuple(notes))
 
 
@@ -88,7 +93,7 @@ def _hours(seconds: float) -> str:
 
 
 def hbp_markdown(result: HBPPlanResult) -> str:
-    """Per-level table of the HBP plan, the comparison rows and the SP degrees tried."""
+    """Per-level table of the HBP plan, the comparison rows, the SP degrees tried and the bound."""
     lines = ["| level | pack length | SP | steps | samples | checkpointed layers | all-to-all share | time (h) |",
              "|---|---|---|---|---|---|---|---|"]
     for i, lv in enumerate(result.row("hbp").levels):
@@ -106,6 +111,8 @@ def hbp_markdown(result: HBPPlanResult) -> str:
     if trials:
         lines += ["", "SP degree per level, chosen by the simulator (degree: simulated hours of the level, the other "
                   "levels fixed; * = kept):", "", *trials]
+    if result.bound is not None:
+        lines += ["", *result.bound.lines()]
     lines += [f"note: {n}" for n in result.notes]
     return "\n".join(lines)
 
