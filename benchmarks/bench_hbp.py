@@ -56,7 +56,7 @@ def run_case(name: str, config: PlanJobConfig, stats, batch: int) -> dict:
 
 
 def _kilo(n: int) -> str:
-    return f"{n / 1024:g}k"
+    return f"{n // 1024}k" if n % 1024 == 0 else f"{n:,}"
 
 
 def markdown(results: list[dict], load: str) -> str:
