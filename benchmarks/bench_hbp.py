@@ -1,7 +1,5 @@
 """Predicted GPU days of HBP multi-level packing vs single-level packing vs the baseline.
 
-    PYTHONPATH=src python benchmarks/bench_hbp.py [--samples 1200000] [--balance-samples 60000]
-
 Cases (all on 128 A100-80G, predicted by omnibal's cost model + step-time simulator, ``omnibal.plan.hbp``):
 
 * ``6b+20b long``: InternViT-6B + InternLM2-20B (the default ``omnibal plan`` job: DP 32 x PP 4, ZeRO-1,
@@ -9,16 +7,21 @@ Cases (all on 128 A100-80G, predicted by omnibal's cost model + step-time simula
   InternVL-like short, 15% 8-32k documents, 5% 32-128k videos).
 * ``7b-llm long``: an LLM-only 7B (the ``llava-1.5-7b`` preset's Vicuna-7B; the rows are the same sequence
   lengths as text: no tiles, so the CLIP encoder does no work) on DP 128 x PP 1, ZeRO-1, 8 micro-batches.
-* ``6b+20b short``: the default job on its default data (the synthetic InternVL-like 1.2M mixture); here also
-  the ``omnibal plan`` prediction (single level, no SP, its own caps, partition search) for reference.
+* ``6b+20b short``: the default job on its default data (the synthetic InternVL-like 1.2M mixture).
 
 Rows: ``baseline`` (random micro-batches padded to the longest: 1 sample each on long data, 4 on short;
 one SP degree that holds the longest, even partition, full recompute), ``single level, full recompute``
 (omnibal packing at one pack length = the longest level, the least SP degree that fits, full recompute),
-``single level`` (the same length with the SP degree and adaptive recompute of least predicted time: the
-strongest single level), ``hbp`` (levels, SP degrees and recompute per level). A uniform random subset
-of ``--balance-samples`` rows is balanced and simulated, the epoch scaled to ``--samples`` (as ``omnibal
-plan`` does). Writes benchmarks/results/hbp.json and hbp.md.
+``single level`` (the fastest single level: the longest level with the SP degree the simulator chose and
+adaptive recompute, or the plain ``omnibal plan`` packing), ``hbp`` (levels, SP degrees and recompute per
+level; the fastest of the level sets and the single levels), ``omnibal plan`` (the plain plan: the
+balancer's own caps, SP 1, adaptive recompute; only where one rank holds the longest sample). Per case
+also: the SP degrees the simulator tried per level, the bound on HBP's gain (``omnibal.plan.hbp_bound``)
+and the planning CPU seconds. A uniform random subset of ``--balance-samples`` rows is balanced and
+simulated, the epoch scaled to ``--samples`` (as ``omnibal plan`` does). Writes
+benchmarks/results/hbp.json and hbp.md.
+
+    PYTHONPATH=src python -m benchmarks.bench_hbp [--samples 1200000] [--balance-samples 60000]
 """
 
 from __future__ import annotations
@@ -29,8 +32,9 @@ import time
 from pathlib import Path
 
 from benchmarks.common import RESULTS, write_result
-from omnibal.plan.hbp import HBPPlanConfig, run_hbp_job
-from omnibal.plan.job import PlanJobConfig, run_plan_job
+from omnibal.plan.hbp import HBPPlanConfig
+from omnibal.plan.hbp_job import run_hbp_job, sp_trials_lines
+from omnibal.plan.job import PlanJobConfig
 from omnibal.stats.long_context import llm_only, long_context_mixture
 from omnibal.stats.synthetic import synthetic_internvl_mixture
 
@@ -46,13 +50,13 @@ def cases(samples: int, balance_samples: int):
 def run_case(name: str, config: PlanJobConfig, stats, batch: int) -> dict:
     t_wall, t_cpu = time.perf_counter(), time.process_time()
     result = run_hbp_job(config, HBPPlanConfig(baseline_batch_size=batch), stats)
-    out = {"case": name, "model": config.preset, "layout": f"DP {config.dp_size} x PP {config.pp_size}",
-           "data": stats.source, **result.to_dict(),
-           "wall_s": round(time.perf_counter() - t_wall, 2), "cpu_s": round(time.process_time() - t_cpu, 2)}
-    if name.endswith("short"):  # the plain omnibal plan on the same job and data, for reference
-        job = run_plan_job(config, stats=stats)
-        out["omnibal_plan_gpu_days"] = job.ablation[-1].gpu_days
-    return out
+    return {"case": name, "model": config.preset, "layout": f"DP {config.dp_size} x PP {config.pp_size}",
+            "data": stats.source, **result.to_dict(), "sp_trials_lines": sp_trials_lines(result),
+            "wall_s": round(time.perf_counter() - t_wall, 2), "cpu_s": round(time.process_time() - t_cpu, 2)}
+
+
+def _kilo(n: int) -> str:
+    return f"{n // 1024}k" if n % 1024 == 0 else f"{n:,}"
 
 
 def markdown(results: list[dict], load: str) -> str:
@@ -66,22 +70,31 @@ def markdown(results: list[dict], load: str) -> str:
         for r in res["rows"]:
             levels = ", ".join(f"{lv['length']:,} x {lv['sp']}" for lv in r["levels"])
             ckpt = ", ".join(str(lv["checkpointed"]) for lv in r["levels"])
-            lines.append(f"| {res['case']} | {r['name']} | {levels} | {ckpt} | {r['gpu_days']:.1f} | "
+            origin = f" ({r['origin']})" if r["origin"] not in ("levels", r["name"]) else ""
+            lines.append(f"| {res['case']} | {r['name']}{origin} | {levels} | {ckpt} | {r['gpu_days']:.1f} | "
                          f"{single / r['gpu_days']:.2f}x | {base / r['gpu_days']:.2f}x |")
-        if "omnibal_plan_gpu_days" in res:
-            lines.append(f"| {res['case']} | omnibal plan (one level, no SP) | its own caps | adaptive | "
-                         f"{res['omnibal_plan_gpu_days']:.1f} | {single / res['omnibal_plan_gpu_days']:.2f}x | "
-                         f"{base / res['omnibal_plan_gpu_days']:.2f}x |")
+    lines += ["", "Bound on HBP's gain over the single level under this cost model (`omnibal.plan.hbp_bound`): (a) the "
+              "single level with recompute and all-to-all free (least over its own packing and the longest level at "
+              "every SP degree, memory ignored); (b) Amdahl: the samples that need the longest level gain nothing.",
+              "", "| case | single level | free single level (a) | gain bound (a) | longest-level cost share "
+              "| gain bound (b) | HBP gain | planning CPU s |", "|---|---|---|---|---|---|---|---|"]
+    for res in results:
+        b = res["bound"]
+        lines.append(f"| {res['case']} | {b['single_gpu_days']:.1f} | {b['free_gpu_days']:.1f} | "
+                     f"{b['gain_bound_free']:.2f}x | {b['long_share']:.1%} (over {b['long_length']:,} tokens) | "
+                     f"{b['gain_bound_amdahl']:.2f}x | {b['hbp_gain']:.2f}x | {res['cpu_s']} |")
     lines += ["", "HBP levels (pack length, SP degree, steps, samples of the balanced subset, share of busy time "
-              "in SP all-to-all):", ""]
+              "in SP all-to-all), the level sets the simulator compared and the SP degrees it tried per level "
+              "(degree: simulated hours of the level, the other levels fixed; * = kept):", ""]
     for res in results:
         hbp = next(r for r in res["rows"] if r["name"] == "hbp")
         desc = "; ".join(f"{lv['length']:,} x SP {lv['sp']}: {lv['steps']} steps, {lv['samples']:,} samples, "
                          f"a2a {lv['a2a_share']:.1%}" for lv in hbp["levels"])
-        tried = "; ".join(f"{'/'.join(f'{n // 1024}k' for n in t['lengths'])}: {t['gpu_days']:.1f}"
+        tried = "; ".join(f"{'/'.join(f'{_kilo(n)} x {d}' for n, d in zip(t['lengths'], t['sp']))}"
+                          f"{'' if t['origin'] == 'levels' else ' (' + t['origin'] + ')'}: {t['gpu_days']:.1f}"
                           for t in res["level_sets_tried"])
-        lines.append(f"- {res['case']}: {desc}. Level sets the simulator compared (GPU days): {tried}. "
-                     f"Planned in {res['cpu_s']} CPU s.")
+        lines.append(f"- {res['case']}: {desc}. Compared (GPU days): {tried}. Planned in {res['cpu_s']} CPU s.")
+        lines += [f"  {line}" for line in res["sp_trials_lines"]] + [f"  - note: {n}" for n in res["notes"]]
     return "\n".join(lines) + "\n"
 
 

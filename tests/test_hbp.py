@@ -113,6 +113,14 @@ def test_deterministic_and_reshuffled_per_epoch(mixed):
     c = balance_hbp(mixed, dp_size=4, num_microbatches=2, seed=3, epoch=1, config=_config())
     assert a.equals(b) and a.levels == b.levels
     assert not a.equals(c) and np.all(c.sample_counts() == 1)
+    # a level cache (the planner's SP search) gives the same schedule, from the cache the second time
+    cache = {}
+    d = balance_hbp(mixed, dp_size=4, num_microbatches=2, seed=3, config=_config(), cache=cache)
+    entries = len(cache)
+    e = balance_hbp(mixed, dp_size=4, num_microbatches=2, seed=3, config=_config(), cache=cache)
+    assert d.equals(a) and e.equals(a) and entries == len(a.level_sp) == len(cache)
+    f = balance_hbp(mixed, dp_size=4, num_microbatches=2, seed=3, epoch=1, config=_config(), cache=cache)
+    assert f.equals(c) and len(cache) == 2 * entries
 
 
 @pytest.mark.parametrize("new_dp", [4, 8])

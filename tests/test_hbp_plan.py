@@ -14,12 +14,11 @@ from omnibal.cost.presets import get_model_preset
 from omnibal.errors import InputError
 from omnibal.plan.hbp import (
     HBPPlanConfig,
-    hbp_markdown,
     max_tokens_per_rank,
     per_rank_features,
-    run_hbp_job,
     ulysses_a2a_time,
 )
+from omnibal.plan.hbp_job import hbp_markdown, run_hbp_job
 from omnibal.plan.job import PlanJobConfig
 from omnibal.plan.joint import JointPlanner
 from omnibal.plan.stages import StageModelConfig, layer_quantities
@@ -84,9 +83,21 @@ def test_small_plan_covers_every_sample_once_and_is_serialisable(small_plan):
         for lv in row.levels:
             assert lv.length <= result.model.max_tokens_per_rank * lv.sp or row.name == "baseline"
     assert hbp.gpu_days <= result.row("single level").gpu_days  # the simulator keeps the best level set
-    assert len(result.tried) >= 1 and min(v for _, v in result.tried) == pytest.approx(hbp.gpu_days)
+    assert len(result.tried) >= 1 and min(t["gpu_days"] for t in result.tried) == pytest.approx(hbp.gpu_days)
     json.dumps(result.to_dict())
     assert "| hbp |" in hbp_markdown(result)
+
+
+def test_bound_on_the_long_mixture_lies_between_hbp_and_the_single_level(small_plan):
+    stats, result = small_plan
+    b = result.bound
+    assert b.single_gpu_days == result.row("single level").gpu_days and b.hbp_gpu_days == result.row("hbp").gpu_days
+    assert b.free_gpu_days < b.single_gpu_days  # the single level recomputes and sends all-to-alls here
+    assert b.gain_free >= b.gain_amdahl >= b.hbp_gain >= 1.0
+    assert 0 < b.long_share < 1 and b.long_length < stats.tokens.max()
+    # the longest level at every SP degree dividing dp_size, memory ignored, and the single level's own packing
+    assert len(b.free_trials) == 1 + len(result.model.sp_degrees)
+    assert result.notes and "not tried" in result.notes[0]  # one rank cannot hold the 100k-token videos
 
 
 def test_plan_refuses_a_sample_no_level_can_hold():
@@ -105,5 +116,7 @@ def test_cli_plan_hbp_writes_the_level_table(tmp_path, capsys):
     assert code == 0
     out = capsys.readouterr().out
     assert "| level | pack length | SP |" in out and "| hbp |" in out
+    assert "SP degree per level, chosen by the simulator" in out and "Bound on HBP's gain" in out
     doc = json.loads((tmp_path / "hbp.json").read_text())
-    assert doc["speedup_hbp_vs_single"] > 0 and doc["rows"][-1]["name"] == "hbp"
+    assert doc["speedup_hbp_vs_single"] > 0 and doc["rows"][3]["name"] == "hbp"
+    assert doc["bound"]["gain_bound_free"] >= doc["speedup_hbp_vs_single"]

@@ -15,7 +15,8 @@ long-context mixture (``omnibal.stats.long_context``) of ``--samples`` rows."""
 def run_hbp(args: argparse.Namespace, config) -> int:
     """Choose the levels, print the per-level table and the comparison, write ``OUT/hbp.json``."""
     from omnibal.outputs import check_dir, write_text
-    from omnibal.plan.hbp import HBPPlanConfig, hbp_markdown, run_hbp_job
+    from omnibal.plan.hbp import HBPPlanConfig
+    from omnibal.plan.hbp_job import hbp_markdown, run_hbp_job
 
     t0 = time.perf_counter()
     check_dir(args.out, "--out")

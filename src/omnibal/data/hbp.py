@@ -387,8 +387,11 @@ def _degrees_dividing(model: LevelCostModel, dp_size: int) -> LevelCostModel:
 
 
 def balance_hbp(stats, *, dp_size: int, num_microbatches: int = 1, seed: int = 0, epoch: int = 0,
-                config: HBPConfig | None = None, rows=None) -> Schedule:
-    """One multi-level epoch of ``stats`` (or of its ``rows``; see the module docstring)."""
+                config: HBPConfig | None = None, rows=None, cache: dict | None = None) -> Schedule:
+    """One multi-level epoch of ``stats`` (or of its ``rows``; see the module docstring).
+
+    ``cache``: a dict kept between calls that memoises each level's balanced schedule by its inputs (the
+    planner tries one level's SP degree at a time; the other levels are then balanced once)."""
     config = config or HBPConfig()
     rows = np.arange(len(stats), dtype=np.int64) if rows is None else np.unique(np.asarray(rows, np.int64))
     if len(rows) == 0:
@@ -418,12 +421,23 @@ def balance_hbp(stats, *, dp_size: int, num_microbatches: int = 1, seed: int = 0
     for k, (length, d) in enumerate(zip(lengths, sp)):
         members = np.flatnonzero(level_of == k)
         if len(members):
-            sched = balance_level(sub.take(members), length, packs[k] // slots[k], dp_size=dp_size // d,
-                                  num_microbatches=num_microbatches, seed=seed, epoch=epoch,
-                                  balance_config=config.balance)
+            sched = _balance_level_cached(sub.take(members), length, packs[k] // slots[k], cache,
+                                          dp_size=dp_size // d, num_microbatches=num_microbatches, seed=seed,
+                                          epoch=epoch, balance_config=config.balance)
             parts.append((k, d, kept[members], sched))
     return _combine(parts, stats, lengths, dropped, dp_size=dp_size, num_microbatches=num_microbatches,
                     seed=seed, epoch=epoch, estimate=estimate, config=config)
+
+
+def _balance_level_cached(level_stats, length: int, num_steps: int, cache: dict | None, **kwargs) -> Schedule:
+    """:func:`balance_level`, memoised in ``cache`` by the level's rows and every other input."""
+    if cache is None:
+        return balance_level(level_stats, length, num_steps, **kwargs)
+    key = ("hbp-level", level_stats.fingerprint(), int(length), int(num_steps),
+           *(repr(kwargs[k].to_dict()) if k == "balance_config" else kwargs[k] for k in sorted(kwargs)))
+    if key not in cache:
+        cache[key] = balance_level(level_stats, length, num_steps, **kwargs)
+    return cache[key]
 
 
 def _combine(parts, stats, lengths, dropped, *, dp_size, num_microbatches, seed, epoch, estimate,

@@ -18,9 +18,16 @@ from the cost table and the hardware, and prices the result with the step-time s
 * **Partition and recompute**: one partition for the whole run (the joint min-max optimum over every
   level's micro-batches, sized for the largest), and per level the least recompute that fits its own
   micro-batches (:meth:`JointPlanner.evaluate` with ``adaptive``): short levels recompute less.
-* **SP degree** per level: the one of least estimated level time (``omnibal.data.hbp``): a larger degree
-  adds all-to-all time but shrinks a rank's share of the pack, so less recompute is needed; the cost model
-  gets the recompute price per per-rank length from the planner (:func:`recompute_ratio`).
+* **SP degree** per level: the estimate (``omnibal.data.hbp``) proposes the levels and a degree per level
+  (a larger degree adds all-to-all time but shrinks a rank's share of the pack, so less recompute is
+  needed; the recompute price per per-rank length comes from the planner, :func:`recompute_ratio`). The
+  estimate has no per-step costs (gradient reduction, optimizer, pipeline fill) and no small-kernel
+  slowdown, so it overrates SP for short packs: a degree ``d`` makes ``d`` times more steps. The simulator
+  therefore chooses each level's degree among the memory-feasible ones (:func:`refine_sp`), one level at a
+  time, longest first, the others fixed, and keeps the fastest; every degree tried is reported.
+* **Other single levels** (``extra``): a packing made elsewhere (the plain ``omnibal plan``: its own caps,
+  SP 1, adaptive recompute; ``omnibal.plan.hbp_job``) competes as a single level, so neither the single
+  level nor HBP is predicted slower than it.
 """
 
 from __future__ import annotations
@@ -59,6 +66,8 @@ class HBPPlanConfig:
     """Samples per micro-batch of the baseline (random, padded to the longest)."""
     dtype_bytes: int = 2
     """Bytes per activation value the all-to-alls move (bf16)."""
+    sp_by_simulator: bool = True
+    """Choose each level's SP degree by the simulator (:func:`refine_sp`); False: the estimate's degree."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,9 +90,14 @@ class LevelResult:
     """Share of the level's busy time that is SP all-to-all."""
     oom_steps: int
     """Steps over the memory budget."""
+    sp_trials: tuple[tuple[int, float], ...] = ()
+    """``(SP degree, simulated seconds of this level)`` for every degree the simulator tried on this level,
+    the other levels fixed (:func:`refine_sp`); empty when the degree was not searched."""
 
     def to_dict(self) -> dict:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+        out = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        out["sp_trials"] = [[int(d), float(t)] for d, t in self.sp_trials]
+        return out
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,11 +114,29 @@ class HBPRow:
     oom_steps: int
     dropped: int = 0
     """Samples left out on purpose (``oversize='drop'``)."""
+    origin: str = "levels"
+    """Where the packing comes from: ``levels`` (the level search here) or the name of an ``extra`` single
+    level (``omnibal plan``: the plain plan's packing)."""
 
     def to_dict(self) -> dict:
         return {"name": self.name, "levels": [lv.to_dict() for lv in self.levels], "epoch_time_s": self.epoch_time_s,
                 "gpu_days": self.gpu_days, "parts": list(self.parts), "oom_steps": self.oom_steps,
-                "dropped": self.dropped}
+                "dropped": self.dropped, "origin": self.origin}
+
+    def faster_than(self, other: HBPRow) -> bool:
+        """Fewer steps over memory, then fewer GPU days."""
+        return (self.oom_steps > 0, self.gpu_days) < (other.oom_steps > 0, other.gpu_days)
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class Candidate:
+    """A simulated packing with what produced it (the bound re-runs the single level's features)."""
+
+    row: HBPRow
+    schedule: object
+    """Its Schedule (single- or multi-level)."""
+    level_feats: tuple
+    """``(SP degree, per-rank features [S_k, D, M, 4], samples)`` per level (:func:`level_features`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -246,17 +278,21 @@ def choose_partition(ctx: HBPContext, hbp: HBPPlanConfig, level_feats) -> tuple[
 
 
 def simulate_levels(ctx: HBPContext, hbp: HBPPlanConfig, level_feats, lengths, *, name: str, parts=None,
-                    recompute: str = "adaptive", dropped: int = 0) -> HBPRow:
+                    recompute: str = "adaptive", dropped: int = 0, masks=None, origin: str = "levels") -> HBPRow:
     """Simulate every level's steps with its SP degree and its own recompute (``adaptive``: the least that
-    fits its micro-batches; ``full``) on one partition (None: :func:`choose_partition`)."""
+    fits its micro-batches; ``full``; or the given per-level ``masks``) on one partition (None:
+    :func:`choose_partition`)."""
     parts = tuple(parts) if parts is not None else choose_partition(ctx, hbp, level_feats)
     results = []
-    for length, (d, feats, samples) in zip(lengths, level_feats):
+    for k, (length, (d, feats, samples)) in enumerate(zip(lengths, level_feats)):
         a2a = _a2a(ctx, hbp, d)
         table = sp_table(ctx.table, a2a)
-        planner = JointPlanner(layer_quantities(table, feats, ctx.stage_config), ctx.stage_config)
-        plan = planner.evaluate(parts, recompute) or planner.evaluate(parts, "full")
-        mask = plan.recompute_mask(table.num_layers)
+        if masks is not None:
+            mask = np.asarray(masks[k], bool)
+        else:
+            planner = JointPlanner(layer_quantities(table, feats, ctx.stage_config), ctx.stage_config)
+            plan = planner.evaluate(parts, recompute) or planner.evaluate(parts, "full")
+            mask = plan.recompute_mask(table.num_layers)
         res = simulate_epoch(table, parts, mask, feats, ctx.sim_config)
         busy = float(res.busy.sum())
         comm = float((feats @ a2a.T).sum())  # device-seconds, as busy
@@ -267,7 +303,7 @@ def simulate_levels(ctx: HBPContext, hbp: HBPPlanConfig, level_feats, lengths, *
     total = sum(r.time_s for r in results)
     return HBPRow(name=name, levels=tuple(results), epoch_time_s=total,
                   gpu_days=total * ctx.num_gpus / SECONDS_PER_DAY, parts=parts,
-                  oom_steps=sum(r.oom_steps for r in results), dropped=dropped)
+                  oom_steps=sum(r.oom_steps for r in results), dropped=dropped, origin=origin)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -278,9 +314,16 @@ class HBPPlanResult:
     model: LevelCostModel
     """The level cost model the levels were chosen with."""
     schedule: object
-    """The HBP schedule (of the balanced samples)."""
-    tried: tuple = ()
-    """``(level lengths, predicted GPU days)`` of every level set the simulator compared."""
+    """The HBP schedule (of the balanced samples): the winner's, single-level when a single level won."""
+    tried: tuple[dict, ...] = ()
+    """``{"lengths", "sp", "gpu_days", "origin", "sp_trials"}`` of every packing the simulator compared for the
+    hbp row (``sp_trials``: per level, ``[degree, simulated seconds of the level]`` of each degree tried)."""
+    single: Candidate | None = None
+    """The single-level row's candidate (the bound re-runs its features)."""
+    bound: object = None
+    """An ``omnibal.plan.hbp_bound.HBPBound`` when computed (``omnibal.plan.hbp_job``)."""
+    notes: tuple[str, ...] = ()
+    """Why a candidate was not tried (e.g. the plain plan on data one rank cannot hold)."""
 
     def row(self, name: str) -> HBPRow:
         return next(r for r in self.rows if r.name == name)
@@ -290,9 +333,10 @@ class HBPPlanResult:
         return {"rows": [r.to_dict() for r in self.rows],
                 "model": {"sp_degrees": list(m.sp_degrees), "a2a_s_per_token": list(m.a2a_per_token),
                           "max_tokens_per_rank": int(m.max_tokens_per_rank)},
-                "level_sets_tried": [{"lengths": k, "gpu_days": v} for k, v in self.tried],
+                "level_sets_tried": list(self.tried),
                 "speedup_hbp_vs_single": self.row("single level").gpu_days / self.row("hbp").gpu_days,
-                "speedup_hbp_vs_baseline": self.row("baseline").gpu_days / self.row("hbp").gpu_days}
+                "speedup_hbp_vs_baseline": self.row("baseline").gpu_days / self.row("hbp").gpu_days,
+                "bound": None if self.bound is None else self.bound.to_dict(), "notes": list(self.notes)}
 
 
 def _baseline_row(ctx: HBPContext, hbp: HBPPlanConfig, stats, model: LevelCostModel) -> HBPRow:
@@ -314,75 +358,92 @@ def _baseline_row(ctx: HBPContext, hbp: HBPPlanConfig, stats, model: LevelCostMo
     return row
 
 
-def plan_hbp(ctx: HBPContext, hbp: HBPPlanConfig, stats) -> HBPPlanResult:
+def simulate_schedule(ctx: HBPContext, hbp: HBPPlanConfig, schedule, stats, *, name: str,
+                      recompute: str = "adaptive") -> Candidate:
+    """A (multi-level) schedule of :func:`balance_hbp` simulated (:func:`simulate_levels`)."""
+    feats = level_features(schedule, stats)
+    row = simulate_levels(ctx, hbp, feats, schedule.meta["hbp"]["level_lengths"], name=name, recompute=recompute,
+                          dropped=len(schedule.dropped))
+    return Candidate(row=row, schedule=schedule, level_feats=tuple(feats))
+
+
+def refine_sp(ctx: HBPContext, hbp: HBPPlanConfig, stats, config: HBPConfig, start: Candidate, *,
+              cache: dict | None = None) -> Candidate:
+    """``start``'s levels with each level's SP degree chosen by the simulator: one level at a time, longest
+    first, the others fixed, every memory-feasible degree (it divides dp_size and a rank's share of a pack
+    fits ``max_tokens_per_rank``) balanced and simulated; the fastest is kept. The levels of the result
+    carry the degrees tried (``LevelResult.sp_trials``: degree -> that level's simulated seconds)."""
+    lengths = tuple(start.schedule.meta["hbp"]["level_lengths"])
+    degree = dict(zip(lengths, start.schedule.level_sp))
+    best, trials = start, {}
+    layout = dict(dp_size=ctx.dp_size, num_microbatches=ctx.num_microbatches, seed=ctx.seed)
+    for length in reversed(lengths):
+        seen = {lv.length: lv.time_s for lv in best.row.levels}
+        trials[length] = {degree[length]: seen[length]} if length in seen else {}
+        for d in config.model.feasible_sp(length):
+            if d == degree[length]:
+                continue
+            trial = {**degree, length: d}
+            try:
+                sched = balance_hbp(stats, **layout, cache=cache, config=replace(
+                    config, pack_lengths=lengths, level_sp=tuple(trial[n] for n in lengths)))
+            except InputError:  # this degree cannot fill whole steps of the level: not a candidate
+                continue
+            cand = simulate_schedule(ctx, hbp, sched, stats, name=start.row.name)
+            times = {lv.length: lv.time_s for lv in cand.row.levels}
+            if length in times:  # else the level handed its samples to the next (too few for a step)
+                trials[length][d] = times[length]
+            if cand.row.faster_than(best.row):
+                best, degree = cand, trial
+    levels = tuple(replace(lv, sp_trials=tuple(sorted(trials.get(lv.length, {}).items())))
+                   for lv in best.row.levels)
+    return replace(best, row=replace(best.row, levels=levels))
+
+
+def _level_sets(ctx: HBPContext, hbp: HBPPlanConfig, stats, config: HBPConfig, cache: dict) -> list[Candidate]:
+    """The estimate's best level set for each level count (each distinct set once), SP by the simulator
+    when ``hbp.sp_by_simulator``; the first is the single level."""
+    layout = dict(dp_size=ctx.dp_size, num_microbatches=ctx.num_microbatches, seed=ctx.seed)
+    out, seen = [], set()
+    for count in range(1, hbp.max_levels + 1):
+        sched = balance_hbp(stats, **layout, config=replace(config, max_levels=count), cache=cache)
+        lengths = tuple(sched.meta["hbp"]["level_lengths"])
+        if lengths in seen:
+            continue
+        seen.add(lengths)
+        cand = simulate_schedule(ctx, hbp, sched, stats, name="single level" if count == 1 else "hbp")
+        out.append(refine_sp(ctx, hbp, stats, config, cand, cache=cache) if hbp.sp_by_simulator else cand)
+    return out
+
+
+def plan_hbp(ctx: HBPContext, hbp: HBPPlanConfig, stats, *, model: LevelCostModel | None = None,
+             extra: tuple[Candidate, ...] = (), cache: dict | None = None) -> HBPPlanResult:
     """Choose the levels, balance them, and simulate HBP against single-level packing and the baseline.
 
     The estimate (:func:`omnibal.data.hbp.choose_levels`) proposes the best level set for each level count
-    up to ``max_levels``; the simulator keeps the fastest of them, so HBP is never predicted slower than the
-    single level (level count 1) it is compared with."""
+    up to ``max_levels``; the simulator chooses each level's SP degree (:func:`refine_sp`) and keeps the
+    fastest set. The single-level row is the fastest of the one-level set and the ``extra`` single levels
+    (e.g. the plain ``omnibal plan`` packing), and HBP is the fastest of everything, so HBP is never
+    predicted slower than the single level, nor the single level than an extra one. ``model``: the level
+    cost model (default: :func:`level_cost_model`); ``cache``: memoises balanced levels between calls."""
     tiles_per_token = float(stats.tiles.sum()) / max(float(stats.tokens.sum()), 1.0)
-    model = level_cost_model(ctx, hbp, tiles_per_token)
+    model = model or level_cost_model(ctx, hbp, tiles_per_token)
     config = HBPConfig(model=model, max_levels=1, candidate_lengths=hbp.candidate_lengths, oversize=hbp.oversize,
                        balance=BalanceConfig(cost=model.cost))
-    layout = dict(dp_size=ctx.dp_size, num_microbatches=ctx.num_microbatches, seed=ctx.seed)
-    single = balance_hbp(stats, **layout, config=config)
-    top = tuple(single.meta["hbp"]["level_lengths"])
-    single_row = simulate_levels(ctx, hbp, level_features(single, stats), top, name="single level",
-                                 dropped=len(single.dropped))
-    best, best_row, tried = single, replace(single_row, name="hbp"), {top: single_row.gpu_days}
-    for count in range(2, hbp.max_levels + 1):
-        sched = balance_hbp(stats, **layout, config=replace(config, max_levels=count))
-        lengths = tuple(sched.meta["hbp"]["level_lengths"])
-        if lengths in tried:
-            continue
-        row = simulate_levels(ctx, hbp, level_features(sched, stats), lengths, name="hbp",
-                              dropped=len(sched.dropped))
-        tried[lengths] = row.gpu_days
-        if row.gpu_days < best_row.gpu_days:
-            best, best_row = sched, row
+    cache = {} if cache is None else cache
+    sets = _level_sets(ctx, hbp, stats, config, cache)
+    single = min([sets[0], *extra], key=lambda c: (c.row.oom_steps > 0, c.row.gpu_days))
+    best = min([*sets, *extra], key=lambda c: (c.row.oom_steps > 0, c.row.gpu_days))
+    top = tuple(sets[0].schedule.meta["hbp"]["level_lengths"])
     # the usual long-context recipe: the smallest SP degree the longest pack needs, full recompute, for all
-    recipe = balance_hbp(stats, **layout, config=replace(config, pack_lengths=top,
-                                                         level_sp=(model.feasible_sp(top[0])[0],)))
+    recipe = balance_hbp(stats, dp_size=ctx.dp_size, num_microbatches=ctx.num_microbatches, seed=ctx.seed,
+                         cache=cache, config=replace(config, pack_lengths=top,
+                                                     level_sp=(model.feasible_sp(top[0])[0],)))
     rows = (_baseline_row(ctx, hbp, stats, model),
-            simulate_levels(ctx, hbp, level_features(recipe, stats), top, name="single level, full recompute",
-                            recompute="full", dropped=len(recipe.dropped)),
-            single_row, best_row)
-    return HBPPlanResult(rows=rows, model=model, schedule=best,
-                         tried=tuple((list(k), v) for k, v in tried.items()))
-
-
-def hbp_context(config, *, num_samples: int, balanced_samples: int, cost: BalanceCost | None = None) -> HBPContext:
-    """The :class:`HBPContext` of an ``omnibal plan`` job (:class:`omnibal.plan.job.PlanJobConfig`)."""
-    from omnibal.plan.job_phases import model_phase  # the job's cost table, hardware, simulator and stages
-
-    config.validate()
-    model = model_phase(config)
-    return HBPContext(table=model.table, spec=model.spec, hardware=model.hw, stage_config=model.stage_config,
-                      sim_config=model.sim_config,
-                      epoch_scale=num_samples / balanced_samples, seed=config.seed, cost=cost)
-
-
-def run_hbp_job(config, hbp: HBPPlanConfig, stats) -> HBPPlanResult:
-    """``omnibal plan --hbp``: the job's model and cluster, ``stats`` subsampled as the job does."""
-    full = len(stats)
-    if config.balance_samples is not None and config.balance_samples < full:
-        rows = np.sort(np.random.default_rng(config.seed).choice(full, config.balance_samples, replace=False))
-        stats = stats.take(rows)
-    ctx = hbp_context(config, num_samples=full, balanced_samples=len(stats))
-    return plan_hbp(ctx, hbp, stats)
-
-
-def hbp_markdown(result: HBPPlanResult) -> str:
-    """Per-level table of the HBP plan and the comparison rows."""
-    lines = ["| level | pack length | SP | steps | samples | checkpointed layers | all-to-all share | time (h) |",
-             "|---|---|---|---|---|---|---|---|"]
-    for i, lv in enumerate(result.row("hbp").levels):
-        lines.append(f"| {i} | {lv.length:,} | {lv.sp} | {lv.steps:,} | {lv.samples:,} | {lv.checkpointed} | "
-                     f"{lv.a2a_share:.1%} | {lv.time_s / 3600:.2f} |")
-    lines += ["", "| packing | levels (length x SP) | GPU days | vs single level | OOM steps |",
-              "|---|---|---|---|---|"]
-    single = result.row("single level").gpu_days
-    for row in result.rows:
-        desc = ", ".join(f"{lv.length:,} x {lv.sp}" for lv in row.levels)
-        lines.append(f"| {row.name} | {desc} | {row.gpu_days:.1f} | {single / row.gpu_days:.2f}x | {row.oom_steps} |")
-    return "\n".join(lines)
+            simulate_schedule(ctx, hbp, recipe, stats, name="single level, full recompute", recompute="full").row,
+            replace(single.row, name="single level"), replace(best.row, name="hbp"), *(c.row for c in extra))
+    tried = tuple({"lengths": [lv.length for lv in c.row.levels], "sp": [lv.sp for lv in c.row.levels],
+                   "gpu_days": c.row.gpu_days, "origin": c.row.origin,
+                   "sp_trials": [lv.to_dict()["sp_trials"] for lv in c.row.levels]} for c in (*sets, *extra))
+    return HBPPlanResult(rows=rows, model=model, schedule=best.schedule, tried=tried,
+                         single=replace(single, row=rows[2]))

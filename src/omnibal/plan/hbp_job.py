@@ -1,0 +1,128 @@
+"""``omnibal plan --hbp`` as a library call: the plan job's model, cluster and data planned with HBP
+(:mod:`omnibal.plan.hbp`), the plain ``omnibal plan`` packing as one more single-level candidate, and the
+bound on what HBP can gain (:mod:`omnibal.plan.hbp_bound`).
+
+The plain candidate is the plan job itself (:func:`omnibal.plan.job.run_plan_job` on the same job and data:
+the balancer's own caps, SP 1, its partition search and adaptive recompute), re-simulated here with the plan's
+partition and recompute mask. It is tried only when every sample fits one rank (SP 1), and kept only when
+the job balanced the same rows (the HBP levels see the statistics as given; the job converts them to the
+model's convention first, ``omnibal.sim.predict.model_stats``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from omnibal.errors import InputError
+from omnibal.plan.hbp import (
+    Candidate,
+    HBPContext,
+    HBPPlanConfig,
+    HBPPlanResult,
+    level_cost_model,
+    plan_hbp,
+    simulate_levels,
+)
+from omnibal.plan.hbp_bound import hbp_bound
+
+PLAIN = "omnibal plan"
+"""Name of the plain plan's row (and its ``origin`` when it is the single level)."""
+
+
+def hbp_context(config, *, num_samples: int, balanced_samples: int, cost=None) -> HBPContext:
+    """The :class:`HBPContext` of an ``omnibal plan`` job (:class:`omnibal.plan.job.PlanJobConfig`)."""
+    from omnibal.plan.job_phases import model_phase  # the job's cost table, hardware, simulator and stages
+
+    config.validate()
+    model = model_phase(config)
+    return HBPContext(table=model.table, spec=model.spec, hardware=model.hw, stage_config=model.stage_config,
+                      sim_config=model.sim_config,
+                      epoch_scale=num_samples / balanced_samples, seed=config.seed, cost=cost)
+
+
+def plain_candidate(config, ctx: HBPContext, hbp: HBPPlanConfig, stats, balanced) -> Candidate:
+    """The plain ``omnibal plan`` of ``config`` on ``stats`` (all rows; the job subsamples them as
+    ``balanced``) as a single-level candidate: its schedule, partition and recompute mask, simulated here.
+    InputError when the job fails or balanced other rows than ``balanced``."""
+    from omnibal.plan.job import run_plan_job
+
+    job = run_plan_job(config, stats=stats)
+    if job.stats.fingerprint() != balanced.fingerprint():
+        raise InputError("the plan job balanced other statistics (converted to the model's convention)",
+                         source=stats.source, field="convention")
+    final = job.ablation[-1]
+    parts, mask = job.row_plans[final.name]
+    sched = job.balanced_schedule
+    feats = job.features["packed" if "packed" in job.features else "balanced"]
+    samples = len(balanced) - len(sched.dropped)
+    row = simulate_levels(ctx, hbp, [(1, feats, samples)], [sched.caps.tokens], name=PLAIN, parts=parts,
+                          masks=[mask], dropped=len(sched.dropped), origin=PLAIN)
+    return Candidate(row=row, schedule=sched, level_feats=((1, feats, samples),))
+
+
+def run_hbp_job(config, hbp: HBPPlanConfig, stats, *, plain: bool = True, bound: bool = True) -> HBPPlanResult:
+    """``omnibal plan --hbp``: the job's model and cluster, ``stats`` subsampled as the job does; with
+    ``plain`` the plain plan as a single-level candidate (when SP 1 holds every sample), with ``bound`` the
+    bound on HBP's gain."""
+    full = stats
+    if config.balance_samples is not None and config.balance_samples < len(full):
+        rows = np.sort(np.random.default_rng(config.seed).choice(len(full), config.balance_samples, replace=False))
+        stats = full.take(rows)
+    ctx = hbp_context(config, num_samples=len(full), balanced_samples=len(stats))
+    tiles_per_token = float(stats.tiles.sum()) / max(float(stats.tokens.sum()), 1.0)
+    model = level_cost_model(ctx, hbp, tiles_per_token)
+    extra, notes, cache = (), [], {}
+    if plain and int(stats.tokens.max()) > model.max_tokens_per_rank:
+        notes.append(f"{PLAIN} (SP 1) not tried: the longest sample has {int(stats.tokens.max()):,} tokens, one "
+                     f"rank holds {model.max_tokens_per_rank:,}")
+    elif plain:
+        try:
+            extra = (plain_candidate(config, ctx, hbp, full, stats),)
+        except InputError as exc:
+            notes.append(f"{PLAIN} (SP 1) not tried: {exc}")
+    result = plan_hbp(ctx, hbp, stats, model=model, extra=extra, cache=cache)
+    if bound:
+        result = replace(result, bound=hbp_bound(ctx, hbp, stats, result, cache=cache))
+    return replace(result, notes=tuple(notes))
+
+
+def _hours(seconds: float) -> str:
+    return f"{seconds / 3600:.2f}"
+
+
+def hbp_markdown(result: HBPPlanResult) -> str:
+    """Per-level table of the HBP plan, the comparison rows, the SP degrees tried and the bound."""
+    lines = ["| level | pack length | SP | steps | samples | checkpointed layers | all-to-all share | time (h) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for i, lv in enumerate(result.row("hbp").levels):
+        lines.append(f"| {i} | {lv.length:,} | {lv.sp} | {lv.steps:,} | {lv.samples:,} | {lv.checkpointed} | "
+                     f"{lv.a2a_share:.1%} | {_hours(lv.time_s)} |")
+    lines += ["", "| packing | levels (length x SP) | GPU days | vs single level | OOM steps |",
+              "|---|---|---|---|---|"]
+    single = result.row("single level").gpu_days
+    for row in result.rows:
+        desc = ", ".join(f"{lv.length:,} x {lv.sp}" for lv in row.levels)
+        origin = f" ({row.origin})" if row.origin != "levels" and row.name != row.origin else ""
+        lines.append(f"| {row.name}{origin} | {desc} | {row.gpu_days:.1f} | {single / row.gpu_days:.2f}x | "
+                     f"{row.oom_steps} |")
+    trials = sp_trials_lines(result)
+    if trials:
+        lines += ["", "SP degree per level, chosen by the simulator (degree: simulated hours of the level, the other "
+                  "levels fixed; * = kept):", "", *trials]
+    if result.bound is not None:
+        lines += ["", *result.bound.lines()]
+    lines += [f"note: {n}" for n in result.notes]
+    return "\n".join(lines)
+
+
+def sp_trials_lines(result: HBPPlanResult) -> list[str]:
+    """One line per level whose SP degree the simulator searched, for every level set compared."""
+    out = []
+    for t in result.tried:
+        for length, sp, trials in zip(t["lengths"], t["sp"], t["sp_trials"]):
+            if trials:
+                tried = ", ".join(f"{d}{'*' if d == sp else ''}: {_hours(s)}" for d, s in trials)
+                out.append(f"- levels {'/'.join(f'{n:,}' for n in t['lengths'])}, level {length:,}: {tried}")
+    return out
