@@ -100,9 +100,6 @@ def test_pad_on_a_mixture_of_a_three_tile_and_a_five_tile_subset(dp_size):
     assert_exactly_once(sched)
 
 
-@pytest.mark.xfail(strict=True, reason="open (issue 17): on the refitted 4-tile synthetic default the cap search, "
-                   "which scores candidates by dealing a subsample without repair, picks 13 tiles over 12 at dp 8 "
-                   "(tile pad 0.085; the full packer at 12 gives 0.016)")
 def test_token_buffer_comes_from_the_body_on_the_synthetic_default():
     """The synthetic default has a tail of long one-tile samples; once it set Q_t (a 21-24% token pad)."""
     stats = synthetic_internvl_mixture(20_000, seed=0)
