@@ -160,6 +160,22 @@ def test_pad_floor_counts_the_big_samples_a_pack_can_hold():
     assert floor.tiles == pytest.approx(1 - 4100 * 5 / (1000 * 25))
 
 
+def test_pad_floor_counts_the_room_the_dominant_size_leaves(shared_stats_dir):
+    """chartqa (16,628 five-tile, 1,096 three-tile, 14 four-tile, 579 one-tile samples) at 33 steps of 128:
+    V/P = 20.6, but a 21- or 22-tile cap leaves a pack of four five-tile samples room for ones only; the
+    packs are 4 x 4,224 - 16,628 = 268 five-tile samples short of four each, and each one short makes room
+    for at most two threes or fours (1,110 exist): at least 23 tiles. Over the window the best is 2.8%
+    (35 steps at 20 tiles, or 28 at 25), and the packer measures exactly that."""
+    stats = real_stats(str(shared_stats_dir), "chartqa")
+    floor = pad_floor(stats.tiles, stats.tokens, slots_per_step=128)
+    total = float(stats.tiles.sum())
+    assert floor.tiles == pytest.approx(1 - total / (35 * 128 * 20))  # = 1 - V / (28 x 128 x 25)
+    assert floor.tiles > 0.028
+    m = schedule_metrics(balance(stats, dp_size=128), stats)
+    assert m["buffer_pad_tiles"] == pytest.approx(floor.tiles, abs=1e-9)
+    assert pad_floor(stats.tiles, stats.tokens, slots_per_step=128, samples_tolerance=0.4).tiles < 0.015
+
+
 @pytest.mark.parametrize("which", ["ai2d", "chartqa", "merged"])
 def test_measured_pads_are_not_below_the_floor(shared_stats_dir, which):
     stats = real_stats(str(shared_stats_dir), which)
@@ -169,7 +185,8 @@ def test_measured_pads_are_not_below_the_floor(shared_stats_dir, which):
         floor = pad_floor(stats.tiles, stats.tokens, slots_per_step=dp)
         # the bound holds per pack count, so the larger pad is at least the floor's larger one
         assert max(m["buffer_pad_tiles"], m["buffer_pad_tokens"]) >= max(floor.tiles, floor.tokens) - 1e-9
-        assert floor.tiles <= 0.02 and floor.tokens <= 0.02  # the real subsets allow pads under 0.02
+        if (which, dp) != ("chartqa", 128):  # the one case whose floor is 0.028 (test above)
+            assert floor.tiles <= 0.02 and floor.tokens <= 0.02
 
 
 def _balance_imports() -> dict[str, set[str]]:

@@ -174,10 +174,40 @@ class PadFloor:
     """The same for tokens, ``Q_t`` rounded up to the token multiple."""
 
 
-def _least_cap(sorted_asc: np.ndarray, total: float, packs: int, multiple: int) -> int:
+def _room_for_the_rest(sorted_asc: np.ndarray, cap: int, num_packs: int) -> bool:
+    """Necessary condition on integer sizes dominated by one largest size ``b`` (chartqa: 91% five-tile
+    samples): a pack holds at most ``k = cap // b`` of them, leaving room ``r = cap - k b``; samples bigger
+    than ``r`` (but under ``b``) only fit in packs with ``d >= 1`` fewer, whose room ``r + d b`` holds at
+    most ``(r + d b) // s`` of them (``s`` the smallest such size). The packs' missing ``b``-samples sum to
+    ``D = k P - n_b``, so at most ``D max_d ((r + d b) // s) / d`` such samples fit."""
+    b = float(sorted_asc[-1])
+    k = int(cap // b) if b > 0 else 0
+    if b <= 0:
+        return True
+    n_b = len(sorted_asc) - int(np.searchsorted(sorted_asc, b, side="left"))
+    deficit = k * num_packs - n_b
+    if deficit < 0:
+        return False
+    r = cap - k * b
+    lo, hi = int(np.searchsorted(sorted_asc, r, side="right")), len(sorted_asc) - n_b
+    if hi <= lo:
+        return True
+    s = float(sorted_asc[lo])
+    ratio = max(((r + d * b) // s) / d for d in range(1, k + 1))
+    return hi - lo <= deficit * ratio
+
+
+def _least_cap(sorted_asc: np.ndarray, total: float, packs: int, multiple: int, *, tiles: bool) -> int:
     """The smallest cap (a multiple of ``multiple``) that holds the mean pack and the largest sample and
-    passes ``_feasible`` for ``packs`` packs (feasibility only grows with the cap: bisection)."""
+    passes ``_feasible`` for ``packs`` packs (feasibility only grows with the cap: bisection); for tiles
+    (small integer caps) also ``_room_for_the_rest``, cap by cap upwards (that condition is not monotone
+    in the cap)."""
     lo = _round_up(max(total / packs, float(sorted_asc[-1])), multiple)
+    if tiles:
+        cap = lo
+        while not (_feasible(sorted_asc, cap, packs) and _room_for_the_rest(sorted_asc, cap, packs)):
+            cap += 1
+        return cap
     if _feasible(sorted_asc, lo, packs):
         return lo
     hi = max(lo, _round_up(float(sorted_asc[-1]) * 5, multiple))  # 5 x the largest: passes every k <= 4
@@ -208,8 +238,9 @@ def pad_floor(tiles, tokens, *, slots_per_step: int, target_samples: float = 4.5
         if best is not None and quick[k] >= max(best.tiles, best.tokens):
             break
         p = int(packs[k])
-        f_v = 1 - model.total_v / (p * max(_least_cap(model.v_asc, model.total_v, p, 1), 1))
-        f_t = 1 - model.total_t / (p * _least_cap(model.t_asc, model.total_t, p, token_multiple))
+        f_v = 1 - model.total_v / (p * max(_least_cap(model.v_asc, model.total_v, p, 1, tiles=True), 1))
+        f_t = 1 - model.total_t / (p * _least_cap(model.t_asc, model.total_t, p, token_multiple,
+                                                             tiles=False))
         if best is None or max(f_v, f_t) < max(best.tiles, best.tokens):
             best = PadFloor(num_steps=int(steps[k]), samples_per_microbatch=model.n / p, tiles=f_v, tokens=f_t)
     return best
