@@ -18,9 +18,10 @@ against the trial's Q_t (the tail rule deals with outlier packs, so they must no
 subsample gets as many packs as keep the full set's mean tiles per pack (whether a cap is reachable turns
 on that mean being just under an integer).
 
-``pad_floor`` is the proof of what no packer can beat: over the pack counts the tolerance allows, Q_v is at
-least ``ceil(V/P)`` and Q_t at least the mean pack and the largest sample, so the pads are at least
-``1 - V/(P ceil(V/P))`` and ``1 - T/(P max(T/P, t_max))``.
+``pad_floor`` is the proof of what no packer can beat: for each pack count the tolerance allows, a cap is at
+least the mean pack and the largest sample (``ceil(V/P)``, ``max(T/P, t_max)``) and the least value that
+passes the necessary conditions (the one above, and for tiles the room the dominant size leaves:
+``_room_for_the_rest``), so each pad is at least ``1 - total / (P cap)``.
 
 Fixed caps (``max_tiles``/``max_tokens``, a memory budget) instead give the smallest pack count whose mean
 load leaves the packer ``token_slack`` of room (or, when none does, the smallest that passes the
@@ -160,18 +161,20 @@ def _free_cap_steps(model: _CapModel, target_samples: float, samples_tolerance: 
 
 @dataclass(frozen=True, kw_only=True)
 class PadFloor:
-    """The lowest pads any packing can reach with derived caps within the samples tolerance (a bound,
-    not a prediction): at the pack count where the larger of the two bounds is lowest."""
+    """The lowest pads any packing can reach with derived caps within the samples tolerance: bounds, not
+    predictions. Per pack count ``P`` the caps are at least the least ones that hold the mean pack and the
+    largest sample and pass the necessary conditions, so each pad is at least ``1 - total / (P cap)``."""
 
-    num_steps: int
-    """The step count (of the tolerance window) with the lowest bound."""
-    samples_per_microbatch: float
-    """Mean samples per micro-batch at that count."""
     tiles: float
-    """``1 - V / (P Q_v)`` with ``Q_v`` the smallest cap that holds the mean pack, the largest sample and
-    passes the necessary condition (a pack of Q_v holds at most k samples larger than Q_v/(k+1))."""
+    """The lowest tile pad of any pack count in the window."""
     tokens: float
-    """The same for tokens, ``Q_t`` rounded up to the token multiple."""
+    """The lowest token pad of any pack count in the window (Q_t a multiple of the token multiple)."""
+    larger: float
+    """The lowest over the window of the larger of the two (both pads cannot be lower at once)."""
+    num_steps: int
+    """The step count where ``larger`` is reached."""
+    samples_per_microbatch: float
+    """Mean samples per micro-batch at ``num_steps``."""
 
 
 def _room_for_the_rest(sorted_asc: np.ndarray, cap: int, num_packs: int) -> bool:
@@ -222,28 +225,39 @@ def pad_floor(tiles, tokens, *, slots_per_step: int, target_samples: float = 4.5
               token_multiple: int = 8) -> PadFloor:
     """What no packer can beat within ``samples_tolerance`` of ``target_samples`` (see the module docstring):
     e.g. where the largest sample forces the token cap above every mean pack the window allows, or where
-    too many big samples force the tile cap up (chartqa: 91% five-tile samples)."""
+    the room the dominant tile size leaves forces the tile cap up (chartqa: 91% five-tile samples)."""
     model = _CapModel(tiles, tokens, slots_per_step=slots_per_step, max_tiles=None, max_tokens=None,
                       token_slack=0.0, tile_slack=0.0, token_multiple=token_multiple)
     lo_s, hi_s = _window(model, target_samples, samples_tolerance)
     steps = np.arange(lo_s, hi_s + 1)
     packs = steps * slots_per_step
-    # the closed-form bound (mean pack and largest sample) orders the counts; the exact least caps, which
-    # can only be higher, are computed until no remaining count's closed form can beat the best found
+    # closed forms (mean pack, largest sample) order the counts; the least caps, which can only be higher,
+    # are computed until no remaining count's closed form can beat the best found (each count at most once)
     q_v = np.maximum(np.ceil(model.total_v / packs - 1e-9), model.v_asc[-1])
     q_t = np.ceil(np.maximum(model.total_t / packs, model.t_asc[-1]) / token_multiple - 1e-9) * token_multiple
-    quick = np.maximum(1 - model.total_v / (packs * np.maximum(q_v, 1)), 1 - model.total_t / (packs * q_t))
-    best = None
-    for k in np.argsort(quick, kind="stable"):
-        if best is not None and quick[k] >= max(best.tiles, best.tokens):
-            break
-        p = int(packs[k])
-        f_v = 1 - model.total_v / (p * max(_least_cap(model.v_asc, model.total_v, p, 1, tiles=True), 1))
-        f_t = 1 - model.total_t / (p * _least_cap(model.t_asc, model.total_t, p, token_multiple,
-                                                             tiles=False))
-        if best is None or max(f_v, f_t) < max(best.tiles, best.tokens):
-            best = PadFloor(num_steps=int(steps[k]), samples_per_microbatch=model.n / p, tiles=f_v, tokens=f_t)
-    return best
+    quick = np.stack([1 - model.total_v / (packs * np.maximum(q_v, 1)), 1 - model.total_t / (packs * q_t)], 1)
+    exact: dict[int, tuple[float, float]] = {}
+
+    def pads(k: int) -> tuple[float, float]:
+        if k not in exact:
+            p = int(packs[k])
+            cap_v = max(_least_cap(model.v_asc, model.total_v, p, 1, tiles=True), 1)
+            cap_t = _least_cap(model.t_asc, model.total_t, p, token_multiple, tiles=False)
+            exact[k] = (1 - model.total_v / (p * cap_v), 1 - model.total_t / (p * cap_t))
+        return exact[k]
+
+    def lowest(key) -> tuple[float, int]:
+        best, at = np.inf, 0
+        for k in np.argsort(key(quick), kind="stable"):
+            if key(quick[k]) >= best:
+                break
+            value = key(np.asarray(pads(int(k))))
+            best, at = (value, int(k)) if value < best else (best, at)
+        return float(best), at
+
+    larger, at = lowest(lambda x: np.max(x, axis=-1))
+    return PadFloor(tiles=lowest(lambda x: x[..., 0])[0], tokens=lowest(lambda x: x[..., 1])[0], larger=larger,
+                    num_steps=int(steps[at]), samples_per_microbatch=model.n / int(packs[at]))
 
 
 def _trials(model: _CapModel, ranked: list[int]) -> list[tuple[int, int, int]]:
