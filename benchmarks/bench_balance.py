@@ -299,8 +299,8 @@ def _md_pads(table: list[dict]) -> list[str]:
              "over caps", "exactly once", "CPU s"]
     note = ("mixture-3/5: two synthetic subsets, wide charts (mostly 3 tiles) and square documents (mostly 5), "
             "half and half; synthetic: the default InternVL-like mixture at the merged stats' size. Floors: "
-            "`pad_floor`, the lowest pads any packing reaches within the samples tolerance (at the pack count "
-            "where the larger bound is lowest). A case over 0.02 at tolerance 0.15 is run again at 0.4.")
+            "`pad_floor`, each pad's lowest bound over the pack counts the samples tolerance allows (no packing "
+            "pads less). A case over 0.02 at tolerance 0.15 is run again at 0.4.")
     return ["", "## omnibal's derived buffer: pads and balance (max/mean across ranks and micro-batches)", "",
             note, ""] + _md_table(heads, [[row[c] for c in cols] for row in table])
 
