@@ -184,9 +184,9 @@ def _room_for_the_rest(sorted_asc: np.ndarray, cap: int, num_packs: int) -> bool
     most ``(r + d b) // s`` of them (``s`` the smallest such size). The packs' missing ``b``-samples sum to
     ``D = k P - n_b``, so at most ``D max_d ((r + d b) // s) / d`` such samples fit."""
     b = float(sorted_asc[-1])
-    k = int(cap // b) if b > 0 else 0
     if b <= 0:
         return True
+    k = int(cap // b)
     n_b = len(sorted_asc) - int(np.searchsorted(sorted_asc, b, side="left"))
     deficit = k * num_packs - n_b
     if deficit < 0:
