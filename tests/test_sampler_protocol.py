@@ -282,8 +282,10 @@ def test_state_records_the_caps_and_other_caps_are_refused():
 def test_reshard_accepts_the_other_worlds_caps_and_keeps_its_own():
     stats = random_stats(900, seed=5)
     old = make(stats, rank=0, dp=4, m=1)
-    new = make(stats, rank=0, dp=3, m=2)
-    assert old.caps != new.caps  # 4 vs 6 micro-batches per step: other pack counts, other caps
+    new = make(stats, rank=0, dp=5, m=1)
+    # 4 vs 5 micro-batches per step: other pack counts, other caps (3 x 2 gives the same 27/8352 since the
+    # cap search's window is samples_tolerance wide)
+    assert old.caps != new.caps
     take(old, 4)
     with pytest.raises(InputError) as err:
         new.load_state_dict(old.state_dict())

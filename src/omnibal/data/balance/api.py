@@ -31,6 +31,11 @@ class BalanceConfig:
     fixed micro-batches of ``batch_size``), ``length-grouped`` (LLaVA's length-grouped sampler)."""
     target_samples: float = 4.5
     """Mean samples per micro-batch the cap search aims at (the paper's setting is 4-5)."""
+    samples_tolerance: float = 0.15
+    """How far (relative) the mean samples per micro-batch may move from ``target_samples`` when the cap
+    search looks for a pack count with a low pad (0.15: 3.825-5.175 for 4.5). Wider lets the token buffer
+    fill where the largest sample sets it (a tail of long samples); narrower keeps the packs the target's
+    size. Ignored with fixed caps."""
     max_tiles: int | None = None
     """Fixed Q_v (tiles per micro-batch); None: chosen by the cap search."""
     max_tokens: int | None = None
@@ -76,6 +81,9 @@ class BalanceConfig:
                 and self.target_samples > 0):
             raise InputError(f"must be a finite number > 0, got {self.target_samples}", source="target_samples",
                              field="target_samples")
+        if not (isinstance(self.samples_tolerance, (int, float)) and 0 <= self.samples_tolerance < 1):
+            raise InputError(f"must be a number in [0, 1), got {self.samples_tolerance!r}",
+                             source="samples_tolerance", field="samples_tolerance")
         if self.batch_size < 1:
             raise InputError(f"must be >= 1, got {self.batch_size}", source="batch_size", field="batch_size")
         if not 0 <= self.token_slack < 0.5:
@@ -158,7 +166,8 @@ def _pack_regular(stats, regular, pack_of, *, per_step, max_total, num_alone, co
     tiles, tokens = stats.tiles[regular], stats.tokens[regular]
     _, llm = config.cost.sample_costs(tiles, tokens)
     choice = choose_caps(tiles, tokens, slots_per_step=per_step, target_samples=config.target_samples,
-                         max_tiles=config.max_tiles, max_tokens=config.max_tokens, token_slack=config.token_slack,
+                         samples_tolerance=config.samples_tolerance, max_tiles=config.max_tiles,
+                         max_tokens=config.max_tokens, token_slack=config.token_slack,
                          token_multiple=config.token_multiple, rng=rng, num_steps=config.num_steps)
     # with the own packs, a whole number of steps
     num_packs = min(-(-(choice.num_packs + num_alone) // per_step) * per_step, max_total) - num_alone

@@ -1,19 +1,27 @@
 """Cap search: choose the number of packs and the (Q_v, Q_t) buffer.
 
 The number of packs is a multiple of ``dp_size * num_microbatches`` (so every rank gets the same number of
-steps and micro-batches, with no pack left over), chosen among the counts that give a mean of
-``target_samples`` samples per micro-batch (-max(0.6, 15%) / +max(0.5, 10%): 3.9-5 for the default) by
-the lowest predicted padding:
+steps and micro-batches, with no pack left over), chosen among the counts whose mean samples per
+micro-batch is within ``samples_tolerance`` (relative, default 15%: 3.825-5.175 for the default 4.5) of
+``target_samples`` by the lowest predicted padding:
 
 * tile pad: ``1 - (V/P) / Q_v`` with ``Q_v = ceil(V/P / (1 - tile_slack))``: the packer needs a little room
   (``tile_slack``) to fill tiles and tokens at once, and V/P lands just under an integer for some counts;
 * feasibility: a pack of Q_v tiles holds at most ``k`` samples larger than ``Q_v/(k+1)`` tiles, so counts
   whose cap cannot hold the big samples are skipped (the same for tokens).
 
-The few best-predicted counts (with Q_v and Q_v + 1) are then tried by dealing a 16k-sample subsample and
-measuring the padding: with odd tile counts (1, 3, 5 tiles) a pack of 4 samples cannot reach an odd cap,
-which no closed formula here predicts. The subsample gets as many packs as keep the full set's mean tiles per
-pack (whether a cap is reachable turns on that mean being just under an integer).
+The few best-predicted counts (with Q_v and Q_v + 1) are then tried by dealing a 16k-sample subsample,
+running the packer's tile repair on it, and measuring the tile padding: with odd tile counts (1, 3, 5 tiles) a
+pack of 4 samples cannot reach an odd cap, which no closed formula here predicts, and the dealt packs alone
+misjudge it (the repair reaches caps the dealing misses). The token padding is judged from the mean pack
+against the trial's Q_t (the tail rule deals with outlier packs, so they must not set the score). The
+subsample gets as many packs as keep the full set's mean tiles per pack (whether a cap is reachable turns
+on that mean being just under an integer).
+
+``pad_floor`` is the proof of what no packer can beat: for each pack count the tolerance allows, a cap is at
+least the mean pack and the largest sample (``ceil(V/P)``, ``max(T/P, t_max)``) and the least value that
+passes the necessary conditions (the one above, and for tiles the room the dominant size leaves:
+``_room_for_the_rest``), so each pad is at least ``1 - total / (P cap)``.
 
 Fixed caps (``max_tiles``/``max_tokens``, a memory budget) instead give the smallest pack count whose mean
 load leaves the packer ``token_slack`` of room (or, when none does, the smallest that passes the
@@ -28,6 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from omnibal.data.balance.exchange import Packs, Targets, repair_tiles
 from omnibal.data.balance.packer import _deal
 from omnibal.errors import InputError
 
@@ -128,21 +137,127 @@ def _fixed_cap_steps(model: _CapModel, num_steps: int | None) -> list[int]:
     return [steps] + [s for s in range(steps + 1, min(model.max_steps, steps + 3) + 1) if model.ok(s)]
 
 
-def _free_cap_steps(model: _CapModel, target_samples: float) -> list[int]:
-    """Step counts whose mean pack holds target_samples -max(0.6, 15%) / +max(0.5, 10%) samples (3.9-5
-    for the default: a little more room below, where a mean tile count just under an integer may be)."""
+def _window(model: _CapModel, target_samples: float, samples_tolerance: float) -> tuple[int, int]:
+    """The step counts whose mean samples per micro-batch is within ``samples_tolerance`` of the target."""
     if target_samples <= 0:
         raise InputError(f"must be > 0, got {target_samples}", source="target_samples", field="target_samples")
     n, per_step = model.n, model.slots_per_step
-    centre = n / (target_samples * per_step)
-    half_low, half_high = max(0.6, 0.15 * target_samples), max(0.5, 0.1 * target_samples)
-    lo_s = max(1, int(math.ceil(n / ((target_samples + half_high) * per_step))))
-    hi_s = max(lo_s, min(model.max_steps, int(math.floor(n / (max(target_samples - half_low, 0.5) * per_step)))))
+    lo_s = max(1, int(math.ceil(n / (target_samples * (1 + samples_tolerance) * per_step) - 1e-9)))
+    hi_s = int(math.floor(n / (max(target_samples * (1 - samples_tolerance), 0.5) * per_step) + 1e-9))
+    return lo_s, max(lo_s, min(model.max_steps, hi_s))
+
+
+def _free_cap_steps(model: _CapModel, target_samples: float, samples_tolerance: float) -> list[int]:
+    """Step counts whose mean pack holds target_samples x (1 +- samples_tolerance) samples and that pass
+    the necessary conditions; when none does, the feasible counts nearest the target."""
+    lo_s, hi_s = _window(model, target_samples, samples_tolerance)
+    centre = model.n / (target_samples * model.slots_per_step)
     candidates = [s for s in range(lo_s, hi_s + 1) if model.ok(s)]
     if not candidates:  # widen: any count that is feasible, nearest the target first
         candidates = sorted((s for s in range(1, model.max_steps + 1) if model.ok(s)),
                             key=lambda s: abs(s - centre))[:8]
     return candidates or [max(1, min(model.max_steps, round(centre)))]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PadFloor:
+    """The lowest pads any packing can reach with derived caps within the samples tolerance: bounds, not
+    predictions. Per pack count ``P`` the caps are at least the least ones that hold the mean pack and the
+    largest sample and pass the necessary conditions, so each pad is at least ``1 - total / (P cap)``."""
+
+    tiles: float
+    """The lowest tile pad of any pack count in the window."""
+    tokens: float
+    """The lowest token pad of any pack count in the window (Q_t a multiple of the token multiple)."""
+    larger: float
+    """The lowest over the window of the larger of the two (both pads cannot be lower at once)."""
+    num_steps: int
+    """The step count where ``larger`` is reached."""
+    samples_per_microbatch: float
+    """Mean samples per micro-batch at ``num_steps``."""
+
+
+def _room_for_the_rest(sorted_asc: np.ndarray, cap: int, num_packs: int) -> bool:
+    """Necessary condition on integer sizes dominated by one largest size ``b`` (chartqa: 91% five-tile
+    samples): a pack holds at most ``k = cap // b`` of them, leaving room ``r = cap - k b``; samples bigger
+    than ``r`` (but under ``b``) only fit in packs with ``d >= 1`` fewer, whose room ``r + d b`` holds at
+    most ``(r + d b) // s`` of them (``s`` the smallest such size). The packs' missing ``b``-samples sum to
+    ``D = k P - n_b``, so at most ``D max_d ((r + d b) // s) / d`` such samples fit."""
+    b = float(sorted_asc[-1])
+    if b <= 0:
+        return True
+    k = int(cap // b)
+    n_b = len(sorted_asc) - int(np.searchsorted(sorted_asc, b, side="left"))
+    deficit = k * num_packs - n_b
+    if deficit < 0:
+        return False
+    r = cap - k * b
+    lo, hi = int(np.searchsorted(sorted_asc, r, side="right")), len(sorted_asc) - n_b
+    if hi <= lo:
+        return True
+    s = float(sorted_asc[lo])
+    ratio = max(((r + d * b) // s) / d for d in range(1, k + 1))
+    return hi - lo <= deficit * ratio
+
+
+def _least_cap(sorted_asc: np.ndarray, total: float, packs: int, multiple: int, *, tiles: bool) -> int:
+    """The smallest cap (a multiple of ``multiple``) that holds the mean pack and the largest sample and
+    passes ``_feasible`` for ``packs`` packs (feasibility only grows with the cap: bisection); for tiles
+    (small integer caps) also ``_room_for_the_rest``, cap by cap upwards (that condition is not monotone
+    in the cap)."""
+    lo = _round_up(max(total / packs, float(sorted_asc[-1])), multiple)
+    if tiles:
+        cap = lo
+        while not (_feasible(sorted_asc, cap, packs) and _room_for_the_rest(sorted_asc, cap, packs)):
+            cap += 1
+        return cap
+    if _feasible(sorted_asc, lo, packs):
+        return lo
+    hi = max(lo, _round_up(float(sorted_asc[-1]) * 5, multiple))  # 5 x the largest: passes every k <= 4
+    while hi - lo > multiple:
+        mid = _round_up((lo + hi) / 2, multiple)
+        mid = mid if mid < hi else hi - multiple
+        lo, hi = (lo, mid) if _feasible(sorted_asc, mid, packs) else (mid, hi)
+    return hi
+
+
+def pad_floor(tiles, tokens, *, slots_per_step: int, target_samples: float = 4.5, samples_tolerance: float = 0.15,
+              token_multiple: int = 8) -> PadFloor:
+    """What no packer can beat within ``samples_tolerance`` of ``target_samples`` (see the module docstring):
+    e.g. where the largest sample forces the token cap above every mean pack the window allows, or where
+    the room the dominant tile size leaves forces the tile cap up (chartqa: 91% five-tile samples)."""
+    model = _CapModel(tiles, tokens, slots_per_step=slots_per_step, max_tiles=None, max_tokens=None,
+                      token_slack=0.0, tile_slack=0.0, token_multiple=token_multiple)
+    lo_s, hi_s = _window(model, target_samples, samples_tolerance)
+    steps = np.arange(lo_s, hi_s + 1)
+    packs = steps * slots_per_step
+    # closed forms (mean pack, largest sample) order the counts; the least caps, which can only be higher,
+    # are computed until no remaining count's closed form can beat the best found (each count at most once)
+    q_v = np.maximum(np.ceil(model.total_v / packs - 1e-9), model.v_asc[-1])
+    q_t = np.ceil(np.maximum(model.total_t / packs, model.t_asc[-1]) / token_multiple - 1e-9) * token_multiple
+    quick = np.stack([1 - model.total_v / (packs * np.maximum(q_v, 1)), 1 - model.total_t / (packs * q_t)], 1)
+    exact: dict[int, tuple[float, float]] = {}
+
+    def pads(k: int) -> tuple[float, float]:
+        if k not in exact:
+            p = int(packs[k])
+            cap_v = max(_least_cap(model.v_asc, model.total_v, p, 1, tiles=True), 1)
+            cap_t = _least_cap(model.t_asc, model.total_t, p, token_multiple, tiles=False)
+            exact[k] = (1 - model.total_v / (p * cap_v), 1 - model.total_t / (p * cap_t))
+        return exact[k]
+
+    def lowest(key) -> tuple[float, int]:
+        best, at = np.inf, 0
+        for k in np.argsort(key(quick), kind="stable"):
+            if key(quick[k]) >= best:
+                break
+            value = key(np.asarray(pads(int(k))))
+            best, at = (value, int(k)) if value < best else (best, at)
+        return float(best), at
+
+    larger, at = lowest(lambda x: np.max(x, axis=-1))
+    return PadFloor(tiles=lowest(lambda x: x[..., 0])[0], tokens=lowest(lambda x: x[..., 1])[0], larger=larger,
+                    num_steps=int(steps[at]), samples_per_microbatch=model.n / int(packs[at]))
 
 
 def _trials(model: _CapModel, ranked: list[int]) -> list[tuple[int, int, int]]:
@@ -163,6 +278,7 @@ def choose_caps(
     *,
     slots_per_step: int,
     target_samples: float = 4.5,
+    samples_tolerance: float = 0.15,
     max_tiles: int | None = None,
     max_tokens: int | None = None,
     token_slack: float = 0.015,
@@ -180,7 +296,7 @@ def choose_caps(
     model = _CapModel(tiles, tokens, slots_per_step=slots_per_step, max_tiles=max_tiles, max_tokens=max_tokens,
                       token_slack=token_slack, tile_slack=tile_slack, token_multiple=token_multiple)
     candidates = (_fixed_cap_steps(model, num_steps) if model.fixed
-                  else _free_cap_steps(model, target_samples))
+                  else _free_cap_steps(model, target_samples, samples_tolerance))
     ranked = sorted(candidates, key=lambda s: model.score(s, target_samples))[:max_trials]
     trials = _trials(model, ranked)
     if not trials:
@@ -194,9 +310,10 @@ def choose_caps(
 
 
 def _trial_pad(tiles, tokens, trial, slots_per_step, rng, target_samples, use_target, sub_size=16384) -> float:
-    """Measured padding of a trial (steps, Q_v, Q_t): deal a subsample into proportionally fewer packs
-    and read off how full both buffers are (tile counts are integers, so whether packs can be filled
-    exactly depends on which sizes the data has -- cheaper to measure than to predict)."""
+    """Measured padding of a trial (steps, Q_v, Q_t): deal a subsample into proportionally fewer packs, run
+    the packer's tile repair on them and read off the tile fill; the token fill is the mean pack's against
+    Q_t. Tile counts are integers, so whether packs can be filled exactly depends on which sizes the data
+    has -- cheaper to measure than to predict, and only the repaired packs show what the packer reaches."""
     steps, qv, qt = trial
     n = len(tiles)
     p = steps * slots_per_step
@@ -210,11 +327,12 @@ def _trial_pad(tiles, tokens, trial, slots_per_step, rng, target_samples, use_ta
         rows, p_sub = np.arange(n), p
     v = v_all[rows]
     t = np.asarray(tokens, np.float64)[rows]
-    slots = _deal(v, t, t, p_sub, qv, qt, np.random.default_rng(0))
-    pv = np.append(v, 0.0)[slots].sum(1)
-    pt = np.append(t, 0.0)[slots].sum(1)
-    # a few stragglers get repaired later; the bulk sets the buffer
-    cap_v = max(float(qv) if (pv > qv).mean() < 0.002 else pv.max(), 1.0)
-    cap_t = max(float(qt) if (pt > qt).mean() < 0.01 else np.percentile(pt, 99.5), 1.0)
+    trial_rng = np.random.default_rng(0)
+    packs = Packs(_deal(v, t, t, p_sub, qv, qt, trial_rng), v, t, t)
+    repair_tiles(packs, Targets.of(v, t, t, p_sub, qv, qt, None), trial_rng)
+    # a few stragglers go to the tail rule later; the bulk sets the buffer
+    cap_v = max(float(qv) if (packs.pv > qv).mean() < 0.002 else float(packs.pv.max()), 1.0)
+    # the mean pack, not the outliers: the tail rule keeps every pack under Q_t (or grows it by a little)
+    pad_t = 1 - float(t.sum()) / p_sub / max(float(qt), 1.0)
     off = abs(math.log(n / p / target_samples)) if use_target else 0.0
-    return (1 - pv.mean() / cap_v) + (1 - pt.mean() / cap_t) + 0.05 * off
+    return (1 - float(packs.pv.mean()) / cap_v) + pad_t + 0.05 * off
