@@ -60,6 +60,7 @@ def main() -> None:
              base, None),
             ("no pack-size search (8 micro-batches of ~4.5 samples)", replace(base, pack_search=no_pack), None),
             ("baseline split: even layer count", replace(base, baseline_partition="even"), None),
+            ("baseline sampler: random (a plain shuffle)", replace(base, baseline_sampler="random"), None),
             ("stack omnibal (bf16 gradients)", replace(base, stack="omnibal"), None),
             ("stack fsdp (FSDP2 under PP)", replace(base, stack="fsdp"), None),
             ("no memory limit (recompute-free bound)", replace(base, memory_budget_gib=1e6), None),
@@ -70,7 +71,8 @@ def main() -> None:
             ("DP 16 x PP 4 x TP 2", replace(base, dp_size=16, pp_size=4, tp_size=2, num_microbatches=16), None),
             ("pre-issue-17 default (12 tiles, even split, bf16 gradients, no pack search; "
              "InternViT activations as now)",
-             replace(base, baseline_partition="even", stack="omnibal", pack_search=no_pack), twelve),
+             replace(base, baseline_partition="even", baseline_sampler="random", stack="omnibal",
+                     pack_search=no_pack), twelve),
         ]
         if real is not None:
             variants.insert(1, ("real AI2D + ChartQA stats replicated to 1.2M", replace(base, stats_path=real), None))
