@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from omnibal.data.balance.exchange import Packs, Targets, _per_tile, repair_tiles
+from omnibal.data.balance.exchange import Packs, Targets, min_tokens_per_tile, repair_tiles
 from omnibal.data.balance.packer import _deal
 from omnibal.errors import InputError
 
@@ -97,7 +97,7 @@ class _CapModel:
         # text of every sample (tokens less the tiles' share), largest first: a pack holding text x takes
         # at most (Q_t - x) / tokens_per_tile tiles, which caps the tiles all packs together can hold
         v, t = np.asarray(tiles, np.float64), np.asarray(tokens, np.float64)
-        self.per_tile = _per_tile(v, t)
+        self.per_tile = min_tokens_per_tile(v, t)
         self.text_desc = np.sort(t - self.per_tile * v)[::-1] if np.isfinite(self.per_tile) else np.zeros(0)
 
     def caps_for(self, steps: int) -> tuple[int, int]:

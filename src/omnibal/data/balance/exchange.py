@@ -182,7 +182,7 @@ def _repair(packs: Packs, objective, deviation, rng, rounds: int, partners: int,
     return rounds
 
 
-def _per_tile(v, t) -> float:
+def min_tokens_per_tile(v, t) -> float:
     """The fewest tokens per tile of the multi-tile samples (1st percentile: a few odd rows do not set it);
     inf when there are none."""
     multi = v >= 2
@@ -233,7 +233,7 @@ class Targets:
                    mean_l=max(float(lc.sum()) / num_packs, 1e-300),
                    tile_lo=min(np.floor(mean_v + 1e-9), float(max_tiles)),
                    tile_top=min(np.ceil(mean_v - 1e-9), float(max_tiles)), tile_hi=float(max_tiles),
-                   max_tokens=float(max_tokens), llm_tol=llm_tol, hard=hard, tokens_per_tile=_per_tile(v, t))
+                   max_tokens=float(max_tokens), llm_tol=llm_tol, hard=hard, tokens_per_tile=min_tokens_per_tile(v, t))
 
     def tile_off(self, pv, pt):
         # under the range only by as many tiles as the pack's token room still holds
