@@ -99,6 +99,9 @@ class _CapModel:
         v, t = np.asarray(tiles, np.float64), np.asarray(tokens, np.float64)
         self.per_tile = min_tokens_per_tile(v, t)
         self.text_desc = np.sort(t - self.per_tile * v)[::-1] if np.isfinite(self.per_tile) else np.zeros(0)
+        # prefix sums of the heaviest texts: text_room is O(log N) per candidate count (thousands are tried)
+        self.text_prefix = np.concatenate([[0.0], np.cumsum(self.text_desc)])
+        self.text_neg_asc = -self.text_desc  # ascending, for searchsorted
 
     def caps_for(self, steps: int) -> tuple[int, int]:
         """(Q_v, Q_t) for ``steps``: the fixed caps, or the mean pack plus the slack (never under the
@@ -120,8 +123,9 @@ class _CapModel:
         (loss 0) is not constrained by it."""
         p = steps * self.slots_per_step
         q = min(float(qv), math.floor(qt / self.per_tile + 1e-9))
-        heavy = self.text_desc[: int(np.searchsorted(-self.text_desc, -(qt - q * self.per_tile), side="left"))]
-        lost = float(np.maximum(q - (qt - heavy) / self.per_tile, 0).sum())
+        # the k samples whose text leaves room for fewer than q tiles each lose q - (Q_t - x) / tpt (> 0)
+        k = int(np.searchsorted(self.text_neg_asc, -(qt - q * self.per_tile), side="left"))
+        lost = max(k * q - (k * qt - float(self.text_prefix[k])) / self.per_tile, 0.0)
         return (q * p - self.total_v - 2 * lost) / p
 
     def feasible(self, steps: int, qv: int, qt: int) -> bool:
