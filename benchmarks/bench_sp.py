@@ -233,6 +233,18 @@ def _without_sp(schedule):
     return replace(schedule, pack_ids=steps, levels=(0,) * len(steps), level_sp=(1,))
 
 
+def _repeat_spread(doc: dict) -> str:
+    """How far the repeats of one configuration were apart, as measured in this run."""
+    rows = [r for part in ("long_packs", "hbp_mixture") for r in doc[part]["rows"]
+            if len(r.get("repeats_samples_per_s", ())) > 1]
+    if not rows:
+        return "One repeat per configuration: no spread between repeats was measured."
+    worst = max(rows, key=lambda r: max(r["repeats_samples_per_s"]) / min(r["repeats_samples_per_s"]))
+    rates = worst["repeats_samples_per_s"]
+    return (f"Repeats of one configuration differed by up to {max(rates) / min(rates):.2f}x in samples/s "
+            f"({worst['config']}: {min(rates)} vs {max(rates)}).")
+
+
 def render(doc: dict) -> str:
     h = doc["host"]
     lines = ["# Sequence parallelism and HBP levels in the reference trainer (CPU)", "",
@@ -243,8 +255,7 @@ def render(doc: dict) -> str:
              "(all ranks' process CPU time) beside wall-clock samples/s; samples / compute-s counts only the "
              "ranks' forward + backward seconds (no optimizer, gradient all-reduce, data or metrics: the per-step "
              "costs that a schedule of more, smaller steps pays more often) -- wall seconds, so as load-sensitive "
-             "as samples/s. Repeats of one configuration differed by up to 5x in samples/s (sp1: 0.19 vs 1.01) as "
-             "the load moved between 2 and 15; samples / CPU-s by under 5%.", "",
+             f"as samples/s. {_repeat_spread(doc)}", "",
              f"## A. Long packs: SP 2 vs DP 2 ({doc['long_packs']['samples']} samples of "
              f"{doc['long_packs']['tokens_per_sample'][0]}-{doc['long_packs']['tokens_per_sample'][1]} tokens, "
              "2 per pack)", "", *table(doc["long_packs"]["rows"], "sp1"), "",
