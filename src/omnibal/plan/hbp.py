@@ -123,9 +123,13 @@ class HBPRow:
                 "gpu_days": self.gpu_days, "parts": list(self.parts), "oom_steps": self.oom_steps,
                 "dropped": self.dropped, "origin": self.origin}
 
+    @property
+    def rank(self) -> tuple[bool, float]:
+        """Order of preference: no step over memory first, then fewer GPU days."""
+        return self.oom_steps > 0, self.gpu_days
+
     def faster_than(self, other: HBPRow) -> bool:
-        """Fewer steps over memory, then fewer GPU days."""
-        return (self.oom_steps > 0, self.gpu_days) < (other.oom_steps > 0, other.gpu_days)
+        return self.rank < other.rank
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -221,6 +225,11 @@ def max_tokens_per_rank(table: LayerCostTable, stage_config: StageModelConfig, t
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return lo
+
+
+def stats_level_cost_model(ctx: HBPContext, hbp: HBPPlanConfig, stats) -> LevelCostModel:
+    """:func:`level_cost_model` at the tiles per LLM token of ``stats``."""
+    return level_cost_model(ctx, hbp, float(stats.tiles.sum()) / max(float(stats.tokens.sum()), 1.0))
 
 
 def level_cost_model(ctx: HBPContext, hbp: HBPPlanConfig, tiles_per_token: float) -> LevelCostModel:
@@ -425,15 +434,14 @@ def plan_hbp(ctx: HBPContext, hbp: HBPPlanConfig, stats, *, model: LevelCostMode
     fastest set. The single-level row is the fastest of the one-level set and the ``extra`` single levels
     (e.g. the plain ``omnibal plan`` packing), and HBP is the fastest of everything, so HBP is never
     predicted slower than the single level, nor the single level than an extra one. ``model``: the level
-    cost model (default: :func:`level_cost_model`); ``cache``: memoises balanced levels between calls."""
-    tiles_per_token = float(stats.tiles.sum()) / max(float(stats.tokens.sum()), 1.0)
-    model = model or level_cost_model(ctx, hbp, tiles_per_token)
+    cost model (default: :func:`stats_level_cost_model`); ``cache``: memoises balanced levels between calls."""
+    model = model or stats_level_cost_model(ctx, hbp, stats)
     config = HBPConfig(model=model, max_levels=1, candidate_lengths=hbp.candidate_lengths, oversize=hbp.oversize,
                        balance=BalanceConfig(cost=model.cost))
     cache = {} if cache is None else cache
     sets = _level_sets(ctx, hbp, stats, config, cache)
-    single = min([sets[0], *extra], key=lambda c: (c.row.oom_steps > 0, c.row.gpu_days))
-    best = min([*sets, *extra], key=lambda c: (c.row.oom_steps > 0, c.row.gpu_days))
+    single = min([sets[0], *extra], key=lambda c: c.row.rank)
+    best = min([*sets, *extra], key=lambda c: c.row.rank)
     top = tuple(sets[0].schedule.meta["hbp"]["level_lengths"])
     # the usual long-context recipe: the smallest SP degree the longest pack needs, full recompute, for all
     recipe = balance_hbp(stats, dp_size=ctx.dp_size, num_microbatches=ctx.num_microbatches, seed=ctx.seed,

@@ -14,7 +14,7 @@ and no memory limit (on the min-max partition without recompute, or the single l
 faster); the least of them. HBP pays at least the work and the step filling of one of these, so its gain over
 the single level is at most ``single / free``. It is a bound under the model only in as far as HBP's levels
 fill their steps no better than a single level does (3): the check is that every HBP result so far lies
-under it (tests/test_hbp_bound.py).
+under it (tests/test_hbp_short.py).
 
 **(b) Longest level (Amdahl).** A sample longer than the second-longest candidate length needs the longest
 level in every level set, where it runs as in the single level (the same pack length and per-rank share,
@@ -96,12 +96,12 @@ def free_gpu_days(ctx: HBPContext, level_feats, parts=None) -> float:
     return total * ctx.epoch_scale * ctx.num_gpus / SECONDS_PER_DAY
 
 
-def _free_trials(ctx: HBPContext, hbp: HBPPlanConfig, stats, result, cache) -> list[tuple[str, float]]:
-    """The single level's own packing and the longest level at every SP degree dividing dp_size, run free."""
+def _free_trials(ctx: HBPContext, hbp: HBPPlanConfig, stats, result, top: int, cache) -> list[tuple[str, float]]:
+    """The single level's own packing and the longest level (``top`` tokens) at every SP degree dividing
+    dp_size, run free."""
     single = result.single
     out = [(f"single level ({', '.join(f'{lv.length:,} x SP {lv.sp}' for lv in single.row.levels)})",
             free_gpu_days(ctx, single.level_feats, single.row.parts))]
-    top = candidate_lengths(np.asarray(stats.tokens), HBPConfig(candidate_lengths=hbp.candidate_lengths))[-1]
     # every degree, memory ignored: a degree memory rules out still bounds what the others can do
     model = replace(result.model, max_tokens_per_rank=1 << 62)
     config = HBPConfig(model=model, pack_lengths=(top,), oversize=hbp.oversize, balance=BalanceConfig(cost=model.cost))
@@ -128,8 +128,8 @@ def long_share(stats, cost, candidates) -> tuple[int, float]:
 
 def hbp_bound(ctx: HBPContext, hbp: HBPPlanConfig, stats, result, *, cache: dict | None = None) -> HBPBound:
     """The bounds of ``result`` (an :class:`omnibal.plan.hbp.HBPPlanResult` of ``stats``)."""
-    trials = _free_trials(ctx, hbp, stats, result, cache)
     cands = candidate_lengths(np.asarray(stats.tokens), HBPConfig(candidate_lengths=hbp.candidate_lengths))
+    trials = _free_trials(ctx, hbp, stats, result, cands[-1], cache)
     length, share = long_share(stats, result.model.cost, cands)
     return HBPBound(single_gpu_days=result.row("single level").gpu_days, hbp_gpu_days=result.row("hbp").gpu_days,
                     free_gpu_days=min(v for _, v in trials), free_trials=tuple(trials), long_length=length,

@@ -13,17 +13,15 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import numpy as np
-
 from omnibal.errors import InputError
 from omnibal.plan.hbp import (
     Candidate,
     HBPContext,
     HBPPlanConfig,
     HBPPlanResult,
-    level_cost_model,
     plan_hbp,
     simulate_levels,
+    stats_level_cost_model,
 )
 from omnibal.plan.hbp_bound import hbp_bound
 
@@ -66,13 +64,11 @@ def run_hbp_job(config, hbp: HBPPlanConfig, stats, *, plain: bool = True, bound:
     """``omnibal plan --hbp``: the job's model and cluster, ``stats`` subsampled as the job does; with
     ``plain`` the plain plan as a single-level candidate (when SP 1 holds every sample), with ``bound`` the
     bound on HBP's gain."""
-    full = stats
-    if config.balance_samples is not None and config.balance_samples < len(full):
-        rows = np.sort(np.random.default_rng(config.seed).choice(len(full), config.balance_samples, replace=False))
-        stats = full.take(rows)
+    from omnibal.plan.job_phases import balance_subset
+
+    full, stats = stats, balance_subset(stats, config)
     ctx = hbp_context(config, num_samples=len(full), balanced_samples=len(stats))
-    tiles_per_token = float(stats.tiles.sum()) / max(float(stats.tokens.sum()), 1.0)
-    model = level_cost_model(ctx, hbp, tiles_per_token)
+    model = stats_level_cost_model(ctx, hbp, stats)
     extra, notes, cache = (), [], {}
     if plain and int(stats.tokens.max()) > model.max_tokens_per_rank:
         notes.append(f"{PLAIN} (SP 1) not tried: the longest sample has {int(stats.tokens.max()):,} tokens, one "

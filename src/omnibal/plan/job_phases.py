@@ -152,12 +152,18 @@ def stats_phase(config, model: Model, stats, cache: dict | None) -> Data:
             if cache is not None:
                 cache[key] = (stats, stats_source, convention)
     full_samples = len(stats)
-    if config.balance_samples is not None and config.balance_samples < full_samples:
-        rows = np.sort(np.random.default_rng(config.seed).choice(full_samples, config.balance_samples,
-                                                                 replace=False))
-        stats = stats.take(rows)
+    stats = balance_subset(stats, config)
     return Data(stats=stats, stats_source=stats_source, convention=convention, full_samples=full_samples,
                 epoch_scale=full_samples / len(stats), num_microbatches=config.num_microbatches)
+
+
+def balance_subset(stats, config):
+    """The uniform random ``config.balance_samples`` rows of ``stats`` the job balances (seeded by
+    ``config.seed``; all of them when that is None or not fewer): ``omnibal plan`` and ``--hbp`` use the same."""
+    if config.balance_samples is None or config.balance_samples >= len(stats):
+        return stats
+    return stats.take(np.sort(np.random.default_rng(config.seed).choice(len(stats), config.balance_samples,
+                                                                        replace=False)))
 
 
 def _balanced(config, stats, cache: dict | None, bconfig, num_microbatches: int):

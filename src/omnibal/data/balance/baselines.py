@@ -101,7 +101,7 @@ def grouping_lengths(stats) -> np.ndarray:
     with an image, ``num_image_token x (max_dynamic_patch + thumbnail)`` -- one constant for every image
     sample, not its own tile count (InternVL's ``LazySupervisedDataset``). The constant here is the tile
     tokens of the table's largest sample (its tile rule's maximum, thumbnail included)."""
-    convention = stats.convention if stats.convention is not None else INTERNVL_CONVENTION
+    convention = stats.convention or INTERNVL_CONVENTION
     per_tile = convention.tokens_per_tile
     text = stats.tokens.astype(np.float64) - per_tile * stats.tiles.astype(np.float64)
     image_tokens = per_tile * float(stats.tiles.max()) if len(stats) else 0.0
