@@ -179,3 +179,25 @@ def test_pack_search_keeps_the_jobs_own_pack_on_a_near_tie():
     kept, _ = search_pack_size(stats, table, stage, sim,
                                config=PackSearchConfig(microbatches=(8, 12), min_gain=gain + 0.01), **kw)
     assert kept == own  # ... but not by enough to replace the job's own pack
+
+
+def test_baseline_padding_prices_only_the_baselines_padding():
+    from omnibal.cli.plan import add_arguments, job_config
+    from omnibal.errors import InputError
+
+    base = PlanJobConfig(num_samples=20_000, balance_samples=None,
+                         search=SearchConfig(radius=1, top_k=2, sample_steps=16))
+    padded = run_plan_job(base)
+    varlen = run_plan_job(replace(base, baseline_padding="varlen"))
+    # the same baseline micro-batches without their padding: cheaper; every balanced row unchanged
+    assert varlen.ablation[0].gpu_days < padded.ablation[0].gpu_days
+    assert "variable length" in varlen.ablation[0].data and "padded" in padded.ablation[0].data
+    for a, b in zip(padded.ablation[1:], varlen.ablation[1:], strict=True):
+        assert a.gpu_days == pytest.approx(b.gpu_days)
+    assert varlen.balance_metrics["baseline"]["padding"] == "varlen"
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert job_config(parser.parse_args([])).baseline_padding == "pad_to_longest"
+    assert job_config(parser.parse_args(["--baseline-padding", "varlen"])).baseline_padding == "varlen"
+    with pytest.raises(InputError, match="baseline-padding"):
+        replace(base, baseline_padding="fixed_buffer").validate()

@@ -66,6 +66,9 @@ class Padding(StrEnum):
 
 
 PLAN_PADDINGS = (Padding.VARLEN, Padding.FIXED_BUFFER)
+BASELINE_PADDINGS = (Padding.PAD_TO_LONGEST, Padding.VARLEN)
+"""How the ablation baseline's fixed micro-batches run: padded to their longest sample (InternVL-Chat's
+collator) or variable-length (a trainer that already packs its fixed-size micro-batches)."""
 """How a plan's balanced packs may run (``pad_to_longest`` is the baseline's)."""
 
 

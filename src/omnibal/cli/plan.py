@@ -10,7 +10,14 @@ from pathlib import Path
 from omnibal.cli.options import add_layout_options, add_option, check_layout_args
 from omnibal.cost.stack import DEFAULT_STACK
 from omnibal.errors import InputError
-from omnibal.layout import PLAN_PADDINGS, PLANNER_SCHEDULES, BaselinePartition, BaselineSampler, Layout
+from omnibal.layout import (
+    BASELINE_PADDINGS,
+    PLAN_PADDINGS,
+    PLANNER_SCHEDULES,
+    BaselinePartition,
+    BaselineSampler,
+    Layout,
+)
 
 HELP = "plan data caps, pipeline partition and per-stage recompute for a model on a cluster"
 DESCRIPTION = (
@@ -66,6 +73,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--baseline-sampler", default="length-grouped", choices=tuple(BaselineSampler),
                    help="the baseline's sampler (default: length-grouped, as InternVL-Chat's fine-tuning scripts "
                         "run it; random: a plain shuffle)")
+    s.add_argument("--baseline-padding", default="pad_to_longest", choices=BASELINE_PADDINGS,
+                   help="how the baseline's micro-batches run (default: padded to their longest sample, as "
+                        "InternVL-Chat's collator does; varlen: concatenated, for a baseline trainer that packs)")
     add_option(s, "stack", default=DEFAULT_STACK)
     s.add_argument("--pack-microbatches", default="8,12,16,24,32", metavar="M,M,...",
                    help="micro-batch counts the pack-size search tries at the same samples per step ('none': "
@@ -111,6 +121,7 @@ def job_config(args: argparse.Namespace):
         num_samples=args.samples, balance_samples=_balance_samples(args.balance_samples), seed=args.seed,
         profile_path=args.profile, balance_method=args.balance_method, padding=args.padding,
         baseline_partition=args.baseline_partition, baseline_sampler=args.baseline_sampler,
+        baseline_padding=args.baseline_padding,
         schedule=args.schedule, stack=args.stack,
         pack_search=pack_search_config(args.pack_microbatches),
         search=SearchConfig(radius=args.radius, top_k=args.top_k, sample_steps=args.search_steps, seed=args.seed),

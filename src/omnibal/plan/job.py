@@ -22,6 +22,7 @@ import numpy as np
 from omnibal.cost.hardware import HardwareSpec
 from omnibal.errors import InputError
 from omnibal.layout import (
+    BASELINE_PADDINGS,
     PLAN_PADDINGS,
     PLANNER_SCHEDULES,
     BalanceMethod,
@@ -102,6 +103,10 @@ class PlanJobConfig:
     """The baseline's sampler: ``length-grouped`` (InternVL-Chat's ``--group_by_length``, on in its official
     InternVL-1.5 fine-tuning scripts: one mega-batch per step sorted by length and split into micro-batches of
     balanced total length, ``omnibal.data.balance.baselines``) or ``random`` (a plain shuffle)."""
+    baseline_padding: str = "pad_to_longest"
+    """How the baseline's micro-batches run: ``pad_to_longest`` (InternVL-Chat's collator pads every sample
+    to the micro-batch's longest) or ``varlen`` (a trainer that concatenates them with variable-length
+    attention, so the baseline keeps only its imbalance, not its padding)."""
     baseline_partition: str = "vision-first"
     """The baseline's layer split: ``vision-first`` (the vision encoder and projector on stage 0, LLM layers
     split evenly over the rest, as Megatron-core's LLaVA and torchtitan do; the paper's baseline most
@@ -149,6 +154,7 @@ class PlanJobConfig:
         check_choice(self.baseline_partition, BaselinePartition, source="--baseline-partition",
                      field="baseline_partition")
         check_choice(self.padding, PLAN_PADDINGS, source="--padding", field="padding")
+        check_choice(self.baseline_padding, BASELINE_PADDINGS, source="--baseline-padding", field="baseline_padding")
         check_choice(self.balance_method, BalanceMethod, source="--balance-method", field="balance_method")
         if self.balance_samples is not None and self.balance_samples < self.dp_size * self.num_microbatches:
             raise InputError(f"needs at least dp_size x num_microbatches = {self.dp_size * self.num_microbatches} "
@@ -286,6 +292,7 @@ def _assemble_plan(config: PlanJobConfig, model: Model, data: Data, found: Found
                 "chosen_parts": list(found.best_joint.plan.parts), "epoch_scale": data.epoch_scale,
                 "schedule": config.schedule, "baseline_partition": config.baseline_partition,
                 "baseline_sampler": config.baseline_sampler,
+                "baseline_padding": config.baseline_padding,
                 "sim_config": asdict(model.sim_config), **found.engine_info})
 
 

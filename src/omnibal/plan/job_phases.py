@@ -192,7 +192,7 @@ def balance_phase(config, model: Model, data: Data, cache: dict | None) -> Data:
                                          cost=cost), m)
     bal_config = BalanceConfig(method=config.balance_method, cost=cost)
     bal_sched = _balanced(config, stats, cache, bal_config, m)
-    padding_base = "pad_to_longest"
+    padding_base = config.baseline_padding
     padding_bal = config.padding if config.balance_method != "random" else "pad_to_longest"
     features = {"baseline": base_sched.features(stats, padding=padding_base),
                 "balanced": bal_sched.features(stats, padding=padding_bal)}
@@ -271,8 +271,9 @@ def ablation_phase(config, model: Model, data: Data, found: Found):
     replaced by the engine's constrained plan where the engine has constraints."""
     table = model.table
     specs, found = _ablation_specs(config, model, data, found)
+    base_padding = "padded to the longest" if config.baseline_padding == "pad_to_longest" else "variable length"
     data_desc = {"baseline": f"{config.baseline_sampler}, {config.baseline_batch_size} samples per micro-batch, "
-                             "padded to the longest",
+                             f"{base_padding}",
                  "balanced": f"{config.balance_method} balanced packs ({data.padding_bal})"}
     if data.pack_desc is not None:
         data_desc["packed"] = data.pack_desc
