@@ -65,6 +65,9 @@ def main() -> None:
              None),
             ("data balance by faithful ISF (the paper's published packer, its argument search)",
              replace(base, balance_method="isf"), None),
+            ("data balance by faithful ISF at its code's default caps 9 tiles / 4,096 tokens (over-cap samples "
+             "packed alone)", replace(base, balance_method="isf", max_tiles=9, max_tokens=4096, oversize="own_pack"),
+             None),
             ("stack omnibal (bf16 gradients)", replace(base, stack="omnibal"), None),
             ("stack fsdp (FSDP2 under PP)", replace(base, stack="fsdp"), None),
             ("no memory limit (recompute-free bound)", replace(base, memory_budget_gib=1e6), None),

@@ -201,3 +201,25 @@ def test_baseline_padding_prices_only_the_baselines_padding():
     assert job_config(parser.parse_args(["--baseline-padding", "varlen"])).baseline_padding == "varlen"
     with pytest.raises(InputError, match="baseline-padding"):
         replace(base, baseline_padding="fixed_buffer").validate()
+
+
+def test_fixed_caps_set_the_planned_pack_and_turn_the_pack_search_off():
+    from omnibal.cli.plan import add_arguments, job_config, run
+    from omnibal.errors import InputError
+
+    base = PlanJobConfig(num_samples=20_000, balance_samples=None, pack_search=PackSearchConfig(),
+                         search=SearchConfig(radius=1, top_k=2, sample_steps=16))
+    res = run_plan_job(replace(base, max_tiles=9, max_tokens=4096, oversize="own_pack", balance_method="isf"))
+    assert res.plan.data.settings["caps"] == {"tiles": 9, "tokens": 4096}
+    assert [r.name for r in res.ablation][-1] == "+ adaptive recompute"  # no "+ pack size" row
+    assert res.balanced_schedule.method == "isf"
+    with pytest.raises(InputError, match="caps"):  # a sample over 4096 tokens, and no policy for it
+        run_plan_job(replace(base, max_tiles=9, max_tokens=4096))
+    with pytest.raises(InputError, match="max-tokens"):
+        replace(base, max_tokens=0).validate()
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    cli = job_config(parser.parse_args(["--max-tiles", "9", "--max-tokens", "4096", "--oversize", "drop"]))
+    assert (cli.max_tiles, cli.max_tokens, cli.oversize) == (9, 4096, "drop")
+    with pytest.raises(InputError, match="--hbp"):
+        run(parser.parse_args(["--hbp", "--max-tiles", "9"]))

@@ -9,7 +9,6 @@ import time
 
 from omnibal.cli.options import add_option
 from omnibal.errors import InputError
-from omnibal.layout import OversizePolicy
 
 HELP = "pack samples into balanced micro-batches and assign them to (step, dp_rank, micro-batch)"
 DESCRIPTION = (HELP + ". Reads per-sample statistics (any format `omnibal stats` loaders read; without "
@@ -27,9 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_option(parser, "num_microbatches", default=1)
     parser.add_argument("--target-samples", type=float, default=4.5, help="mean samples per micro-batch")
     parser.add_argument("--max-tiles", type=int, default=None, help="fixed Q_v (default: cap search)")
-    parser.add_argument("--max-tokens", type=int, default=None, help="fixed Q_t / token budget (default: cap search)")
-    parser.add_argument("--oversize", choices=tuple(OversizePolicy), default="error",
-                        help="samples over a fixed cap")
+    add_option(parser, "max_tokens")
+    add_option(parser, "oversize", default="error")
     add_option(parser, "balance_method", default="omnibal")
     add_option(parser, "batch_size", default=4, help="samples per micro-batch (random, length-grouped)")
     add_option(parser, "seed", default=0)

@@ -27,6 +27,7 @@ from omnibal.layout import (
     Dtype,
     Engine,
     OnError,
+    OversizePolicy,
     PipelineSchedule,
     check_layout_fields,
 )
@@ -85,6 +86,10 @@ OPTIONS: dict[str, Option] = {
     "batch_size": Option("--batch-size", "samples per micro-batch of the random and length-grouped baselines",
                          ("--baseline-batch-size",), {"type": int, "metavar": "N"}),
     "padding": Option("--padding", "how a micro-batch runs"),
+    "max_tokens": Option("--max-tokens", "fixed Q_t, the token buffer of a pack (default: cap search)", (),
+                         {"type": int, "metavar": "N"}),
+    "oversize": Option("--oversize", "samples over a fixed cap: an error, a pack of their own, or dropped "
+                       "(counted in the metrics)", (), {"choices": tuple(OversizePolicy)}),
     "seed": Option("--seed", "seed of data, shuffles and sampling", (), {"type": int}),
     "epoch": Option("--epoch", "epoch to balance", (), {"type": int}),
     "image_root": Option("--image-root", "folder image paths are relative to", (), {"metavar": "DIR"}),

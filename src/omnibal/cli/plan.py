@@ -58,6 +58,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="balance a uniform random subset of N samples and scale the epoch to the whole "
                         "dataset ('all': every sample; balancing 1.2M samples takes ~30 s of CPU)")
     add_option(d, "balance_method", default="omnibal", help="balancer of the planned job")
+    d.add_argument("--max-tiles", type=int, default=None, metavar="N",
+                   help="fixed Q_v, the tile buffer of a pack (default: cap search; fixed caps set the pack, so the "
+                        "pack-size search is off)")
+    add_option(d, "max_tokens")
+    add_option(d, "oversize", default="error")
     add_option(d, "padding", default="varlen", choices=PLAN_PADDINGS,
                help="how balanced packs run: variable length, or padded to the caps (static shapes)")
     add_option(d, "batch_size", default=4, help="samples per baseline micro-batch")
@@ -120,6 +125,7 @@ def job_config(args: argparse.Namespace):
         baseline_batch_size=args.batch_size, memory_budget_gib=args.memory_budget, stats_path=args.stats,
         num_samples=args.samples, balance_samples=_balance_samples(args.balance_samples), seed=args.seed,
         profile_path=args.profile, balance_method=args.balance_method, padding=args.padding,
+        max_tiles=args.max_tiles, max_tokens=args.max_tokens, oversize=args.oversize,
         baseline_partition=args.baseline_partition, baseline_sampler=args.baseline_sampler,
         baseline_padding=args.baseline_padding,
         schedule=args.schedule, stack=args.stack,
@@ -151,6 +157,9 @@ def run(args: argparse.Namespace) -> int:
     if args.hbp:
         from omnibal.cli.plan_hbp import run_hbp
 
+        if args.max_tiles is not None or args.max_tokens is not None:
+            raise InputError("--hbp chooses each level's caps itself; drop --max-tiles / --max-tokens",
+                             source="--max-tiles", field="max_tiles")
         return run_hbp(args, config)
     check_dir(args.out, "--out")  # before minutes of planning, not after
     progress = not args.quiet and sys.stderr.isatty()

@@ -30,6 +30,7 @@ from omnibal.layout import (
     BaselineSampler,
     Engine,
     Layout,
+    OversizePolicy,
     check_choice,
     default_layout,
     holds_layout,
@@ -96,6 +97,13 @@ class PlanJobConfig:
     """Measured profile to use instead of the analytic cost model."""
     balance_method: str = "omnibal"
     """Balancer of the planned job."""
+    max_tiles: int | None = None
+    """Fixed Q_v of the planned job's packs (None: the balancer's cap search). Fixed caps set the pack, so
+    they turn the pack-size search off."""
+    max_tokens: int | None = None
+    """Fixed Q_t of the planned job's packs (None: the balancer's cap search)."""
+    oversize: str = "error"
+    """Samples over a fixed cap: ``error``, ``own_pack`` or ``drop`` (``BalanceConfig.oversize``)."""
     padding: str = "varlen"
     """How balanced packs run: ``varlen`` (variable-length micro-batches, Megatron's variable_seq_lengths)
     or ``fixed_buffer`` (padded to the caps: static shapes, e.g. torch.distributed.pipelining)."""
@@ -156,6 +164,12 @@ class PlanJobConfig:
         check_choice(self.padding, PLAN_PADDINGS, source="--padding", field="padding")
         check_choice(self.baseline_padding, BASELINE_PADDINGS, source="--baseline-padding", field="baseline_padding")
         check_choice(self.balance_method, BalanceMethod, source="--balance-method", field="balance_method")
+        check_choice(self.oversize, OversizePolicy, source="--oversize", field="oversize")
+        for name in ("max_tiles", "max_tokens"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise InputError(f"must be a positive integer, got {value!r}", source=f"--{name.replace('_', '-')}",
+                                 field=name)
         if self.balance_samples is not None and self.balance_samples < self.dp_size * self.num_microbatches:
             raise InputError(f"needs at least dp_size x num_microbatches = {self.dp_size * self.num_microbatches} "
                              f"samples, got {self.balance_samples}", source="--balance-samples",

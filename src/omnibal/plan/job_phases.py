@@ -190,7 +190,8 @@ def balance_phase(config, model: Model, data: Data, cache: dict | None) -> Data:
     base_sched = _balanced(config, stats, cache,
                            BalanceConfig(method=config.baseline_sampler, batch_size=config.baseline_batch_size,
                                          cost=cost), m)
-    bal_config = BalanceConfig(method=config.balance_method, cost=cost)
+    bal_config = BalanceConfig(method=config.balance_method, cost=cost, max_tiles=config.max_tiles,
+                               max_tokens=config.max_tokens, oversize=config.oversize)
     bal_sched = _balanced(config, stats, cache, bal_config, m)
     padding_base = config.baseline_padding
     padding_bal = config.padding if config.balance_method != "random" else "pad_to_longest"
@@ -233,7 +234,8 @@ def pack_phase(config, model: Model, data: Data, found: Found, cache: dict | Non
     """The pack-size search (``plan.packsize``) and, when it picks another pack than the job's, that pack's
     balanced schedule, joint plan and neighbour search: the ``+ pack size`` row and the plan."""
     default_m, bal_config = config.num_microbatches, data.bal_config
-    if not config.pack_search.microbatches or config.balance_method != "omnibal":
+    fixed_caps = config.max_tiles is not None or config.max_tokens is not None
+    if not config.pack_search.microbatches or config.balance_method != "omnibal" or fixed_caps:
         return data, found
     pack_config = replace(config.pack_search, microbatches=tuple(sorted({*config.pack_search.microbatches, default_m})))
     chosen, cands = search_pack_size(data.stats, model.table, model.stage_config, model.sim_config,
