@@ -128,6 +128,10 @@ class _CapModel:
         lost = max(k * q - (k * qt - float(self.text_prefix[k])) / self.per_tile, 0.0)
         return (q * p - self.total_v - 2 * lost) / p
 
+    def room_ok(self, steps: int, qv: int, qt: int) -> bool:
+        """Free caps: the text-heavy samples leave the packer ``_TEXT_SPARE`` tiles per pack (``text_room``)."""
+        return self.fixed or not len(self.text_desc) or self.text_room(steps, qv, qt) >= _TEXT_SPARE
+
     def feasible(self, steps: int, qv: int, qt: int) -> bool:
         p = steps * self.slots_per_step
         return _feasible(self.v_asc, qv, p) and _feasible(self.t_asc, qt, p)
@@ -136,9 +140,8 @@ class _CapModel:
         """The mean pack leaves the packer room and the big samples fit (necessary conditions)."""
         p = steps * self.slots_per_step
         qv, qt = self.caps_for(steps)
-        room_ok = self.fixed or not len(self.text_desc) or self.text_room(steps, qv, qt) >= _TEXT_SPARE
         return (self.total_v <= qv * p and self.total_t <= qt * p * (1 - self.token_slack / 2)
-                and self.feasible(steps, qv, qt) and room_ok)
+                and self.feasible(steps, qv, qt) and self.room_ok(steps, qv, qt))
 
     def score(self, steps: int, target_samples: float) -> float:
         """Predicted padding of both buffers (plus, with free caps, the distance to the target)."""
@@ -299,7 +302,8 @@ def _trials(model: _CapModel, ranked: list[int]) -> list[tuple[int, int, int]]:
         qv, qt = model.caps_for(steps)
         tight = max(int(math.ceil(model.total_v / (steps * model.slots_per_step) - 1e-9)), int(model.v_asc[-1]))
         options = [qv] if model.max_tiles is not None else sorted({tight, qv, qv + 1})
-        trials += [(steps, q, qt) for q in options if _feasible(model.v_asc, q, steps * model.slots_per_step)]
+        trials += [(steps, q, qt) for q in options
+                   if _feasible(model.v_asc, q, steps * model.slots_per_step) and model.room_ok(steps, q, qt)]
     return trials
 
 
