@@ -140,6 +140,12 @@ def test_cap_search_skips_tight_tile_caps_the_text_cannot_leave(dp_size, micro):
                                                                                  m["buffer_pad_tokens"])
     assert m["llm_max_mean_ranks_worst"] <= 1.08
     assert m["coverage_ok"] and m["microbatches_over_caps"] == 0
+    # and no packing does better: at 48 steps Q_t must rise to ~4,400 before the text fits (token pad 0.036)
+    floor = pad_floor(stats.tiles, stats.tokens, slots_per_step=dp_size * micro)
+    assert floor.tiles < 0.005 and floor.tokens < 0.002  # each alone: far lower
+    assert floor.num_steps == 49
+    assert floor.larger == pytest.approx(1 - stats.tokens.sum() / (49 * 128 * 4272))
+    assert max(m["buffer_pad_tiles"], m["buffer_pad_tokens"]) == pytest.approx(floor.larger, abs=1e-9)
 
 
 @pytest.mark.parametrize("tolerance", [0.05, 0.15, 0.3])
