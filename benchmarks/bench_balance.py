@@ -175,9 +175,10 @@ def pad_table(subsets: dict) -> list[dict]:
                 fl = pad_floor(stats.tiles, stats.tokens, slots_per_step=dp * micro, samples_tolerance=tol)
                 rows.append({"subset": name, "rows": len(stats), "dp_size": dp, "num_microbatches": micro,
                              "samples_tolerance": tol, "floor_tiles": fl.tiles, "floor_tokens": fl.tokens,
+                             "floor_both": fl.larger,
                              "wall_s": wall, "cpu_s": cpu, **{k: m[k] for k in PAD_KEYS}})
                 print(f"pad {name:10s} dp={dp:4d} M={micro} tol {tol} pad {m['buffer_pad_tiles']:.3f}/"
-                      f"{m['buffer_pad_tokens']:.3f} floor {fl.tiles:.3f}/{fl.tokens:.3f} "
+                      f"{m['buffer_pad_tokens']:.3f} floor {fl.tiles:.3f}/{fl.tokens:.3f} both {fl.larger:.3f} "
                       f"llm {m['llm_max_mean_ranks']:.4f} {cpu:.2f}s cpu", file=sys.stderr)
                 if max(m["buffer_pad_tiles"], m["buffer_pad_tokens"]) <= 0.02:
                     break
@@ -289,18 +290,20 @@ def _md_methods(table: list[dict]) -> list[str]:
 
 def _md_pads(table: list[dict]) -> list[str]:
     cols = ["subset", "rows", "dp_size", "num_microbatches", "samples_tolerance", "buffer_pad_tiles",
-            "buffer_pad_tokens", "floor_tiles", "floor_tokens", "vision_max_mean_ranks", "llm_max_mean_ranks",
-            "total_max_mean_ranks", "llm_max_mean_ranks_worst",
+            "buffer_pad_tokens", "floor_tiles", "floor_tokens", "floor_both", "vision_max_mean_ranks",
+            "llm_max_mean_ranks", "total_max_mean_ranks", "llm_max_mean_ranks_worst",
             "vision_max_mean_microbatches", "llm_max_mean_microbatches", "samples_per_microbatch_mean",
             "caps_tiles", "caps_tokens", "microbatches_over_caps", "coverage_ok", "cpu_s"]
     heads = ["data", "rows", "DP", "M", "samples tolerance", "tile pad", "token pad", "tile floor", "token floor",
-             "vision ranks", "LLM ranks", "total ranks",
+             "floor of the larger pad", "vision ranks", "LLM ranks", "total ranks",
              "LLM worst step", "vision micro-batches", "LLM micro-batches", "samples/mb", "Q_v", "Q_t",
              "over caps", "exactly once", "CPU s"]
     note = ("mixture-3/5: two synthetic subsets, wide charts (mostly 3 tiles) and square documents (mostly 5), "
             "half and half; synthetic: the default InternVL-like mixture at the merged stats' size. Floors: "
             "`pad_floor`, each pad's lowest bound over the pack counts the samples tolerance allows (no packing "
-            "pads less). A case over 0.02 at tolerance 0.15 is run again at 0.4.")
+            "pads less); the floor of the larger pad is the lowest the two pads can reach together, with the text "
+            "coupling (text-heavy samples' packs hold fewer tiles). A case over 0.02 at tolerance 0.15 is run again "
+            "at 0.4.")
     return ["", "## omnibal's derived buffer: pads and balance (max/mean across ranks and micro-batches)", "",
             note, ""] + _md_table(heads, [[row[c] for c in cols] for row in table])
 

@@ -21,7 +21,10 @@ on that mean being just under an integer).
 ``pad_floor`` is the proof of what no packer can beat: for each pack count the tolerance allows, a cap is at
 least the mean pack and the largest sample (``ceil(V/P)``, ``max(T/P, t_max)``) and the least value that
 passes the necessary conditions (the one above, and for tiles the room the dominant size leaves:
-``_room_for_the_rest``), so each pad is at least ``1 - total / (P cap)``.
+``_room_for_the_rest``), so each pad is at least ``1 - total / (P cap)``. Both at once (``larger``) also
+counts the text coupling: a pack's tokens are ``c`` per tile plus its text, so the text-heavy samples' packs
+hold fewer tiles, and a tight Q_v whose spare tiles cannot absorb that needs a larger Q_t
+(``_CapModel.text_loss``; the synthetic default at 128 micro-batches a step: 0.0278, not 0.0075).
 
 Fixed caps (``max_tiles``/``max_tokens``, a memory budget) instead give the smallest pack count whose mean
 load leaves the packer ``token_slack`` of room (or, when none does, the smallest that passes the
@@ -102,6 +105,7 @@ class _CapModel:
         # prefix sums of the heaviest texts: text_room is O(log N) per candidate count (thousands are tried)
         self.text_prefix = np.concatenate([[0.0], np.cumsum(self.text_desc)])
         self.text_neg_asc = -self.text_desc  # ascending, for searchsorted
+        self.text_negative = float(np.minimum(self.text_desc, 0).sum())
 
     def caps_for(self, steps: int) -> tuple[int, int]:
         """(Q_v, Q_t) for ``steps``: the fixed caps, or the mean pack plus the slack (never under the
@@ -128,6 +132,21 @@ class _CapModel:
         lost = max(k * q - (k * qt - float(self.text_prefix[k])) / self.per_tile, 0.0)
         return (q * p - self.total_v - 2 * lost) / p
 
+    def text_loss(self, qv: int, qt: float) -> float:
+        """Tiles every packing at caps (Q_v, Q_t) leaves empty, at least (a bound, unlike ``text_room``): with
+        ``c`` = tokens_per_tile (any c > 0 is valid) and x = tokens - c tiles, a pack holds ``c pv + X <= Q_t``,
+        so it is at least ``(X - r) / c`` tiles short of Q_v with ``r = Q_t - c Q_v``; summed over packs that
+        is at least the text above ``r`` of every sample, less the negative x, over ``c``."""
+        r = qt - self.per_tile * qv
+        if r < 0 or not len(self.text_desc):  # no bound beyond the totals (P Q_t >= T)
+            return 0.0
+        k = int(np.searchsorted(self.text_neg_asc, -r, side="left"))  # samples with x > r
+        return max(float(self.text_prefix[k]) - k * r + self.text_negative, 0.0) / self.per_tile
+
+    def room_ok(self, steps: int, qv: int, qt: int) -> bool:
+        """Free caps: the text-heavy samples leave the packer ``_TEXT_SPARE`` tiles per pack (``text_room``)."""
+        return self.fixed or not len(self.text_desc) or self.text_room(steps, qv, qt) >= _TEXT_SPARE
+
     def feasible(self, steps: int, qv: int, qt: int) -> bool:
         p = steps * self.slots_per_step
         return _feasible(self.v_asc, qv, p) and _feasible(self.t_asc, qt, p)
@@ -136,9 +155,8 @@ class _CapModel:
         """The mean pack leaves the packer room and the big samples fit (necessary conditions)."""
         p = steps * self.slots_per_step
         qv, qt = self.caps_for(steps)
-        room_ok = self.fixed or not len(self.text_desc) or self.text_room(steps, qv, qt) >= _TEXT_SPARE
         return (self.total_v <= qv * p and self.total_t <= qt * p * (1 - self.token_slack / 2)
-                and self.feasible(steps, qv, qt) and room_ok)
+                and self.feasible(steps, qv, qt) and self.room_ok(steps, qv, qt))
 
     def score(self, steps: int, target_samples: float) -> float:
         """Predicted padding of both buffers (plus, with free caps, the distance to the target)."""
@@ -201,7 +219,9 @@ class PadFloor:
     tokens: float
     """The lowest token pad of any pack count in the window (Q_t a multiple of the token multiple)."""
     larger: float
-    """The lowest over the window of the larger of the two (both pads cannot be lower at once)."""
+    """The lowest over the window of the larger of the two (both pads cannot be lower at once), with the
+    text coupling: at (P, Q_v) the token cap must also leave the text-heavy samples' packs the tiles they
+    cannot hold (``_CapModel.text_loss``), so a tight Q_v can force Q_t up."""
     num_steps: int
     """The step count where ``larger`` is reached."""
     samples_per_microbatch: float
@@ -252,6 +272,30 @@ def _least_cap(sorted_asc: np.ndarray, total: float, packs: int, multiple: int, 
     return hi
 
 
+def _joint_pad(model: _CapModel, p: int, least: tuple[int, int], multiple: int) -> float:
+    """The lowest larger pad of ``p`` packs over Q_v >= the least tile cap: at each Q_v the least Q_t
+    (>= the least token cap) whose ``text_loss`` fits the ``p Q_v - V`` spare tiles (bisection: the loss
+    only falls as Q_t grows). Q_v stops rising once its own pad reaches the best found."""
+    cap_v, cap_t = least
+    best = np.inf
+    for qv in range(cap_v, cap_v + 64):
+        pad_v = 1 - model.total_v / (p * qv)
+        if pad_v >= best:
+            break
+        spare = p * qv - model.total_v
+        lo = cap_t
+        if model.text_loss(qv, lo) > spare:
+            # at r >= the largest x no sample is over r: the loss is at most 0
+            hi = max(lo, _round_up(float(model.text_desc[0]) + model.per_tile * qv, multiple))
+            while hi - lo > multiple:
+                mid = _round_up((lo + hi) / 2, multiple)
+                mid = mid if mid < hi else hi - multiple
+                lo, hi = (lo, mid) if model.text_loss(qv, mid) <= spare else (mid, hi)
+            lo = hi
+        best = min(best, max(pad_v, 1 - model.total_t / (p * lo)))
+    return float(best)
+
+
 def pad_floor(tiles, tokens, *, slots_per_step: int, target_samples: float = 4.5, samples_tolerance: float = 0.15,
               token_multiple: int = 8) -> PadFloor:
     """What no packer can beat within ``samples_tolerance`` of ``target_samples`` (see the module docstring):
@@ -268,6 +312,7 @@ def pad_floor(tiles, tokens, *, slots_per_step: int, target_samples: float = 4.5
     q_t = np.ceil(np.maximum(model.total_t / packs, model.t_asc[-1]) / token_multiple - 1e-9) * token_multiple
     quick = np.stack([1 - model.total_v / (packs * np.maximum(q_v, 1)), 1 - model.total_t / (packs * q_t)], 1)
     exact: dict[int, tuple[float, float]] = {}
+    caps: dict[int, tuple[int, int]] = {}
 
     def pads(k: int) -> tuple[float, float]:
         if k not in exact:
@@ -275,19 +320,25 @@ def pad_floor(tiles, tokens, *, slots_per_step: int, target_samples: float = 4.5
             cap_v = max(_least_cap(model.v_asc, model.total_v, p, 1, tiles=True), 1)
             cap_t = _least_cap(model.t_asc, model.total_t, p, token_multiple, tiles=False)
             exact[k] = (1 - model.total_v / (p * cap_v), 1 - model.total_t / (p * cap_t))
+            caps[k] = (cap_v, cap_t)
         return exact[k]
 
-    def lowest(key) -> tuple[float, int]:
+    def joint(k: int) -> float:
+        pads(k)
+        return _joint_pad(model, int(packs[k]), caps[k], token_multiple)
+
+    def lowest(key, value) -> tuple[float, int]:
         best, at = np.inf, 0
         for k in np.argsort(key(quick), kind="stable"):
             if key(quick[k]) >= best:
                 break
-            value = key(np.asarray(pads(int(k))))
-            best, at = (value, int(k)) if value < best else (best, at)
+            v = value(int(k))
+            best, at = (v, int(k)) if v < best else (best, at)
         return float(best), at
 
-    larger, at = lowest(lambda x: np.max(x, axis=-1))
-    return PadFloor(tiles=lowest(lambda x: x[..., 0])[0], tokens=lowest(lambda x: x[..., 1])[0], larger=larger,
+    larger, at = lowest(lambda x: np.max(x, axis=-1), joint)
+    tiles_floor = lowest(lambda x: x[..., 0], lambda k: pads(k)[0])[0]
+    return PadFloor(tiles=tiles_floor, tokens=lowest(lambda x: x[..., 1], lambda k: pads(k)[1])[0], larger=larger,
                     num_steps=int(steps[at]), samples_per_microbatch=model.n / int(packs[at]))
 
 
@@ -299,7 +350,8 @@ def _trials(model: _CapModel, ranked: list[int]) -> list[tuple[int, int, int]]:
         qv, qt = model.caps_for(steps)
         tight = max(int(math.ceil(model.total_v / (steps * model.slots_per_step) - 1e-9)), int(model.v_asc[-1]))
         options = [qv] if model.max_tiles is not None else sorted({tight, qv, qv + 1})
-        trials += [(steps, q, qt) for q in options if _feasible(model.v_asc, q, steps * model.slots_per_step)]
+        trials += [(steps, q, qt) for q in options
+                   if _feasible(model.v_asc, q, steps * model.slots_per_step) and model.room_ok(steps, q, qt)]
     return trials
 
 
