@@ -14,10 +14,10 @@ from omnibal.plan.job import PlanJobConfig
 from omnibal.train.config import TrainConfig
 
 
-@given(dp=st.integers(-2, 64), pp=st.integers(-2, 16), tp=st.integers(-2, 8), zero=st.integers(-1, 3),
+@given(dp=st.integers(-2, 64), pp=st.integers(-2, 16), tp=st.integers(-2, 8), zero=st.integers(-1, 4),
        mb=st.integers(-2, 32))
-def test_layout_accepts_exactly_positive_sizes_and_zero_0_to_2(dp, pp, tp, zero, mb):
-    ok = min(dp, pp, tp, mb) >= 1 and zero in (0, 1, 2)
+def test_layout_accepts_exactly_positive_sizes_and_zero_0_to_3(dp, pp, tp, zero, mb):
+    ok = min(dp, pp, tp, mb) >= 1 and zero in (0, 1, 2, 3)
     if ok:
         layout = Layout(dp_size=dp, pp_size=pp, tp_size=tp, zero_stage=zero, num_microbatches=mb)
         assert layout.num_gpus == dp * pp * tp
@@ -64,7 +64,7 @@ def test_check_layout_fields_names_the_source_and_field():
     with pytest.raises(InputError, match=r"--pp: field 'pp_size'"):
         check_layout_fields({"pp_size": 0}, source="--pp")
     with pytest.raises(InputError, match=r"plan.json: field 'inputs.zero_stage'"):
-        check_layout_fields({"zero_stage": 3}, source="plan.json", field_prefix="inputs.")
+        check_layout_fields({"zero_stage": 4}, source="plan.json", field_prefix="inputs.")
 
 
 def test_the_libraries_lists_are_the_vocabularies():

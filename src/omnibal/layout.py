@@ -127,7 +127,7 @@ class OnError(StrEnum):
     SKIP = "skip"
 
 
-ZERO_STAGES = (0, 1, 2)
+ZERO_STAGES = (0, 1, 2, 3)
 
 
 def _cli(flag: str, help: str, *aliases: str) -> dict:
@@ -194,7 +194,7 @@ LAYOUT_FLAGS = {
     "pp_size": _cli("--pp", "pipeline stages"),
     "tp_size": _cli("--tp", "tensor-parallel size"),
     "zero_stage": _cli("--zero-stage", "ZeRO stage over DP (0: nothing sharded, 1: optimizer state, 2: and "
-                       "gradients)"),
+                       "gradients, 3: and weights, gathered layer by layer)"),
     "num_microbatches": _cli("--microbatches", "micro-batches per DP rank per step", "--num-microbatches"),
 }
 
@@ -203,7 +203,7 @@ _POSITIVE = ("dp_size", "pp_size", "tp_size", "num_microbatches", "num_gpus", "n
 
 def check_layout_fields(values: dict, *, source: str | None = None, field_prefix: str = "") -> None:
     """Validate whichever layout values ``values`` holds (``dp_size``, ``pp_size``, ``tp_size``,
-    ``num_microbatches``, ``num_gpus``, ``num_stages``: positive integers; ``zero_stage``: 0, 1 or 2).
+    ``num_microbatches``, ``num_gpus``, ``num_stages``: positive integers; ``zero_stage``: 0, 1, 2 or 3).
     ``source``: what the error names (None: the field itself); ``field_prefix``: put before the field name
     (``"inputs."`` for a plan file's)."""
     for name, value in values.items():
@@ -213,7 +213,7 @@ def check_layout_fields(values: dict, *, source: str | None = None, field_prefix
                 raise InputError(f"must be a positive integer, got {value!r}", **where)
         elif name == "zero_stage":
             if not is_int(value) or value not in ZERO_STAGES:
-                raise InputError(f"must be 0, 1 or 2, got {value!r}", **where)
+                raise InputError(f"must be 0, 1, 2 or 3, got {value!r}", **where)
 
 
 def check_choice(value, vocabulary, *, source: str, field: str, choices=None) -> None:

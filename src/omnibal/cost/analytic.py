@@ -297,6 +297,26 @@ def zero_sharded_bytes(table: LayerCostTable, *, dp_size: int, zero_stage: int =
             optim / dp_size if zero_stage >= 1 else optim)
 
 
+def zero3_layer_comm(table: LayerCostTable, *, dp_size: int, bandwidth: float, latency: float
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """Per-layer ``(all-gather, reduce-scatter)`` seconds of ZeRO-3 over ``dp_size`` ranks, per micro-batch:
+    each forward (and each recomputed forward) gathers the layer's weights (``param_bytes``, as they are
+    computed with), each backward gathers them again and reduce-scatters gradients of the same size; ring
+    collectives, ``(D - 1) / D`` of the bytes over ``bandwidth`` plus ``D - 1`` latencies (0 when D is 1)."""
+    if dp_size <= 1:
+        zero = np.zeros(len(table.param_bytes))
+        return zero, zero
+    ring = (dp_size - 1) / dp_size * np.asarray(table.param_bytes, np.float64) / bandwidth + (dp_size - 1) * latency
+    ring = np.where(np.asarray(table.param_bytes) > 0, ring, 0.0)
+    return ring, ring
+
+
+def zero3_gather_reserve(table: LayerCostTable) -> float:
+    """Bytes ZeRO-3 holds gathered beyond the shards: the layer being computed and the one prefetched, taken
+    as twice the largest layer's weights (a bound the planner and the simulator both use)."""
+    return 2.0 * float(np.max(table.param_bytes)) if len(table.param_bytes) else 0.0
+
+
 def forward_flops(spec: ModelSpec, tiles, tokens, tokens_sq, *, tp_size: int = 1) -> np.ndarray:
     """Forward FLOPs (GEMMs + attention) of the whole model per device for micro-batches with the given
     feature sums (arrays broadcast; ``tokens_sq`` = sum of squared attention-segment lengths)."""

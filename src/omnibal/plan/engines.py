@@ -56,7 +56,7 @@ class EngineSpec:
 
 
 ENGINE_SPECS: dict[str, EngineSpec] = {
-    "omnibal": EngineSpec("omnibal", False, "per-layer", ("1f1b", "gpipe"), (0, 1, 2), 1, {}),
+    "omnibal": EngineSpec("omnibal", False, "per-layer", ("1f1b", "gpipe"), (0, 1, 2, 3), 1, {}),
     "deepspeed": EngineSpec(
         "deepspeed", False, "per-layer", ("1f1b",), (0, 1), 1,
         {"schedule": "DeepSpeed's PipelineEngine runs its own 1F1B TrainSchedule only",

@@ -102,8 +102,11 @@ def deepspeed_fields(plan: Plan) -> dict:
     if plan.search.get("schedule", "1f1b") != "1f1b":
         raise InputError("DeepSpeed's PipelineEngine runs 1F1B only", source="deepspeed", field="schedule")
     if i.zero_stage > 1:
-        raise InputError("DeepSpeed refuses ZeRO-2/3 with pipeline parallelism", source="deepspeed",
-                         field="zero_optimization.stage")
+        why = ("DeepSpeed refuses ZeRO-2/3 with pipeline parallelism" if i.pp_size > 1 else
+               "this export builds DeepSpeed's PipelineEngine, which refuses ZeRO-2/3; a ZeRO-3 job without "
+               "pipeline stages takes the plan's sampler (omnibal.data.sampler) and its recompute layers "
+               "(plan.json stages[0].recompute) in its own engine")
+        raise InputError(why, source="deepspeed", field="zero_optimization.stage")
     names = [m for st in plan.stages for m in st.modules]
     index = {m: k for k, m in enumerate(names)}
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": i.num_microbatches,

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from omnibal.cost.analytic import zero3_gather_reserve, zero_sharded_bytes
 from omnibal.cost.hardware import HardwareSpec, get_hardware
 from omnibal.errors import InputError
 from omnibal.plan.ablation import AblationRow, with_speedups
@@ -115,8 +116,11 @@ def model_phase(config) -> Model:
     _check_static_memory(table, config, budget)
     stage_config = StageModelConfig(num_stages=config.pp_size, num_microbatches=config.num_microbatches,
                                     dp_size=config.dp_size, zero_stage=config.zero_stage,
-                                    memory_budget_bytes=budget, p2p_bandwidth=sim_config.p2p_bandwidth,
-                                    p2p_latency=sim_config.p2p_latency, schedule=config.schedule)
+                                    memory_budget_bytes=None if budget is None else budget - _gather_reserve(
+                                        table, config),
+                                    p2p_bandwidth=sim_config.p2p_bandwidth, p2p_latency=sim_config.p2p_latency,
+                                    dp_bandwidth=sim_config.dp_bandwidth, dp_latency=sim_config.dp_latency,
+                                    schedule=config.schedule)
     return Model(spec=spec, hw=hw, table=table, sim_config=sim_config, budget=budget, stage_config=stage_config)
 
 
@@ -294,7 +298,8 @@ def ablation_phase(config, model: Model, data: Data, found: Found):
             oom=bool(summary["oom_steps"])))
         row_plans[name] = (sp.parts, mask)
         row_results[name] = res
-    return with_speedups(rows, model.spec.name), row_plans, row_results, found
+    # the paper's figures are a pipeline ablation (Megatron-DeepSpeed, PP 4): shown beside pipelined plans only
+    return with_speedups(rows, model.spec.name if config.pp_size > 1 else None), row_plans, row_results, found
 
 
 def _ablation_specs(config, model: Model, data: Data, found: Found):
@@ -327,14 +332,20 @@ def _ablation_specs(config, model: Model, data: Data, found: Found):
     return specs, found
 
 
+def _gather_reserve(table, config) -> float:
+    """Bytes of gathered ZeRO-3 weights the stage model leaves out of its budget (the simulator counts them
+    as static: ``omnibal.sim.costs``)."""
+    return zero3_gather_reserve(table) if config.zero_stage >= 3 and config.dp_size > 1 else 0.0
+
+
 def _check_static_memory(table, config, budget: float | None) -> None:
     """Fail before balancing when parameters, gradients and optimizer state alone cannot fit (the exact
     check, activations included, follows once the micro-batches are known)."""
     if budget is None:
         return
     dp = config.dp_size
-    static = (table.param_bytes + table.grad_bytes / (dp if config.zero_stage >= 2 else 1)
-              + table.optim_bytes / (dp if config.zero_stage >= 1 else 1))
+    static = sum(zero_sharded_bytes(table, dp_size=dp, zero_stage=config.zero_stage))
+    budget = budget - _gather_reserve(table, config)
     part = min_max_partition(static, config.pp_size)
     if part.bottleneck > budget:
         worst = int(np.argmax(part.stage_costs))

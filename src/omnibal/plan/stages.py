@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from omnibal.cost.analytic import zero3_layer_comm, zero_sharded_bytes
 from omnibal.cost.table import NUM_FEATURES, LayerCostTable
 from omnibal.errors import InputError
 from omnibal.layout import PLANNER_SCHEDULES, check_choice, check_layout_fields
@@ -36,13 +37,19 @@ class StageModelConfig:
     dp_size: int = 1
     """Data-parallel size (ZeRO shards optimizer state, and with stage 2 gradients, over it)."""
     zero_stage: int = 1
-    """0: nothing sharded; 1: optimizer state sharded over DP; 2: optimizer state and gradients."""
+    """0: nothing sharded; 1: optimizer state sharded over DP; 2: optimizer state and gradients; 3: also the
+    weights (gathered per layer; the budget given here is then net of the gathered layers,
+    ``omnibal.cost.analytic.zero3_gather_reserve``)."""
     memory_budget_bytes: float | None = None
     """Bytes one device may use for parameters, gradients, optimizer state and activations (None: no limit)."""
     p2p_bandwidth: float = 25e9
     """Bytes/s of the point-to-point link between neighbouring stages."""
     p2p_latency: float = 20e-6
     """Seconds of fixed cost per point-to-point transfer."""
+    dp_bandwidth: float = 25e9
+    """Bytes/s per rank of the data-parallel ring (ZeRO-3's per-layer all-gather and reduce-scatter)."""
+    dp_latency: float = 20e-6
+    """Seconds of latency per ring step."""
     memory_quantile: float = 1.0
     """Per-feature quantile of the micro-batches used to size activation memory (1.0: the maximum)."""
     schedule: str = "1f1b"
@@ -127,20 +134,28 @@ def layer_quantities(table: LayerCostTable, features: np.ndarray, config: StageM
     """Reduce a cost table and the epoch's micro-batch features ``[..., 4]`` to per-layer numbers."""
     config.validate(table.num_layers)
     mean, mem = representative_features(features, config.memory_quantile)
-    compute = table.evaluate("fwd_time", mean) + table.evaluate("bwd_time", mean)
-    recompute = table.evaluate("fwd_time", mean)
+    fwd, bwd = table.evaluate("fwd_time", mean), table.evaluate("bwd_time", mean)
     if table.tp_comm_time is not None:  # half of the collectives are in the forward, which recompute repeats
-        tp = table.evaluate("tp_comm_time", mean)
-        compute, recompute = compute + tp, recompute + 0.5 * tp
-    optim = table.optim_bytes / (config.dp_size if config.zero_stage >= 1 else 1)
-    grads = table.grad_bytes / (config.dp_size if config.zero_stage >= 2 else 1)
+        tp_half = 0.5 * table.evaluate("tp_comm_time", mean)
+        fwd, bwd = fwd + tp_half, bwd + tp_half
+    compute, recompute = fwd + bwd, fwd
+    if config.zero_stage >= 3 and config.dp_size > 1:
+        # as the simulator (sim.costs): a layer's forward takes the longer of its compute and its weights'
+        # all-gather; its backward phase (recompute + backward share one gather) the longer of that compute
+        # and the gather + the gradients' reduce-scatter; checkpointing adds only what exceeds the collectives
+        gather, scatter = zero3_layer_comm(table, dp_size=config.dp_size, bandwidth=config.dp_bandwidth,
+                                           latency=config.dp_latency)
+        back = np.maximum(bwd, gather + scatter)
+        compute = np.maximum(fwd, gather) + back
+        recompute = np.maximum(bwd + fwd, gather + scatter) - back
+    static = sum(zero_sharded_bytes(table, dp_size=config.dp_size, zero_stage=config.zero_stage))
     out = table.evaluate("out_bytes", mean)[:-1]
     boundary = 2.0 * (config.p2p_latency + out / config.p2p_bandwidth)
     return LayerQuantities(
         names=tuple(table.names), kinds=tuple(table.kinds),
         compute_time=compute, recompute_time=recompute,
         act_bytes=table.evaluate("act_bytes", mem), ckpt_bytes=table.evaluate("ckpt_bytes", mem),
-        static_bytes=table.param_bytes + grads + optim, boundary_time=boundary,
+        static_bytes=static, boundary_time=boundary,
         compute_features=mean, memory_features=mem,
     )
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from omnibal.cost.analytic import zero3_gather_reserve, zero3_layer_comm, zero_sharded_bytes
 from omnibal.cost.spec import even_cuts as _even_cuts
 from omnibal.cost.table import NUM_FEATURES, LayerCostTable
 from omnibal.errors import InputError
@@ -33,7 +34,8 @@ class SimConfig:
     tp_size: int = 1
     """Tensor-parallel size (the cost table is already per device after the TP split; counts GPUs)."""
     zero_stage: int = 1
-    """0: nothing sharded; 1: optimizer state sharded over DP; 2: optimizer state and gradients."""
+    """0: nothing sharded; 1: optimizer state sharded over DP; 2: optimizer state and gradients; 3: also the
+    weights, gathered layer by layer in every forward, recompute and backward (``zero3_layer_comm``)."""
     p2p_bandwidth: float = 25e9
     """Bytes/s of the point-to-point link between neighbouring stages."""
     p2p_latency: float = 20e-6
@@ -142,7 +144,8 @@ class StageCosts:
     static_bytes: np.ndarray
     """``[V]`` parameters + gradients + optimizer state per (virtual) stage (after ZeRO sharding)."""
     grad_bytes: np.ndarray
-    """``[V]`` gradient bytes each (virtual) stage all-reduces over DP."""
+    """``[V]`` gradient bytes each (virtual) stage all-reduces over DP at the end of a step (0 under ZeRO-3,
+    which reduce-scatters them layer by layer in the backward)."""
 
     def per_device(self, values: np.ndarray, num_chunks: int) -> np.ndarray:
         """``[..., V]`` per virtual stage -> ``[..., P]`` per device (sum over its chunks)."""
@@ -192,6 +195,8 @@ def stage_costs(table: LayerCostTable, cuts, recompute_mask, features: np.ndarra
     values = (features.reshape(-1, NUM_FEATURES) @ coef).reshape(features.shape[:-1] + (coef.shape[1],))
     parts = np.split(values, np.cumsum(widths)[:-1], axis=-1)
     fwd, bwd, recompute, act, p2p, trans_u = parts
+    if config.zero_stage >= 3 and config.dp_size > 1:
+        fwd, bwd, recompute = _zero3_times(table, features, fwd_l, bwd_l, rec, assign, config)
     if buffer_features is not None and num_stages > 1:
         flat = buffer_features.reshape(-1, NUM_FEATURES)
         p2p = (flat @ (boundary / config.p2p_bandwidth).T).reshape(p2p.shape)
@@ -207,13 +212,38 @@ def stage_costs(table: LayerCostTable, cuts, recompute_mask, features: np.ndarra
         if uniq[k].any():
             np.maximum(transient, trans_u[..., k:k + 1] * present[:, k], out=transient)
 
-    dp = config.dp_size
-    grad = assign @ table.grad_bytes
-    optim = assign @ table.optim_bytes
-    static = assign @ table.param_bytes + (grad / dp if config.zero_stage >= 2 else grad) + (
-        optim / dp if config.zero_stage >= 1 else optim)
+    zero3 = config.zero_stage >= 3 and config.dp_size > 1
+    # ZeRO-3 reduce-scatters each layer's gradients inside the backward (in bwd above): no sync at step end
+    grad = np.zeros(num_stages) if zero3 else assign @ table.grad_bytes
+    static = assign @ sum(zero_sharded_bytes(table, dp_size=config.dp_size, zero_stage=config.zero_stage))
+    if zero3:
+        static = static + zero3_gather_reserve(table)
     return StageCosts(fwd=fwd, bwd=bwd, recompute=recompute, p2p=p2p, act_bytes=act, transient_bytes=transient,
                       static_bytes=static, grad_bytes=grad)
+
+
+def _zero3_times(table, features, fwd_l, bwd_l, rec, assign, config: SimConfig):
+    """ZeRO-3 ``(fwd, bwd, recompute)`` per stage.
+
+    Layer by layer, the weights' all-gather runs beside the compute of the layer before it (prefetch), so a
+    layer's forward takes the longer of the two; its backward phase (the recomputed forward, when
+    checkpointed, then the backward: one gather serves both) takes the longer of that compute and the
+    gather + the gradients' reduce-scatter. The collectives hold the DP ranks in lockstep, so every rank
+    takes, layer by layer, the slowest rank's time on its same micro-batch (features ``[..., D, M, 4]``).
+    An empty micro-batch (a padding slot) costs nothing of its own."""
+    gather, scatter = zero3_layer_comm(table, dp_size=config.dp_size, bandwidth=config.dp_bandwidth,
+                                       latency=config.dp_latency)
+    lead = features.shape[:-1]
+    busy = np.any(features[..., 1:] > 0, axis=-1)[..., None]
+    f = features @ fwd_l.T  # [..., M, L]
+    redo = f * rec
+    fwd = np.where(busy, np.maximum(f, gather), 0.0)
+    back = np.where(busy, np.maximum(features @ bwd_l.T + redo, gather + scatter), 0.0)
+    redo = np.where(busy, redo, 0.0)
+    if features.ndim >= 3:  # lockstep over the DP axis
+        fwd, back, redo = (np.broadcast_to(x.max(axis=-3, keepdims=True), x.shape) for x in (fwd, back, redo))
+    per_stage = lambda x: (x.reshape(-1, x.shape[-1]) @ assign.T).reshape(lead + (assign.shape[0],))  # noqa: E731
+    return per_stage(fwd), per_stage(back - redo), per_stage(redo)
 
 
 def config_for_hardware(hardware, *, dp_size: int, pp_size: int, tp_size: int = 1, schedule: str = "1f1b",
