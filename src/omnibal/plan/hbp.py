@@ -23,8 +23,10 @@ from the cost table and the hardware, and prices the result with the step-time s
   needed; the recompute price per per-rank length comes from the planner, :func:`recompute_ratio`). The
   estimate has no per-step costs (gradient reduction, optimizer, pipeline fill) and no small-kernel
   slowdown, so it overrates SP for short packs: a degree ``d`` makes ``d`` times more steps. The simulator
-  therefore chooses each level's degree among the memory-feasible ones (:func:`refine_sp`), one level at a
-  time, longest first, the others fixed, and keeps the fastest; every degree tried is reported.
+  therefore chooses each level's degree among the memory-feasible ones
+  (:func:`omnibal.plan.hbp_search.refine_sp`), one level at a time, longest first, the others fixed, and keeps
+  the fastest; every degree tried is reported. It also searches the level lengths
+  (:func:`omnibal.plan.hbp_search.refine_lengths`).
 * **Other single levels** (``extra``): a packing made elsewhere (the plain ``omnibal plan``: its own caps,
   SP 1, adaptive recompute; ``omnibal.plan.hbp_job``) competes as a single level, so neither the single
   level nor HBP is predicted slower than it.
@@ -39,7 +41,7 @@ import numpy as np
 from omnibal.cost.table import LayerCostTable
 from omnibal.data.balance.api import BalanceConfig, balance
 from omnibal.data.balance.cost import BalanceCost
-from omnibal.data.hbp import HBPConfig, LevelCostModel, balance_hbp
+from omnibal.data.hbp import LevelCostModel
 from omnibal.errors import InputError
 from omnibal.plan.joint import JointPlanner
 from omnibal.plan.partition import even_partition
@@ -67,7 +69,13 @@ class HBPPlanConfig:
     dtype_bytes: int = 2
     """Bytes per activation value the all-to-alls move (bf16)."""
     sp_by_simulator: bool = True
-    """Choose each level's SP degree by the simulator (:func:`refine_sp`); False: the estimate's degree."""
+    """Choose each level's SP degree by the simulator (:func:`omnibal.plan.hbp_search.refine_sp`); False: the
+    estimate's degree."""
+    length_search: bool = True
+    """Search the level lengths by the simulator from the fastest of the estimate's multi-level sets
+    (:func:`omnibal.plan.hbp_search.refine_lengths`); False: only the estimate's sets."""
+    length_search_rounds: int = 4
+    """Most faster level sets that search moves to (each round simulates the moves of one set)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,7 +100,7 @@ class LevelResult:
     """Steps over the memory budget."""
     sp_trials: tuple[tuple[int, float], ...] = ()
     """``(SP degree, simulated seconds of this level)`` for every degree the simulator tried on this level,
-    the other levels fixed (:func:`refine_sp`); empty when the degree was not searched."""
+    the other levels fixed (:func:`omnibal.plan.hbp_search.refine_sp`); empty when the degree was not searched."""
 
     def to_dict(self) -> dict:
         out = {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -145,7 +153,8 @@ class Candidate:
 
 @dataclass(frozen=True, kw_only=True)
 class HBPContext:
-    """Model, cluster and data of one HBP plan (what :func:`plan_hbp` needs besides the HBP settings)."""
+    """Model, cluster and data of one HBP plan (what :func:`omnibal.plan.hbp_search.plan_hbp` needs besides the
+    HBP settings)."""
 
     table: LayerCostTable
     spec: object
@@ -348,7 +357,7 @@ class HBPPlanResult:
                 "bound": None if self.bound is None else self.bound.to_dict(), "notes": list(self.notes)}
 
 
-def _baseline_row(ctx: HBPContext, hbp: HBPPlanConfig, stats, model: LevelCostModel) -> HBPRow:
+def baseline_row(ctx: HBPContext, hbp: HBPPlanConfig, stats, model: LevelCostModel) -> HBPRow:
     """Random micro-batches of ``baseline_batch_size`` padded to the longest, one SP degree for all (the
     smallest whose run fits memory on the even partition: the per-rank token limit is for the best partition,
     so a degree it allows can still overflow a stage of the even one), even partition, full recompute."""
@@ -374,84 +383,3 @@ def simulate_schedule(ctx: HBPContext, hbp: HBPPlanConfig, schedule, stats, *, n
     row = simulate_levels(ctx, hbp, feats, schedule.meta["hbp"]["level_lengths"], name=name, recompute=recompute,
                           dropped=len(schedule.dropped))
     return Candidate(row=row, schedule=schedule, level_feats=tuple(feats))
-
-
-def refine_sp(ctx: HBPContext, hbp: HBPPlanConfig, stats, config: HBPConfig, start: Candidate, *,
-              cache: dict | None = None) -> Candidate:
-    """``start``'s levels with each level's SP degree chosen by the simulator: one level at a time, longest
-    first, the others fixed, every memory-feasible degree (it divides dp_size and a rank's share of a pack
-    fits ``max_tokens_per_rank``) balanced and simulated; the fastest is kept. The levels of the result
-    carry the degrees tried (``LevelResult.sp_trials``: degree -> that level's simulated seconds)."""
-    lengths = tuple(start.schedule.meta["hbp"]["level_lengths"])
-    degree = dict(zip(lengths, start.schedule.level_sp))
-    best, trials = start, {}
-    layout = dict(dp_size=ctx.dp_size, num_microbatches=ctx.num_microbatches, seed=ctx.seed)
-    for length in reversed(lengths):
-        seen = {lv.length: lv.time_s for lv in best.row.levels}
-        trials[length] = {degree[length]: seen[length]} if length in seen else {}
-        for d in config.model.feasible_sp(length):
-            if d == degree[length]:
-                continue
-            trial = {**degree, length: d}
-            try:
-                sched = balance_hbp(stats, **layout, cache=cache, config=replace(
-                    config, pack_lengths=lengths, level_sp=tuple(trial[n] for n in lengths)))
-            except InputError:  # this degree cannot fill whole steps of the level: not a candidate
-                continue
-            cand = simulate_schedule(ctx, hbp, sched, stats, name=start.row.name)
-            times = {lv.length: lv.time_s for lv in cand.row.levels}
-            if length in times:  # else the level handed its samples to the next (too few for a step)
-                trials[length][d] = times[length]
-            if cand.row.faster_than(best.row):
-                best, degree = cand, trial
-    levels = tuple(replace(lv, sp_trials=tuple(sorted(trials.get(lv.length, {}).items())))
-                   for lv in best.row.levels)
-    return replace(best, row=replace(best.row, levels=levels))
-
-
-def _level_sets(ctx: HBPContext, hbp: HBPPlanConfig, stats, config: HBPConfig, cache: dict) -> list[Candidate]:
-    """The estimate's best level set for each level count (each distinct set once), SP by the simulator
-    when ``hbp.sp_by_simulator``; the first is the single level."""
-    layout = dict(dp_size=ctx.dp_size, num_microbatches=ctx.num_microbatches, seed=ctx.seed)
-    out, seen = [], set()
-    for count in range(1, hbp.max_levels + 1):
-        sched = balance_hbp(stats, **layout, config=replace(config, max_levels=count), cache=cache)
-        lengths = tuple(sched.meta["hbp"]["level_lengths"])
-        if lengths in seen:
-            continue
-        seen.add(lengths)
-        cand = simulate_schedule(ctx, hbp, sched, stats, name="single level" if count == 1 else "hbp")
-        out.append(refine_sp(ctx, hbp, stats, config, cand, cache=cache) if hbp.sp_by_simulator else cand)
-    return out
-
-
-def plan_hbp(ctx: HBPContext, hbp: HBPPlanConfig, stats, *, model: LevelCostModel | None = None,
-             extra: tuple[Candidate, ...] = (), cache: dict | None = None) -> HBPPlanResult:
-    """Choose the levels, balance them, and simulate HBP against single-level packing and the baseline.
-
-    The estimate (:func:`omnibal.data.hbp.choose_levels`) proposes the best level set for each level count
-    up to ``max_levels``; the simulator chooses each level's SP degree (:func:`refine_sp`) and keeps the
-    fastest set. The single-level row is the fastest of the one-level set and the ``extra`` single levels
-    (e.g. the plain ``omnibal plan`` packing), and HBP is the fastest of everything, so HBP is never
-    predicted slower than the single level, nor the single level than an extra one. ``model``: the level
-    cost model (default: :func:`stats_level_cost_model`); ``cache``: memoises balanced levels between calls."""
-    model = model or stats_level_cost_model(ctx, hbp, stats)
-    config = HBPConfig(model=model, max_levels=1, candidate_lengths=hbp.candidate_lengths, oversize=hbp.oversize,
-                       balance=BalanceConfig(cost=model.cost))
-    cache = {} if cache is None else cache
-    sets = _level_sets(ctx, hbp, stats, config, cache)
-    single = min([sets[0], *extra], key=lambda c: c.row.rank)
-    best = min([*sets, *extra], key=lambda c: c.row.rank)
-    top = tuple(sets[0].schedule.meta["hbp"]["level_lengths"])
-    # the usual long-context recipe: the smallest SP degree the longest pack needs, full recompute, for all
-    recipe = balance_hbp(stats, dp_size=ctx.dp_size, num_microbatches=ctx.num_microbatches, seed=ctx.seed,
-                         cache=cache, config=replace(config, pack_lengths=top,
-                                                     level_sp=(model.feasible_sp(top[0])[0],)))
-    rows = (_baseline_row(ctx, hbp, stats, model),
-            simulate_schedule(ctx, hbp, recipe, stats, name="single level, full recompute", recompute="full").row,
-            replace(single.row, name="single level"), replace(best.row, name="hbp"), *(c.row for c in extra))
-    tried = tuple({"lengths": [lv.length for lv in c.row.levels], "sp": [lv.sp for lv in c.row.levels],
-                   "gpu_days": c.row.gpu_days, "origin": c.row.origin,
-                   "sp_trials": [lv.to_dict()["sp_trials"] for lv in c.row.levels]} for c in (*sets, *extra))
-    return HBPPlanResult(rows=rows, model=model, schedule=best.schedule, tried=tried,
-                         single=replace(single, row=rows[2]))

@@ -19,11 +19,11 @@ from omnibal.plan.hbp import (
     HBPContext,
     HBPPlanConfig,
     HBPPlanResult,
-    plan_hbp,
     simulate_levels,
     stats_level_cost_model,
 )
 from omnibal.plan.hbp_bound import hbp_bound
+from omnibal.plan.hbp_search import plan_hbp
 
 PLAIN = "omnibal plan"
 """Name of the plain plan's row (and its ``origin`` when it is the single level)."""

@@ -1,0 +1,171 @@
+"""The simulator's searches of an HBP plan and the plan itself (:func:`plan_hbp`).
+
+The estimate (:func:`omnibal.data.hbp.choose_levels`) proposes one level set per level count; the simulator
+(:mod:`omnibal.plan.hbp`) then chooses
+
+* each level's SP degree (:func:`refine_sp`), one level at a time, longest first, the others fixed;
+* the level lengths (:func:`refine_lengths`). The estimate ranks sets differently from the simulator (it has
+  no per-step costs, gradient sync and pipeline fill and drain, and charges every pack of a level its
+  costliest sample): on the 6B+20B long-context case its sets simulate to 368.0-377.6 GPU days while
+  {32k, 64k, 96k, 128k} simulates to 358.1 (docs/hbp.md). So from the fastest multi-level set the search
+  tries one level removed, moved to the next shorter or longer candidate length, or one candidate added,
+  each balanced and simulated, and moves to the first faster set.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from omnibal.data.balance.api import BalanceConfig
+from omnibal.data.hbp import HBPConfig, LevelCostModel, balance_hbp, candidate_lengths
+from omnibal.errors import InputError
+from omnibal.plan.hbp import (
+    Candidate,
+    HBPContext,
+    HBPPlanConfig,
+    HBPPlanResult,
+    baseline_row,
+    simulate_schedule,
+    stats_level_cost_model,
+)
+
+
+def level_lengths_of(cand: Candidate) -> tuple[int, ...]:
+    """The level lengths a candidate's schedule uses (levels left empty by the packer are not listed)."""
+    return tuple(int(n) for n in cand.schedule.meta["hbp"]["level_lengths"])
+
+
+def length_moves(lengths: tuple[int, ...], cands: tuple[int, ...], max_levels: int) -> list[tuple[int, ...]]:
+    """Level sets one move from ``lengths`` (ascending; the longest level, which holds the longest sample,
+    stays): a shorter level removed, moved to the neighbouring candidate between its neighbours, or a
+    candidate shorter than the longest level added while there are fewer than ``max_levels``."""
+    top, inner = lengths[-1], lengths[:-1]
+    out = [inner[:i] + inner[i + 1:] + (top,) for i in range(len(inner))]
+    for i, n in enumerate(inner):
+        if n not in cands:
+            continue
+        j, lo, hi = cands.index(n), (inner[i - 1] if i else 0), lengths[i + 1]
+        out += [inner[:i] + (cands[k],) + inner[i + 1:] + (top,) for k in (j - 1, j + 1)
+                if 0 <= k < len(cands) and lo < cands[k] < hi]
+    if len(lengths) < max_levels:
+        out += [tuple(sorted(lengths + (c,))) for c in cands if c < top and c not in lengths]
+    return list(dict.fromkeys(out))
+
+
+def refine_lengths(ctx: HBPContext, hbp: HBPPlanConfig, stats, config: HBPConfig, start: Candidate,
+                   tried: set, *, cache: dict | None = None) -> Candidate:
+    """``start``'s level lengths searched by the simulator: moves of :func:`length_moves` over the estimate's
+    candidate lengths, each balanced (the estimate's SP degrees) and simulated; the first faster one is kept
+    and searched from, at most ``hbp.length_search_rounds`` times. The degrees of a faster set found are then
+    chosen by :func:`refine_sp` (with ``hbp.sp_by_simulator``). Returns ``start`` when no move is faster.
+    ``tried``: level sets already simulated (skipped; the ones simulated here are added)."""
+    cands = candidate_lengths(np.asarray(stats.tokens), config)
+    layout = dict(dp_size=ctx.dp_size, num_microbatches=ctx.num_microbatches, seed=ctx.seed)
+    best = start
+    for _ in range(hbp.length_search_rounds):
+        for lengths in length_moves(level_lengths_of(best), cands, hbp.max_levels):
+            if lengths in tried:
+                continue
+            tried.add(lengths)
+            try:
+                sched = balance_hbp(stats, **layout, cache=cache, config=replace(config, pack_lengths=lengths,
+                                                                                  level_sp=None))
+            except InputError:  # a level cannot fill whole steps: not a candidate
+                continue
+            cand = simulate_schedule(ctx, hbp, sched, stats, name=start.row.name)
+            if cand.row.faster_than(best.row):
+                best = cand
+                break
+        else:
+            break
+    if best is start or not hbp.sp_by_simulator:
+        return best
+    return refine_sp(ctx, hbp, stats, config, best, cache=cache)
+
+
+def refine_sp(ctx: HBPContext, hbp: HBPPlanConfig, stats, config: HBPConfig, start: Candidate, *,
+              cache: dict | None = None) -> Candidate:
+    """``start``'s levels with each level's SP degree chosen by the simulator: one level at a time, longest
+    first, the others fixed, every memory-feasible degree (it divides dp_size and a rank's share of a pack
+    fits ``max_tokens_per_rank``) balanced and simulated; the fastest is kept. The levels of the result
+    carry the degrees tried (``LevelResult.sp_trials``: degree -> that level's simulated seconds)."""
+    lengths = tuple(start.schedule.meta["hbp"]["level_lengths"])
+    degree = dict(zip(lengths, start.schedule.level_sp))
+    best, trials = start, {}
+    layout = dict(dp_size=ctx.dp_size, num_microbatches=ctx.num_microbatches, seed=ctx.seed)
+    for length in reversed(lengths):
+        seen = {lv.length: lv.time_s for lv in best.row.levels}
+        trials[length] = {degree[length]: seen[length]} if length in seen else {}
+        for d in config.model.feasible_sp(length):
+            if d == degree[length]:
+                continue
+            trial = {**degree, length: d}
+            try:
+                sched = balance_hbp(stats, **layout, cache=cache, config=replace(
+                    config, pack_lengths=lengths, level_sp=tuple(trial[n] for n in lengths)))
+            except InputError:  # this degree cannot fill whole steps of the level: not a candidate
+                continue
+            cand = simulate_schedule(ctx, hbp, sched, stats, name=start.row.name)
+            times = {lv.length: lv.time_s for lv in cand.row.levels}
+            if length in times:  # else the level handed its samples to the next (too few for a step)
+                trials[length][d] = times[length]
+            if cand.row.faster_than(best.row):
+                best, degree = cand, trial
+    levels = tuple(replace(lv, sp_trials=tuple(sorted(trials.get(lv.length, {}).items())))
+                   for lv in best.row.levels)
+    return replace(best, row=replace(best.row, levels=levels))
+
+
+def _level_sets(ctx: HBPContext, hbp: HBPPlanConfig, stats, config: HBPConfig, cache: dict) -> list[Candidate]:
+    """The estimate's best level set for each level count (each distinct set once), SP by the simulator
+    when ``hbp.sp_by_simulator``; the first is the single level."""
+    layout = dict(dp_size=ctx.dp_size, num_microbatches=ctx.num_microbatches, seed=ctx.seed)
+    out, seen = [], set()
+    for count in range(1, hbp.max_levels + 1):
+        sched = balance_hbp(stats, **layout, config=replace(config, max_levels=count), cache=cache)
+        lengths = tuple(sched.meta["hbp"]["level_lengths"])
+        if lengths in seen:
+            continue
+        seen.add(lengths)
+        cand = simulate_schedule(ctx, hbp, sched, stats, name="single level" if count == 1 else "hbp")
+        out.append(refine_sp(ctx, hbp, stats, config, cand, cache=cache) if hbp.sp_by_simulator else cand)
+    return out
+
+
+def plan_hbp(ctx: HBPContext, hbp: HBPPlanConfig, stats, *, model: LevelCostModel | None = None,
+             extra: tuple[Candidate, ...] = (), cache: dict | None = None) -> HBPPlanResult:
+    """Choose the levels, balance them, and simulate HBP against single-level packing and the baseline.
+
+    The estimate (:func:`omnibal.data.hbp.choose_levels`) proposes the best level set for each level count
+    up to ``max_levels``; the simulator chooses each level's SP degree (:func:`refine_sp`), searches the level
+    lengths from the fastest multi-level set (``length_search``) and keeps the fastest set. The single-level
+    row is the fastest of the one-level set and the ``extra`` single levels (e.g. the plain ``omnibal plan``
+    packing), and HBP is the fastest of everything, so HBP is never predicted slower than the single level,
+    nor the single level than an extra one. ``model``: the level
+    cost model (default: :func:`stats_level_cost_model`); ``cache``: memoises balanced levels between calls."""
+    model = model or stats_level_cost_model(ctx, hbp, stats)
+    config = HBPConfig(model=model, max_levels=1, candidate_lengths=hbp.candidate_lengths, oversize=hbp.oversize,
+                       balance=BalanceConfig(cost=model.cost))
+    cache = {} if cache is None else cache
+    sets = _level_sets(ctx, hbp, stats, config, cache)
+    if hbp.length_search:
+        start = min([c for c in sets if len(c.row.levels) > 1] or sets, key=lambda c: c.row.rank)
+        found = refine_lengths(ctx, hbp, stats, config, start, {level_lengths_of(c) for c in sets}, cache=cache)
+        sets += [found] if found is not start else []
+    single = min([sets[0], *extra], key=lambda c: c.row.rank)
+    best = min([*sets, *extra], key=lambda c: c.row.rank)
+    top = tuple(sets[0].schedule.meta["hbp"]["level_lengths"])
+    # the usual long-context recipe: the smallest SP degree the longest pack needs, full recompute, for all
+    recipe = balance_hbp(stats, dp_size=ctx.dp_size, num_microbatches=ctx.num_microbatches, seed=ctx.seed,
+                         cache=cache, config=replace(config, pack_lengths=top,
+                                                     level_sp=(model.feasible_sp(top[0])[0],)))
+    rows = (baseline_row(ctx, hbp, stats, model),
+            simulate_schedule(ctx, hbp, recipe, stats, name="single level, full recompute", recompute="full").row,
+            replace(single.row, name="single level"), replace(best.row, name="hbp"), *(c.row for c in extra))
+    tried = tuple({"lengths": [lv.length for lv in c.row.levels], "sp": [lv.sp for lv in c.row.levels],
+                   "gpu_days": c.row.gpu_days, "origin": c.row.origin,
+                   "sp_trials": [lv.to_dict()["sp_trials"] for lv in c.row.levels]} for c in (*sets, *extra))
+    return HBPPlanResult(rows=rows, model=model, schedule=best.schedule, tried=tried,
+                         single=replace(single, row=rows[2]))

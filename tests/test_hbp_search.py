@@ -1,0 +1,64 @@
+"""HBP level lengths searched by the simulator (``omnibal.plan.hbp_search``)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from omnibal.data.balance.api import BalanceConfig
+from omnibal.data.hbp import HBPConfig, balance_hbp, candidate_lengths
+from omnibal.plan.hbp import HBPPlanConfig, simulate_schedule, stats_level_cost_model
+from omnibal.plan.hbp_job import hbp_context
+from omnibal.plan.hbp_search import length_moves, level_lengths_of, refine_lengths
+from omnibal.plan.job import PlanJobConfig
+from omnibal.stats.long_context import long_context_mixture
+
+CANDS = (2048, 3072, 4096, 6144, 8192)
+
+
+def test_length_moves_remove_shift_or_add_one_level_and_keep_the_longest():
+    moves = length_moves((3072, 6144, 8192), CANDS, max_levels=4)
+    assert (6144, 8192) in moves and (3072, 8192) in moves  # removed
+    assert (2048, 6144, 8192) in moves and (4096, 6144, 8192) in moves  # 3072 shifted both ways
+    assert (3072, 4096, 8192) in moves  # 6144 shifted down; up would reach the longest level
+    assert (2048, 3072, 6144, 8192) in moves and (3072, 4096, 6144, 8192) in moves  # added
+    assert all(m[-1] == 8192 and list(m) == sorted(set(m)) and len(m) <= 4 for m in moves)
+    assert len(moves) == len(set(moves)) and (3072, 6144, 8192) not in moves
+    # at max_levels nothing is added; a single level can only gain one
+    assert all(len(m) <= 3 for m in length_moves((3072, 6144, 8192), CANDS, max_levels=3))
+    assert length_moves((8192,), CANDS, max_levels=2) == [(c, 8192) for c in CANDS[:-1]]
+    assert length_moves((8192,), CANDS, max_levels=1) == []
+
+
+@pytest.fixture(scope="module")
+def small():
+    job = PlanJobConfig(preset="internvl2-8b", dp_size=8, pp_size=2, num_microbatches=2, balance_samples=None)
+    stats = long_context_mixture(3000, seed=4)
+    ctx = hbp_context(job, num_samples=len(stats), balanced_samples=len(stats))
+    hbp = HBPPlanConfig()
+    model = stats_level_cost_model(ctx, hbp, stats)
+    config = HBPConfig(model=model, max_levels=1, balance=BalanceConfig(cost=model.cost))
+    return ctx, hbp, stats, config
+
+
+def test_search_from_a_poor_level_set_reaches_a_faster_one(small):
+    ctx, hbp, stats, config = small
+    cands = candidate_lengths(np.asarray(stats.tokens), config)
+    poor = (cands[0], cands[-1])  # every short and mid-length sample in the longest level
+    sched = balance_hbp(stats, dp_size=ctx.dp_size, num_microbatches=ctx.num_microbatches, seed=ctx.seed,
+                        config=replace(config, pack_lengths=poor))
+    start = simulate_schedule(ctx, hbp, sched, stats, name="hbp")
+    tried = {poor}
+    found = refine_lengths(ctx, hbp, stats, config, start, tried, cache={})
+    assert found.row.gpu_days < start.row.gpu_days
+    lengths = level_lengths_of(found)
+    assert lengths != poor and lengths[-1] == cands[-1] and len(lengths) <= hbp.max_levels
+    assert set(lengths) <= set(cands) and lengths in tried and len(tried) > 1
+    assert np.all(found.schedule.sample_counts() == 1) and found.row.oom_steps == 0
+    # the degrees of the set found were searched by the simulator
+    assert all(lv.sp_trials for lv in found.row.levels)
+    # no rounds: the start comes back unchanged
+    same = refine_lengths(ctx, replace(hbp, length_search_rounds=0), stats, config, start, {poor})
+    assert same is start
