@@ -51,7 +51,15 @@ def test_search_from_a_poor_level_set_reaches_a_faster_one(small):
                         config=replace(config, pack_lengths=poor))
     start = simulate_schedule(ctx, hbp, sched, stats, name="hbp")
     tried = {poor}
-    found = refine_lengths(ctx, hbp, stats, config, start, tried, cache={})
+    import io
+
+    from tqdm import tqdm
+
+    out = io.StringIO()
+    with tqdm(file=out) as bar:  # the counter `omnibal plan --hbp` shows on a terminal
+        found = refine_lengths(ctx, hbp, stats, config, start, tried, cache={}, bar=bar)
+    # one count per simulated set: the length moves that balanced, then the degrees tried for the set found
+    assert bar.n > sum(len(lv.sp_trials) - 1 for lv in found.row.levels) and "GPU days" in out.getvalue()
     assert found.row.gpu_days < start.row.gpu_days
     lengths = level_lengths_of(found)
     assert lengths != poor and lengths[-1] == cands[-1] and len(lengths) <= hbp.max_levels

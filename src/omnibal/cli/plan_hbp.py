@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -32,7 +33,8 @@ def run_hbp(args: argparse.Namespace, config) -> int:
         from omnibal.stats.synthetic import synthetic_internvl_mixture
 
         stats = synthetic_internvl_mixture(config.num_samples, config.seed)
-    result = run_hbp_job(config, HBPPlanConfig(baseline_batch_size=config.baseline_batch_size), stats)
+    hbp = HBPPlanConfig(baseline_batch_size=config.baseline_batch_size, progress=sys.stderr.isatty() and not args.quiet)
+    result = run_hbp_job(config, hbp, stats)
     gpus = config.dp_size * config.pp_size * config.tp_size
     print(f"omnibal plan --hbp: {config.hf_model or config.preset} on {gpus} x {config.hardware_name} "
           f"(DP {config.dp_size} x PP {config.pp_size} x TP {config.tp_size}), data {stats.source}")

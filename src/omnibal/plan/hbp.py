@@ -76,6 +76,8 @@ class HBPPlanConfig:
     (:func:`omnibal.plan.hbp_search.refine_lengths`); False: only the estimate's sets."""
     length_search_rounds: int = 4
     """Most faster level sets that search moves to (each round simulates the moves of one set)."""
+    progress: bool = False
+    """Count the level sets simulated on stderr (a tqdm counter: the searches run for a minute or two)."""
 
 
 @dataclass(frozen=True, kw_only=True)

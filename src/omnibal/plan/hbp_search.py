@@ -14,9 +14,11 @@ The estimate (:func:`omnibal.data.hbp.choose_levels`) proposes one level set per
 
 from __future__ import annotations
 
+import sys
 from dataclasses import replace
 
 import numpy as np
+from tqdm import tqdm
 
 from omnibal.data.balance.api import BalanceConfig
 from omnibal.data.hbp import HBPConfig, LevelCostModel, balance_hbp, candidate_lengths
@@ -55,7 +57,7 @@ def length_moves(lengths: tuple[int, ...], cands: tuple[int, ...], max_levels: i
 
 
 def refine_lengths(ctx: HBPContext, hbp: HBPPlanConfig, stats, config: HBPConfig, start: Candidate,
-                   tried: set, *, cache: dict | None = None) -> Candidate:
+                   tried: set, *, cache: dict | None = None, bar=None) -> Candidate:
     """``start``'s level lengths searched by the simulator: moves of :func:`length_moves` over the estimate's
     candidate lengths, each balanced (the estimate's SP degrees) and simulated; the first faster one is kept
     and searched from, at most ``hbp.length_search_rounds`` times. The degrees of a faster set found are then
@@ -74,7 +76,7 @@ def refine_lengths(ctx: HBPContext, hbp: HBPPlanConfig, stats, config: HBPConfig
                                                                                   level_sp=None))
             except InputError:  # a level cannot fill whole steps: not a candidate
                 continue
-            cand = simulate_schedule(ctx, hbp, sched, stats, name=start.row.name)
+            cand = _simulated(ctx, hbp, sched, stats, start.row.name, bar)
             if cand.row.faster_than(best.row):
                 best = cand
                 break
@@ -82,11 +84,11 @@ def refine_lengths(ctx: HBPContext, hbp: HBPPlanConfig, stats, config: HBPConfig
             break
     if best is start or not hbp.sp_by_simulator:
         return best
-    return refine_sp(ctx, hbp, stats, config, best, cache=cache)
+    return refine_sp(ctx, hbp, stats, config, best, cache=cache, bar=bar)
 
 
 def refine_sp(ctx: HBPContext, hbp: HBPPlanConfig, stats, config: HBPConfig, start: Candidate, *,
-              cache: dict | None = None) -> Candidate:
+              cache: dict | None = None, bar=None) -> Candidate:
     """``start``'s levels with each level's SP degree chosen by the simulator: one level at a time, longest
     first, the others fixed, every memory-feasible degree (it divides dp_size and a rank's share of a pack
     fits ``max_tokens_per_rank``) balanced and simulated; the fastest is kept. The levels of the result
@@ -107,7 +109,7 @@ def refine_sp(ctx: HBPContext, hbp: HBPPlanConfig, stats, config: HBPConfig, sta
                     config, pack_lengths=lengths, level_sp=tuple(trial[n] for n in lengths)))
             except InputError:  # this degree cannot fill whole steps of the level: not a candidate
                 continue
-            cand = simulate_schedule(ctx, hbp, sched, stats, name=start.row.name)
+            cand = _simulated(ctx, hbp, sched, stats, start.row.name, bar)
             times = {lv.length: lv.time_s for lv in cand.row.levels}
             if length in times:  # else the level handed its samples to the next (too few for a step)
                 trials[length][d] = times[length]
@@ -118,7 +120,17 @@ def refine_sp(ctx: HBPContext, hbp: HBPPlanConfig, stats, config: HBPConfig, sta
     return replace(best, row=replace(best.row, levels=levels))
 
 
-def _level_sets(ctx: HBPContext, hbp: HBPPlanConfig, stats, config: HBPConfig, cache: dict) -> list[Candidate]:
+def _simulated(ctx: HBPContext, hbp: HBPPlanConfig, sched, stats, name: str, bar) -> Candidate:
+    """``simulate_schedule``, counted on ``bar`` (a tqdm counter, or None)."""
+    cand = simulate_schedule(ctx, hbp, sched, stats, name=name)
+    if bar is not None:
+        bar.update(1)
+        bar.set_postfix_str(f"last {cand.row.gpu_days:.1f} GPU days")
+    return cand
+
+
+def _level_sets(ctx: HBPContext, hbp: HBPPlanConfig, stats, config: HBPConfig, cache: dict,
+                bar=None) -> list[Candidate]:
     """The estimate's best level set for each level count (each distinct set once), SP by the simulator
     when ``hbp.sp_by_simulator``; the first is the single level."""
     layout = dict(dp_size=ctx.dp_size, num_microbatches=ctx.num_microbatches, seed=ctx.seed)
@@ -129,8 +141,8 @@ def _level_sets(ctx: HBPContext, hbp: HBPPlanConfig, stats, config: HBPConfig, c
         if lengths in seen:
             continue
         seen.add(lengths)
-        cand = simulate_schedule(ctx, hbp, sched, stats, name="single level" if count == 1 else "hbp")
-        out.append(refine_sp(ctx, hbp, stats, config, cand, cache=cache) if hbp.sp_by_simulator else cand)
+        cand = _simulated(ctx, hbp, sched, stats, "single level" if count == 1 else "hbp", bar)
+        out.append(refine_sp(ctx, hbp, stats, config, cand, cache=cache, bar=bar) if hbp.sp_by_simulator else cand)
     return out
 
 
@@ -149,11 +161,13 @@ def plan_hbp(ctx: HBPContext, hbp: HBPPlanConfig, stats, *, model: LevelCostMode
     config = HBPConfig(model=model, max_levels=1, candidate_lengths=hbp.candidate_lengths, oversize=hbp.oversize,
                        balance=BalanceConfig(cost=model.cost))
     cache = {} if cache is None else cache
-    sets = _level_sets(ctx, hbp, stats, config, cache)
-    if hbp.length_search:
-        start = min([c for c in sets if len(c.row.levels) > 1] or sets, key=lambda c: c.row.rank)
-        found = refine_lengths(ctx, hbp, stats, config, start, {level_lengths_of(c) for c in sets}, cache=cache)
-        sets += [found] if found is not start else []
+    with tqdm(desc="HBP level sets simulated", unit="set", file=sys.stderr, disable=not hbp.progress) as bar:
+        sets = _level_sets(ctx, hbp, stats, config, cache, bar)
+        if hbp.length_search:
+            start = min([c for c in sets if len(c.row.levels) > 1] or sets, key=lambda c: c.row.rank)
+            found = refine_lengths(ctx, hbp, stats, config, start, {level_lengths_of(c) for c in sets},
+                                   cache=cache, bar=bar)
+            sets += [found] if found is not start else []
     single = min([sets[0], *extra], key=lambda c: c.row.rank)
     best = min([*sets, *extra], key=lambda c: c.row.rank)
     top = tuple(sets[0].schedule.meta["hbp"]["level_lengths"])
