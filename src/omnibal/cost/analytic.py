@@ -299,10 +299,11 @@ def zero_sharded_bytes(table: LayerCostTable, *, dp_size: int, zero_stage: int =
 
 def zero3_layer_comm(table: LayerCostTable, *, dp_size: int, bandwidth: float, latency: float
                      ) -> tuple[np.ndarray, np.ndarray]:
-    """Per-layer ``(all-gather, reduce-scatter)`` seconds of ZeRO-3 over ``dp_size`` ranks, per micro-batch:
-    each forward (and each recomputed forward) gathers the layer's weights (``param_bytes``, as they are
-    computed with), each backward gathers them again and reduce-scatters gradients of the same size; ring
-    collectives, ``(D - 1) / D`` of the bytes over ``bandwidth`` plus ``D - 1`` latencies (0 when D is 1)."""
+    """Per-layer ``(all-gather, reduce-scatter)`` seconds of ZeRO-3 over ``dp_size`` ranks: per micro-batch
+    the forward gathers the layer's weights (``param_bytes``, as they are computed with), the backward phase
+    (the recomputed forward when checkpointed, then the backward) gathers them once more and reduce-scatters
+    gradients of the same size; ring collectives, ``(D - 1) / D`` of the bytes over ``bandwidth`` plus
+    ``D - 1`` latencies (0 when D is 1). How they overlap with compute: ``omnibal.sim.costs``."""
     if dp_size <= 1:
         zero = np.zeros(len(table.param_bytes))
         return zero, zero
