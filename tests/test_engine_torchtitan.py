@@ -85,3 +85,19 @@ def test_a_fragment_for_another_model_or_layout_is_refused(tmp_path):
     bad = {**fragment, "parallelism": {**fragment["parallelism"], "module_names_per_stage": [["x"]]}}
     with pytest.raises(InputError, match=r"^torchtitan: field 'parallelism': torchtitan refused"):
         parallelism_config(bad)
+
+
+def test_a_zero3_plan_becomes_fsdp_resharding_after_every_forward(tmp_path):
+    from torchtitan.config import ParallelismConfig
+
+    from omnibal.integrations.torchtitan import load_fragment, parallelism_config, write_exports
+    from omnibal.plan.job import PlanJobConfig, run_plan_job
+    from omnibal.plan.search import SearchConfig
+
+    plan = run_plan_job(PlanJobConfig(engine="torchtitan", num_gpus=64, dp_size=64, pp_size=1, zero_stage=3,
+                                      num_microbatches=1, num_samples=20_000, balance_samples=None,
+                                      search=SearchConfig(radius=1, top_k=2, sample_steps=16))).plan
+    par = parallelism_config(load_fragment(write_exports(plan, tmp_path)[0]))
+    assert isinstance(par, ParallelismConfig)
+    assert (par.data_parallel_shard_degree, par.data_parallel_replicate_degree) == (64, 1)
+    assert par.fsdp_reshard_after_forward == "always" and par.pipeline_parallel_degree == 1

@@ -66,10 +66,10 @@ ENGINE_SPECS: dict[str, EngineSpec] = {
         {"schedule": "Megatron-core's pipeline schedule is 1F1B (forward_backward_pipelining_without_interleaving)",
          "zero_stage": "Megatron's distributed optimizer shards optimizer state only (ZeRO-1)"}),
     "torchtitan": EngineSpec(
-        "torchtitan", True, "all-or-none", ("1f1b", "gpipe"), (0, 2), 2,
+        "torchtitan", True, "all-or-none", ("1f1b", "gpipe"), (0, 2, 3), 2,
         {"zero_stage": "torchtitan shards with FSDP2: ZeRO-2-like with fsdp_reshard_after_forward='never' "
-                       "(use 2), or plain replication (use 0); optimizer-only sharding (ZeRO-1) does not exist "
-                       "there"}),
+                       "(use 2), ZeRO-3-like with 'always' (use 3), or plain replication (use 0); "
+                       "optimizer-only sharding (ZeRO-1) does not exist there"}),
 }
 
 

@@ -193,15 +193,15 @@ def torchtitan_fields(plan: Plan) -> dict:
     i = plan.inputs
     if i.zero_stage == 1:
         raise InputError("optimizer-only sharding (ZeRO-1) does not exist in torchtitan; plan with ZeRO 0 "
-                         "(replicate) or 2 (FSDP, reshard_after_forward never)", source="torchtitan",
-                         field="data_parallel_shard_degree")
+                         "(replicate), 2 (FSDP, reshard_after_forward never) or 3 (FSDP, reshard_after_forward "
+                         "always)", source="torchtitan", field="data_parallel_shard_degree")
     schedule = {"1f1b": "1F1B", "gpipe": "GPipe"}[plan.search.get("schedule", "1f1b")]
     parallelism = {"pipeline_parallel_degree": i.pp_size, "pipeline_parallel_schedule": schedule,
                    "pipeline_parallel_microbatch_size": 1, "module_fqns_per_model_part": torchtitan_fqns(plan),
                    "tensor_parallel_degree": i.tp_size}
-    if i.zero_stage == 2:
+    if i.zero_stage >= 2:  # FSDP2 keeps the gathered weights after the forward (ZeRO-2) or frees them (ZeRO-3)
         parallelism.update(data_parallel_shard_degree=i.dp_size, data_parallel_replicate_degree=1,
-                           fsdp_reshard_after_forward="never")
+                           fsdp_reshard_after_forward="never" if i.zero_stage == 2 else "always")
     else:
         parallelism.update(data_parallel_shard_degree=1, data_parallel_replicate_degree=i.dp_size)
     return {"model": i.model, "parallelism": parallelism,
