@@ -203,7 +203,7 @@ def test_baseline_padding_prices_only_the_baselines_padding():
         replace(base, baseline_padding="fixed_buffer").validate()
 
 
-def test_fixed_caps_set_the_planned_pack_and_turn_the_pack_search_off():
+def test_fixed_caps_set_the_planned_pack_and_turn_the_pack_search_off(tmp_path):
     from omnibal.cli.plan import add_arguments, job_config, run
     from omnibal.errors import InputError
 
@@ -221,5 +221,10 @@ def test_fixed_caps_set_the_planned_pack_and_turn_the_pack_search_off():
     add_arguments(parser)
     cli = job_config(parser.parse_args(["--max-tiles", "9", "--max-tokens", "4096", "--oversize", "drop"]))
     assert (cli.max_tiles, cli.max_tokens, cli.oversize) == (9, 4096, "drop")
-    with pytest.raises(InputError, match="--hbp"):
-        run(parser.parse_args(["--hbp", "--max-tiles", "9"]))
+    for args, flag in ((["--max-tiles", "9"], "--max-tiles"), (["--max-tokens", "4096"], "--max-tokens"),
+                       (["--oversize", "own_pack"], "--oversize"), (["--baseline-padding", "varlen"],
+                                                                    "--baseline-padding")):
+        with pytest.raises(InputError, match=f"^{flag}: .*--hbp"):  # refused, never ignored
+            run(parser.parse_args(["--hbp", *args, "--out", str(tmp_path)]))
+    with pytest.raises(InputError, match="^--max-tiles: .*no buffer"):  # a fixed-count sampler has no caps
+        replace(base, max_tiles=9, balance_method="random").validate()

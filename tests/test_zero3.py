@@ -7,7 +7,9 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from omnibal.cost.analytic import analytic_cost_table, zero3_gather_reserve, zero3_layer_comm, zero_sharded_bytes
+from omnibal.cost.analytic import analytic_cost_table, zero_sharded_bytes
+from omnibal.cost.analytic import zero3_gather_reserve as _reserve
+from omnibal.cost.analytic import zero3_layer_comm as _comm
 from omnibal.cost.hardware import get_hardware
 from omnibal.cost.presets import get_model_preset
 from omnibal.errors import InputError
@@ -23,22 +25,44 @@ NONE = np.zeros(L, bool)
 MB = np.array([1.0, 10.0, 4000.0, 4000.0**2 / 4])  # one, tiles, tokens, sum of squared lengths
 
 
-def _config(bandwidth, dp=8):
-    return SimConfig(dp_size=dp, zero_stage=3, dp_bandwidth=bandwidth, dp_latency=0.0)
+def _config(bandwidth, dp=8, **kw):
+    return SimConfig(dp_size=dp, zero_stage=3, dp_bandwidth=bandwidth, dp_latency=0.0, **kw)
+
+
+def zero3_layer_comm(table, dp_size, bandwidth):
+    return _comm(table, zero_stage=3, dp_size=dp_size, bandwidth=bandwidth, latency=0.0)
+
+
+def zero3_gather_reserve(table, dp_size=8):
+    return _reserve(table, zero_stage=3, dp_size=dp_size)
 
 
 def test_a_layer_takes_the_longer_of_its_compute_and_its_weights_gather():
     features = MB[None, :]
-    gather, scatter = zero3_layer_comm(TABLE, dp_size=8, bandwidth=1e9, latency=0.0)
-    assert np.all(gather > 0) or np.all(gather[TABLE.param_bytes > 0] > 0)
-    np.testing.assert_allclose(gather, 7 / 8 * TABLE.param_bytes / 1e9)
+    forward, backward = zero3_layer_comm(TABLE, 8, 1e9)
+    np.testing.assert_allclose(forward, 7 / 8 * TABLE.param_bytes / 1e9)  # gather the weights
+    np.testing.assert_allclose(backward, 2 * 7 / 8 * TABLE.param_bytes / 1e9)  # again, + the grads' reduce-scatter
     slow = stage_costs(TABLE, CUTS, NONE, features, _config(1e6))  # collectives dominate every layer
-    np.testing.assert_allclose(slow.fwd[0, 0], zero3_layer_comm(TABLE, dp_size=8, bandwidth=1e6, latency=0.0)[0].sum())
+    np.testing.assert_allclose(slow.fwd[0, 0], zero3_layer_comm(TABLE, 8, 1e6)[0].sum())
     fast = stage_costs(TABLE, CUTS, NONE, features, _config(1e18))  # compute dominates: ZeRO-1's times
     zero1 = stage_costs(TABLE, CUTS, NONE, features, SimConfig(dp_size=8, zero_stage=1))
     np.testing.assert_allclose(fast.fwd, zero1.fwd, rtol=1e-9)
     np.testing.assert_allclose(fast.bwd, zero1.bwd, rtol=1e-9)
-    assert scatter.shape == gather.shape
+
+
+def test_one_rank_is_zero2_and_a_frozen_layer_moves_nothing_in_the_backward():
+    features = np.broadcast_to(MB, (1, 1, 2, 4))
+    alone, zero2 = (stage_costs(TABLE, CUTS, ALL, features, SimConfig(dp_size=1, zero_stage=z)) for z in (3, 2))
+    for name in ("fwd", "bwd", "recompute", "static_bytes", "grad_bytes"):
+        np.testing.assert_array_equal(getattr(alone, name), getattr(zero2, name))
+    assert zero3_gather_reserve(TABLE, dp_size=1) == 0 and not zero3_layer_comm(TABLE, 1, 1e9)[1].any()
+    frozen = analytic_cost_table(replace(get_model_preset("internvl-chat-1.5"), freeze_vision=True),
+                                 get_hardware("a100-80g"))
+    vision = np.array([k.startswith("vision") for k in frozen.kinds])
+    forward, backward = zero3_layer_comm(frozen, 8, 1e9)
+    assert forward[vision].all() and not backward[vision].any() and backward[~vision].all()
+    costs = stage_costs(frozen, [0, int(vision.sum()), L], NONE, MB[None, :], _config(1e6))
+    assert costs.bwd[0, 0] == 0 and costs.fwd[0, 0] > 0
 
 
 def test_recompute_shares_the_backwards_gather():
@@ -66,10 +90,17 @@ def test_memory_shards_the_weights_and_keeps_two_layers_gathered_and_no_step_end
     features = np.broadcast_to(MB, (2, 8, 1, 4))
     res = simulate_epoch(TABLE, CUTS, ALL, features, _config(25e9))
     sharded = sum(zero_sharded_bytes(TABLE, dp_size=8, zero_stage=3)).sum()
-    assert zero3_gather_reserve(TABLE) == 2 * TABLE.param_bytes.max()
+    assert zero3_gather_reserve(TABLE) == 2 * TABLE.param_bytes.max() + TABLE.grad_bytes.max()
     np.testing.assert_allclose(res.static_bytes, [sharded + zero3_gather_reserve(TABLE)])
     assert res.static_bytes[0] < sum(zero_sharded_bytes(TABLE, dp_size=8, zero_stage=2)).sum()
     assert np.all(res.allreduce_time == 0)
+    # interleaved: two model chunks per device hold the gathered layers once, not once per chunk
+    cuts = [0, 24, 48, 72, L]
+    two = simulate_epoch(TABLE, cuts, ALL, features[:, :, :1].repeat(2, axis=2),
+                         _config(25e9, schedule="interleaved", num_chunks=2))
+    layer = sum(zero_sharded_bytes(TABLE, dp_size=8, zero_stage=3))
+    devices = [layer[0:24].sum() + layer[48:72].sum(), layer[24:48].sum() + layer[72:].sum()]  # chunk c*P + d
+    np.testing.assert_allclose(two.static_bytes, np.array(devices) + zero3_gather_reserve(TABLE))
 
 
 @pytest.mark.parametrize("bandwidth", [1e8, 25e9, 1e18])

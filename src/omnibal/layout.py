@@ -66,10 +66,10 @@ class Padding(StrEnum):
 
 
 PLAN_PADDINGS = (Padding.VARLEN, Padding.FIXED_BUFFER)
+"""How a plan's balanced packs may run (``pad_to_longest`` is the baseline's)."""
 BASELINE_PADDINGS = (Padding.PAD_TO_LONGEST, Padding.VARLEN)
 """How the ablation baseline's fixed micro-batches run: padded to their longest sample (InternVL-Chat's
 collator) or variable-length (a trainer that already packs its fixed-size micro-batches)."""
-"""How a plan's balanced packs may run (``pad_to_longest`` is the baseline's)."""
 
 
 class OversizePolicy(StrEnum):

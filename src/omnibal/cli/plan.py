@@ -148,6 +148,19 @@ def pack_search_config(text: str):
                          field="pack_microbatches") from None
 
 
+def _check_hbp_args(args: argparse.Namespace) -> None:
+    """``--hbp`` options that single-level planning takes and HBP does not: refused, never ignored."""
+    for flag, dest in (("--max-tiles", "max_tiles"), ("--max-tokens", "max_tokens")):
+        if getattr(args, dest) is not None:
+            raise InputError(f"--hbp chooses each level's caps itself; drop {flag}", source=flag, field=dest)
+    if args.oversize == "own_pack":
+        raise InputError("--hbp: a sample no level holds (at the largest SP degree) is an error or dropped; use "
+                         "--oversize error or drop", source="--oversize", field="oversize")
+    if args.baseline_padding != "pad_to_longest":
+        raise InputError("--hbp's baseline runs random micro-batches padded to their longest sample (docs/hbp.md); "
+                         "drop --baseline-padding", source="--baseline-padding", field="baseline_padding")
+
+
 def run(args: argparse.Namespace) -> int:
     from omnibal.outputs import check_dir
     from omnibal.plan.job import run_plan_job
@@ -157,9 +170,7 @@ def run(args: argparse.Namespace) -> int:
     if args.hbp:
         from omnibal.cli.plan_hbp import run_hbp
 
-        if args.max_tiles is not None or args.max_tokens is not None:
-            raise InputError("--hbp chooses each level's caps itself; drop --max-tiles / --max-tokens",
-                             source="--max-tiles", field="max_tiles")
+        _check_hbp_args(args)
         return run_hbp(args, config)
     check_dir(args.out, "--out")  # before minutes of planning, not after
     progress = not args.quiet and sys.stderr.isatty()

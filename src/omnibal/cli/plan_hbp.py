@@ -33,7 +33,8 @@ def run_hbp(args: argparse.Namespace, config) -> int:
         from omnibal.stats.synthetic import synthetic_internvl_mixture
 
         stats = synthetic_internvl_mixture(config.num_samples, config.seed)
-    hbp = HBPPlanConfig(baseline_batch_size=config.baseline_batch_size, progress=sys.stderr.isatty() and not args.quiet)
+    hbp = HBPPlanConfig(baseline_batch_size=config.baseline_batch_size, oversize=config.oversize,
+                        progress=sys.stderr.isatty() and not args.quiet)
     result = run_hbp_job(config, hbp, stats)
     gpus = config.dp_size * config.pp_size * config.tp_size
     print(f"omnibal plan --hbp: {config.hf_model or config.preset} on {gpus} x {config.hardware_name} "

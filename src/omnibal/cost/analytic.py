@@ -297,25 +297,41 @@ def zero_sharded_bytes(table: LayerCostTable, *, dp_size: int, zero_stage: int =
             optim / dp_size if zero_stage >= 1 else optim)
 
 
-def zero3_layer_comm(table: LayerCostTable, *, dp_size: int, bandwidth: float, latency: float
+def zero3_active(zero_stage: int, dp_size: int) -> bool:
+    """Whether weights are sharded and gathered layer by layer (ZeRO-3 over more than one rank)."""
+    return zero_stage >= 3 and dp_size > 1
+
+
+def _ring(nbytes: np.ndarray, dp_size: int, bandwidth: float, latency: float) -> np.ndarray:
+    """Seconds of a ring all-gather / reduce-scatter of ``nbytes`` (per layer): ``(D - 1) / D`` of the bytes
+    over ``bandwidth`` plus ``D - 1`` latencies; 0 for nothing to move."""
+    nbytes = np.asarray(nbytes, np.float64)
+    return np.where(nbytes > 0, (dp_size - 1) / dp_size * nbytes / bandwidth + (dp_size - 1) * latency, 0.0)
+
+
+def zero3_layer_comm(table: LayerCostTable, *, zero_stage: int, dp_size: int, bandwidth: float, latency: float
                      ) -> tuple[np.ndarray, np.ndarray]:
-    """Per-layer ``(all-gather, reduce-scatter)`` seconds of ZeRO-3 over ``dp_size`` ranks: per micro-batch
-    the forward gathers the layer's weights (``param_bytes``, as they are computed with), the backward phase
-    (the recomputed forward when checkpointed, then the backward) gathers them once more and reduce-scatters
-    gradients of the same size; ring collectives, ``(D - 1) / D`` of the bytes over ``bandwidth`` plus
-    ``D - 1`` latencies (0 when D is 1). How they overlap with compute: ``omnibal.sim.costs``."""
-    if dp_size <= 1:
-        zero = np.zeros(len(table.param_bytes))
-        return zero, zero
-    ring = (dp_size - 1) / dp_size * np.asarray(table.param_bytes, np.float64) / bandwidth + (dp_size - 1) * latency
-    ring = np.where(np.asarray(table.param_bytes) > 0, ring, 0.0)
-    return ring, ring
+    """Per-layer ``(forward, backward)`` collective seconds of ZeRO-3 over ``dp_size`` ranks, per micro-batch
+    (zeros unless :func:`zero3_active`): the forward all-gathers the layer's weights (``param_bytes``, as
+    they are computed with); the backward phase (the recomputed forward when checkpointed, then the
+    backward) gathers them once more, for layers that have a backward, and reduce-scatters the gradients of
+    trainable layers in the same dtype (DeepSpeed's default communication dtype is the model's; FSDP2 reducing
+    in fp32 moves twice that). How they overlap with compute: ``omnibal.sim.costs``."""
+    if not zero3_active(zero_stage, dp_size):
+        return np.zeros(table.num_layers), np.zeros(table.num_layers)
+    gather = _ring(table.param_bytes, dp_size, bandwidth, latency)
+    has_backward = np.any(np.asarray(table.bwd_time) > 0, axis=1)
+    trainable = np.asarray(table.grad_bytes) > 0
+    return gather, np.where(has_backward, gather, 0.0) + np.where(trainable, gather, 0.0)
 
 
-def zero3_gather_reserve(table: LayerCostTable) -> float:
-    """Bytes ZeRO-3 holds gathered beyond the shards: the layer being computed and the one prefetched, taken
-    as twice the largest layer's weights (a bound the planner and the simulator both use)."""
-    return 2.0 * float(np.max(table.param_bytes)) if len(table.param_bytes) else 0.0
+def zero3_gather_reserve(table: LayerCostTable, *, zero_stage: int, dp_size: int) -> float:
+    """Bytes ZeRO-3 holds beyond the shards on a device (0 unless :func:`zero3_active`): the layer being
+    computed and the one prefetched (twice the largest layer's weights) and, in the backward, one layer's
+    whole gradient before its reduce-scatter (the largest); a bound the planner and the simulator both use."""
+    if not zero3_active(zero_stage, dp_size) or not table.num_layers:
+        return 0.0
+    return 2.0 * float(np.max(table.param_bytes)) + float(np.max(table.grad_bytes))
 
 
 def forward_flops(spec: ModelSpec, tiles, tokens, tokens_sq, *, tp_size: int = 1) -> np.ndarray:

@@ -79,6 +79,13 @@ class HBPPlanConfig:
     progress: bool = False
     """Count the level sets simulated on stderr (a tqdm counter: the searches run for a minute or two)."""
 
+    def __post_init__(self) -> None:
+        for name in ("max_levels", "baseline_batch_size", "length_search_rounds"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < (0 if "rounds" in name else 1):
+                raise InputError(f"must be a {'non-negative' if 'rounds' in name else 'positive'} integer, got "
+                                 f"{value!r}", source="HBPPlanConfig", field=name)
+
 
 @dataclass(frozen=True, kw_only=True)
 class LevelResult:

@@ -103,7 +103,8 @@ class PlanJobConfig:
     max_tokens: int | None = None
     """Fixed Q_t of the planned job's packs (None: the balancer's cap search)."""
     oversize: str = "error"
-    """Samples over a fixed cap: ``error``, ``own_pack`` or ``drop`` (``BalanceConfig.oversize``)."""
+    """Samples over a fixed cap: ``error``, ``own_pack`` or ``drop`` (``BalanceConfig.oversize``); with ``--hbp``,
+    samples no level holds: ``error`` or ``drop``."""
     padding: str = "varlen"
     """How balanced packs run: ``varlen`` (variable-length micro-batches, Megatron's variable_seq_lengths)
     or ``fixed_buffer`` (padded to the caps: static shapes, e.g. torch.distributed.pipelining)."""
@@ -170,6 +171,10 @@ class PlanJobConfig:
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise InputError(f"must be a positive integer, got {value!r}", source=f"--{name.replace('_', '-')}",
                                  field=name)
+            if value is not None and self.balance_method in (BalanceMethod.RANDOM, BalanceMethod.LENGTH_GROUPED):
+                raise InputError(f"the {self.balance_method} sampler packs a fixed number of samples, no buffer "
+                                 "to cap; use --balance-method omnibal, isf or isf+assign",
+                                 source=f"--{name.replace('_', '-')}", field=name)
         if self.balance_samples is not None and self.balance_samples < self.dp_size * self.num_microbatches:
             raise InputError(f"needs at least dp_size x num_microbatches = {self.dp_size * self.num_microbatches} "
                              f"samples, got {self.balance_samples}", source="--balance-samples",

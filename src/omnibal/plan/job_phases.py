@@ -279,7 +279,7 @@ def ablation_phase(config, model: Model, data: Data, found: Found):
     specs, found = _ablation_specs(config, model, data, found)
     base_padding = "padded to the longest" if config.baseline_padding == "pad_to_longest" else "variable length"
     data_desc = {"baseline": f"{config.baseline_sampler}, {config.baseline_batch_size} samples per micro-batch, "
-                             f"{base_padding}",
+                             + base_padding,
                  "balanced": f"{config.balance_method} balanced packs ({data.padding_bal})"}
     if data.pack_desc is not None:
         data_desc["packed"] = data.pack_desc
@@ -333,9 +333,9 @@ def _ablation_specs(config, model: Model, data: Data, found: Found):
 
 
 def _gather_reserve(table, config) -> float:
-    """Bytes of gathered ZeRO-3 weights the stage model leaves out of its budget (the simulator counts them
-    as static: ``omnibal.sim.costs``)."""
-    return zero3_gather_reserve(table) if config.zero_stage >= 3 and config.dp_size > 1 else 0.0
+    """Bytes of gathered ZeRO-3 weights (and one layer's gradient) the stage model leaves out of its budget
+    (the simulator counts them as static: ``omnibal.sim.costs``)."""
+    return zero3_gather_reserve(table, zero_stage=config.zero_stage, dp_size=config.dp_size)
 
 
 def _check_static_memory(table, config, budget: float | None) -> None:
@@ -345,15 +345,16 @@ def _check_static_memory(table, config, budget: float | None) -> None:
         return
     dp = config.dp_size
     static = sum(zero_sharded_bytes(table, dp_size=dp, zero_stage=config.zero_stage))
-    budget = budget - _gather_reserve(table, config)
+    reserve = _gather_reserve(table, config)
     part = min_max_partition(static, config.pp_size)
-    if part.bottleneck > budget:
+    if part.bottleneck + reserve > budget:
         worst = int(np.argmax(part.stage_costs))
+        gathered = f" + {reserve / GiB:.2f} GiB of layers gathered by ZeRO-3" if reserve else ""
         raise InputError(
-            f"parameters, gradients and optimizer state alone need at least {part.bottleneck / GiB:.2f} GiB on "
-            f"stage {worst} of the best split into {config.pp_size} stages (ZeRO-{config.zero_stage} over DP "
-            f"{dp}), more than the {budget / GiB:.2f} GiB budget; use more pipeline stages, tensor parallelism, "
-            f"a higher ZeRO stage or a larger budget", source="--memory-budget", record=f"stage {worst}",
+            f"parameters, gradients and optimizer state alone need at least {part.bottleneck / GiB:.2f} GiB"
+            f"{gathered} on stage {worst} of the best split into {config.pp_size} stages (ZeRO-{config.zero_stage} "
+            f"over DP {dp}), more than the {budget / GiB:.2f} GiB budget; use more pipeline stages, tensor "
+            f"parallelism, a higher ZeRO stage or a larger budget", source="--memory-budget", record=f"stage {worst}",
             field="memory_budget_gib")
 
 

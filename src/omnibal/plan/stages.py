@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from omnibal.cost.analytic import zero3_layer_comm, zero_sharded_bytes
+from omnibal.cost.analytic import zero3_active, zero3_layer_comm, zero_sharded_bytes
 from omnibal.cost.table import NUM_FEATURES, LayerCostTable
 from omnibal.errors import InputError
 from omnibal.layout import PLANNER_SCHEDULES, check_choice, check_layout_fields
@@ -139,15 +139,15 @@ def layer_quantities(table: LayerCostTable, features: np.ndarray, config: StageM
         tp_half = 0.5 * table.evaluate("tp_comm_time", mean)
         fwd, bwd = fwd + tp_half, bwd + tp_half
     compute, recompute = fwd + bwd, fwd
-    if config.zero_stage >= 3 and config.dp_size > 1:
+    if zero3_active(config.zero_stage, config.dp_size):
         # as the simulator (sim.costs): a layer's forward takes the longer of its compute and its weights'
         # all-gather; its backward phase (recompute + backward share one gather) the longer of that compute
         # and the gather + the gradients' reduce-scatter; checkpointing adds only what exceeds the collectives
-        gather, scatter = zero3_layer_comm(table, dp_size=config.dp_size, bandwidth=config.dp_bandwidth,
-                                           latency=config.dp_latency)
-        back = np.maximum(bwd, gather + scatter)
-        compute = np.maximum(fwd, gather) + back
-        recompute = np.maximum(bwd + fwd, gather + scatter) - back
+        comm_fwd, comm_bwd = zero3_layer_comm(table, zero_stage=config.zero_stage, dp_size=config.dp_size,
+                                              bandwidth=config.dp_bandwidth, latency=config.dp_latency)
+        back = np.maximum(bwd, comm_bwd)
+        compute = np.maximum(fwd, comm_fwd) + back
+        recompute = np.maximum(bwd + fwd, comm_bwd) - back
     static = sum(zero_sharded_bytes(table, dp_size=config.dp_size, zero_stage=config.zero_stage))
     out = table.evaluate("out_bytes", mean)[:-1]
     boundary = 2.0 * (config.p2p_latency + out / config.p2p_bandwidth)

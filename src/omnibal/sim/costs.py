@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from omnibal.cost.analytic import zero3_gather_reserve, zero3_layer_comm, zero_sharded_bytes
+from omnibal.cost.analytic import zero3_active, zero3_gather_reserve, zero3_layer_comm, zero_sharded_bytes
 from omnibal.cost.spec import even_cuts as _even_cuts
 from omnibal.cost.table import NUM_FEATURES, LayerCostTable
 from omnibal.errors import InputError
@@ -195,7 +195,7 @@ def stage_costs(table: LayerCostTable, cuts, recompute_mask, features: np.ndarra
     values = (features.reshape(-1, NUM_FEATURES) @ coef).reshape(features.shape[:-1] + (coef.shape[1],))
     parts = np.split(values, np.cumsum(widths)[:-1], axis=-1)
     fwd, bwd, recompute, act, p2p, trans_u = parts
-    if config.zero_stage >= 3 and config.dp_size > 1:
+    if zero3_active(config.zero_stage, config.dp_size):
         fwd, bwd, recompute = _zero3_times(table, features, fwd_l, bwd_l, rec, assign, config)
     if buffer_features is not None and num_stages > 1:
         flat = buffer_features.reshape(-1, NUM_FEATURES)
@@ -212,12 +212,13 @@ def stage_costs(table: LayerCostTable, cuts, recompute_mask, features: np.ndarra
         if uniq[k].any():
             np.maximum(transient, trans_u[..., k:k + 1] * present[:, k], out=transient)
 
-    zero3 = config.zero_stage >= 3 and config.dp_size > 1
+    zero3 = zero3_active(config.zero_stage, config.dp_size)
     # ZeRO-3 reduce-scatters each layer's gradients inside the backward (in bwd above): no sync at step end
     grad = np.zeros(num_stages) if zero3 else assign @ table.grad_bytes
     static = assign @ sum(zero_sharded_bytes(table, dp_size=config.dp_size, zero_stage=config.zero_stage))
-    if zero3:
-        static = static + zero3_gather_reserve(table)
+    # the gathered layers are a per-device working set: once on each device's first chunk, not per chunk
+    static[:num_stages // config.num_chunks] += zero3_gather_reserve(table, zero_stage=config.zero_stage,
+                                                                     dp_size=config.dp_size)
     return StageCosts(fwd=fwd, bwd=bwd, recompute=recompute, p2p=p2p, act_bytes=act, transient_bytes=transient,
                       static_bytes=static, grad_bytes=grad)
 
@@ -228,17 +229,18 @@ def _zero3_times(table, features, fwd_l, bwd_l, rec, assign, config: SimConfig):
     Layer by layer, the weights' all-gather runs beside the compute of the layer before it (prefetch), so a
     layer's forward takes the longer of the two; its backward phase (the recomputed forward, when
     checkpointed, then the backward: one gather serves both) takes the longer of that compute and the
-    gather + the gradients' reduce-scatter. The collectives hold the DP ranks in lockstep, so every rank
-    takes, layer by layer, the slowest rank's time on its same micro-batch (features ``[..., D, M, 4]``).
-    An empty micro-batch (a padding slot) costs nothing of its own."""
-    gather, scatter = zero3_layer_comm(table, dp_size=config.dp_size, bandwidth=config.dp_bandwidth,
-                                       latency=config.dp_latency)
+    gather + the gradients' reduce-scatter (``zero3_layer_comm``; a frozen layer moves neither). The
+    collectives hold the DP ranks in lockstep, so every rank takes, layer by layer, the slowest rank's time
+    on its same micro-batch (features ``[..., D, M, 4]``). An empty micro-batch (a padding slot) costs
+    nothing of its own."""
+    comm_fwd, comm_bwd = zero3_layer_comm(table, zero_stage=config.zero_stage, dp_size=config.dp_size,
+                                          bandwidth=config.dp_bandwidth, latency=config.dp_latency)
     lead = features.shape[:-1]
     busy = np.any(features[..., 1:] > 0, axis=-1)[..., None]
     f = features @ fwd_l.T  # [..., M, L]
     redo = f * rec
-    fwd = np.where(busy, np.maximum(f, gather), 0.0)
-    back = np.where(busy, np.maximum(features @ bwd_l.T + redo, gather + scatter), 0.0)
+    fwd = np.where(busy, np.maximum(f, comm_fwd), 0.0)
+    back = np.where(busy, np.maximum(features @ bwd_l.T + redo, comm_bwd), 0.0)
     redo = np.where(busy, redo, 0.0)
     if features.ndim >= 3:  # lockstep over the DP axis
         fwd, back, redo = (np.broadcast_to(x.max(axis=-3, keepdims=True), x.shape) for x in (fwd, back, redo))

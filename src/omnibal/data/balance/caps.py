@@ -35,6 +35,7 @@ Everything here is O(N log N) once plus O(1) per candidate.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -275,10 +276,11 @@ def _least_cap(sorted_asc: np.ndarray, total: float, packs: int, multiple: int, 
 def _joint_pad(model: _CapModel, p: int, least: tuple[int, int], multiple: int) -> float:
     """The lowest larger pad of ``p`` packs over Q_v >= the least tile cap: at each Q_v the least Q_t
     (>= the least token cap) whose ``text_loss`` fits the ``p Q_v - V`` spare tiles (bisection: the loss
-    only falls as Q_t grows). Q_v stops rising once its own pad reaches the best found."""
+    only falls as Q_t grows). Q_v stops rising once its own pad reaches the best found (it does: the tile pad
+    rises towards 1 with Q_v, and the first Q_v already gives a best below 1)."""
     cap_v, cap_t = least
     best = np.inf
-    for qv in range(cap_v, cap_v + 64):
+    for qv in itertools.count(cap_v):
         pad_v = 1 - model.total_v / (p * qv)
         if pad_v >= best:
             break
