@@ -56,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_option(d, "samples", default=1_200_000, help="size of the synthetic mixture")
     d.add_argument("--balance-samples", default="200000", metavar="N",
                    help="balance a uniform random subset of N samples and scale the epoch to the whole "
-                        "dataset ('all': every sample; the 1.2M of the default job take ~12 s more CPU at the pack it picks)")
+                        "dataset ('all': every sample, ~12 s more CPU on the default job's 1.2M)")
     add_option(d, "balance_method", default="omnibal", help="balancer of the planned job")
     d.add_argument("--max-tiles", type=int, default=None, metavar="N",
                    help="fixed Q_v, the tile buffer of a pack (default: cap search; fixed caps set the pack, so the "
