@@ -41,7 +41,7 @@ import numpy as np
 from omnibal.cost.table import LayerCostTable
 from omnibal.data.balance.api import BalanceConfig, balance
 from omnibal.data.balance.cost import BalanceCost
-from omnibal.data.hbp import LevelCostModel
+from omnibal.data.hbp import LevelCostModel, balance_hbp
 from omnibal.errors import InputError
 from omnibal.plan.joint import JointPlanner
 from omnibal.plan.partition import even_partition
@@ -190,6 +190,12 @@ class HBPContext:
     @property
     def num_gpus(self) -> int:
         return self.sim_config.dp_size * self.stage_config.num_stages * self.sim_config.tp_size
+
+    def balance(self, stats, config, cache: dict | None = None):
+        """``stats`` balanced into levels by ``config`` (:func:`omnibal.data.hbp.balance_hbp`) on this job's DP
+        ranks, micro-batches and seed."""
+        return balance_hbp(stats, dp_size=self.dp_size, num_microbatches=self.num_microbatches, seed=self.seed,
+                           config=config, cache=cache)
 
 
 # -- the cost model's SP terms -----------------------------------------------------------------------

@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from omnibal.data.balance.api import BalanceConfig
-from omnibal.data.hbp import HBPConfig, balance_hbp, candidate_lengths
+from omnibal.data.hbp import HBPConfig, candidate_lengths
 from omnibal.errors import InputError
 from omnibal.plan.hbp import HBPContext, HBPPlanConfig, level_features
 from omnibal.plan.joint import JointPlanner
@@ -107,8 +107,7 @@ def _free_trials(ctx: HBPContext, hbp: HBPPlanConfig, stats, result, top: int, c
     config = HBPConfig(model=model, pack_lengths=(top,), oversize=hbp.oversize, balance=BalanceConfig(cost=model.cost))
     for d in model.sp_degrees:
         try:
-            sched = balance_hbp(stats, dp_size=ctx.dp_size, num_microbatches=ctx.num_microbatches, seed=ctx.seed,
-                                cache=cache, config=replace(config, level_sp=(d,)))
+            sched = ctx.balance(stats, replace(config, level_sp=(d,)), cache)
         except InputError:  # too few samples to fill a step at this degree
             continue
         out.append((f"{top:,} x SP {d}", free_gpu_days(ctx, level_features(sched, stats))))

@@ -21,7 +21,7 @@ import numpy as np
 from tqdm import tqdm
 
 from omnibal.data.balance.api import BalanceConfig
-from omnibal.data.hbp import HBPConfig, LevelCostModel, balance_hbp, candidate_lengths
+from omnibal.data.hbp import HBPConfig, LevelCostModel, candidate_lengths
 from omnibal.errors import InputError
 from omnibal.plan.hbp import (
     Candidate,
@@ -64,7 +64,6 @@ def refine_lengths(ctx: HBPContext, hbp: HBPPlanConfig, stats, config: HBPConfig
     chosen by :func:`refine_sp` (with ``hbp.sp_by_simulator``). Returns ``start`` when no move is faster.
     ``tried``: level sets already simulated (skipped; the ones simulated here are added)."""
     cands = candidate_lengths(np.asarray(stats.tokens), config)
-    layout = dict(dp_size=ctx.dp_size, num_microbatches=ctx.num_microbatches, seed=ctx.seed)
     best = start
     for _ in range(hbp.length_search_rounds):
         for lengths in length_moves(level_lengths_of(best), cands, hbp.max_levels):
@@ -72,8 +71,7 @@ def refine_lengths(ctx: HBPContext, hbp: HBPPlanConfig, stats, config: HBPConfig
                 continue
             tried.add(lengths)
             try:
-                sched = balance_hbp(stats, **layout, cache=cache, config=replace(config, pack_lengths=lengths,
-                                                                                  level_sp=None))
+                sched = ctx.balance(stats, replace(config, pack_lengths=lengths, level_sp=None), cache)
             except InputError:  # a level cannot fill whole steps: not a candidate
                 continue
             cand = _simulated(ctx, hbp, sched, stats, start.row.name, bar)
@@ -96,7 +94,6 @@ def refine_sp(ctx: HBPContext, hbp: HBPPlanConfig, stats, config: HBPConfig, sta
     lengths = tuple(start.schedule.meta["hbp"]["level_lengths"])
     degree = dict(zip(lengths, start.schedule.level_sp))
     best, trials = start, {}
-    layout = dict(dp_size=ctx.dp_size, num_microbatches=ctx.num_microbatches, seed=ctx.seed)
     for length in reversed(lengths):
         seen = {lv.length: lv.time_s for lv in best.row.levels}
         trials[length] = {degree[length]: seen[length]} if length in seen else {}
@@ -105,8 +102,8 @@ def refine_sp(ctx: HBPContext, hbp: HBPPlanConfig, stats, config: HBPConfig, sta
                 continue
             trial = {**degree, length: d}
             try:
-                sched = balance_hbp(stats, **layout, cache=cache, config=replace(
-                    config, pack_lengths=lengths, level_sp=tuple(trial[n] for n in lengths)))
+                sched = ctx.balance(stats, replace(config, pack_lengths=lengths,
+                                                   level_sp=tuple(trial[n] for n in lengths)), cache)
             except InputError:  # this degree cannot fill whole steps of the level: not a candidate
                 continue
             cand = _simulated(ctx, hbp, sched, stats, start.row.name, bar)
@@ -133,10 +130,9 @@ def _level_sets(ctx: HBPContext, hbp: HBPPlanConfig, stats, config: HBPConfig, c
                 bar=None) -> list[Candidate]:
     """The estimate's best level set for each level count (each distinct set once), SP by the simulator
     when ``hbp.sp_by_simulator``; the first is the single level."""
-    layout = dict(dp_size=ctx.dp_size, num_microbatches=ctx.num_microbatches, seed=ctx.seed)
     out, seen = [], set()
     for count in range(1, hbp.max_levels + 1):
-        sched = balance_hbp(stats, **layout, config=replace(config, max_levels=count), cache=cache)
+        sched = ctx.balance(stats, replace(config, max_levels=count), cache)
         lengths = tuple(sched.meta["hbp"]["level_lengths"])
         if lengths in seen:
             continue
@@ -172,9 +168,7 @@ def plan_hbp(ctx: HBPContext, hbp: HBPPlanConfig, stats, *, model: LevelCostMode
     best = min([*sets, *extra], key=lambda c: c.row.rank)
     top = tuple(sets[0].schedule.meta["hbp"]["level_lengths"])
     # the usual long-context recipe: the smallest SP degree the longest pack needs, full recompute, for all
-    recipe = balance_hbp(stats, dp_size=ctx.dp_size, num_microbatches=ctx.num_microbatches, seed=ctx.seed,
-                         cache=cache, config=replace(config, pack_lengths=top,
-                                                     level_sp=(model.feasible_sp(top[0])[0],)))
+    recipe = ctx.balance(stats, replace(config, pack_lengths=top, level_sp=(model.feasible_sp(top[0])[0],)), cache)
     rows = (baseline_row(ctx, hbp, stats, model),
             simulate_schedule(ctx, hbp, recipe, stats, name="single level, full recompute", recompute="full").row,
             replace(single.row, name="single level"), replace(best.row, name="hbp"), *(c.row for c in extra))

@@ -237,10 +237,11 @@ def _zero3_times(table, features, fwd_l, bwd_l, rec, assign, config: SimConfig):
                                           bandwidth=config.dp_bandwidth, latency=config.dp_latency)
     lead = features.shape[:-1]
     busy = np.any(features[..., 1:] > 0, axis=-1)[..., None]
-    f = features @ fwd_l.T  # [..., M, L]
+    flat = features.reshape(-1, NUM_FEATURES)  # one 2-D product each, as in stage_costs
+    f = (flat @ fwd_l.T).reshape(lead + (-1,))  # [..., M, L]
     redo = f * rec
     fwd = np.where(busy, np.maximum(f, comm_fwd), 0.0)
-    back = np.where(busy, np.maximum(features @ bwd_l.T + redo, comm_bwd), 0.0)
+    back = np.where(busy, np.maximum((flat @ bwd_l.T).reshape(f.shape) + redo, comm_bwd), 0.0)
     redo = np.where(busy, redo, 0.0)
     if features.ndim >= 3:  # lockstep over the DP axis
         fwd, back, redo = (np.broadcast_to(x.max(axis=-3, keepdims=True), x.shape) for x in (fwd, back, redo))
