@@ -55,6 +55,8 @@ from omnibal.data.hbp_pack import balance_level
 from omnibal.errors import InputError
 
 HBP_OVERSIZE = ("error", "drop")
+LEVEL_MICROBATCHES = ("same", "tokens")
+"""How many micro-batches a level's step has (:attr:`HBPConfig.microbatches`)."""
 CROWD_DEPTH = 4
 """Pack-count bound: at most k samples over length / (k + 1) share a pack, for k = 1..CROWD_DEPTH."""
 INTERLEAVE_STREAM = 0x4B5
@@ -133,8 +135,16 @@ class HBPConfig:
     oversize: str = "error"
     """A sample over the longest level at the largest SP degree: ``error`` (InputError naming it) or
     ``drop`` (left out, listed in ``Schedule.dropped``)."""
+    microbatches: str = "same"
+    """Micro-batches per rank in a level's step: ``same`` (``num_microbatches`` on every level) or ``tokens``
+    (:func:`level_microbatch_counts`: a level's step holds about as many tokens per rank as the level of the
+    most tokens per rank, whose steps keep ``num_microbatches``; a short level then runs fewer, longer steps,
+    each paying the pipeline fill and drain and the gradient sync once)."""
 
     def __post_init__(self) -> None:
+        if self.microbatches not in LEVEL_MICROBATCHES:
+            raise InputError(f"unknown micro-batch rule {self.microbatches!r}; choose one of {LEVEL_MICROBATCHES}",
+                             source="microbatches", field="microbatches")
         if self.oversize not in HBP_OVERSIZE:
             raise InputError(f"unknown policy {self.oversize!r}; choose one of {HBP_OVERSIZE}", source="oversize",
                              field="oversize")
@@ -375,6 +385,21 @@ def _settle_levels(level_of: np.ndarray, tokens: np.ndarray, lengths, slots: lis
     return level_of, packs
 
 
+def level_microbatch_counts(lengths, sp, num_microbatches: int, rule: str = "tokens") -> tuple[int, ...]:
+    """Micro-batches per rank of each level's step: ``num_microbatches`` everywhere (``same``), or (``tokens``)
+    ``round(num_microbatches x T / (L_k / d_k))``, at least ``num_microbatches``, where ``L_k / d_k`` is the
+    level's pack length per SP rank and ``T`` the largest of them: every step then holds about the same
+    tokens per rank, the level of the most tokens per rank keeps ``num_microbatches``."""
+    if rule not in LEVEL_MICROBATCHES:
+        raise InputError(f"unknown micro-batch rule {rule!r}; choose one of {LEVEL_MICROBATCHES}",
+                         source="microbatches", field="microbatches")
+    if rule == "same":
+        return (int(num_microbatches),) * len(lengths)
+    per_rank = [length / d for length, d in zip(lengths, sp)]
+    top = max(per_rank)
+    return tuple(max(int(num_microbatches), round(num_microbatches * top / x)) for x in per_rank)
+
+
 def _degrees_dividing(model: LevelCostModel, dp_size: int) -> LevelCostModel:
     """The model with only the SP degrees a world of ``dp_size`` ranks can form (a resharded world may
     have fewer; a sample that then fits no level is an oversize sample)."""
@@ -415,18 +440,19 @@ def balance_hbp(stats, *, dp_size: int, num_microbatches: int = 1, seed: int = 0
                          field="pack_lengths")
     tokens = np.asarray(sub.tokens, np.int64)
     level_of = np.searchsorted(np.asarray(lengths), tokens, side="left")
-    slots = [dp_size // d * num_microbatches for d in sp]
+    mbs = level_microbatch_counts(lengths, sp, num_microbatches, config.microbatches)
+    slots = [dp_size // d * m for d, m in zip(sp, mbs)]
     level_of, packs = _settle_levels(level_of, tokens, lengths, slots, config.fill, stats.source)
     parts = []
     for k, (length, d) in enumerate(zip(lengths, sp)):
         members = np.flatnonzero(level_of == k)
         if len(members):
             sched = _balance_level_cached(sub.take(members), length, packs[k] // slots[k], cache,
-                                          dp_size=dp_size // d, num_microbatches=num_microbatches, seed=seed,
+                                          dp_size=dp_size // d, num_microbatches=mbs[k], seed=seed,
                                           epoch=epoch, balance_config=config.balance)
             parts.append((k, d, kept[members], sched))
-    return _combine(parts, stats, lengths, dropped, dp_size=dp_size, num_microbatches=num_microbatches,
-                    seed=seed, epoch=epoch, estimate=estimate, config=config)
+    return _combine(parts, stats, lengths, dropped, dp_size=dp_size, seed=seed, epoch=epoch, estimate=estimate,
+                    config=config)
 
 
 def _balance_level_cached(level_stats, length: int, num_steps: int, cache: dict | None, **kwargs) -> Schedule:
@@ -440,33 +466,42 @@ def _balance_level_cached(level_stats, length: int, num_steps: int, cache: dict 
     return cache[key]
 
 
-def _combine(parts, stats, lengths, dropped, *, dp_size, num_microbatches, seed, epoch, estimate,
-             config: HBPConfig) -> Schedule:
-    """One schedule of the levels' schedules: rows mapped back, SP groups expanded, steps interleaved."""
+def _combine(parts, stats, lengths, dropped, *, dp_size, seed, epoch, estimate, config: HBPConfig) -> Schedule:
+    """One schedule of the levels' schedules: rows mapped back, SP groups expanded, steps interleaved; with
+    micro-batch counts per level, the slots past a level's count point at one empty pack."""
     samples, offsets, step_ids, step_level = [], [0], [], []
+    mbs = [int(p[3].num_microbatches) for p in parts]
+    most = max(mbs)
     for level, (_, d, rows, sched) in enumerate(parts):
         base = len(offsets) - 1
         samples.append(rows[sched.pack_samples])
         offsets.extend((offsets[-1] + sched.pack_offsets[1:]).tolist())
         step_ids.append(np.repeat(sched.pack_ids + base, d, axis=1))  # every rank of an SP group: same packs
         step_level.extend([level] * sched.num_steps)
+    if most != min(mbs):
+        offsets.append(offsets[-1])
+        empty = len(offsets) - 2
+        step_ids = [np.pad(ids, ((0, 0), (0, 0), (0, most - ids.shape[2])), constant_values=empty)
+                    for ids in step_ids]
     pack_ids = np.concatenate(step_ids)
     order = epoch_rng(seed, epoch, INTERLEAVE_STREAM).permutation(len(pack_ids))
     level_caps = [p[3].caps.to_dict() for p in parts]
     meta = {"hbp": {"level_lengths": [int(lengths[p[0]]) for p in parts], "level_caps": level_caps,
-                    "level_steps": [int(p[3].num_steps) for p in parts],
+                    "level_steps": [int(p[3].num_steps) for p in parts], "level_microbatches": mbs,
                     "estimated_time": None if estimate is None else float(estimate),
                     "config": {"max_levels": config.max_levels, "fill": config.fill,
                                "sp_degrees": list(config.model.sp_degrees),
                                "max_tokens_per_rank": int(config.model.max_tokens_per_rank),
+                               "microbatches": config.microbatches,
                                "balance": config.balance.to_dict()}}}
     return Schedule(
-        dp_size=dp_size, num_microbatches=num_microbatches,
+        dp_size=dp_size, num_microbatches=most,
         caps=Caps(tiles=max(c["tiles"] for c in level_caps), tokens=max(c["tokens"] for c in level_caps)),
         pack_samples=np.concatenate(samples), pack_offsets=np.asarray(offsets, np.int64),
         pack_ids=pack_ids[order], num_samples=len(stats), padding="varlen", method="hbp", seed=seed,
         epoch=epoch, stats_fingerprint=stats.fingerprint(), dropped=np.sort(dropped), meta=meta,
-        levels=tuple(int(step_level[i]) for i in order), level_sp=tuple(int(p[1]) for p in parts))
+        levels=tuple(int(step_level[i]) for i in order), level_sp=tuple(int(p[1]) for p in parts),
+        level_microbatches=None if most == min(mbs) else tuple(mbs))
 
 
 def untrained_rows(schedule: Schedule, steps_done: int) -> np.ndarray:
@@ -483,5 +518,5 @@ def level_lengths(schedule: Schedule) -> tuple[int, ...]:
     return tuple(schedule.meta["hbp"]["level_lengths"])
 
 
-__all__ = ["HBPConfig", "LevelChoice", "LevelCostModel", "balance_hbp", "choose_levels", "exhaustive_levels",
-           "level_lengths", "levels_cost", "untrained_rows"]
+__all__ = ["HBPConfig", "LEVEL_MICROBATCHES", "LevelChoice", "LevelCostModel", "balance_hbp", "choose_levels",
+           "exhaustive_levels", "level_lengths", "level_microbatch_counts", "levels_cost", "untrained_rows"]

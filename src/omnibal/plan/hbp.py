@@ -41,7 +41,7 @@ import numpy as np
 from omnibal.cost.table import LayerCostTable
 from omnibal.data.balance.api import BalanceConfig, balance
 from omnibal.data.balance.cost import BalanceCost
-from omnibal.data.hbp import LevelCostModel, balance_hbp
+from omnibal.data.hbp import LEVEL_MICROBATCHES, LevelCostModel, balance_hbp
 from omnibal.errors import InputError
 from omnibal.plan.joint import JointPlanner
 from omnibal.plan.partition import even_partition
@@ -78,8 +78,15 @@ class HBPPlanConfig:
     """Most faster level sets that search moves to (each round simulates the moves of one set)."""
     progress: bool = False
     """Count the level sets simulated on stderr (a tqdm counter: the searches run for a minute or two)."""
+    microbatches: str = "tokens"
+    """Micro-batches per step of each level (``omnibal.data.hbp.HBPConfig.microbatches``): ``tokens`` (a
+    short level's step holds as many tokens per rank as the longest level's, in more micro-batches) or
+    ``same`` (the job's count on every level)."""
 
     def __post_init__(self) -> None:
+        if self.microbatches not in LEVEL_MICROBATCHES:
+            raise InputError(f"unknown micro-batch rule {self.microbatches!r}; choose one of {LEVEL_MICROBATCHES}",
+                             source="--hbp-microbatches", field="microbatches")
         for name in ("max_levels", "baseline_batch_size", "length_search_rounds"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < (0 if "rounds" in name else 1):
@@ -97,6 +104,8 @@ class LevelResult:
     """SP degree."""
     steps: int
     """Steps of the level in the balanced epoch."""
+    microbatches: int
+    """Micro-batches per rank in each of the level's steps."""
     samples: int
     """Samples of the level."""
     checkpointed: int
@@ -284,13 +293,15 @@ def recompute_ratio(table: LayerCostTable, stage_config: StageModelConfig, token
 
 # -- simulation --------------------------------------------------------------------------------------
 def level_features(schedule, stats, padding: str = "varlen") -> list[tuple[int, np.ndarray, int]]:
-    """``[(SP degree, per-rank features [S_k, D, M, 4], samples)]`` per level of a (multi-level) schedule."""
+    """``[(SP degree, per-rank features [S_k, D, M_k, 4], samples)]`` per level of a (multi-level) schedule
+    (``M_k``: the level's micro-batches per step)."""
     feats = schedule.features(stats, padding=padding)
     sizes = np.diff(schedule.pack_offsets)[schedule.pack_ids].sum(axis=2) * schedule.leader_mask()  # [S, D]
     if schedule.levels is None:
         return [(1, feats, int(sizes.sum()))]
     levels = np.asarray(schedule.levels)
-    return [(d, per_rank_features(feats[levels == k], d), int(sizes[levels == k].sum()))
+    counts = schedule.level_microbatches or (schedule.num_microbatches,) * len(schedule.level_sp)
+    return [(d, per_rank_features(feats[levels == k][:, :, :counts[k]], d), int(sizes[levels == k].sum()))
             for k, d in enumerate(schedule.level_sp) if (levels == k).any()]
 
 
@@ -330,7 +341,8 @@ def simulate_levels(ctx: HBPContext, hbp: HBPPlanConfig, level_feats, lengths, *
         busy = float(res.busy.sum())
         comm = float((feats @ a2a.T).sum())  # device-seconds, as busy
         results.append(LevelResult(
-            length=int(length), sp=int(d), steps=int(len(feats)), samples=samples, checkpointed=int(mask.sum()),
+            length=int(length), sp=int(d), steps=int(len(feats)), microbatches=int(feats.shape[2]), samples=samples,
+            checkpointed=int(mask.sum()),
             time_s=res.total_time * ctx.epoch_scale, a2a_share=comm / busy if busy > 0 else 0.0,
             oom_steps=int(res.oom.any(axis=(1, 2)).sum()) if res.oom is not None else 0))
     total = sum(r.time_s for r in results)

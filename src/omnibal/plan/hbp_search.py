@@ -155,7 +155,7 @@ def plan_hbp(ctx: HBPContext, hbp: HBPPlanConfig, stats, *, model: LevelCostMode
     cost model (default: :func:`stats_level_cost_model`); ``cache``: memoises balanced levels between calls."""
     model = model or stats_level_cost_model(ctx, hbp, stats)
     config = HBPConfig(model=model, max_levels=1, candidate_lengths=hbp.candidate_lengths, oversize=hbp.oversize,
-                       balance=BalanceConfig(cost=model.cost))
+                       balance=BalanceConfig(cost=model.cost), microbatches=hbp.microbatches)
     cache = {} if cache is None else cache
     with tqdm(desc="HBP level sets simulated", unit="set", file=sys.stderr, disable=not hbp.progress) as bar:
         sets = _level_sets(ctx, hbp, stats, config, cache, bar)

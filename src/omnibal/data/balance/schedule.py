@@ -17,7 +17,12 @@ Multi-level (HBP) schedules add ``"levels": [l, ...]`` (the packing level of eac
 schedule, so older files load unchanged. In a step of a level with SP degree ``d`` the ranks ``r`` with the
 same ``r // d`` form one SP group and hold identical micro-batch lists (the same packs, split along the
 sequence at run time); exactly-once is counted over distinct SP groups, i.e. over the group leaders
-``r % d == 0`` (:meth:`Schedule.leader_mask`).
+``r % d == 0`` (:meth:`Schedule.leader_mask`). A multi-level schedule may also give each level its own
+micro-batch count, ``"level_microbatches": [m, ...]`` (``num_microbatches`` is then the largest): a step of
+level ``l`` lists ``m[l]`` micro-batches per rank (so the steps of a short level can hold as many tokens as a
+long level's and pay the pipeline fill and drain and the gradient sync as rarely). In memory such a step
+fills slots ``[0, m[l])`` of ``pack_ids``; the slots after them point at an empty pack and never run
+(:meth:`Schedule.slot_mask`).
 """
 
 from __future__ import annotations
@@ -86,6 +91,9 @@ class Schedule:
     """Packing level of each step (HBP); ``None`` = one level (SP degree 1 everywhere)."""
     level_sp: tuple[int, ...] | None = None
     """Sequence-parallel degree of each level (divides ``dp_size``); set exactly when ``levels`` is."""
+    level_microbatches: tuple[int, ...] | None = None
+    """Micro-batches per rank of each level's steps (the largest is ``num_microbatches``); ``None`` =
+    ``num_microbatches`` on every step. Needs ``levels``."""
 
     def __post_init__(self) -> None:
         samples = np.ascontiguousarray(self.pack_samples, dtype=np.int64)
@@ -115,6 +123,14 @@ class Schedule:
         assert all(d >= 1 and self.dp_size % d == 0 for d in level_sp), "an SP degree must divide dp_size"
         bad = self.sp_group_mismatch()
         assert bad is None, f"SP group of step {bad[0]} rank {bad[1]} holds other packs than its leader"
+        if self.level_microbatches is not None:
+            counts = tuple(int(x) for x in self.level_microbatches)
+            object.__setattr__(self, "level_microbatches", counts)
+            assert len(counts) == len(level_sp), "one micro-batch count per level"
+            assert all(1 <= m <= self.num_microbatches for m in counts), counts
+            assert max(counts) == self.num_microbatches, "num_microbatches is the largest level count"
+            unused = self.pack_ids[~np.broadcast_to(self.slot_mask()[:, None, :], self.pack_ids.shape)]
+            assert not self.pack_sizes()[unused].any(), "a slot past its level's micro-batch count holds samples"
 
     # -- sequence-parallel levels ---------------------------------------------------------------------
     def step_sp(self) -> np.ndarray:
@@ -123,6 +139,18 @@ class Schedule:
             return np.ones(self.num_steps, np.int64)
         return np.asarray(self.level_sp, np.int64)[np.asarray(self.levels, np.int64)] if self.num_steps else (
             np.ones(0, np.int64))
+
+    def step_microbatches(self) -> np.ndarray:
+        """Micro-batches per rank of every step (``[num_steps]``; ``num_microbatches`` unless the levels
+        have their own counts)."""
+        if self.level_microbatches is None:
+            return np.full(self.num_steps, self.num_microbatches, np.int64)
+        return np.asarray(self.level_microbatches, np.int64)[np.asarray(self.levels, np.int64)] if (
+            self.num_steps) else np.zeros(0, np.int64)
+
+    def slot_mask(self) -> np.ndarray:
+        """``[num_steps, num_microbatches]``: True for the micro-batch slots a step runs."""
+        return np.arange(self.num_microbatches)[None, :] < self.step_microbatches()[:, None]
 
     def leader_mask(self) -> np.ndarray:
         """``[num_steps, dp_size]``: True for the first rank of each SP group -- the slots that count once
@@ -196,7 +224,10 @@ class Schedule:
             raise InputError(f"unknown padding {padding!r}; choose one of {PADDINGS}", field="padding")
         if self.num_packs == 0:
             per_pack = np.zeros((0, NUM_FEATURES))
-        return per_pack[self.pack_ids]
+        feats = per_pack[self.pack_ids]
+        if self.level_microbatches is not None:  # slots a step does not run cost nothing (not even the fixed term)
+            feats = feats * self.slot_mask()[:, None, :, None]
+        return feats
 
     def _check_stats(self, stats) -> None:
         if len(stats) != self.num_samples:
@@ -208,13 +239,17 @@ class Schedule:
 
     # -- JSON ---------------------------------------------------------------------------------------
     def steps_nested(self) -> list:
-        """``steps[step][rank][micro] = [row, ...]`` as plain lists (the stable JSON form)."""
+        """``steps[step][rank][micro] = [row, ...]`` as plain lists (the stable JSON form; a step lists the
+        micro-batches it runs)."""
         packs = np.split(self.pack_samples, self.pack_offsets[1:-1]) if self.num_packs else []
         pack_lists = [p.tolist() for p in packs]
-        return [[[pack_lists[k] for k in rank] for rank in step] for step in self.pack_ids.tolist()]
+        counts = self.step_microbatches().tolist()
+        return [[[pack_lists[k] for k in rank[:m]] for rank in step] for step, m in zip(self.pack_ids.tolist(), counts)]
 
     def to_dict(self) -> dict:
         levels = {} if self.levels is None else {"levels": list(self.levels), "level_sp": list(self.level_sp)}
+        if self.level_microbatches is not None:
+            levels["level_microbatches"] = list(self.level_microbatches)
         return {
             "dp_size": int(self.dp_size),
             "num_microbatches": int(self.num_microbatches),
@@ -254,7 +289,13 @@ class Schedule:
         if not isinstance(caps, dict):
             raise InputError("must be {\"tiles\": int, \"tokens\": int}", source=source, field="caps")
         tiles, tokens = _int_field(caps, "tiles", 1, source, "caps."), _int_field(caps, "tokens", 1, source, "caps.")
-        samples, offsets = _read_steps(d["steps"], dp, m, source)
+        if not isinstance(d["steps"], list):
+            raise InputError("must be a list of steps", source=source, field="steps")
+        num_steps = len(d["steps"])
+        levels, level_sp = _read_levels(d, num_steps, dp, source)
+        level_mbs = _read_level_microbatches(d, levels, level_sp, m, source)
+        step_mbs = [m] * num_steps if level_mbs is None else [level_mbs[lv] for lv in levels]
+        samples, offsets = _read_steps(d["steps"], dp, step_mbs, source)
         arr = np.asarray(samples, dtype=np.int64)
         dropped = d.get("dropped", [])
         if not isinstance(dropped, list) or not all(_is_int(i) and 0 <= i < 2**62 for i in dropped):
@@ -269,9 +310,7 @@ class Schedule:
         for key, kind in (("method", str), ("stats_fingerprint", str), ("meta", dict)):
             if key in d and not isinstance(d[key], kind):
                 raise InputError(f"must be a {kind.__name__}", source=source, field=key)
-        num_steps = len(d["steps"])
-        levels, level_sp = _read_levels(d, num_steps, dp, source)
-        pack_ids = np.arange(num_steps * dp * m, dtype=np.int64).reshape(num_steps, dp, m)
+        pack_ids = _slot_pack_ids(step_mbs, dp, m, offsets)
         if levels is not None:
             pack_ids = _share_sp_packs(pack_ids, levels, level_sp, d["steps"], source)
         return cls(
@@ -281,7 +320,7 @@ class Schedule:
             seed=_int_field(d, "seed", 0, source) if "seed" in d else 0,
             epoch=_int_field(d, "epoch", 0, source) if "epoch" in d else 0,
             stats_fingerprint=d.get("stats_fingerprint", ""), dropped=np.asarray(dropped, dtype=np.int64),
-            meta=d.get("meta", {}), levels=levels, level_sp=level_sp,
+            meta=d.get("meta", {}), levels=levels, level_sp=level_sp, level_microbatches=level_mbs,
         )
 
     @classmethod
@@ -310,11 +349,12 @@ class Schedule:
                                                                       other.num_steps):
             return False
         return (self.steps_nested() == other.steps_nested() and self.caps == other.caps
-                and self.levels == other.levels and self.level_sp == other.level_sp)
+                and self.levels == other.levels and self.level_sp == other.level_sp
+                and self.level_microbatches == other.level_microbatches)
 
 
 KEYS = ("dp_size", "num_microbatches", "caps", "steps", "format", "num_samples", "padding", "method", "seed",
-        "epoch", "stats_fingerprint", "dropped", "meta", "levels", "level_sp")
+        "epoch", "stats_fingerprint", "dropped", "meta", "levels", "level_sp", "level_microbatches")
 """Every key of the JSON form (extras go under ``meta``)."""
 
 
@@ -356,6 +396,34 @@ def _read_levels(d: dict, num_steps: int, dp: int, source: str):
     return tuple(levels), tuple(level_sp)
 
 
+def _read_level_microbatches(d: dict, levels, level_sp, m: int, source: str):
+    """``level_microbatches`` of the JSON form checked (one count per level, the largest ``num_microbatches``),
+    or None."""
+    if "level_microbatches" not in d:
+        return None
+    counts = d["level_microbatches"]
+    if levels is None:
+        raise InputError("'level_microbatches' needs 'levels' and 'level_sp'", source=source, field="levels")
+    if not isinstance(counts, list) or len(counts) != len(level_sp) or not all(
+            _is_int(x) and 1 <= x <= m for x in counts) or max(counts) != m:
+        raise InputError(f"must list one micro-batch count in [1, {m}] per level ({len(level_sp)} levels), the "
+                         f"largest equal to num_microbatches {m}", source=source, field="level_microbatches")
+    return tuple(counts)
+
+
+def _slot_pack_ids(step_mbs: list[int], dp: int, m: int, offsets: list[int]) -> np.ndarray:
+    """``[num_steps, dp, m]`` pack ids of packs read step by step (``step_mbs[s]`` per rank); the slots a step
+    does not run point at one empty pack appended to ``offsets``."""
+    counts = np.asarray(step_mbs, np.int64)
+    ids = np.full((len(counts), dp, m), -1, np.int64)
+    used = np.broadcast_to((np.arange(m)[None, :] < counts[:, None])[:, None, :], ids.shape)
+    ids[used] = np.arange(int(used.sum()), dtype=np.int64)
+    if (ids < 0).any():
+        offsets.append(offsets[-1])
+        ids[ids < 0] = len(offsets) - 2
+    return ids
+
+
 def _share_sp_packs(pack_ids: np.ndarray, levels, level_sp, steps: list, source: str) -> np.ndarray:
     """Point every rank of an SP group at its leader's packs; a rank whose lists differ is an InputError."""
     pack_ids = pack_ids.copy()
@@ -372,13 +440,15 @@ def _share_sp_packs(pack_ids: np.ndarray, levels, level_sp, steps: list, source:
     return pack_ids
 
 
-def _read_steps(steps, dp: int, m: int, source: str) -> tuple[list[int], list[int]]:
-    """Flat sample rows and CSR offsets of ``steps[step][rank][micro] = [row, ...]``."""
+def _read_steps(steps, dp: int, step_mbs: list[int], source: str) -> tuple[list[int], list[int]]:
+    """Flat sample rows and CSR offsets of ``steps[step][rank][micro] = [row, ...]`` (``step_mbs[s]``
+    micro-batches per rank in step ``s``)."""
     if not isinstance(steps, list):
         raise InputError("must be a list of steps", source=source, field="steps")
     samples: list[int] = []
     offsets = [0]
     for s, step in enumerate(steps):
+        m = step_mbs[s]
         if not isinstance(step, list) or len(step) != dp or any(not isinstance(r, list) or len(r) != m for r in step):
             raise InputError(f"step must have {dp} ranks x {m} micro-batches", source=source,
                              record=f"step {s}", field="steps")
