@@ -226,5 +226,7 @@ def test_fixed_caps_set_the_planned_pack_and_turn_the_pack_search_off(tmp_path):
                                                                     "--baseline-padding")):
         with pytest.raises(InputError, match=f"^{flag}: .*--hbp"):  # refused, never ignored
             run(parser.parse_args(["--hbp", *args, "--out", str(tmp_path)]))
+    with pytest.raises(InputError, match="^--hbp-microbatches: .*add --hbp"):  # an HBP option without --hbp
+        run(parser.parse_args(["--hbp-microbatches", "same", "--out", str(tmp_path)]))
     with pytest.raises(InputError, match="^--max-tiles: .*no buffer"):  # a fixed-count sampler has no caps
         replace(base, max_tiles=9, balance_method="random").validate()

@@ -60,7 +60,7 @@ def test_bound_lies_between_the_hbp_result_and_the_single_level(short):
     _, _, _, full = short
     b = full.bound
     assert b.free_gpu_days <= b.single_gpu_days == full.row("single level").gpu_days
-    assert b.gain_free >= b.gain_amdahl >= b.hbp_gain >= 1.0
+    assert b.gain_floor >= b.gain_free and b.gain_limit >= b.gain_amdahl >= b.hbp_gain >= 1.0
     assert b.free_gpu_days == min(v for _, v in b.free_trials) and len(b.free_trials) >= 2
     assert "gain <=" in b.lines()[0]
 

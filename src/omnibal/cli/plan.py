@@ -9,6 +9,7 @@ from pathlib import Path
 
 from omnibal.cli.options import add_layout_options, add_option, check_layout_args
 from omnibal.cost.stack import DEFAULT_STACK
+from omnibal.data.hbp import LEVEL_MICROBATCHES
 from omnibal.errors import InputError
 from omnibal.layout import (
     BASELINE_PADDINGS,
@@ -69,6 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d.add_argument("--hbp", nargs="?", const="job", default=None, choices=("job", "long-context"),
                    help="plan HBP multi-level packing instead (docs/hbp.md): per-level pack length, SP degree and "
                         "recompute vs single-level packing, on the job's data or the long-context mixture")
+    d.add_argument("--hbp-microbatches", default=None, choices=LEVEL_MICROBATCHES,
+                   help="with --hbp: micro-batches per step of each level; tokens (default): a short level's step "
+                        "holds the longest level's tokens per rank in more micro-batches; same: the job's count")
     s = parser.add_argument_group("search")
     s.add_argument("--radius", type=int, default=2, help="move each stage boundary by up to this many layers")
     s.add_argument("--top-k", type=int, default=8, help="candidates scored with the simulator")
@@ -167,6 +171,9 @@ def run(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     config = job_config(args)
+    if args.hbp_microbatches is not None and not args.hbp:
+        raise InputError("--hbp-microbatches sets the micro-batches of HBP's levels; add --hbp or drop it",
+                         source="--hbp-microbatches", field="hbp_microbatches")
     if args.hbp:
         from omnibal.cli.plan_hbp import run_hbp
 

@@ -16,10 +16,18 @@ the single level is at most ``single / free``. It is a bound under the model onl
 fill their steps no better than a single level does (3): the check is that every HBP result so far lies
 under it (tests/test_hbp_short.py).
 
+**(c) Work floor.** With a micro-batch count per level (``HBPConfig.microbatches == "tokens"``) a short
+level's steps hold more micro-batches, so they pay the pipeline fill and drain and the gradient sync less
+often than the single level does: (3) changes and (a) is no bound. What no packing changes is the work: the
+forward and backward of every sample (without the per-micro-batch fixed term) on the min-max partition of
+that total work, every device of a stage equally loaded, with no pipeline idle, gradient sync, recompute or
+all-to-all. Every level set takes at least that time, so the gain is at most ``single / floor``.
+
 **(b) Longest level (Amdahl).** A sample longer than the second-longest candidate length needs the longest
-level in every level set, where it runs as in the single level (the same pack length and per-rank share,
-so the same recompute and all-to-all). With ``f`` its share of the cost, only ``1 - f`` of the single
-level's time can shrink, at most by (a): gain ``<= 1 / (f + (1 - f) / gain_a)``.
+level in every level set, where it runs as in the single level (the same pack length, per-rank share and
+micro-batch count, so the same recompute and all-to-all). With ``f`` its share of the cost, only ``1 - f``
+of the single level's time can shrink, at most by the bound that holds for the level set's micro-batch
+counts ((a) when every level has the job's count, else (c)): gain ``<= 1 / (f + (1 - f) / gain)``.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from omnibal.data.hbp import HBPConfig, candidate_lengths
 from omnibal.errors import InputError
 from omnibal.plan.hbp import HBPContext, HBPPlanConfig, level_features
 from omnibal.plan.joint import JointPlanner
+from omnibal.plan.partition import min_max_partition
 from omnibal.plan.stages import layer_quantities
 from omnibal.sim.epoch import SECONDS_PER_DAY, simulate_epoch
 
@@ -53,6 +62,10 @@ class HBPBound:
     """Samples over this many tokens need the longest level in every level set."""
     long_share: float
     """``f``: their share of the balancer's cost."""
+    floor_gpu_days: float = 0.0
+    """(c): the work floor (:func:`work_floor_gpu_days`)."""
+    same_microbatches: bool = True
+    """Whether every level runs the job's micro-batch count (then (a) holds; else only (c))."""
 
     @property
     def hbp_gain(self) -> float:
@@ -64,22 +77,37 @@ class HBPBound:
         return self.single_gpu_days / self.free_gpu_days
 
     @property
+    def gain_floor(self) -> float:
+        """(c): HBP's gain over the single level is at most this, whatever the micro-batch counts."""
+        return self.single_gpu_days / self.floor_gpu_days
+
+    @property
+    def gain_limit(self) -> float:
+        """The bound that holds for the plan's micro-batch counts: (a) with one count, else (c)."""
+        return self.gain_free if self.same_microbatches else self.gain_floor
+
+    @property
     def gain_amdahl(self) -> float:
         """(b): at most this."""
-        return 1.0 / (self.long_share + (1.0 - self.long_share) / self.gain_free)
+        return 1.0 / (self.long_share + (1.0 - self.long_share) / self.gain_limit)
 
     def to_dict(self) -> dict:
         return {"single_gpu_days": self.single_gpu_days, "hbp_gpu_days": self.hbp_gpu_days,
                 "free_gpu_days": self.free_gpu_days, "free_trials": [[k, v] for k, v in self.free_trials],
                 "long_length": self.long_length, "long_share": self.long_share, "hbp_gain": self.hbp_gain,
-                "gain_bound_free": self.gain_free, "gain_bound_amdahl": self.gain_amdahl}
+                "floor_gpu_days": self.floor_gpu_days, "same_microbatches": self.same_microbatches,
+                "gain_bound_free": self.gain_free, "gain_bound_floor": self.gain_floor,
+                "gain_bound_amdahl": self.gain_amdahl}
 
     def lines(self) -> list[str]:
-        return [f"Bound on HBP's gain under this cost model (omnibal.plan.hbp_bound): (a) the single level with "
-                f"recompute and all-to-all free takes {self.free_gpu_days:.1f} of its {self.single_gpu_days:.1f} "
-                f"GPU days: gain <= {self.gain_free:.2f}x; (b) samples over {self.long_length:,} tokens need the "
-                f"longest level and carry {self.long_share:.1%} of the cost: gain <= {self.gain_amdahl:.2f}x. "
-                f"HBP: {self.hbp_gain:.2f}x."]
+        free = (f"(a) the single level with recompute and all-to-all free takes {self.free_gpu_days:.1f} of its "
+                f"{self.single_gpu_days:.1f} GPU days: gain <= {self.gain_free:.2f}x"
+                + ("" if self.same_microbatches else " with one micro-batch count for every level"))
+        floor = (f"(c) the work alone (no pipeline idle, sync, recompute or all-to-all) takes "
+                 f"{self.floor_gpu_days:.1f}: gain <= {self.gain_floor:.2f}x")
+        return [f"Bound on HBP's gain under this cost model (omnibal.plan.hbp_bound): {free}; {floor}; (b) samples "
+                f"over {self.long_length:,} tokens need the longest level and carry {self.long_share:.1%} of the "
+                f"cost: gain <= {self.gain_amdahl:.2f}x. HBP: {self.hbp_gain:.2f}x."]
 
 
 def free_gpu_days(ctx: HBPContext, level_feats, parts=None) -> float:
@@ -94,6 +122,24 @@ def free_gpu_days(ctx: HBPContext, level_feats, parts=None) -> float:
         options = {tuple(planner.plan_fixed_recompute("none").parts), *([tuple(parts)] if parts else [])}
         total += min(simulate_epoch(ctx.table, p, none, feats, sim_config).total_time for p in options)
     return total * ctx.epoch_scale * ctx.num_gpus / SECONDS_PER_DAY
+
+
+def work_floor_gpu_days(ctx: HBPContext, level_feats) -> float:
+    """(c): GPU days of the levels' forward + backward work (tensor-parallel collectives included, the
+    per-micro-batch fixed term not), on the min-max partition of that work (interleaved chunks: spread evenly
+    over the pipeline devices), every DP rank equally loaded."""
+    total = sum(np.asarray(f, np.float64).reshape(-1, 4).sum(axis=0) for _, f, _ in level_feats)
+    total = np.array(total, np.float64)
+    total[0] = 0.0  # more, shorter micro-batches pay more fixed terms: leave them out of a floor
+    work = ctx.table.evaluate("fwd_time", total) + ctx.table.evaluate("bwd_time", total)
+    if ctx.table.tp_comm_time is not None:
+        work = work + ctx.table.evaluate("tp_comm_time", total)
+    stages = ctx.stage_config.num_stages
+    if ctx.sim_config.num_chunks == 1:
+        per_stage = max(min_max_partition(work, stages).stage_costs)
+    else:
+        per_stage = float(work.sum()) / stages
+    return per_stage / ctx.dp_size * ctx.epoch_scale * ctx.num_gpus / SECONDS_PER_DAY
 
 
 def _free_trials(ctx: HBPContext, hbp: HBPPlanConfig, stats, result, top: int, cache) -> list[tuple[str, float]]:
@@ -132,4 +178,5 @@ def hbp_bound(ctx: HBPContext, hbp: HBPPlanConfig, stats, result, *, cache: dict
     length, share = long_share(stats, result.model.cost, cands)
     return HBPBound(single_gpu_days=result.row("single level").gpu_days, hbp_gpu_days=result.row("hbp").gpu_days,
                     free_gpu_days=min(v for _, v in trials), free_trials=tuple(trials), long_length=length,
-                    long_share=share)
+                    long_share=share, floor_gpu_days=work_floor_gpu_days(ctx, result.single.level_feats),
+                    same_microbatches=hbp.microbatches == "same")

@@ -90,11 +90,11 @@ def _hours(seconds: float) -> str:
 
 def hbp_markdown(result: HBPPlanResult) -> str:
     """Per-level table of the HBP plan, the comparison rows, the SP degrees tried and the bound."""
-    lines = ["| level | pack length | SP | steps | samples | checkpointed layers | all-to-all share | time (h) |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| level | pack length | SP | micro-batches | steps | samples | checkpointed layers | all-to-all share "
+             "| time (h) |", "|---|---|---|---|---|---|---|---|---|"]
     for i, lv in enumerate(result.row("hbp").levels):
-        lines.append(f"| {i} | {lv.length:,} | {lv.sp} | {lv.steps:,} | {lv.samples:,} | {lv.checkpointed} | "
-                     f"{lv.a2a_share:.1%} | {_hours(lv.time_s)} |")
+        lines.append(f"| {i} | {lv.length:,} | {lv.sp} | {lv.microbatches} | {lv.steps:,} | {lv.samples:,} | "
+                     f"{lv.checkpointed} | {lv.a2a_share:.1%} | {_hours(lv.time_s)} |")
     lines += ["", "| packing | levels (length x SP) | GPU days | vs single level | OOM steps |",
               "|---|---|---|---|---|"]
     single = result.row("single level").gpu_days
