@@ -14,9 +14,12 @@ one SP degree that holds the longest, even partition, full recompute), ``single 
 (omnibal packing at one pack length = the longest level, the least SP degree that fits, full recompute),
 ``single level`` (the fastest single level: the longest level with the SP degree the simulator chose and
 adaptive recompute, or the plain ``omnibal plan`` packing), ``hbp`` (levels, SP degrees and recompute per
-level; the fastest of the level sets and the single levels), ``omnibal plan`` (the plain plan: the
+level, each level's step holding the longest level's tokens per rank in as many micro-batches as that takes,
+``HBPConfig.microbatches = "tokens"``; the fastest of the level sets and the single levels), ``hbp, one
+micro-batch count`` (the same search with the job's 8 micro-batches on every level, ``"same"``), ``omnibal
+plan`` (the plain plan: the
 balancer's own caps, SP 1, adaptive recompute; only where one rank holds the longest sample). Per case
-also: the SP degrees the simulator tried per level, the bound on HBP's gain (``omnibal.plan.hbp_bound``)
+also: the SP degrees the simulator tried per level, the bounds on HBP's gain (``omnibal.plan.hbp_bound``)
 and the planning CPU seconds. A uniform random subset of ``--balance-samples`` rows is balanced and
 simulated, the epoch scaled to ``--samples`` (as ``omnibal plan`` does). Writes
 benchmarks/results/hbp.json and hbp.md.
@@ -33,8 +36,10 @@ from pathlib import Path
 
 from benchmarks.common import RESULTS, write_result
 from omnibal.plan.hbp import HBPPlanConfig
-from omnibal.plan.hbp_job import run_hbp_job, sp_trials_lines
+from omnibal.plan.hbp_bound import BREAKDOWN_PARTS, time_breakdown
+from omnibal.plan.hbp_job import hbp_context, run_hbp_job, sp_trials_lines
 from omnibal.plan.job import PlanJobConfig
+from omnibal.plan.job_phases import balance_subset
 from omnibal.stats.long_context import llm_only, long_context_mixture
 from omnibal.stats.synthetic import synthetic_internvl_mixture
 
@@ -49,46 +54,86 @@ def cases(samples: int, balance_samples: int):
 
 def run_case(name: str, config: PlanJobConfig, stats, batch: int) -> dict:
     t_wall, t_cpu = time.perf_counter(), time.process_time()
-    result = run_hbp_job(config, HBPPlanConfig(baseline_batch_size=batch), stats)
+    hbp = HBPPlanConfig(baseline_batch_size=batch)
+    result = run_hbp_job(config, hbp, stats)
+    wall, cpu = time.perf_counter() - t_wall, time.process_time() - t_cpu
+    one = HBPPlanConfig(baseline_batch_size=batch, microbatches="same")
+    same = run_hbp_job(config, one, stats, bound=False)
+    same_hbp = {**same.row("hbp").to_dict(), "name": "hbp, one micro-batch count"}
+    balanced = balance_subset(stats, config)
+    ctx = hbp_context(config, num_samples=len(stats), balanced_samples=len(balanced))
+    breakdown = {label: time_breakdown(ctx, cfg, res.row(row), sched, balanced) for label, cfg, res, row, sched in (
+        ("hbp", hbp, result, "hbp", result.schedule), ("hbp, one micro-batch count", one, same, "hbp", same.schedule),
+        ("single level", hbp, result, "single level", result.single.schedule))}
     return {"case": name, "model": config.preset, "layout": f"DP {config.dp_size} x PP {config.pp_size}",
-            "data": stats.source, **result.to_dict(), "sp_trials_lines": sp_trials_lines(result),
-            "wall_s": round(time.perf_counter() - t_wall, 2), "cpu_s": round(time.process_time() - t_cpu, 2)}
+            "microbatches": config.num_microbatches, "data": stats.source, **result.to_dict(),
+            "hbp_one_count": same_hbp, "breakdown": breakdown, "sp_trials_lines": sp_trials_lines(result),
+            "wall_s": round(wall, 2), "cpu_s": round(cpu, 2)}
 
 
 def _kilo(n: int) -> str:
     return f"{n // 1024}k" if n % 1024 == 0 else f"{n:,}"
 
 
+def _total(levels: list[dict]) -> dict:
+    """The sum row of a breakdown."""
+    return {"length": None, "sp": None, "microbatches": None, "steps": sum(lv["steps"] for lv in levels),
+            "time_s": sum(lv["time_s"] for lv in levels),
+            **{p: sum(lv[p] for lv in levels) for p in BREAKDOWN_PARTS}}
+
+
 def markdown(results: list[dict], load: str) -> str:
     lines = ["# HBP: predicted GPU days per epoch (128 A100-80G)", "",
              "Predicted by omnibal's cost model + simulator (`omnibal.plan.hbp`); see docs/hbp.md. " + load, "",
-             "| case | packing | levels (pack length x SP) | checkpointed layers per level | GPU days "
-             "| vs single level | vs baseline |", "|---|---|---|---|---|---|---|"]
+             "| case | packing | levels (pack length x SP) | micro-batches per level | checkpointed layers per level "
+             "| GPU days | vs single level | vs baseline |", "|---|---|---|---|---|---|---|---|"]
     for res in results:
         rows = {r["name"]: r for r in res["rows"]}
         single, base = rows["single level"]["gpu_days"], rows["baseline"]["gpu_days"]
-        for r in res["rows"]:
+        for r in [*res["rows"][:4], res["hbp_one_count"], *res["rows"][4:]]:
             levels = ", ".join(f"{lv['length']:,} x {lv['sp']}" for lv in r["levels"])
+            mbs = ", ".join(str(lv["microbatches"]) for lv in r["levels"])
             ckpt = ", ".join(str(lv["checkpointed"]) for lv in r["levels"])
             origin = f" ({r['origin']})" if r["origin"] not in ("levels", r["name"]) else ""
-            lines.append(f"| {res['case']} | {r['name']}{origin} | {levels} | {ckpt} | {r['gpu_days']:.1f} | "
+            lines.append(f"| {res['case']} | {r['name']}{origin} | {levels} | {mbs} | {ckpt} | {r['gpu_days']:.1f} | "
                          f"{single / r['gpu_days']:.2f}x | {base / r['gpu_days']:.2f}x |")
-    lines += ["", "Bound on HBP's gain over the single level under this cost model (`omnibal.plan.hbp_bound`): (a) the "
+    lines += ["", "Bounds on HBP's gain over the single level under this cost model (`omnibal.plan.hbp_bound`): "
+              "(a) the "
               "single level with recompute and all-to-all free (least over its own packing and the longest level at "
-              "every SP degree, memory ignored); (b) Amdahl: the samples that need the longest level gain nothing.",
-              "", "| case | single level | free single level (a) | gain bound (a) | longest-level cost share "
-              "| gain bound (b) | HBP gain | planning CPU s |", "|---|---|---|---|---|---|---|---|"]
+              "every SP degree, memory ignored), a bound only when every level has the job's micro-batch count; "
+              "(c) the work alone (every sample's forward + backward on the min-max partition of the total, no "
+              "pipeline idle, gradient sync, recompute or all-to-all), a bound for any counts; (b) Amdahl: the "
+              "samples that need the longest level gain nothing, the rest at most (c).",
+              "", "| case | single level | free single level (a) | gain bound (a) | work floor (c) | gain bound (c) "
+              "| longest-level cost share | gain bound (b) | HBP gain | HBP gain, one count | planning CPU s |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for res in results:
         b = res["bound"]
+        one = b["single_gpu_days"] / res["hbp_one_count"]["gpu_days"]
         lines.append(f"| {res['case']} | {b['single_gpu_days']:.1f} | {b['free_gpu_days']:.1f} | "
-                     f"{b['gain_bound_free']:.2f}x | {b['long_share']:.1%} (over {b['long_length']:,} tokens) | "
-                     f"{b['gain_bound_amdahl']:.2f}x | {b['hbp_gain']:.2f}x | {res['cpu_s']} |")
+                     f"{b['gain_bound_free']:.2f}x | {b['floor_gpu_days']:.1f} | {b['gain_bound_floor']:.2f}x | "
+                     f"{b['long_share']:.1%} (over {b['long_length']:,} tokens) | "
+                     f"{b['gain_bound_amdahl']:.2f}x | {b['hbp_gain']:.2f}x | {one:.2f}x | {res['cpu_s']} |")
+    lines += ["", "Where the time goes (`omnibal.plan.hbp_bound.time_breakdown`): each level's simulated time per "
+              "device, hours of the scaled epoch; work includes the per-micro-batch fixed term, pipeline idle is "
+              "fill/drain and stage imbalance.", "",
+              "| case | packing | level (length x SP) | micro-batches | steps | " + " | ".join(
+                  p.replace("_", " ") for p in BREAKDOWN_PARTS) + " | time (h) |", "|---|---|---|---|---|" +
+              "---|" * (len(BREAKDOWN_PARTS) + 1)]
+    for res in results:
+        for label, levels in res["breakdown"].items():
+            for lv in levels + ([_total(levels)] if len(levels) > 1 else []):
+                where = "all levels" if lv["length"] is None else f"{lv['length']:,} x {lv['sp']}"
+                cells = " | ".join(f"{lv[p] / 3600:.2f}" for p in BREAKDOWN_PARTS)
+                lines.append(f"| {res['case']} | {label} | {where} | {lv['microbatches'] or ''} | {lv['steps']} | "
+                             f"{cells} | {lv['time_s'] / 3600:.2f} |")
     lines += ["", "HBP levels (pack length, SP degree, steps, samples of the balanced subset, share of busy time "
               "in SP all-to-all), the level sets the simulator compared and the SP degrees it tried per level "
               "(degree: simulated hours of the level, the other levels fixed; * = kept):", ""]
     for res in results:
         hbp = next(r for r in res["rows"] if r["name"] == "hbp")
-        desc = "; ".join(f"{lv['length']:,} x SP {lv['sp']}: {lv['steps']} steps, {lv['samples']:,} samples, "
+        desc = "; ".join(f"{lv['length']:,} x SP {lv['sp']}: {lv['steps']} steps of {lv['microbatches']} "
+                         f"micro-batches, {lv['samples']:,} samples, "
                          f"a2a {lv['a2a_share']:.1%}" for lv in hbp["levels"])
         tried = "; ".join(f"{'/'.join(f'{_kilo(n)} x {d}' for n, d in zip(t['lengths'], t['sp']))}"
                           f"{'' if t['origin'] == 'levels' else ' (' + t['origin'] + ')'}: {t['gpu_days']:.1f}"

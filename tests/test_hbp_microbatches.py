@@ -39,11 +39,16 @@ def test_counts_same_and_by_tokens():
     assert level_microbatch_counts((3072, 32768, 131072), (1, 8, 8), 8, "same") == (8, 8, 8)
     # per SP rank 3,072 / 4,096 / 16,384 tokens: 8 x 16,384 / x
     assert level_microbatch_counts((3072, 32768, 131072), (1, 8, 8), 8, "tokens") == (43, 32, 8)
+    # a step budget of the plain plan's 8 x 4,544 tokens: the 6k level runs fewer micro-batches than the job's
+    assert level_microbatch_counts((2048, 6144), (2, 1), 8, "tokens", step_tokens=8 * 4544) == (36, 6)
     with pytest.raises(InputError) as err:
         level_microbatch_counts((1024,), (1,), 2, "fewest")
     assert err.value.field == "microbatches"
     with pytest.raises(InputError):
         HBPConfig(microbatches="fewest")
+    with pytest.raises(InputError) as err:
+        HBPConfig(step_tokens=0)
+    assert err.value.field == "step_tokens"
 
 
 @settings(max_examples=200, deadline=None)
@@ -56,7 +61,10 @@ def test_every_step_holds_about_the_top_levels_tokens_per_rank(levels, m):
     top = max(per_rank)
     assert counts[per_rank.index(top)] == m and min(counts) >= m
     for c, x in zip(counts, per_rank):  # rounded to the nearest count: within half a micro-batch
-        assert abs(c * x - m * top) <= x / 2 + 1e-6 or c == m
+        assert abs(c * x - m * top) <= x / 2 + 1e-6
+    budget = m * 1000
+    for c, x in zip(level_microbatch_counts(lengths, sp, m, "tokens", step_tokens=budget), per_rank):
+        assert c >= 1 and (abs(c * x - budget) <= x / 2 + 1e-6 or c == 1)
 
 
 # -- the Schedule form --------------------------------------------------------------------------------

@@ -116,6 +116,25 @@ def test_one_count_for_every_level_is_slower_and_under_the_free_single_level_bou
     assert same.row("single level").gpu_days == pytest.approx(tokens.row("single level").gpu_days)
 
 
+def test_time_breakdown_adds_up_to_each_levels_simulated_time(small_plan):
+    from omnibal.plan.hbp_bound import BREAKDOWN_PARTS, time_breakdown
+    from omnibal.plan.hbp_job import hbp_context
+    from omnibal.plan.job_phases import balance_subset
+
+    stats, result = small_plan
+    config = PlanJobConfig(**SMALL_JOB)
+    balanced = balance_subset(stats, config)
+    ctx = hbp_context(config, num_samples=len(stats), balanced_samples=len(balanced))
+    row = result.row("hbp")
+    parts = time_breakdown(ctx, HBPPlanConfig(baseline_batch_size=1), row, result.schedule, balanced)
+    assert [p["length"] for p in parts] == [lv.length for lv in row.levels]
+    for p, lv in zip(parts, row.levels):
+        assert p["time_s"] == pytest.approx(lv.time_s)
+        assert sum(p[k] for k in BREAKDOWN_PARTS) == pytest.approx(p["time_s"])
+        assert p["work"] > 0 and p["recompute"] >= 0 and p["grad_sync"] > 0 and p["pipeline_idle"] >= 0
+        assert (p["recompute"] > 0) == (lv.checkpointed > 0)  # checkpoints cost busy time, none costs nothing
+
+
 def test_plan_refuses_a_sample_no_level_can_hold():
     stats = long_context_mixture(3000, seed=4)
     # SP <= 2 on a 32 GiB budget cannot hold the 100k-token videos (the megatron-deepspeed stack needs 28.6 GiB

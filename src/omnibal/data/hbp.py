@@ -140,6 +140,10 @@ class HBPConfig:
     (:func:`level_microbatch_counts`: a level's step holds about as many tokens per rank as the level of the
     most tokens per rank, whose steps keep ``num_microbatches``; a short level then runs fewer, longer steps,
     each paying the pipeline fill and drain and the gradient sync once)."""
+    step_tokens: int | None = None
+    """With ``microbatches="tokens"``: LLM tokens per rank every step should hold (e.g. a single-level plan's
+    ``num_microbatches x`` its token cap, to compare at the same batch); None: ``num_microbatches`` packs of
+    the level of the most tokens per rank."""
 
     def __post_init__(self) -> None:
         if self.microbatches not in LEVEL_MICROBATCHES:
@@ -151,6 +155,9 @@ class HBPConfig:
         if not isinstance(self.max_levels, int) or self.max_levels < 1:
             raise InputError(f"must be an integer >= 1, got {self.max_levels!r}", source="max_levels",
                              field="max_levels")
+        if self.step_tokens is not None and (not isinstance(self.step_tokens, int) or self.step_tokens < 1):
+            raise InputError(f"must be a positive integer or None, got {self.step_tokens!r}", source="step_tokens",
+                             field="step_tokens")
         if not 0 < self.fill <= 1:
             raise InputError(f"must be in (0, 1], got {self.fill}", source="fill", field="fill")
         for name in ("pack_lengths", "candidate_lengths"):
@@ -385,19 +392,21 @@ def _settle_levels(level_of: np.ndarray, tokens: np.ndarray, lengths, slots: lis
     return level_of, packs
 
 
-def level_microbatch_counts(lengths, sp, num_microbatches: int, rule: str = "tokens") -> tuple[int, ...]:
+def level_microbatch_counts(lengths, sp, num_microbatches: int, rule: str = "tokens",
+                            step_tokens: int | None = None) -> tuple[int, ...]:
     """Micro-batches per rank of each level's step: ``num_microbatches`` everywhere (``same``), or (``tokens``)
-    ``round(num_microbatches x T / (L_k / d_k))``, at least ``num_microbatches``, where ``L_k / d_k`` is the
-    level's pack length per SP rank and ``T`` the largest of them: every step then holds about the same
-    tokens per rank, the level of the most tokens per rank keeps ``num_microbatches``."""
+    ``max(1, round(T / (L_k / d_k)))``, where ``L_k / d_k`` is the level's pack length per SP rank and ``T`` the
+    tokens per rank a step should hold: ``step_tokens``, or ``num_microbatches`` packs of the level of the
+    most tokens per rank (which then keeps ``num_microbatches``). Every step then holds about ``T`` tokens
+    per rank (the optimizer sees about the same batch in tokens whatever the level)."""
     if rule not in LEVEL_MICROBATCHES:
         raise InputError(f"unknown micro-batch rule {rule!r}; choose one of {LEVEL_MICROBATCHES}",
                          source="microbatches", field="microbatches")
     if rule == "same":
         return (int(num_microbatches),) * len(lengths)
     per_rank = [length / d for length, d in zip(lengths, sp)]
-    top = max(per_rank)
-    return tuple(max(int(num_microbatches), round(num_microbatches * top / x)) for x in per_rank)
+    target = num_microbatches * max(per_rank) if step_tokens is None else step_tokens
+    return tuple(max(1, round(target / x)) for x in per_rank)
 
 
 def _degrees_dividing(model: LevelCostModel, dp_size: int) -> LevelCostModel:
@@ -440,7 +449,7 @@ def balance_hbp(stats, *, dp_size: int, num_microbatches: int = 1, seed: int = 0
                          field="pack_lengths")
     tokens = np.asarray(sub.tokens, np.int64)
     level_of = np.searchsorted(np.asarray(lengths), tokens, side="left")
-    mbs = level_microbatch_counts(lengths, sp, num_microbatches, config.microbatches)
+    mbs = level_microbatch_counts(lengths, sp, num_microbatches, config.microbatches, config.step_tokens)
     slots = [dp_size // d * m for d, m in zip(sp, mbs)]
     level_of, packs = _settle_levels(level_of, tokens, lengths, slots, config.fill, stats.source)
     parts = []
@@ -492,7 +501,7 @@ def _combine(parts, stats, lengths, dropped, *, dp_size, seed, epoch, estimate, 
                     "config": {"max_levels": config.max_levels, "fill": config.fill,
                                "sp_degrees": list(config.model.sp_degrees),
                                "max_tokens_per_rank": int(config.model.max_tokens_per_rank),
-                               "microbatches": config.microbatches,
+                               "microbatches": config.microbatches, "step_tokens": config.step_tokens,
                                "balance": config.balance.to_dict()}}}
     return Schedule(
         dp_size=dp_size, num_microbatches=most,

@@ -39,7 +39,7 @@ import numpy as np
 from omnibal.data.balance.api import BalanceConfig
 from omnibal.data.hbp import HBPConfig, candidate_lengths
 from omnibal.errors import InputError
-from omnibal.plan.hbp import HBPContext, HBPPlanConfig, level_features
+from omnibal.plan.hbp import HBPContext, HBPPlanConfig, _a2a, level_features, sp_table
 from omnibal.plan.joint import JointPlanner
 from omnibal.plan.partition import min_max_partition
 from omnibal.plan.stages import layer_quantities
@@ -180,3 +180,35 @@ def hbp_bound(ctx: HBPContext, hbp: HBPPlanConfig, stats, result, *, cache: dict
                     free_gpu_days=min(v for _, v in trials), free_trials=tuple(trials), long_length=length,
                     long_share=share, floor_gpu_days=work_floor_gpu_days(ctx, result.single.level_feats),
                     same_microbatches=hbp.microbatches == "same")
+
+
+BREAKDOWN_PARTS = ("work", "recompute", "a2a", "pipeline_idle", "dp_imbalance", "grad_sync")
+"""Where a level's time goes (:func:`time_breakdown`), seconds per device of the scaled epoch."""
+
+
+def time_breakdown(ctx: HBPContext, hbp: HBPPlanConfig, row, schedule, stats) -> list[dict]:
+    """Per level of ``row`` (an ``HBPRow`` simulated from ``schedule``): its simulated time split per device
+    into :data:`BREAKDOWN_PARTS` (work includes the per-micro-batch fixed term; recompute is the busy time the
+    level's checkpoints add; pipeline idle is fill/drain and stage imbalance; DP imbalance the wait for the
+    slowest DP rank; the gradient sync one all-reduce per step). The parts add up to the level's time."""
+    out = []
+    for lv, (d, feats, _) in zip(row.levels, level_features(schedule, stats)):
+        a2a = _a2a(ctx, hbp, d)
+        table = sp_table(ctx.table, a2a)
+        planner = JointPlanner(layer_quantities(table, feats, ctx.stage_config), ctx.stage_config)
+        plan = planner.evaluate(row.parts, "adaptive") or planner.evaluate(row.parts, "full")
+        mask = plan.recompute_mask(table.num_layers)
+        res = simulate_epoch(table, row.parts, mask, feats, ctx.sim_config)
+        bare = simulate_epoch(table, row.parts, np.zeros_like(mask), feats, replace(ctx.sim_config,
+                                                                                    memory_budget_bytes=None))
+        devices = res.busy.shape[1] * res.busy.shape[2]
+        busy, recompute = res.busy.sum() / devices, (res.busy.sum() - bare.busy.sum()) / devices
+        comm = float((feats @ a2a.T).sum()) / devices
+        sync = float(res.allreduce_time.max()) * len(feats)
+        wait = float(res.sync_wait.sum()) / devices
+        parts = {"work": busy - recompute - comm, "recompute": recompute, "a2a": comm,
+                 "pipeline_idle": res.total_time - busy - sync - wait, "dp_imbalance": wait, "grad_sync": sync}
+        out.append({"length": lv.length, "sp": lv.sp, "microbatches": lv.microbatches, "steps": lv.steps,
+                    "time_s": res.total_time * ctx.epoch_scale,
+                    **{k: float(v) * ctx.epoch_scale for k, v in parts.items()}})
+    return out

@@ -1,6 +1,8 @@
 """``omnibal plan --hbp`` as a library call: the plan job's model, cluster and data planned with HBP
 (:mod:`omnibal.plan.hbp`), the plain ``omnibal plan`` packing as one more single-level candidate, and the
-bound on what HBP can gain (:mod:`omnibal.plan.hbp_bound`).
+bound on what HBP can gain (:mod:`omnibal.plan.hbp_bound`). With a micro-batch count per level, the levels'
+steps then hold the plain plan's tokens per rank (its token cap x its micro-batches), so a gain is not a
+larger batch.
 
 The plain candidate is the plan job itself (:func:`omnibal.plan.job.run_plan_job` on the same job and data:
 the balancer's own caps, SP 1, its partition search and adaptive recompute), re-simulated here with the plan's
@@ -78,7 +80,9 @@ def run_hbp_job(config, hbp: HBPPlanConfig, stats, *, plain: bool = True, bound:
             extra = (plain_candidate(config, ctx, hbp, full, stats),)
         except InputError as exc:
             notes.append(f"{PLAIN} (SP 1) not tried: {exc}")
-    result = plan_hbp(ctx, hbp, stats, model=model, extra=extra, cache=cache)
+    # the levels' steps hold the plain plan's tokens per rank, so both are compared at one batch size
+    step_tokens = (int(extra[0].schedule.caps.tokens) * int(extra[0].schedule.num_microbatches)) if extra else None
+    result = plan_hbp(ctx, hbp, stats, model=model, extra=extra, cache=cache, step_tokens=step_tokens)
     if bound:
         result = replace(result, bound=hbp_bound(ctx, hbp, stats, result, cache=cache))
     return replace(result, notes=tuple(notes))

@@ -143,7 +143,8 @@ def _level_sets(ctx: HBPContext, hbp: HBPPlanConfig, stats, config: HBPConfig, c
 
 
 def plan_hbp(ctx: HBPContext, hbp: HBPPlanConfig, stats, *, model: LevelCostModel | None = None,
-             extra: tuple[Candidate, ...] = (), cache: dict | None = None) -> HBPPlanResult:
+             extra: tuple[Candidate, ...] = (), cache: dict | None = None,
+             step_tokens: int | None = None) -> HBPPlanResult:
     """Choose the levels, balance them, and simulate HBP against single-level packing and the baseline.
 
     The estimate (:func:`omnibal.data.hbp.choose_levels`) proposes the best level set for each level count
@@ -152,10 +153,12 @@ def plan_hbp(ctx: HBPContext, hbp: HBPPlanConfig, stats, *, model: LevelCostMode
     row is the fastest of the one-level set and the ``extra`` single levels (e.g. the plain ``omnibal plan``
     packing), and HBP is the fastest of everything, so HBP is never predicted slower than the single level,
     nor the single level than an extra one. ``model``: the level
-    cost model (default: :func:`stats_level_cost_model`); ``cache``: memoises balanced levels between calls."""
+    cost model (default: :func:`stats_level_cost_model`); ``cache``: memoises balanced levels between calls;
+    ``step_tokens``: tokens per rank a step of every level holds with ``hbp.microbatches == "tokens"`` (e.g. the
+    plain plan's, so HBP and it are compared at the same batch; ``HBPConfig.step_tokens``)."""
     model = model or stats_level_cost_model(ctx, hbp, stats)
     config = HBPConfig(model=model, max_levels=1, candidate_lengths=hbp.candidate_lengths, oversize=hbp.oversize,
-                       balance=BalanceConfig(cost=model.cost), microbatches=hbp.microbatches)
+                       balance=BalanceConfig(cost=model.cost), microbatches=hbp.microbatches, step_tokens=step_tokens)
     cache = {} if cache is None else cache
     with tqdm(desc="HBP level sets simulated", unit="set", file=sys.stderr, disable=not hbp.progress) as bar:
         sets = _level_sets(ctx, hbp, stats, config, cache, bar)
