@@ -124,7 +124,7 @@ def markdown(results: list[dict], load: str) -> str:
         for label, levels in res["breakdown"].items():
             for lv in levels + ([_total(levels)] if len(levels) > 1 else []):
                 where = "all levels" if lv["length"] is None else f"{lv['length']:,} x {lv['sp']}"
-                cells = " | ".join(f"{lv[p] / 3600:.2f}" for p in BREAKDOWN_PARTS)
+                cells = " | ".join(f"{round(lv[p] / 3600, 2) + 0.0:.2f}" for p in BREAKDOWN_PARTS)  # no -0.00
                 lines.append(f"| {res['case']} | {label} | {where} | {lv['microbatches'] or ''} | {lv['steps']} | "
                              f"{cells} | {lv['time_s'] / 3600:.2f} |")
     lines += ["", "HBP levels (pack length, SP degree, steps, samples of the balanced subset, share of busy time "
