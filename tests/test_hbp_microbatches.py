@@ -148,3 +148,17 @@ def test_resume_and_reshard_exactly_once(mixed, new_dp):
     again = balance_hbp(mixed, dp_size=new_dp, num_microbatches=2, seed=5, rows=rest,
                         config=_config(pack_lengths=level_lengths(sched)))
     assert np.all(trained + again.sample_counts() == 1)
+
+
+def test_metrics_count_only_the_micro_batches_a_step_runs(mixed):
+    from omnibal.data.metrics import schedule_metrics
+
+    sched = balance_hbp(mixed, dp_size=4, num_microbatches=2, seed=3, config=_config())
+    assert sched.level_microbatches is not None
+    m = schedule_metrics(sched, mixed)
+    runs = np.broadcast_to(sched.slot_mask()[:, None, :], sched.pack_ids.shape)
+    sizes = sched.pack_sizes()[sched.pack_ids[runs]]
+    # the filler slots are neither empty micro-batches nor steps left out of the averages
+    assert m["steps_with_empty_microbatches"] == 0 and m["empty_microbatches"] == 0
+    assert m["samples_per_microbatch_mean"] == pytest.approx(sizes.mean()) and m["samples_per_microbatch_min"] >= 1
+    assert m["coverage_ok"] and 1.0 <= m["llm_max_mean_microbatches"] < 3.0

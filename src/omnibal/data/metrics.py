@@ -29,10 +29,13 @@ from omnibal.data.balance.cost import DEFAULT_COST, BalanceCost
 from omnibal.tables import markdown_table
 
 
-def _max_mean(x: np.ndarray, axis) -> np.ndarray:
-    """max/mean along ``axis`` (1.0 where everything is zero)."""
-    mean = x.mean(axis=axis)
-    mx = x.max(axis=axis)
+def _max_mean(x: np.ndarray, axis, where: np.ndarray | None = None) -> np.ndarray:
+    """max/mean along ``axis`` over the entries ``where`` is True (all when None; 1.0 where all are zero)."""
+    if where is None:
+        mean, mx = x.mean(axis=axis), x.max(axis=axis)
+    else:
+        mean = np.where(where, x, 0.0).sum(axis=axis) / np.maximum(where.sum(axis=axis), 1)
+        mx = np.where(where, x, 0.0).max(axis=axis)
     return np.where(mean > 0, mx / np.where(mean > 0, mean, 1.0), 1.0)
 
 
@@ -56,14 +59,17 @@ def schedule_metrics(schedule, stats, cost: BalanceCost | None = None) -> dict:
                  "caps_tiles": schedule.caps.tiles, "caps_tokens": schedule.caps.tokens,
                  "padding": schedule.padding}
     # a step with empty micro-batches (a baseline's partial last step) would dominate the averages with
-    # one huge ratio; it is counted apart and left out of the per-step averages
-    sizes_mb = schedule.pack_sizes()[schedule.pack_ids]  # [S, N, M]
-    full = (sizes_mb > 0).all(axis=(1, 2))
+    # one huge ratio; it is counted apart and left out of the per-step averages. Slots a step does not run
+    # (an HBP level with fewer micro-batches than the largest count) are no micro-batches at all.
+    runs = np.broadcast_to(schedule.slot_mask()[:, None, :], schedule.pack_ids.shape)  # [S, N, M]
+    sizes_mb = schedule.pack_sizes()[schedule.pack_ids]
+    full = ((sizes_mb > 0) | ~runs).all(axis=(1, 2))
     out["steps_with_empty_microbatches"] = int((~full).sum())
+    width = schedule.dp_size * schedule.num_microbatches
     for name, per_rank, per_mb in (("vision", rank_v, vis), ("llm", rank_l, llm), ("total", rank_tot, total)):
         out.update(_summary(f"{name}_max_mean_ranks", _max_mean(per_rank[full], 1)))
-        flat = per_mb[full].reshape(int(full.sum()), schedule.dp_size * schedule.num_microbatches)
-        out.update(_summary(f"{name}_max_mean_microbatches", _max_mean(flat, 1)))
+        flat, mask = per_mb[full].reshape(-1, width), runs[full].reshape(-1, width)
+        out.update(_summary(f"{name}_max_mean_microbatches", _max_mean(flat, 1, mask)))
     # dist ratios on raw tiles / tokens per rank (as the reference computes them)
     tiles_rank, tokens_rank = real[..., 1].sum(2), real[..., 2].sum(2)
     for name, x in (("vision", tiles_rank[full]), ("text", tokens_rank[full])):
@@ -72,7 +78,7 @@ def schedule_metrics(schedule, stats, cost: BalanceCost | None = None) -> dict:
         out[f"dist_ratio_{name}"] = float(dr.mean()) if dr.size else 0.0
     # padding
     sizes = schedule.pack_sizes()
-    used = schedule.pack_ids.reshape(-1)
+    used = schedule.pack_ids[runs]
     mb_sizes = sizes[used]
     tokens = stats.tokens[schedule.pack_samples].astype(np.float64)
     offsets = schedule.pack_offsets
