@@ -93,6 +93,21 @@ def test_schedule_file_must_match_the_cluster(tmp_path, capsys):
     assert days and np.isfinite(float(days[0])) and float(days[0]) > 0
 
 
+def test_a_multi_level_schedule_is_refused_by_name(tmp_path, capsys):
+    from dataclasses import replace
+
+    from omnibal.data.balance import balance
+    from omnibal.stats.synthetic import synthetic_internvl_mixture
+
+    sched = balance(synthetic_internvl_mixture(3000, seed=0), dp_size=2, num_microbatches=4)
+    path = tmp_path / "hbp.json"
+    replace(sched, levels=(0,) * sched.num_steps, level_sp=(1,)).to_json(path)  # one level, but HBP's form
+    assert main(BASE + ["--model", "internvl-chat-1.5", "--dp", "2", "--microbatches", "4", "--schedule-file",
+                        str(path), "--no-report"]) == 2
+    err = capsys.readouterr().err
+    assert "levels" in err and "omnibal plan --hbp" in err and "hbp.json" in err
+
+
 def test_profile_from_another_model_is_refused(tmp_path, capsys):
     path = tmp_path / "profile.json"
     path.write_text(json.dumps({"format": "omnibal-profile/1", "model": {"name": "other", "fingerprint": "x"},

@@ -326,6 +326,10 @@ def _schedule(config: SimulateJobConfig, stats, setup: _Setup, cluster: dict):
 
     if config.schedule_file:
         sched = Schedule.from_json(config.schedule_file)
+        if sched.levels is not None:  # one table and one micro-batch count would price it wrongly
+            raise InputError("a multi-level (HBP) schedule runs each level with its own SP degree and micro-batch "
+                             "count; omnibal simulate takes single-level schedules (omnibal plan --hbp simulates "
+                             "levels)", source=config.schedule_file, field="levels")
         if sched.dp_size != cluster["dp_size"] or sched.num_microbatches != cluster["num_microbatches"]:
             raise InputError(f"schedule is for dp {sched.dp_size} x {sched.num_microbatches} micro-batches, "
                              f"simulating dp {cluster['dp_size']} x {cluster['num_microbatches']}",
