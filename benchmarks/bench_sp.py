@@ -184,16 +184,19 @@ def table(rows: list[dict], base: str) -> list[str]:
              " | samples / compute-s | vs " + base + " | peak RSS per rank (MiB) | max LLM tokens per rank |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        b = r.get("earlier_base", ref)  # a row kept from an earlier run: against that run's base row
         lines.append(f"| {r['config']}{' *' if r.get('earlier_run') else ''} | {r['level_sp']} | {r['steps']} | "
                      f"{r['samples_per_s']:.3f} | "
-                     f"{r['samples_per_s'] / ref['samples_per_s']:.2f}x | {r['samples_per_cpu_s']:.3f} | "
-                     f"{r['samples_per_cpu_s'] / ref['samples_per_cpu_s']:.2f}x | {r['samples_per_compute_s']:.3f} | "
-                     f"{r['samples_per_compute_s'] / ref['samples_per_compute_s']:.2f}x | {r['peak_rss_mib']} | "
+                     f"{r['samples_per_s'] / b['samples_per_s']:.2f}x | {r['samples_per_cpu_s']:.3f} | "
+                     f"{r['samples_per_cpu_s'] / b['samples_per_cpu_s']:.2f}x | {r['samples_per_compute_s']:.3f} | "
+                     f"{r['samples_per_compute_s'] / b['samples_per_compute_s']:.2f}x | {r['peak_rss_mib']} | "
                      f"{r['max_rank_tokens']} |")
     return lines
 
 
 LONG = ("sp1", "sp2")
+BASE = {"long_packs": "sp1", "hbp_mixture": "one level sp2"}
+"""The row each part's ratios are taken against."""
 MIXTURE = ("hbp (estimate's SP)", "hbp (estimate's SP, own counts)", "hbp (least SP)", "one level sp2", "one level sp1")
 
 
@@ -259,8 +262,13 @@ def _kept(earlier: dict | None, part: str, name: str) -> dict | None:
     """Row ``name`` of an earlier run, marked as such (None when there is none)."""
     if earlier is None:
         return None
-    row = next((r for r in earlier.get(part, {}).get("rows", ()) if r["config"] == name), None)
-    return None if row is None else {**row, "earlier_run": True}
+    rows = earlier.get(part, {}).get("rows", ())
+    row = next((r for r in rows if r["config"] == name), None)
+    if row is None:
+        return None
+    base = next((r for r in rows if r["config"] == BASE[part]), row)
+    rates = ("samples_per_s", "samples_per_cpu_s", "samples_per_compute_s")
+    return {**row, "earlier_run": True, "earlier_base": {k: base[k] for k in rates}}
 
 
 def _without_sp(schedule):
@@ -301,14 +309,14 @@ def render(doc: dict) -> str:
              f"as samples/s. {_repeat_spread(doc)}", "",
              f"## A. Long packs: SP 2 vs DP 2 ({doc['long_packs']['samples']} samples of "
              f"{doc['long_packs']['tokens_per_sample'][0]}-{doc['long_packs']['tokens_per_sample'][1]} tokens, "
-             "2 per pack)", "", *table(doc["long_packs"]["rows"], "sp1"), "",
+             "2 per pack)", "", *table(doc["long_packs"]["rows"], BASE["long_packs"]), "",
              f"## B. HBP vs one level ({doc['hbp_mixture']['samples']} samples of `cpu_long_context_mixture`)", "",
              f"HBP levels: lengths {doc['hbp_mixture']['level_lengths']}, SP degrees {doc['hbp_mixture']['level_sp']}, "
              f"steps {doc['hbp_mixture']['level_steps']} (per-rank budget 4096 tokens; the estimate's SP degrees, "
              f"least-SP variant: {doc['hbp_mixture']['least_level_sp']}; own counts: "
              f"{doc['hbp_mixture']['own_counts']['level_microbatches']} micro-batches per rank per step, steps "
              f"{doc['hbp_mixture']['own_counts']['level_steps']}).", "",
-             *table(doc["hbp_mixture"]["rows"], "one level sp2"), *_earlier_note(doc)]
+             *table(doc["hbp_mixture"]["rows"], BASE["hbp_mixture"]), *_earlier_note(doc)]
     return "\n".join(lines)
 
 
@@ -320,8 +328,10 @@ def _earlier_note(doc: dict) -> list[str]:
     fresh = [r for part in ("long_packs", "hbp_mixture") for r in doc[part]["rows"] if not r.get("earlier_run")]
     loads = ", ".join(f"{r['config']} {r['load_before']:.1f} -> {r['load_after']:.1f}" for r in fresh)
     return ["", f"Rows marked * are kept from an earlier run (git {str(prov.get('git_commit', '?'))[:10]}, "
-            f"{prov.get('date', '?')}, load {old['load_before'][0]:.1f} before / {old['load_after'][0]:.1f} after); "
-            f"this run (`--only`) measured the others, load per configuration before -> after: {loads}."]
+            f"{prov.get('date', '?')}, {old['repeats']} repeat(s), load {old['load_before'][0]:.1f} before / "
+            f"{old['load_after'][0]:.1f} after), their ratios against that run's {' / '.join(BASE.values())} row; "
+            f"this run (`--only`, {doc['host']['repeats']} repeat(s)) measured the others, load per configuration "
+            f"before -> after: {loads}."]
 
 
 if __name__ == "__main__":
