@@ -302,11 +302,6 @@ class StageRunner:
             self._pipes[count] = (stage, schedule)
         return self._pipes[count]
 
-    @property
-    def stage(self):
-        """The PipelineStage of the common count (None with one stage)."""
-        return self._pipes[self.num_microbatches][0] if self._pipes else None
-
     def _loss_fn(self, output, target):
         return output[0] * self._scale
 
