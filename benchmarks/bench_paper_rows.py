@@ -21,8 +21,8 @@ gives a least fixed part ``F2`` of the balanced run. Partition and recompute do 
 dense training FLOPs (6 x parameters x tokens, the ViT trained as in InternVL-1.5's fine-tuning, attention
 and recompute left out) at the A100's bf16 peak: the implied MFU of row 4 is at least
 ``FLOPs / peak / (21.3 - F2)``. Assumed: the same micro-batches per step in rows 1 and 2 (so the pipeline's
-fill and drain stay the same share of the step), the pad ratio as the share of padded LLM tokens. Tokens per sample are the fitted
-default mixture's (``omnibal.stats.synthetic``) and, as a check, the two published subsets'.
+fill and drain stay the same share of the step), the pad ratio as the share of padded LLM tokens. Tokens per
+sample are the fitted default mixture's (``omnibal.stats.synthetic``) and, as a check, the two published subsets'.
 
     PYTHONPATH=src python -m benchmarks.bench_paper_rows
 """

@@ -34,8 +34,10 @@ def level_schedule(stats, *, dp_size: int, level_sp: tuple[int, ...], levels: tu
 
 
 def reference_step(schedule, step: int, *, seed: int = 0):
-    """Loss and gradients of the distinct packs of one step (each SP group's once) on one process."""
+    """Loss and gradients of the distinct packs of one step (each SP group's once, the micro-batches the step
+    runs) on one process."""
     from omnibal.data.collate import collate
+    from omnibal.train.feed import step_microbatches
     from omnibal.train.model import VLM
 
     spec, stats = tiny_spec(), tiny_stats()
@@ -45,7 +47,7 @@ def reference_step(schedule, step: int, *, seed: int = 0):
     d = int(schedule.step_sp()[step]) if getattr(schedule, "levels", None) is not None else 1
     batches = []
     for r in range(0, schedule.dp_size, d):
-        for k in range(schedule.num_microbatches):
+        for k in range(int(step_microbatches(schedule)[step])):
             mb = schedule.microbatch(step, r, k)
             cfg = replace(base, num_tiles=int(stats.tiles[mb].sum()), num_tokens=int(stats.tokens[mb].sum()))
             batches.append(collate([dataset[int(i)] for i in mb], cfg))

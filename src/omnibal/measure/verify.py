@@ -149,7 +149,9 @@ def _train_config(result, cand_parts, rec_sets, files: dict, steps: int, device:
 
     i = result.plan.inputs
     spec_tokens = int(result.stats.convention.tokens_per_tile) if result.stats.convention else 256
-    return TrainConfig(mode="omnibal", dp_size=i.dp_size, pp_size=i.pp_size, num_microbatches=i.num_microbatches,
+    # the schedule's count: its largest level's when the levels have their own (the trainer runs each step's)
+    return TrainConfig(mode="omnibal", dp_size=i.dp_size, pp_size=i.pp_size,
+                       num_microbatches=int(result.balanced_schedule.num_microbatches),
                        stage_layers=tuple((int(a), int(b)) for a, b in zip(cand_parts[:-1], cand_parts[1:])),
                        recompute=rec_sets, model=i.model, stats_path=files["stats"], schedule_path=files["schedule"],
                        stats_tokens_per_tile=spec_tokens, num_steps=steps + 1, device=device, torch_threads=1,

@@ -6,6 +6,12 @@ It is the balancer's output (``omnibal.data.balance.Schedule``; JSON
 or :func:`random_microbatch_schedule` (fixed B random samples per micro-batch) in baseline mode. Anything
 with ``dp_size``, ``num_microbatches``, ``num_steps`` and ``microbatch(step, dp_rank, micro)`` works.
 
+A step runs :func:`step_microbatches` micro-batches per rank: ``num_microbatches`` everywhere, except in a
+multi-level (HBP) schedule whose levels have their own counts (``Schedule.level_microbatches``;
+``num_microbatches`` is then the largest). Such a step runs slots ``[0, m)``; the slots after hold one empty
+pack and never run. :func:`check_schedule` refuses a schedule whose run slots are empty or whose unrun slots
+hold samples.
+
 Data path: only pipeline stage 0 of each DP rank reads samples and collates them; the labels travel
 inside the carry (``token_meta``) to the last stage, so later stages touch no data and need no dataset.
 The schedule is deterministic, so the sampler state of a checkpoint is just the next step index plus the
@@ -131,14 +137,31 @@ def _read_json(path: str | Path) -> Any:
         raise InputError(f"not valid JSON: {type(exc).__name__}: {str(exc)[:120]}", source=str(path)) from None
 
 
+LEVEL_KEYS = ("levels", "level_sp", "level_microbatches")
+"""Keys only :meth:`Schedule.from_dict` reads (the plain reader has no levels)."""
+
+
 def load_schedule(path: str | Path) -> ScheduleLike:
-    """A schedule JSON: the balancer's ``Schedule`` when the file has caps (it validates more and keeps
-    its CSR arrays), else the plain reader (e.g. a hand-made schedule without caps)."""
+    """A schedule JSON: the balancer's ``Schedule`` when the file has caps or levels (one reader of the format:
+    it validates more, keeps its CSR arrays, and alone reads levels, SP degrees and per-level micro-batch
+    counts -- a multi-level file without caps is refused by it, naming ``caps``), else the plain reader (a
+    hand-made single-level schedule without caps)."""
     doc = _read_json(path)
     caps = doc.get("caps") if isinstance(doc, dict) else None
-    if isinstance(caps, dict) and "tiles" in caps and "tokens" in caps:
+    levels = isinstance(doc, dict) and any(key in doc for key in LEVEL_KEYS)
+    if levels or (isinstance(caps, dict) and "tiles" in caps and "tokens" in caps):
         return Schedule.from_dict(doc, source=str(path))
     return IndexSchedule.from_dict(doc, source=str(path))
+
+
+def step_microbatches(schedule: ScheduleLike) -> np.ndarray:
+    """Micro-batches per rank every step runs (``[num_steps]`` ints): the schedule's own counts
+    (``Schedule.step_microbatches``: a multi-level schedule's levels may each have theirs), else
+    ``num_microbatches`` on every step."""
+    own = getattr(schedule, "step_microbatches", None)
+    if own is None:
+        return np.full(schedule.num_steps, schedule.num_microbatches, np.int64)
+    return np.asarray(own(), np.int64)
 
 
 def check_schedule_covers(schedule, *, stats_fingerprint: str, num_samples: int, source: str,
@@ -173,6 +196,9 @@ def check_schedule_covers(schedule, *, stats_fingerprint: str, num_samples: int,
 def schedule_fingerprint(schedule: ScheduleLike) -> str:
     """SHA-256 over every micro-batch's indices: a checkpoint resumes only the schedule it was made with."""
     h = hashlib.sha256(f"{schedule.dp_size},{schedule.num_microbatches},{schedule.num_steps}".encode())
+    counts = step_microbatches(schedule)
+    if getattr(schedule, "level_microbatches", None) is not None:  # which slots run (single-level hashes unchanged)
+        h.update(b"counts" + counts.tobytes())
     csr = _csr(schedule)
     if csr is not None:  # the balancer's Schedule: hash its arrays in one go
         for arr in csr:
@@ -180,49 +206,113 @@ def schedule_fingerprint(schedule: ScheduleLike) -> str:
         return h.hexdigest()[:32]
     for s in range(schedule.num_steps):
         for r in range(schedule.dp_size):
-            for k in range(schedule.num_microbatches):
+            for k in range(int(counts[s])):
                 h.update(np.ascontiguousarray(schedule.microbatch(s, r, k), dtype=np.int64).tobytes())
                 h.update(b"|")
     return h.hexdigest()[:32]
 
 
-def check_schedule(schedule: ScheduleLike, *, dp_size: int, num_microbatches: int, num_samples: int,
-                   source: str) -> None:
-    """Refuse a schedule for another world or dataset (indices out of range), or with an empty micro-batch."""
+def check_schedule(schedule: ScheduleLike, *, dp_size: int, num_microbatches: int, num_samples: int | None,
+                   source: str, pp_size: int = 1) -> None:
+    """Refuse a schedule for another world or dataset (indices out of range), with an empty micro-batch, or
+    whose per-step micro-batch counts do not fit the run: ``num_microbatches`` (``--microbatches``) must be the
+    schedule's, i.e. its largest level count when the levels have their own, and a pipeline of ``pp_size``
+    stages needs at least ``pp_size`` micro-batches in every step. ``num_samples`` None (a pipeline stage
+    without the dataset) checks everything but the row indices."""
     if schedule.dp_size != dp_size:
         raise InputError(f"schedule is for dp_size {schedule.dp_size}, the run has {dp_size}", source=source,
                          field="dp_size")
+    levels = getattr(schedule, "level_microbatches", None)
     if schedule.num_microbatches != num_microbatches:
-        raise InputError(f"schedule has {schedule.num_microbatches} micro-batches per rank, the run "
-                         f"{num_microbatches}", source=source, field="num_microbatches")
-    _row_counts(schedule, num_samples, source)  # no empty micro-batch, every index in range
+        what = (f"levels run {list(levels)} micro-batches per rank: the run's micro-batch count must be the largest, "
+                f"{schedule.num_microbatches}" if levels is not None else
+                f"has {schedule.num_microbatches} micro-batches per rank")
+        raise InputError(f"schedule {what}; the run has {num_microbatches}", source=source, field="num_microbatches")
+    counts = check_step_counts(schedule, source)
+    short = np.flatnonzero(counts < pp_size)
+    if len(short):
+        s = int(short[0])
+        raise InputError(f"step {s} runs {int(counts[s])} micro-batches per rank; a pipeline of {pp_size} stages needs "
+                         f"at least {pp_size} in every step (balance with more micro-batches)", source=source,
+                         record=f"step {s}", field="level_microbatches" if levels is not None else "num_microbatches")
+    if num_samples is None:
+        _check_slots(schedule, counts, source)
+    else:
+        _row_counts(schedule, num_samples, source)  # no empty micro-batch, every index in range
+
+
+def check_step_counts(schedule: ScheduleLike, source: str) -> np.ndarray:
+    """:func:`step_microbatches`, checked: one count per step, each in ``[1, num_microbatches]``."""
+    counts = step_microbatches(schedule)
+    m = schedule.num_microbatches
+    if counts.shape != (schedule.num_steps,):
+        raise InputError(f"{len(counts)} micro-batch counts for {schedule.num_steps} steps", source=source,
+                         field="level_microbatches")
+    bad = np.flatnonzero((counts < 1) | (counts > m))
+    if len(bad):
+        s = int(bad[0])
+        raise InputError(f"step {s} runs {int(counts[s])} micro-batches per rank, outside [1, {m}]", source=source,
+                         record=f"step {s}", field="level_microbatches")
+    return counts
+
+
+def _slot_error(counts: np.ndarray, sizes: np.ndarray, source: str) -> InputError | None:
+    """The first run slot that is empty or unrun slot that holds samples (``sizes [S, D, M]``), else None."""
+    runs = np.arange(sizes.shape[2])[None, None, :] < counts[:, None, None]
+    wrong = np.argwhere((runs & (sizes == 0)) | (~runs & (sizes > 0)))
+    if not len(wrong):
+        return None
+    s, r, k = (int(x) for x in wrong[0])
+    record = f"step {s} rank {r} micro-batch {k}"
+    if k < counts[s]:
+        return InputError("empty micro-batch", source=source, record=record, field="steps")
+    return InputError(f"micro-batch slot {k} is past the {int(counts[s])} micro-batches step {s} runs but holds "
+                      f"{int(sizes[s, r, k])} samples (they would never train)", source=source, record=record,
+                      field="level_microbatches")
+
+
+def _check_slots(schedule, counts: np.ndarray, source: str) -> None:
+    """Every micro-batch a step runs holds samples; every slot past the step's count is empty."""
+    csr = _csr(schedule)
+    if csr is not None:
+        samples, offsets, ids = csr
+        # a resharded remainder's pack_ids hold only its own steps, the last ones of its numbering
+        error = _slot_error(counts[len(counts) - len(ids):], np.diff(offsets)[ids], source)
+        if error is not None:
+            raise error
+        return
+    for s in range(schedule.num_steps):
+        for r in range(schedule.dp_size):
+            for k in range(int(counts[s])):
+                if len(schedule.microbatch(s, r, k)) == 0:
+                    raise InputError("empty micro-batch", source=source, record=f"step {s} rank {r} micro-batch {k}",
+                                     field="steps")
 
 
 def _row_counts(schedule, num_samples: int, source: str) -> np.ndarray:
-    """How many times each row is scheduled; an empty micro-batch or an index out of range is an InputError."""
+    """How many times each row is scheduled (the micro-batches each step runs); an empty micro-batch, an unrun
+    slot that holds samples or an index out of range is an InputError."""
     def bad(message: str, s: int, r: int, k: int) -> InputError:
         return InputError(message, source=source, record=f"step {s} rank {r} micro-batch {k}", field="steps")
 
+    counts_per_step = check_step_counts(schedule, source)
+    _check_slots(schedule, counts_per_step, source)
     csr = _csr(schedule)
     if csr is not None:  # the balancer's CSR packs, in one pass
         samples, offsets, ids = csr
         sizes = np.diff(offsets)
-        empty = np.flatnonzero(sizes[ids.reshape(-1)] == 0)
-        if len(empty):
-            raise bad("empty micro-batch", *np.unravel_index(int(empty[0]), ids.shape))
         if len(samples) and (samples.min() < 0 or samples.max() >= num_samples):
             raise InputError(f"sample index outside the dataset of {num_samples}", source=source, field="steps")
-        # an SP group's ranks hold the same packs: its leader's slots count (every slot without levels)
+        # an SP group's ranks hold the same packs: its leader's slots count (every slot without levels); the
+        # slots past a step's count are empty (checked above), so they add nothing
         counted = ids[schedule.leader_mask()] if getattr(schedule, "levels", None) is not None else ids
         uses = np.repeat(np.bincount(counted.reshape(-1), minlength=len(sizes)), sizes)
         return np.bincount(samples, weights=uses, minlength=num_samples).astype(np.int64)
     counts = np.zeros(num_samples, np.int64)
     for s in range(schedule.num_steps):
         for r in range(schedule.dp_size):
-            for k in range(schedule.num_microbatches):
+            for k in range(int(counts_per_step[s])):
                 mb = np.asarray(schedule.microbatch(s, r, k), np.int64)
-                if len(mb) == 0:
-                    raise bad("empty micro-batch", s, r, k)
                 if mb.min() < 0 or mb.max() >= num_samples:
                     index = int(mb.max() if mb.max() >= num_samples else mb.min())
                     raise bad(f"sample index {index} outside the dataset of {num_samples}", s, r, k)
@@ -274,9 +364,10 @@ def buffer_shape(schedule: ScheduleLike, tiles: np.ndarray, tokens: np.ndarray, 
             return 1, 1
         return max(1, int(need_tiles[used].max())), max(1, int(need_tokens[used].max()))
     max_tiles = max_tokens = 1
+    counts = step_microbatches(schedule)
     for s in steps if steps is not None else range(schedule.num_steps):
         for r in range(schedule.dp_size):
-            for k in range(schedule.num_microbatches):
+            for k in range(int(counts[s])):
                 mb = schedule.microbatch(s, r, k)
                 if len(mb) == 0:
                     continue

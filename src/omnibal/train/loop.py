@@ -30,7 +30,14 @@ import torch.distributed as dist
 
 from omnibal.errors import InputError
 from omnibal.train.distributed import World, caused_by_comm_error, is_comm_error, peer_failure
-from omnibal.train.feed import Buffer, ScheduleLike, check_schedule, fixed_buffer, schedule_fingerprint  # noqa: F401 (re-exported)
+from omnibal.train.feed import (  # noqa: F401 (re-exported)
+    Buffer,
+    ScheduleLike,
+    check_schedule,
+    fixed_buffer,
+    schedule_fingerprint,
+    step_microbatches,
+)
 from omnibal.train.metrics_log import MetricsLog, RankTimes, StepRecord, process_memory, progress_bar, summarize
 from omnibal.train.online import online_forward_backward
 from omnibal.train.pipeline import GradSync, StageLayout, StageRunner
@@ -89,9 +96,7 @@ class Trainer(CheckpointResume):
             raise InputError(f"stage layout {layout.ranges} does not split the {len(layer_names)}-layer model into "
                              f"{world.pp_size} stages", source="stage_layers")
         self.schedule = schedule = self._sp_schedule(schedule, sp_degree, level_curriculum)
-        if dataset is not None:
-            check_schedule(schedule, dp_size=world.dp_size, num_microbatches=num_microbatches,
-                           num_samples=len(dataset), source=getattr(schedule, "source", "schedule"))
+        self._check_schedule(schedule)
         self.schedule_id = schedule_fingerprint(schedule)
 
         self._build_stage_runner(model, buffer, pipeline_schedule=pipeline_schedule, dp_sync=dp_sync, lr=lr,
@@ -117,6 +122,20 @@ class Trainer(CheckpointResume):
         self.online_info: list = []
         """``--mode online``: per step, the dispatch's per-phase balance
         (:class:`omnibal.train.online.OnlineStepInfo`)."""
+
+    def _check_schedule(self, schedule) -> None:
+        """:func:`omnibal.train.feed.check_schedule` on every rank (the row indices where the dataset is: stage
+        0), so a schedule this world cannot run is refused by all ranks alike; sets ``step_mbs``."""
+        source = getattr(schedule, "source", "schedule")
+        if self.mode == "online" and getattr(schedule, "level_microbatches", None) is not None:
+            raise InputError("online mode re-deals fixed draws of --microbatches x --batch-size samples; a schedule "
+                             "whose levels run their own micro-batch counts is for omnibal mode", source=source,
+                             field="level_microbatches")
+        check_schedule(schedule, dp_size=self.world.dp_size, num_microbatches=self.num_microbatches,
+                       num_samples=None if self.dataset is None else len(self.dataset), source=source,
+                       pp_size=self.world.pp_size)
+        self.step_mbs = step_microbatches(schedule)
+        """Micro-batches per rank of every step (``num_microbatches`` unless the levels have their own)."""
 
     def _build_stage_runner(self, model, buffer: Buffer | None, *, pipeline_schedule: str, dp_sync: str,
                             lr: float, weight_decay: float) -> None:
@@ -196,7 +215,7 @@ class Trainer(CheckpointResume):
         from omnibal.data.collate import collate
 
         indices = [np.asarray(self.schedule.microbatch(step, self.world.dp_rank, k))
-                   for k in range(self.num_microbatches)]
+                   for k in range(int(self.step_mbs[step]))]
         cfg = self._collate_config(indices)
         out = []
         for k, mb in enumerate(indices):
@@ -245,7 +264,8 @@ class Trainer(CheckpointResume):
         try:
             self._all_reduce(counts)
             self._counts = dict(zip(_COUNT_FIELDS, counts.tolist()))
-            result = self.runner.run_step(carries, global_targets=self._counts["targets"], module=module)
+            result = self.runner.run_step(carries, global_targets=self._counts["targets"], module=module,
+                                          num_microbatches=int(self.step_mbs[step]))
             t_sync = time.perf_counter()
             self.grad_sync()
             times.dp_sync_s = time.perf_counter() - t_sync
@@ -330,7 +350,7 @@ class Trainer(CheckpointResume):
                             step_s=max(r["step_s"] for r in ranks), samples=int(counts["samples"]),
                             tokens=int(counts["tokens"]), tiles=int(counts["tiles"]),
                             buffer_tokens=int(counts["buffer_tokens"]), buffer_tiles=int(counts["buffer_tiles"]),
-                            targets=int(counts["targets"]), ranks=ranks)
+                            targets=int(counts["targets"]), microbatches=int(self.step_mbs[step]), ranks=ranks)
         self.log.add(record)
         return record
 

@@ -72,6 +72,8 @@ class StepRecord:
     """Tile slots computed by the vision encoder (real + padding)."""
     targets: int
     """Target (loss) tokens in the global batch."""
+    microbatches: int = 0
+    """Micro-batches per rank the step ran (a multi-level schedule's levels may each run their own count)."""
     ranks: list[dict] = field(default_factory=list)
     """Per rank: rank, dp, pp and the RankTimes fields."""
 

@@ -9,6 +9,15 @@ A stage is a contiguous half-open range ``[start, end)`` of the model's layer ch
 gradient-accumulation loop (no fixed shapes needed, so the baseline there pads each micro-batch only to
 its own longest sample, as InternVL does without a pipeline).
 
+Steps may run different micro-batch counts (HBP levels with their own counts). A torch pipeline schedule
+has one ``n_microbatches``, and one ``PipelineStage`` cannot serve schedules of several counts: a schedule
+sizes the stage's receive buffers and chunk count (``_prepare_forward_infra`` / ``_setup_backward_recv_info``)
+once, at its first step, so after a 2-micro-batch schedule has run, a 4-micro-batch one on the same stage
+fails with "Chunk id 2 is out of range [0, 2)" (torch 2.13, gloo, checked). The runner therefore keeps one
+(stage, schedule) pair per distinct count, built at the first step of that count -- every rank of the
+pipeline reaches it at the same step, as the count is a function of the step -- all around the one stage
+module (and its one DDP wrapper). Each pair holds its own receive buffers (count x the fixed buffer).
+
 Loss scaling: every micro-batch's stage output ends in ``(loss_sum, num_targets)``; the loss fed to
 backward is ``loss_sum / global_targets`` where ``global_targets`` counts target tokens over all DP ranks
 and micro-batches of the step, and the schedule runs with ``scale_grads=False``. Gradients are then
@@ -254,38 +263,55 @@ class StageRunner:
         self.num_stages = num_stages
         self.device = device
         self.num_microbatches = num_microbatches
+        """Micro-batches of a step that does not say (a multi-level schedule's steps pass their own count)."""
         self._scale = 1.0
         self._input_shapes = None if example_inputs is None else [(tuple(t.shape), t.dtype) for t in example_inputs]
+        self._pipes: dict[int, tuple] = {}
+        """Micro-batch count -> (PipelineStage, pipeline schedule), built at the first step of that count."""
         if num_stages == 1:
-            self.stage = None
-            self.schedule = None
             if self.ddp:
                 self.module = _wrap_ddp(stage_module, dp_group, device)
             return
-        # torch's pipelining (tracer, export machinery): only pipeline stages need it
-        from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
-
         if example_inputs is None or example_outputs is None:
             raise ValueError("a pipeline stage needs example inputs and outputs (fixed shapes)")
         guarded = ShapeGuard(stage_module, stage_index, None if stage_index == num_stages - 1 else example_outputs)
         self._guarded = guarded
         # a DDP-wrapped stage: torch.distributed.pipelining skips the gradient all-reduce (no_sync) on every
         # backward but the last micro-batch's, where DDP's buckets reduce while the backward still runs
-        submod = _wrap_ddp(guarded, dp_group, device) if self.ddp else guarded
-        stage_cls = _make_timed_stage_class()
-        self.stage = stage_cls(submod, stage_index, num_stages, device, input_args=tuple(example_inputs),
-                               output_args=tuple(example_outputs), group=pp_group)
-        cls = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule]
-        self.schedule = cls(self.stage, num_microbatches, loss_fn=self._loss_fn, scale_grads=False)
+        self._submod = _wrap_ddp(guarded, dp_group, device) if self.ddp else guarded
+        self._pipe_args = dict(examples=(tuple(example_inputs), tuple(example_outputs)), group=pp_group,
+                               kind=schedule)
+        self._pipe(num_microbatches)  # the common count now: its construction errors surface at start
+
+    def _pipe(self, count: int) -> tuple:
+        """The (PipelineStage, schedule) of ``count`` micro-batches, built on first use (see the module
+        docstring: one stage cannot serve two counts)."""
+        if count not in self._pipes:
+            # torch's pipelining (tracer, export machinery): only pipeline stages need it
+            from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
+            inputs, outputs = self._pipe_args["examples"]
+            stage = _make_timed_stage_class()(self._submod, self.stage_index, self.num_stages, self.device,
+                                              input_args=inputs, output_args=outputs, group=self._pipe_args["group"])
+            cls = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[self._pipe_args["kind"]]
+            try:
+                schedule = cls(stage, count, loss_fn=self._loss_fn, scale_grads=False)
+            except ValueError as exc:  # 1F1B: fewer micro-batches than stages
+                raise InputError(f"{count} micro-batches in a step: {exc}", source="schedule",
+                                 field="num_microbatches") from None
+            self._pipes[count] = (stage, schedule)
+        return self._pipes[count]
 
     def _loss_fn(self, output, target):
         return output[0] * self._scale
 
-    def check_inputs(self, microbatches: Sequence[Sequence[torch.Tensor]]) -> None:
-        """First-stage input check: M micro-batches of exactly the fixed shapes (pipelines only)."""
-        if len(microbatches) != self.num_microbatches:
-            raise InputError(f"{len(microbatches)} micro-batches for a {self.num_microbatches}-micro-batch "
-                             f"schedule", source="schedule", field="num_microbatches")
+    def check_inputs(self, microbatches: Sequence[Sequence[torch.Tensor]], count: int | None = None) -> None:
+        """First-stage input check: the step's ``count`` micro-batches (default: the common count), each of
+        exactly the fixed shapes (pipelines only)."""
+        count = self.num_microbatches if count is None else count
+        if len(microbatches) != count:
+            raise InputError(f"{len(microbatches)} micro-batches for a {count}-micro-batch step", source="schedule",
+                             field="num_microbatches")
         if self.num_stages == 1 or self._input_shapes is None:
             return
         for k, mb in enumerate(microbatches):
@@ -295,39 +321,42 @@ class StageRunner:
                                  f"{self._input_shapes}", source="collate", record=f"micro-batch {k}")
 
     def run_step(self, microbatches: Sequence[Sequence[torch.Tensor]] | None, *, global_targets: float,
-                 module: nn.Module | None = None) -> StepResult:
+                 module: nn.Module | None = None, num_microbatches: int | None = None) -> StepResult:
         """Forward + backward of this step's micro-batches; gradients accumulate in the module's params.
 
         ``microbatches`` is needed on the first stage only (stage inputs); other stages pass None.
         ``module`` (pp = 1 only): run this instead of the stage, e.g. its sequence-parallel wrapper
-        (:mod:`omnibal.train.sp`) for this step's SP degree.
+        (:mod:`omnibal.train.sp`) for this step's SP degree. ``num_microbatches``: this step's count (every
+        stage of the pipeline passes the same; default: the runner's common count).
         """
         if global_targets <= 0:
             raise InputError("the global batch has no target tokens (every label is ignored)", source="data",
                              field="labels")
+        count = self.num_microbatches if num_microbatches is None else int(num_microbatches)
         self._scale = self._grad_multiplier / float(global_targets)
         if self.num_stages == 1:
-            return self._accumulate(microbatches, self.module if module is None else module)
+            return self._accumulate(microbatches, self.module if module is None else module, count)
         assert module is None, "a pipeline stage runs its own module"
-        self.stage.compute_s = 0.0
+        stage, schedule = self._pipe(count)
+        stage.compute_s = 0.0
         args = ()
         if self.stage_index == 0:
             assert microbatches is not None
-            self.check_inputs(microbatches)
+            self.check_inputs(microbatches, count)
             args = tuple(torch.cat([mb[j] for mb in microbatches], dim=0).to(self.device)
                          for j in range(len(microbatches[0])))
         losses: list[torch.Tensor] = []
         if self.stage_index == self.num_stages - 1:
-            dummy_target = torch.zeros(self.num_microbatches, device=self.device)
-            self.schedule.step(*args, target=dummy_target, losses=losses, return_outputs=False)
+            dummy_target = torch.zeros(count, device=self.device)
+            schedule.step(*args, target=dummy_target, losses=losses, return_outputs=False)
         else:
-            self.schedule.step(*args, return_outputs=False)
+            schedule.step(*args, return_outputs=False)
         loss_sum = float(sum(loss.detach().float().item() for loss in losses)) if losses else 0.0
-        return StepResult(loss_sum=loss_sum / self._grad_multiplier, compute_s=self.stage.compute_s)
+        return StepResult(loss_sum=loss_sum / self._grad_multiplier, compute_s=stage.compute_s)
 
-    def _accumulate(self, microbatches, module: nn.Module) -> StepResult:
+    def _accumulate(self, microbatches, module: nn.Module, count: int) -> StepResult:
         assert microbatches is not None
-        self.check_inputs(microbatches)
+        self.check_inputs(microbatches, count)
         compute = 0.0
         loss_sum = 0.0
         for k, mb in enumerate(microbatches):

@@ -13,7 +13,7 @@ from typing import Any
 
 from omnibal.errors import InputError
 from omnibal.train import checkpoint as ckpt
-from omnibal.train.feed import check_schedule, fixed_buffer, schedule_fingerprint
+from omnibal.train.feed import fixed_buffer, schedule_fingerprint
 from omnibal.train.reshard import balance_record, reshard_schedule
 from omnibal.train.sp import step_degrees
 
@@ -116,9 +116,7 @@ class CheckpointResume:
 
     def _use_resharded(self, schedule) -> None:
         """Switch to the re-balanced rest of the epoch (built on global rank 0, the same on every rank)."""
-        if self.dataset is not None:
-            check_schedule(schedule, dp_size=self.world.dp_size, num_microbatches=self.num_microbatches,
-                           num_samples=len(self.dataset), source=schedule.source)
+        self._check_schedule(schedule)  # sets step_mbs for the remainder's numbering
         if self.buffer is not None and self.mode == "omnibal":
             need = fixed_buffer(schedule, self.dataset.stats, mode=self.mode) if self.dataset is not None else None
             if need is not None and (need.tiles > self.buffer.tiles or need.tokens > self.buffer.tokens):
