@@ -69,7 +69,7 @@ def test_ragged_file_is_read_by_the_balancers_reader_and_checked(tmp_path):
         check_schedule(sched, dp_size=1, num_microbatches=2, num_samples=160, source=str(path))
     assert err.value.field == "num_microbatches" and err.value.source == str(path)
     # 1F1B / GPipe on 4 stages cannot run the 2-micro-batch steps: named at the first such step
-    with pytest.raises(InputError, match="runs 2 micro-batches per rank; a pipeline of 4 stages") as err:
+    with pytest.raises(InputError, match="runs 2 micro-batches per rank; 1F1B over 4 stages") as err:
         check_schedule(sched, dp_size=1, num_microbatches=8, num_samples=None, source=str(path), pp_size=4)
     assert (err.value.record, err.value.field) == ("step 0", "level_microbatches")
 

@@ -216,9 +216,9 @@ def check_schedule(schedule: ScheduleLike, *, dp_size: int, num_microbatches: in
                    source: str, pp_size: int = 1) -> None:
     """Refuse a schedule for another world or dataset (indices out of range), with an empty micro-batch, or
     whose per-step micro-batch counts do not fit the run: ``num_microbatches`` (``--microbatches``) must be the
-    schedule's, i.e. its largest level count when the levels have their own, and a pipeline of ``pp_size``
-    stages needs at least ``pp_size`` micro-batches in every step. ``num_samples`` None (a pipeline stage
-    without the dataset) checks everything but the row indices."""
+    schedule's, i.e. its largest level count when the levels have their own, and a 1F1B pipeline of
+    ``pp_size`` stages (pass 1 for GPipe) needs at least ``pp_size`` micro-batches in every step.
+    ``num_samples`` None (a pipeline stage without the dataset) checks everything but the row indices."""
     if schedule.dp_size != dp_size:
         raise InputError(f"schedule is for dp_size {schedule.dp_size}, the run has {dp_size}", source=source,
                          field="dp_size")
@@ -232,7 +232,7 @@ def check_schedule(schedule: ScheduleLike, *, dp_size: int, num_microbatches: in
     short = np.flatnonzero(counts < pp_size)
     if len(short):
         s = int(short[0])
-        raise InputError(f"step {s} runs {int(counts[s])} micro-batches per rank; a pipeline of {pp_size} stages needs "
+        raise InputError(f"step {s} runs {int(counts[s])} micro-batches per rank; 1F1B over {pp_size} stages needs "
                          f"at least {pp_size} in every step (balance with more micro-batches)", source=source,
                          record=f"step {s}", field="level_microbatches" if levels is not None else "num_microbatches")
     if num_samples is None:

@@ -96,7 +96,7 @@ class Trainer(CheckpointResume):
             raise InputError(f"stage layout {layout.ranges} does not split the {len(layer_names)}-layer model into "
                              f"{world.pp_size} stages", source="stage_layers")
         self.schedule = schedule = self._sp_schedule(schedule, sp_degree, level_curriculum)
-        self._check_schedule(schedule)
+        self._check_schedule(schedule, pipeline_schedule)
         self.schedule_id = schedule_fingerprint(schedule)
 
         self._build_stage_runner(model, buffer, pipeline_schedule=pipeline_schedule, dp_sync=dp_sync, lr=lr,
@@ -123,9 +123,10 @@ class Trainer(CheckpointResume):
         """``--mode online``: per step, the dispatch's per-phase balance
         (:class:`omnibal.train.online.OnlineStepInfo`)."""
 
-    def _check_schedule(self, schedule) -> None:
+    def _check_schedule(self, schedule, pipeline_schedule: str) -> None:
         """:func:`omnibal.train.feed.check_schedule` on every rank (the row indices where the dataset is: stage
-        0), so a schedule this world cannot run is refused by all ranks alike; sets ``step_mbs``."""
+        0), so a schedule this world cannot run is refused by all ranks alike; sets ``step_mbs``. Only 1F1B
+        needs at least as many micro-batches as stages (torch's GPipe runs fewer)."""
         source = getattr(schedule, "source", "schedule")
         if self.mode == "online" and getattr(schedule, "level_microbatches", None) is not None:
             raise InputError("online mode re-deals fixed draws of --microbatches x --batch-size samples; a schedule "
@@ -133,7 +134,7 @@ class Trainer(CheckpointResume):
                              field="level_microbatches")
         check_schedule(schedule, dp_size=self.world.dp_size, num_microbatches=self.num_microbatches,
                        num_samples=None if self.dataset is None else len(self.dataset), source=source,
-                       pp_size=self.world.pp_size)
+                       pp_size=self.world.pp_size if pipeline_schedule == "1f1b" else 1)
         self.step_mbs = step_microbatches(schedule)
         """Micro-batches per rank of every step (``num_microbatches`` unless the levels have their own)."""
 
