@@ -75,6 +75,8 @@ class Trainer(CheckpointResume):
         self.dataset = dataset
         self.mode = mode
         self.num_microbatches = num_microbatches
+        self.pipeline_schedule = pipeline_schedule
+        """``1f1b`` or ``gpipe`` (pp > 1)."""
         self.quiet = quiet
         # what the run decided (resumed, stopping early, checkpoints skipped), told on rank 0 unless quiet; the
         # caller (the CLI) prints it: the trainer itself never writes to the terminal, the progress bar aside
@@ -96,7 +98,7 @@ class Trainer(CheckpointResume):
             raise InputError(f"stage layout {layout.ranges} does not split the {len(layer_names)}-layer model into "
                              f"{world.pp_size} stages", source="stage_layers")
         self.schedule = schedule = self._sp_schedule(schedule, sp_degree, level_curriculum)
-        self._check_schedule(schedule, pipeline_schedule)
+        self._check_schedule(schedule)
         self.schedule_id = schedule_fingerprint(schedule)
 
         self._build_stage_runner(model, buffer, pipeline_schedule=pipeline_schedule, dp_sync=dp_sync, lr=lr,
@@ -123,7 +125,7 @@ class Trainer(CheckpointResume):
         """``--mode online``: per step, the dispatch's per-phase balance
         (:class:`omnibal.train.online.OnlineStepInfo`)."""
 
-    def _check_schedule(self, schedule, pipeline_schedule: str) -> None:
+    def _check_schedule(self, schedule) -> None:
         """:func:`omnibal.train.feed.check_schedule` on every rank (the row indices where the dataset is: stage
         0), so a schedule this world cannot run is refused by all ranks alike; sets ``step_mbs``. Only 1F1B
         needs at least as many micro-batches as stages (torch's GPipe runs fewer)."""
@@ -134,7 +136,7 @@ class Trainer(CheckpointResume):
                              field="level_microbatches")
         check_schedule(schedule, dp_size=self.world.dp_size, num_microbatches=self.num_microbatches,
                        num_samples=None if self.dataset is None else len(self.dataset), source=source,
-                       pp_size=self.world.pp_size if pipeline_schedule == "1f1b" else 1)
+                       pp_size=self.world.pp_size if self.pipeline_schedule == "1f1b" else 1)
         self.step_mbs = step_microbatches(schedule)
         """Micro-batches per rank of every step (``num_microbatches`` unless the levels have their own)."""
 
