@@ -135,6 +135,21 @@ def test_time_breakdown_adds_up_to_each_levels_simulated_time(small_plan):
         assert (p["recompute"] > 0) == (lv.checkpointed > 0)  # checkpoints cost busy time, none costs nothing
 
 
+def test_training_schedule_covers_every_row_or_is_none_for_a_plain_winner(small_plan):
+    from dataclasses import replace
+
+    from omnibal.data.balance import balance
+    from omnibal.plan.hbp_job import training_schedule
+
+    stats, result = small_plan
+    config, hbp = PlanJobConfig(**SMALL_JOB), HBPPlanConfig(baseline_batch_size=1)
+    sched = training_schedule(config, hbp, result, stats)
+    assert np.all(sched.sample_counts() == 1) and sched.level_sp == result.schedule.level_sp
+    assert sched.level_microbatches == result.schedule.level_microbatches
+    plain = balance(stats, dp_size=SMALL_JOB["dp_size"], num_microbatches=2)
+    assert training_schedule(config, hbp, replace(result, schedule=plain), stats) is None
+
+
 def test_plan_refuses_a_sample_no_level_can_hold():
     stats = long_context_mixture(3000, seed=4)
     # SP <= 2 on a 32 GiB budget cannot hold the 100k-token videos (the megatron-deepspeed stack needs 28.6 GiB
@@ -146,7 +161,7 @@ def test_plan_refuses_a_sample_no_level_can_hold():
 
 def test_cli_plan_hbp_writes_the_level_table(tmp_path, capsys):
     code = main(["plan", "--hbp", "long-context", "--preset", "internvl2-8b", "--gpus", "16", "--pp", "2",
-                 "--num-microbatches", "2", "--samples", "2500", "--balance-samples", "all",
+                 "--num-microbatches", "2", "--samples", "2500", "--balance-samples", "1500",
                  "--baseline-batch-size", "1", "--out", str(tmp_path)])
     assert code == 0
     out = capsys.readouterr().out
@@ -155,3 +170,13 @@ def test_cli_plan_hbp_writes_the_level_table(tmp_path, capsys):
     doc = json.loads((tmp_path / "hbp.json").read_text())
     assert doc["speedup_hbp_vs_single"] > 0 and doc["rows"][3]["name"] == "hbp"
     assert doc["bound"]["gain_bound_floor"] >= doc["speedup_hbp_vs_single"]
+    # the winning levels balanced over all 2,500 rows (the plan balanced 1,500), as a trainer runs them
+    from omnibal.data.balance.schedule import Schedule
+
+    sched = Schedule.from_json(tmp_path / "hbp_schedule.json")
+    hbp = doc["rows"][3]
+    assert sched.num_samples == 2500 and np.all(sched.sample_counts() == 1)
+    assert sched.meta["hbp"]["level_lengths"] == [lv["length"] for lv in hbp["levels"]]
+    assert list(sched.level_sp) == [lv["sp"] for lv in hbp["levels"]]
+    assert list(sched.level_microbatches or [2] * len(sched.level_sp)) == [lv["microbatches"] for lv in hbp["levels"]]
+    assert f"--microbatches {sched.num_microbatches}" in out

@@ -45,5 +45,24 @@ def run_hbp(args: argparse.Namespace, config) -> int:
     print(hbp_markdown(result))
     path = Path(args.out) / "hbp.json"
     write_text(path, json.dumps(result.to_dict(), indent=2) + "\n")
-    print(f"\nwrote {path} ({time.perf_counter() - t0:.1f} s)")
+    print(f"\nwrote {path}")
+    _write_training_schedule(args, config, hbp, result, stats)
+    print(f"({time.perf_counter() - t0:.1f} s)")
     return 0
+
+
+def _write_training_schedule(args: argparse.Namespace, config, hbp, result, stats) -> None:
+    """``OUT/hbp_schedule.json``: the winning levels over every row, for a trainer (or why there is none)."""
+    from omnibal.plan.hbp_job import training_schedule
+
+    sched = training_schedule(config, hbp, result, stats)
+    if sched is None:
+        print("no multi-level schedule: the plain plan's single level won; `omnibal balance` builds its training "
+              "schedule")
+        return
+    path = Path(args.out) / "hbp_schedule.json"
+    sched.to_json(path)
+    counts = "" if sched.level_microbatches is None else f", micro-batches per level {list(sched.level_microbatches)}"
+    print(f"wrote {path}: {sched.num_steps:,} steps over every row of {stats.source} (levels "
+          f"{sched.meta['hbp']['level_lengths']}, SP {list(sched.level_sp)}{counts}); the reference trainer runs it "
+          f"with --schedule-file and --microbatches {sched.num_microbatches} (SP levels at pp 1)")

@@ -88,6 +88,25 @@ def run_hbp_job(config, hbp: HBPPlanConfig, stats, *, plain: bool = True, bound:
     return replace(result, notes=tuple(notes))
 
 
+def training_schedule(config, hbp: HBPPlanConfig, result: HBPPlanResult, stats):
+    """The winning level set balanced over every row of ``stats`` (the plan balanced a subset): its level
+    lengths, SP degrees and micro-batch rule, on the job's DP ranks, micro-batches and seed, the schedule a
+    trainer runs (``Schedule`` with ``levels``). None when the plain plan's single level won (its training
+    schedule is ``omnibal balance`` with its caps)."""
+    from omnibal.data.balance.api import BalanceConfig
+    from omnibal.data.hbp import HBPConfig
+
+    sched = result.schedule
+    if sched.levels is None or "hbp" not in sched.meta:
+        return None
+    meta = sched.meta["hbp"]
+    level = HBPConfig(model=result.model, pack_lengths=tuple(meta["level_lengths"]), level_sp=tuple(sched.level_sp),
+                      oversize=hbp.oversize, balance=BalanceConfig(cost=result.model.cost),
+                      microbatches=meta["config"]["microbatches"], step_tokens=meta["config"]["step_tokens"])
+    ctx = hbp_context(config, num_samples=len(stats), balanced_samples=len(stats))
+    return ctx.balance(stats, level)
+
+
 def _hours(seconds: float) -> str:
     return f"{seconds / 3600:.2f}"
 
