@@ -41,6 +41,8 @@ def test_counts_same_and_by_tokens():
     assert level_microbatch_counts((3072, 32768, 131072), (1, 8, 8), 8, "tokens") == (43, 32, 8)
     # a step budget of the plain plan's 8 x 4,544 tokens: the 6k level runs fewer micro-batches than the job's
     assert level_microbatch_counts((2048, 6144), (2, 1), 8, "tokens", step_tokens=8 * 4544) == (36, 6)
+    # a 1F1B pipeline of 8 stages: no level runs fewer than 8
+    assert level_microbatch_counts((2048, 6144), (2, 1), 8, "tokens", step_tokens=8 * 4544, least=8) == (36, 8)
     with pytest.raises(InputError) as err:
         level_microbatch_counts((1024,), (1,), 2, "fewest")
     assert err.value.field == "microbatches"
@@ -49,6 +51,9 @@ def test_counts_same_and_by_tokens():
     with pytest.raises(InputError) as err:
         HBPConfig(step_tokens=0)
     assert err.value.field == "step_tokens"
+    with pytest.raises(InputError) as err:
+        HBPConfig(min_microbatches=0)
+    assert err.value.field == "min_microbatches"
 
 
 @settings(max_examples=200, deadline=None)

@@ -111,7 +111,12 @@ def test_one_count_for_every_level_is_slower_and_under_the_free_single_level_bou
     assert b.gain_free >= b.gain_amdahl >= b.hbp_gain >= 1.0
     assert all(lv.microbatches == SMALL_JOB["num_microbatches"] for lv in same.row("hbp").levels)
     counts = [lv.microbatches for lv in tokens.row("hbp").levels]
-    assert max(counts) > SMALL_JOB["num_microbatches"] == min(counts)
+    assert max(counts) > SMALL_JOB["num_microbatches"] <= min(counts)
+    # no level's step holds more tokens per rank than the single level's (up to one micro-batch's rounding)
+    single = tokens.row("single level").levels[0]
+    budget = SMALL_JOB["num_microbatches"] * single.length / single.sp
+    for lv in tokens.row("hbp").levels:
+        assert lv.microbatches * lv.length / lv.sp <= budget + lv.length / lv.sp / 2 or lv.microbatches == 2
     assert tokens.row("hbp").gpu_days < same.row("hbp").gpu_days
     assert same.row("single level").gpu_days == pytest.approx(tokens.row("single level").gpu_days)
 

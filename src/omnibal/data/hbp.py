@@ -137,12 +137,13 @@ def _settle_levels(level_of: np.ndarray, tokens: np.ndarray, lengths, slots: lis
 
 
 def level_microbatch_counts(lengths, sp, num_microbatches: int, rule: str = "tokens",
-                            step_tokens: int | None = None) -> tuple[int, ...]:
+                            step_tokens: int | None = None, least: int = 1) -> tuple[int, ...]:
     """Micro-batches per rank of each level's step: ``num_microbatches`` everywhere (``same``), or (``tokens``)
-    ``max(1, round(T / (L_k / d_k)))``, where ``L_k / d_k`` is the level's pack length per SP rank and ``T`` the
+    ``max(least, round(T / (L_k / d_k)))``, where ``L_k / d_k`` is the level's pack length per SP rank and ``T`` the
     tokens per rank a step should hold: ``step_tokens``, or ``num_microbatches`` packs of the level of the
     most tokens per rank (which then keeps ``num_microbatches``). Every step then holds about ``T`` tokens
-    per rank (the optimizer sees about the same batch in tokens whatever the level)."""
+    per rank (the optimizer sees about the same batch in tokens whatever the level); ``least``: the fewest
+    micro-batches a step may have (a level whose per-rank pack exceeds ``T`` holds more)."""
     if rule not in LEVEL_MICROBATCHES:
         raise InputError(f"unknown micro-batch rule {rule!r}; choose one of {LEVEL_MICROBATCHES}",
                          source="microbatches", field="microbatches")
@@ -150,7 +151,7 @@ def level_microbatch_counts(lengths, sp, num_microbatches: int, rule: str = "tok
         return (int(num_microbatches),) * len(lengths)
     per_rank = [length / d for length, d in zip(lengths, sp)]
     target = num_microbatches * max(per_rank) if step_tokens is None else step_tokens
-    return tuple(max(1, round(target / x)) for x in per_rank)
+    return tuple(max(least, round(target / x)) for x in per_rank)
 
 
 def _degrees_dividing(model: LevelCostModel, dp_size: int) -> LevelCostModel:
@@ -193,7 +194,8 @@ def balance_hbp(stats, *, dp_size: int, num_microbatches: int = 1, seed: int = 0
                          field="pack_lengths")
     tokens = np.asarray(sub.tokens, np.int64)
     level_of = np.searchsorted(np.asarray(lengths), tokens, side="left")
-    mbs = level_microbatch_counts(lengths, sp, num_microbatches, config.microbatches, config.step_tokens)
+    mbs = level_microbatch_counts(lengths, sp, num_microbatches, config.microbatches, config.step_tokens,
+                                  config.min_microbatches)
     slots = [dp_size // d * m for d, m in zip(sp, mbs)]
     level_of, packs = _settle_levels(level_of, tokens, lengths, slots, config.fill, stats.source)
     parts = []
@@ -246,6 +248,7 @@ def _combine(parts, stats, lengths, dropped, *, dp_size, seed, epoch, estimate, 
                                "sp_degrees": list(config.model.sp_degrees),
                                "max_tokens_per_rank": int(config.model.max_tokens_per_rank),
                                "microbatches": config.microbatches, "step_tokens": config.step_tokens,
+                               "min_microbatches": config.min_microbatches,
                                "balance": config.balance.to_dict()}}}
     return Schedule(
         dp_size=dp_size, num_microbatches=most,

@@ -105,6 +105,9 @@ class HBPConfig:
     """With ``microbatches="tokens"``: LLM tokens per rank every step should hold (e.g. a single-level plan's
     ``num_microbatches x`` its token cap, to compare at the same batch); None: ``num_microbatches`` packs of
     the level of the most tokens per rank."""
+    min_microbatches: int = 1
+    """With ``microbatches="tokens"``: the fewest micro-batches a level's step may have (a 1F1B pipeline of P
+    stages needs P)."""
 
     def __post_init__(self) -> None:
         if self.microbatches not in LEVEL_MICROBATCHES:
@@ -116,6 +119,9 @@ class HBPConfig:
         if not isinstance(self.max_levels, int) or self.max_levels < 1:
             raise InputError(f"must be an integer >= 1, got {self.max_levels!r}", source="max_levels",
                              field="max_levels")
+        if not isinstance(self.min_microbatches, int) or self.min_microbatches < 1:
+            raise InputError(f"must be an integer >= 1, got {self.min_microbatches!r}", source="min_microbatches",
+                             field="min_microbatches")
         if self.step_tokens is not None and (not isinstance(self.step_tokens, int) or self.step_tokens < 1):
             raise InputError(f"must be a positive integer or None, got {self.step_tokens!r}", source="step_tokens",
                              field="step_tokens")

@@ -102,7 +102,8 @@ def training_schedule(config, hbp: HBPPlanConfig, result: HBPPlanResult, stats):
     meta = sched.meta["hbp"]
     level = HBPConfig(model=result.model, pack_lengths=tuple(meta["level_lengths"]), level_sp=tuple(sched.level_sp),
                       oversize=hbp.oversize, balance=BalanceConfig(cost=result.model.cost),
-                      microbatches=meta["config"]["microbatches"], step_tokens=meta["config"]["step_tokens"])
+                      microbatches=meta["config"]["microbatches"], step_tokens=meta["config"]["step_tokens"],
+                      min_microbatches=meta["config"].get("min_microbatches", 1))
     ctx = hbp_context(config, num_samples=len(stats), balanced_samples=len(stats))
     return ctx.balance(stats, level)
 

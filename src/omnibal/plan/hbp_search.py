@@ -127,9 +127,11 @@ def _simulated(ctx: HBPContext, hbp: HBPPlanConfig, sched, stats, name: str, bar
 
 
 def _level_sets(ctx: HBPContext, hbp: HBPPlanConfig, stats, config: HBPConfig, cache: dict,
-                bar=None) -> list[Candidate]:
+                bar=None) -> tuple[list[Candidate], HBPConfig]:
     """The estimate's best level set for each level count (each distinct set once), SP by the simulator
-    when ``hbp.sp_by_simulator``; the first is the single level."""
+    when ``hbp.sp_by_simulator``; the first is the single level. Returns them and the config the multi-level
+    sets were balanced with: with ``microbatches="tokens"`` and no ``step_tokens``, the single level's tokens
+    per rank per step (:func:`single_step_tokens`), so no level set holds a larger batch than it."""
     out, seen = [], set()
     for count in range(1, hbp.max_levels + 1):
         sched = ctx.balance(stats, replace(config, max_levels=count), cache)
@@ -139,7 +141,17 @@ def _level_sets(ctx: HBPContext, hbp: HBPPlanConfig, stats, config: HBPConfig, c
         seen.add(lengths)
         cand = _simulated(ctx, hbp, sched, stats, "single level" if count == 1 else "hbp", bar)
         out.append(refine_sp(ctx, hbp, stats, config, cand, cache=cache, bar=bar) if hbp.sp_by_simulator else cand)
-    return out
+        if count == 1 and config.microbatches == "tokens" and config.step_tokens is None:
+            config = replace(config, step_tokens=single_step_tokens(out[0].schedule))
+    return out, config
+
+
+def single_step_tokens(schedule) -> int:
+    """LLM tokens per rank per step of a one-level schedule: its micro-batches of its pack length split over
+    its SP degree. With it as every level's budget (``HBPConfig.step_tokens``), a level set cannot win by
+    choosing a smaller SP degree for its longest level, which would otherwise raise every level's count."""
+    length = int(schedule.meta["hbp"]["level_lengths"][0])
+    return int(schedule.num_microbatches * length // int(schedule.level_sp[0]))
 
 
 def plan_hbp(ctx: HBPContext, hbp: HBPPlanConfig, stats, *, model: LevelCostModel | None = None,
@@ -158,10 +170,11 @@ def plan_hbp(ctx: HBPContext, hbp: HBPPlanConfig, stats, *, model: LevelCostMode
     plain plan's, so HBP and it are compared at the same batch; ``HBPConfig.step_tokens``)."""
     model = model or stats_level_cost_model(ctx, hbp, stats)
     config = HBPConfig(model=model, max_levels=1, candidate_lengths=hbp.candidate_lengths, oversize=hbp.oversize,
-                       balance=BalanceConfig(cost=model.cost), microbatches=hbp.microbatches, step_tokens=step_tokens)
+                       balance=BalanceConfig(cost=model.cost), microbatches=hbp.microbatches, step_tokens=step_tokens,
+                       min_microbatches=ctx.stage_config.num_stages)
     cache = {} if cache is None else cache
     with tqdm(desc="HBP level sets simulated", unit="set", file=sys.stderr, disable=not hbp.progress) as bar:
-        sets = _level_sets(ctx, hbp, stats, config, cache, bar)
+        sets, config = _level_sets(ctx, hbp, stats, config, cache, bar)
         if hbp.length_search:
             start = min([c for c in sets if len(c.row.levels) > 1] or sets, key=lambda c: c.row.rank)
             found = refine_lengths(ctx, hbp, stats, config, start, {level_lengths_of(c) for c in sets},
