@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hbp_helpers import CANDIDATES, MODEL
 from omnibal.data.balance.schedule import Caps, Schedule
 from omnibal.data.hbp import (
     HBPConfig,
@@ -24,10 +25,6 @@ from omnibal.data.hbp import (
 from omnibal.errors import InputError
 from omnibal.stats.long_context import cpu_long_context_mixture, long_context_mixture
 from omnibal.stats.table import SampleStats, index_keys
-
-# FLOP units as the default BalanceCost (~1.2e11 per LLM token): SP all-to-all ~5-8% of a token's work
-MODEL = LevelCostModel(sp_degrees=(1, 2, 4), a2a_per_token=(0.0, 6e9, 9e9), max_tokens_per_rank=2048,
-                       recompute_tokens=(512, 1024, 2048), recompute_ratio=(0.0, 0.1, 0.3))
 
 
 def _stats(tokens, tiles=None) -> SampleStats:
@@ -89,7 +86,7 @@ def test_bad_levels_json_is_a_named_input_error(edit, field):
 
 # -- multi-level balancing ---------------------------------------------------------------------------
 def _config(**kw) -> HBPConfig:
-    return HBPConfig(model=MODEL, **{"candidate_lengths": (1024, 2048, 4096, 8192), **kw})
+    return HBPConfig(model=MODEL, **{"candidate_lengths": CANDIDATES, **kw})
 
 
 def test_every_sample_exactly_once_and_sp_groups_identical(mixed):

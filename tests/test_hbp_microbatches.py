@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hbp_helpers import CANDIDATES, MODEL
 from omnibal.data.balance.schedule import Caps, Schedule
 from omnibal.data.hbp import (
     HBPConfig,
-    LevelCostModel,
     balance_hbp,
     level_lengths,
     level_microbatch_counts,
@@ -21,9 +21,6 @@ from omnibal.data.hbp import (
 from omnibal.errors import InputError
 from omnibal.stats.long_context import cpu_long_context_mixture
 
-MODEL = LevelCostModel(sp_degrees=(1, 2, 4), a2a_per_token=(0.0, 6e9, 9e9), max_tokens_per_rank=2048,
-                       recompute_tokens=(512, 1024, 2048), recompute_ratio=(0.0, 0.1, 0.3))
-
 
 @pytest.fixture(scope="module")
 def mixed():
@@ -31,7 +28,7 @@ def mixed():
 
 
 def _config(**kw) -> HBPConfig:
-    return HBPConfig(model=MODEL, **{"candidate_lengths": (1024, 2048, 4096, 8192), "microbatches": "tokens", **kw})
+    return HBPConfig(model=MODEL, **{"candidate_lengths": CANDIDATES, "microbatches": "tokens", **kw})
 
 
 # -- the rule -----------------------------------------------------------------------------------------

@@ -321,6 +321,14 @@ def choose_partition(ctx: HBPContext, hbp: HBPPlanConfig, level_feats) -> tuple[
     return tuple(planner.plan().parts)
 
 
+def level_recompute_mask(ctx: HBPContext, table: LayerCostTable, feats, parts, recompute: str = "adaptive"):
+    """The checkpointed layers of one level's micro-batches ``feats`` on ``parts`` with its SP-adjusted
+    ``table``: the joint planner's ``recompute`` (``adaptive``: the least that fits), else full recompute."""
+    planner = JointPlanner(layer_quantities(table, feats, ctx.stage_config), ctx.stage_config)
+    plan = planner.evaluate(parts, recompute) or planner.evaluate(parts, "full")
+    return plan.recompute_mask(table.num_layers)
+
+
 def simulate_levels(ctx: HBPContext, hbp: HBPPlanConfig, level_feats, lengths, *, name: str, parts=None,
                     recompute: str = "adaptive", dropped: int = 0, masks=None, origin: str = "levels") -> HBPRow:
     """Simulate every level's steps with its SP degree and its own recompute (``adaptive``: the least that
@@ -331,12 +339,8 @@ def simulate_levels(ctx: HBPContext, hbp: HBPPlanConfig, level_feats, lengths, *
     for k, (length, (d, feats, samples)) in enumerate(zip(lengths, level_feats)):
         a2a = _a2a(ctx, hbp, d)
         table = sp_table(ctx.table, a2a)
-        if masks is not None:
-            mask = np.asarray(masks[k], bool)
-        else:
-            planner = JointPlanner(layer_quantities(table, feats, ctx.stage_config), ctx.stage_config)
-            plan = planner.evaluate(parts, recompute) or planner.evaluate(parts, "full")
-            mask = plan.recompute_mask(table.num_layers)
+        mask = np.asarray(masks[k], bool) if masks is not None else level_recompute_mask(
+            ctx, table, feats, parts, recompute)
         res = simulate_epoch(table, parts, mask, feats, ctx.sim_config)
         busy = float(res.busy.sum())
         comm = float((feats @ a2a.T).sum())  # device-seconds, as busy

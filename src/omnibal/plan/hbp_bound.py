@@ -39,7 +39,7 @@ import numpy as np
 from omnibal.data.balance.api import BalanceConfig
 from omnibal.data.hbp import HBPConfig, candidate_lengths
 from omnibal.errors import InputError
-from omnibal.plan.hbp import HBPContext, HBPPlanConfig, _a2a, level_features, sp_table
+from omnibal.plan.hbp import HBPContext, HBPPlanConfig, _a2a, level_features, level_recompute_mask, sp_table
 from omnibal.plan.joint import JointPlanner
 from omnibal.plan.partition import min_max_partition
 from omnibal.plan.stages import layer_quantities
@@ -195,9 +195,7 @@ def time_breakdown(ctx: HBPContext, hbp: HBPPlanConfig, row, schedule, stats) ->
     for lv, (d, feats, _) in zip(row.levels, level_features(schedule, stats)):
         a2a = _a2a(ctx, hbp, d)
         table = sp_table(ctx.table, a2a)
-        planner = JointPlanner(layer_quantities(table, feats, ctx.stage_config), ctx.stage_config)
-        plan = planner.evaluate(row.parts, "adaptive") or planner.evaluate(row.parts, "full")
-        mask = plan.recompute_mask(table.num_layers)
+        mask = level_recompute_mask(ctx, table, feats, row.parts)
         res = simulate_epoch(table, row.parts, mask, feats, ctx.sim_config)
         bare = simulate_epoch(table, row.parts, np.zeros_like(mask), feats, replace(ctx.sim_config,
                                                                                     memory_budget_bytes=None))
