@@ -161,10 +161,15 @@ def recompute_mask(names, recompute: str) -> np.ndarray:
     return np.full(len(names), recompute == "full")
 
 
-def make_run(name, *, dp, pp, mode, ranges, recompute, seed, stats, table, steps, names, mb=NUM_MB):
+def make_run(name, *, dp, pp, mode, ranges, recompute, seed, stats, table, steps, names, mb=NUM_MB, schedule=None):
     """Schedule, layout and features of one run (``recompute``: 'full', 'none' or 'vision'; ``mb``
-    micro-batches per rank and step)."""
-    if mode == "baseline":
+    micro-batches per rank and step). ``schedule``: run these packs instead of building them (a stored run's)."""
+    if schedule is not None:
+        if (schedule.dp_size, schedule.num_microbatches) != (dp, mb):
+            raise ValueError(f"{name}: the given schedule has DP {schedule.dp_size} x {schedule.num_microbatches} "
+                             f"micro-batches, the run DP {dp} x {mb}")
+        sched = schedule
+    elif mode == "baseline":
         sched = baseline_schedule(stats, dp, steps, seed, mb)
     else:
         sched = balanced_schedule(stats, dp, seed, table, mb)
