@@ -3,9 +3,10 @@
 
 Run 3 of the held-out protocol (``benchmarks/results/sim_validation_run3.json``) measured the four candidates
 in three rounds only, too few to order R1 and R3. This benchmark runs the same four trainer runs (same
-validation rows, the same balanced packs, 6 micro-batches, one warm-up and ``--steps`` timed steps) in ``--rounds`` rounds of a seeded random order, and judges every pair of
-candidates by the per-round difference of their wall-clock times: ordered when the mean lies more than two
-standard errors from zero, a tie at this resolution otherwise. The prediction is run 3's, read from its file.
+validation rows, the same balanced packs, 6 micro-batches, one warm-up and ``--steps`` timed steps) in
+``--rounds`` rounds of a seeded random order, and judges every pair of candidates by the per-round
+difference of their wall-clock times: ordered when the mean lies more than two standard errors from zero, a
+tie at this resolution otherwise. The prediction is run 3's, read from its file.
 
 The packs are run 3's, stored in ``benchmarks/results/sim_validation_run3_packs.json``: the balancer has changed
 since (its cap search and repair), so rebuilding them today gives other packs. They were written by the
