@@ -9,10 +9,11 @@ import pytest
 
 from omnibal.data.balance.api import BalanceConfig
 from omnibal.data.hbp import HBPConfig, balance_hbp, candidate_lengths
-from omnibal.plan.hbp import HBPPlanConfig, simulate_schedule, stats_level_cost_model
+from omnibal.plan.hbp import HBPPlanConfig, simulate_levels, simulate_schedule, stats_level_cost_model
 from omnibal.plan.hbp_job import hbp_context
-from omnibal.plan.hbp_search import length_moves, level_lengths_of, refine_lengths
+from omnibal.plan.hbp_search import length_moves, level_lengths_of, refine_lengths, refine_partition
 from omnibal.plan.job import PlanJobConfig
+from omnibal.plan.search import SearchConfig
 from omnibal.stats.long_context import long_context_mixture
 
 CANDS = (2048, 3072, 4096, 6144, 8192)
@@ -70,3 +71,27 @@ def test_search_from_a_poor_level_set_reaches_a_faster_one(small):
     # no rounds: the start comes back unchanged
     same = refine_lengths(ctx, replace(hbp, length_search_rounds=0), stats, config, start, {poor})
     assert same is start
+
+
+def test_partition_search_equals_exhaustive_search_and_keeps_the_start_when_off(small):
+    """With a radius over every boundary position and every neighbour simulated, ``refine_partition`` finds
+    the fastest partition an exhaustive scan of the simulator finds; radius 0 keeps the joint optimum."""
+    ctx, hbp, stats, config = small
+    sched = balance_hbp(stats, dp_size=ctx.dp_size, num_microbatches=ctx.num_microbatches, seed=ctx.seed,
+                        config=replace(config, max_levels=3))
+    start = simulate_schedule(ctx, hbp, sched, stats, name="hbp")
+    assert len(start.row.levels) > 1 and len(start.row.parts) == 3  # PP 2: one boundary to place
+    layers = start.row.parts[-1]
+    wide = replace(hbp, partition_search=SearchConfig(radius=layers, top_k=layers))
+    found = refine_partition(ctx, wide, start)
+    lengths = [lv.length for lv in start.row.levels]
+    scan = [simulate_levels(ctx, hbp, start.level_feats, lengths, name="scan", parts=(0, cut, layers))
+            for cut in range(1, layers)]
+    best = min(scan, key=lambda row: row.rank)
+    assert found.row.rank == best.rank and found.row.parts == best.parts
+    assert found.row.parts != start.row.parts  # here the joint optimum is a layer or two off the simulator's
+    assert found.row.gpu_days <= start.row.gpu_days and found.schedule is start.schedule
+    assert [lv.sp_trials for lv in found.row.levels] == [lv.sp_trials for lv in start.row.levels]
+    # the default search never returns a slower row; radius 0 has no neighbour to try
+    assert refine_partition(ctx, hbp, start).row.gpu_days <= start.row.gpu_days
+    assert refine_partition(ctx, replace(hbp, partition_search=SearchConfig(radius=0)), start) is start

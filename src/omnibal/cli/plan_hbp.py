@@ -35,6 +35,7 @@ def run_hbp(args: argparse.Namespace, config) -> int:
         stats = synthetic_internvl_mixture(config.num_samples, config.seed)
     hbp = HBPPlanConfig(baseline_batch_size=config.baseline_batch_size, oversize=config.oversize,
                         microbatches=args.hbp_microbatches or HBPPlanConfig.microbatches,
+                        partition_search=config.search,
                         progress=sys.stderr.isatty() and not args.quiet)
     result = run_hbp_job(config, hbp, stats)
     gpus = config.dp_size * config.pp_size * config.tp_size

@@ -9,7 +9,9 @@ The estimate (:func:`omnibal.data.hbp.choose_levels`) proposes one level set per
   costliest sample): on the 6B+20B long-context case its sets simulate to 368.0-377.6 GPU days while
   {32k, 64k, 96k, 128k} simulates to 358.1 (docs/hbp.md). So from the fastest multi-level set the search
   tries one level removed, moved to the next shorter or longer candidate length, or one candidate added,
-  each balanced and simulated, and moves to the first faster set.
+  each balanced and simulated, and moves to the first faster set;
+* the partition (:func:`refine_partition`): the paper's search step around the joint optimum, every level
+  simulated, for the single level and the chosen HBP set alike.
 """
 
 from __future__ import annotations
@@ -28,10 +30,16 @@ from omnibal.plan.hbp import (
     HBPContext,
     HBPPlanConfig,
     HBPPlanResult,
+    _a2a,
     baseline_row,
+    simulate_levels,
     simulate_schedule,
+    sp_table,
     stats_level_cost_model,
 )
+from omnibal.plan.joint import JointPlanner
+from omnibal.plan.search import model_step_time, neighbour_parts
+from omnibal.plan.stages import layer_quantities
 
 
 def level_lengths_of(cand: Candidate) -> tuple[int, ...]:
@@ -117,6 +125,45 @@ def refine_sp(ctx: HBPContext, hbp: HBPPlanConfig, stats, config: HBPConfig, sta
     return replace(best, row=replace(best.row, levels=levels))
 
 
+def refine_partition(ctx: HBPContext, hbp: HBPPlanConfig, cand: Candidate) -> Candidate:
+    """``cand`` on the fastest partition near its own, as the paper verifies a partition by simulating it.
+
+    :func:`omnibal.plan.hbp.choose_partition` is the min-max optimum for the mean micro-batch of all levels;
+    each level's own fill and drain (``M + P - 1`` stage slots at its own count) and its own recompute are
+    not in that objective. So every neighbour (each boundary moved by up to ``radius`` layers of
+    ``hbp.partition_search``, :func:`omnibal.plan.search.neighbour_parts`) is ranked by the levels'
+    stage-model 1F1B estimate (each level at its SP table, count and least recompute, times its steps), and
+    the best ``top_k`` are simulated over every level beside the partition itself; the fastest without a
+    step over memory wins."""
+    search = hbp.partition_search
+    lengths = [lv.length for lv in cand.row.levels]
+    planners = [(JointPlanner(layer_quantities(sp_table(ctx.table, _a2a(ctx, hbp, d)), feats, ctx.stage_config),
+                              ctx.stage_config), feats.shape[2], len(feats)) for d, feats, _ in cand.level_feats]
+
+    def estimate(parts) -> float | None:
+        total = 0.0
+        for planner, microbatches, steps in planners:
+            plan = planner.evaluate(parts) or planner.evaluate(parts, "full")
+            if plan is None:
+                return None
+            total += steps * model_step_time(plan, microbatches)
+        return total
+
+    anchor = tuple(cand.row.parts)
+    ranked = sorted((e, parts) for parts in neighbour_parts(anchor, search.radius, search.max_candidates)
+                    if parts != anchor and (e := estimate(parts)) is not None)
+    best = cand.row
+    for _, parts in ranked[:search.top_k]:
+        row = simulate_levels(ctx, hbp, cand.level_feats, lengths, name=cand.row.name, parts=parts,
+                              dropped=cand.row.dropped, origin=cand.row.origin)
+        if row.faster_than(best):
+            best = row
+    if best is cand.row:
+        return cand
+    levels = tuple(replace(new, sp_trials=old.sp_trials) for new, old in zip(best.levels, cand.row.levels))
+    return replace(cand, row=replace(best, levels=levels))
+
+
 def _simulated(ctx: HBPContext, hbp: HBPPlanConfig, sched, stats, name: str, bar) -> Candidate:
     """``simulate_schedule``, counted on ``bar`` (a tqdm counter, or None)."""
     cand = simulate_schedule(ctx, hbp, sched, stats, name=name)
@@ -161,7 +208,8 @@ def plan_hbp(ctx: HBPContext, hbp: HBPPlanConfig, stats, *, model: LevelCostMode
 
     The estimate (:func:`omnibal.data.hbp.choose_levels`) proposes the best level set for each level count
     up to ``max_levels``; the simulator chooses each level's SP degree (:func:`refine_sp`), searches the level
-    lengths from the fastest multi-level set (``length_search``) and keeps the fastest set. The single-level
+    lengths from the fastest multi-level set (``length_search``) and keeps the fastest set; the single level
+    and the fastest set then get the partition search (:func:`refine_partition`). The single-level
     row is the fastest of the one-level set and the ``extra`` single levels (e.g. the plain ``omnibal plan``
     packing), and HBP is the fastest of everything, so HBP is never predicted slower than the single level,
     nor the single level than an extra one. ``model``: the level
@@ -180,6 +228,9 @@ def plan_hbp(ctx: HBPContext, hbp: HBPPlanConfig, stats, *, model: LevelCostMode
             found = refine_lengths(ctx, hbp, stats, config, start, {level_lengths_of(c) for c in sets},
                                    cache=cache, bar=bar)
             sets += [found] if found is not start else []
+    fastest_set = min(sets, key=lambda c: c.row.rank)
+    refined = {id(c): refine_partition(ctx, hbp, c) for c in {id(c): c for c in (sets[0], fastest_set)}.values()}
+    sets = [refined.get(id(c), c) for c in sets]
     single = min([sets[0], *extra], key=lambda c: c.row.rank)
     best = min([*sets, *extra], key=lambda c: c.row.rank)
     top = tuple(sets[0].schedule.meta["hbp"]["level_lengths"])
