@@ -27,9 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.bench_sim_validation import RANK_SPECS
 from benchmarks.common import RESULTS, logger, write_result
-from benchmarks.cpu_runs import MODEL, VAL_SEED, launch, load_stats, make_run, simulate_run
+from benchmarks.cpu_runs import MODEL, RANK_SPECS, VAL_SEED, launch, load_stats, make_run, simulate_run
 from omnibal.cost.presets import get_model_preset
 from omnibal.cost.profile import cost_table_from_profile
 from omnibal.data.balance.schedule import Schedule

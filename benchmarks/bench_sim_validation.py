@@ -38,6 +38,7 @@ from benchmarks.cpu_runs import (
     CAL_SEED,
     MODEL,
     POOL_SEED,
+    RANK_SPECS,
     VAL_SEED,
     CalibrationData,
     launch,
@@ -72,12 +73,6 @@ VAL_SPECS = (
 )
 """Validation runs (docs/sim.md): every one has a micro-batch count, and the pipeline ones a layout and partition,
 that no calibration run has; run on the validation data (``VAL_SEED``, the other pool)."""
-
-RANK_SPECS = tuple(
-    (f"R{i + 1} 1x2 M6 balanced, cut at {k}, {rec} recompute",
-     dict(dp=1, pp=2, mb=6, mode="omnibal", ranges=((0, k), (k, 15)), recompute=rec))
-    for i, (k, rec) in enumerate(((4, "none"), (8, "none"), (11, "none"), (8, "full"))))
-"""The candidate plans (partition x recompute) of one job the simulator must rank as measured."""
 
 
 def parse_args(argv=None) -> argparse.Namespace:

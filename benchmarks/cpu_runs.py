@@ -199,6 +199,14 @@ def simulate_run(run, feats, table, links, overhead, jitter=0.0):
     return simulate_epoch(table, cuts, rec, feats, cfg, buffer_features=buffer)
 
 
+RANK_SPECS = tuple(
+    (f"R{i + 1} 1x2 M6 balanced, cut at {k}, {rec} recompute",
+     dict(dp=1, pp=2, mb=6, mode="omnibal", ranges=((0, k), (k, 15)), recompute=rec))
+    for i, (k, rec) in enumerate(((4, "none"), (8, "none"), (11, "none"), (8, "full"))))
+"""The candidate plans (partition x recompute) of one job the simulator must rank as measured (docs/sim.md's
+protocol; bench_sim_validation measures them beside its other runs, bench_sim_ranking alone)."""
+
+
 CAL_SPECS = (
     ("cal: 1x1 baseline, full recompute", dict(dp=1, pp=1, mode="baseline", ranges=None, recompute="full")),
     ("cal: 1x1 balanced, no recompute", dict(dp=1, pp=1, mode="omnibal", ranges=None, recompute="none")),

@@ -14,11 +14,13 @@ ALL=(
   bench_sim_epoch         # one simulated 1.2M-sample epoch
   bench_plan_default      # omnibal plan with its defaults
   bench_plan_variants     # omnibal plan over model / cluster variants
+  bench_paper_rows        # what the paper's published rows imply (arithmetic)
   bench_balance           # balancer quality and speed
   bench_stats             # stats loading and `omnibal stats` throughput
   bench_load              # balancer, sampler and DataLoader at scale
   bench_cost_validation   # analytic + profiled cost tables vs measured layers
   bench_sim_validation    # simulator vs measured trainer steps
+  bench_sim_ranking       # the candidate plans of run 3 ordered by 20 rounds of measurement
   bench_plan_cpu          # planned vs even partition on the CPU trainer
   bench_train             # omnibal vs baseline on the CPU trainer
   bench_online            # online vs offline balance on the CPU trainer
