@@ -326,12 +326,20 @@ def choose_partition(ctx: HBPContext, hbp: HBPPlanConfig, level_feats) -> tuple[
     return tuple(planner.plan().parts)
 
 
+def level_planner(ctx: HBPContext, table: LayerCostTable, feats) -> JointPlanner:
+    """The joint planner of one level's micro-batches ``feats`` with its SP-adjusted ``table``."""
+    return JointPlanner(layer_quantities(table, feats, ctx.stage_config), ctx.stage_config)
+
+
+def level_stage_plan(planner: JointPlanner, parts, recompute: str = "adaptive"):
+    """A level's stages on ``parts``: the joint planner's ``recompute`` (``adaptive``: the least that fits),
+    else full recompute."""
+    return planner.evaluate(parts, recompute) or planner.evaluate(parts, "full")
+
+
 def level_recompute_mask(ctx: HBPContext, table: LayerCostTable, feats, parts, recompute: str = "adaptive"):
-    """The checkpointed layers of one level's micro-batches ``feats`` on ``parts`` with its SP-adjusted
-    ``table``: the joint planner's ``recompute`` (``adaptive``: the least that fits), else full recompute."""
-    planner = JointPlanner(layer_quantities(table, feats, ctx.stage_config), ctx.stage_config)
-    plan = planner.evaluate(parts, recompute) or planner.evaluate(parts, "full")
-    return plan.recompute_mask(table.num_layers)
+    """The checkpointed layers of one level's micro-batches ``feats`` on ``parts`` (:func:`level_stage_plan`)."""
+    return level_stage_plan(level_planner(ctx, table, feats), parts, recompute).recompute_mask(table.num_layers)
 
 
 def simulate_levels(ctx: HBPContext, hbp: HBPPlanConfig, level_feats, lengths, *, name: str, parts=None,

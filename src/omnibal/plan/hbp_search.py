@@ -32,14 +32,14 @@ from omnibal.plan.hbp import (
     HBPPlanResult,
     _a2a,
     baseline_row,
+    level_planner,
+    level_stage_plan,
     simulate_levels,
     simulate_schedule,
     sp_table,
     stats_level_cost_model,
 )
-from omnibal.plan.joint import JointPlanner
 from omnibal.plan.search import model_step_time, neighbour_parts
-from omnibal.plan.stages import layer_quantities
 
 
 def level_lengths_of(cand: Candidate) -> tuple[int, ...]:
@@ -137,21 +137,16 @@ def refine_partition(ctx: HBPContext, hbp: HBPPlanConfig, cand: Candidate) -> Ca
     step over memory wins."""
     search = hbp.partition_search
     lengths = [lv.length for lv in cand.row.levels]
-    planners = [(JointPlanner(layer_quantities(sp_table(ctx.table, _a2a(ctx, hbp, d)), feats, ctx.stage_config),
-                              ctx.stage_config), feats.shape[2], len(feats)) for d, feats, _ in cand.level_feats]
+    planners = [(level_planner(ctx, sp_table(ctx.table, _a2a(ctx, hbp, d)), feats), feats.shape[2], len(feats))
+                for d, feats, _ in cand.level_feats]
 
-    def estimate(parts) -> float | None:
-        total = 0.0
-        for planner, microbatches, steps in planners:
-            plan = planner.evaluate(parts) or planner.evaluate(parts, "full")
-            if plan is None:
-                return None
-            total += steps * model_step_time(plan, microbatches)
-        return total
+    def estimate(parts) -> float:
+        return sum(steps * model_step_time(level_stage_plan(planner, parts), microbatches)
+                   for planner, microbatches, steps in planners)
 
     anchor = tuple(cand.row.parts)
-    ranked = sorted((e, parts) for parts in neighbour_parts(anchor, search.radius, search.max_candidates)
-                    if parts != anchor and (e := estimate(parts)) is not None)
+    ranked = sorted((estimate(parts), parts) for parts in neighbour_parts(anchor, search.radius, search.max_candidates)
+                    if parts != anchor)
     best = cand.row
     for _, parts in ranked[:search.top_k]:
         row = simulate_levels(ctx, hbp, cand.level_feats, lengths, name=cand.row.name, parts=parts,
@@ -228,9 +223,11 @@ def plan_hbp(ctx: HBPContext, hbp: HBPPlanConfig, stats, *, model: LevelCostMode
             found = refine_lengths(ctx, hbp, stats, config, start, {level_lengths_of(c) for c in sets},
                                    cache=cache, bar=bar)
             sets += [found] if found is not start else []
-    fastest_set = min(sets, key=lambda c: c.row.rank)
-    refined = {id(c): refine_partition(ctx, hbp, c) for c in {id(c): c for c in (sets[0], fastest_set)}.values()}
-    sets = [refined.get(id(c), c) for c in sets]
+    # the partition search for the two rows compared (one search when the single level is the fastest set)
+    fastest = min(sets, key=lambda c: c.row.rank)
+    single_refined = refine_partition(ctx, hbp, sets[0])
+    fastest_refined = single_refined if fastest is sets[0] else refine_partition(ctx, hbp, fastest)
+    sets = [single_refined if c is sets[0] else fastest_refined if c is fastest else c for c in sets]
     single = min([sets[0], *extra], key=lambda c: c.row.rank)
     best = min([*sets, *extra], key=lambda c: c.row.rank)
     top = tuple(sets[0].schedule.meta["hbp"]["level_lengths"])
