@@ -48,7 +48,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=20, help="rounds of the four candidates (docs/sim.md fixes 20)")
     ap.add_argument("--steps", type=int, default=8, help="timed steps per run (plus one warm-up), as run 3")
-    ap.add_argument("--reference", type=Path, default=RUN3, help="the protocol run to reuse (profile, prediction)")
     ap.add_argument("--out", type=Path, default=RESULTS, help="results folder (default: benchmarks/results)")
     return ap.parse_args(argv)
 
@@ -112,17 +111,14 @@ def pair_verdicts(measured: dict[str, list[dict]], predicted: dict[str, float]) 
 def main(argv=None) -> None:
     args = parse_args(argv)
     log = logger("sim_ranking")
-    ref = load_reference(args.reference)
+    ref = load_reference(RUN3)
     if args.steps != ref["timed_steps"]:
         raise SystemExit(f"--steps {args.steps} differs from the reference run's {ref['timed_steps']} timed steps")
     spec = get_model_preset(MODEL)
     names = [layer.name for layer in spec.layers()]
     table = cost_table_from_profile(spec, ref["profile"])
     stats = load_stats(ref["samples_per_seed"], VAL_SEED, "validation")
-    packs = Schedule.from_dict(json.loads(RUN3_PACKS.read_text()), source=str(RUN3_PACKS))
-    runs = {name: make_run(name, seed=VAL_SEED, stats=stats, table=table, steps=args.steps + 1, names=names,
-                           schedule=packs, **kw)
-            for name, kw in RANK_SPECS}
+    runs = run3_candidates(ref, table, stats, args.steps + 1, names)
     stored = {r["name"]: r["predicted_s"] for r in ref["validation"] if r["name"] in runs}
     rebuilt = rebuilt_prediction(ref, runs, table)
     for name in runs:
@@ -134,10 +130,22 @@ def main(argv=None) -> None:
     write_results(args, ref, stored, measured, pair_verdicts(measured, stored))
 
 
+def run3_candidates(ref: dict, table, stats, steps: int, names) -> dict:
+    """R1-R4 on run 3's stored packs: ``{name: (run, schedule, features)}`` (:func:`benchmarks.cpu_runs.make_run`)."""
+    packs = Schedule.from_dict(json.loads(RUN3_PACKS.read_text()), source=str(RUN3_PACKS))
+    return {name: make_run(name, seed=VAL_SEED, stats=stats, table=table, steps=steps, names=names, schedule=packs,
+                           **kw) for name, kw in RANK_SPECS}
+
+
+def ranking_met(pairs: list[dict]) -> bool:
+    """The pre-registered target: no pair the measurement orders is ordered otherwise by the simulator."""
+    return all(p["agrees"] is not False for p in pairs)
+
+
 def write_results(args, ref: dict, predicted: dict, measured: dict, pairs: list[dict]) -> None:
-    met = all(p["agrees"] is not False for p in pairs)
+    met = ranking_met(pairs)
     ordered = [p for p in pairs if p["ordered"]]
-    doc = {"protocol": "docs/sim.md, 'Resolving the candidates' order'", "reference": str(args.reference.name),
+    doc = {"protocol": "docs/sim.md, 'Resolving the candidates' order'", "reference": RUN3.name,
            "reference_commit": ref.get("provenance", {}).get("git_commit"), "rounds": args.rounds,
            "timed_steps": args.steps, "order_seed": ORDER_SEED, "predicted_s": predicted, "measured": measured,
            "pairs": pairs, "target_met": met, "ordered_pairs": len(ordered), "ties": len(pairs) - len(ordered)}
@@ -145,7 +153,7 @@ def write_results(args, ref: dict, predicted: dict, measured: dict, pairs: list[
              f"Pre-registered in `docs/sim.md` (*Resolving the candidates' order*). The four candidate runs of the "
              f"held-out validation's run 3 (same rows and packs, {args.steps} timed steps after one warm-up), "
              f"{args.rounds} rounds of a seeded random order; the prediction is run 3's "
-             f"(`{args.reference.name}`), not refitted. Produced by `python -m benchmarks.bench_sim_ranking`.", "",
+             f"(`{RUN3.name}`), not refitted. Produced by `python -m benchmarks.bench_sim_ranking`.", "",
              "| candidate | predicted s | measured wall s: mean (min-max) | error | slowdown | load |",
              "|---|---|---|---|---|---|"]
     for name, recs in measured.items():

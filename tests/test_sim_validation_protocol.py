@@ -60,3 +60,49 @@ def test_summary_checks_the_targets_and_the_ranking():
     bad = bench.summary([row("a", 1.0, 2.5), row("b", 2.0, 1.9)])
     assert not bad["same_order"] and bad["kendall_tau"] == -1.0
     assert not bad["targets"]["mean_abs_error <= 5%"] and not bad["targets"]["max_abs_error <= 10%"]
+
+
+def _ranking():
+    _bench()  # puts the repository root on the path
+    return importlib.import_module("benchmarks.bench_sim_ranking")
+
+
+def test_candidate_pairs_count_only_when_the_rounds_order_them():
+    """docs/sim.md's pre-registered rule: a pair is ordered when its per-round mean difference is over two
+    standard errors from zero; the target fails only on an ordered pair the simulator orders the other way."""
+    ranking = _ranking()
+    rng = np.random.default_rng(0)
+    noise = rng.normal(0.0, 0.3, size=20)
+    measured = {name: [{"wall_s": base + n + (0.02 * i if name == "C" else 0.0)} for i, n in enumerate(noise)]
+                for name, base in (("A", 10.0), ("B", 12.0), ("C", 10.0))}
+    predicted = {"A": 10.1, "B": 11.9, "C": 9.9}
+    pairs = {(p["a"], p["b"]): p for p in ranking.pair_verdicts(measured, predicted)}
+    assert pairs["A", "B"]["ordered"] and pairs["A", "B"]["measured_faster"] == "A" and pairs["A", "B"]["agrees"]
+    # A and C share the round noise; C drifts 0.02 s a round: the mean 0.19 s is far over 2 SE (0.03 s)
+    assert pairs["A", "C"]["ordered"] and pairs["A", "C"]["measured_faster"] == "A"
+    assert pairs["A", "C"]["agrees"] is False and not ranking.ranking_met(list(pairs.values()))
+    # the same data with a noisy C: a tie at this resolution, which counts neither way
+    measured["C"] = [{"wall_s": 10.0 + x} for x in rng.normal(0.0, 1.0, size=20)]
+    tied = {(p["a"], p["b"]): p for p in ranking.pair_verdicts(measured, predicted)}
+    assert not tied["A", "C"]["ordered"] and tied["A", "C"]["agrees"] is None
+    assert tied["A", "C"]["se_s"] > 0.1 and ranking.ranking_met([tied["A", "B"], tied["A", "C"]])
+
+
+def test_stored_run3_packs_give_run3s_prediction(shared_stats_dir, monkeypatch):
+    """The packs bench_sim_ranking measures are run 3's: its stored calibration predicts them to 1e-6."""
+    ranking = _ranking()
+    runs_mod = importlib.import_module("benchmarks.cpu_runs")
+    monkeypatch.setattr(runs_mod, "SHARED_STATS", shared_stats_dir)
+    from omnibal.cost.presets import get_model_preset
+    from omnibal.cost.profile import cost_table_from_profile
+
+    ref = ranking.load_reference(ranking.RUN3)
+    spec = get_model_preset(runs_mod.MODEL)
+    table = cost_table_from_profile(spec, ref["profile"])
+    stats = runs_mod.load_stats(ref["samples_per_seed"], runs_mod.VAL_SEED, "validation")
+    runs = ranking.run3_candidates(ref, table, stats, ref["timed_steps"] + 1, [la.name for la in spec.layers()])
+    rebuilt = ranking.rebuilt_prediction(ref, runs, table)
+    stored = {r["name"]: r["predicted_s"] for r in ref["validation"] if r["name"] in runs}
+    assert sorted(rebuilt) == sorted(stored) and len(stored) == 4
+    for name, value in stored.items():
+        assert abs(rebuilt[name] / value - 1.0) < 1e-6, name
