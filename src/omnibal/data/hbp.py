@@ -55,13 +55,11 @@ from omnibal.data.hbp_levels import (
     HBPConfig,
     LevelChoice,
     LevelCostModel,
-    _groups_of,
-    _LevelCosts,
-    _sample_costs,
     candidate_lengths,
     choose_levels,
     default_candidates,
     exhaustive_levels,
+    level_costs,
     level_degrees,
     levels_cost,
 )
@@ -183,9 +181,8 @@ def balance_hbp(stats, *, dp_size: int, num_microbatches: int = 1, seed: int = 0
         lengths, sp, estimate = choice.lengths, list(choice.sp), choice.cost
     else:
         lengths, estimate = config.pack_lengths, None
-        sp = list(config.level_sp or level_degrees(_LevelCosts(
-            np.asarray(sub.tokens), _sample_costs(sub, config.model), groups_of=_groups_of(dp_size),
-            num_microbatches=num_microbatches, model=config.model, fill=config.fill), lengths))
+        sp = list(config.level_sp or level_degrees(level_costs(
+            sub, dp_size=dp_size, num_microbatches=num_microbatches, config=config), lengths))
     if 0 in sp:  # no SP degree fits memory or fills a step: the smallest that fits memory still runs it
         sp = [d or next(iter(config.model.feasible_sp(n)), 0) for d, n in zip(sp, lengths)]
     if 0 in sp or len(sp) != len(lengths):

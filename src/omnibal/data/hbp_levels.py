@@ -208,10 +208,15 @@ def _groups_of(dp_size: int):
     return lambda d: dp_size // d if dp_size % d == 0 else 0
 
 
+def level_costs(stats, *, dp_size: int, num_microbatches: int, config: HBPConfig) -> _LevelCosts:
+    """The estimate's per-level costs of ``stats`` on ``dp_size`` ranks (what every level estimate reads)."""
+    return _LevelCosts(np.asarray(stats.tokens), _sample_costs(stats, config.model), groups_of=_groups_of(dp_size),
+                       num_microbatches=num_microbatches, model=config.model, fill=config.fill)
+
+
 def levels_cost(stats, lengths, *, dp_size: int, num_microbatches: int, config: HBPConfig) -> float:
     """Estimated epoch time of the levels ``lengths`` (module docstring); inf when infeasible."""
-    lc = _LevelCosts(np.asarray(stats.tokens), _sample_costs(stats, config.model), groups_of=_groups_of(dp_size),
-                     num_microbatches=num_microbatches, model=config.model, fill=config.fill)
+    lc = level_costs(stats, dp_size=dp_size, num_microbatches=num_microbatches, config=config)
     if lc.upto(max(lengths)) < len(lc.tokens):
         return math.inf
     total, lo = 0.0, 0
@@ -228,10 +233,8 @@ def choose_levels(stats, *, dp_size: int, num_microbatches: int, config: HBPConf
     Dynamic programme: ``best[k][j]`` = least time of ``k`` levels whose longest is candidate ``j``
     covering every sample up to it. Ties go to fewer levels, then to the lexicographically smaller lengths.
     """
-    tokens = np.asarray(stats.tokens)
-    cands = candidate_lengths(tokens, config)
-    lc = _LevelCosts(tokens, _sample_costs(stats, config.model), groups_of=_groups_of(dp_size),
-                     num_microbatches=num_microbatches, model=config.model, fill=config.fill)
+    cands = candidate_lengths(np.asarray(stats.tokens), config)
+    lc = level_costs(stats, dp_size=dp_size, num_microbatches=num_microbatches, config=config)
     upto = [lc.upto(c) for c in cands]
     top = len(cands) - 1  # candidate_lengths ends at the first length holding every sample
     # best[j] for the current level count: (time, lengths)
