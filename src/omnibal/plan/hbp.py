@@ -311,7 +311,8 @@ def level_features(schedule, stats, padding: str = "varlen") -> list[tuple[int, 
             for k, d in enumerate(schedule.level_sp) if (levels == k).any()]
 
 
-def _a2a(ctx: HBPContext, hbp: HBPPlanConfig, degree: int) -> np.ndarray:
+def level_a2a(ctx: HBPContext, hbp: HBPPlanConfig, degree: int) -> np.ndarray:
+    """A level's all-to-all seconds per layer (:func:`ulysses_a2a_time`) on this job's model and links."""
     return ulysses_a2a_time(ctx.table, ctx.spec, ctx.hardware, degree, tp_size=ctx.sim_config.tp_size,
                             dtype_bytes=hbp.dtype_bytes)
 
@@ -321,7 +322,7 @@ def choose_partition(ctx: HBPContext, hbp: HBPPlanConfig, level_feats) -> tuple[
     (time: their mean; memory: the largest), each level's all-to-all included at its share."""
     everything = np.concatenate([f.reshape(-1, 4) for _, f, _ in level_feats])
     weights = np.array([f[..., 0].size for _, f, _ in level_feats], np.float64)
-    a2a = sum(w * _a2a(ctx, hbp, d) for w, (d, _, _) in zip(weights, level_feats)) / weights.sum()
+    a2a = sum(w * level_a2a(ctx, hbp, d) for w, (d, _, _) in zip(weights, level_feats)) / weights.sum()
     planner = JointPlanner(layer_quantities(sp_table(ctx.table, a2a), everything, ctx.stage_config),
                            ctx.stage_config)
     return tuple(planner.plan().parts)
@@ -351,7 +352,7 @@ def simulate_levels(ctx: HBPContext, hbp: HBPPlanConfig, level_feats, lengths, *
     parts = tuple(parts) if parts is not None else choose_partition(ctx, hbp, level_feats)
     results = []
     for k, (length, (d, feats, samples)) in enumerate(zip(lengths, level_feats)):
-        a2a = _a2a(ctx, hbp, d)
+        a2a = level_a2a(ctx, hbp, d)
         table = sp_table(ctx.table, a2a)
         mask = np.asarray(masks[k], bool) if masks is not None else level_recompute_mask(
             ctx, table, feats, parts, recompute)

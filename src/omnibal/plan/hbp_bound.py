@@ -39,7 +39,7 @@ import numpy as np
 from omnibal.data.balance.api import BalanceConfig
 from omnibal.data.hbp import HBPConfig, candidate_lengths
 from omnibal.errors import InputError
-from omnibal.plan.hbp import HBPContext, HBPPlanConfig, _a2a, level_features, level_recompute_mask, sp_table
+from omnibal.plan.hbp import HBPContext, HBPPlanConfig, level_a2a, level_features, level_recompute_mask, sp_table
 from omnibal.plan.joint import JointPlanner
 from omnibal.plan.partition import min_max_partition
 from omnibal.plan.stages import layer_quantities
@@ -193,7 +193,7 @@ def time_breakdown(ctx: HBPContext, hbp: HBPPlanConfig, row, schedule, stats) ->
     slowest DP rank; the gradient sync one all-reduce per step). The parts add up to the level's time."""
     out = []
     for lv, (d, feats, _) in zip(row.levels, level_features(schedule, stats)):
-        a2a = _a2a(ctx, hbp, d)
+        a2a = level_a2a(ctx, hbp, d)
         table = sp_table(ctx.table, a2a)
         mask = level_recompute_mask(ctx, table, feats, row.parts)
         res = simulate_epoch(table, row.parts, mask, feats, ctx.sim_config)

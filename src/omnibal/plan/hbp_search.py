@@ -30,8 +30,8 @@ from omnibal.plan.hbp import (
     HBPContext,
     HBPPlanConfig,
     HBPPlanResult,
-    _a2a,
     baseline_row,
+    level_a2a,
     level_planner,
     level_stage_plan,
     simulate_levels,
@@ -137,7 +137,7 @@ def refine_partition(ctx: HBPContext, hbp: HBPPlanConfig, cand: Candidate) -> Ca
     step over memory wins."""
     search = hbp.partition_search
     lengths = [lv.length for lv in cand.row.levels]
-    planners = [(level_planner(ctx, sp_table(ctx.table, _a2a(ctx, hbp, d)), feats), feats.shape[2], len(feats))
+    planners = [(level_planner(ctx, sp_table(ctx.table, level_a2a(ctx, hbp, d)), feats), feats.shape[2], len(feats))
                 for d, feats, _ in cand.level_feats]
 
     def estimate(parts) -> float:
