@@ -72,7 +72,8 @@ def small_plan():
 
 def test_small_plan_covers_every_sample_once_and_is_serialisable(small_plan):
     stats, result = small_plan
-    assert [r.name for r in result.rows] == ["baseline", "single level, full recompute", "single level", "hbp"]
+    assert [r.name for r in result.rows] == ["baseline", "single level, naive packing", "single level, full recompute",
+                                             "single level", "hbp"]
     hbp = result.row("hbp")
     assert sum(lv.samples for lv in hbp.levels) == len(stats)
     assert np.all(result.schedule.sample_counts() == 1)
@@ -86,6 +87,16 @@ def test_small_plan_covers_every_sample_once_and_is_serialisable(small_plan):
     assert len(result.tried) >= 1 and min(t["gpu_days"] for t in result.tried) == pytest.approx(hbp.gpu_days)
     json.dumps(result.to_dict())
     assert "| hbp |" in hbp_markdown(result)
+
+
+def test_naive_packing_is_the_recipe_packed_by_isf_and_slower_than_balanced_packing(small_plan):
+    stats, result = small_plan
+    naive, recipe = result.row("single level, naive packing"), result.row("single level, full recompute")
+    (lv,), (rl,) = naive.levels, recipe.levels
+    assert (lv.length, lv.sp, lv.microbatches, lv.checkpointed) == (rl.length, rl.sp, rl.microbatches, rl.checkpointed)
+    assert lv.samples == len(stats) and naive.dropped == 0
+    # the same recipe with the attention cost unbalanced across ranks (packs of long and short samples at random)
+    assert naive.gpu_days > recipe.gpu_days > result.row("hbp").gpu_days
 
 
 def test_bound_on_the_long_mixture_lies_between_hbp_and_the_single_level(small_plan):
@@ -173,13 +184,13 @@ def test_cli_plan_hbp_writes_the_level_table(tmp_path, capsys):
     assert "| level | pack length | SP | micro-batches |" in out and "| hbp |" in out
     assert "SP degree per level, chosen by the simulator" in out and "Bound on HBP's gain" in out
     doc = json.loads((tmp_path / "hbp.json").read_text())
-    assert doc["speedup_hbp_vs_single"] > 0 and doc["rows"][3]["name"] == "hbp"
+    hbp = next(row for row in doc["rows"] if row["name"] == "hbp")
+    assert doc["speedup_hbp_vs_single"] > 0 and doc["speedup_hbp_vs_naive"] >= doc["speedup_hbp_vs_single"]
     assert doc["bound"]["gain_bound_floor"] >= doc["speedup_hbp_vs_single"]
     # the winning levels balanced over all 2,500 rows (the plan balanced 1,500), as a trainer runs them
     from omnibal.data.balance.schedule import Schedule
 
     sched = Schedule.from_json(tmp_path / "hbp_schedule.json")
-    hbp = doc["rows"][3]
     assert sched.num_samples == 2500 and np.all(sched.sample_counts() == 1)
     assert sched.meta["hbp"]["level_lengths"] == [lv["length"] for lv in hbp["levels"]]
     assert list(sched.level_sp) == [lv["sp"] for lv in hbp["levels"]]

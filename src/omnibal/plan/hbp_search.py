@@ -34,6 +34,7 @@ from omnibal.plan.hbp import (
     level_a2a,
     level_planner,
     level_stage_plan,
+    naive_row,
     simulate_levels,
     simulate_schedule,
     sp_table,
@@ -233,11 +234,12 @@ def plan_hbp(ctx: HBPContext, hbp: HBPPlanConfig, stats, *, model: LevelCostMode
     top = tuple(sets[0].schedule.meta["hbp"]["level_lengths"])
     # the usual long-context recipe: the smallest SP degree the longest pack needs, full recompute, for all
     recipe = ctx.balance(stats, replace(config, pack_lengths=top, level_sp=(model.feasible_sp(top[0])[0],)), cache)
-    rows = (baseline_row(ctx, hbp, stats, model),
-            simulate_schedule(ctx, hbp, recipe, stats, name="single level, full recompute", recompute="full").row,
-            replace(single.row, name="single level"), replace(best.row, name="hbp"), *(c.row for c in extra))
+    recipe_row = simulate_schedule(ctx, hbp, recipe, stats, name="single level, full recompute", recompute="full").row
+    single_row = replace(single.row, name="single level")
+    rows = (baseline_row(ctx, hbp, stats, model), naive_row(ctx, hbp, stats, model, recipe_row), recipe_row,
+            single_row, replace(best.row, name="hbp"), *(c.row for c in extra))
     tried = tuple({"lengths": [lv.length for lv in c.row.levels], "sp": [lv.sp for lv in c.row.levels],
                    "gpu_days": c.row.gpu_days, "origin": c.row.origin,
                    "sp_trials": [lv.to_dict()["sp_trials"] for lv in c.row.levels]} for c in (*sets, *extra))
     return HBPPlanResult(rows=rows, model=model, schedule=best.schedule, tried=tried,
-                         single=replace(single, row=rows[2]))
+                         single=replace(single, row=single_row))
