@@ -406,6 +406,13 @@ class HBPPlanResult:
                 "bound": None if self.bound is None else self.bound.to_dict(), "notes": list(self.notes)}
 
 
+def group_level(schedule, stats, degree: int, padding: str = "varlen") -> tuple[int, np.ndarray, int]:
+    """A single-level ``schedule`` balanced for ``dp_size / degree`` SP groups as one level of
+    :func:`level_features`: each group's micro-batches on its ``degree`` ranks, split over them."""
+    feats = per_rank_features(np.repeat(schedule.features(stats, padding=padding), degree, axis=1), degree)
+    return degree, feats, int(len(stats) - len(schedule.dropped))
+
+
 def baseline_row(ctx: HBPContext, hbp: HBPPlanConfig, stats, model: LevelCostModel) -> HBPRow:
     """Random micro-batches of ``baseline_batch_size`` padded to the longest, one SP degree for all (the
     smallest whose run fits memory on the even partition: the per-rank token limit is for the best partition,
@@ -417,8 +424,7 @@ def baseline_row(ctx: HBPContext, hbp: HBPPlanConfig, stats, model: LevelCostMod
     for d in degrees:
         sched = balance(stats, dp_size=ctx.dp_size // d, num_microbatches=ctx.num_microbatches, seed=ctx.seed,
                         config=BalanceConfig(method="random", batch_size=hbp.baseline_batch_size, cost=model.cost))
-        feats = per_rank_features(np.repeat(sched.features(stats, padding="pad_to_longest"), d, axis=1), d)
-        row = simulate_levels(ctx, hbp, [(d, feats, int(len(stats) - len(sched.dropped)))], [longest],
+        row = simulate_levels(ctx, hbp, [group_level(sched, stats, d, "pad_to_longest")], [longest],
                               name="baseline", parts=parts, recompute="full")
         if row.oom_steps == 0:
             break
@@ -435,9 +441,8 @@ def naive_row(ctx: HBPContext, hbp: HBPPlanConfig, stats, model: LevelCostModel,
     sched = balance(stats, dp_size=ctx.dp_size // d, num_microbatches=level.microbatches, seed=ctx.seed,
                     config=BalanceConfig(method="isf", max_tokens=level.length, max_tiles=int(stats.tiles.sum()) + 1,
                                          cost=model.cost))
-    feats = per_rank_features(np.repeat(sched.features(stats), d, axis=1), d)
-    return simulate_levels(ctx, hbp, [(d, feats, int(len(stats) - len(sched.dropped)))], [level.length],
-                           name=NAIVE, recompute="full", dropped=len(sched.dropped))
+    return simulate_levels(ctx, hbp, [group_level(sched, stats, d)], [level.length], name=NAIVE, recompute="full",
+                           dropped=len(sched.dropped))
 
 
 def simulate_schedule(ctx: HBPContext, hbp: HBPPlanConfig, schedule, stats, *, name: str,
