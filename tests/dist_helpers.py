@@ -74,7 +74,7 @@ def pack_schedule(stats: SampleStats, *, dp_size: int, num_microbatches: int, nu
 
 def make_trainer(world, *, mode="omnibal", num_microbatches=4, num_steps=NUM_STEPS, pipeline_schedule="1f1b",
                  stage_layers=None, checkpoint_dir=None, checkpoint_every=0, lr=1e-3, recompute=None, log_path=None,
-                 dp_sync="flat"):
+                 dp_sync="flat", precision="fp32"):
     from omnibal.train.loop import Trainer, fixed_buffer
     from omnibal.train.model import VLM
     from omnibal.train.pipeline import resolve_layout
@@ -90,11 +90,12 @@ def make_trainer(world, *, mode="omnibal", num_microbatches=4, num_steps=NUM_STE
     return Trainer(world=world, model=model, layout=layout, schedule=schedule, dataset=dataset, mode=mode,
                    num_microbatches=num_microbatches, pipeline_schedule=pipeline_schedule, lr=lr, buffer=buffer,
                    checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, log_path=log_path,
-                   dp_sync=dp_sync)
+                   dp_sync=dp_sync, precision=precision)
 
 
-def single_process_reference(*, dp_size: int, num_microbatches: int, step: int = 0):
-    """Loss and gradients of the whole global batch of ``step`` on one process (no torch.distributed)."""
+def single_process_reference(*, dp_size: int, num_microbatches: int, step: int = 0, autocast=None):
+    """Loss and gradients of the whole global batch of ``step`` on one process (no torch.distributed);
+    ``autocast``: the forward's dtype under ``torch.autocast`` (None: fp32)."""
     from omnibal.data.collate import collate
     from omnibal.train.model import VLM
 
@@ -115,7 +116,8 @@ def single_process_reference(*, dp_size: int, num_microbatches: int, step: int =
     total = sum(b.num_targets for b in batches)
     loss = torch.zeros(())
     for b in batches:
-        loss_sum, _ = model(*b.carry())
+        with torch.autocast("cpu", dtype=autocast or torch.float32, enabled=autocast is not None):
+            loss_sum, _ = model(*b.carry())
         loss = loss + loss_sum.sum()
     loss = loss / total
     loss.backward()
@@ -127,13 +129,13 @@ def single_process_reference(*, dp_size: int, num_microbatches: int, step: int =
 # ------------------------------------------------------------------------------------------------ rank fns
 
 
-def rank_forward_backward(dp: int, pp: int, schedule: str, dp_sync: str = "flat"):
+def rank_forward_backward(dp: int, pp: int, schedule: str, dp_sync: str = "flat", precision: str = "fp32"):
     """One step's forward/backward + DP sync (no optimizer): this rank's loss part and stage gradients."""
     torch.set_num_threads(1)
     from omnibal.train.distributed import destroy_world, init_world
 
     world = init_world(dp_size=dp, pp_size=pp, timeout_s=TIMEOUT_S)
-    trainer = make_trainer(world, pipeline_schedule=schedule, dp_sync=dp_sync)
+    trainer = make_trainer(world, pipeline_schedule=schedule, dp_sync=dp_sync, precision=precision)
     result = trainer.forward_backward()
     grads = {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)).numpy()
              for n, p in trainer.stage_module.named_parameters()}

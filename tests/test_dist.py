@@ -24,6 +24,30 @@ def _values(results):
     return [r.value for r in results]
 
 
+@pytest.mark.parametrize("dp,pp,schedule", [(1, 2, "1f1b"), (2, 1, "1f1b")])
+def test_bf16_mixed_step_matches_single_process_under_autocast(dp, pp, schedule):
+    """``precision="bf16-mixed"``: fp32 weights and gradients, the forward under bf16 autocast, activations
+    crossing pipeline stages in bf16; loss and gradients equal one process running the same autocast forward
+    (bf16 rounding of the same ops in the same order, so far inside bf16's own resolution)."""
+    values = _values(spawn_local(rank_forward_backward, dp * pp, args=(dp, pp, schedule, "flat", "bf16-mixed"),
+                                 deadline_s=120, start_method="fork"))
+    import torch
+
+    ref_loss, ref_grads = single_process_reference(dp_size=dp, num_microbatches=4, autocast=torch.bfloat16)
+    _, fp32_grads = single_process_reference(dp_size=dp, num_microbatches=4)
+    loss = sum(v["loss_part"] for v in values)
+    assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
+
+    def rel(a, b):
+        return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
+
+    assert max(rel(fp32_grads[n], ref_grads[n]) for n in ref_grads) > 1e-3  # autocast really ran in bf16
+    for v in values:
+        for name, grad in v["grads"].items():
+            assert grad.dtype == np.float32, name  # fp32 weights and gradients
+            assert rel(grad, ref_grads[name]) <= 1e-4, (v["rank"], name, rel(grad, ref_grads[name]))
+
+
 @pytest.mark.parametrize("dp,pp,schedule,dp_sync", [(1, 2, "gpipe", "flat"), (2, 1, "1f1b", "flat"),
                                                     (2, 2, "1f1b", "flat"), (2, 1, "1f1b", "ddp"),
                                                     (2, 2, "1f1b", "ddp")])

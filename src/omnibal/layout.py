@@ -100,6 +100,14 @@ class Device(StrEnum):
     CUDA = "cuda"
 
 
+class Precision(StrEnum):
+    """How the reference trainer computes (``omnibal.train.config``)."""
+
+    FP32 = "fp32"
+    BF16_MIXED = "bf16-mixed"
+    """fp32 weights, gradients and optimizer state; forward (and so backward) under ``torch.autocast`` in bf16."""
+
+
 class Dtype(StrEnum):
     BF16 = "bf16"
     FP16 = "fp16"

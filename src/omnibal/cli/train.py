@@ -13,7 +13,7 @@ import sys
 
 from omnibal.cli.options import ScheduleOrFile, add_layout_options, add_option, check_layout_args
 from omnibal.errors import InputError
-from omnibal.layout import DpSync, TrainMode
+from omnibal.layout import DpSync, Precision, TrainMode
 
 HELP = "run the reference DP x PP trainer (baseline or omnibal mode) on a plan"
 DESCRIPTION = (HELP + ". Examples: `omnibal train --stats stats.json --dp 2 --mode omnibal --steps 20`; "
@@ -57,6 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     w.add_argument("--timeout", dest="timeout_s", type=float, default=60.0,
                    help="seconds a collective may block before the rank fails (dead or stuck peer)")
     add_option(w, "threads", default=1, help="torch threads per rank")
+    w.add_argument("--precision", choices=[p.value for p in Precision], default="fp32",
+                   help="fp32, or bf16-mixed: fp32 weights and optimizer, forward under torch.autocast in bf16")
     p = parser.add_argument_group("pipeline and data")
     add_option(p, "num_microbatches", default=4, help="micro-batches per rank per step")
     add_option(p, "schedule", default="1f1b", action=ScheduleOrFile, choices=None, metavar="{1f1b,gpipe}",
@@ -108,7 +110,7 @@ def config_from_args(args: argparse.Namespace):
         annotations_path=args.annotations_path, image_root=args.image_root, tokenizer_path=args.tokenizer,
         hf_model=args.hf_model, save_dir=args.save_dir, max_tiles=args.max_tiles, on_error=args.on_error,
         baseline_batch_size=args.batch_size, num_steps=args.num_steps, lr=args.lr, seed=args.seed,
-        device=args.device, timeout_s=args.timeout_s, torch_threads=args.threads,
+        device=args.device, precision=args.precision, timeout_s=args.timeout_s, torch_threads=args.threads,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, resume=args.resume,
         reshard=args.reshard, log_path=args.log_path, summary_path=args.summary_path, ledger_path=args.ledger_path,
         quiet=args.quiet, sp_degree=args.sp_degree, level_curriculum=args.level_curriculum)

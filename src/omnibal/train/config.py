@@ -16,6 +16,7 @@ from omnibal.layout import (
     DpSync,
     Layout,
     OnError,
+    Precision,
     TrainMode,
     check_choice,
     default_layout,
@@ -105,6 +106,9 @@ class TrainConfig:
     """Seed of the model initialisation and of the baseline's random micro-batches."""
     device: Literal["cpu", "cuda"] = "cpu"
     """Device type; the backend follows from it (gloo on cpu, nccl on cuda)."""
+    precision: Literal["fp32", "bf16-mixed"] = "fp32"
+    """``fp32``, or ``bf16-mixed``: fp32 weights and AdamW state, matrix products and attention in bf16 under
+    ``torch.autocast`` (what a GPU run uses; on a CPU it works too, slowly)."""
     timeout_s: float = 60.0
     """Seconds any collective or p2p operation may block before the rank fails with a clear error
     (a dead or stuck peer); also bounds the rendezvous."""
@@ -138,6 +142,7 @@ class TrainConfig:
                              f"and zero_stage 0, got {self.layout.tp_size} and {self.layout.zero_stage}",
                              source=src, field="layout")
         check_choice(self.device, Device, source=src, field="device")
+        check_choice(self.precision, Precision, source=src, field="precision")
         if not is_int(self.num_steps) or self.num_steps < 0:
             raise InputError(f"must be an integer >= 0 (0: the whole epoch), got {self.num_steps!r}", source=src,
                              field="num_steps")

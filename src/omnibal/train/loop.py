@@ -67,7 +67,8 @@ class Trainer(CheckpointResume):
                  weight_decay: float = 0.0, buffer: Buffer | None = None, log_path: str | None = None,
                  quiet: bool = True, checkpoint_dir: str | None = None, checkpoint_every: int = 0,
                  run_info: dict | None = None, dp_sync: str = "flat", ledger_path: str | None = None,
-                 notify: Callable[[str], None] | None = None, sp_degree: int = 1, level_curriculum: int = 0):
+                 notify: Callable[[str], None] | None = None, sp_degree: int = 1, level_curriculum: int = 0,
+                 precision: str = "fp32"):
         self.world = world
         self.spec = model.spec
         self.layout = layout
@@ -101,6 +102,8 @@ class Trainer(CheckpointResume):
         self._check_schedule(schedule)
         self.schedule_id = schedule_fingerprint(schedule)
 
+        self.autocast = {"fp32": None, "bf16-mixed": torch.bfloat16}[precision]
+        """Forward dtype under ``torch.autocast`` (``precision`` bf16-mixed), None for plain fp32."""
         self._build_stage_runner(model, buffer, pipeline_schedule=pipeline_schedule, dp_sync=dp_sync, lr=lr,
                                  weight_decay=weight_decay)
         image_id = getattr(dataset, "image_token_id", None)  # real data: the tokenizer's image token
@@ -152,14 +155,16 @@ class Trainer(CheckpointResume):
         self.buffer = buffer
         example_in = example_out = None
         if world.pp_size > 1:
-            kw = dict(num_tiles=buffer.tiles, num_tokens=buffer.tokens, device=world.device)
+            kw = dict(num_tiles=buffer.tiles, num_tokens=buffer.tokens, device=world.device,
+                      dtype=self.autocast or torch.float32)  # activations cross stages in the forward dtype
             example_in = example_carry(model, start, **kw)
             example_out = example_carry(model, end, **kw)
         self.runner = StageRunner(self.stage_module, stage_index=world.pp_rank, num_stages=world.pp_size,
                                   device=world.device, num_microbatches=num_microbatches,
                                   schedule=pipeline_schedule, pp_group=world.pp_group,
                                   example_inputs=example_in, example_outputs=example_out,
-                                  dp_group=world.dp_group, dp_size=world.dp_size, dp_sync=dp_sync)
+                                  dp_group=world.dp_group, dp_size=world.dp_size, dp_sync=dp_sync,
+                                  autocast=self.autocast)
         params = [p for p in self.stage_module.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay) if params else None
         # with DDP the runner's wrapped module reduces the gradients inside the backward

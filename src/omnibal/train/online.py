@@ -177,9 +177,10 @@ def _online_step(trainer):
     comm_s = time.perf_counter() - t_comm
 
     t_compute = time.perf_counter()
-    feats = _vision_phase(trainer, d, pix_flat)
-    img = _features_to_llm_owners(trainer, d, feats, group)
-    loss_sum, global_targets = _llm_phase(trainer, d, img, tok_flat)
+    with trainer.runner.precision():
+        feats = _vision_phase(trainer, d, pix_flat)
+        img = _features_to_llm_owners(trainer, d, feats, group)
+        loss_sum, global_targets = _llm_phase(trainer, d, img, tok_flat)
     loss = loss_sum / max(global_targets, 1.0)
     loss.backward()
     compute_s = time.perf_counter() - t_compute

@@ -250,7 +250,7 @@ class StageRunner:
                  num_microbatches: int, schedule: str = "1f1b", pp_group=None,
                  example_inputs: Sequence[torch.Tensor] | None = None,
                  example_outputs: Sequence[torch.Tensor] | None = None,
-                 dp_group=None, dp_size: int = 1, dp_sync: str = "flat"):
+                 dp_group=None, dp_size: int = 1, dp_sync: str = "flat", autocast: torch.dtype | None = None):
         if dp_sync not in DP_SYNCS:
             raise InputError(f"dp_sync must be one of {', '.join(DP_SYNCS)}, got {dp_sync!r}", source="dp_sync",
                              field="dp_sync")
@@ -259,6 +259,8 @@ class StageRunner:
         self.ddp = dp_sync == "ddp" and dp_size > 1
         self._grad_multiplier = float(dp_size) if self.ddp else 1.0
         self.module = stage_module
+        self.autocast = autocast
+        """Forward dtype under ``torch.autocast`` (None: the module's own dtype)."""
         self.stage_index = stage_index
         self.num_stages = num_stages
         self.device = device
@@ -346,13 +348,20 @@ class StageRunner:
             args = tuple(torch.cat([mb[j] for mb in microbatches], dim=0).to(self.device)
                          for j in range(len(microbatches[0])))
         losses: list[torch.Tensor] = []
-        if self.stage_index == self.num_stages - 1:
-            dummy_target = torch.zeros(count, device=self.device)
-            schedule.step(*args, target=dummy_target, losses=losses, return_outputs=False)
-        else:
-            schedule.step(*args, return_outputs=False)
+        with self.precision():
+            if self.stage_index == self.num_stages - 1:
+                dummy_target = torch.zeros(count, device=self.device)
+                schedule.step(*args, target=dummy_target, losses=losses, return_outputs=False)
+            else:
+                schedule.step(*args, return_outputs=False)
         loss_sum = float(sum(loss.detach().float().item() for loss in losses)) if losses else 0.0
         return StepResult(loss_sum=loss_sum / self._grad_multiplier, compute_s=stage.compute_s)
+
+    def precision(self):
+        """The context every forward of this stage runs in: ``torch.autocast`` to :attr:`autocast`, or none."""
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast)
 
     def _accumulate(self, microbatches, module: nn.Module, count: int) -> StepResult:
         assert microbatches is not None
@@ -364,7 +373,7 @@ class StageRunner:
             t0 = time.perf_counter()
             # DDP reduces gradients in the last micro-batch's backward only (gradient accumulation)
             quiet = module.no_sync() if self.ddp and k < len(microbatches) - 1 else contextlib.nullcontext()
-            with quiet:
+            with quiet, self.precision():
                 out = module(*[t.to(self.device) for t in mb])
                 loss = out[0] * self._scale
                 loss.backward()

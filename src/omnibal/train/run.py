@@ -139,7 +139,8 @@ def build_trainer(cfg: TrainConfig, world: World, notify=None):
                       lr=cfg.lr, dp_sync=cfg.dp_sync, weight_decay=cfg.weight_decay, buffer=buffer,
                       log_path=cfg.log_path, quiet=cfg.quiet, checkpoint_dir=cfg.checkpoint_dir,
                       checkpoint_every=cfg.checkpoint_every, run_info=info, ledger_path=cfg.ledger_path,
-                      notify=notify, sp_degree=cfg.sp_degree, level_curriculum=cfg.level_curriculum)
+                      notify=notify, sp_degree=cfg.sp_degree, level_curriculum=cfg.level_curriculum,
+                      precision=cfg.precision)
     if cfg.save_dir is not None:
         def save(step: int | None) -> None:
             out = Path(cfg.save_dir) if step is None else Path(cfg.save_dir) / f"checkpoint-{step}"
