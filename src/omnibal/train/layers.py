@@ -12,6 +12,7 @@ the whole buffer instead (a fixed-length trainer's cost).
 from __future__ import annotations
 
 import hashlib
+import inspect
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +34,14 @@ try:  # optional: varlen attention kernel on CUDA
     from flash_attn import flash_attn_varlen_func  # type: ignore
 except Exception:  # pragma: no cover - not installed on CPU machines
     flash_attn_varlen_func = None
+try:  # torch's own flash-attention varlen kernel (CUDA; torch >= 2.10)
+    from torch.nn.attention.varlen import varlen_attn as torch_varlen_attn
+except Exception:  # pragma: no cover - older torch
+    torch_varlen_attn = None
+
+
+LAYER_SCALE_INIT = 0.1
+"""Initial value of InternViT's per-channel layer scales (``ls1``, ``ls2``)."""
 
 
 class Options:
@@ -82,7 +91,11 @@ class VisionEmbed(nn.Module):
 
 
 class VisionBlock(nn.Module):
-    """Pre-norm ViT block (attention within each tile, GELU MLP). Carry [1, Q_v, T_v, Dv] -> same."""
+    """Pre-norm ViT block (attention within each tile, GELU MLP). Carry [1, Q_v, T_v, Dv] -> same.
+
+    With ``spec.vision.qk_norm`` q and k pass an RMSNorm over the full width before attention, and with
+    ``layer_scale`` each branch output is scaled per channel before its residual add (``ls1``, ``ls2``,
+    initialised to 0.1), as in InternViT-6B."""
 
     def __init__(self, spec: ModelSpec, opts: Options) -> None:
         super().__init__()
@@ -91,17 +104,25 @@ class VisionBlock(nn.Module):
         self.num_heads = v.num_heads
         self.norm1 = nn.LayerNorm(v.hidden)
         self.qkv = nn.Linear(v.hidden, 3 * v.hidden)
+        self.q_norm = nn.RMSNorm(v.hidden, eps=1e-6) if v.qk_norm else None
+        self.k_norm = nn.RMSNorm(v.hidden, eps=1e-6) if v.qk_norm else None
         self.proj = nn.Linear(v.hidden, v.hidden)
         self.norm2 = nn.LayerNorm(v.hidden)
         self.fc1 = nn.Linear(v.hidden, v.mlp_hidden)
         self.fc2 = nn.Linear(v.mlp_hidden, v.hidden)
+        self.ls1 = nn.Parameter(torch.full((v.hidden,), LAYER_SCALE_INIT)) if v.layer_scale else None
+        self.ls2 = nn.Parameter(torch.full((v.hidden,), LAYER_SCALE_INIT)) if v.layer_scale else None
 
     def _block(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.num_heads, d // self.num_heads).permute(2, 0, 3, 1, 4)
-        a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, d)
-        x = x + self.proj(a)
-        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+        q, k, v = self.qkv(self.norm1(x)).split(d, dim=-1)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (y.view(b, t, self.num_heads, d // self.num_heads).transpose(1, 2) for y in (q, k, v))
+        a = self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, d))
+        x = x + (a * self.ls1 if self.ls1 is not None else a)
+        m = self.fc2(F.gelu(self.fc1(self.norm2(x))))
+        return x + (m * self.ls2 if self.ls2 is not None else m)
 
     def forward(self, x, token_meta, sizes):
         n = active_count(sizes, SIZE_TILES, x.shape[1], self.opts)
@@ -183,24 +204,48 @@ def segment_lengths(segment_ids: torch.Tensor) -> list[int]:
     return torch.unique_consecutive(segment_ids, return_counts=True)[1].tolist()
 
 
+def flash_varlen_available(device: torch.device) -> bool:
+    """Whether a flash-attention varlen kernel runs on ``device``: the flash-attn package or torch's own."""
+    return device.type == "cuda" and (flash_attn_varlen_func is not None or torch_varlen_attn is not None)
+
+
+def flash_varlen_kernel() -> str:
+    """Which varlen kernel ``attn_impl="flash"`` calls: ``flash_attn`` (the package, preferred), ``torch``
+    (``torch.nn.attention.varlen``) or ``none``."""
+    return "flash_attn" if flash_attn_varlen_func is not None else "torch" if torch_varlen_attn is not None else "none"
+
+
+def _flash_varlen(q, k, v, segment_ids: torch.Tensor) -> torch.Tensor:
+    """Causal varlen attention of [n, H, hd] q and [n, Hkv, hd] k/v by a flash kernel (see
+    :func:`flash_varlen_kernel`); grouped-query heads are expanded for a kernel that cannot share them."""
+    lengths = torch.unique_consecutive(segment_ids, return_counts=True)[1]
+    cu = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+    max_len = int(lengths.max())
+    if flash_attn_varlen_func is not None:
+        return flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len, causal=True)
+    if torch_varlen_attn is None:
+        raise RuntimeError("attn_impl='flash' needs a CUDA device and the flash-attn package or torch >= 2.10")
+    params = inspect.signature(torch_varlen_attn).parameters
+    if k.shape[1] != q.shape[1] and "enable_gqa" not in params:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    kw = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
+    kw.update({"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True})
+    return torch_varlen_attn(q, k, v, cu, cu, max_len, max_len, **kw)
+
+
 def packed_causal_attention(q, k, v, segment_ids: torch.Tensor, impl: str) -> torch.Tensor:
     """Causal attention that stays inside each segment. q [H, n, hd], k/v [Hkv, n, hd] -> [H, n, hd].
 
     ``varlen``: one SDPA call per segment (cost sum len^2, like flash-attn varlen); ``mask``: one SDPA call
-    with a block-diagonal causal mask (cost n^2); ``flash``: flash_attn_varlen_func (CUDA, if installed).
+    with a block-diagonal causal mask (cost n^2); ``flash``: one flash-attention varlen kernel call (CUDA:
+    the flash-attn package, else torch's own). ``auto``: ``flash`` where it runs, else ``varlen``.
     """
     h, n, hd = q.shape
     if impl == "auto":
-        impl = "flash" if (flash_attn_varlen_func is not None and q.is_cuda) else "varlen"
+        impl = "flash" if flash_varlen_available(q.device) else "varlen"
     if impl == "flash":
-        if flash_attn_varlen_func is None:
-            raise RuntimeError("attn_impl='flash' needs the flash-attn package and a CUDA device")
-        lengths = torch.unique_consecutive(segment_ids, return_counts=True)[1]
-        cu = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
-        max_len = int(lengths.max())
-        out = flash_attn_varlen_func(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), cu, cu,
-                                     max_len, max_len, causal=True)
-        return out.transpose(0, 1)
+        return _flash_varlen(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), segment_ids).transpose(0, 1)
     if k.shape[0] != h:
         k = k.repeat_interleave(h // k.shape[0], dim=0)
         v = v.repeat_interleave(h // v.shape[0], dim=0)
@@ -289,6 +334,8 @@ def init_parameters(module: nn.Module, seed: int) -> None:
                 name = f"{mod_name}.{leaf}" if mod_name else leaf
                 if isinstance(mod, (nn.LayerNorm, nn.RMSNorm)) and leaf == "weight":
                     p.fill_(1.0)
+                elif leaf in ("ls1", "ls2"):
+                    p.fill_(LAYER_SCALE_INIT)
                 elif leaf == "bias":
                     p.zero_()
                 else:
