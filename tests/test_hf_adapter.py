@@ -115,3 +115,35 @@ def test_tied_internvl_splits_only_with_embedding_and_head_together():
     assert build_stage(chain, 5, 10).is_last
     with pytest.raises(InputError, match="no adapter"):
         from_hf(torch.nn.Linear(2, 2))
+
+
+def test_text_blocks_attend_varlen_unless_the_model_needs_its_own_attention():
+    """SDPA / eager decoders switch to omnibal's packed (varlen) attention; one with attention dropout keeps
+    the block-diagonal mask; the HF model's own forward keeps working after the switch (it is exercised by
+    the split-chain test above, which compares with it)."""
+    chain = from_hf(_internvl(seed=1))
+    blocks = [m for layer, m in chain.chain() if layer.kind == "llm_block"]
+    assert blocks and all(b.packed for b in blocks)
+    dropout = _internvl(seed=1)
+    dropout.config.text_config.attention_dropout = 0.1
+    assert not any(m.packed for layer, m in from_hf(dropout).chain() if layer.kind == "llm_block")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["llava", "internvl"])
+def test_chain_on_cuda_in_bf16_matches_cpu(kind):
+    """The wrapped HF model on CUDA under bf16 autocast (the GPU trainer's path: flash varlen attention for
+    the language model) gives the CPU fp32 loss within bf16 rounding."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    model = _llava(seed=2) if kind == "llava" else _internvl(seed=2)
+    chain = from_hf(model)
+    samples = _samples(chain, tiles=[1, 0, 2], tokens=[24, 7, 40])
+    batch = collate(samples, chain.collate_config(num_tiles=4, num_tokens=80))
+    cpu_loss, _ = chain(*batch.carry())
+    chain.to("cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        gpu_loss, count = chain(*[t.cuda() for t in batch.carry()])
+    gpu_loss.backward()
+    assert int(count) == batch.num_targets
+    assert rel_err(gpu_loss.detach().cpu(), cpu_loss.detach()) < 3e-2

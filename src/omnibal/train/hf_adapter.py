@@ -18,9 +18,11 @@ llm.head            model.language_model.norm, lm_head (+ summed token loss)
 
 Llava reads the vision features at ``vision_feature_layer`` (default -2, before ``post_layernorm``), so the
 encoder layers after it and ``post_layernorm`` never run: they are left out of the chain (they get no
-gradient in HF either). Each tile slot is one Llava image. Packed samples are kept apart by a
-block-diagonal causal mask given to the HF attention (its cost is quadratic in the active tokens, not
-varlen); positions restart in each sample.
+gradient in HF either). Each tile slot is one Llava image. Positions restart in each sample, and packed
+samples are kept apart by the language model's attention: where the model runs plain scaled dot-product
+attention, the chain switches it to :data:`PACKED_ATTENTION` (varlen: a flash kernel on CUDA, one SDPA call
+per sample elsewhere, cost sum len^2); otherwise (flash-attention-2 models, dropout, a custom scale) a
+block-diagonal causal mask goes to the HF attention (cost quadratic in the active tokens).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from omnibal.data.collate import (
     CollateConfig,
 )
 from omnibal.errors import InputError
-from omnibal.train.layers import Options, active_count
+from omnibal.train.layers import Options, active_count, packed_causal_attention
 from omnibal.train.model import carry_activation_shape
 from omnibal.train.stage import attach_module
 
@@ -145,10 +147,52 @@ def packed_causal_mask(segment_ids: torch.Tensor, dtype: torch.dtype) -> torch.T
     return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
 
 
+PACKED_ATTENTION = "omnibal_packed"
+"""The transformers attention interface the chain registers for its language model: causal attention inside
+each packed sample (:func:`omnibal.train.layers.packed_causal_attention`: a flash-attention varlen kernel on
+CUDA, one SDPA call per sample elsewhere), with the samples' segment ids passed by the chain."""
+
+
+def _packed_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """``transformers.AttentionInterface`` function of :data:`PACKED_ATTENTION`: query [1, H, n, hd], key and
+    value [1, Hkv, n, hd] -> ([1, n, H, hd], None) when the chain passes ``segment_ids`` [n]; any other call
+    (the HF model's own forward, generation) is transformers' SDPA attention, as before the switch."""
+    segment_ids = kwargs.pop("segment_ids", None)
+    if segment_ids is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    if attention_mask is not None or query.shape[0] != 1:
+        raise RuntimeError(f"{PACKED_ATTENTION} attention with segment_ids takes one packed sequence, no mask")
+    out = packed_causal_attention(query[0], key[0], value[0], segment_ids, "auto")
+    return out.transpose(0, 1).unsqueeze(0).contiguous(), None
+
+
+def use_packed_attention(text_model: nn.Module) -> bool:
+    """Switch a transformers decoder to :data:`PACKED_ATTENTION` (registered once) when its attention is
+    plain scaled dot-product attention (``eager`` or ``sdpa``, no dropout, the default 1/sqrt(head_dim)
+    scale); returns whether it did. The setting lives on the config object only: ``save_pretrained`` does not
+    write it, so a saved checkpoint loads as before."""
+    from transformers import AttentionInterface  # the hf extra: only HF models reach this
+
+    config = text_model.config
+    if config._attn_implementation not in ("eager", "sdpa", PACKED_ATTENTION):
+        return False
+    attn = text_model.layers[0].self_attn
+    head_dim = getattr(attn, "head_dim", None)
+    if getattr(config, "attention_dropout", 0.0) or head_dim is None or \
+            abs(float(getattr(attn, "scaling", head_dim**-0.5)) - head_dim**-0.5) > 1e-12:
+        return False
+    AttentionInterface.register(PACKED_ATTENTION, _packed_attention)
+    config._attn_implementation = PACKED_ATTENTION
+    return True
+
+
 class _TextBlock(nn.Module):
-    def __init__(self, layer: nn.Module, rotary: nn.Module, opts: Options) -> None:
+    def __init__(self, layer: nn.Module, rotary: nn.Module, opts: Options, *, packed: bool = False) -> None:
         super().__init__()
-        self.layer, self.opts = layer, opts
+        self.layer, self.opts, self.packed = layer, opts, packed
         self._rotary = [rotary]  # shared, parameter-free: kept out of the module tree (no duplicate buffers)
 
     def forward(self, x, token_meta, sizes):
@@ -159,8 +203,13 @@ class _TextBlock(nn.Module):
         if rotary.inv_freq.device != h.device:
             rotary.to(h.device)
         cos_sin = rotary(h, position_ids)
-        mask = packed_causal_mask(token_meta[0, META_SEGMENT_IDS, :n], h.dtype)
-        y = self.layer(h, attention_mask=mask, position_ids=position_ids, position_embeddings=cos_sin)
+        segments = token_meta[0, META_SEGMENT_IDS, :n]
+        if self.packed:
+            y = self.layer(h, attention_mask=None, position_ids=position_ids, position_embeddings=cos_sin,
+                           segment_ids=segments)
+        else:
+            y = self.layer(h, attention_mask=packed_causal_mask(segments, h.dtype), position_ids=position_ids,
+                           position_embeddings=cos_sin)
         y = y[0] if isinstance(y, tuple) else y
         return torch.cat([y, x[:, n:]], dim=1), token_meta, sizes
 
@@ -264,8 +313,9 @@ def _add_text_links(links, names, model, text, num_layers: int, opts: Options) -
     text_name = "model.language_model"
     links.append(("llm.embed", _TextEmbed(text.embed_tokens, opts)))
     names["llm.embed"] = (f"{text_name}.embed_tokens",)
+    packed = use_packed_attention(text)
     for i in range(num_layers):
-        links.append((f"llm.blocks.{i}", _TextBlock(text.layers[i], text.rotary_emb, opts)))
+        links.append((f"llm.blocks.{i}", _TextBlock(text.layers[i], text.rotary_emb, opts, packed=packed)))
         names[f"llm.blocks.{i}"] = (f"{text_name}.layers.{i}",)
     links.append(("llm.head", _Head(text.norm, model.lm_head, opts)))
     names["llm.head"] = (f"{text_name}.norm", "lm_head")
