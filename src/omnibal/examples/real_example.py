@@ -65,9 +65,17 @@ class TinyVLM:
     vision_layers: int = 2
     """Vision encoder layers (all of them are read: ``vision_feature_layer=-1``)."""
     text_hidden: int = 128
-    """Language model width (4 attention heads, 2 key/value heads)."""
+    """Language model width."""
     text_layers: int = 2
     """Language model layers."""
+    vision_heads: int = 4
+    """Vision attention heads."""
+    text_heads: int = 4
+    """Language model attention heads."""
+    text_kv_heads: int = 2
+    """Language model key/value heads."""
+    mlp_ratio: int = 2
+    """MLP width over model width, in both towers."""
 
     @property
     def tokens_per_tile(self) -> int:  # one per patch; a quarter of that after InternVL's pixel shuffle
@@ -200,12 +208,13 @@ def build_model(spec: TinyVLM, vocab_size: int, token_ids: dict):
     # optional dependency (the hf extra), imported where it is used
     import transformers as tf
 
-    text = dict(hidden_size=spec.text_hidden, intermediate_size=2 * spec.text_hidden, num_attention_heads=4,
-                num_hidden_layers=spec.text_layers, num_key_value_heads=2, vocab_size=vocab_size,
+    text = dict(hidden_size=spec.text_hidden, intermediate_size=spec.mlp_ratio * spec.text_hidden,
+                num_attention_heads=spec.text_heads, num_hidden_layers=spec.text_layers,
+                num_key_value_heads=spec.text_kv_heads, vocab_size=vocab_size,
                 max_position_embeddings=4096, pad_token_id=token_ids["<pad>"], bos_token_id=token_ids["<s>"],
                 eos_token_id=token_ids["</s>"], tie_word_embeddings=False)
-    vision = dict(hidden_size=spec.vision_hidden, intermediate_size=2 * spec.vision_hidden, num_attention_heads=4,
-                  num_hidden_layers=spec.vision_layers)
+    vision = dict(hidden_size=spec.vision_hidden, intermediate_size=spec.mlp_ratio * spec.vision_hidden,
+                  num_attention_heads=spec.vision_heads, num_hidden_layers=spec.vision_layers)
     common = dict(image_token_id=token_ids[spec.image_token], image_seq_length=spec.tokens_per_tile,
                   vision_feature_layer=-1, vision_feature_select_strategy="default", tie_word_embeddings=False)
     if spec.kind == "llava":

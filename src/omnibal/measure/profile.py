@@ -57,15 +57,17 @@ def _check_measure_args(device: str, dtype: str | None, kinds, repeats: int, thr
 
 def measure_points(spec: ModelSpec, points: list[Point], *, device: str = "cpu", dtype: str | None = None,
                    threads: int = 1, warmup: int = 2, repeats: int = 5, progress: bool = False,
-                   seed: int = 0, statistic: str = "median") -> list[dict[str, Any]]:
-    """Measure each point on the real layer modules; one row per point (seconds, saved bytes)."""
+                   seed: int = 0, statistic: str = "median", runner: LayerRunner | None = None) -> list[dict[str, Any]]:
+    """Measure each point on the real layer modules; one row per point (seconds, saved bytes). ``runner``:
+    the :class:`LayerRunner` to measure with (e.g. over a Hugging Face chain, or under autocast); default:
+    the reference model's layers of ``spec`` in ``dtype``."""
     if statistic not in STATISTICS:
         raise InputError(f"must be one of {', '.join(STATISTICS)}, got {statistic!r}", source="statistic",
                          field="statistic")
     dtype = _check_measure_args(device, dtype, {p.kind for p in points}, repeats, threads)
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
-    runner = LayerRunner(spec, device=device, dtype=dtype, seed=seed)
+    runner = runner or LayerRunner(spec, device=device, dtype=dtype, seed=seed)
     rows = []
     try:
         bar = tqdm(points, desc="profile", unit="shape", disable=not progress, file=sys.stderr)

@@ -10,6 +10,7 @@ import time as _time
 from typing import Any, Callable
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from omnibal.cost.spec import ModelSpec
 from omnibal.data import collate as C
@@ -17,20 +18,39 @@ from omnibal.train import layers as L
 
 
 class LayerRunner:
-    """Builds one real layer of a kind and the carry for a shape; times forward/backward."""
+    """Builds one real layer of a kind and the carry for a shape; times forward/backward.
 
-    def __init__(self, spec: ModelSpec, *, device: str, dtype: str, seed: int = 0) -> None:
+    The layer is the reference model's (:mod:`omnibal.train.layers`, built from ``spec``), or with ``chain``
+    (``model.chain()`` of any omnibal chain, e.g. a Hugging Face model wrapped by
+    :mod:`omnibal.train.hf_adapter`) the chain's first layer of that kind, moved to the device and dtype.
+    ``checkpointed``: every forward runs under non-reentrant ``torch.utils.checkpoint`` (full recompute), as
+    the trainer runs a recomputed layer. ``autocast``: the layer keeps fp32 weights and fp32 inputs and its
+    forward runs under ``torch.autocast`` to ``dtype`` (the trainer's ``--precision bf16-mixed``); otherwise
+    weights and inputs are in ``dtype``."""
+
+    def __init__(self, spec: ModelSpec, *, device: str, dtype: str, seed: int = 0, chain=None,
+                 checkpointed: bool = False, autocast: bool = False) -> None:
         self.torch = torch
         self.L = L
         self.spec = spec
         self.device = torch.device(device)
-        self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+        self.compute_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+        self.autocast = autocast and self.compute_dtype != torch.float32
+        self.dtype = torch.float32 if self.autocast else self.compute_dtype
+        """Dtype of the weights and of the input carry."""
         self.opts = L.Options(attn_impl="auto", compute_tail=False)
         self.seed = seed
         self.is_cuda = self.device.type == "cuda"
+        self.chain = chain
+        self.checkpointed = checkpointed
         self._modules: dict[str, Any] = {}
 
     def module(self, kind: str):
+        if kind not in self._modules and self.chain is not None:
+            mod = next((m for layer, m in self.chain if layer.kind == kind), None)
+            if mod is None:
+                raise ValueError(f"the chain has no layer of kind {kind!r}")
+            self._modules[kind] = mod.to(device=self.device, dtype=self.dtype)
         if kind not in self._modules:
             cls = {"vision_embed": self.L.VisionEmbed, "vision_block": self.L.VisionBlock,
                    "projector": self.L.Projector, "llm_embed": self.L.LLMEmbed, "llm_block": self.L.LLMBlock,
@@ -82,9 +102,8 @@ class LayerRunner:
     def _forward_backward(self, kind: str, carry, clock: Callable[[], Any] | None):
         """Forward then backward; returns (t0, t1, t2) marks of ``clock`` (None: untimed)."""
         torch = self.torch
-        mod = self.module(kind)
         t0 = clock() if clock else None
-        out = mod(*carry)
+        out = self.forward(kind, carry)
         t1 = clock() if clock else None
         if kind == "lm_head":
             target, grad = out[0], None
@@ -95,6 +114,14 @@ class LayerRunner:
             torch.autograd.backward(target, grad)
         t2 = clock() if clock else None
         return t0, t1, t2
+
+    def forward(self, kind: str, carry):
+        """The layer's forward on ``carry`` (checkpointed when the runner is)."""
+        mod = self.module(kind)
+        with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=self.autocast):
+            if self.checkpointed:
+                return checkpoint(mod, *carry, use_reentrant=False)
+            return mod(*carry)
 
     def time(self, kind: str, carry, *, warmup: int, repeats: int) -> dict[str, float]:
         """Forward and backward seconds: median and minimum of the wall clock (CUDA events on a GPU), and on a
@@ -151,7 +178,7 @@ class LayerRunner:
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = mod(*carry)
+            out = self.forward(kind, carry)
         del out
         return int(sum(seen.values()))
 
@@ -166,3 +193,21 @@ class LayerRunner:
         self._forward_backward(kind, carry, None)
         self._sync()
         return int(torch.cuda.max_memory_allocated(self.device) - base)
+
+    def retained_bytes(self, kind: str, carry) -> int | None:
+        """GPU only: bytes the forward leaves allocated until the backward, its output excluded (what a
+        pipeline stage holds per micro-batch in flight for this layer; the layer's input, which the caller
+        owns, is not counted here even when it is saved)."""
+        if not self.is_cuda:
+            return None
+        torch = self.torch
+        self._sync()
+        base = torch.cuda.memory_allocated(self.device)
+        out = self.forward(kind, carry)
+        self._sync()
+        held = torch.cuda.memory_allocated(self.device) - base
+        first = out[0]
+        outputs = first.untyped_storage().nbytes() if first.untyped_storage().data_ptr() != \
+            carry[0].untyped_storage().data_ptr() else 0
+        del out, first
+        return int(held - outputs)
