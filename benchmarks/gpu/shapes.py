@@ -125,7 +125,8 @@ FULL = CheckShapes(
     memory=(
         MemoryCase(label="reference InternViT-6B / InternLM2-20B blocks", spec=_INTERNVL_20B,
                    tiles=(1, 4), tokens=(2048, 8192), segment=2048),
-        MemoryCase(label="HF InternVL (transformers) at the end-to-end widths", spec=None, hf=_E2E_MODEL,
+        MemoryCase(label="HF InternVL (transformers) at the end-to-end widths", spec=None,
+                   hf=replace(_E2E_MODEL, vision_layers=1, text_layers=1),
                    tiles=(1, 4), tokens=(2048, 8192), segment=2048),
         MemoryCase(label="HF Llava (transformers), CLIP-L/Vicuna-7B widths", spec=None,
                    hf=TinyVLM(kind="llava", image_size=336, patch_size=14, image_token="<image>", vision_hidden=1024,
