@@ -209,6 +209,16 @@ def flash_varlen_available(device: torch.device) -> bool:
     return device.type == "cuda" and (flash_attn_varlen_func is not None or torch_varlen_attn is not None)
 
 
+def _half_dtype(t: torch.Tensor) -> torch.dtype | None:
+    """The 16-bit dtype a flash kernel runs ``t`` in: its own, or autocast's on its device (elementwise ops
+    such as rotary embeddings leave q and k in fp32 under autocast); None: neither."""
+    if t.dtype in (torch.float16, torch.bfloat16):
+        return t.dtype
+    if torch.is_autocast_enabled(t.device.type):
+        return torch.get_autocast_dtype(t.device.type)
+    return None
+
+
 def flash_varlen_kernel() -> str:
     """Which varlen kernel ``attn_impl="flash"`` calls: ``flash_attn`` (the package, preferred), ``torch``
     (``torch.nn.attention.varlen``) or ``none``."""
@@ -221,6 +231,8 @@ def _flash_varlen(q, k, v, segment_ids: torch.Tensor) -> torch.Tensor:
     lengths = torch.unique_consecutive(segment_ids, return_counts=True)[1]
     cu = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
     max_len = int(lengths.max())
+    half = _half_dtype(q)
+    q, k, v = (t.to(half) for t in (q, k, v))
     if flash_attn_varlen_func is not None:
         return flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len, causal=True)
     if torch_varlen_attn is None:
@@ -243,7 +255,7 @@ def packed_causal_attention(q, k, v, segment_ids: torch.Tensor, impl: str) -> to
     """
     h, n, hd = q.shape
     if impl == "auto":
-        impl = "flash" if flash_varlen_available(q.device) else "varlen"
+        impl = "flash" if flash_varlen_available(q.device) and _half_dtype(q) is not None else "varlen"
     if impl == "flash":
         return _flash_varlen(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), segment_ids).transpose(0, 1)
     if k.shape[0] != h:
