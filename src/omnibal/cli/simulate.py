@@ -9,7 +9,7 @@ from pathlib import Path
 
 from omnibal.cli.options import add_layout_options, add_option
 from omnibal.cost.stack import DEFAULT_STACK
-from omnibal.errors import InputError
+from omnibal.errors import InputError, OmnibalError
 from omnibal.layout import Padding
 
 HELP = "simulate DP x PP training steps of a plan and report time, bubbles and memory"
@@ -17,7 +17,9 @@ DESCRIPTION = (
     "Simulate one epoch of DP x PP (x TP) training: the balancer's micro-batches (or a schedule file), a "
     "pipeline partition and recompute set (even / explicit / from a plan), per-layer costs from the "
     "analytic model. Prints step time, bubble, per-stage busy/idle/memory, OOM and epoch GPU days, and "
-    "writes a report (markdown, JSON, a pipeline timeline PNG and per-rank load histograms)."
+    "writes a report (markdown, JSON, a pipeline timeline PNG and per-rank load histograms). With --plan it "
+    "is the plan's own prediction (its cluster, data, balanced sample, pack and caps; flags given win); "
+    "without one, --model and the cluster say what to simulate. Exit 1 when every step runs out of memory."
 )
 
 PADDINGS = ("auto", *Padding)
@@ -147,7 +149,28 @@ def run(args: argparse.Namespace) -> int:
     if result.files and not args.quiet:
         files = {k: Path(v) for k, v in result.files.items()}
         _say(f"report: {files['markdown']} (+ {files['timeline'].name}, {files['load'].name}, {files['json'].name})")
+    for note in result.notes:  # where this is not the plan's own prediction: said even with --quiet
+        _say(f"omnibal simulate: warning: {note}")
+    _check_memory(result.summary)
     return 0
+
+
+def _check_memory(summary: dict) -> None:
+    """Out-of-memory steps, said loudly: a warning when some steps run out of memory, an error (exit 1, after
+    the tables and the report) when every step does, as such a job cannot run at all."""
+    oom, simulated = summary["oom_steps"], summary["simulated_steps"]
+    if not oom:
+        return
+    budget = summary["config"]["memory_budget_bytes"] / 2**30
+    over = ", ".join(f"stage {s} peak {st['peak_memory_bytes'] / 2**30:.1f} GiB"
+                     for s, st in enumerate(summary["stages"]) if st["oom_steps"])
+    if oom < simulated:
+        _say(f"omnibal simulate: warning: {oom} of {simulated} simulated steps run out of memory ({over}; budget "
+             f"{budget:.1f} GiB per device)")
+        return
+    raise OmnibalError(f"every simulated step runs out of memory ({over}; budget {budget:.1f} GiB per device): "
+                       "this job cannot run; use more pipeline stages (--pp), recompute (--recompute), a higher "
+                       "--zero-stage or a plan from omnibal plan (--plan)")
 
 
 def _say(line: str) -> None:
