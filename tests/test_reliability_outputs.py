@@ -137,7 +137,8 @@ def test_stats_out_with_an_unknown_format_is_refused_up_front(tmp_path, capsys):
 
 def test_simulate_and_report_out_under_a_file_are_named_errors(tmp_path, capsys):
     (tmp_path / "afile").write_text("x")
-    assert main(["simulate", "--samples", "500", "--dp", "2", "--quiet", "--out", str(tmp_path / "afile" / "r")]) == 2
+    assert main(["simulate", "--model", "tiny", "--samples", "500", "--dp", "2", "--quiet", "--out",
+                 str(tmp_path / "afile" / "r")]) == 2
     assert "--out" in capsys.readouterr().err
     from test_fuzz_plan_json import GOOD_TEXT
 

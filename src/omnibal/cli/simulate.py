@@ -9,7 +9,7 @@ from pathlib import Path
 
 from omnibal.cli.options import add_layout_options, add_option
 from omnibal.cost.stack import DEFAULT_STACK
-from omnibal.errors import InputError
+from omnibal.errors import InputError, OmnibalError
 from omnibal.layout import Padding
 
 HELP = "simulate DP x PP training steps of a plan and report time, bubbles and memory"
@@ -17,7 +17,9 @@ DESCRIPTION = (
     "Simulate one epoch of DP x PP (x TP) training: the balancer's micro-batches (or a schedule file), a "
     "pipeline partition and recompute set (even / explicit / from a plan), per-layer costs from the "
     "analytic model. Prints step time, bubble, per-stage busy/idle/memory, OOM and epoch GPU days, and "
-    "writes a report (markdown, JSON, a pipeline timeline PNG and per-rank load histograms)."
+    "writes a report (markdown, JSON, a pipeline timeline PNG and per-rank load histograms). With --plan it "
+    "is the plan's own prediction (its cluster, data, balanced sample, pack and caps; flags given win); "
+    "without one, --model and the cluster say what to simulate. Exit 1 when every step runs out of memory."
 )
 
 PADDINGS = ("auto", *Padding)
@@ -25,20 +27,22 @@ PADDINGS = ("auto", *Padding)
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("model and cluster (default: the plan's when --plan is given)")
-    add_option(g, "model", help="model preset (default internvl-chat-1.5)")
+    add_option(g, "model", help="model preset (needed without --plan)")
     add_option(g, "hardware", help="hardware preset: a100-40g, a100-80g, h100, h200, cpu (default a100-80g)")
     add_layout_options(g, defaults={}, only=("dp_size", "pp_size", "tp_size", "num_microbatches"), helps={
         "dp_size": "data-parallel size (default 1)", "pp_size": "pipeline stages (default 1)",
         "tp_size": "tensor-parallel size (default 1)",
         "num_microbatches": "micro-batches per DP rank per step (default 4)"})
-    add_option(g, "schedule", default="1f1b",
-               help="pipeline schedule (interleaved: Megatron's interleaved 1F1B, with --chunks)")
+    add_option(g, "schedule", default=None,
+               help="pipeline schedule (default: the plan's, else 1f1b; interleaved: Megatron's interleaved 1F1B, "
+                    "with --chunks)")
     g.add_argument("--chunks", type=int, default=None, help="model chunks per pipeline stage for "
                    "--schedule interleaved (default 2); partition and recompute lists then name pp x chunks "
                    "virtual stages")
     add_option(g, "zero_stage", default=None, help="ZeRO stage over DP (default 1: optimizer state sharded)")
-    g.add_argument("--memory-fraction", type=float, default=0.95,
-                   help="share of the device memory a rank may use (OOM flags)")
+    g.add_argument("--memory-fraction", type=float, default=None,
+                   help="share of the device memory a rank may use (OOM flags; default: the plan's budget, else "
+                        "0.95)")
     g.add_argument("--step-overhead", type=float, default=0.0,
                    help="fixed seconds per step outside the pipeline (optimizer, launch)")
     g.add_argument("--jitter", type=float, default=0.0,
@@ -47,19 +51,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_option(g, "dtype", default="bf16")
     add_option(g, "stack", default=None, help="software stack whose weight/gradient/optimizer bytes the memory model "
                f"counts and the gradient all-reduce moves (default: the plan's, else {DEFAULT_STACK}, as omnibal plan)")
-    add_option(g, "profile")
+    add_option(g, "profile", help="measured layer profile JSON (omnibal profile) instead of the analytic cost model "
+               "(default: the plan's)")
 
     g = parser.add_argument_group("data")
-    add_option(g, "stats", help="per-sample stats file (default: the synthetic InternVL-1.2M-like mixture)")
-    add_option(g, "samples", help="synthetic mixture size (default 1,200,000); with --stats: replicate the rows up "
-               "to this many")
+    add_option(g, "stats", help="per-sample stats file (default: the plan's, else the synthetic InternVL-1.2M-like "
+               "mixture)")
+    add_option(g, "samples", help="synthetic mixture size (default: the plan's, else 1,200,000); with --stats: "
+               "replicate the rows up to this many")
     add_option(g, "convert_stats")
     add_option(g, "schedule_file")
-    add_option(g, "balance_method", default="omnibal")
-    add_option(g, "batch_size", default=4)
+    add_option(g, "balance_method", default=None, help="balancer (default: the plan's, with its pack size and caps; "
+               "else omnibal)")
+    add_option(g, "batch_size", default=None, help="samples per micro-batch of the random and length-grouped "
+               "baselines (default: the plan's, else 4)")
     add_option(g, "padding", choices=PADDINGS, default="auto", help="how a micro-batch runs; auto: the "
                "schedule's own for compute, and with pp > 1 the fixed buffer (the caps) for p2p transfers")
-    add_option(g, "seed", default=0, help="seed of the balancer / synthetic data")
+    add_option(g, "seed", default=None, help="seed of the balancer, the balanced sample and the synthetic data "
+               "(default: the plan's, else 0)")
     add_option(g, "epoch", default=0)
 
     g = parser.add_argument_group("plan")
@@ -116,7 +125,7 @@ def job_config(args: argparse.Namespace, plan=None):
 
 
 def run(args: argparse.Namespace) -> int:
-    from omnibal.sim.job import PlannedRun, run_simulate_job
+    from omnibal.sim.job import PlannedRun, resolve_cluster, run_simulate_job
     from omnibal.sim.report import format_text_table
 
     if args.online_vs_offline:
@@ -127,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
 
         plan = PlannedRun.of(Plan.load(args.plan), source=args.plan)
     config = job_config(args, plan)
+    resolve_cluster(config, plan)  # nothing to simulate, or a bad cluster: said before anything else
     if config.out is not None:
         from omnibal.outputs import check_dir
 
@@ -139,7 +149,28 @@ def run(args: argparse.Namespace) -> int:
     if result.files and not args.quiet:
         files = {k: Path(v) for k, v in result.files.items()}
         _say(f"report: {files['markdown']} (+ {files['timeline'].name}, {files['load'].name}, {files['json'].name})")
+    for note in result.notes:  # where this is not the plan's own prediction: said even with --quiet
+        _say(f"omnibal simulate: warning: {note}")
+    _check_memory(result.summary)
     return 0
+
+
+def _check_memory(summary: dict) -> None:
+    """Out-of-memory steps, said loudly: a warning when some steps run out of memory, an error (exit 1, after
+    the tables and the report) when every step does, as such a job cannot run at all."""
+    oom, simulated = summary["oom_steps"], summary["simulated_steps"]
+    if not oom:
+        return
+    budget = summary["config"]["memory_budget_bytes"] / 2**30
+    over = ", ".join(f"stage {s} peak {st['peak_memory_bytes'] / 2**30:.1f} GiB"
+                     for s, st in enumerate(summary["stages"]) if st["oom_steps"])
+    if oom < simulated:
+        _say(f"omnibal simulate: warning: {oom} of {simulated} simulated steps run out of memory ({over}; budget "
+             f"{budget:.1f} GiB per device)")
+        return
+    raise OmnibalError(f"every simulated step runs out of memory ({over}; budget {budget:.1f} GiB per device): "
+                       "this job cannot run; use more pipeline stages (--pp), recompute (--recompute), a higher "
+                       "--zero-stage or a plan from omnibal plan (--plan)")
 
 
 def _say(line: str) -> None:
@@ -156,6 +187,7 @@ def _online_vs_offline(args: argparse.Namespace) -> int:
     print(comparison_markdown(compare_online_offline(
         model=args.model or "internvl-chat-1.5", hardware=resolve_hardware(args.hardware or "a100-80g"),
         dp_size=args.dp_size or 32,
-        pp_size=args.pp_size or 4, num_microbatches=args.num_microbatches or 8, batch_size=args.batch_size,
-        num_samples=samples, seed=args.seed)), end="")
+        pp_size=args.pp_size or 4, num_microbatches=args.num_microbatches or 8,
+        batch_size=4 if args.batch_size is None else args.batch_size, num_samples=samples,
+        seed=0 if args.seed is None else args.seed)), end="")
     return 0

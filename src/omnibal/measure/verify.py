@@ -229,12 +229,11 @@ def _plan_for(result, candidate):
 
     plan = result.plan
     mask = candidate.plan.recompute_mask(result.table.num_layers)
-    res = simulate_epoch(result.table, candidate.plan.parts, mask, result.features["balanced"], result.sim_config)
+    res = simulate_epoch(result.table, candidate.plan.parts, mask, result.plan_features, result.sim_config,
+                         epoch_scale=result.epoch_scale)
     summary = res.summary()
-    epoch = res.total_time * result.epoch_scale
-    prediction = Prediction(step_time_s=summary["step_time_mean_s"], epoch_time_s=epoch,
-                            gpu_days=epoch * res.num_gpus / 86400.0, bubble=summary["bubble_mean"],
-                            num_steps=int(round(len(res.step_time) * result.epoch_scale)),
+    prediction = Prediction(step_time_s=summary["step_time_mean_s"], epoch_time_s=res.total_time,
+                            gpu_days=res.gpu_days, bubble=summary["bubble_mean"], num_steps=summary["num_steps"],
                             oom=bool(summary["oom_steps"]))
     stages = plan_stages(result.table.names, candidate.plan, res.peak_memory.max(axis=(0, 1)))
     return replace(plan, stages=stages, prediction=prediction,

@@ -55,7 +55,7 @@ def plain_candidate(config, ctx: HBPContext, hbp: HBPPlanConfig, stats, balanced
     final = job.ablation[-1]
     parts, mask = job.row_plans[final.name]
     sched = job.balanced_schedule
-    feats = job.features["packed" if "packed" in job.features else "balanced"]
+    feats = job.plan_features
     samples = len(balanced) - len(sched.dropped)
     row = simulate_levels(ctx, hbp, [(1, feats, samples)], [sched.caps.tokens], name=PLAIN, parts=parts,
                           masks=[mask], dropped=len(sched.dropped), origin=PLAIN)

@@ -189,7 +189,9 @@ class PlanJobResult:
     plan: Plan
     ablation: list[AblationRow]
     balance_metrics: dict
-    """``{"baseline": {...}, "balanced": {...}}`` metrics of both schedules."""
+    """``{"baseline": {...}, "balanced": {...}}``: metrics of the baseline's schedule and of the plan's (the
+    pack the plan runs); when the pack-size search chose another pack, ``"balanced before pack search"`` (the
+    job's own micro-batch count, the ``+ data balance`` .. ``+ adaptive recompute`` rows') sits between them."""
     timings: dict
     """Seconds per phase."""
     table: object
@@ -197,7 +199,8 @@ class PlanJobResult:
     sim_config: object
     """The SimConfig used."""
     features: dict
-    """``{"baseline": [S, D, M, 4], "balanced": [S, D, M, 4]}`` micro-batch features."""
+    """``{"baseline": [S, D, M, 4], "balanced": [S, D, M, 4]}`` micro-batch features, and ``"packed"`` when
+    the pack-size search chose another pack (``row_data`` says which a row ran)."""
     row_plans: dict
     """Row name -> (cut points, recompute mask)."""
     scored: list[Candidate]
@@ -210,6 +213,17 @@ class PlanJobResult:
     """The planned job's balanced ``Schedule`` (``omnibal plan --verify`` runs its first steps)."""
     stats: object = None
     """The ``SampleStats`` it balanced, in the model's units (the subset when ``balance_samples`` subsampled)."""
+    row_data: dict = field(default_factory=dict)
+    """Row name -> key of its micro-batch features in ``features``."""
+
+    def row_features(self, name: str):
+        """``[S, D, M, 4]`` micro-batch features ablation row ``name`` ran (its own pack and caps)."""
+        return self.features[self.row_data[name]]
+
+    @property
+    def plan_features(self):
+        """The micro-batch features of the plan's schedule (its last ablation row's)."""
+        return self.row_features(self.ablation[-1].name)
 
 
 class _Phases:
@@ -268,16 +282,23 @@ def run_plan_job(config: PlanJobConfig, *, progress: bool = False, stats=None,
         found = search_phase(config, model, data, found)
         data, found = pack_phase(config, model, data, found, cache)
         phases.start("ablation", "simulating the ablation epochs")
-        rows, row_plans, row_results, found = ablation_phase(config, model, data, found)
+        rows, row_plans, row_results, row_data, found = ablation_phase(config, model, data, found)
     finally:
         phases.close()
     plan = _assemble_plan(config, model, data, found, rows[-1], row_results[rows[-1].name])
-    metrics = {k: v for k, v in data.metrics.items() if k != "packed"}  # the plan's own metrics are in plan.data
-    return PlanJobResult(plan=plan, ablation=rows, balance_metrics=_jsonable(metrics), timings=phases.timings,
-                         table=model.table, sim_config=model.sim_config, features=data.features,
-                         row_plans=row_plans, scored=found.scored, epoch_scale=data.epoch_scale,
-                         row_step_times={k: v.step_time for k, v in row_results.items()},
-                         balanced_schedule=data.bal_sched, stats=data.stats)
+    return PlanJobResult(plan=plan, ablation=rows, balance_metrics=_jsonable(_balance_columns(data.metrics)),
+                         timings=phases.timings, table=model.table, sim_config=model.sim_config,
+                         features=data.features, row_plans=row_plans, scored=found.scored,
+                         epoch_scale=data.epoch_scale, row_step_times={k: v.step_time for k, v in row_results.items()},
+                         balanced_schedule=data.bal_sched, stats=data.stats, row_data=row_data)
+
+
+def _balance_columns(metrics: dict) -> dict:
+    """The Balance table's columns (``PlanJobResult.balance_metrics``): ``balanced`` is the plan's own schedule."""
+    if "packed" not in metrics:
+        return {"baseline": metrics["baseline"], "balanced": metrics["balanced"]}
+    return {"baseline": metrics["baseline"], "balanced before pack search": metrics["balanced"],
+            "balanced": metrics["packed"]}
 
 
 def _assemble_plan(config: PlanJobConfig, model: Model, data: Data, found: Found, final: AblationRow,
@@ -297,7 +318,8 @@ def _assemble_plan(config: PlanJobConfig, model: Model, data: Data, found: Found
         data=DataPlan(method=bal_sched.method, settings={"caps": bal_sched.caps.to_dict(), "padding": data.padding_bal,
                                                          "config": data.bal_config.to_dict(),
                                                          "balanced_samples": len(stats),
-                                                         "pack_search": data.pack_report, "stack": config.stack},
+                                                         "pack_search": data.pack_report, "stack": config.stack,
+                                                         **_data_recipe(config, data)},
                       num_steps=final.num_steps, metrics=_jsonable(data.metrics[data.final_key])),
         stages=plan_stages(table.names, found.best_joint.plan, final_res.peak_memory.max(axis=(0, 1))),
         prediction=Prediction(step_time_s=final.step_time_s, epoch_time_s=final.epoch_time_s,
@@ -314,6 +336,14 @@ def _assemble_plan(config: PlanJobConfig, model: Model, data: Data, found: Found
                 "baseline_sampler": config.baseline_sampler,
                 "baseline_padding": config.baseline_padding,
                 "sim_config": asdict(model.sim_config), **found.engine_info})
+
+
+def _data_recipe(config: PlanJobConfig, data: Data) -> dict:
+    """What else ``omnibal simulate --plan`` needs to draw the plan's data again (``omnibal.sim.planned``):
+    the seed, where the statistics came from and whether they were converted."""
+    return {"seed": config.seed, "synthetic_stats": data.synthetic,
+            "stats_path": None if config.stats_path is None else str(config.stats_path),
+            "convert_stats": bool(config.convert_stats)}
 
 
 def _jsonable(obj):

@@ -19,7 +19,8 @@ from omnibal.plan.partition import check_num_stages, even_partition, min_max_par
 from omnibal.plan.search import Candidate, sample_steps, search
 from omnibal.plan.stages import StageModelConfig, layer_quantities
 from omnibal.sim.epoch import score_plan, simulate_epoch
-from omnibal.sim.predict import balance_cost, convention_label, cost_table, model_stats
+from omnibal.sim.predict import balance_cost, convention_label, cost_table, job_stats, model_stats
+from omnibal.sim.predict import balance_subset as predict_subset
 
 GiB = float(1 << 30)
 
@@ -46,6 +47,8 @@ class Data:
     convention: str
     full_samples: int
     epoch_scale: float
+    synthetic: bool = False
+    """Whether the statistics are the synthetic mixture (drawn again from the plan's seed and size)."""
     cost: object = None
     bal_sched: object = None
     bal_config: object = None
@@ -125,24 +128,18 @@ def model_phase(config) -> Model:
 
 
 def _stats(config, spec):
-    """The statistics in the model's units (``omnibal.sim.predict.model_stats``, as ``omnibal simulate``)."""
-    if config.stats_path is not None:
-        from omnibal.stats.io import load_stats
-
-        raw = load_stats(config.stats_path)
-        stats = model_stats(raw, spec, convert=config.convert_stats)
-        return stats, str(config.stats_path), convention_label(raw, spec)
-    from omnibal.stats.synthetic import synthetic_internvl_mixture
-
-    raw = synthetic_internvl_mixture(config.num_samples, config.seed)
-    stats = model_stats(raw, spec, convert=True)
-    return stats, stats.source, convention_label(raw, spec)
+    """The statistics in the model's units (``omnibal.sim.predict.job_stats``, as ``omnibal simulate``)."""
+    stats, convention = job_stats(spec, stats_path=config.stats_path, seed=config.seed,
+                                  num_samples=None if config.stats_path is not None else config.num_samples,
+                                  convert=config.convert_stats)
+    return stats, str(config.stats_path) if config.stats_path is not None else stats.source, convention
 
 
 def stats_phase(config, model: Model, stats, cache: dict | None) -> Data:
     """The statistics (given, cached, read or synthetic) in the model's units and the uniform subset that
     is balanced."""
     spec = model.spec
+    synthetic = stats is None and config.stats_path is None
     if stats is not None:
         convention = convention_label(stats, spec)
         stats = model_stats(stats, spec, convert=config.convert_stats)
@@ -158,16 +155,14 @@ def stats_phase(config, model: Model, stats, cache: dict | None) -> Data:
     full_samples = len(stats)
     stats = balance_subset(stats, config)
     return Data(stats=stats, stats_source=stats_source, convention=convention, full_samples=full_samples,
-                epoch_scale=full_samples / len(stats), num_microbatches=config.num_microbatches)
+                epoch_scale=full_samples / len(stats), num_microbatches=config.num_microbatches,
+                synthetic=synthetic)
 
 
 def balance_subset(stats, config):
-    """The uniform random ``config.balance_samples`` rows of ``stats`` the job balances (seeded by
-    ``config.seed``; all of them when that is None or not fewer): ``omnibal plan`` and ``--hbp`` use the same."""
-    if config.balance_samples is None or config.balance_samples >= len(stats):
-        return stats
-    return stats.take(np.sort(np.random.default_rng(config.seed).choice(len(stats), config.balance_samples,
-                                                                        replace=False)))
+    """The rows of ``stats`` the job balances (``omnibal.sim.predict.balance_subset`` with the job's
+    ``balance_samples`` and seed): ``omnibal plan``, ``--hbp`` and ``omnibal simulate --plan`` use the same."""
+    return predict_subset(stats, config.balance_samples, config.seed)
 
 
 def _balanced(config, stats, cache: dict | None, bconfig, num_microbatches: int):
@@ -273,8 +268,9 @@ def pack_phase(config, model: Model, data: Data, found: Found, cache: dict | Non
 
 
 def ablation_phase(config, model: Model, data: Data, found: Found):
-    """Every ablation row simulated over its whole epoch: (rows, row plans, row results, found), ``found``
-    replaced by the engine's constrained plan where the engine has constraints."""
+    """Every ablation row simulated over its whole epoch: (rows, row plans, row results, row data keys,
+    found), ``found`` replaced by the engine's constrained plan where the engine has constraints; a row's
+    data key names the micro-batch features (``Data.features``) it ran."""
     table = model.table
     specs, found = _ablation_specs(config, model, data, found)
     base_padding = "padded to the longest" if config.baseline_padding == "pad_to_longest" else "variable length"
@@ -283,23 +279,25 @@ def ablation_phase(config, model: Model, data: Data, found: Found):
                  "balanced": f"{config.balance_method} balanced packs ({data.padding_bal})"}
     if data.pack_desc is not None:
         data_desc["packed"] = data.pack_desc
-    rows, row_plans, row_results = [], {}, {}
+    rows, row_plans, row_results, row_data = [], {}, {}, {}
     for name, data_key, part_desc, rec_desc, sp in specs:
         mask = sp.recompute_mask(table.num_layers)
-        res = simulate_epoch(table, sp.parts, mask, data.features[data_key], model.sim_config)
+        res = simulate_epoch(table, sp.parts, mask, data.features[data_key], model.sim_config,
+                             epoch_scale=data.epoch_scale)
         summary = res.summary()
-        epoch_time = res.total_time * data.epoch_scale
         rows.append(AblationRow(
             name=name, data=data_desc[data_key], partition=part_desc, recompute=rec_desc, parts=sp.parts,
-            num_checkpointed=int(mask.sum()), num_steps=int(round(len(res.step_time) * data.epoch_scale)),
-            step_time_s=summary["step_time_mean_s"], epoch_time_s=epoch_time,
-            gpu_days=epoch_time * res.num_gpus / 86400.0, bubble=summary["bubble_mean"],
+            num_checkpointed=int(mask.sum()), num_steps=summary["num_steps"],
+            step_time_s=summary["step_time_mean_s"], epoch_time_s=res.total_time,
+            gpu_days=res.gpu_days, bubble=summary["bubble_mean"],
             peak_memory_bytes=tuple(st["peak_memory_bytes"] for st in summary["stages"]),
             oom=bool(summary["oom_steps"])))
         row_plans[name] = (sp.parts, mask)
         row_results[name] = res
+        row_data[name] = data_key
     # the paper's figures are a pipeline ablation (Megatron-DeepSpeed, PP 4): shown beside pipelined plans only
-    return with_speedups(rows, model.spec.name if config.pp_size > 1 else None), row_plans, row_results, found
+    rows = with_speedups(rows, model.spec.name if config.pp_size > 1 else None)
+    return rows, row_plans, row_results, row_data, found
 
 
 def _ablation_specs(config, model: Model, data: Data, found: Found):

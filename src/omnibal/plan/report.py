@@ -46,7 +46,9 @@ def stage_rows(plan: Plan) -> list[list[str]]:
     return rows
 
 
-BALANCE_KEYS = (("num_steps", "steps", "{:d}"), ("samples_per_microbatch_mean", "samples / micro-batch", "{:.2f}"),
+BALANCE_KEYS = (("num_microbatches", "micro-batches per step", "{:d}"),
+                ("num_steps", "steps of the balanced rows", "{:d}"),
+                ("samples_per_microbatch_mean", "samples / micro-batch", "{:.2f}"),
                 ("caps_tiles", "tile buffer Q_v", "{:d}"), ("caps_tokens", "token buffer Q_t", "{:d}"),
                 ("pad_ratio_longest", "pad ratio (padded to longest)", "{:.3f}"),
                 ("dist_ratio_vision", "dist ratio vision", "{:.3f}"), ("dist_ratio_text", "dist ratio text", "{:.3f}"),
@@ -253,7 +255,7 @@ def write_job_outputs(result, out_dir: str | Path, *, timelines: bool = True, pr
         for i, row in enumerate(result.ablation):
             parts, mask = result.row_plans[row.name]
             progress(f"timeline: {row.name}")
-            feats = result.features["baseline" if i == 0 else "balanced"]
+            feats = result.row_features(row.name)  # the row's own pack: its micro-batch count and caps
             steps = result.row_step_times.get(row.name)
             if steps is None:
                 steps = simulate_epoch(result.table, parts, mask, feats, result.sim_config).step_time

@@ -49,6 +49,9 @@ class EpochResult:
     """``[P]`` params + grads + optimizer bytes per device."""
     peak_inflight: np.ndarray
     """``[P]`` most micro-batches a stage holds at once."""
+    epoch_scale: float = 1.0
+    """Samples of the whole epoch per sample simulated: the steps stand for a uniform subset of the epoch
+    (``omnibal plan --balance-samples``), and the epoch's steps, time and GPU days are scaled by it."""
 
     @property
     def num_stages(self) -> int:
@@ -66,9 +69,14 @@ class EpochResult:
         return self.config.dp_size * self.num_stages * self.config.tp_size
 
     @property
+    def num_steps(self) -> int:
+        """Steps of the whole epoch (the simulated steps times ``epoch_scale``)."""
+        return int(round(len(self.step_time) * self.epoch_scale))
+
+    @property
     def total_time(self) -> float:
         """Seconds for the whole epoch."""
-        return float(self.step_time.sum())
+        return float(self.step_time.sum()) * self.epoch_scale
 
     @property
     def gpu_days(self) -> float:
@@ -82,7 +90,9 @@ class EpochResult:
     def summary(self) -> dict:
         """JSON-ready totals and per-stage means/peaks."""
         out = {
-            "num_steps": int(len(self.step_time)),
+            "num_steps": self.num_steps,
+            "simulated_steps": int(len(self.step_time)),
+            "epoch_scale": self.epoch_scale,
             "dp_size": self.config.dp_size,
             "pp_size": self.num_stages,
             "tp_size": self.config.tp_size,
@@ -160,11 +170,16 @@ def simulate_epoch(
     buffer_features: np.ndarray | None = None,
     max_chunk_microbatches: int = 1 << 19,
     progress: bool = False,
+    epoch_scale: float = 1.0,
 ) -> EpochResult:
     """Simulate every step of ``features [num_steps, dp_size, M, 4]``; steps are processed in chunks of at
     most ``max_chunk_microbatches`` micro-batches to bound memory (``progress``: a tqdm bar on stderr).
-    ``buffer_features``: fixed-shape buffers a pipeline sends between stages (see ``stage_costs``)."""
+    ``buffer_features``: fixed-shape buffers a pipeline sends between stages (see ``stage_costs``).
+    ``epoch_scale``: the features are a uniform subset of the epoch, this many times smaller
+    (:attr:`EpochResult.epoch_scale`)."""
     config.validate()
+    if not (np.isfinite(epoch_scale) and epoch_scale > 0):
+        raise InputError(f"must be a finite number > 0, got {epoch_scale}", source="epoch_scale", field="epoch_scale")
     cuts = _check_cuts(cuts, table, config)
     rec = np.zeros(table.num_layers, bool) if recompute_mask is None else np.asarray(recompute_mask, bool)
     features = _check_features(features, config)
@@ -197,6 +212,7 @@ def simulate_epoch(
         allreduce_time=steps0.allreduce_time,
         static_bytes=costs0.per_device(costs0.static_bytes, v),
         peak_inflight=peak_inflight(config.schedule, (len(cuts) - 1) // v, num_mb, v),
+        epoch_scale=float(epoch_scale),
     )
 
 

@@ -2,22 +2,28 @@
 
 Phases (each a call into the layer that owns it):
 
-1. the cluster: explicit settings win, a plan (:class:`PlannedRun`) fills the rest, then the defaults;
-2. model preset -> per-layer cost table (analytic, or a measured profile), per TP rank;
+1. the cluster: explicit settings win, a plan (:class:`PlannedRun`) fills the rest, then the defaults; with
+   neither a plan nor a model there is nothing to simulate (an InputError naming ``--plan`` and ``--model``);
+2. model spec (the plan's, else the preset) -> per-layer cost table (analytic, or a measured profile), per TP
+   rank, and the simulator's config (the plan's memory budget);
 3. the partition and recompute set (the plan's, or ``even`` / stage starts and ``full`` / ``none`` / counts);
-4. per-sample stats (a file, or the synthetic InternVL-like mixture) in the model's units
-   (``sim.predict.model_stats``, as ``omnibal plan``);
-5. the balanced schedule (``data.balance`` by ``sim.predict.balance_cost``, or a schedule file) and its
-   micro-batch features (``sim.predict.schedule_features``);
-6. ``sim.epoch``: the whole epoch, then one step drawn for the timeline, and the report files.
+4. per-sample stats (a file, or the synthetic InternVL-like mixture) in the model's units and, with a plan,
+   the uniform sample of them the plan balanced (``sim.predict.job_stats`` and ``balance_subset``, as
+   ``omnibal plan``);
+5. the balanced schedule (``data.balance`` with the plan's balancer settings, ``sim.planned``, by
+   ``sim.predict.balance_cost``, or a schedule file) and its micro-batch features
+   (``sim.predict.schedule_features``);
+6. ``sim.epoch``: the whole epoch (scaled from the balanced sample), then one step drawn for the timeline,
+   and the report files.
 
-The plan arrives as a :class:`PlannedRun` (read from a ``Plan`` by duck typing) so that ``sim`` does not
+So ``simulate --plan`` reproduces the plan's own prediction (tests/test_simulate_plan.py). The plan arrives
+as a :class:`PlannedRun` (``sim.planned``, read from a ``Plan`` by duck typing) so that ``sim`` does not
 import ``plan`` (the layer above it).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
 
 import numpy as np
@@ -25,12 +31,13 @@ import numpy as np
 from omnibal.cost.hardware import HardwareSpec, get_hardware
 from omnibal.cost.stack import DEFAULT_STACK
 from omnibal.errors import InputError
-from omnibal.layout import Layout, check_layout_fields
-from omnibal.sim.predict import balance_cost, cost_table, model_stats, schedule_features
+from omnibal.layout import check_layout_fields
+from omnibal.sim.planned import PlannedRun, planned_balance_config, planned_data, planned_spec
+from omnibal.sim.predict import balance_cost, balance_subset, cost_table, job_stats, schedule_features
 
-DEFAULTS = {"model": "internvl-chat-1.5", "hardware": "a100-80g", "dp_size": 1, "pp_size": 1, "tp_size": 1,
+DEFAULTS = {"model": None, "hardware": "a100-80g", "dp_size": 1, "pp_size": 1, "tp_size": 1,
             "num_microbatches": 4, "zero_stage": 1, "stack": DEFAULT_STACK}
-"""What an unset cluster setting is when no plan gives it."""
+"""What an unset cluster setting is when no plan gives it (the model has no default: it must be asked for)."""
 MUST_MATCH_PLAN = ("model", "pp_size")
 """Settings that, given explicitly, must agree with the plan's (the partition depends on them)."""
 FLAGS = {"model": "--model", "dp_size": "--dp", "pp_size": "--pp", "tp_size": "--tp",
@@ -39,44 +46,11 @@ FLAGS = {"model": "--model", "dp_size": "--dp", "pp_size": "--pp", "tp_size": "-
 
 
 @dataclass(frozen=True, kw_only=True)
-class PlannedRun:
-    """What ``simulate`` takes from a plan: its cluster, partition and recompute set."""
-
-    source: str
-    """Where the plan came from (errors name it)."""
-    model: str
-    """Model preset the plan is for."""
-    hardware: str
-    """Hardware preset the plan is for."""
-    layout: Layout
-    """The plan's cluster layout."""
-    parts: tuple[int, ...]
-    """Cut points ``[P + 1]`` of its partition."""
-    recompute: frozenset[str]
-    """Names of the layers it recomputes."""
-    num_layers: int
-    """Layers of the model it was made for."""
-    stack: str | None = None
-    """Software stack its memory model counted (None: a plan from before ``--stack``)."""
-    padding: str | None = None
-    """How its balanced packs run (the padding ``omnibal plan`` scored it with; None: not recorded)."""
-
-    @classmethod
-    def of(cls, plan, source: str) -> PlannedRun:
-        """From an ``omnibal.plan.Plan`` (duck-typed: ``sim`` sits below ``plan``)."""
-        i = plan.inputs
-        return cls(source=str(source), model=i.model, hardware=i.hardware, layout=i.layout,
-                   parts=tuple(int(c) for c in plan.parts), recompute=frozenset(plan.recompute_modules()),
-                   num_layers=plan.num_layers, stack=plan.data.settings.get("stack"),
-                   padding=plan.data.settings.get("padding"))
-
-
-@dataclass(frozen=True, kw_only=True)
 class SimulateJobConfig:
     """Everything ``omnibal simulate`` needs. A cluster setting left None is the plan's, else ``DEFAULTS``."""
 
     model: str | None = None
-    """Model preset (``omnibal.cost.presets``)."""
+    """Model preset (``omnibal.cost.presets``); None: the plan's (without a plan: an InputError)."""
     hardware: str | HardwareSpec | None = None
     """Hardware preset (``omnibal.cost.hardware``) or a :class:`HardwareSpec` (``--hardware cpu``: the CLI
     measures this machine with ``omnibal.measure.hardware.hardware_by_name`` and passes the spec)."""
@@ -90,12 +64,12 @@ class SimulateJobConfig:
     """Micro-batches per DP rank per step."""
     zero_stage: int | None = None
     """ZeRO stage over DP."""
-    schedule: str = "1f1b"
-    """Pipeline schedule (``omnibal.layout.PipelineSchedule``)."""
+    schedule: str | None = None
+    """Pipeline schedule (``omnibal.layout.PipelineSchedule``); None: the plan's, else ``1f1b``."""
     num_chunks: int | None = None
     """Model chunks per stage for the interleaved schedule (None: 2 there, else 1)."""
-    memory_fraction: float = 0.95
-    """Share of the device memory a rank may use (OOM flags)."""
+    memory_fraction: float | None = None
+    """Share of the device memory a rank may use (OOM flags); None: the plan's budget, else 0.95."""
     step_overhead: float = 0.0
     """Fixed seconds per step outside the pipeline."""
     jitter: float = 0.0
@@ -106,25 +80,26 @@ class SimulateJobConfig:
     """Software stack whose weight/gradient/optimizer bytes the memory model counts and the gradient
     all-reduce moves (``omnibal.cost.stack``); None: the plan's, else ``DEFAULT_STACK`` (as ``omnibal plan``)."""
     profile_path: str | None = None
-    """Measured layer profile instead of the analytic cost model."""
+    """Measured layer profile instead of the analytic cost model; None: the plan's (if it had one)."""
     stats_path: str | None = None
-    """Per-sample stats file; None: the synthetic mixture."""
+    """Per-sample stats file; None: the plan's data, else the synthetic mixture."""
     samples: int | None = None
-    """Synthetic mixture size (None: 1,200,000); with ``stats_path``: replicate its rows up to this many."""
+    """Synthetic mixture size (None: the plan's, else 1,200,000); with ``stats_path``: replicate its rows up
+    to this many."""
     convert_stats: bool = False
     """Convert statistics made in another image convention to the model's (``--convert-stats``); without it
     they are an InputError naming both (``omnibal.sim.predict.model_stats``)."""
     schedule_file: str | None = None
     """A balanced schedule JSON instead of balancing here."""
-    balance_method: str = "omnibal"
-    """Balancer (``omnibal.layout.BalanceMethod``)."""
-    batch_size: int = 4
-    """Samples per micro-batch of the random and length-grouped baselines."""
+    balance_method: str | None = None
+    """Balancer (``omnibal.layout.BalanceMethod``); None: the plan's, with its settings, else ``omnibal``."""
+    batch_size: int | None = None
+    """Samples per micro-batch of the random and length-grouped baselines (None: the plan's, else 4)."""
     padding: str = "auto"
     """How a micro-batch runs; ``auto``: with a plan, the padding ``omnibal plan`` scored it with; else the
     schedule's own, and with pp > 1 the fixed buffer for p2p."""
-    seed: int = 0
-    """Seed of the balancer and the synthetic data."""
+    seed: int | None = None
+    """Seed of the balancer, the balanced sample and the synthetic data (None: the plan's, else 0)."""
     epoch: int = 0
     """Epoch to balance."""
     partition: str = "even"
@@ -151,6 +126,9 @@ class SimulateJobResult:
     """Rows (first: header) of the per-stage table."""
     files: dict = field(default_factory=dict)
     """Report files written: markdown, json, timeline, load (empty without ``out``)."""
+    notes: list = field(default_factory=list)
+    """Where this simulation departs from the plan it was given (fields the plan does not record, other
+    statistics, other caps); empty when it is the plan's own prediction or there is no plan."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -168,6 +146,8 @@ class _Setup:
     recompute: np.ndarray
     sim_config: object
     num_chunks: int
+    schedule: str
+    profile: str | None
 
 
 def run_simulate_job(config: SimulateJobConfig, *, plan: PlannedRun | None = None, progress: bool = False,
@@ -179,24 +159,47 @@ def run_simulate_job(config: SimulateJobConfig, *, plan: PlannedRun | None = Non
     log = log or (lambda line: None)
     setup = _setup(config, plan)
     cluster = setup.cluster
-    log(f"stats: {'synthetic mixture' if not config.stats_path else config.stats_path} ...")
-    stats = _stats(config, setup.spec)
-    log(f"balancing {len(stats):,} samples ({config.schedule_file or config.balance_method}) for dp "
+    notes = [f"plan.json has no {', '.join(plan.missing())}: flags and defaults stand in"] if (
+        plan is not None and plan.missing()) else []
+    data = planned_data(plan, stats_path=config.stats_path, samples=config.samples, seed=config.seed,
+                        convert=config.convert_stats)
+    log(f"stats: {data['stats_path'] or 'synthetic mixture'} ...")
+    stats, scale = _stats(config, setup.spec, data)
+    bconfig = planned_balance_config(plan, method=config.balance_method, batch_size=config.batch_size,
+                                     cost=balance_cost(setup.table, setup.spec, setup.hardware, setup.profile))
+    log(f"balancing {len(stats):,} samples ({config.schedule_file or bconfig.method}) for dp "
         f"{cluster['dp_size']} x {cluster['num_microbatches']} micro-batches ...")
-    sched = _schedule(config, stats, setup, cluster)
+    sched = _schedule(config, stats, cluster, bconfig, data["seed"])
+    notes += _departures(plan, stats, sched)
     padding, features, buffer = _features(config, plan, sched, stats, cluster["pp_size"])
     log(f"simulating {features.shape[0]} steps x {cluster['dp_size']} ranks x {cluster['num_microbatches']} "
         f"micro-batches x {cluster['pp_size']} stages ...")
     epoch = simulate_epoch(setup.table, setup.cuts, setup.recompute, features, setup.sim_config,
-                           buffer_features=buffer, progress=progress)
+                           buffer_features=buffer, progress=progress, epoch_scale=scale)
     if len(epoch.step_time) == 0:
         raise InputError("the schedule has no steps", source="--stats", field="samples")
-    header = _header(config, plan, setup, stats, sched, padding)
+    header = _header(config, plan, setup, stats, sched, padding, scale)
     files = {} if config.out is None else _write(config, setup, epoch, features, buffer, header)
     from omnibal.sim.report import stage_table, totals_rows
 
     return SimulateJobResult(header=header, summary=epoch.summary(), totals=totals_rows(epoch),
-                             stages=stage_table(epoch), files={k: str(v) for k, v in files.items()})
+                             stages=stage_table(epoch), files={k: str(v) for k, v in files.items()}, notes=notes)
+
+
+def _departures(plan: PlannedRun | None, stats, sched) -> list[str]:
+    """Where the balanced data differs from the plan's (other statistics, other caps): said, not refused, as
+    simulating a plan on other data is a question one may ask."""
+    if plan is None:
+        return []
+    notes = []
+    if plan.stats_fingerprint and stats.fingerprint() != plan.stats_fingerprint:
+        notes.append(f"the statistics differ from the plan's (fingerprint {stats.fingerprint()}, the plan's "
+                     f"{plan.stats_fingerprint}): this is not the plan's prediction")
+    caps = {"tiles": int(sched.caps.tiles), "tokens": int(sched.caps.tokens)}
+    if plan.caps is not None and caps != plan.caps and sched.method == plan.balance_method:
+        notes.append(f"balanced to caps {caps['tiles']} tiles / {caps['tokens']} tokens, the plan's are "
+                     f"{plan.caps['tiles']} / {plan.caps['tokens']}")
+    return notes
 
 
 def resolve_cluster(config: SimulateJobConfig, plan: PlannedRun | None) -> dict:
@@ -213,25 +216,29 @@ def resolve_cluster(config: SimulateJobConfig, plan: PlannedRun | None) -> dict:
             raise InputError(f"{FLAGS[key]} {given} contradicts the plan's {from_plan[key]}", source=plan.source,
                              field=key.removesuffix("_size"))
         out[key] = given if given is not None else from_plan.get(key, default)
+    if out["model"] is None:
+        raise InputError("nothing to simulate: give --plan FILE (a plan.json of omnibal plan) or --model NAME "
+                         "(with --hardware, --dp, --pp and --microbatches)")
     for key in ("dp_size", "pp_size", "tp_size", "num_microbatches"):
         check_layout_fields({key: out[key]}, source=FLAGS[key])
     return out
 
 
 def _setup(config: SimulateJobConfig, plan: PlannedRun | None) -> _Setup:
-    from omnibal.cost.presets import get_model_preset
     from omnibal.sim.costs import config_for_hardware
 
     cluster = resolve_cluster(config, plan)
-    spec = get_model_preset(cluster["model"])
+    spec = planned_spec(cluster["model"], plan)
     hardware = cluster["hardware"]
     if not isinstance(hardware, HardwareSpec):  # ``cpu`` is measured: the caller passes its spec
         hardware = get_hardware(hardware)
-    table = cost_table(spec, hardware, profile_path=config.profile_path, tp_size=cluster["tp_size"],
-                       dtype=config.dtype, stack=cluster["stack"])
+    profile = config.profile_path if config.profile_path is not None or plan is None else plan.profile
+    table = cost_table(spec, hardware, profile_path=profile, tp_size=cluster["tp_size"], dtype=config.dtype,
+                       stack=cluster["stack"])
     if cluster["pp_size"] > table.num_layers:
         raise InputError(f"{cluster['pp_size']} stages for {table.num_layers} layers", source="--pp", field="pp")
-    chunks = config.num_chunks if config.num_chunks is not None else (2 if config.schedule == "interleaved" else 1)
+    schedule = config.schedule or (plan.schedule if plan is not None and plan.schedule else "1f1b")
+    chunks = config.num_chunks if config.num_chunks is not None else (2 if schedule == "interleaved" else 1)
     num_virtual = cluster["pp_size"] * chunks
     if num_virtual > table.num_layers:
         raise InputError(f"{num_virtual} virtual stages for {table.num_layers} layers", source="--chunks",
@@ -240,13 +247,16 @@ def _setup(config: SimulateJobConfig, plan: PlannedRun | None) -> _Setup:
     if config.memory_fraction is not None and not 0 < config.memory_fraction <= 1:
         raise InputError(f"must be in (0, 1], got {config.memory_fraction}", source="--memory-fraction",
                          field="memory_fraction")
+    planned_budget = config.memory_fraction is None and plan is not None and plan.budget_recorded
     sim_config = config_for_hardware(
         hardware, dp_size=cluster["dp_size"], pp_size=cluster["pp_size"], tp_size=cluster["tp_size"],
-        schedule=config.schedule, num_chunks=chunks, zero_stage=cluster["zero_stage"],
-        memory_fraction=config.memory_fraction, step_overhead=config.step_overhead,
-        compute_jitter=config.jitter)
+        schedule=schedule, num_chunks=chunks, zero_stage=cluster["zero_stage"],
+        memory_fraction=0.95 if config.memory_fraction is None else config.memory_fraction,
+        step_overhead=config.step_overhead, compute_jitter=config.jitter)
+    if planned_budget:  # the budget the plan fitted (``omnibal plan --memory-budget``, else 95% of the device)
+        sim_config = replace(sim_config, memory_budget_bytes=plan.memory_budget_bytes)
     return _Setup(cluster=cluster, spec=spec, hardware=hardware, table=table, cuts=cuts, recompute=rec,
-                  sim_config=sim_config, num_chunks=chunks)
+                  sim_config=sim_config, num_chunks=chunks, schedule=schedule, profile=profile)
 
 
 def _partition(config: SimulateJobConfig, plan: PlannedRun | None, table, model: str, chunks: int,
@@ -298,31 +308,20 @@ def parse_recompute(text: str, cuts):
     return recompute_mask_from_counts(cuts, counts, source="--recompute")
 
 
-def _stats(config: SimulateJobConfig, spec):
-    """The stats the balancer sees, in the model's units (``omnibal.sim.predict.model_stats``, as ``plan``)."""
-    if config.stats_path:
-        from omnibal.stats.io import load_stats
-
-        stats = load_stats(config.stats_path)
-        if config.samples is not None:
-            _check_positive("samples", config.samples)
-            stats = stats.replicate(config.samples)
-        return model_stats(stats, spec, convert=config.convert_stats)
-    from omnibal.stats.synthetic import synthetic_internvl_mixture
-
-    samples = 1_200_000 if config.samples is None else config.samples
-    _check_positive("samples", samples)
-    stats = synthetic_internvl_mixture(samples, seed=config.seed)
-    return model_stats(stats, spec, convert=True)  # the stand-in mixture is InternVL-tiled: any model's units
+def _stats(config: SimulateJobConfig, spec, data: dict):
+    """``(stats the balancer sees, epoch scale)``: the data in the model's units
+    (``omnibal.sim.predict.job_stats``) and, with a plan, the uniform sample of them it balanced
+    (``balance_subset``, as ``omnibal plan``: the epoch is scaled from it); a schedule file is its own epoch."""
+    stats, _ = job_stats(spec, stats_path=data["stats_path"], num_samples=data["num_samples"], seed=data["seed"],
+                         convert=data["convert"])
+    if config.schedule_file:
+        return stats, 1.0
+    sample = balance_subset(stats, data["balance_samples"], data["seed"])
+    return sample, len(stats) / len(sample)
 
 
-def _check_positive(name: str, value) -> None:
-    if value is None or value < 1:
-        raise InputError(f"must be a positive integer, got {value!r}", source=FLAGS.get(name, name), field=name)
-
-
-def _schedule(config: SimulateJobConfig, stats, setup: _Setup, cluster: dict):
-    from omnibal.data.balance import BalanceConfig, Schedule, balance
+def _schedule(config: SimulateJobConfig, stats, cluster: dict, bconfig, seed: int):
+    from omnibal.data.balance import Schedule, balance
 
     if config.schedule_file:
         sched = Schedule.from_json(config.schedule_file)
@@ -335,9 +334,7 @@ def _schedule(config: SimulateJobConfig, stats, setup: _Setup, cluster: dict):
                              f"simulating dp {cluster['dp_size']} x {cluster['num_microbatches']}",
                              source=config.schedule_file, field="dp_size")
         return sched
-    bconfig = BalanceConfig(method=config.balance_method, batch_size=config.batch_size,
-                            cost=balance_cost(setup.table, setup.spec, setup.hardware, config.profile_path))
-    return balance(stats, dp_size=cluster["dp_size"], num_microbatches=cluster["num_microbatches"], seed=config.seed,
+    return balance(stats, dp_size=cluster["dp_size"], num_microbatches=cluster["num_microbatches"], seed=seed,
                    epoch=config.epoch, config=bconfig)
 
 
@@ -358,17 +355,21 @@ def _features(config: SimulateJobConfig, plan: PlannedRun | None, sched, stats, 
     return padding, features, buffer
 
 
-def _header(config: SimulateJobConfig, plan: PlannedRun | None, setup: _Setup, stats, sched, padding: str) -> dict:
+def _header(config: SimulateJobConfig, plan: PlannedRun | None, setup: _Setup, stats, sched, padding: str,
+            scale: float) -> dict:
     c, chunks = setup.cluster, setup.num_chunks
+    data = f"{stats.source}, {len(stats):,} samples"
+    if scale != 1.0:
+        data += f" (a uniform sample of the epoch, scaled x{scale:.3g})"
     return {
         "model": setup.spec.name, "hardware": setup.hardware.name,
         "dp x pp x tp": f"{c['dp_size']} x {c['pp_size']} x {c['tp_size']}",
         "micro-batches per step": c["num_microbatches"],
-        "schedule": config.schedule + (f" ({chunks} chunks per stage)" if chunks > 1 else ""),
-        "data": f"{stats.source}, {len(stats):,} samples", "balance": sched.method, "padding": padding,
+        "schedule": setup.schedule + (f" ({chunks} chunks per stage)" if chunks > 1 else ""),
+        "data": data, "balance": sched.method, "padding": padding,
         "caps (tiles, tokens)": f"{sched.caps.tiles}, {sched.caps.tokens}",
         "plan": plan.source if plan is not None else f"partition {config.partition}, recompute {config.recompute}",
-        "costs": f"profile {config.profile_path}" if config.profile_path else f"analytic ({config.dtype})",
+        "costs": f"profile {setup.profile}" if setup.profile else f"analytic ({config.dtype})",
     }
 
 

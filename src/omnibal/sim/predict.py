@@ -70,6 +70,43 @@ def model_stats(stats: SampleStats, spec: ModelSpec, *, convert: bool = False,
     return out
 
 
+SYNTHETIC_SAMPLES = 1_200_000
+"""Rows of the synthetic InternVL-like mixture when no size is given (InternVL-1.2M's)."""
+
+
+def job_stats(spec: ModelSpec, *, stats_path: str | None = None, num_samples: int | None = None, seed: int = 0,
+              convert: bool = False) -> tuple[SampleStats, str]:
+    """The statistics a job runs, in ``spec``'s units (:func:`model_stats`), and how their convention was read
+    (:func:`convention_label`): a stats file (``num_samples``: replicate its rows up to that many; None: as
+    they are) or the synthetic InternVL-like mixture of ``num_samples`` rows (default
+    :data:`SYNTHETIC_SAMPLES`) drawn with ``seed``, always converted (it stands in for any model's data).
+    ``omnibal plan`` and ``omnibal simulate`` read their data here, so the same inputs give the same rows."""
+    if num_samples is not None and (isinstance(num_samples, bool) or not isinstance(num_samples, int)
+                                    or num_samples < 1):
+        raise InputError(f"must be a positive integer, got {num_samples!r}", source="--samples", field="samples")
+    if stats_path:
+        from omnibal.stats.io import load_stats
+
+        raw = load_stats(stats_path)
+        if num_samples is not None:
+            raw = raw.replicate(num_samples)
+        return model_stats(raw, spec, convert=convert), convention_label(raw, spec)
+    from omnibal.stats.synthetic import synthetic_internvl_mixture
+
+    raw = synthetic_internvl_mixture(SYNTHETIC_SAMPLES if num_samples is None else num_samples, seed=seed)
+    return model_stats(raw, spec, convert=True), convention_label(raw, spec)
+
+
+def balance_subset(stats: SampleStats, balance_samples: int | None, seed: int) -> SampleStats:
+    """The uniform random ``balance_samples`` rows of ``stats`` a job balances and simulates, scaled to the
+    whole epoch (all of them when that is None or not fewer). Seeded by ``seed``: ``omnibal plan`` and
+    ``omnibal simulate --plan`` draw the same rows."""
+    if balance_samples is None or balance_samples >= len(stats):
+        return stats
+    rows = np.random.default_rng(seed).choice(len(stats), balance_samples, replace=False)
+    return stats.take(np.sort(rows))
+
+
 def cost_table(spec: ModelSpec, hardware: HardwareSpec, *, profile_path: str | None = None, tp_size: int = 1,
                dtype: str = "bf16", stack: str = DEFAULT_STACK) -> LayerCostTable:
     """The per-TP-rank cost table: the analytic model on ``hardware`` or a measured profile (``profile_path``),

@@ -45,12 +45,16 @@ def stage_table(result: EpochResult) -> list[list[str]]:
 
 def totals_rows(result: EpochResult) -> list[list[str]]:
     s = result.summary()
-    oom = "no budget" if s["oom_steps"] is None else f"{s['oom_steps']} of {s['num_steps']} steps"
+    simulated = s["simulated_steps"]
+    oom = "no budget" if s["oom_steps"] is None else f"{s['oom_steps']} of {simulated} simulated steps"
+    steps = str(s["num_steps"])
+    if s["epoch_scale"] != 1.0:
+        steps += f" ({simulated} simulated, the epoch x{s['epoch_scale']:.3g})"
     return [
         ["quantity", "value"],
         ["GPUs (DP x PP x TP)", f"{s['num_gpus']} ({s['dp_size']} x {s['pp_size']} x {s['tp_size']})"],
         ["schedule", s["schedule"]],
-        ["steps", str(s["num_steps"])],
+        ["steps", steps],
         ["step time mean / max s", f"{s['step_time_mean_s']:.4g} / {s['step_time_max_s']:.4g}"],
         ["pipeline bubble (mean)", f"{s['bubble_mean']:.1%}"],
         ["idle share of device time", f"{_idle_share(result):.1%}"],
