@@ -107,6 +107,9 @@ class CheckShapes:
 
 _INTERNVL_20B = get_model_preset("internvl-chat-1.5")
 _LLM_7B = get_model_preset("internvl2-8b")  # InternLM2.5-7B
+_UNPADDED_20B = replace(_INTERNVL_20B, name="internvl-chat-1.5-unpadded-vocab",
+                        llm=replace(_INTERNVL_20B.llm, vocab_multiple=1))
+"""The 20B model's LM head as a Hugging Face checkpoint runs it: no vocabulary padding."""
 _E2E_MODEL = TinyVLM(kind="internvl", image_size=448, patch_size=14, image_token="<IMG_CONTEXT>",
                      vision_hidden=1024, vision_layers=24, vision_heads=16, text_hidden=2048, text_layers=20,
                      text_heads=16, text_kv_heads=8, mlp_ratio=4)
@@ -119,8 +122,11 @@ FULL = CheckShapes(
                   kinds=("vision_embed", "vision_block", "projector", "llm_embed", "llm_block", "lm_head"),
                   grid=ProfileGrid(tiles=(1, 2, 4, 8), tokens=(2048, 4096, 8192), segments=(512, 2048, 8192)),
                   calibrate=True),
-        LayerCase(label="InternLM2.5-7B block (internvl2-8b), held out", spec=_LLM_7B, kinds=("llm_block",),
+        LayerCase(label="InternLM2.5-7B block (internvl2-8b)", spec=_LLM_7B, kinds=("llm_block",),
                   grid=ProfileGrid(tiles=(1,), tokens=(2048, 8192, 16384), segments=(512, 4096)), calibrate=False),
+        LayerCase(label="InternLM2-20B LM head, vocabulary unpadded (92553 rows)", spec=_UNPADDED_20B,
+                  kinds=("lm_head",), grid=ProfileGrid(tiles=(1,), tokens=(2048, 8192), segments=(8192,)),
+                  calibrate=False),
     ),
     memory=(
         MemoryCase(label="reference InternViT-6B / InternLM2-20B blocks", spec=_INTERNVL_20B,
@@ -149,7 +155,7 @@ DRY = CheckShapes(
         LayerCase(label="tiny, InternViT features", spec=_TINY,
                   kinds=("vision_embed", "vision_block", "projector", "llm_embed", "llm_block", "lm_head"),
                   grid=_TINY_GRID, calibrate=True),
-        LayerCase(label="tiny LLM block, held out", spec=get_model_preset("tiny"), kinds=("llm_block",),
+        LayerCase(label="tiny LLM block", spec=get_model_preset("tiny"), kinds=("llm_block",),
                   grid=_TINY_GRID, calibrate=False),
     ),
     memory=(

@@ -15,6 +15,10 @@ from omnibal.cli.options import ScheduleOrFile, add_layout_options, add_option, 
 from omnibal.errors import InputError
 from omnibal.layout import DpSync, Precision, TrainMode
 
+CUDA_ALLOC_CONF = "expandable_segments:True"
+"""PyTorch's caching allocator setting of a CUDA run, unless the user set ``PYTORCH_CUDA_ALLOC_CONF``: on
+variable-length packs the default allocator holds far more than it hands out (docs/gpu.md, fragmentation)."""
+
 HELP = "run the reference DP x PP trainer (baseline or omnibal mode) on a plan"
 DESCRIPTION = (HELP + ". Examples: `omnibal train --stats stats.json --dp 2 --mode omnibal --steps 20`; "
                "`torchrun --nproc-per-node 4 -m omnibal.train --stats stats.json --dp 2 --pp 2 --plan plan.json`.")
@@ -121,6 +125,8 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(args)
     preflight(cfg)
+    if cfg.device == "cuda":  # before any CUDA call, for this process and the ranks it starts
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", CUDA_ALLOC_CONF)
     nproc = args.nproc or cfg.world_size
     if nproc != cfg.world_size:
         raise InputError(f"--nproc {nproc} but dp {cfg.dp_size} x pp {cfg.pp_size} = {cfg.world_size}",

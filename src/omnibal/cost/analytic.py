@@ -30,7 +30,11 @@ statistics; + ``2bH`` with layer scale: both branch outputs, which the scales' g
 inputs, qkv and fc1 inputs replicated; q, k, v, attention output, GELU input and fc2 input split), LLM
 ``b (4D + (2D + 2Dkv + 4F)/t)`` (SwiGLU keeps gate, up, silu(gate) and their product), plus fp32 norm
 statistics and the softmax log-sum-exp. With M = 4H, t = 1 and b = 2 the vision figure is 32 H bytes per
-token: Korthikanti's 34 s b h less the two 1-byte dropout masks.
+token: Korthikanti's 34 s b h less the two 1-byte dropout masks. Implementation details the spec states add
+to it: CLIP's quick GELU keeps its sigmoid too (``b M / t``), and transformers' eager RMSNorm keeps an fp32
+copy of each norm's input (``2 x 4 D`` for the two norms of an LLM block, when b < 4). A kernel that cannot
+share key/value heads (grouped-query attention expanded before it) keeps k and v at the query's head count:
+not counted (flash-attn and torch >= 2.12 share them).
 A checkpointed layer keeps only its input (``ckpt_bytes``); the layer's full activations exist again for a
 moment during its recomputation, which consumers account as a transient.
 
@@ -168,6 +172,7 @@ def _vision_kinds(spec: ModelSpec, b: int, tv: int) -> dict[str, dict]:
         ar_bytes=_vec(), ar_count=0,
     )
     extra_act, extra_mem = _internvit_extras(v, b, tv)
+    extra_act += b * m / tv * int(v.mlp_act == "quick_gelu")  # the sigmoid beside the input
     kinds["vision_block"] = dict(
         matmul=_vec(tiles=2 * n * (4 * h * h + 2 * h * m) / tv),
         attention=_vec(tiles=4 * n * n * h / tv),
@@ -186,9 +191,9 @@ def _llm_kinds(spec: ModelSpec, b: int, t: int) -> dict[str, dict]:
     v, llm = spec.vision, spec.llm
     n, h = v.tokens_per_tile, v.hidden
     r, d_in = spec.llm_tokens_per_tile, spec.projector_in
-    d, f, vocab = llm.hidden, llm.mlp_hidden, llm.vocab_size
+    d, f = llm.hidden, llm.mlp_hidden
     dkv = llm.num_kv_heads * llm.head_dim
-    vocab_t = -(-vocab // t)  # vocabulary-parallel shard (padded up)
+    vocab_t = llm.padded_vocab(t) // t  # vocabulary-parallel shard of the padded vocabulary
     kinds: dict[str, dict] = {}
     norm_in = d_in * int(spec.projector_norm)
     kinds["projector"] = dict(
@@ -212,13 +217,14 @@ def _llm_kinds(spec: ModelSpec, b: int, t: int) -> dict[str, dict]:
         matmul=_vec(tokens=2 * (d * (d + 2 * dkv) + d * d + 3 * d * f) / t),
         attention=_vec(tokens_sq=2 * d / t),
         memory=_vec(tokens=b * (14 * d + 5 * f / t)),  # 2 norms, 2 residual adds, rotary, reshape; SwiGLU
-        act=_vec(tokens=b * (4 * d + (2 * d + 2 * dkv + 4 * f) / t) + 8 + 4 * llm.num_heads / t),
+        act=_vec(tokens=b * (4 * d + (2 * d + 2 * dkv + 4 * f) / t) + 8 + 4 * llm.num_heads / t
+                 + 2 * 4 * d * int(llm.norm_fp32_copy and b < 4)),  # two norms' fp32 input copies
         ckpt=_vec(tokens=b * d),
         out=_vec(tokens=b * d + META_BYTES_AFTER_EMBED),
         ar_bytes=_vec(tokens=4 * d * b) if t > 1 else _vec(), ar_count=4 if t > 1 else 0,
     )
     kinds["lm_head"] = dict(
-        matmul=_vec(tokens=2 * d * vocab / t),
+        matmul=_vec(tokens=2 * d * vocab_t),
         attention=_vec(),
         memory=_vec(tokens=4 * d * b + 3 * 4 * vocab_t),  # final norm; fp32 log-softmax + loss over logits
         act=_vec(tokens=2 * d * b + 4 * vocab_t + 8),  # norm + head inputs, fp32 log-probs, labels

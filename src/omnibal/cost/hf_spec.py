@@ -58,10 +58,15 @@ def spec_from_hf_config(cfg, *, name: str | None = None, where: str | None = Non
         name=name or f"hf-{kind}",
         vision=VisionSpec(num_layers=used, hidden=vc.hidden_size, num_heads=vc.num_attention_heads,
                           mlp_hidden=vc.intermediate_size, image_size=_side(vc.image_size),
-                          patch_size=_side(vc.patch_size), class_token=True),
+                          patch_size=_side(vc.patch_size), class_token=True,
+                          # InternVL's vision layers always scale both branches (lambda_1, lambda_2)
+                          qk_norm=bool(getattr(vc, "use_qk_norm", False)), layer_scale=kind == "internvl",
+                          mlp_act="quick_gelu" if getattr(vc, "hidden_act", "gelu") == "quick_gelu" else "gelu"),
+        # Llama / Qwen2 decoders normalise with transformers' eager RMSNorm, which keeps an fp32 input copy
         llm=LLMSpec(num_layers=tc.num_hidden_layers, hidden=tc.hidden_size, num_heads=tc.num_attention_heads,
                     num_kv_heads=getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads,
-                    mlp_hidden=tc.intermediate_size, vocab_size=tc.vocab_size, tie_embeddings=tie),
+                    mlp_hidden=tc.intermediate_size, vocab_size=tc.vocab_size, tie_embeddings=tie,
+                    norm_fp32_copy=True, vocab_multiple=1),
         downsample_ratio=1.0 if kind == "llava" else float(cfg.downsample_ratio),
         projector_norm=kind == "internvl",
     )

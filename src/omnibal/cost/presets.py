@@ -24,8 +24,9 @@ INTERNVIT_300M = VisionSpec(num_layers=24, hidden=1024, num_heads=16, mlp_hidden
                             patch_size=14, class_token=True, layer_scale=True)
 """InternViT-300M-448px (InternVL2-1B..8B; layer scale, no QK norm)."""
 CLIP_L_336 = VisionSpec(num_layers=23, hidden=1024, num_heads=16, mlp_hidden=4096, image_size=336,
-                        patch_size=14, class_token=True)
-"""CLIP ViT-L/14-336 as LLaVA-1.5 runs it: features of the second to last block, so 23 of 24 blocks run."""
+                        patch_size=14, class_token=True, mlp_act="quick_gelu")
+"""CLIP ViT-L/14-336 as LLaVA-1.5 runs it: features of the second to last block, so 23 of 24 blocks run;
+``hidden_act: quick_gelu`` in its config."""
 
 INTERNLM2_20B = LLMSpec(num_layers=48, hidden=6144, num_heads=48, num_kv_heads=8, mlp_hidden=16384,
                         vocab_size=92553)

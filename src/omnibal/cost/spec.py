@@ -28,6 +28,11 @@ from omnibal.validate import check_positive_int
 
 LayerKind = Literal["vision_embed", "vision_block", "projector", "llm_embed", "llm_block", "lm_head"]
 LAYER_KINDS: tuple[str, ...] = ("vision_embed", "vision_block", "projector", "llm_embed", "llm_block", "lm_head")
+MLP_ACTIVATIONS = ("gelu", "quick_gelu")
+"""Vision MLP activations the memory model tells apart (:attr:`VisionSpec.mlp_act`)."""
+_LATER_FIELDS = (("vision", "qk_norm", False), ("vision", "layer_scale", False), ("vision", "mlp_act", "gelu"),
+                 ("llm", "norm_fp32_copy", False), ("llm", "vocab_multiple", 128))
+"""Spec fields added after the first fingerprints, with the value that leaves them out of the hash."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,6 +59,9 @@ class VisionSpec:
     layer_scale: bool = False
     """Learned per-channel scales on the attention and MLP outputs (InternViT's ``ls1``/``ls2``): their
     gradient keeps both branch outputs."""
+    mlp_act: str = "gelu"
+    """MLP activation: ``gelu`` (keeps its input for the backward) or ``quick_gelu`` (CLIP's
+    ``x * sigmoid(1.702 x)``, which also keeps the sigmoid)."""
 
     @property
     def patches_per_side(self) -> int:
@@ -72,6 +80,9 @@ class VisionSpec:
         if self.image_size % self.patch_size:
             raise InputError(f"image_size {self.image_size} not divisible by patch_size {self.patch_size}",
                              source=where, field="vision.patch_size")
+        if self.mlp_act not in MLP_ACTIVATIONS:
+            raise InputError(f"mlp_act must be one of {', '.join(MLP_ACTIVATIONS)}, got {self.mlp_act!r}",
+                             source=where, field="vision.mlp_act")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,14 +103,29 @@ class LLMSpec:
     """Vocabulary size (embedding rows and LM-head columns)."""
     tie_embeddings: bool = False
     """Whether the LM head shares the embedding matrix."""
+    vocab_multiple: int = 128
+    """The embedding and LM head rows are padded up to a multiple of this (times the tensor-parallel size), as
+    Megatron's ``make_vocab_size_divisible_by`` does: an LM-head matrix product over an odd vocabulary misses
+    the tensor-core fast path. 1: unpadded, as a Hugging Face checkpoint stores it."""
+    norm_fp32_copy: bool = False
+    """Whether each RMSNorm keeps an fp32 copy of its input for the backward besides the input itself
+    (transformers' eager ``LlamaRMSNorm`` / ``Qwen2RMSNorm`` upcast inside autograd; a fused norm keeps the
+    input and one statistic per token)."""
 
     @property
     def head_dim(self) -> int:
         return self.hidden // self.num_heads
 
+    def padded_vocab(self, tp_size: int = 1) -> int:
+        """Rows of the embedding and the LM head as they run: ``vocab_size`` rounded up to a multiple of
+        ``vocab_multiple x tp_size`` (each tensor-parallel rank holds an equal shard)."""
+        step = self.vocab_multiple * tp_size
+        return -(-self.vocab_size // step) * step
+
     def validate(self, where: str) -> None:
         _positive(where, num_layers=self.num_layers, hidden=self.hidden, num_heads=self.num_heads,
-                  num_kv_heads=self.num_kv_heads, mlp_hidden=self.mlp_hidden, vocab_size=self.vocab_size)
+                  num_kv_heads=self.num_kv_heads, mlp_hidden=self.mlp_hidden, vocab_size=self.vocab_size,
+                  vocab_multiple=self.vocab_multiple)
         if self.hidden % self.num_heads:
             raise InputError(f"hidden {self.hidden} not divisible by num_heads {self.num_heads}",
                              source=where, field="llm.num_heads")
@@ -200,9 +226,9 @@ class ModelSpec:
         never applied to a model of another shape."""
         data = self.to_dict()
         data.pop("name")
-        for flag in ("qk_norm", "layer_scale"):  # added later: absent when off, so older fingerprints hold
-            if not data["vision"][flag]:
-                data["vision"].pop(flag)
+        for part, flag, off in _LATER_FIELDS:  # added later: absent when off, so older fingerprints hold
+            if data[part][flag] == off:
+                data[part].pop(flag)
         blob = json.dumps(data, sort_keys=True).encode()
         return hashlib.blake2b(blob, digest_size=8).hexdigest()
 

@@ -59,6 +59,11 @@ class Options:
         never talks to torch.distributed)."""
 
 
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    """CLIP's activation ``x * sigmoid(1.702 x)``."""
+    return x * torch.sigmoid(1.702 * x)
+
+
 def active_count(sizes: torch.Tensor, which: int, limit: int, opts: Options) -> int:
     return limit if opts.compute_tail else int(sizes[0, which])
 
@@ -95,7 +100,7 @@ class VisionBlock(nn.Module):
 
     With ``spec.vision.qk_norm`` q and k pass an RMSNorm over the full width before attention, and with
     ``layer_scale`` each branch output is scaled per channel before its residual add (``ls1``, ``ls2``,
-    initialised to 0.1), as in InternViT-6B."""
+    initialised to 0.1), as in InternViT-6B; ``mlp_act`` ``quick_gelu`` is CLIP's activation."""
 
     def __init__(self, spec: ModelSpec, opts: Options) -> None:
         super().__init__()
@@ -110,6 +115,7 @@ class VisionBlock(nn.Module):
         self.norm2 = nn.LayerNorm(v.hidden)
         self.fc1 = nn.Linear(v.hidden, v.mlp_hidden)
         self.fc2 = nn.Linear(v.mlp_hidden, v.hidden)
+        self.act = quick_gelu if v.mlp_act == "quick_gelu" else F.gelu
         self.ls1 = nn.Parameter(torch.full((v.hidden,), LAYER_SCALE_INIT)) if v.layer_scale else None
         self.ls2 = nn.Parameter(torch.full((v.hidden,), LAYER_SCALE_INIT)) if v.layer_scale else None
 
@@ -121,7 +127,7 @@ class VisionBlock(nn.Module):
         q, k, v = (y.view(b, t, self.num_heads, d // self.num_heads).transpose(1, 2) for y in (q, k, v))
         a = self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, d))
         x = x + (a * self.ls1 if self.ls1 is not None else a)
-        m = self.fc2(F.gelu(self.fc1(self.norm2(x))))
+        m = self.fc2(self.act(self.fc1(self.norm2(x))))
         return x + (m * self.ls2 if self.ls2 is not None else m)
 
     def forward(self, x, token_meta, sizes):
@@ -175,7 +181,7 @@ class LLMEmbed(nn.Module):
     def __init__(self, spec: ModelSpec, opts: Options) -> None:
         super().__init__()
         self.opts = opts
-        self.tokens = nn.Embedding(spec.llm.vocab_size, spec.llm.hidden)
+        self.tokens = nn.Embedding(spec.llm.padded_vocab(), spec.llm.hidden)  # rows >= vocab_size: never read
 
     def forward(self, features, token_meta, sizes):
         h = self.tokens(token_meta[0, META_INPUT_IDS])
@@ -238,12 +244,27 @@ def _flash_varlen(q, k, v, segment_ids: torch.Tensor) -> torch.Tensor:
     if torch_varlen_attn is None:
         raise RuntimeError("attn_impl='flash' needs a CUDA device and the flash-attn package or torch >= 2.10")
     params = inspect.signature(torch_varlen_attn).parameters
-    if k.shape[1] != q.shape[1] and "enable_gqa" not in params:
-        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-    kw = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
-    kw.update({"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True})
+    kw = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    if k.shape[1] != q.shape[1]:
+        if "enable_gqa" in params:
+            kw["enable_gqa"] = True
+        elif _TORCH_VARLEN_SHARES_HEADS[0] is not False:  # an older torch: the flash kernel may share heads anyway
+            try:
+                out = torch_varlen_attn(q, k, v, cu, cu, max_len, max_len, **kw)
+                _TORCH_VARLEN_SHARES_HEADS[0] = True
+                return out
+            except RuntimeError:
+                _TORCH_VARLEN_SHARES_HEADS[0] = False
+        if not kw.get("enable_gqa"):
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
     return torch_varlen_attn(q, k, v, cu, cu, max_len, max_len, **kw)
+
+
+_TORCH_VARLEN_SHARES_HEADS: list[bool | None] = [None]
+"""Whether torch's varlen kernel (before ``enable_gqa``) took fewer key/value heads than query heads, learnt at
+its first grouped-query call (None: not tried yet). Sharing keeps k and v at their own size for the backward;
+expanding them first keeps them at the query's head count."""
 
 
 def packed_causal_attention(q, k, v, segment_ids: torch.Tensor, impl: str) -> torch.Tensor:
@@ -317,18 +338,20 @@ class LLMBlock(nn.Module):
 
 
 class LMHead(nn.Module):
-    """Final RMSNorm + LM head + token cross-entropy summed over the targets (``META_LABELS`` != -100).
+    """Final RMSNorm + LM head (over the padded vocabulary, :meth:`LLMSpec.padded_vocab`; the pad columns are
+    dropped before the loss) + token cross-entropy summed over the targets (``META_LABELS`` != -100).
     Carry [1, Q_t, D] -> ``(loss_sum [1] (float32, or float64 for a float64 model), num_targets [1] int64)``."""
 
     def __init__(self, spec: ModelSpec, opts: Options) -> None:
         super().__init__()
         self.opts = opts
         self.norm = nn.RMSNorm(spec.llm.hidden, eps=1e-6)
-        self.out = nn.Linear(spec.llm.hidden, spec.llm.vocab_size, bias=False)
+        self.vocab_size = spec.llm.vocab_size
+        self.out = nn.Linear(spec.llm.hidden, spec.llm.padded_vocab(), bias=False)  # padded: aligned products
 
     def forward(self, x, token_meta, sizes):
         n = active_count(sizes, SIZE_TOKENS, x.shape[1], self.opts)
-        logits = self.out(self.norm(x[0, :n]))
+        logits = self.out(self.norm(x[0, :n]))[:, :self.vocab_size]
         if logits.dtype in (torch.float16, torch.bfloat16):  # the loss is always summed in at least fp32
             logits = logits.float()
         labels = token_meta[0, META_LABELS, :n]
