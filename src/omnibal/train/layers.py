@@ -248,23 +248,10 @@ def _flash_varlen(q, k, v, segment_ids: torch.Tensor) -> torch.Tensor:
     if k.shape[1] != q.shape[1]:
         if "enable_gqa" in params:
             kw["enable_gqa"] = True
-        elif _TORCH_VARLEN_SHARES_HEADS[0] is not False:  # an older torch: the flash kernel may share heads anyway
-            try:
-                out = torch_varlen_attn(q, k, v, cu, cu, max_len, max_len, **kw)
-                _TORCH_VARLEN_SHARES_HEADS[0] = True
-                return out
-            except RuntimeError:
-                _TORCH_VARLEN_SHARES_HEADS[0] = False
-        if not kw.get("enable_gqa"):
+        else:  # torch < 2.12: k and v are kept at the query's head count for the backward (more memory)
             k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
             v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
     return torch_varlen_attn(q, k, v, cu, cu, max_len, max_len, **kw)
-
-
-_TORCH_VARLEN_SHARES_HEADS: list[bool | None] = [None]
-"""Whether torch's varlen kernel (before ``enable_gqa``) took fewer key/value heads than query heads, learnt at
-its first grouped-query call (None: not tried yet). Sharing keeps k and v at their own size for the backward;
-expanding them first keeps them at the query's head count."""
 
 
 def packed_causal_attention(q, k, v, segment_ids: torch.Tensor, impl: str) -> torch.Tensor:
