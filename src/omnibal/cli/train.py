@@ -61,6 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     w.add_argument("--timeout", dest="timeout_s", type=float, default=60.0,
                    help="seconds a collective may block before the rank fails (dead or stuck peer)")
     add_option(w, "threads", default=1, help="torch threads per rank")
+    w.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=None,
+                   help="load the next step's samples on a background thread while the step computes "
+                        "(default: on with --device cuda, off on cpu)")
     w.add_argument("--precision", choices=[p.value for p in Precision], default="fp32",
                    help="fp32, or bf16-mixed: fp32 weights and optimizer, forward under torch.autocast in bf16")
     p = parser.add_argument_group("pipeline and data")
@@ -114,7 +117,8 @@ def config_from_args(args: argparse.Namespace):
         annotations_path=args.annotations_path, image_root=args.image_root, tokenizer_path=args.tokenizer,
         hf_model=args.hf_model, save_dir=args.save_dir, max_tiles=args.max_tiles, on_error=args.on_error,
         baseline_batch_size=args.batch_size, num_steps=args.num_steps, lr=args.lr, seed=args.seed,
-        device=args.device, precision=args.precision, timeout_s=args.timeout_s, torch_threads=args.threads,
+        device=args.device, precision=args.precision, prefetch=args.prefetch, timeout_s=args.timeout_s,
+        torch_threads=args.threads,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, resume=args.resume,
         reshard=args.reshard, log_path=args.log_path, summary_path=args.summary_path, ledger_path=args.ledger_path,
         quiet=args.quiet, sp_degree=args.sp_degree, level_curriculum=args.level_curriculum)

@@ -109,6 +109,10 @@ class TrainConfig:
     precision: Literal["fp32", "bf16-mixed"] = "fp32"
     """``fp32``, or ``bf16-mixed``: fp32 weights and AdamW state, matrix products and attention in bf16 under
     ``torch.autocast`` (what a GPU run uses; on a CPU it works too, slowly)."""
+    prefetch: bool | None = None
+    """Load the next step's micro-batches on a background thread while the step computes; None: on CUDA
+    (the device would wait for the images to be decoded), off on CPU (the thread would take a core from the
+    ranks)."""
     timeout_s: float = 60.0
     """Seconds any collective or p2p operation may block before the rank fails with a clear error
     (a dead or stuck peer); also bounds the rendezvous."""

@@ -68,7 +68,7 @@ class Trainer(CheckpointResume):
                  quiet: bool = True, checkpoint_dir: str | None = None, checkpoint_every: int = 0,
                  run_info: dict | None = None, dp_sync: str = "flat", ledger_path: str | None = None,
                  notify: Callable[[str], None] | None = None, sp_degree: int = 1, level_curriculum: int = 0,
-                 precision: str = "fp32"):
+                 precision: str = "fp32", prefetch: bool = False):
         self.world = world
         self.spec = model.spec
         self.layout = layout
@@ -102,6 +102,11 @@ class Trainer(CheckpointResume):
         self._check_schedule(schedule)
         self.schedule_id = schedule_fingerprint(schedule)
 
+        self.prefetch = prefetch
+        """Load the next step's micro-batches on a background thread (:mod:`omnibal.train.prefetch`)."""
+        self._prefetcher = None
+        self._last_step = schedule.num_steps - 1
+        """The last step the current :meth:`run` trains (what the prefetcher may load ahead)."""
         self.autocast = {"fp32": None, "bf16-mixed": torch.bfloat16}[precision]
         """Forward dtype under ``torch.autocast`` (``precision`` bf16-mixed), None for plain fp32."""
         self._build_stage_runner(model, buffer, pipeline_schedule=pipeline_schedule, dp_sync=dp_sync, lr=lr,
@@ -234,6 +239,17 @@ class Trainer(CheckpointResume):
                                  source=exc.source, record=exc.record, field=exc.field) from exc
         return out
 
+    def _step_batches(self, step: int):
+        """:meth:`load_microbatches` of ``step``, loaded ahead during the previous step with ``prefetch``."""
+        if not self.prefetch:
+            return self.load_microbatches(step)
+        if self._prefetcher is None:
+            from omnibal.train.prefetch import StepPrefetcher
+
+            self._prefetcher = StepPrefetcher(self.load_microbatches, key=lambda: id(self.schedule),
+                                              last_step=lambda: self._last_step)
+        return self._prefetcher.get(step)
+
     # ---------------------------------------------------------------------------------------------- step
 
     def forward_backward(self):
@@ -257,7 +273,7 @@ class Trainer(CheckpointResume):
         module = self.sp.activate(int(self.step_sp[step])) if self.sp is not None else None
         self._fed = []
         if w.is_first_stage:
-            batches = self.load_microbatches(step)
+            batches = self._step_batches(step)
             carries = [b.carry() for b in batches]
             tiles = sum(int(b.sizes[0, SIZE_TILES]) for b in batches)
             counts += torch.tensor([
@@ -368,6 +384,7 @@ class Trainer(CheckpointResume):
         """Train until ``num_steps`` steps are done in total (resumed ones count; None or 0: to the end of
         the schedule); returns the summary (on global rank 0; an empty dict elsewhere)."""
         num_steps = self._steps_to_run(num_steps)
+        self._last_step = num_steps - 1
         bar = progress_bar(num_steps, self.step, quiet=self.quiet or self.world.rank != 0)
         self._ledger_start()
         try:
@@ -382,6 +399,9 @@ class Trainer(CheckpointResume):
         finally:
             bar.close()
             self.log.close()
+            if self._prefetcher is not None:
+                self._prefetcher.close()
+                self._prefetcher = None
             if self._ledger is not None:
                 self._ledger.close()
                 self._ledger = None

@@ -140,7 +140,8 @@ def build_trainer(cfg: TrainConfig, world: World, notify=None):
                       log_path=cfg.log_path, quiet=cfg.quiet, checkpoint_dir=cfg.checkpoint_dir,
                       checkpoint_every=cfg.checkpoint_every, run_info=info, ledger_path=cfg.ledger_path,
                       notify=notify, sp_degree=cfg.sp_degree, level_curriculum=cfg.level_curriculum,
-                      precision=cfg.precision)
+                      precision=cfg.precision,
+                      prefetch=cfg.device == "cuda" if cfg.prefetch is None else cfg.prefetch)
     if cfg.save_dir is not None:
         def save(step: int | None) -> None:
             out = Path(cfg.save_dir) if step is None else Path(cfg.save_dir) / f"checkpoint-{step}"
