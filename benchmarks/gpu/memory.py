@@ -2,16 +2,17 @@
 
 For every :class:`~benchmarks.gpu.shapes.MemoryCase` (the reference model's layers, and Hugging Face Llava /
 InternVL layers wrapped by :mod:`omnibal.train.hf_adapter`), every kind, shape and recompute granularity the
-trainer runs (``none``: the layer's activations are kept; ``full``: the layer is checkpointed and keeps its
-input), three figures are recorded beside the model's prediction (``act_bytes`` / ``ckpt_bytes`` of
+trainer runs (:data:`omnibal.train.recompute.GRANULARITIES`), three figures are recorded beside the model's
+prediction (``act_bytes`` / ``sel_act_bytes`` / ``ckpt_bytes`` of
 :func:`omnibal.cost.analytic.analytic_cost_table`):
 
-- ``saved_bytes``: the distinct storages autograd saves (``saved_tensors_hooks``; device-independent; under
-  checkpointing the hooks see nothing: the checkpoint holds its input itself);
+- ``saved_bytes``: what one forward keeps, counted without running the backward
+  (:meth:`omnibal.measure.runner.LayerRunner.saved_bytes`: the storages autograd saves, or under
+  checkpointing the input plus the outputs selective recompute caches);
 - ``kept_bytes`` (GPU): bytes still allocated after the forward, the output excluded, plus the layer's input
-  (which the model's figures include);
-- ``peak_bytes`` (GPU): the peak of forward + backward above the level before it (a checkpointed layer's
-  recomputation brings its activations back for a moment).
+  (which the model's figures include): the allocator's view of the same;
+- ``peak_bytes`` (GPU): the peak of forward + backward above the level before it (a recomputed layer's
+  activations come back for a moment).
 """
 
 from __future__ import annotations
@@ -27,9 +28,7 @@ from omnibal.cost.hardware import HardwareSpec
 from omnibal.cost.profile import Point
 from omnibal.examples.real_example import SPECIAL_TOKENS, build_model
 from omnibal.measure.runner import LayerRunner
-
-GRANULARITIES = ("none", "full")
-"""Recompute granularities the trainer executes (per layer: keep everything, or recompute the layer)."""
+from omnibal.train.recompute import GRANULARITIES
 
 
 def hf_chain(case: MemoryCase):
@@ -71,10 +70,11 @@ def _case_rows(case: MemoryCase, shapes: CheckShapes, hardware: HardwareSpec, lo
     rows = []
     for granularity in GRANULARITIES:
         runner = LayerRunner(spec, device=shapes.device, dtype=shapes.dtype, chain=None if chain is None else
-                             chain.chain(), checkpointed=granularity == "full")
+                             chain.chain(), granularity=granularity)
         for kind in case.kinds:
             i = kinds.index(kind)
-            predicted = table.ckpt_bytes[i] if granularity == "full" else table.act_bytes[i]
+            predicted = {"none": table.act_bytes, "selective": table.sel_act_bytes,
+                         "full": table.ckpt_bytes}[granularity][i]
             for tiles, lengths in _shapes(case, kind):
                 feats = Point(kind, tiles, lengths).features
                 row = {"kind": kind, "granularity": granularity, "tiles": tiles, "tokens": int(sum(lengths)),
@@ -91,7 +91,7 @@ def run_memory(shapes: CheckShapes, hardware: HardwareSpec, log) -> dict[str, An
     for case in shapes.memory:
         rows = _case_rows(case, shapes, hardware, log)
         for row in rows:
-            measured = row.get("kept_bytes") if row["granularity"] == "full" else row["saved_bytes"]
+            measured = row["saved_bytes"] if row["granularity"] == "none" else row.get("kept_bytes", row["saved_bytes"])
             if measured:
                 row["error"] = row["predicted_bytes"] / measured - 1.0
         errors = [abs(r["error"]) for r in rows if "error" in r]

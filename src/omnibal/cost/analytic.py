@@ -74,6 +74,8 @@ META_BYTES_BEFORE_EMBED = 16
 META_BYTES_AFTER_EMBED = 8
 
 ONE, TILES, TOKENS, TOKENS_SQ = range(NUM_FEATURES)
+SELECTIVE_KINDS = ("vision_block", "llm_block")
+"""Layers selective recompute applies to: the transformer blocks (the other layers recompute whole or not)."""
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,9 @@ class LayerWork:
     """Element-wise (memory-bound) traffic, bytes."""
     act_bytes: np.ndarray
     ckpt_bytes: np.ndarray
+    sel_act_bytes: np.ndarray
+    """Bytes kept under selective recompute: the layer's input and the outputs of its matrix products and
+    attention; the element-wise ops (norms, activation, rotary, residual adds, scales) are recomputed."""
     out_bytes: np.ndarray
     tp_allreduce_bytes: np.ndarray
     """Bytes all-reduced inside the layer, forward + backward (per all-reduce payload, summed)."""
@@ -144,11 +149,15 @@ def layer_work(spec: ModelSpec, *, tp_size: int = 1, dtype: str = "bf16", tp_vis
 
     act = stack("act")
     ckpt = np.minimum(stack("ckpt"), act)  # checkpointing never keeps more than the layer itself
+    sel = np.array([kinds[layer.kind].get("sel", kinds[layer.kind]["act"]) for layer in layers])
+    sel = np.minimum(np.maximum(sel, ckpt), act)
     act[~trainable] = 0.0  # a frozen encoder runs without autograd
     ckpt[~trainable] = 0.0
+    sel[~trainable] = 0.0
     return LayerWork(
         matmul_flops=stack("matmul"), attention_flops=stack("attention"), memory_bytes=stack("memory"),
-        act_bytes=act, ckpt_bytes=ckpt, out_bytes=stack("out"), tp_allreduce_bytes=stack("ar_bytes"),
+        act_bytes=act, ckpt_bytes=ckpt, sel_act_bytes=sel, out_bytes=stack("out"),
+        tp_allreduce_bytes=stack("ar_bytes"),
         tp_allreduce_count=np.array([kinds[layer.kind]["ar_count"] for layer in layers], dtype=np.float64),
         trainable=trainable,
     )
@@ -178,6 +187,8 @@ def _vision_kinds(spec: ModelSpec, b: int, tv: int) -> dict[str, dict]:
         attention=_vec(tiles=4 * n * n * h / tv),
         memory=_vec(tiles=n * (b * (12 * h + 2 * m / tv) + extra_mem)),  # 2 norms, 2 residual adds; GELU
         act=_vec(tiles=n * (b * (4 * h + (4 * h + 2 * m) / tv) + 16 + 4 * v.num_heads / tv + extra_act)),
+        # selective: the input, qkv, attention output (+ log-sum-exp), proj, fc1 and fc2 outputs
+        sel=_vec(tiles=n * (b * (3 * h + (4 * h + m) / tv) + 4 * v.num_heads / tv)),
         ckpt=_vec(tiles=n * b * h),
         out=_vec(tiles=b * n * h, tokens=META_BYTES_BEFORE_EMBED),
         ar_bytes=_vec(tiles=4 * n * h * b) if tv > 1 else _vec(), ar_count=4 if tv > 1 else 0,
@@ -219,6 +230,8 @@ def _llm_kinds(spec: ModelSpec, b: int, t: int) -> dict[str, dict]:
         memory=_vec(tokens=b * (14 * d + 5 * f / t)),  # 2 norms, 2 residual adds, rotary, reshape; SwiGLU
         act=_vec(tokens=b * (4 * d + (2 * d + 2 * dkv + 4 * f) / t) + 8 + 4 * llm.num_heads / t
                  + 2 * 4 * d * int(llm.norm_fp32_copy and b < 4)),  # two norms' fp32 input copies
+        # selective: the input, q, k, v, attention output (+ log-sum-exp), o, gate, up and down outputs
+        sel=_vec(tokens=b * (3 * d + (2 * d + 2 * dkv + 2 * f) / t) + 4 * llm.num_heads / t),
         ckpt=_vec(tokens=b * d),
         out=_vec(tokens=b * d + META_BYTES_AFTER_EMBED),
         ar_bytes=_vec(tokens=4 * d * b) if t > 1 else _vec(), ar_count=4 if t > 1 else 0,
@@ -271,6 +284,8 @@ def analytic_cost_table(spec: ModelSpec, hardware: HardwareSpec, *, tp_size: int
                 + factor["memory"] * work.memory_bytes / rate_mem)
 
     fwd = pass_time({"matmul": 1.0, "attention": 1.0, "memory": 1.0})
+    selective = np.isin([layer.kind for layer in spec.layers()], SELECTIVE_KINDS)
+    sel_fwd = pass_time({"matmul": 0.0, "attention": 0.0, "memory": 1.0}) * selective[:, None]
     bwd = pass_time(BWD_FACTOR)
     fwd[:, ONE] += hardware.layer_overhead_s
     bwd[:, ONE] += 2 * hardware.layer_overhead_s
@@ -286,6 +301,7 @@ def analytic_cost_table(spec: ModelSpec, hardware: HardwareSpec, *, tp_size: int
     return LayerCostTable(
         names=tuple(layer.name for layer in layers), kinds=tuple(layer.kind for layer in layers),
         fwd_time=fwd, bwd_time=bwd, act_bytes=work.act_bytes, ckpt_bytes=work.ckpt_bytes,
+        sel_act_bytes=np.where(selective[:, None], work.sel_act_bytes, work.act_bytes), sel_fwd_time=sel_fwd,
         out_bytes=work.out_bytes, param_bytes=param, grad_bytes=grad, optim_bytes=optim, tp_comm_time=tp_comm,
     )
 

@@ -32,7 +32,7 @@ import numpy as np
 
 from omnibal.cost.analytic import analytic_cost_table, layer_param_bytes, layer_work
 from omnibal.cost.fit import fit_linear
-from omnibal.cost.hardware import HardwareSpec
+from omnibal.cost.hardware import HardwareSpec, get_hardware
 from omnibal.cost.spec import LAYER_KINDS, ModelSpec
 from omnibal.cost.table import FEATURES, LayerCostTable
 from omnibal.errors import InputError
@@ -215,8 +215,14 @@ def cost_table_from_profile(spec: ModelSpec, profile: dict[str, Any], *, hardwar
     act[~work.trainable] = 0.0
     bwd[~work.trainable] = 0.0
     param, grad, optim = layer_param_bytes(spec, dtype=dtype, tp_size=tp_size, tp_vision=tp_vision, stack=stack)
+    # selective recompute from the analytic model: the bytes it keeps, and its share of the forward time
+    shape = analytic_cost_table(spec, hardware or get_hardware("h100"), dtype=dtype, tp_size=tp_size,
+                                tp_vision=tp_vision)
+    share = np.divide(shape.sel_fwd_time, shape.fwd_time, out=np.zeros_like(fwd), where=shape.fwd_time > 0)
+    ckpt = np.minimum(work.ckpt_bytes, act)
     return LayerCostTable(
         names=tuple(layer.name for layer in spec.layers()), kinds=tuple(kinds), fwd_time=fwd, bwd_time=bwd,
-        act_bytes=act, ckpt_bytes=np.minimum(work.ckpt_bytes, act), out_bytes=work.out_bytes,
+        act_bytes=act, ckpt_bytes=ckpt, sel_act_bytes=np.clip(shape.sel_act_bytes, ckpt, act),
+        sel_fwd_time=fwd * share, out_bytes=work.out_bytes,
         param_bytes=param, grad_bytes=grad, optim_bytes=optim, tp_comm_time=tp_comm,
     )

@@ -81,11 +81,20 @@ class LayerCostTable:
     """``[L]`` optimizer-state bytes before ZeRO sharding (fp32 master + Adam moments; 0 when frozen)."""
     tp_comm_time: np.ndarray | None = None
     """``[L, 4]`` tensor-parallel collective time inside the layer (forward + backward); None when TP = 1."""
+    sel_act_bytes: np.ndarray | None = None
+    """``[L, 4]`` bytes it keeps under selective recompute (inputs and matrix-product / attention outputs;
+    :data:`omnibal.cost.analytic.SELECTIVE_KINDS`); None: ``act_bytes`` (selective frees nothing)."""
+    sel_fwd_time: np.ndarray | None = None
+    """``[L, 4]`` time of the element-wise forward ops selective recompute runs again; None: zeros."""
 
     def __post_init__(self) -> None:
         num_layers = len(self.names)
         assert len(self.kinds) == num_layers
-        for name in ("fwd_time", "bwd_time", "act_bytes", "ckpt_bytes", "out_bytes"):
+        if self.sel_act_bytes is None:
+            object.__setattr__(self, "sel_act_bytes", self.act_bytes)
+        if self.sel_fwd_time is None:
+            object.__setattr__(self, "sel_fwd_time", np.zeros((num_layers, NUM_FEATURES)))
+        for name in ("fwd_time", "bwd_time", "act_bytes", "ckpt_bytes", "out_bytes", "sel_act_bytes", "sel_fwd_time"):
             arr = np.asarray(getattr(self, name), dtype=np.float64)
             assert arr.shape == (num_layers, NUM_FEATURES), (name, arr.shape)
             object.__setattr__(self, name, arr)

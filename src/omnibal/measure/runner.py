@@ -10,11 +10,13 @@ import time as _time
 from typing import Any, Callable
 
 import torch
-from torch.utils.checkpoint import checkpoint
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from omnibal.cost.spec import ModelSpec
 from omnibal.data import collate as C
 from omnibal.train import layers as L
+from omnibal.train.recompute import is_saved_op, run_layer
 
 
 class LayerRunner:
@@ -23,13 +25,13 @@ class LayerRunner:
     The layer is the reference model's (:mod:`omnibal.train.layers`, built from ``spec``), or with ``chain``
     (``model.chain()`` of any omnibal chain, e.g. a Hugging Face model wrapped by
     :mod:`omnibal.train.hf_adapter`) the chain's first layer of that kind, moved to the device and dtype.
-    ``checkpointed``: every forward runs under non-reentrant ``torch.utils.checkpoint`` (full recompute), as
-    the trainer runs a recomputed layer. ``autocast``: the layer keeps fp32 weights and fp32 inputs and its
-    forward runs under ``torch.autocast`` to ``dtype`` (the trainer's ``--precision bf16-mixed``); otherwise
-    weights and inputs are in ``dtype``."""
+    ``granularity``: how every forward recomputes in the backward, as the trainer runs it
+    (:mod:`omnibal.train.recompute`: ``none``, ``selective`` or ``full``). ``autocast``: the layer keeps fp32
+    weights and fp32 inputs and its forward runs under ``torch.autocast`` to ``dtype`` (the trainer's
+    ``--precision bf16-mixed``); otherwise weights and inputs are in ``dtype``."""
 
     def __init__(self, spec: ModelSpec, *, device: str, dtype: str, seed: int = 0, chain=None,
-                 checkpointed: bool = False, autocast: bool = False) -> None:
+                 granularity: str = "none", autocast: bool = False) -> None:
         self.torch = torch
         self.L = L
         self.spec = spec
@@ -42,7 +44,7 @@ class LayerRunner:
         self.seed = seed
         self.is_cuda = self.device.type == "cuda"
         self.chain = chain
-        self.checkpointed = checkpointed
+        self.granularity = granularity
         self._modules: dict[str, Any] = {}
 
     def module(self, kind: str):
@@ -116,12 +118,10 @@ class LayerRunner:
         return t0, t1, t2
 
     def forward(self, kind: str, carry):
-        """The layer's forward on ``carry`` (checkpointed when the runner is)."""
+        """The layer's forward on ``carry``, recomputed at the runner's granularity."""
         mod = self.module(kind)
         with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=self.autocast):
-            if self.checkpointed:
-                return checkpoint(mod, *carry, use_reentrant=False)
-            return mod(*carry)
+            return run_layer(mod, carry, self.granularity)
 
     def time(self, kind: str, carry, *, warmup: int, repeats: int) -> dict[str, float]:
         """Forward and backward seconds: median and minimum of the wall clock (CUDA events on a GPU), and on a
@@ -164,7 +164,11 @@ class LayerRunner:
         return out
 
     def saved_bytes(self, kind: str, carry) -> int:
-        """Bytes of the distinct storages autograd saves for backward in one forward (parameters excluded)."""
+        """Bytes of the distinct storages one forward keeps for the backward, parameters excluded: what
+        autograd saves (granularity ``none``); the layer's input and the outputs of the operators selective
+        recompute caches (``selective``, :func:`omnibal.train.recompute.is_saved_op`); the input (``full``)."""
+        if self.granularity != "none":
+            return self._checkpoint_kept_bytes(kind, carry)
         torch = self.torch
         mod = self.module(kind)
         param_ptrs = {p.untyped_storage().data_ptr() for p in mod.parameters()}
@@ -181,6 +185,18 @@ class LayerRunner:
             out = self.forward(kind, carry)
         del out
         return int(sum(seen.values()))
+
+    def _checkpoint_kept_bytes(self, kind: str, carry) -> int:
+        """A checkpointed layer keeps its input; a selective one also the outputs of the cached operators,
+        recorded while the forward runs (unique storages)."""
+        held = {carry[0].untyped_storage().data_ptr(): carry[0].untyped_storage().nbytes()}
+        if self.granularity == "selective":
+            mod = self.module(kind)
+            param_ptrs = {p.untyped_storage().data_ptr() for p in mod.parameters()}
+            with self.torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=self.autocast), \
+                    _CachedOutputs(held, param_ptrs):
+                mod(*carry)
+        return int(sum(held.values()))
 
     def peak_bytes(self, kind: str, carry) -> int | None:
         """GPU only: peak allocated bytes during forward + backward above the level before it."""
@@ -211,3 +227,26 @@ class LayerRunner:
             carry[0].untyped_storage().data_ptr() else 0
         del out, first
         return int(held - outputs)
+
+
+class _CachedOutputs(TorchDispatchMode):
+    """Records into ``held`` (data pointer -> bytes) the output storages of the operators selective recompute
+    caches, parameters excluded."""
+
+    def __init__(self, held: dict[int, int], param_ptrs: set[int]) -> None:
+        super().__init__()
+        self.held, self.param_ptrs = held, param_ptrs
+        self.alive: list = []
+        """The recorded outputs, kept alive as the checkpoint's cache keeps them (a freed storage's address
+        could otherwise be reused by a later output and counted once for two)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if is_saved_op(func):
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    storage = t.untyped_storage()
+                    if storage.data_ptr() not in self.param_ptrs:
+                        self.held.setdefault(storage.data_ptr(), storage.nbytes())
+                        self.alive.append(t)
+        return out

@@ -88,7 +88,8 @@ class Calibration:
             bwd_mult[mask] = self.bwd_scale[g]
         if shared_host:
             fwd_mult, bwd_mult = fwd_mult * self.shared_host_scale, bwd_mult * self.shared_host_scale
-        return replace(table, fwd_time=table.fwd_time * fwd_mult[:, None], bwd_time=table.bwd_time * bwd_mult[:, None])
+        return replace(table, fwd_time=table.fwd_time * fwd_mult[:, None], bwd_time=table.bwd_time * bwd_mult[:, None],
+                       sel_fwd_time=table.sel_fwd_time * fwd_mult[:, None])
 
     def to_dict(self) -> dict:
         return {"groups": list(self.groups), "fwd_scale": list(self.fwd_scale), "bwd_scale": list(self.bwd_scale),

@@ -30,7 +30,6 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.utils.checkpoint import checkpoint
 
 from omnibal.data.balance.cost import DEFAULT_COST
 from omnibal.data.collate import IGNORE_INDEX, NUM_META_ROWS, collate
@@ -101,13 +100,8 @@ def _packs(members: np.ndarray, cost: np.ndarray, num_packs: int) -> list[np.nda
 
 
 def _run_layers(stage, start: int, end: int, carry):
-    """Layers [start, end) of the stage's chain, recomputing exactly the stage's recompute set."""
-    for name, module in zip(stage.layer_names[start:end], stage._layers[start:end]):
-        if name in stage.recompute and torch.is_grad_enabled():
-            carry = checkpoint(module, *carry, use_reentrant=False)
-        else:
-            carry = module(*carry)
-    return carry
+    """Layers [start, end) of the stage's chain, each recomputed as the stage says."""
+    return stage.run_layers(start, end, *carry)
 
 
 def online_forward_backward(trainer):

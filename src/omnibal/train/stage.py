@@ -31,10 +31,10 @@ from typing import Iterable
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from omnibal.data.collate import NUM_META_ROWS
 from omnibal.errors import InputError
+from omnibal.train.recompute import run_layer
 
 
 class _Group(nn.Module):
@@ -49,6 +49,9 @@ class Stage(nn.Module):
         self.start, self.end, self.num_layers = start, end, num_layers
         self.layer_names: tuple[str, ...] = tuple(name for name, _ in layers)
         self.recompute: frozenset[str] = frozenset()
+        """Layers recomputed whole in the backward (granularity ``full``)."""
+        self.selective: frozenset[str] = frozenset()
+        """Layers under selective recompute (:mod:`omnibal.train.recompute`)."""
         self._layers = [module for _, module in layers]  # plain list: registration happens below by name
         for name, module in layers:
             attach_module(self, name, module)
@@ -68,14 +71,16 @@ class Stage(nn.Module):
         """The stage's own layers ``[first, last)`` (indices into ``layer_names``) on ``carry``, recomputing
         the chosen ones: :mod:`omnibal.train.sp` runs the vision and LLM halves on differently split carries."""
         for name, module in zip(self.layer_names[first:last], self._layers[first:last]):
-            if name in self.recompute and torch.is_grad_enabled():
-                carry = checkpoint(module, *carry, use_reentrant=False)
-            else:
-                carry = module(*carry)
+            carry = run_layer(module, carry, self.granularity(name))
         return carry
 
+    def granularity(self, name: str) -> str:
+        """How layer ``name`` recomputes: ``full``, ``selective`` or ``none``."""
+        return "full" if name in self.recompute else "selective" if name in self.selective else "none"
+
     def extra_repr(self) -> str:
-        return f"layers [{self.start}, {self.end}) of {self.num_layers}, recompute {sorted(self.recompute)}"
+        return (f"layers [{self.start}, {self.end}) of {self.num_layers}, recompute {sorted(self.recompute)}, "
+                f"selective {sorted(self.selective)}")
 
 
 def attach_module(root: nn.Module, dotted: str, module: nn.Module) -> None:
@@ -135,14 +140,20 @@ def example_carry(model, start: int, *, num_tiles: int, num_tokens: int, dtype: 
     return activation, token_meta, sizes
 
 
-def apply_checkpointing(stage: Stage, layer_names: Iterable[str]) -> Stage:
-    """Recompute exactly ``layer_names`` (chain names inside this stage) in backward, with non-reentrant
-    ``torch.utils.checkpoint`` (reentrant checkpointing breaks inside pipeline stages). Replaces any earlier
-    choice; an empty list turns recomputation off. Raises ``InputError`` for a name not in the stage."""
-    names = frozenset(layer_names)
-    unknown = sorted(names - set(stage.layer_names))
-    if unknown:
-        raise InputError(f"recompute names {unknown} are not layers of stage [{stage.start}, {stage.end}) "
-                         f"({stage.layer_names[0]} .. {stage.layer_names[-1]})", source="plan", field="recompute")
-    stage.recompute = names
+def apply_checkpointing(stage: Stage, layer_names: Iterable[str], selective: Iterable[str] = ()) -> Stage:
+    """Recompute exactly ``layer_names`` (chain names inside this stage) whole in backward, with non-reentrant
+    ``torch.utils.checkpoint`` (reentrant checkpointing breaks inside pipeline stages), and the ``selective``
+    ones selectively (:mod:`omnibal.train.recompute`). Replaces any earlier choice; empty lists turn
+    recomputation off. Raises ``InputError`` for a name not in the stage or in both sets."""
+    names, sel = frozenset(layer_names), frozenset(selective)
+    for field, chosen in (("recompute", names), ("selective", sel)):
+        unknown = sorted(chosen - set(stage.layer_names))
+        if unknown:
+            raise InputError(f"{field} names {unknown} are not layers of stage [{stage.start}, {stage.end}) "
+                             f"({stage.layer_names[0]} .. {stage.layer_names[-1]})", source="plan", field=field)
+    both = sorted(names & sel)
+    if both:
+        raise InputError(f"layers {both} are both recomputed whole and selectively", source="plan",
+                         field="selective")
+    stage.recompute, stage.selective = names, sel
     return stage
