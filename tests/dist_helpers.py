@@ -74,7 +74,7 @@ def pack_schedule(stats: SampleStats, *, dp_size: int, num_microbatches: int, nu
 
 def make_trainer(world, *, mode="omnibal", num_microbatches=4, num_steps=NUM_STEPS, pipeline_schedule="1f1b",
                  stage_layers=None, checkpoint_dir=None, checkpoint_every=0, lr=1e-3, recompute=None, log_path=None,
-                 dp_sync="flat", precision="fp32"):
+                 dp_sync="flat", precision="fp32", selective=None):
     from omnibal.train.loop import Trainer, fixed_buffer
     from omnibal.train.model import VLM
     from omnibal.train.pipeline import resolve_layout
@@ -85,7 +85,8 @@ def make_trainer(world, *, mode="omnibal", num_microbatches=4, num_steps=NUM_STE
     schedule = pack_schedule(stats, dp_size=world.dp_size, num_microbatches=num_microbatches, num_steps=num_steps)
     model = VLM(spec, seed=0)
     names = [s.name for s, _ in model.chain()]
-    layout = resolve_layout(names, pp_size=world.pp_size, mode=mode, stage_layers=stage_layers, recompute=recompute)
+    layout = resolve_layout(names, pp_size=world.pp_size, mode=mode, stage_layers=stage_layers, recompute=recompute,
+                            selective=selective)
     buffer = fixed_buffer(schedule, stats, mode=mode) if world.pp_size > 1 else None
     return Trainer(world=world, model=model, layout=layout, schedule=schedule, dataset=dataset, mode=mode,
                    num_microbatches=num_microbatches, pipeline_schedule=pipeline_schedule, lr=lr, buffer=buffer,
@@ -129,13 +130,15 @@ def single_process_reference(*, dp_size: int, num_microbatches: int, step: int =
 # ------------------------------------------------------------------------------------------------ rank fns
 
 
-def rank_forward_backward(dp: int, pp: int, schedule: str, dp_sync: str = "flat", precision: str = "fp32"):
+def rank_forward_backward(dp: int, pp: int, schedule: str, dp_sync: str = "flat", precision: str = "fp32",
+                          recompute=None, selective=None):
     """One step's forward/backward + DP sync (no optimizer): this rank's loss part and stage gradients."""
     torch.set_num_threads(1)
     from omnibal.train.distributed import destroy_world, init_world
 
     world = init_world(dp_size=dp, pp_size=pp, timeout_s=TIMEOUT_S)
-    trainer = make_trainer(world, pipeline_schedule=schedule, dp_sync=dp_sync, precision=precision)
+    trainer = make_trainer(world, pipeline_schedule=schedule, dp_sync=dp_sync, precision=precision,
+                           recompute=recompute, selective=selective)
     result = trainer.forward_backward()
     grads = {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)).numpy()
              for n, p in trainer.stage_module.named_parameters()}

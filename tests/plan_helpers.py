@@ -11,21 +11,28 @@ def kind_table(kinds: list[str], coef: dict[str, dict[str, np.ndarray | float]])
     """A table whose layers of one kind share coefficients. ``coef[kind]`` holds ``fwd``, ``bwd``, ``act``,
     ``ckpt``, ``out`` (``[4]`` rows) and ``param``, ``grad``, ``optim`` (scalars)."""
     rows = lambda key: np.array([np.asarray(coef[k][key], dtype=float) for k in kinds])  # noqa: E731
+    sel = all("sel_act" in coef[k] for k in kinds)
     return LayerCostTable(
         names=tuple(f"{k}.{i}" for i, k in enumerate(kinds)), kinds=tuple(kinds),
         fwd_time=rows("fwd"), bwd_time=rows("bwd"), act_bytes=rows("act"), ckpt_bytes=rows("ckpt"),
         out_bytes=rows("out"), param_bytes=rows("param"), grad_bytes=rows("grad"), optim_bytes=rows("optim"),
+        sel_act_bytes=rows("sel_act") if sel else None, sel_fwd_time=rows("sel_fwd") if sel else None,
     )
 
 
-def random_kind_coef(rng: np.random.Generator, kinds: list[str]) -> dict[str, dict]:
+def random_kind_coef(rng: np.random.Generator, kinds: list[str], *, selective: bool = False) -> dict[str, dict]:
+    """Random coefficients per kind; with ``selective`` also what selective recompute keeps (between the
+    checkpointed and the full activations) and the time it adds (a fraction of the forward)."""
     out = {}
     for k in sorted(set(kinds)):
         fwd = rng.uniform(0, 1, 4) * np.array([1e-3, 1e-3, 1e-4, 1e-8])
         act = rng.uniform(0, 1, 4) * np.array([1e6, 1e7, 1e6, 1e2])
-        out[k] = dict(fwd=fwd, bwd=2 * fwd * rng.uniform(0.5, 1.5), act=act, ckpt=act * rng.uniform(0.0, 0.5),
+        ckpt = act * rng.uniform(0.0, 0.5)
+        out[k] = dict(fwd=fwd, bwd=2 * fwd * rng.uniform(0.5, 1.5), act=act, ckpt=ckpt,
                       out=rng.uniform(0, 1, 4) * np.array([0, 1e6, 1e5, 0]), param=float(rng.uniform(1e7, 1e9)),
                       grad=float(rng.uniform(0, 1e9)), optim=float(rng.uniform(0, 6e9)))
+        if selective:
+            out[k].update(sel_act=ckpt + (act - ckpt) * rng.uniform(0.2, 1.0), sel_fwd=fwd * rng.uniform(0.0, 0.6))
     return out
 
 

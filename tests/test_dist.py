@@ -24,6 +24,27 @@ def _values(results):
     return [r.value for r in results]
 
 
+def test_selective_and_full_recompute_in_a_pipeline_match_single_process():
+    """pp 2: stage 0 recomputes a vision block whole and the other selectively, stage 1 an LLM block each way:
+    loss and every gradient equal one process without recompute."""
+    from dist_helpers import tiny_spec
+
+    names = [layer.name for layer in tiny_spec().layers()]
+    half = len(names) // 2
+    vision = [n for n in names[:half] if ".blocks." in n]
+    llm = [n for n in names[half:] if ".blocks." in n]
+    recompute, selective = [vision[:1], llm[:1]], [vision[1:2], llm[1:2]]
+    assert all(recompute) and all(selective)
+    values = _values(spawn_local(rank_forward_backward, 2, args=(1, 2, "1f1b", "flat", "fp32", recompute, selective),
+                                 deadline_s=120, start_method="fork"))
+    ref_loss, ref_grads = single_process_reference(dp_size=1, num_microbatches=4)
+    assert abs(sum(v["loss_part"] for v in values) - ref_loss) <= 1e-5 * abs(ref_loss)
+    for v in values:
+        for name, grad in v["grads"].items():
+            ref = ref_grads[name]
+            assert np.linalg.norm(grad - ref) <= 1e-5 * max(np.linalg.norm(ref), 1e-30), (v["rank"], name)
+
+
 @pytest.mark.parametrize("dp,pp,schedule", [(1, 2, "1f1b"), (2, 1, "1f1b")])
 def test_bf16_mixed_step_matches_single_process_under_autocast(dp, pp, schedule):
     """``precision="bf16-mixed"``: fp32 weights and gradients, the forward under bf16 autocast, activations

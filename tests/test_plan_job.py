@@ -32,13 +32,14 @@ def tiny_result():
 
 def test_job_produces_the_four_ablation_rows_and_a_fitting_plan(tiny_result):
     res = tiny_result
-    assert tuple(r.name for r in res.ablation) == ROW_NAMES
-    base, data, part, memory = res.ablation
+    assert tuple(r.name for r in res.ablation) == ROW_NAMES + ("+ selective recompute",)
+    base, data, part, memory, selective = res.ablation
+    assert selective.gpu_days <= memory.gpu_days * (1 + 1e-9)
     assert base.speedup == 1.0 and base.paper_gpu_days is None  # the paper ran InternVL-Chat-1.5, not tiny
     # the baseline and the two middle rows checkpoint every layer that frees memory; the plan fewer or equal
     assert base.num_checkpointed == data.num_checkpointed == part.num_checkpointed > 0
     assert memory.num_checkpointed <= part.num_checkpointed
-    assert not memory.oom and res.plan.prediction.gpu_days == pytest.approx(memory.gpu_days)
+    assert not selective.oom and res.plan.prediction.gpu_days == pytest.approx(selective.gpu_days)
     budget = res.plan.inputs.memory_budget_bytes
     for st in res.plan.stages:
         assert st.memory_bytes <= budget and st.simulated_peak_memory_bytes <= budget
@@ -57,7 +58,7 @@ def test_outputs_round_trip_and_the_trainer_accepts_the_plan(tiny_result, tmp_pa
     for key in ("plan", "report", "ablation", "png:ablation", "png:stages"):
         assert files[key].is_file() and files[key].stat().st_size > 0
     assert files["ablation"].name == "ablation.json"
-    assert sum(1 for k in files if k.startswith("png:timeline:")) == 4
+    assert sum(1 for k in files if k.startswith("png:timeline:")) == 5
     plan = Plan.load(tmp_path / "plan.json")
     assert plan == tiny_result.plan
     md = (tmp_path / "report.md").read_text()
@@ -84,8 +85,21 @@ def test_tight_budget_forces_recompute_and_too_tight_names_the_smallest(tiny_res
     q = layer_quantities(tiny_result.table, tiny_result.features["balanced"], cfg)
     smallest = JointPlanner(q, cfg).min_memory_partition().bottleneck
     assert smallest < max(peaks)
-    tight = run_plan_job(tiny_config(memory_budget_gib=(smallest + 0.25 * (max(peaks) - smallest)) / 2**30))
-    assert tight.ablation[-1].num_checkpointed > 0 and not tight.ablation[-1].oom
+    budget = (smallest + 0.5 * (max(peaks) - smallest)) / 2**30
+    tight = run_plan_job(tiny_config(memory_budget_gib=budget))
+    rows = {r.name: r for r in tight.ablation}
+    adaptive, selective = rows["+ adaptive recompute"], rows["+ selective recompute"]
+    assert adaptive.num_checkpointed > 0 and adaptive.num_selective == 0 and not adaptive.oom
+    assert selective.num_selective > 0 and not selective.oom  # blocks trade whole recompute for selective
+    assert selective.step_time_s <= adaptive.step_time_s * (1 + 1e-9)
+    st = tight.plan.stages
+    assert {m for s in st for m in s.selective} and not {m for s in st for m in s.selective} & {m for s in st
+                                                                                                 for m in s.recompute}
+    whole = run_plan_job(tiny_config(memory_budget_gib=budget, selective=False))
+    assert "+ selective recompute" not in [r.name for r in whole.ablation]
+    assert not any(s.selective for s in whole.plan.stages)
+    with pytest.raises(InputError, match="deepspeed.*selective|selective.*DeepSpeed"):
+        tiny_config(engine="deepspeed", selective=True).validate()
     with pytest.raises(InputError, match=r"smallest budget that fits is .* stage \d") as exc:
         run_plan_job(tiny_config(memory_budget_gib=0.9 * smallest / 2**30))
     assert exc.value.field == "memory_budget_bytes"

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from omnibal.plan.recompute import RecomputeSolver, fits
-from omnibal.plan.stages import StageModelConfig, layer_quantities, stage_memory
+from omnibal.plan.stages import StageModelConfig, layer_quantities, stage_memory, stage_recompute_time
 from plan_helpers import kind_table, random_kind_coef, uniform_features
 
 
@@ -23,10 +23,21 @@ def exhaustive(q, start, stop, in_flight, budget):
     return best
 
 
-def quantities(seed, num_layers, num_kinds, dp=4):
+def exhaustive_selective(q, start, stop, in_flight, budget):
+    """min recompute time over every per-layer choice of none / full / selective, or None."""
+    best = None
+    for modes in itertools.product([0, 1, 2], repeat=stop - start):
+        modes = np.array(modes, dtype=np.int8)
+        if fits(stage_memory(q, start, stop, in_flight, modes), budget):
+            t = stage_recompute_time(q, start, stop, modes)
+            best = t if best is None else min(best, t)
+    return best
+
+
+def quantities(seed, num_layers, num_kinds, dp=4, selective=False):
     rng = np.random.default_rng(seed)
     kinds = [f"k{int(x)}" for x in rng.integers(0, num_kinds, num_layers)]
-    table = kind_table(kinds, random_kind_coef(rng, kinds))
+    table = kind_table(kinds, random_kind_coef(rng, kinds, selective=selective))
     feats = np.column_stack([np.ones(8), rng.integers(1, 20, 8), rng.integers(100, 5000, 8), np.zeros(8)])
     feats[:, 3] = feats[:, 2] ** 2 / 3
     cfg = StageModelConfig(num_stages=1, num_microbatches=8, dp_size=dp)
@@ -55,6 +66,32 @@ def test_solver_equals_exhaustive_search(seed, num_layers, num_kinds, in_flight,
     assert got.memory_bytes == pytest.approx(stage_memory(q, start, stop, in_flight, mask), rel=1e-12)
     assert fits(got.memory_bytes, budget)
     assert got.recompute_time == pytest.approx(float(q.recompute_time[mask].sum()), rel=1e-12, abs=1e-18)
+
+
+@settings(max_examples=150, deadline=None)
+@given(seed=st.integers(0, 10**6), num_layers=st.integers(1, 7), num_kinds=st.integers(1, 7),
+       in_flight=st.integers(1, 6), frac=st.floats(0.0, 1.2))
+def test_solver_with_selective_equals_exhaustive_search(seed, num_layers, num_kinds, in_flight, frac):
+    """Three choices per layer (none, full, selective): the class solver finds the exhaustive optimum, and
+    the memory and time it reports are those of the layers it names."""
+    q = quantities(seed, num_layers, num_kinds, selective=True)
+    solver = RecomputeSolver(q, selective=True)
+    lo, hi = solver.min_memory(0, num_layers, in_flight), solver.memory_without_recompute(0, num_layers, in_flight)
+    budget = lo + frac * (hi - lo)
+    expect = exhaustive_selective(q, 0, num_layers, in_flight, budget)
+    got = solver.solve(0, num_layers, in_flight, budget)
+    if expect is None:
+        assert got is None
+        return
+    assert got is not None and not set(got.checkpointed) & set(got.selective)
+    assert got.recompute_time == pytest.approx(expect, rel=1e-9, abs=1e-15)
+    modes = np.zeros(num_layers, dtype=np.int8)
+    modes[list(got.checkpointed)], modes[list(got.selective)] = 1, 2
+    assert got.memory_bytes == pytest.approx(stage_memory(q, 0, num_layers, in_flight, modes), rel=1e-12)
+    assert fits(got.memory_bytes, budget)
+    assert got.recompute_time == pytest.approx(stage_recompute_time(q, 0, num_layers, modes), rel=1e-12, abs=1e-18)
+    full_only = RecomputeSolver(q).solve(0, num_layers, in_flight, budget)
+    assert full_only is None or got.recompute_time <= full_only.recompute_time * (1 + 1e-12)
 
 
 @settings(max_examples=60, deadline=None)

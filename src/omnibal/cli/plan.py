@@ -43,6 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_layout_options(g, defaults={"pp_size": 4, "tp_size": 1, "num_microbatches": 8}, helps={
         "dp_size": "data-parallel size (default: gpus / (pp x tp))",
         "zero_stage": "ZeRO stage over DP (default: 1; torchtitan: 2, FSDP with reshard_after_forward never)"})
+    g.add_argument("--selective-recompute", action=argparse.BooleanOptionalAction, default=None,
+                   help="let adaptive recompute run transformer blocks selectively (keep matrix-product and "
+                        "attention outputs, recompute the element-wise ops; omnibal.train.recompute); default: "
+                        "where the engine expresses it (--engine omnibal)")
     add_option(g, "engine", default="omnibal",
                help="engine that will run the plan: its constraints are planner inputs, the ablation prices each of "
                     "them, and its ready-to-use files go to OUT/exports/ (docs/engines/)")
@@ -135,7 +139,7 @@ def job_config(args: argparse.Namespace):
         schedule=args.schedule, stack=args.stack,
         pack_search=pack_search_config(args.pack_microbatches),
         search=SearchConfig(radius=args.radius, top_k=args.top_k, sample_steps=args.search_steps, seed=args.seed),
-        engine=args.engine, convert_stats=args.convert_stats)
+        engine=args.engine, convert_stats=args.convert_stats, selective=args.selective_recompute)
 
 
 def pack_search_config(text: str):

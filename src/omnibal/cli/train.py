@@ -77,6 +77,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--stage-layers", help='explicit half-open layer ranges per stage, e.g. "0:9,9:20"')
     add_option(p, "recompute", help='per-stage layer names to recompute: stages split by ";", names by ",", '
                'e.g. "vision.blocks.0,vision.blocks.1;" (empty stage: none)')
+    p.add_argument("--selective", help='per-stage layer names under selective recompute (keep matrix-product '
+                   'and attention outputs, recompute the rest), as --recompute: e.g. "llm.blocks.0,llm.blocks.1;"')
     add_option(p, "schedule_file", help="balanced schedule JSON (omnibal mode; default: balance the statistics now)")
     add_option(p, "batch_size", default=4, help="samples per micro-batch in baseline mode; online mode draws "
                "--microbatches x this many samples per rank per step")
@@ -105,13 +107,14 @@ def config_from_args(args: argparse.Namespace):
     from omnibal.train.pipeline import parse_stage_layers
 
     stage_layers = parse_stage_layers(args.stage_layers) if args.stage_layers else None
-    recompute = None
-    if args.recompute is not None:
-        recompute = tuple(tuple(n.strip() for n in part.split(",") if n.strip()) for part in args.recompute.split(";"))
+    recompute, selective = (None if text is None else
+                            tuple(tuple(n.strip() for n in part.split(",") if n.strip()) for part in text.split(";"))
+                            for text in (args.recompute, args.selective))
     check_layout_args(args)
     return TrainConfig(
         mode=args.mode, dp_size=args.dp_size, pp_size=args.pp_size, num_microbatches=args.num_microbatches,
         pipeline_schedule=args.schedule, dp_sync=args.dp_sync, stage_layers=stage_layers, recompute=recompute,
+        selective=selective,
         plan_path=args.plan, model=args.model, stats_path=args.stats, schedule_path=args.schedule_file,
         max_samples=args.max_samples, stats_tokens_per_tile=args.stats_tokens_per_tile,
         annotations_path=args.annotations_path, image_root=args.image_root, tokenizer_path=args.tokenizer,

@@ -34,6 +34,20 @@ def microbatch_features(tiles, tokens, tokens_sq) -> np.ndarray:
     )
 
 
+RECOMPUTE_NONE, RECOMPUTE_FULL, RECOMPUTE_SELECTIVE = 0, 1, 2
+"""Per-layer recompute codes of a recompute mask: a bool mask (full where true) reads the same."""
+RECOMPUTE_NAMES = {RECOMPUTE_NONE: "none", RECOMPUTE_FULL: "full", RECOMPUTE_SELECTIVE: "selective"}
+
+
+def recompute_codes(mask) -> np.ndarray:
+    """A recompute mask as ``int8`` codes (:data:`RECOMPUTE_NONE`, :data:`RECOMPUTE_FULL`,
+    :data:`RECOMPUTE_SELECTIVE`); a bool mask means full recompute where true."""
+    codes = np.asarray(mask)
+    codes = codes.astype(np.int8) if codes.dtype == bool else codes.astype(np.int8, copy=False)
+    assert ((codes >= 0) & (codes <= RECOMPUTE_SELECTIVE)).all(), "recompute codes are 0, 1 or 2"
+    return codes
+
+
 def pack_features(tiles: np.ndarray, tokens: np.ndarray, pack_offsets: np.ndarray) -> np.ndarray:
     """Features of packs given in CSR form: pack ``k`` holds samples ``order[pack_offsets[k]:pack_offsets[k+1]]``
     and ``tiles``/``tokens`` are already gathered in that order. Varlen attention (sum of squares)."""

@@ -13,7 +13,9 @@ Megatron-DeepSpeed: 61.8 -> 51.9 -> 29.0 -> 21.3 GPU days):
 3. **+ balanced partition**: the exact min-max partition (stage times include the full recompute) and the
    simulator-scored neighbour search, still full recompute;
 4. **+ adaptive recompute**: the joint partition + least-recompute plan under the memory budget, with
-   the same search;
+   the same search; whole layers recomputed, as in the paper;
+   **+ selective recompute** (omnibal's, when the engine expresses it): the same with selective recompute
+   of transformer blocks as a third choice per layer (``omnibal.train.recompute``);
 5. **+ pack size** (omnibal's, not in the paper; only when the pack-size search, ``plan.packsize``, picks
    another pack than rows 2-4's): micro-batches per step and samples per pack searched together with the
    partition and recompute at the same samples per step. The paper's columns stay empty on it.
@@ -47,7 +49,9 @@ class AblationRow:
     parts: tuple[int, ...]
     """Cut points."""
     num_checkpointed: int
-    """Layers checkpointed in total (over all stages)."""
+    """Layers recomputed whole, in total (over all stages)."""
+    num_selective: int = 0
+    """Blocks under selective recompute, in total."""
     num_steps: int
     """Steps in the epoch."""
     step_time_s: float
@@ -100,14 +104,16 @@ def ablation_markdown(rows: list[AblationRow], *, show_paper: bool | None = None
     relative to the paper's on the same row (issue 17's yardstick: within 15%)."""
     if show_paper is None:
         show_paper = any(r.paper_gpu_days is not None for r in rows)
-    head = "| step | partition (cut points) | checkpointed layers | step time (s) | bubble | GPU days | speed-up |"
+    head = ("| step | partition (cut points) | layers recomputed (whole + selective) | step time (s) | bubble "
+            "| GPU days | speed-up |")
     sep = "| --- | --- | --- | --- | --- | --- | --- |"
     if show_paper:
         head += " paper GPU days | paper speed-up | ours vs paper |"
         sep += " --- | --- | --- |"
     lines = [head, sep]
     for r in rows:
-        line = (f"| {r.name} | {list(r.parts)} | {r.num_checkpointed} | {r.step_time_s:.2f} | {r.bubble:.1%} | "
+        recomputed = f"{r.num_checkpointed} + {r.num_selective}" if r.num_selective else f"{r.num_checkpointed}"
+        line = (f"| {r.name} | {list(r.parts)} | {recomputed} | {r.step_time_s:.2f} | {r.bubble:.1%} | "
                 f"{r.gpu_days:.1f}{' (OOM)' if r.oom else ''} | {r.speedup:.2f}x |")
         if show_paper:
             paper = "" if r.paper_gpu_days is None else f"{r.paper_gpu_days:.1f}"

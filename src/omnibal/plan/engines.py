@@ -51,23 +51,31 @@ class EngineSpec:
     """ZeRO stages over DP the engine offers with pipeline parallelism."""
     default_zero_stage: int
     """What ``omnibal plan --engine NAME`` uses without ``--zero-stage``."""
+    selective: bool
+    """Whether the planner may choose selective recompute per block (``omnibal.train.recompute``)."""
     notes: dict
     """Field -> why the engine refuses other values (for error messages)."""
 
 
 ENGINE_SPECS: dict[str, EngineSpec] = {
-    "omnibal": EngineSpec("omnibal", False, "per-layer", ("1f1b", "gpipe"), (0, 1, 2, 3), 1, {}),
+    "omnibal": EngineSpec("omnibal", False, "per-layer", ("1f1b", "gpipe"), (0, 1, 2, 3), 1, True, {}),
     "deepspeed": EngineSpec(
-        "deepspeed", False, "per-layer", ("1f1b",), (0, 1), 1,
+        "deepspeed", False, "per-layer", ("1f1b",), (0, 1), 1, False,
         {"schedule": "DeepSpeed's PipelineEngine runs its own 1F1B TrainSchedule only",
+         "selective": "DeepSpeed's activation checkpointing recomputes whole layers only",
          "zero_stage": "DeepSpeed refuses ZeRO-2/3 with pipeline parallelism"}),
     "megatron": EngineSpec(
-        "megatron", True, "count", ("1f1b",), (0, 1), 1,
-        {"schedule": "Megatron-core's pipeline schedule is 1F1B (forward_backward_pipelining_without_interleaving)",
+        "megatron", True, "count", ("1f1b",), (0, 1), 1, False,
+        {"selective": "Megatron-core's selective recompute applies one module list (core_attn, layernorm, "
+                      "mlp) to every layer and cannot keep the matrix-product outputs while recomputing the "
+                      "MLP activation",
+         "schedule": "Megatron-core's pipeline schedule is 1F1B (forward_backward_pipelining_without_interleaving)",
          "zero_stage": "Megatron's distributed optimizer shards optimizer state only (ZeRO-1)"}),
     "torchtitan": EngineSpec(
-        "torchtitan", True, "all-or-none", ("1f1b", "gpipe"), (0, 2, 3), 2,
-        {"zero_stage": "torchtitan shards with FSDP2: ZeRO-2-like with fsdp_reshard_after_forward='never' "
+        "torchtitan", True, "all-or-none", ("1f1b", "gpipe"), (0, 2, 3), 2, False,
+        {"selective": "torchtitan's op-level selective AC applies to every block; omnibal plans it per block "
+                      "only for its own trainer",
+         "zero_stage": "torchtitan shards with FSDP2: ZeRO-2-like with fsdp_reshard_after_forward='never' "
                        "(use 2), ZeRO-3-like with 'always' (use 3), or plain replication (use 0); "
                        "optimizer-only sharding (ZeRO-1) does not exist there"}),
 }
@@ -81,9 +89,12 @@ def get_engine(name: str) -> EngineSpec:
                          field="engine") from None
 
 
-def check_job(engine: str, *, schedule: str, zero_stage: int) -> None:
+def check_job(engine: str, *, schedule: str, zero_stage: int, selective: bool | None = None) -> None:
     """Refuse job settings the engine cannot run (one line naming the engine and the field)."""
     spec = get_engine(engine)
+    if selective and not spec.selective:
+        raise InputError(f"selective recompute cannot be expressed ({spec.notes.get('selective', '')}); plan "
+                         "without --selective-recompute", source=engine, field="selective")
     if schedule not in spec.schedules:
         raise InputError(f"schedule {schedule!r} cannot be expressed ({spec.notes.get('schedule', '')}); use "
                          f"--schedule {' or '.join(spec.schedules)}", source=engine, field="schedule")

@@ -90,6 +90,15 @@ def block_counts(plan: Plan, kind: str, engine: str, field: str) -> int:
     return n
 
 
+def _check_no_selective(plan: Plan, engine: str, field: str) -> None:
+    """Selective recompute per block is omnibal's own trainer's (``omnibal.train.recompute``)."""
+    chosen = [m for st in plan.stages for m in getattr(st, "selective", ())]
+    if chosen:
+        raise InputError(f"the plan recomputes {chosen[0]}{' ..' if len(chosen) > 1 else ''} selectively, which "
+                         f"{engine} cannot express per layer (re-plan with omnibal plan --engine {engine})",
+                         source=engine, field=field)
+
+
 def _check_blocks_only(plan: Plan, engine: str, field: str) -> None:
     other = [m for m in plan.recompute_modules() if kind_of(m) not in ("vision_block", "llm_block")]
     if other:
@@ -107,6 +116,7 @@ def deepspeed_fields(plan: Plan) -> dict:
                "pipeline stages takes the plan's sampler (omnibal.data.sampler) and its recompute layers "
                "(plan.json stages[0].recompute) in its own engine")
         raise InputError(why, source="deepspeed", field="zero_optimization.stage")
+    _check_no_selective(plan, "deepspeed", "recompute_layers_per_stage")
     names = [m for st in plan.stages for m in st.modules]
     index = {m: k for k, m in enumerate(names)}
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": i.num_microbatches,
@@ -128,6 +138,7 @@ def megatron_layout(plan: Plan) -> str:
 def megatron_fields(plan: Plan) -> dict:
     _check_vision_first(plan, "megatron", "pipeline_model_parallel_layout")
     _check_blocks_only(plan, "megatron", "recompute_granularity")
+    _check_no_selective(plan, "megatron", "recompute_granularity")
     i = plan.inputs
     if i.zero_stage > 1:
         raise InputError("Megatron's distributed optimizer is ZeRO-1", source="megatron",
@@ -185,6 +196,7 @@ def torchtitan_fqns(plan: Plan) -> list[list[str]]:
 def torchtitan_fields(plan: Plan) -> dict:
     _check_vision_first(plan, "torchtitan", "module_fqns_per_model_part")
     _check_blocks_only(plan, "torchtitan", "activation_checkpoint")
+    _check_no_selective(plan, "torchtitan", "activation_checkpoint")
     blocks = [m for st in plan.stages for m in st.modules if kind_of(m) in ("vision_block", "llm_block")]
     chosen = plan.recompute_modules()
     if chosen and len(chosen) != len(blocks):

@@ -139,6 +139,16 @@ class PlanJobConfig:
     engine: str = "omnibal"
     """Engine the plan is for (``omnibal.plan.engines``): its constraints are inputs to the planner, and the
     ablation gets one row per constraint (and one with all of them: the plan)."""
+    selective: bool | None = None
+    """Let adaptive recompute run transformer blocks selectively (``omnibal.train.recompute``); None: where
+    the engine expresses it per layer (``omnibal``, the reference trainer and the HF adapter)."""
+
+    @property
+    def selective_recompute(self) -> bool:
+        """Whether the plan may recompute selectively (``selective``, or the engine's default)."""
+        from omnibal.plan.engines import get_engine
+
+        return get_engine(self.engine).selective if self.selective is None else self.selective
 
     @property
     def hardware_name(self) -> str:
@@ -150,7 +160,7 @@ class PlanJobConfig:
 
         check_choice(self.engine, Engine, source="--engine", field="engine")
         check_choice(self.schedule, PLANNER_SCHEDULES, source="--schedule", field="schedule")
-        check_job(self.engine, schedule=self.schedule, zero_stage=self.zero_stage)
+        check_job(self.engine, schedule=self.schedule, zero_stage=self.zero_stage, selective=self.selective)
         for name in ("baseline_batch_size", "num_samples"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -80,7 +80,11 @@ class Found:
     best_full: Candidate | None = None
     best_joint: Candidate | None = None
     best_adaptive: Candidate | None = None
-    """The joint plan at the job's own pack (the ``+ adaptive recompute`` row)."""
+    """The joint plan at the job's own pack with whole-layer recompute (the ``+ adaptive recompute`` row)."""
+    best_selective: Candidate | None = None
+    """The same with selective recompute too (the ``+ selective recompute`` row; None when not planned)."""
+    full_layer_planner: JointPlanner | None = None
+    """The planner at the job's own pack that recomputes whole layers only (the paper's adaptive recompute)."""
     default_planner: JointPlanner | None = None
     """The planner at the job's own pack (the ``+ data balance`` row)."""
     scored: list = field(default_factory=list)
@@ -123,7 +127,7 @@ def model_phase(config) -> Model:
                                         table, config),
                                     p2p_bandwidth=sim_config.p2p_bandwidth, p2p_latency=sim_config.p2p_latency,
                                     dp_bandwidth=sim_config.dp_bandwidth, dp_latency=sim_config.dp_latency,
-                                    schedule=config.schedule)
+                                    schedule=config.schedule, selective_recompute=config.selective_recompute)
     return Model(spec=spec, hw=hw, table=table, sim_config=sim_config, budget=budget, stage_config=stage_config)
 
 
@@ -212,21 +216,31 @@ def _scorer(model: Model, sample):
 
 
 def plan_phase(config, model: Model, data: Data) -> Found:
-    """The exact joint partition + recompute (and the full-recompute one) on the balanced micro-batches."""
-    planner = JointPlanner(layer_quantities(model.table, data.features["balanced"], model.stage_config),
-                           model.stage_config)
+    """The exact joint partition + recompute (and the full-recompute one) on the balanced micro-batches; with
+    selective recompute, also the planner that recomputes whole layers only (the ablation's paper row)."""
+    q = layer_quantities(model.table, data.features["balanced"], model.stage_config)
+    planner = JointPlanner(q, model.stage_config)
+    layers_only = planner
+    if model.stage_config.selective_recompute:
+        layers_only = JointPlanner(q, replace(model.stage_config, selective_recompute=False))
     sample = sample_steps(data.features["balanced"], config.search.sample_steps, config.search.seed)
     return Found(planner=planner, anchor_joint=planner.plan(), anchor_full=planner.plan_fixed_recompute("full"),
-                 score=_scorer(model, sample), sample=sample, default_planner=planner)
+                 score=_scorer(model, sample), sample=sample, default_planner=planner, full_layer_planner=layers_only)
 
 
 def search_phase(config, model: Model, data: Data, found: Found) -> Found:
-    """The simulator-scored neighbour search around both anchors."""
+    """The simulator-scored neighbour search around the anchors (whole-layer recompute, adaptive recompute
+    with whole layers only, and with selective recompute when the job plans it)."""
     best_full, _, _ = search(found.planner, found.anchor_full, found.score, config.search, recompute="full")
-    best_joint, scored, num_enumerated = search(found.planner, found.anchor_joint, found.score, config.search,
-                                                recompute="adaptive")
-    return replace(found, best_full=best_full, best_joint=best_joint, best_adaptive=best_joint, scored=scored,
-                   num_enumerated=num_enumerated)
+    layers_only = found.full_layer_planner
+    best_adaptive, scored, num_enumerated = search(layers_only, layers_only.plan(), found.score, config.search,
+                                                   recompute="adaptive")
+    best_selective = None
+    if layers_only is not found.planner:
+        best_selective, scored, num_enumerated = search(found.planner, found.anchor_joint, found.score,
+                                                        config.search, recompute="adaptive")
+    return replace(found, best_full=best_full, best_joint=best_selective or best_adaptive, best_adaptive=best_adaptive,
+                   best_selective=best_selective, scored=scored, num_enumerated=num_enumerated)
 
 
 def pack_phase(config, model: Model, data: Data, found: Found, cache: dict | None) -> tuple[Data, Found]:
@@ -287,7 +301,8 @@ def ablation_phase(config, model: Model, data: Data, found: Found):
         summary = res.summary()
         rows.append(AblationRow(
             name=name, data=data_desc[data_key], partition=part_desc, recompute=rec_desc, parts=sp.parts,
-            num_checkpointed=int(mask.sum()), num_steps=summary["num_steps"],
+            num_checkpointed=int((mask == 1).sum()), num_selective=int((mask == 2).sum()),
+            num_steps=summary["num_steps"],
             step_time_s=summary["step_time_mean_s"], epoch_time_s=res.total_time,
             gpu_days=res.gpu_days, bubble=summary["bubble_mean"],
             peak_memory_bytes=tuple(st["peak_memory_bytes"] for st in summary["stages"]),
@@ -317,6 +332,9 @@ def _ablation_specs(config, model: Model, data: Data, found: Found):
         ("+ balanced partition", "balanced", "exact min-max + search", "full", found.best_full.plan),
         ("+ adaptive recompute", "balanced", "joint min-max + search", "adaptive", found.best_adaptive.plan),
     ]
+    if found.best_selective is not None:
+        specs.append(("+ selective recompute", "balanced", "joint min-max + search", "adaptive, selective",
+                      found.best_selective.plan))
     if data.final_key == "packed":
         specs.append(("+ pack size", "packed", "joint min-max + search", "adaptive", found.best_joint.plan))
     if constraint_rows(config.engine):  # deepspeed and omnibal express every plan: no extra rows

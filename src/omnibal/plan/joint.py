@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from omnibal.cost.table import RECOMPUTE_FULL, RECOMPUTE_SELECTIVE
 from omnibal.errors import InputError
 from omnibal.plan.partition import (
     check_num_stages,
@@ -53,7 +54,9 @@ class StagePlan:
     memory_bytes: float
     """Peak bytes with the chosen checkpoints."""
     checkpointed: tuple[int, ...]
-    """Global indices of the checkpointed layers."""
+    """Global indices of the layers recomputed whole."""
+    selective: tuple[int, ...] = ()
+    """Global indices of the layers under selective recompute."""
 
     @property
     def time(self) -> float:
@@ -78,9 +81,11 @@ class StagePlanSet:
         return len(self.stages)
 
     def recompute_mask(self, num_layers: int) -> np.ndarray:
-        mask = np.zeros(num_layers, dtype=bool)
+        """``[L]`` recompute codes (:func:`omnibal.cost.table.recompute_codes`: full 1, selective 2)."""
+        mask = np.zeros(num_layers, dtype=np.int8)
         for st in self.stages:
-            mask[list(st.checkpointed)] = True
+            mask[list(st.checkpointed)] = RECOMPUTE_FULL
+            mask[list(st.selective)] = RECOMPUTE_SELECTIVE
         return mask
 
     def fits(self, budget: float | None) -> bool:
@@ -106,7 +111,7 @@ class JointPlanner:
     def __init__(self, q: LayerQuantities, config: StageModelConfig) -> None:
         config.validate(q.num_layers)
         self.q, self.config = q, config
-        self.solver = RecomputeSolver(q)
+        self.solver = RecomputeSolver(q, selective=config.selective_recompute)
         self.num_layers = q.num_layers
         self.base_time = interval_cost_matrix(q.compute_time, q.boundary_time)
         self._static = _interval_sum(q.static_bytes)
@@ -129,15 +134,17 @@ class JointPlanner:
             choice = self.solver.solve(start, stop, k, self.config.memory_budget_bytes)
             if choice is None:
                 return None
-            ckpt, rtime, mem = choice.checkpointed, choice.recompute_time, choice.memory_bytes
+            ckpt, sel, rtime, mem = choice.checkpointed, choice.selective, choice.recompute_time, choice.memory_bytes
         else:
+            sel = ()
             ckpt = full_recompute(q, start, stop) if recompute == "full" else ()
             rtime = float(q.recompute_time[list(ckpt)].sum())
             mask = np.zeros(stop - start, dtype=bool)
             mask[[c - start for c in ckpt]] = True
             mem = stage_memory(q, start, stop, k, mask)
         return StagePlan(stage=stage, start=start, stop=stop, in_flight=k, compute_time=compute,
-                         boundary_time=boundary, recompute_time=rtime, memory_bytes=mem, checkpointed=tuple(ckpt))
+                         boundary_time=boundary, recompute_time=rtime, memory_bytes=mem, checkpointed=tuple(ckpt),
+                         selective=tuple(sel))
 
     def evaluate(self, parts: Sequence[int], recompute: str = "adaptive") -> StagePlanSet | None:
         """Given cut points: per-stage plans (None when ``adaptive`` and some stage cannot fit)."""

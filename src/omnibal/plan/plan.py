@@ -90,7 +90,7 @@ class PlanStage:
     modules: tuple[str, ...]
     """Module names of those layers (the reference trainer's names)."""
     recompute: tuple[str, ...]
-    """Module names to wrap in activation checkpointing."""
+    """Module names recomputed whole (activation checkpointing)."""
     in_flight: int
     """Micro-batches whose activations the stage holds at its peak (1F1B: min(P - s, M))."""
     compute_time_s: float
@@ -103,6 +103,8 @@ class PlanStage:
     """Planned peak bytes per device (largest micro-batches in flight)."""
     simulated_peak_memory_bytes: float | None = None
     """Peak bytes per device the simulator saw over the epoch."""
+    selective: tuple[str, ...] = ()
+    """Module names under selective recompute (``omnibal.train.recompute``; absent in older plans: none)."""
 
     @property
     def time_s(self) -> float:
@@ -152,6 +154,9 @@ class Plan:
     def recompute_modules(self) -> tuple[str, ...]:
         return tuple(m for st in self.stages for m in st.recompute)
 
+    def selective_modules(self) -> tuple[str, ...]:
+        return tuple(m for st in self.stages for m in st.selective)
+
     def to_dict(self) -> dict:
         # "model" at the top is what the reference trainer checks before applying a plan
         out = {"format": PLAN_FORMAT, "version": self.version, "model": self.inputs.model, "engine": self.engine,
@@ -161,7 +166,7 @@ class Plan:
         for st in self.stages:
             d = asdict(st)
             d["layers"] = list(st.layers)
-            d["modules"], d["recompute"] = list(st.modules), list(st.recompute)
+            d["modules"], d["recompute"], d["selective"] = list(st.modules), list(st.recompute), list(st.selective)
             out["stages"].append(d)
         out["exports"] = export_all(self)  # derived (omnibal.integrations writes the files); ignored on load
         return out
@@ -250,15 +255,21 @@ class Plan:
                 raise InputError(f"{len(modules)} module names for {stop - start} layers", source=source,
                                  record=where, field="modules")
             recompute = tuple(r.str_list(st, "recompute", where))
-            unknown = [m for m in recompute if m not in modules]
-            if unknown:
-                raise InputError(f"recompute names modules not in this stage: {unknown}", source=source,
-                                 record=where, field="recompute")
+            selective = tuple(r.str_list(st, "selective", where)) if "selective" in st else ()
+            for field_name, names in (("recompute", recompute), ("selective", selective)):
+                unknown = [m for m in names if m not in modules]
+                if unknown:
+                    raise InputError(f"{field_name} names modules not in this stage: {unknown}", source=source,
+                                     record=where, field=field_name)
+            both = sorted(set(recompute) & set(selective))
+            if both:
+                raise InputError(f"modules both recomputed whole and selectively: {both}", source=source,
+                                 record=where, field="selective")
             if r.get(st, "stage", int, where) != s:
                 raise InputError(f"stage index {st['stage']} at position {s}", source=source, record=where,
                                  field="stage")
             stages.append(PlanStage(
-                stage=s, layers=(start, stop), modules=modules, recompute=recompute,
+                stage=s, layers=(start, stop), modules=modules, recompute=recompute, selective=selective,
                 in_flight=r.get(st, "in_flight", int, where),
                 compute_time_s=r.get(st, "compute_time_s", float, where),
                 boundary_time_s=r.get(st, "boundary_time_s", float, where),
@@ -332,7 +343,8 @@ def plan_stages(names, stage_plans, simulated_peak_memory=None) -> tuple[PlanSta
         peak = None if simulated_peak_memory is None else float(simulated_peak_memory[st.stage])
         out.append(PlanStage(
             stage=st.stage, layers=(st.start, st.stop), modules=tuple(names[st.start:st.stop]),
-            recompute=tuple(names[i] for i in st.checkpointed), in_flight=st.in_flight,
+            recompute=tuple(names[i] for i in st.checkpointed), selective=tuple(names[i] for i in st.selective),
+            in_flight=st.in_flight,
             compute_time_s=st.compute_time, boundary_time_s=st.boundary_time, recompute_time_s=st.recompute_time,
             memory_bytes=st.memory_bytes, simulated_peak_memory_bytes=peak))
     return tuple(out)

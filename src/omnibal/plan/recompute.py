@@ -1,35 +1,34 @@
-"""Per-stage activation checkpointing: the least recompute time that makes a stage fit its memory budget.
+"""Per-stage activation recompute: the least recompute time that makes a stage fit its memory budget.
 
 Stage ``s`` holding layers ``[i, j)`` with ``k = min(P - s, M)`` micro-batches in flight needs (see
 :func:`omnibal.plan.stages.stage_memory`)
 
-    static + k * sum(act) - k * sum(saving of checkpointed layers) + max(saving of checkpointed layers)
+    static + k * sum(act) - k * sum(saving of recomputed layers) + max(saving of recomputed layers)
 
-bytes, and checkpointing a layer costs its forward again in the backward pass. Choosing the layers is a
-covering knapsack: minimise the recompute time subject to the memory fitting the budget.
+bytes. Each layer may run without recompute, with full recompute (it keeps its input; its forward runs again
+in the backward) or, for transformer blocks, with selective recompute (it keeps its input and its matrix
+products' and attention's outputs; the element-wise ops run again: most of the saving for a few percent of
+the time; :mod:`omnibal.train.recompute`). Choosing is a covering knapsack with two options per item:
+minimise the recompute time subject to the memory fitting the budget.
 
-It is solved exactly by enumeration over **classes**: layers with identical (recompute time, saving) are
+It is solved exactly over **classes**: layers with identical (time, saving) for both options are
 interchangeable (every block of one kind in the analytic model and in per-kind fitted profiles), so only
-*how many* of each class to checkpoint matters. All classes but the largest are enumerated; for each
-combination the count of the largest class follows in closed form (the smallest count that fits). A VLM
-stage has at most a few classes (ViT block, LLM block and the single embed/projector/head layers), so
-this is at most a few hundred combinations per stage.
+*how many* of each class take each option matters. The Pareto front of a class's (selective, full) counts
+is small (a count trades against the other only near the class size), the fronts of all classes but the
+largest are combined, and for each combination the cheapest point of the largest class's front that frees
+enough is found by binary search, per value of the transient term.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import numpy as np
 
-from omnibal.errors import OmnibalError
 from omnibal.plan.stages import LayerQuantities
 
 MEMORY_RTOL = 1e-9
 """Relative slack when comparing memory with a budget (float rounding of byte sums)."""
-MAX_COMBINATIONS = 2_000_000
-"""Enumeration limit per stage; only reached by tables whose layers all differ (then the error says so)."""
 
 
 def fits(memory: float | np.ndarray, budget: float | None) -> bool | np.ndarray:
@@ -41,35 +40,79 @@ def fits(memory: float | np.ndarray, budget: float | None) -> bool | np.ndarray:
 
 @dataclass(frozen=True)
 class StageRecompute:
-    """The checkpointing choice of one stage."""
+    """The recompute choice of one stage."""
 
     checkpointed: tuple[int, ...]
-    """Global layer indices to checkpoint (ascending)."""
+    """Global layer indices recomputed whole (ascending)."""
     recompute_time: float
-    """Seconds per micro-batch spent recomputing them."""
+    """Seconds per micro-batch spent recomputing."""
     memory_bytes: float
     """Peak bytes of the stage with this choice."""
+    selective: tuple[int, ...] = ()
+    """Global layer indices under selective recompute (ascending)."""
+
+
+@dataclass(frozen=True)
+class _Frontier:
+    """Pareto-optimal ways to recompute some layers: per point the transient bytes (what recomputing one layer
+    brings back), the bytes freed per in-flight micro-batch, the seconds added, and the counts chosen (per
+    class: selective, full). Within one transient value the points have ascending saving and time."""
+
+    trans: np.ndarray
+    save: np.ndarray
+    time: np.ndarray
+    counts: np.ndarray
+    """``[P, 2 * num_classes]`` (selective, full) counts per class."""
+
+    @staticmethod
+    def nothing(num_classes: int) -> _Frontier:
+        return _Frontier(np.zeros(1), np.zeros(1), np.zeros(1), np.zeros((1, 2 * num_classes), np.int64))
+
+    def pruned(self) -> _Frontier:
+        """Drop every point another point of the same transient beats (at least its saving, less time)."""
+        order = np.lexsort((self.time, -self.save, self.trans))
+        trans, time = self.trans[order], self.time[order]
+        keep = np.zeros(len(order), bool)
+        for t in np.unique(trans):
+            idx = np.flatnonzero(trans == t)
+            best = np.minimum.accumulate(time[idx])
+            keep[idx] = time[idx] < np.concatenate([[np.inf], best[:-1]])
+        order = order[keep][np.lexsort((self.save[order[keep]], self.trans[order[keep]]))]
+        return _Frontier(self.trans[order], self.save[order], self.time[order], self.counts[order])
+
+    def plus(self, other: _Frontier) -> _Frontier:
+        """Every combination of one point of each (transients combine by max), pruned."""
+        a = np.repeat(np.arange(len(self.save)), len(other.save))
+        b = np.tile(np.arange(len(other.save)), len(self.save))
+        return _Frontier(np.maximum(self.trans[a], other.trans[b]), self.save[a] + other.save[b],
+                         self.time[a] + other.time[b], self.counts[a] + other.counts[b]).pruned()
 
 
 class RecomputeSolver:
-    """Exact per-stage checkpoint selection for one :class:`LayerQuantities`.
+    """Exact per-stage recompute selection for one :class:`LayerQuantities`: each layer none, full or (with
+    ``selective``) selective recompute, the least recompute time that fits.
 
-    Layer classes are found once; :meth:`solve` then answers any stage range and in-flight count.
+    Layers with identical (full time, full saving, selective time, selective saving) form a class and are
+    interchangeable, so only the counts per class matter. For every class but the largest, the Pareto front of
+    its (selective, full) counts is built once per count and the fronts are combined; for the largest class,
+    the cheapest point of its own front that frees enough is found by a search per transient value.
     """
 
-    def __init__(self, q: LayerQuantities) -> None:
+    def __init__(self, q: LayerQuantities, *, selective: bool = False) -> None:
         self.q = q
         saving = q.saving_bytes
+        sel_saving = q.sel_saving_bytes if selective else np.zeros_like(saving)
+        sel_time = np.where(sel_saving > 0, q.sel_recompute_time, 0.0)
         eligible = saving > 0
-        keys = np.stack([q.recompute_time, saving], axis=1)
+        keys = np.stack([q.recompute_time, saving, sel_time, sel_saving], axis=1)
         self.class_of = np.full(q.num_layers, -1, dtype=np.int64)
         if eligible.any():
             uniq, inverse = np.unique(keys[eligible], axis=0, return_inverse=True)
             self.class_of[eligible] = inverse.reshape(-1)
         else:
-            uniq = np.zeros((0, 2))
-        self.class_time = uniq[:, 0].copy()
-        self.class_saving = uniq[:, 1].copy()
+            uniq = np.zeros((0, 4))
+        self.class_time, self.class_saving = uniq[:, 0].copy(), uniq[:, 1].copy()
+        self.class_sel_time, self.class_sel_saving = uniq[:, 2].copy(), uniq[:, 3].copy()
         num_classes = len(uniq)
         onehot = np.zeros((q.num_layers, num_classes))
         onehot[np.arange(q.num_layers)[eligible], self.class_of[eligible]] = 1.0
@@ -77,6 +120,7 @@ class RecomputeSolver:
         self.static_prefix = np.concatenate([[0.0], np.cumsum(q.static_bytes)])
         self.act_prefix = np.concatenate([[0.0], np.cumsum(q.act_bytes)])
         self.saving_prefix = np.concatenate([[0.0], np.cumsum(saving)])
+        self._fronts: dict[tuple[int, int], _Frontier] = {}
 
     # ---- memory bounds -------------------------------------------------------------------------
     def memory_without_recompute(self, start: int, stop: int, in_flight: int) -> float:
@@ -84,7 +128,8 @@ class RecomputeSolver:
                      + in_flight * (self.act_prefix[stop] - self.act_prefix[start]))
 
     def min_memory(self, start: int, stop: int, in_flight: int) -> float:
-        """Smallest peak the stage can reach: every layer with a saving checkpointed (optimal for k >= 1)."""
+        """Smallest peak the stage can reach: every layer with a saving recomputed whole (optimal for k >= 1:
+        full recompute frees at least what selective does)."""
         counts = self.count_prefix[stop] - self.count_prefix[start]
         present = counts > 0
         working = float(self.class_saving[present].max()) if present.any() else 0.0
@@ -92,9 +137,23 @@ class RecomputeSolver:
                 - in_flight * float(self.saving_prefix[stop] - self.saving_prefix[start]) + working)
 
     # ---- the knapsack ---------------------------------------------------------------------------
+    def class_front(self, c: int, n: int) -> _Frontier:
+        """Pareto front of recomputing ``x_s`` layers of class ``c`` selectively and ``x_f`` whole,
+        ``x_s + x_f <= n`` (cached)."""
+        if (c, n) not in self._fronts:
+            xs, xf = np.meshgrid(np.arange(n + 1), np.arange(n + 1), indexing="ij")
+            ok = (xs + xf <= n) & ((xs == 0) | (self.class_sel_saving[c] > 0))
+            xs, xf = xs[ok], xf[ok]
+            counts = np.zeros((len(xs), 2 * len(self.class_time)), np.int64)
+            counts[:, 2 * c], counts[:, 2 * c + 1] = xs, xf
+            trans = np.where(xf > 0, self.class_saving[c], np.where(xs > 0, self.class_sel_saving[c], 0.0))
+            self._fronts[(c, n)] = _Frontier(trans, xs * self.class_sel_saving[c] + xf * self.class_saving[c],
+                                             xs * self.class_sel_time[c] + xf * self.class_time[c], counts).pruned()
+        return self._fronts[(c, n)]
+
     def solve(self, start: int, stop: int, in_flight: int, budget: float | None, *,
               with_layers: bool = True, known_feasible: bool = False) -> StageRecompute | None:
-        """Least-recompute checkpoint set for layers ``[start, stop)``; None when no choice fits.
+        """Least-recompute choice for layers ``[start, stop)``; None when no choice fits.
         ``with_layers=False`` skips naming the layers (the joint search needs only the time)."""
         base = self.memory_without_recompute(start, stop, in_flight)
         if fits(base, budget):
@@ -103,64 +162,51 @@ class RecomputeSolver:
             return None
         counts = self.count_prefix[stop] - self.count_prefix[start]
         present = np.flatnonzero(counts > 0)
-        free = present[np.argmax(counts[present])]
-        others = present[present != free]
-        sizes = counts[others] + 1
-        num_combos = int(np.prod(sizes, dtype=np.float64)) if len(others) else 1
-        if num_combos > MAX_COMBINATIONS:
-            raise OmnibalError(f"stage [{start}, {stop}) has {len(present)} distinct layer classes: exact "
-                               f"recompute search would enumerate {num_combos} combinations")
-        grid = _count_grid(tuple(int(n) for n in sizes))
-        k = float(in_flight)
-        sav_o, time_o = self.class_saving[others], self.class_time[others]
-        saved_o = grid @ sav_o
-        time_sum_o = grid @ time_o
-        work_o = np.max(np.where(grid > 0, sav_o[None, :], 0.0), axis=1, initial=0.0)
-        deficit = base - budget  # bytes that must be freed (> 0 here)
-        # c_f = 0
-        mem0 = base - k * saved_o + work_o
-        ok0 = fits(mem0, budget)
-        # c_f >= 1: the smallest count that frees enough
-        sav_f, time_f, n_f = self.class_saving[free], self.class_time[free], counts[free]
-        work_f = np.maximum(work_o, sav_f)
-        need = (deficit - k * saved_o + work_f) / (k * sav_f)
-        c_f = np.maximum(1.0, np.ceil(need))
-        lower = np.maximum(1.0, c_f - 1.0)  # guard against rounding up past an exact fit
-        mem_lower = base - k * (saved_o + lower * sav_f) + work_f
-        c_f = np.where(fits(mem_lower, budget), lower, c_f)
-        mem1 = base - k * (saved_o + c_f * sav_f) + work_f
-        ok1 = (c_f <= n_f) & fits(mem1, budget)
-        cost = np.concatenate([np.where(ok0, time_sum_o, np.inf), np.where(ok1, time_sum_o + c_f * time_f, np.inf)])
-        mem = np.concatenate([mem0, mem1])
-        order = np.lexsort((mem, cost))
-        best = int(order[0])
-        assert np.isfinite(cost[best]), "min_memory said a choice fits"
-        combo = best % len(grid)
-        chosen = np.zeros(len(self.class_time), dtype=np.int64)
-        chosen[others] = grid[combo]
-        chosen[free] = 0 if best < len(grid) else int(c_f[combo])
-        layers = self._first_layers(start, stop, chosen) if with_layers else ()
-        return StageRecompute(checkpointed=layers, recompute_time=float(cost[best]), memory_bytes=float(mem[best]))
+        free = int(present[np.argmax(counts[present])])
+        others = _Frontier.nothing(len(self.class_time))
+        for c in present[present != free]:
+            others = others.plus(self.class_front(int(c), int(counts[c])))
+        cost, mem, idx = self._best_with_free(others, self.class_front(free, int(counts[free])), base, in_flight,
+                                              budget)
+        assert np.isfinite(cost), "min_memory said a choice fits"
+        chosen = others.counts[idx[0]] + self.class_front(free, int(counts[free])).counts[idx[1]]
+        full, sel = (self._first_layers(start, stop, chosen) if with_layers else ((), ()))
+        return StageRecompute(checkpointed=full, recompute_time=cost, memory_bytes=mem, selective=sel)
 
-    def _first_layers(self, start: int, stop: int, chosen: np.ndarray) -> tuple[int, ...]:
-        """The first ``chosen[c]`` layers of each class in the stage (interchangeable under the model;
-        the first ones, like Megatron's ``block`` recompute granularity)."""
-        out: list[int] = []
+    def _best_with_free(self, others: _Frontier, front: _Frontier, base: float, k: int, budget: float):
+        """(time, memory, (other point, free point)) of the cheapest fitting combination: for every other
+        point and every transient of the free class, the first free point that frees enough."""
+        best = (np.inf, np.inf, (0, 0))
+        for t in np.unique(front.trans):
+            g = np.flatnonzero(front.trans == t)
+            trans = np.maximum(others.trans, t)
+            need = (base + trans - budget * (1.0 + MEMORY_RTOL)) / k - others.save  # bytes the free class frees
+            pos = np.searchsorted(front.save[g], need, side="left")
+            for cand in (np.maximum(pos - 1, 0), pos):  # one below: float rounding of an exact fit
+                ok = cand < len(g)
+                j = g[np.minimum(cand, len(g) - 1)]
+                mem = base - k * (others.save + front.save[j]) + trans
+                cost = np.where(ok & fits(mem, budget), others.time + front.time[j], np.inf)
+                order = np.lexsort((mem, cost))
+                i = int(order[0])
+                if (cost[i], mem[i]) < best[:2]:
+                    best = (float(cost[i]), float(mem[i]), (i, int(j[i])))
+        return best
+
+    def _first_layers(self, start: int, stop: int, chosen: np.ndarray) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(full, selective) layers: of each class, the first ``full`` layers of the stage recompute whole and
+        the next ``selective`` ones selectively (interchangeable under the model; the first ones, like
+        Megatron's ``block`` recompute granularity)."""
+        full: list[int] = []
+        sel: list[int] = []
         cls = self.class_of[start:stop]
-        for c in np.flatnonzero(chosen):
-            out.extend((start + np.flatnonzero(cls == c)[: chosen[c]]).tolist())
-        return tuple(sorted(out))
-
-
-@functools.lru_cache(maxsize=4096)
-def _count_grid(sizes: tuple[int, ...]) -> np.ndarray:
-    """Every combination of counts ``0 .. sizes[c] - 1`` as rows of an int array (read-only, cached)."""
-    if not sizes:
-        grid = np.zeros((1, 0), dtype=np.int64)
-    else:
-        grid = np.stack(np.meshgrid(*[np.arange(n) for n in sizes], indexing="ij"), axis=-1).reshape(-1, len(sizes))
-    grid.setflags(write=False)
-    return grid
+        for c in range(len(self.class_time)):
+            xs, xf = int(chosen[2 * c]), int(chosen[2 * c + 1])
+            if xs or xf:
+                members = start + np.flatnonzero(cls == c)
+                full.extend(members[:xf].tolist())
+                sel.extend(members[xf:xf + xs].tolist())
+        return tuple(sorted(full)), tuple(sorted(sel))
 
 
 def full_recompute(q: LayerQuantities, start: int, stop: int) -> tuple[int, ...]:

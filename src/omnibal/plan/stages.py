@@ -21,7 +21,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from omnibal.cost.analytic import zero3_active, zero3_layer_comm, zero_sharded_bytes
-from omnibal.cost.table import NUM_FEATURES, LayerCostTable
+from omnibal.cost.table import (
+    NUM_FEATURES,
+    RECOMPUTE_FULL,
+    RECOMPUTE_SELECTIVE,
+    LayerCostTable,
+    recompute_codes,
+)
 from omnibal.errors import InputError
 from omnibal.layout import PLANNER_SCHEDULES, check_choice, check_layout_fields
 
@@ -54,6 +60,10 @@ class StageModelConfig:
     """Per-feature quantile of the micro-batches used to size activation memory (1.0: the maximum)."""
     schedule: str = "1f1b"
     """Pipeline schedule: ``1f1b`` (stage s holds min(P - s, M) micro-batches) or ``gpipe`` (all M)."""
+    selective_recompute: bool = False
+    """Whether adaptive recompute may run transformer blocks selectively (keep the matrix products' and
+    attention's outputs, recompute the element-wise ops) besides whole layers; False: whole layers only, as
+    the OmniBal paper (and an engine that cannot express selective recompute)."""
 
     def validate(self, num_layers: int) -> None:
         check_layout_fields({"num_stages": self.num_stages, "num_microbatches": self.num_microbatches,
@@ -93,6 +103,10 @@ class LayerQuantities:
     """``[L]`` activation bytes kept for backward per in-flight micro-batch (memory features)."""
     ckpt_bytes: np.ndarray
     """``[L]`` bytes kept per in-flight micro-batch when the layer is checkpointed."""
+    sel_act_bytes: np.ndarray
+    """``[L]`` bytes kept per in-flight micro-batch under selective recompute."""
+    sel_recompute_time: np.ndarray
+    """``[L]`` seconds selective recompute adds to the backward (the element-wise forward ops)."""
     static_bytes: np.ndarray
     """``[L]`` parameters + gradients + optimizer state per device after ZeRO sharding."""
     boundary_time: np.ndarray
@@ -111,6 +125,11 @@ class LayerQuantities:
     def saving_bytes(self) -> np.ndarray:
         """``[L]`` bytes per in-flight micro-batch that checkpointing a layer frees (never negative)."""
         return np.maximum(self.act_bytes - self.ckpt_bytes, 0.0)
+
+    @property
+    def sel_saving_bytes(self) -> np.ndarray:
+        """``[L]`` bytes per in-flight micro-batch that selective recompute frees (never more than full)."""
+        return np.minimum(np.maximum(self.act_bytes - self.sel_act_bytes, 0.0), self.saving_bytes)
 
 
 def representative_features(features: np.ndarray, memory_quantile: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
@@ -155,6 +174,7 @@ def layer_quantities(table: LayerCostTable, features: np.ndarray, config: StageM
         names=tuple(table.names), kinds=tuple(table.kinds),
         compute_time=compute, recompute_time=recompute,
         act_bytes=table.evaluate("act_bytes", mem), ckpt_bytes=table.evaluate("ckpt_bytes", mem),
+        sel_act_bytes=table.evaluate("sel_act_bytes", mem), sel_recompute_time=table.evaluate("sel_fwd_time", mean),
         static_bytes=static, boundary_time=boundary,
         compute_features=mean, memory_features=mem,
     )
@@ -167,16 +187,31 @@ def stage_boundary_time(q: LayerQuantities, start: int, stop: int) -> float:
     return float(left + right)
 
 
-def stage_memory(q: LayerQuantities, start: int, stop: int, in_flight: int, checkpointed: np.ndarray) -> float:
-    """Peak bytes of the stage ``[start, stop)`` holding ``in_flight`` micro-batches, with the layers where
-    ``checkpointed`` (a bool mask over the stage's layers) is true checkpointed.
+def stage_saving(q: LayerQuantities, start: int, stop: int, modes: np.ndarray) -> np.ndarray:
+    """``[stop - start]`` bytes per in-flight micro-batch each layer frees at its recompute mode
+    (:mod:`omnibal.cost.table` codes: none, full, selective)."""
+    modes = recompute_codes(modes)
+    assert modes.shape == (stop - start,)
+    return np.select([modes == RECOMPUTE_FULL, modes == RECOMPUTE_SELECTIVE],
+                     [q.saving_bytes[start:stop], q.sel_saving_bytes[start:stop]], 0.0)
 
-    Peak = static + in_flight * (kept activations) + the working set of recomputing one checkpointed layer
-    (its full activations exist again for one micro-batch while its backward runs).
+
+def stage_recompute_time(q: LayerQuantities, start: int, stop: int, modes: np.ndarray) -> float:
+    """Seconds per micro-batch the stage's recompute adds at the given modes."""
+    modes = recompute_codes(modes)
+    return float(np.select([modes == RECOMPUTE_FULL, modes == RECOMPUTE_SELECTIVE],
+                           [q.recompute_time[start:stop], q.sel_recompute_time[start:stop]], 0.0).sum())
+
+
+def stage_memory(q: LayerQuantities, start: int, stop: int, in_flight: int, checkpointed: np.ndarray) -> float:
+    """Peak bytes of the stage ``[start, stop)`` holding ``in_flight`` micro-batches, each layer recomputed as
+    ``checkpointed`` says (a bool mask over the stage's layers: full recompute where true; or recompute codes,
+    :func:`omnibal.cost.table.recompute_codes`).
+
+    Peak = static + in_flight * (kept activations) + the working set of recomputing one layer (what it freed
+    exists again for one micro-batch while its backward runs).
     """
-    ckpt = np.asarray(checkpointed, dtype=bool)
-    assert ckpt.shape == (stop - start,)
-    saving = q.saving_bytes[start:stop]
-    kept = q.act_bytes[start:stop] - np.where(ckpt, saving, 0.0)
-    working = float(saving[ckpt].max()) if ckpt.any() else 0.0
+    saving = stage_saving(q, start, stop, checkpointed)
+    kept = q.act_bytes[start:stop] - saving
+    working = float(saving.max(initial=0.0))
     return float(q.static_bytes[start:stop].sum() + in_flight * kept.sum() + working)

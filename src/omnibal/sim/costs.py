@@ -14,7 +14,7 @@ import numpy as np
 
 from omnibal.cost.analytic import zero3_active, zero3_gather_reserve, zero3_layer_comm, zero_sharded_bytes
 from omnibal.cost.spec import even_cuts as _even_cuts
-from omnibal.cost.table import NUM_FEATURES, LayerCostTable
+from omnibal.cost.table import NUM_FEATURES, RECOMPUTE_FULL, RECOMPUTE_SELECTIVE, LayerCostTable, recompute_codes
 from omnibal.errors import InputError
 from omnibal.layout import check_layout_fields
 from omnibal.sim.schedule import SCHEDULES
@@ -162,7 +162,7 @@ def stage_costs(table: LayerCostTable, cuts, recompute_mask, features: np.ndarra
     num_layers = table.num_layers
     cuts = validate_cuts(cuts, num_layers)
     num_stages = len(cuts) - 1
-    rec = np.zeros(num_layers, bool) if recompute_mask is None else np.asarray(recompute_mask, dtype=bool)
+    rec = np.zeros(num_layers, np.int8) if recompute_mask is None else recompute_codes(recompute_mask)
     if rec.shape != (num_layers,):
         raise InputError(f"recompute mask needs {num_layers} entries, got shape {rec.shape}", source="recompute",
                          field="recompute_mask")
@@ -178,16 +178,18 @@ def stage_costs(table: LayerCostTable, cuts, recompute_mask, features: np.ndarra
     tp_half = 0.0 if table.tp_comm_time is None else 0.5 * table.tp_comm_time  # forward and backward collectives
     fwd_l = table.fwd_time + tp_half
     bwd_l = table.bwd_time + tp_half
-    act_l = np.where(rec[:, None], table.ckpt_bytes, table.act_bytes)
-    # while a checkpointed layer's backward runs, its full activations exist again on top of what is held
-    extra_l = np.maximum(table.act_bytes - table.ckpt_bytes, 0.0) * rec[:, None]
+    full, sel = (rec == RECOMPUTE_FULL)[:, None], (rec == RECOMPUTE_SELECTIVE)[:, None]
+    act_l = np.where(full, table.ckpt_bytes, np.where(sel, table.sel_act_bytes, table.act_bytes))
+    # while a recomputed layer's backward runs, what it freed exists again on top of what is held
+    extra_l = np.maximum(table.act_bytes - act_l, 0.0)
+    redo_l = np.where(full, fwd_l, np.where(sel, table.sel_fwd_time, 0.0))  # recomputed forward per layer
     uniq, inverse = np.unique(extra_l, axis=0, return_inverse=True)
     inverse = inverse.reshape(-1)
     present = np.zeros((num_stages, len(uniq)), bool)  # which distinct transient rows each stage has
     present[stage_of, inverse] = True
 
     boundary = table.out_bytes[cuts[1:-1] - 1]  # [P-1, 4] activation leaving each stage
-    blocks = [assign @ fwd_l, assign @ bwd_l, assign @ (fwd_l * rec[:, None]), assign @ act_l,
+    blocks = [assign @ fwd_l, assign @ bwd_l, assign @ redo_l, assign @ act_l,
               boundary / config.p2p_bandwidth, uniq]
     widths = [len(b) for b in blocks]
     coef = np.concatenate(blocks, axis=0).T  # [4, K]
@@ -196,7 +198,7 @@ def stage_costs(table: LayerCostTable, cuts, recompute_mask, features: np.ndarra
     parts = np.split(values, np.cumsum(widths)[:-1], axis=-1)
     fwd, bwd, recompute, act, p2p, trans_u = parts
     if zero3_active(config.zero_stage, config.dp_size):
-        fwd, bwd, recompute = _zero3_times(table, features, fwd_l, bwd_l, rec, assign, config)
+        fwd, bwd, recompute = _zero3_times(table, features, fwd_l, bwd_l, redo_l, assign, config)
     if buffer_features is not None and num_stages > 1:
         flat = buffer_features.reshape(-1, NUM_FEATURES)
         p2p = (flat @ (boundary / config.p2p_bandwidth).T).reshape(p2p.shape)
@@ -223,12 +225,12 @@ def stage_costs(table: LayerCostTable, cuts, recompute_mask, features: np.ndarra
                       static_bytes=static, grad_bytes=grad)
 
 
-def _zero3_times(table, features, fwd_l, bwd_l, rec, assign, config: SimConfig):
+def _zero3_times(table, features, fwd_l, bwd_l, redo_l, assign, config: SimConfig):
     """ZeRO-3 ``(fwd, bwd, recompute)`` per stage.
 
     Layer by layer, the weights' all-gather runs beside the compute of the layer before it (prefetch), so a
     layer's forward takes the longer of the two; its backward phase (the recomputed forward, when
-    checkpointed, then the backward: one gather serves both) takes the longer of that compute and the
+    recomputed, then the backward: one gather serves both) takes the longer of that compute and the
     gather + the gradients' reduce-scatter (``zero3_layer_comm``; a frozen layer moves neither). The
     collectives hold the DP ranks in lockstep, so every rank takes, layer by layer, the slowest rank's time
     on its same micro-batch (features ``[..., D, M, 4]``). An empty micro-batch (a padding slot) costs
@@ -239,7 +241,7 @@ def _zero3_times(table, features, fwd_l, bwd_l, rec, assign, config: SimConfig):
     busy = np.any(features[..., 1:] > 0, axis=-1)[..., None]
     flat = features.reshape(-1, NUM_FEATURES)  # one 2-D product each, as in stage_costs
     f = (flat @ fwd_l.T).reshape(lead + (-1,))  # [..., M, L]
-    redo = f * rec
+    redo = (flat @ redo_l.T).reshape(f.shape)
     fwd = np.where(busy, np.maximum(f, comm_fwd), 0.0)
     back = np.where(busy, np.maximum((flat @ bwd_l.T).reshape(f.shape) + redo, comm_bwd), 0.0)
     redo = np.where(busy, redo, 0.0)

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from omnibal.cost.table import NUM_FEATURES, LayerCostTable
+from omnibal.cost.table import NUM_FEATURES, RECOMPUTE_FULL, RECOMPUTE_SELECTIVE, LayerCostTable, recompute_codes
 from omnibal.errors import InputError
 from omnibal.sim.costs import SimConfig, StageCosts, stage_costs, validate_cuts
 from omnibal.sim.schedule import peak_inflight
@@ -28,7 +28,7 @@ class EpochResult:
     cuts: np.ndarray
     """``[V+1]`` partition cut points (V = P stages, or P * num_chunks virtual stages when interleaved)."""
     recompute_mask: np.ndarray
-    """``[L]`` checkpointed layers."""
+    """``[L]`` recompute codes of the layers (:func:`omnibal.cost.table.recompute_codes`)."""
     step_time: np.ndarray
     """``[S]`` seconds per step."""
     makespan: np.ndarray
@@ -105,7 +105,8 @@ class EpochResult:
             "step_time_max_s": float(self.step_time.max()) if len(self.step_time) else 0.0,
             "bubble_mean": float(self.bubble.mean()) if self.bubble.size else 0.0,
             "cuts": self.cuts.tolist(),
-            "recompute_layers": np.flatnonzero(self.recompute_mask).tolist(),
+            "recompute_layers": np.flatnonzero(self.recompute_mask == RECOMPUTE_FULL).tolist(),
+            "selective_layers": np.flatnonzero(self.recompute_mask == RECOMPUTE_SELECTIVE).tolist(),
             "stages": [],
             "config": asdict(self.config),
         }
@@ -181,7 +182,7 @@ def simulate_epoch(
     if not (np.isfinite(epoch_scale) and epoch_scale > 0):
         raise InputError(f"must be a finite number > 0, got {epoch_scale}", source="epoch_scale", field="epoch_scale")
     cuts = _check_cuts(cuts, table, config)
-    rec = np.zeros(table.num_layers, bool) if recompute_mask is None else np.asarray(recompute_mask, bool)
+    rec = np.zeros(table.num_layers, np.int8) if recompute_mask is None else recompute_codes(recompute_mask)
     features = _check_features(features, config)
     num_steps, dp, num_mb, _ = features.shape
     chunk = max(1, max_chunk_microbatches // (dp * num_mb))

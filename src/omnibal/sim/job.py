@@ -30,6 +30,7 @@ import numpy as np
 
 from omnibal.cost.hardware import HardwareSpec, get_hardware
 from omnibal.cost.stack import DEFAULT_STACK
+from omnibal.cost.table import RECOMPUTE_FULL, RECOMPUTE_NONE, RECOMPUTE_SELECTIVE
 from omnibal.errors import InputError
 from omnibal.layout import check_layout_fields
 from omnibal.sim.planned import PlannedRun, planned_balance_config, planned_data, planned_spec
@@ -271,7 +272,9 @@ def _partition(config: SimulateJobConfig, plan: PlannedRun | None, table, model:
     if plan.num_layers != table.num_layers:
         raise InputError(f"plan has {plan.num_layers} layers, model {model} has {table.num_layers}",
                          source=plan.source, field="stages")
-    return np.asarray(plan.parts, dtype=np.int64), np.array([n in plan.recompute for n in table.names])
+    codes = np.array([RECOMPUTE_FULL if n in plan.recompute else RECOMPUTE_SELECTIVE if n in plan.selective
+                      else RECOMPUTE_NONE for n in table.names], dtype=np.int8)
+    return np.asarray(plan.parts, dtype=np.int64), codes
 
 
 def parse_partition(text: str, num_layers: int, num_stages: int):

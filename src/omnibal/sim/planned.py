@@ -45,7 +45,9 @@ class PlannedRun:
     parts: tuple[int, ...]
     """Cut points ``[P + 1]`` of its partition."""
     recompute: frozenset[str]
-    """Names of the layers it recomputes."""
+    """Names of the layers it recomputes whole."""
+    selective: frozenset[str] = frozenset()
+    """Names of the layers it recomputes selectively."""
     num_layers: int
     """Layers of the model it was made for."""
     stack: str | None = None
@@ -89,6 +91,7 @@ class PlannedRun:
         i, settings = plan.inputs, plan.data.settings
         return cls(source=str(source), model=i.model, hardware=i.hardware, layout=i.layout,
                    parts=tuple(int(c) for c in plan.parts), recompute=frozenset(plan.recompute_modules()),
+                   selective=frozenset(plan.selective_modules()),
                    num_layers=plan.num_layers, stack=settings.get("stack"), padding=settings.get("padding"),
                    model_spec=i.model_spec or None, profile=i.profile, budget_recorded=True,
                    memory_budget_bytes=i.memory_budget_bytes, schedule=plan.search.get("schedule"),

@@ -63,6 +63,9 @@ class TrainConfig:
     recompute: tuple[tuple[str, ...], ...] | None = None
     """Per stage, the layer names whose activations are recomputed; None: the plan's sets in omnibal mode,
     every block in baseline mode."""
+    selective: tuple[tuple[str, ...], ...] | None = None
+    """Per stage, the layer names under selective recompute (``omnibal.train.recompute``); None: the plan's
+    sets in omnibal mode, else none. Given together with or instead of ``recompute``."""
     plan_path: str | None = None
     """Plan JSON (from `omnibal plan`) giving the stage ranges and recompute sets."""
     model: str = "tiny"
@@ -175,9 +178,10 @@ class TrainConfig:
         if self.stage_layers is not None and len(self.stage_layers) != self.pp_size:
             raise InputError(f"{len(self.stage_layers)} ranges given for {self.pp_size} stages", source=src,
                              field="stage_layers")
-        if self.recompute is not None and len(self.recompute) != self.pp_size:
-            raise InputError(f"{len(self.recompute)} recompute sets given for {self.pp_size} stages", source=src,
-                             field="recompute")
+        for name in ("recompute", "selective"):
+            sets = getattr(self, name)
+            if sets is not None and len(sets) != self.pp_size:
+                raise InputError(f"{len(sets)} {name} sets given for {self.pp_size} stages", source=src, field=name)
         if self.max_samples is not None and self.max_samples < 1:
             raise InputError(f"must be >= 1, got {self.max_samples}", source=src, field="max_samples")
         if self.annotations_path is not None and self.tokenizer_path is None:

@@ -120,7 +120,8 @@ class Trainer(CheckpointResume):
         self._log_path = log_path if world.rank == 0 else None
         self._log_header = {**(run_info or {}), "world": {"dp": world.dp_size, "pp": world.pp_size},
                             "model_id": self.model_id, "stage_layers": [list(r) for r in layout.ranges],
-                            "recompute": [list(r) for r in layout.recompute], "mode": mode,
+                            "recompute": [list(r) for r in layout.recompute],
+                            "selective": [list(r) for r in layout.selective], "mode": mode,
                             "dp_sync": dp_sync}
         self.log = MetricsLog(None)
         """Step records (the JSONL file opens at the first step: appended to when resuming)."""
@@ -190,7 +191,8 @@ class Trainer(CheckpointResume):
         stage's layer range."""
         start, end = self.layout.ranges[self.world.pp_rank]
         self.stage_module = build_stage(model, start, end)
-        apply_checkpointing(self.stage_module, self.layout.recompute[self.world.pp_rank])
+        apply_checkpointing(self.stage_module, self.layout.recompute[self.world.pp_rank],
+                            self.layout.selective[self.world.pp_rank])
         self.stage_module.to(self.world.device)
         self.sp = None
         if self.step_sp.max(initial=1) > 1:

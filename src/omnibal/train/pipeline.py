@@ -103,7 +103,14 @@ class StageLayout:
 
     ranges: tuple[tuple[int, int], ...]
     recompute: tuple[tuple[str, ...], ...]
-    """Per stage, the names of the layers whose activations are recomputed in backward."""
+    """Per stage, the names of the layers recomputed whole in backward."""
+    selective: tuple[tuple[str, ...], ...] = ()
+    """Per stage, the names of the layers under selective recompute (:mod:`omnibal.train.recompute`;
+    empty: none)."""
+
+    def __post_init__(self) -> None:
+        if not self.selective:
+            object.__setattr__(self, "selective", tuple(() for _ in self.ranges))
 
     def names(self, layer_names: Sequence[str], stage: int) -> tuple[str, ...]:
         start, end = self.ranges[stage]
@@ -133,17 +140,19 @@ def load_plan_layout(path: str | Path, layer_names: Sequence[str], *, pp_size: i
         if stage.modules != own:
             raise InputError(f"plan names modules {list(stage.modules)} for layers [{start}, {end}) but the model "
                              f"has {list(own)}", source=src, record=f"stages[{s}]", field="modules")
-    return StageLayout(checked, tuple(tuple(st.recompute) for st in plan.stages))
+    return StageLayout(checked, tuple(tuple(st.recompute) for st in plan.stages),
+                       tuple(tuple(st.selective) for st in plan.stages))
 
 
 def resolve_layout(layer_names: Sequence[str], *, pp_size: int, mode: str,
                    stage_layers: Sequence[Sequence[int]] | None = None,
                    recompute: Sequence[Sequence[str]] | None = None, plan_path: str | None = None,
-                   model_name: str | None = None, recomputable: Sequence[str] | None = None) -> StageLayout:
+                   model_name: str | None = None, recomputable: Sequence[str] | None = None,
+                   selective: Sequence[Sequence[str]] | None = None) -> StageLayout:
     """The stage layout of a run. Precedence: explicit ranges > plan (omnibal mode) > even split.
 
-    Recompute: explicit sets > plan sets (omnibal mode) > every recomputable layer (baseline: full
-    recompute, InternVL's default) > none.
+    Recompute: explicit sets (whole layers ``recompute``, selective ``selective``) > plan sets (omnibal mode)
+    > every recomputable layer recomputed whole (baseline: InternVL's default) > none.
     """
     num_layers = len(layer_names)
     plan = None
@@ -155,22 +164,38 @@ def resolve_layout(layer_names: Sequence[str], *, pp_size: int, mode: str,
         ranges = plan.ranges
     else:
         ranges = even_split(num_layers, pp_size)
-    if recompute is not None:
-        sets = tuple(tuple(r) for r in recompute)
-        for s, names in enumerate(sets):
-            own = layer_names[ranges[s][0]:ranges[s][1]]
-            bad = [n for n in names if n not in own]
-            if bad:
-                raise InputError(f"recompute names layers not in stage {s}: {bad}", source="--recompute",
-                                 record=f"stage {s}")
+    none = tuple(() for _ in ranges)
+    if recompute is not None or selective is not None:
+        sets = _explicit_sets(recompute, layer_names, ranges, "--recompute")
+        sel = _explicit_sets(selective, layer_names, ranges, "--selective")
     elif plan is not None and stage_layers is None:
-        sets = plan.recompute
+        sets, sel = plan.recompute, plan.selective
     elif mode == "baseline":
         allowed = set(recomputable if recomputable is not None else layer_names)
-        sets = tuple(tuple(n for n in layer_names[a:b] if n in allowed) for a, b in ranges)
+        sets, sel = tuple(tuple(n for n in layer_names[a:b] if n in allowed) for a, b in ranges), none
     else:
-        sets = tuple(() for _ in ranges)
-    return StageLayout(tuple(ranges), sets)
+        sets, sel = none, none
+    for s, (whole, part) in enumerate(zip(sets, sel)):
+        both = sorted(set(whole) & set(part))
+        if both:
+            raise InputError(f"layers both recomputed whole and selectively: {both}", source="--selective",
+                             record=f"stage {s}")
+    return StageLayout(tuple(ranges), sets, sel)
+
+
+def _explicit_sets(given, layer_names: Sequence[str], ranges, flag: str) -> tuple[tuple[str, ...], ...]:
+    """Per-stage layer names given on the command line (None: none), each checked to be in its stage."""
+    if given is None:
+        return tuple(() for _ in ranges)
+    sets = tuple(tuple(r) for r in given)
+    if len(sets) != len(ranges):
+        raise InputError(f"{len(sets)} stages of names for {len(ranges)} stages", source=flag)
+    for s, names in enumerate(sets):
+        own = layer_names[ranges[s][0]:ranges[s][1]]
+        bad = [n for n in names if n not in own]
+        if bad:
+            raise InputError(f"names layers not in stage {s}: {bad}", source=flag, record=f"stage {s}")
+    return sets
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -128,7 +128,8 @@ def build_trainer(cfg: TrainConfig, world: World, notify=None):
     names = [layer.name for layer, _ in model.chain()]
     recomputable = [layer.name for layer, _ in model.chain() if layer.kind in ("vision_block", "llm_block")]
     layout = resolve_layout(names, pp_size=cfg.pp_size, mode=cfg.mode, stage_layers=cfg.stage_layers,
-                            recompute=cfg.recompute, plan_path=cfg.plan_path, model_name=spec.name,
+                            recompute=cfg.recompute, selective=cfg.selective, plan_path=cfg.plan_path,
+                            model_name=spec.name,
                             recomputable=recomputable)
     buffer = fixed_buffer(schedule, stats, mode=cfg.mode) if world.pp_size > 1 else None
     info = {"config": cfg.to_dict(), "num_samples": len(stats), "schedule_steps": schedule.num_steps,
@@ -174,7 +175,7 @@ def preflight(cfg: TrainConfig) -> None:
         spec = get_model_preset(cfg.model)
     layers = spec.layers()
     resolve_layout([layer.name for layer in layers], pp_size=cfg.pp_size, mode=cfg.mode, stage_layers=cfg.stage_layers,
-                   recompute=cfg.recompute, plan_path=cfg.plan_path, model_name=spec.name,
+                   recompute=cfg.recompute, selective=cfg.selective, plan_path=cfg.plan_path, model_name=spec.name,
                    recomputable=[layer.name for layer in layers if layer.kind in ("vision_block", "llm_block")])
     if cfg.stats_path is None and cfg.annotations_path is None:
         raise InputError("no data given: pass --annotations FILE (with --tokenizer) for real data, or --stats FILE "
@@ -201,6 +202,7 @@ def train_rank(cfg: TrainConfig, notify=None) -> dict:
                                                       "skipped_checkpoints": trainer.skipped_checkpoints,
                                                       "stage_layers": [list(r) for r in trainer.layout.ranges],
                                                       "recompute": [list(r) for r in trainer.layout.recompute],
+                                                      "selective": [list(r) for r in trainer.layout.selective],
                                                       "buffer": None if trainer.buffer is None else
                                                       [trainer.buffer.tiles, trainer.buffer.tokens]}, indent=1))
 
