@@ -65,6 +65,6 @@ def deal_steps(
         out = out[rng.permutation(num_steps)]
         # the order of micro-batches inside a rank carries no meaning; shuffle it too
         if num_microbatches > 1:
-            perm = np.argsort(rng.random((num_steps, dp_size, num_microbatches)), axis=2)
+            perm = np.argsort(rng.random((num_steps, dp_size, num_microbatches)), axis=2, kind="stable")
             out = np.take_along_axis(out, perm, axis=2)
     return out

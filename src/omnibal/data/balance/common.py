@@ -1,4 +1,10 @@
-"""What every balancing method shares: the per-epoch random streams and the split of samples over a fixed cap.
+"""What every balancing method shares: the per-epoch random streams, the split of samples over a fixed cap,
+and the sort keys and sums that keep a schedule the same on every machine.
+
+Every rank of a job builds the schedule on its own, so it must not depend on the CPU or the numpy build:
+numpy's default (SIMD) sorts order equal keys differently on AVX-512 and AVX2 machines, and a float sum's
+last bit depends on the order it is added in. So every ordering here is by keys that are all distinct
+(``distinct_keys``) or by a stable sort.
 
 Lives below ``api`` (which imports every method) so that the methods never import ``api``: the module
 graph of ``omnibal.data.balance`` stays acyclic.
@@ -42,3 +48,21 @@ def split_oversize(stats, config) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     if config.oversize == "own_pack":
         return rows[~over], bad, rows[:0]
     return rows[~over], rows[:0], bad
+
+
+def distinct_keys(values: np.ndarray, tiebreak: np.ndarray) -> np.ndarray:
+    """int64 sort keys in the order of ``values``, equal values in the order of ``tiebreak`` (distinct
+    integers in ``[0, len(values))``, e.g. a random permutation): the keys are all distinct, so every sort
+    algorithm gives the same order. The values go on a grid of their range with as many steps as 62 bits
+    leave beside the tie-break (2**41 for 1.2M values), so values closer than a step count as equal too."""
+    values = np.asarray(values, np.float64)
+    m = len(values)
+    if m == 0:
+        return np.zeros(0, np.int64)
+    rank_bits = max(int(m - 1).bit_length(), 1)
+    steps = 2.0 ** min(62 - rank_bits, 52)
+    low, span = float(values.min()), float(values.max()) - float(values.min())
+    grid = np.floor((values - low) / span * steps) if span > 0 else np.zeros(m)
+    grid = np.minimum(grid, steps - 1).astype(np.int64)
+    return (grid << rank_bits) | np.asarray(tiebreak, np.int64)
+

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from omnibal.data.balance.common import distinct_keys
+
 _CHUNK_PAIRS = 1 << 14  # bounds the [pairs, K, K] temporaries to a few MiB each
 
 
@@ -109,8 +111,8 @@ def improve(packs: Packs, objective, deviation, rng, max_passes: int, group: int
         if not bad.any():
             break
         if passes % 2:
-            # (deterministic for a given input: ties are broken by the random jitter, not by sort order)
-            srt = np.argsort(deviation(packs.pv, packs.pt, packs.pl) + rng.random(p) * 1e-12)
+            # packs of equal deviation in a random order (distinct keys: the same order on every machine)
+            srt = np.argsort(distinct_keys(deviation(packs.pv, packs.pt, packs.pl), rng.permutation(p)))
             first, second = srt[: p // 2], srt[::-1][: p // 2]
         else:
             perm = rng.permutation(p)
