@@ -4,13 +4,16 @@ and the sort keys and sums that keep a schedule the same on every machine.
 Every rank of a job builds the schedule on its own, so it must not depend on the CPU or the numpy build:
 numpy's default (SIMD) sorts order equal keys differently on AVX-512 and AVX2 machines, and a float sum's
 last bit depends on the order it is added in. So every ordering here is by keys that are all distinct
-(``distinct_keys``) or by a stable sort.
+(``distinct_keys``) or by a stable sort, every cost that is summed is an integer (``BalanceCost.grid_costs``),
+and the few sums of non-integer floats a decision reads are exactly rounded (``exact_sum``).
 
 Lives below ``api`` (which imports every method) so that the methods never import ``api``: the module
 graph of ``omnibal.data.balance`` stays acyclic.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -66,3 +69,9 @@ def distinct_keys(values: np.ndarray, tiebreak: np.ndarray) -> np.ndarray:
     grid = np.minimum(grid, steps - 1).astype(np.int64)
     return (grid << rank_bits) | np.asarray(tiebreak, np.int64)
 
+
+def exact_sum(values: np.ndarray) -> float:
+    """The sum of float ``values`` exactly rounded (``math.fsum``): the same whatever order numpy would
+    add them in (a decision that compares a sum must not turn on its last bit)."""
+    values = np.asarray(values, np.float64).ravel()
+    return math.fsum(values[values != 0].tolist())

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from omnibal.data.balance.common import distinct_keys
+from omnibal.data.balance.cost import to_grid
 from omnibal.data.balance.exchange import Packs, Targets, level_llm, repair_tiles
 from omnibal.data.balance.tail import enforce_caps
 
@@ -48,7 +49,7 @@ class PackResult:
     tokens: np.ndarray
     """Tokens per pack."""
     llm: np.ndarray
-    """LLM cost per pack (per-sample part)."""
+    """LLM cost per pack (per-sample part), in the units of the integer grid the packer puts it on."""
     passes: tuple[int, int, int]
     """Exchange passes run in the tile repair, the LLM levelling and after the tail's new packs."""
 
@@ -138,14 +139,15 @@ def pack_balanced(
     (at most ``max_packs`` in all); only when that bound stops it are packs left over the caps, for the
     caller to detect. ``hard_caps`` False (caps derived by the cap search, not a budget): packs a little
     over are kept when growing the buffer to them pads less (see ``enforce_caps``). Every sample must
-    fit a pack alone.
+    fit a pack alone. The LLM costs are put on an integer grid (``cost.to_grid``: costs already on one
+    are only scaled by a power of two), so that the packs' sums, and every decision on them, are exact.
     """
     n, p = len(tiles), int(num_packs)
     max_packs = n if max_packs is None else int(max_packs)
     assert 1 <= p <= max(n, 1) and pack_step >= 1
     v = np.asarray(tiles, np.float64)
     t = np.asarray(tokens, np.float64)
-    lc = np.asarray(llm_cost, np.float64)
+    lc = to_grid(llm_cost)  # integers: every pack's sum exact, the same on every machine
     packs = Packs(_deal(v, t, lc, p, max_tiles, max_tokens, rng), v, t, lc)
     targets = Targets.of(v, t, lc, p, max_tiles, max_tokens, llm_tol)
     passes_tiles = repair_tiles(packs, targets, rng)
