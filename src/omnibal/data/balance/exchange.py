@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from omnibal.data.balance.common import distinct_keys, exact_sum
+from omnibal.data.balance.common import distinct_keys, exact_sum, random_ranks
 
 _CHUNK_PAIRS = 1 << 14  # bounds the [pairs, K, K] temporaries to a few MiB each
 
@@ -113,7 +113,7 @@ def improve(packs: Packs, objective, deviation, rng, max_passes: int, group: int
             break
         if passes % 2:
             # packs of equal deviation in a random order (distinct keys: the same order on every machine)
-            srt = np.argsort(distinct_keys(deviation(packs.pv, packs.pt, packs.pl), rng.permutation(p)))
+            srt = np.argsort(distinct_keys(deviation(packs.pv, packs.pt, packs.pl), random_ranks(p, rng)))
             first, second = srt[: p // 2], srt[::-1][: p // 2]
         else:
             perm = rng.permutation(p)

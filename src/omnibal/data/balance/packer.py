@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from omnibal.data.balance.common import distinct_keys
+from omnibal.data.balance.common import distinct_keys, random_ranks
 from omnibal.data.balance.cost import to_grid
 from omnibal.data.balance.exchange import Packs, Targets, level_llm, repair_tiles
 from omnibal.data.balance.tail import enforce_caps
@@ -69,12 +69,12 @@ def _deal(v, t, lc, p, max_tiles, max_tokens, rng) -> np.ndarray:
     heavy = share_t > 2.0 * share_v + 0.1
     item_key = np.where(heavy, share_t * max_tiles + 0.45, item_key)
     # largest first, equal samples in a random order; distinct keys sort alike on every machine
-    order = np.argsort(-distinct_keys(item_key, rng.permutation(n)))
+    order = np.argsort(-distinct_keys(item_key, random_ranks(n, rng)))
     width = -(-n // p) + 4
     slots = np.full((p, width), n, dtype=np.int64)
     count = np.zeros(p, dtype=np.int64)
     load_v, load_t, load_l = np.zeros(p), np.zeros(p), np.zeros(p)
-    pack_rank = rng.permutation(p)  # packs of equal load: a random order, fixed for the deal
+    pack_rank = random_ranks(p, rng)  # packs of equal load: a random order, fixed for the deal
     l_scale = 0.45 / max(float(lc.sum()) / p * 1.5, 1e-300)
     pending = np.zeros(0, dtype=np.int64)
     nxt = 0
