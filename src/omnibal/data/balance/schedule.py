@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from omnibal.cost.table import NUM_FEATURES, microbatch_features, pack_features
+from omnibal.cost.table import NUM_FEATURES, csr_features, microbatch_features, segment_max
 from omnibal.errors import InputError
 from omnibal.layout import Padding
 
@@ -206,15 +206,15 @@ class Schedule:
         tiles = stats.tiles[self.pack_samples].astype(np.float64)
         tokens = stats.tokens[self.pack_samples].astype(np.float64)
         if padding == "varlen":
-            per_pack = _csr_features(tiles, tokens, self.pack_offsets)
+            per_pack = csr_features(tiles, tokens, self.pack_offsets)
         elif padding == "pad_to_longest":
-            per_pack = _csr_features(tiles, tokens, self.pack_offsets)
+            per_pack = csr_features(tiles, tokens, self.pack_offsets)
             sizes = self.pack_sizes().astype(np.float64)
-            t_max = _segment_max(tokens, self.pack_offsets)
+            t_max = segment_max(tokens, self.pack_offsets)
             per_pack[:, 2] = sizes * t_max
             per_pack[:, 3] = sizes * t_max * t_max
         elif padding == "fixed_buffer":
-            per_pack = _csr_features(tiles, tokens, self.pack_offsets)
+            per_pack = csr_features(tiles, tokens, self.pack_offsets)
             pad = np.clip(self.caps.tokens - per_pack[:, 2], 0, None)
             # Padding fills the token buffer as one extra masked segment; the ViT runs on Q_v tiles.
             per_pack[:, 1] = np.maximum(per_pack[:, 1], self.caps.tiles)
@@ -460,28 +460,6 @@ def _read_steps(steps, dp: int, step_mbs: list[int], source: str) -> tuple[list[
                 samples.extend(mb)
                 offsets.append(len(samples))
     return samples, offsets
-
-
-def _csr_features(tiles: np.ndarray, tokens: np.ndarray, offsets: np.ndarray) -> np.ndarray:
-    """Varlen features of CSR packs; like ``cost.table.pack_features`` but safe for empty packs anywhere
-    (``np.add.reduceat`` rejects an empty pack at the end)."""
-    sizes = np.diff(offsets)
-    if len(tiles) == 0 or not (sizes == 0).any():
-        return pack_features(tiles, tokens, offsets)
-    label = np.repeat(np.arange(len(sizes)), sizes)
-    num = len(sizes)
-    return microbatch_features(np.bincount(label, tiles, num), np.bincount(label, tokens, num),
-                               np.bincount(label, tokens * tokens, num))
-
-
-def _segment_max(values: np.ndarray, offsets: np.ndarray) -> np.ndarray:
-    """Max of each CSR segment (0 for empty ones)."""
-    out = np.zeros(len(offsets) - 1)
-    sizes = np.diff(offsets)
-    nonempty = sizes > 0
-    if len(values):
-        out[nonempty] = np.maximum.reduceat(values, offsets[:-1][nonempty])
-    return out
 
 
 def build_schedule(*, pack_of: np.ndarray, num_packs: int, pack_ids: np.ndarray, **kwargs) -> Schedule:
