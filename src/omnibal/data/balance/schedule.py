@@ -27,6 +27,7 @@ fills slots ``[0, m[l])`` of ``pack_ids``; the slots after them point at an empt
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -343,6 +344,14 @@ class Schedule:
             raise InputError(f"not valid JSON: {type(exc).__name__}", source=source) from None
         return cls.from_dict(d, source=source)
 
+    def fingerprint(self) -> str:
+        """SHA-256 (32 hex digits) of what the schedule deals (:func:`csr_fingerprint`): two ranks that built the
+        same schedule get the same one, any other pack, pack numbering or slot changes it. What a checkpoint
+        records, and what the ranks of a job compare before they train a schedule."""
+        counts = self.step_microbatches() if self.level_microbatches is not None else None
+        return csr_fingerprint(self.dp_size, self.num_microbatches, self.num_steps,
+                               (self.pack_samples, self.pack_offsets, self.pack_ids), counts)
+
     def equals(self, other: Schedule) -> bool:
         """Same micro-batches in the same slots (packs compared by content, not by numbering)."""
         if (self.dp_size, self.num_microbatches, self.num_steps) != (other.dp_size, other.num_microbatches,
@@ -462,6 +471,18 @@ def _read_steps(steps, dp: int, step_mbs: list[int], source: str) -> tuple[list[
     return samples, offsets
 
 
+def csr_fingerprint(dp_size: int, num_microbatches: int, num_steps: int, arrays, counts=None) -> str:
+    """SHA-256 (32 hex digits) of a schedule's layout, its CSR arrays ``(pack_samples, pack_offsets, pack_ids)``
+    and, when its levels run their own micro-batch counts, every step's count; integers as little-endian
+    int64, so every machine hashes the same bytes."""
+    h = hashlib.sha256(f"{dp_size},{num_microbatches},{num_steps}".encode())
+    if counts is not None:
+        h.update(b"counts" + np.ascontiguousarray(counts, dtype="<i8").tobytes())
+    for arr in arrays:
+        h.update(np.ascontiguousarray(arr, dtype="<i8").tobytes())
+    return h.hexdigest()[:32]
+
+
 def build_schedule(*, pack_of: np.ndarray, num_packs: int, pack_ids: np.ndarray, **kwargs) -> Schedule:
     """CSR packs from a per-sample pack label (``-1`` = not in any pack) with a stable in-pack order."""
     pack_of = np.asarray(pack_of, dtype=np.int64)
@@ -473,4 +494,4 @@ def build_schedule(*, pack_of: np.ndarray, num_packs: int, pack_ids: np.ndarray,
     return Schedule(pack_samples=order, pack_offsets=offsets, pack_ids=pack_ids, **kwargs)
 
 
-__all__ = ["Caps", "Schedule", "FORMAT", "PADDINGS", "build_schedule", "microbatch_features"]
+__all__ = ["Caps", "Schedule", "FORMAT", "PADDINGS", "build_schedule", "csr_fingerprint", "microbatch_features"]
