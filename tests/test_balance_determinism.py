@@ -3,7 +3,9 @@
 Every rank of a multi-node job balances the epoch itself, so two CPUs (AVX-512 and AVX2 pick other numpy sort
 and sum kernels) must deal the same packs to the same slots. Pinned here: the schedules of fixed inputs by
 hash; the same schedule when numpy runs on an older CPU's kernels (``NPY_DISABLE_CPU_FEATURES``) and when every
-unstable sort orders equal keys the other way round; exact pack sums whatever order they are added in.
+unstable sort orders equal keys the other way round; exact pack sums whatever order they are added in; and the
+cross-rank check (``Schedule.fingerprint``, ``ScheduleMismatch``, the sampler's ``exchange``) that catches ranks
+that built different schedules anyway (other inputs on some node).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +26,8 @@ from omnibal.data.balance import BalanceConfig, balance
 from omnibal.data.balance.common import distinct_keys, random_ranks
 from omnibal.data.balance.cost import BalanceCost, to_grid
 from omnibal.data.balance.exchange import Packs
+from omnibal.data.sampler import BalancedBatchSampler
+from omnibal.errors import InputError, ScheduleMismatch
 from omnibal.stats.synthetic import synthetic_internvl_mixture
 from omnibal.stats.table import SampleStats
 
@@ -202,6 +207,85 @@ def test_distinct_keys_sort_like_their_values_and_break_ties_by_the_ranks():
     order = np.argsort(keys)
     assert np.array_equal(order, np.lexsort((ranks, values)))
     assert np.array_equal(np.argsort(keys, kind="heapsort"), order)  # any algorithm: one order
+
+
+# ------------------------------------------------------------------------------------ the cross-rank check
+
+
+def test_schedule_mismatch_names_the_ranks_that_differ_and_survives_pickling():
+    ScheduleMismatch.check(["a", "a", "a"], source="test")
+    with pytest.raises(ScheduleMismatch) as err:
+        ScheduleMismatch.check(["a", "a", "b", "a", "c"], source="test")
+    assert err.value.ranks == (2, 4) and "rank 2 has b, rank 4 has c, the other 3 of 5 ranks a" in str(err.value)
+    assert isinstance(err.value, InputError) and err.value.field == "schedule_fingerprint"
+    copy = pickle.loads(pickle.dumps(err.value))  # crosses from a spawned rank to its parent
+    assert type(copy) is ScheduleMismatch and copy.ranks == (2, 4) and str(copy) == str(err.value)
+    with pytest.raises(ScheduleMismatch) as err:
+        ScheduleMismatch.check(["a", "b"], source="test")  # a tie: rank 0's is the reference
+    assert err.value.ranks == (1,)
+
+
+def test_every_rank_of_a_sampler_has_the_same_fingerprint_and_an_exchange_checks_it():
+    stats = random_stats(400, seed=2)
+    samplers = [BalancedBatchSampler(stats, dp_rank=r, dp_size=4, num_microbatches=2, seed=3) for r in range(4)]
+    prints = [s.schedule_fingerprint() for s in samplers]
+    assert len(set(prints)) == 1 and prints[0] == samplers[0].schedule()[0].fingerprint()
+    other = BalancedBatchSampler(stats, dp_rank=1, dp_size=4, num_microbatches=2, seed=4)
+    assert other.schedule_fingerprint() != prints[0]
+    calls = []
+
+    def exchange(mine):  # what fingerprint_exchange returns on a world whose rank 1 has another seed
+        calls.append(mine)
+        return [prints[0], other.schedule_fingerprint(), prints[0], prints[0]]
+
+    sampler = BalancedBatchSampler(stats, dp_rank=0, dp_size=4, num_microbatches=2, seed=3, exchange=exchange)
+    with pytest.raises(ScheduleMismatch) as err:
+        next(iter(sampler))
+    assert err.value.ranks == (1,) and "epoch 0" in err.value.source
+    agreed = BalancedBatchSampler(stats, dp_rank=0, dp_size=4, num_microbatches=2, seed=3,
+                                  exchange=lambda mine: [mine] * 4)
+    assert list(agreed) == list(samplers[0])
+    assert len(list(agreed)) == len(agreed)  # once per schedule: a second iteration asks nobody again
+
+
+def test_a_resharded_remainder_has_its_own_fingerprint():
+    stats = random_stats(600, seed=5)
+    old = BalancedBatchSampler(stats, dp_rank=0, dp_size=4, num_microbatches=1, seed=0)
+    it = iter(old)
+    for _ in range(5):
+        next(it)
+    state = old.state_dict()
+    new = [BalancedBatchSampler(stats, dp_rank=r, dp_size=2, num_microbatches=1, seed=0) for r in range(2)]
+    for s in new:
+        s.load_state_dict(state, reshard=True)
+    assert new[0].schedule_fingerprint() == new[1].schedule_fingerprint() != old.schedule_fingerprint()
+    assert new[0].schedule()[1] is not None
+
+
+@pytest.mark.multiprocess
+def test_ranks_that_built_different_schedules_refuse_to_train_naming_the_odd_rank():
+    """Two gloo ranks; rank 1 balances with another seed (as a node with other inputs would). The trainer's
+    first step and the sampler's first micro-batch (its exchange over the DP group) both raise ScheduleMismatch
+    naming rank 1, on both ranks, before anything is trained."""
+    from dist_helpers import rank_schedule_mismatch
+    from omnibal.train.distributed import spawn_local
+
+    results = spawn_local(rank_schedule_mismatch, 2, args=(1,), deadline_s=120, start_method="fork")
+    for r in results:
+        assert r.error is None, r.error
+        trainer, sampler = r.value["trainer"], r.value["sampler"]
+        assert trainer[:2] == ("ScheduleMismatch", (1,)) and "rank 1 (dp 1/2, pp 0/1) has " in trainer[2], trainer
+        assert sampler[:2] == ("ScheduleMismatch", (1,)) and "rank 1 has " in sampler[2], sampler
+        assert r.value["steps"] == 0
+
+
+def test_a_single_process_trainer_agrees_with_itself():
+    from dist_helpers import make_trainer
+    from omnibal.train.distributed import local_world
+
+    trainer = make_trainer(local_world(), num_microbatches=2, num_steps=2)
+    trainer.train_step()
+    assert trainer._agreed_id == trainer.schedule_id
 
 
 def test_fingerprint_is_the_checkpoints_schedule_fingerprint():
