@@ -74,7 +74,7 @@ def pack_schedule(stats: SampleStats, *, dp_size: int, num_microbatches: int, nu
 
 def make_trainer(world, *, mode="omnibal", num_microbatches=4, num_steps=NUM_STEPS, pipeline_schedule="1f1b",
                  stage_layers=None, checkpoint_dir=None, checkpoint_every=0, lr=1e-3, recompute=None, log_path=None,
-                 dp_sync="flat", precision="fp32", selective=None):
+                 dp_sync="flat", precision="fp32", selective=None, schedule_seed=0):
     from omnibal.train.loop import Trainer, fixed_buffer
     from omnibal.train.model import VLM
     from omnibal.train.pipeline import resolve_layout
@@ -82,7 +82,8 @@ def make_trainer(world, *, mode="omnibal", num_microbatches=4, num_steps=NUM_STE
     spec = tiny_spec()
     stats = tiny_stats()
     dataset = tiny_dataset(spec, stats)
-    schedule = pack_schedule(stats, dp_size=world.dp_size, num_microbatches=num_microbatches, num_steps=num_steps)
+    schedule = pack_schedule(stats, dp_size=world.dp_size, num_microbatches=num_microbatches, num_steps=num_steps,
+                             seed=schedule_seed)
     model = VLM(spec, seed=0)
     names = [s.name for s, _ in model.chain()]
     layout = resolve_layout(names, pp_size=world.pp_size, mode=mode, stage_layers=stage_layers, recompute=recompute,
@@ -196,3 +197,31 @@ def rank_train_steps(dp: int, pp: int, checkpoint_dir: str, num_steps: int, resu
     destroy_world()
     return {"rank": world.rank, "resumed_from": resumed_from, "losses": losses, "consumed": trainer.consumed,
             "skipped": trainer.skipped_checkpoints}
+
+
+def rank_schedule_mismatch(odd_rank: int):
+    """Rank ``odd_rank`` builds its trainer's schedule and its sampler with another seed (as a node given other
+    inputs would); how the first step and the sampler's first micro-batch ended on this rank:
+    ``(error type, ranks named, message)`` each (None: it went on)."""
+    torch.set_num_threads(1)
+    from omnibal.data.sampler import BalancedBatchSampler
+    from omnibal.errors import ScheduleMismatch
+    from omnibal.train.distributed import destroy_world, fingerprint_exchange, init_world
+
+    world = init_world(dp_size=2, pp_size=1, timeout_s=TIMEOUT_S)
+    seed = 1 if world.rank == odd_rank else 0
+    trainer = make_trainer(world, num_microbatches=2, schedule_seed=seed)
+    out = {"trainer": None, "sampler": None}
+    try:
+        trainer.train_step()
+    except ScheduleMismatch as exc:
+        out["trainer"] = (type(exc).__name__, exc.ranks, str(exc))
+    out["steps"] = trainer.step
+    sampler = BalancedBatchSampler(tiny_stats(), dp_rank=world.dp_rank, dp_size=world.dp_size, seed=seed,
+                                   exchange=fingerprint_exchange(world.dp_group))
+    try:
+        next(iter(sampler))
+    except ScheduleMismatch as exc:
+        out["sampler"] = (type(exc).__name__, exc.ranks, str(exc))
+    destroy_world()
+    return out

@@ -118,6 +118,8 @@ def test_text_heavy_packs_do_not_cost_steps_on_the_synthetic_default(dp_size):
     the repair filled those packs with tiles, the tail added steps, and the pads were 0.017-0.020 / 0.024-0.026
     (issue 17 item 6: <= 0.02 both)."""
     stats = synthetic_internvl_mixture(30_730, seed=0)
+    # one draw (epoch 0), the same on every machine since issue 37; other epochs' derived Q_t moves between
+    # 4272 and 4288 with the tail rule's growth (token pad 0.018-0.021 at DP 32, before and after that issue)
     sched = balance(stats, dp_size=dp_size)
     m = schedule_metrics(sched, stats)
     assert m["buffer_pad_tiles"] <= 0.016 and m["buffer_pad_tokens"] <= 0.02, (m["buffer_pad_tiles"],

@@ -238,9 +238,11 @@ def test_caps_hold_for_every_epoch_of_a_20k_synthetic_mixture():
         # epoch 0's pack count (the cap search's target_samples) holds: the same steps per epoch, give or
         # take the 1% of room a retry adds
         assert abs(sched.num_steps - steps0) <= 0.015 * steps0, (epoch, sched.num_steps, steps0)
-    # free caps come from the body of the distribution (the packer never exceeds the searched caps), so here
-    # they no longer outgrow the run's buffer from epoch to epoch
-    assert max(free_t) <= q_t
+    # free caps come from the body of the distribution, not its tail: the cap search's Q_t is the same every
+    # epoch, and the packer grows it only to packs a little over (by at most two steps' worth of packs, 2 / steps
+    # relative: ``tail._growing_is_cheaper``), so no epoch's free Q_t outgrows the run's by more than that, rounded
+    # up to the token multiple. Which epoch's is the largest is down to the epoch's draw (4248-4280 here).
+    assert max(free_t) <= -(-int(q_t * (1 + 2 / steps0)) // 8) * 8, (sorted(free_t), q_t, steps0)
 
 
 def test_user_caps_are_the_run_caps():

@@ -65,6 +65,28 @@ def pack_features(tiles: np.ndarray, tokens: np.ndarray, pack_offsets: np.ndarra
     return out
 
 
+def csr_features(tiles: np.ndarray, tokens: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """Varlen features of CSR packs; like :func:`pack_features` but safe for empty packs anywhere
+    (``np.add.reduceat`` rejects an empty pack at the end)."""
+    sizes = np.diff(offsets)
+    if len(tiles) == 0 or not (sizes == 0).any():
+        return pack_features(tiles, tokens, offsets)
+    label = np.repeat(np.arange(len(sizes)), sizes)
+    num = len(sizes)
+    return microbatch_features(np.bincount(label, tiles, num), np.bincount(label, tokens, num),
+                               np.bincount(label, tokens * tokens, num))
+
+
+def segment_max(values: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """Max of each CSR segment (0 for empty ones)."""
+    out = np.zeros(len(offsets) - 1)
+    sizes = np.diff(offsets)
+    nonempty = sizes > 0
+    if len(values):
+        out[nonempty] = np.maximum.reduceat(values, offsets[:-1][nonempty])
+    return out
+
+
 @dataclass(frozen=True, eq=False)
 class LayerCostTable:
     """Per-layer cost coefficients for one model on one device type (after the tensor-parallel split).

@@ -2,8 +2,19 @@
 
 It yields lists of dataset indices, one list per micro-batch, in step order: step 0 micro-batch 0..M-1,
 step 1, ... Every rank builds the same schedule from (stats, config, seed, epoch) on its own -- no
-torch.distributed call, no communication -- and takes its own row of it. The DataLoader iterates the batch
-sampler in the main process and hands index lists to its workers, so workers need nothing from it.
+torch.distributed call -- and takes its own row of it. The DataLoader iterates the batch sampler in the main
+process and hands index lists to its workers, so workers need nothing from it.
+
+Cross-rank check: the schedule is a pure function of its inputs and independent of the machine, but a rank
+given other statistics, config, seed or omnibal version builds another one, and the ranks would then train
+their slots of different schedules (samples lost or repeated). ``schedule_fingerprint()`` identifies the
+schedule this rank's stream comes from; given an ``exchange`` (a callable from this rank's fingerprint to
+every rank's, in rank order: the trainer's collective, e.g.
+:func:`omnibal.train.distributed.fingerprint_exchange`), every iteration checks, at its first micro-batch
+and once per schedule, that all ranks built the same one, and raises
+:class:`~omnibal.errors.ScheduleMismatch` naming the ranks that did not. The sampler itself never looks up
+a process group; the exchange is a collective, so every rank must iterate (or call
+``check_agreement()``) at the same point.
 
 Semantics:
 
@@ -62,11 +73,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from typing import Callable, Sequence
 
 import numpy as np
 
 from omnibal.data.balance.api import BalanceConfig, balance
-from omnibal.errors import InputError
+from omnibal.errors import InputError, ScheduleMismatch
 from omnibal.validate import check_positive_int
 
 STATE_VERSION = 3
@@ -149,7 +161,8 @@ class BalancedBatchSampler:
     """Micro-batches of rank ``dp_rank`` (see the module docstring for the semantics)."""
 
     def __init__(self, stats, *, dp_rank: int, dp_size: int, num_microbatches: int = 1, seed: int = 0,
-                 epoch: int = 0, config: BalanceConfig | None = None) -> None:
+                 epoch: int = 0, config: BalanceConfig | None = None,
+                 exchange: Callable[[str], Sequence[str]] | None = None) -> None:
         check_positive_int(dp_size, "dp_size")
         if not isinstance(dp_rank, int) or not 0 <= dp_rank < dp_size:
             raise InputError(f"must be in [0, {dp_size}), got {dp_rank!r}", source="dp_rank", field="dp_rank")
@@ -173,6 +186,7 @@ class BalancedBatchSampler:
         self._remainder: dict | None = None  # set after a reshard: rows of the rest of the epoch
         self._plan: CapPlan | None = None
         self._cache: dict | None = None
+        self._exchange = exchange  # this rank's schedule fingerprint -> every rank's (see the module docstring)
 
     # -- caps and schedule --------------------------------------------------------------------------
     @property
@@ -212,6 +226,26 @@ class BalancedBatchSampler:
         self._cache = {"epoch": epoch, "remainder": remainder, "schedule": sched, "rows": rows, "stream": None}
         return self._cache
 
+    def schedule_fingerprint(self) -> str:
+        """Fingerprint of the schedule this rank's stream comes from (``Schedule.fingerprint``, and after a
+        reshard the remainder's rows): every rank of the job must have the same."""
+        sched, rows = self.schedule()
+        if rows is None:
+            return sched.fingerprint()
+        rows_bytes = np.ascontiguousarray(rows, "<i8").tobytes()
+        return hashlib.sha256(sched.fingerprint().encode() + rows_bytes).hexdigest()[:32]
+
+    def check_agreement(self) -> None:
+        """With an ``exchange``: compare this schedule's fingerprint with every rank's (once per schedule)
+        and raise :class:`~omnibal.errors.ScheduleMismatch` naming the ranks that built another. A collective:
+        every rank calls it at the same point (iteration does, at its first micro-batch)."""
+        entry = self._entry(self._epoch, self._remainder)
+        if self._exchange is None or entry.get("agreed"):
+            return
+        ScheduleMismatch.check(list(self._exchange(self.schedule_fingerprint())),
+                               source=f"BalancedBatchSampler (epoch {self._epoch})")
+        entry["agreed"] = True
+
     def _stream(self) -> list[np.ndarray]:
         entry = self._entry(self._epoch, self._remainder)
         if entry["stream"] is None:
@@ -232,6 +266,7 @@ class BalancedBatchSampler:
     def __iter__(self):
         # a generator: nothing happens before the first next() (a multi-worker DataLoader calls iter() twice
         # and consumes only the second iterator), so the iteration "starts" at its first micro-batch
+        self.check_agreement()
         stream = self._stream()
         start = self._next_start(len(stream))
         self._pending = None

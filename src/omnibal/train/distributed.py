@@ -197,6 +197,20 @@ def _first_line(exc: BaseException) -> str:
     return lines[-1] if lines else type(exc).__name__
 
 
+def fingerprint_exchange(group=None) -> Callable[[str], list[str]]:
+    """The ``exchange`` of a :class:`omnibal.data.sampler.BalancedBatchSampler`: this rank's schedule
+    fingerprint in, every rank's of ``group`` out (in the group's rank order; ``None``: the default group),
+    by one ``all_gather_object``. The data layer never looks up a process group: the trainer hands it this."""
+    def exchange(fingerprint: str) -> list[str]:
+        if not dist.is_initialized():
+            return [fingerprint]
+        out: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(out, fingerprint, group=group)
+        return out
+
+    return exchange
+
+
 def free_port() -> int:
     """A TCP port free right now on localhost (rendezvous of local ranks; the one helper, tests use it too)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

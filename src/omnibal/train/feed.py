@@ -28,7 +28,7 @@ from typing import Any, Protocol, Sequence
 
 import numpy as np
 
-from omnibal.data.balance.schedule import Schedule, check_keys
+from omnibal.data.balance.schedule import Schedule, check_keys, csr_fingerprint
 from omnibal.errors import InputError
 from omnibal.validate import is_int
 
@@ -194,16 +194,18 @@ def check_schedule_covers(schedule, *, stats_fingerprint: str, num_samples: int,
 
 
 def schedule_fingerprint(schedule: ScheduleLike) -> str:
-    """SHA-256 over every micro-batch's indices: a checkpoint resumes only the schedule it was made with."""
-    h = hashlib.sha256(f"{schedule.dp_size},{schedule.num_microbatches},{schedule.num_steps}".encode())
+    """SHA-256 over every micro-batch's indices: a checkpoint resumes only the schedule it was made with, and
+    the ranks of a run compare it before training (``Trainer.check_schedule_agrees``). The balancer's
+    Schedule (CSR arrays): :meth:`Schedule.fingerprint <omnibal.data.balance.schedule.Schedule.fingerprint>`."""
     counts = step_microbatches(schedule)
-    if getattr(schedule, "level_microbatches", None) is not None:  # which slots run (single-level hashes unchanged)
-        h.update(b"counts" + counts.tobytes())
+    levels = getattr(schedule, "level_microbatches", None) is not None  # which slots run (single-level: unchanged)
     csr = _csr(schedule)
     if csr is not None:  # the balancer's Schedule: hash its arrays in one go
-        for arr in csr:
-            h.update(np.ascontiguousarray(arr, dtype=np.int64).tobytes())
-        return h.hexdigest()[:32]
+        return csr_fingerprint(schedule.dp_size, schedule.num_microbatches, schedule.num_steps, csr,
+                               counts if levels else None)
+    h = hashlib.sha256(f"{schedule.dp_size},{schedule.num_microbatches},{schedule.num_steps}".encode())
+    if levels:
+        h.update(b"counts" + counts.tobytes())
     for s in range(schedule.num_steps):
         for r in range(schedule.dp_size):
             for k in range(int(counts[s])):

@@ -6,6 +6,10 @@
     trainer.maybe_resume(checkpoint_dir)          # optional
     summary = trainer.run(num_steps)
 
+Before the first step of a schedule (and again after a resume replaces it) all ranks all-gather its
+fingerprint and refuse to train different ones (:class:`~omnibal.errors.ScheduleMismatch` naming the ranks
+that differ): each rank builds or reads the schedule itself.
+
 One step on every rank:
 
 1. stage 0 of each DP rank reads its micro-batches from the schedule and collates them (the others wait);
@@ -28,7 +32,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from omnibal.errors import InputError
+from omnibal.errors import InputError, ScheduleMismatch
 from omnibal.train.distributed import World, caused_by_comm_error, is_comm_error, peer_failure
 from omnibal.train.feed import (  # noqa: F401 (re-exported)
     Buffer,
@@ -101,6 +105,7 @@ class Trainer(CheckpointResume):
         self.schedule = schedule = self._sp_schedule(schedule, sp_degree, level_curriculum)
         self._check_schedule(schedule)
         self.schedule_id = schedule_fingerprint(schedule)
+        self._agreed_id: str | None = None  # the schedule fingerprint all ranks were found to share
 
         self.prefetch = prefetch
         """Load the next step's micro-batches on a background thread (:mod:`omnibal.train.prefetch`)."""
@@ -265,6 +270,8 @@ class Trainer(CheckpointResume):
         if step >= self.schedule.num_steps:
             raise InputError(f"the schedule has {self.schedule.num_steps} steps; step {step} was requested",
                              source=getattr(self.schedule, "source", "schedule"), field="steps")
+        if self._agreed_id != self.schedule_id:
+            self.check_schedule_agrees()
         if self.mode == "online":  # OrchMLLM-style post-balancing with per-modality dispatch (pp = 1)
             return online_forward_backward(self)
         times = RankTimes()
@@ -433,6 +440,14 @@ class Trainer(CheckpointResume):
             raise InputError(f"{num_steps} steps requested but the schedule has {end}", source=source,
                              field="num_steps")
         return num_steps
+
+    def check_schedule_agrees(self) -> None:
+        """All-gather every rank's schedule fingerprint; raise :class:`~omnibal.errors.ScheduleMismatch` naming
+        the ranks whose schedule differs (every rank raises the same). Runs before a schedule's first step."""
+        fingerprints = self._gather_objects(self.schedule_id, "the schedule check")
+        ScheduleMismatch.check(fingerprints, source=getattr(self.schedule, "source", "schedule"),
+                               describe=self.world.where_rank)
+        self._agreed_id = self.schedule_id
 
     def _gather_objects(self, obj: Any, what: str) -> list:
         if self.world.world_size == 1:

@@ -140,16 +140,17 @@ def _balance_omnibal(stats, dp_size, num_microbatches, seed, epoch, config: Bala
                          source=stats.source, field="oversize")
     rng = epoch_rng(seed, epoch)
     pack_of = np.full(len(stats), -1, np.int64)
+    costs = config.cost.grid_costs(stats.tiles, stats.tokens)  # integers: exact sums on every machine
     if len(regular):
-        num_regular_packs, (q_v, q_t), passes = _pack_regular(stats, regular, pack_of, per_step=per_step,
-                                                              max_total=max_total, num_alone=len(alone),
-                                                              config=config, rng=rng)
+        num_regular_packs, (q_v, q_t), passes = _pack_regular(stats, regular, pack_of, costs[1][regular],
+                                                              per_step=per_step, max_total=max_total,
+                                                              num_alone=len(alone), config=config, rng=rng)
     else:
         num_regular_packs, passes = 0, (0, 0, 0)
         q_v, q_t = config.max_tiles or 1, config.max_tokens or 1
     num_total = num_regular_packs + len(alone)
     pack_of[alone] = num_regular_packs + np.arange(len(alone))
-    pack_ids = _assign(stats, pack_of, num_total, dp_size=dp_size, num_microbatches=num_microbatches,
+    pack_ids = _assign(stats, pack_of, num_total, costs, dp_size=dp_size, num_microbatches=num_microbatches,
                        config=config, rng=rng)
     return build_schedule(
         pack_of=pack_of, num_packs=num_total, pack_ids=pack_ids, dp_size=dp_size,
@@ -160,11 +161,10 @@ def _balance_omnibal(stats, dp_size, num_microbatches, seed, epoch, config: Bala
     )
 
 
-def _pack_regular(stats, regular, pack_of, *, per_step, max_total, num_alone, config, rng):
-    """Cap search and packing of the rows under the caps; writes their pack labels into ``pack_of``.
-    Returns (number of packs, (Q_v, Q_t), exchange passes)."""
+def _pack_regular(stats, regular, pack_of, llm, *, per_step, max_total, num_alone, config, rng):
+    """Cap search and packing of the rows under the caps (``llm``: their LLM costs on the integer grid);
+    writes their pack labels into ``pack_of``. Returns (number of packs, (Q_v, Q_t), exchange passes)."""
     tiles, tokens = stats.tiles[regular], stats.tokens[regular]
-    _, llm = config.cost.sample_costs(tiles, tokens)
     choice = choose_caps(tiles, tokens, slots_per_step=per_step, target_samples=config.target_samples,
                          samples_tolerance=config.samples_tolerance, max_tiles=config.max_tiles,
                          max_tokens=config.max_tokens, token_slack=config.token_slack,
@@ -196,14 +196,14 @@ def _caps_fixed(config: BalanceConfig) -> bool:
     return config.max_tiles is not None or config.max_tokens is not None
 
 
-def _assign(stats, pack_of, num_total, *, dp_size, num_microbatches, config, rng) -> np.ndarray:
-    """``pack_ids`` of the packs (own packs included) by their loads."""
+def _assign(stats, pack_of, num_total, costs, *, dp_size, num_microbatches, config, rng) -> np.ndarray:
+    """``pack_ids`` of the packs (own packs included) by their loads (``costs``: every row's vision and LLM
+    cost on the integer grid, so the packs' sums are exact)."""
     in_pack = pack_of >= 0
     labels = pack_of[in_pack]
     p_tiles = np.bincount(labels, weights=stats.tiles[in_pack], minlength=num_total)
-    all_v, all_l = config.cost.sample_costs(stats.tiles[in_pack], stats.tokens[in_pack])
-    p_vis = np.bincount(labels, weights=all_v, minlength=num_total)
-    p_llm = np.bincount(labels, weights=all_l, minlength=num_total)
+    p_vis = np.bincount(labels, weights=costs[0][in_pack], minlength=num_total)
+    p_llm = np.bincount(labels, weights=costs[1][in_pack], minlength=num_total)
     empty = int((np.bincount(labels, minlength=num_total) == 0).sum())
     if empty:  # the packer keeps every pack non-empty when there are no more packs than samples
         raise InputError(f"{empty} of {num_total} micro-batches came out empty (target_samples "

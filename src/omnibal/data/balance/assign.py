@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from omnibal.data.balance.common import exact_sum
+
 
 def assign_sorted(
     pack_tiles: np.ndarray,
@@ -25,13 +27,15 @@ def assign_sorted(
     shuffle_steps: bool = True,
 ) -> np.ndarray:
     """``pack_ids [num_steps, dp_size, num_microbatches]``; the pack count must be a multiple of
-    ``dp_size * num_microbatches``."""
+    ``dp_size * num_microbatches``. The pack costs should be sums of integer-grid sample costs
+    (``BalanceCost.grid_costs``): exact, so every machine orders the packs alike."""
     num_packs = len(pack_tiles)
     per_step = dp_size * num_microbatches
     assert num_packs % per_step == 0, (num_packs, per_step)
     num_steps = num_packs // per_step
-    mean_v = max(float(np.mean(pack_vision)), 1e-300) if num_packs else 1.0
-    mean_l = max(float(np.mean(pack_llm)), 1e-300) if num_packs else 1.0
+    # exactly rounded means: the sizes (and so the order) must not turn on how a float sum was added up
+    mean_v = max(exact_sum(pack_vision) / num_packs, 1e-300) if num_packs else 1.0
+    mean_l = max(exact_sum(pack_llm) / num_packs, 1e-300) if num_packs else 1.0
     size = pack_vision / mean_v + pack_llm / mean_l
     order = np.lexsort((rng.random(num_packs), size, pack_tiles))
     return deal_steps(order.reshape(num_steps, per_step), size, dp_size=dp_size,
@@ -65,6 +69,6 @@ def deal_steps(
         out = out[rng.permutation(num_steps)]
         # the order of micro-batches inside a rank carries no meaning; shuffle it too
         if num_microbatches > 1:
-            perm = np.argsort(rng.random((num_steps, dp_size, num_microbatches)), axis=2)
+            perm = np.argsort(rng.random((num_steps, dp_size, num_microbatches)), axis=2, kind="stable")
             out = np.take_along_axis(out, perm, axis=2)
     return out

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from omnibal.data.balance.common import exact_sum
 from omnibal.data.balance.exchange import Packs, Targets, min_tokens_per_tile, repair_tiles
 from omnibal.data.balance.packer import _deal
 from omnibal.errors import InputError
@@ -80,6 +81,26 @@ _TEXT_SPARE = 0.01
 epochs and adds a step or grows the buffer; with 0.018 (776 steps; DP 32, 194 steps) it fills them."""
 
 
+def abs_log(x: float) -> float:
+    """``|ln x|`` (x > 0) from IEEE +, -, *, / alone, so the cap search ranks its candidates alike on every
+    machine (libm's ``log`` may differ in the last bit between builds, e.g. with and without FMA): with
+    ``x = m 2**e`` (``m`` in [0.7, 1.4)), ``ln m = 2 atanh(s)``, ``s = (m - 1) / (m + 1)``, by its series
+    (``|s| < 0.18``: 24 terms are far below a double's precision)."""
+    m, e = math.frexp(x)
+    if m < 0.7:
+        m, e = 2.0 * m, e - 1
+    s = (m - 1.0) / (m + 1.0)
+    s2, term, series = s * s, s, 0.0
+    for k in range(24):
+        series += term / (2 * k + 1)
+        term *= s2
+    return abs(2.0 * series + e * _LN2)
+
+
+_LN2 = 0.6931471805599453
+"""ln 2, the double nearest it."""
+
+
 def _round_up(x: float, multiple: int) -> int:
     return int(math.ceil(x / multiple - 1e-9) * multiple)
 
@@ -106,7 +127,7 @@ class _CapModel:
         # prefix sums of the heaviest texts: text_room is O(log N) per candidate count (thousands are tried)
         self.text_prefix = np.concatenate([[0.0], np.cumsum(self.text_desc)])
         self.text_neg_asc = -self.text_desc  # ascending, for searchsorted
-        self.text_negative = float(np.minimum(self.text_desc, 0).sum())
+        self.text_negative = exact_sum(np.minimum(self.text_desc, 0))
 
     def caps_for(self, steps: int) -> tuple[int, int]:
         """(Q_v, Q_t) for ``steps``: the fixed caps, or the mean pack plus the slack (never under the
@@ -165,7 +186,7 @@ class _CapModel:
         qv, qt = self.caps_for(steps)
         pad_v = 1 - self.total_v / (qv * p) if qv else 0.0
         pad_t = 1 - self.total_t / (qt * p)
-        off = 0.0 if self.fixed else abs(math.log(self.n / p / target_samples))
+        off = 0.0 if self.fixed else abs_log(self.n / p / target_samples)
         return pad_v + pad_t + 0.05 * off
 
 
@@ -421,5 +442,5 @@ def _trial_pad(tiles, tokens, trial, slots_per_step, rng, target_samples, use_ta
     cap_v = max(float(qv) if (packs.pv > qv).mean() < 0.002 else float(packs.pv.max()), 1.0)
     # the mean pack, not the outliers: the tail rule keeps every pack under Q_t (or grows it by a little)
     pad_t = 1 - float(t.sum()) / p_sub / max(float(qt), 1.0)
-    off = abs(math.log(n / p / target_samples)) if use_target else 0.0
+    off = abs_log(n / p / target_samples) if use_target else 0.0
     return (1 - float(packs.pv.mean()) / cap_v) + pad_t + 0.05 * off

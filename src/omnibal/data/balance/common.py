@@ -1,10 +1,19 @@
-"""What every balancing method shares: the per-epoch random streams and the split of samples over a fixed cap.
+"""What every balancing method shares: the per-epoch random streams, the split of samples over a fixed cap,
+and the sort keys and sums that keep a schedule the same on every machine.
+
+Every rank of a job builds the schedule on its own, so it must not depend on the CPU or the numpy build:
+numpy's default (SIMD) sorts order equal keys differently on AVX-512 and AVX2 machines, and a float sum's
+last bit depends on the order it is added in. So every ordering here is by keys that are all distinct
+(``distinct_keys``) or by a stable sort, every cost that is summed is an integer (``BalanceCost.grid_costs``),
+and the few sums of non-integer floats a decision reads are exactly rounded (``exact_sum``).
 
 Lives below ``api`` (which imports every method) so that the methods never import ``api``: the module
 graph of ``omnibal.data.balance`` stays acyclic.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -42,3 +51,50 @@ def split_oversize(stats, config) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     if config.oversize == "own_pack":
         return rows[~over], bad, rows[:0]
     return rows[~over], rows[:0], bad
+
+
+def distinct_keys(values: np.ndarray, tiebreak: np.ndarray) -> np.ndarray:
+    """int64 sort keys in the order of ``values``, equal values in the order of ``tiebreak`` (distinct
+    integers under ``2**bits(len - 1)``, e.g. :func:`random_ranks`): the keys are all distinct, so every sort
+    algorithm gives the same order. The values go on a grid of their range with as many steps as 62 bits
+    leave beside the tie-break (2**41 for 1.2M values), so values closer than a step count as equal too."""
+    values = np.asarray(values, np.float64)
+    m = len(values)
+    if m == 0:
+        return np.zeros(0, np.int64)
+    rank_bits = max(int(m - 1).bit_length(), 1)
+    steps = 2.0 ** min(62 - rank_bits, 52)
+    low, high = float(values.min()), float(values.max())
+    grid = values - low
+    if high > low:
+        grid /= high - low
+        grid *= steps
+        np.floor(grid, out=grid)
+        np.minimum(grid, steps - 1, out=grid)
+    keys = grid.astype(np.int64)
+    keys <<= rank_bits
+    keys |= np.asarray(tiebreak, np.int64)
+    return keys
+
+
+def random_ranks(m: int, rng: np.random.Generator) -> np.ndarray:
+    """``m`` distinct integers under ``2**bits(m - 1)`` in an order drawn from ``rng``: a tie-break for
+    :func:`distinct_keys`. A seeded bijection of the positions (multiply by an odd number, xor-shift, twice,
+    modulo ``2**bits``) rather than a permutation: as good for breaking ties, and three times cheaper."""
+    bits = max(int(m - 1).bit_length(), 1)
+    mask, shift = np.uint64((1 << bits) - 1), np.uint64((bits + 1) // 2)
+    a1, a2, b = (np.uint64(int(x)) for x in rng.integers(0, 1 << 62, 3))
+    x = np.arange(m, dtype=np.uint64)
+    for a in (a1 | np.uint64(1), a2 | np.uint64(1)):
+        x *= a
+        x += b
+        x &= mask
+        x ^= x >> shift
+    return x.astype(np.int64)
+
+
+def exact_sum(values: np.ndarray) -> float:
+    """The sum of float ``values`` exactly rounded (``math.fsum``): the same whatever order numpy would
+    add them in (a decision that compares a sum must not turn on its last bit)."""
+    values = np.asarray(values, np.float64).ravel()
+    return math.fsum(values[values != 0].tolist())

@@ -14,6 +14,7 @@ stages (and even without it, the ViT and the LLM are separate kernels with diffe
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -120,6 +121,12 @@ class BalanceCost:
         cv, cl = self.vision_coef, self.llm_coef
         return cv[1] * v + cv[2] * t + cv[3] * tsq, cl[1] * v + cl[2] * t + cl[3] * tsq
 
+    def grid_costs(self, tiles: np.ndarray, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`sample_costs` on an integer grid (:func:`to_grid`): what the balancer sums and compares,
+        so that no decision turns on the order a float sum was added in."""
+        vision, llm = self.sample_costs(tiles, tokens)
+        return to_grid(vision), to_grid(llm)
+
     def evaluate(self, features: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Micro-batch features ``[..., 4]`` -> (vision cost, llm cost), each ``[...]``."""
         f = np.asarray(features, np.float64)
@@ -131,6 +138,20 @@ class BalanceCost:
     @classmethod
     def from_dict(cls, d: dict) -> BalanceCost:
         return cls(vision_coef=tuple(d["vision_coef"]), llm_coef=tuple(d["llm_coef"]), name=d.get("name", "custom"))
+
+
+def to_grid(costs: np.ndarray) -> np.ndarray:
+    """Non-negative per-sample costs as integers (held in float64) in units of ``2**-k`` of the largest,
+    with ``k = 52 - bits(n)`` for ``n`` costs: every sum of them is then below ``2**52`` and exact, the same
+    whatever order it is added in (a float sum's last bit depends on it: numpy's blocking, the CPU's
+    vector width). Only ratios matter to the balancer; the rounding is at most ``2**-k`` of the largest
+    cost (``2**-31`` for a million rows). The unit is a power of two, so the scaling itself is exact."""
+    costs = np.asarray(costs, np.float64)
+    top = float(costs.max()) if len(costs) else 0.0
+    if not top > 0:
+        return np.zeros_like(costs)
+    bits = 52 - max(len(costs).bit_length(), 1)
+    return np.rint(costs * math.ldexp(1.0, bits - math.frexp(top)[1]))
 
 
 DEFAULT_COST = BalanceCost.internvl_6b_20b()

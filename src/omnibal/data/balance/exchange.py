@@ -4,9 +4,12 @@ once as ``[pairs, K, K]`` array operations."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
+
+from omnibal.data.balance.common import distinct_keys, exact_sum, random_ranks
 
 _CHUNK_PAIRS = 1 << 14  # bounds the [pairs, K, K] temporaries to a few MiB each
 
@@ -109,17 +112,17 @@ def improve(packs: Packs, objective, deviation, rng, max_passes: int, group: int
         if not bad.any():
             break
         if passes % 2:
-            # (deterministic for a given input: ties are broken by the random jitter, not by sort order)
-            srt = np.argsort(deviation(packs.pv, packs.pt, packs.pl) + rng.random(p) * 1e-12)
+            # packs of equal deviation in a random order (distinct keys: the same order on every machine)
+            srt = np.argsort(distinct_keys(deviation(packs.pv, packs.pt, packs.pl), random_ranks(p, rng)))
             first, second = srt[: p // 2], srt[::-1][: p // 2]
         else:
             perm = rng.permutation(p)
             first, second = perm[: p // 2], perm[p // 2: 2 * (p // 2)]
         active = bad[first] | bad[second]
-        before = float(np.maximum(g - bad_above, 0).sum())
+        before = exact_sum(np.maximum(g - bad_above, 0))
         packs.exchange(first[active], second[active], objective, group)
         g = objective(packs.pv, packs.pt, packs.pl)
-        after = float(np.maximum(g - bad_above, 0).sum())
+        after = exact_sum(np.maximum(g - bad_above, 0))
         # stop after two passes in a row that gain under 5%: the tail is left to the targeted repair
         stale = stale + 1 if after > 0.95 * before else 0
         if stale >= 2:
@@ -184,11 +187,17 @@ def _repair(packs: Packs, objective, deviation, rng, rounds: int, partners: int,
 
 def min_tokens_per_tile(v, t) -> float:
     """The fewest tokens per tile of the multi-tile samples (1st percentile: a few odd rows do not set it);
-    inf when there are none."""
+    inf when there are none. The linear percentile spelt out (the two order statistics and their
+    interpolation), so that the value does not depend on a numpy version's formula for it."""
     multi = v >= 2
     if not multi.any():
         return np.inf
-    return max(float(np.percentile(t[multi] / v[multi], 1)), 1.0)
+    ratio = t[multi] / v[multi]
+    pos = (len(ratio) - 1) * 0.01
+    k = int(math.floor(pos))
+    k1 = min(k + 1, len(ratio) - 1)
+    low, high = (float(x) for x in np.partition(ratio, (k, k1))[[k, k1]])
+    return max(low + (high - low) * (pos - k), 1.0)
 
 
 _HARD = 1e9

@@ -25,7 +25,7 @@ import numpy as np
 from tqdm import tqdm
 
 from omnibal.data.balance.assign import assign_sorted
-from omnibal.data.balance.common import epoch_rng, split_oversize
+from omnibal.data.balance.common import epoch_rng, exact_sum, split_oversize
 from omnibal.data.balance.schedule import Caps, build_schedule
 
 
@@ -107,7 +107,8 @@ def _score(tiles, tokens, order, offsets, qv, qt, dp_size) -> float:
         return pad
     blocks_v = pv[:usable].reshape(dp_size, -1).T
     blocks_t = pt[:usable].reshape(dp_size, -1).T
-    dist = lambda x: float((1 - x.mean(1) / np.maximum(x.max(1), 1e-9)).mean())  # noqa: E731
+    # (an exactly rounded mean: which caps win must not turn on how a float sum was added up)
+    dist = lambda x: exact_sum(1 - x.mean(1) / np.maximum(x.max(1), 1e-9)) / len(x)  # noqa: E731
     return pad + dist(blocks_v) + dist(blocks_t)
 
 
@@ -171,7 +172,7 @@ def balance_isf(stats, *, dp_size, num_microbatches, seed, epoch, config):
     else:
         total = -(-num_packs // per_step) * per_step
         p_tiles = np.bincount(pack_of[order], weights=stats.tiles[order], minlength=total)
-        v_cost, l_cost = config.cost.sample_costs(stats.tiles[order], stats.tokens[order])
+        v_cost, l_cost = config.cost.grid_costs(stats.tiles[order], stats.tokens[order])  # exact pack sums
         p_vis = np.bincount(pack_of[order], weights=v_cost, minlength=total)
         p_llm = np.bincount(pack_of[order], weights=l_cost, minlength=total)
         pack_ids = assign_sorted(p_tiles, p_vis, p_llm, dp_size=dp_size, num_microbatches=num_microbatches,

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from omnibal.data.balance.common import distinct_keys, random_ranks
+from omnibal.data.balance.cost import to_grid
 from omnibal.data.balance.exchange import Packs, Targets, level_llm, repair_tiles
 from omnibal.data.balance.tail import enforce_caps
 
@@ -47,7 +49,7 @@ class PackResult:
     tokens: np.ndarray
     """Tokens per pack."""
     llm: np.ndarray
-    """LLM cost per pack (per-sample part)."""
+    """LLM cost per pack (per-sample part), in the units of the integer grid the packer puts it on."""
     passes: tuple[int, int, int]
     """Exchange passes run in the tile repair, the LLM levelling and after the tail's new packs."""
 
@@ -59,19 +61,20 @@ def _deal(v, t, lc, p, max_tiles, max_tokens, rng) -> np.ndarray:
     n = len(v)
     # one float key per sort (a lexsort of three keys is ~3x slower): tiles first, LLM cost as the tie-break
     lc_unit = lc / max(float(lc.max()), 1e-300) * 0.45
-    item_key = v + lc_unit + rng.random(n) * 1e-9
+    item_key = v + lc_unit
     # text-heavy samples (far more of the token buffer than of the tile buffer) are dealt by their token
     # share: dealt last by tiles, they would find no pack with token room left
     share_v = v / max(max_tiles, 1)
     share_t = t / max(max_tokens, 1)
     heavy = share_t > 2.0 * share_v + 0.1
     item_key = np.where(heavy, share_t * max_tiles + 0.45, item_key)
-    order = np.argsort(-item_key)
+    # largest first, equal samples in a random order; distinct keys sort alike on every machine
+    order = np.argsort(-distinct_keys(item_key, random_ranks(n, rng)))
     width = -(-n // p) + 4
     slots = np.full((p, width), n, dtype=np.int64)
     count = np.zeros(p, dtype=np.int64)
     load_v, load_t, load_l = np.zeros(p), np.zeros(p), np.zeros(p)
-    tie = rng.random(p) * 1e-9
+    pack_rank = random_ranks(p, rng)  # packs of equal load: a random order, fixed for the deal
     l_scale = 0.45 / max(float(lc.sum()) / p * 1.5, 1e-300)
     pending = np.zeros(0, dtype=np.int64)
     nxt = 0
@@ -84,13 +87,13 @@ def _deal(v, t, lc, p, max_tiles, max_tokens, rng) -> np.ndarray:
         rounds += 1
         assert rounds <= max_rounds, f"_deal made no progress in {max_rounds} rounds ({n} samples, {p} packs)"
         take = p - len(pending)
+        # largest first: ``order`` is, and the pending samples were read from it before the new ones
         items = np.concatenate([pending, order[nxt:nxt + take]])
         nxt += max(take, 0)
-        items = items[np.argsort(-item_key[items])]  # largest first
         # tiles first, but a pack whose tokens are further along than its tiles counts as that full
         dominant = np.maximum(load_v, load_t / max(max_tokens, 1) * max_tiles)
-        pack_key = dominant + np.minimum(load_l * l_scale, 0.45) + tie
-        packs = np.argsort(pack_key)[: len(items)]
+        pack_key = dominant + np.minimum(load_l * l_scale, 0.45)
+        packs = np.argsort(distinct_keys(pack_key, pack_rank))[: len(items)]
         fits = force | ((load_v[packs] + v[items] <= max_tiles) & (load_t[packs] + t[items] <= max_tokens))
         packs, placed = packs[fits], items[fits]
         if len(packs):
@@ -136,14 +139,15 @@ def pack_balanced(
     (at most ``max_packs`` in all); only when that bound stops it are packs left over the caps, for the
     caller to detect. ``hard_caps`` False (caps derived by the cap search, not a budget): packs a little
     over are kept when growing the buffer to them pads less (see ``enforce_caps``). Every sample must
-    fit a pack alone.
+    fit a pack alone. The LLM costs are put on an integer grid (``cost.to_grid``: costs already on one
+    are only scaled by a power of two), so that the packs' sums, and every decision on them, are exact.
     """
     n, p = len(tiles), int(num_packs)
     max_packs = n if max_packs is None else int(max_packs)
     assert 1 <= p <= max(n, 1) and pack_step >= 1
     v = np.asarray(tiles, np.float64)
     t = np.asarray(tokens, np.float64)
-    lc = np.asarray(llm_cost, np.float64)
+    lc = to_grid(llm_cost)  # integers: every pack's sum exact, the same on every machine
     packs = Packs(_deal(v, t, lc, p, max_tiles, max_tokens, rng), v, t, lc)
     targets = Targets.of(v, t, lc, p, max_tiles, max_tokens, llm_tol)
     passes_tiles = repair_tiles(packs, targets, rng)

@@ -27,13 +27,14 @@ fills slots ``[0, m[l])`` of ``pack_ids``; the slots after them point at an empt
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from omnibal.cost.table import NUM_FEATURES, microbatch_features, pack_features
+from omnibal.cost.table import NUM_FEATURES, csr_features, microbatch_features, segment_max
 from omnibal.errors import InputError
 from omnibal.layout import Padding
 
@@ -206,15 +207,15 @@ class Schedule:
         tiles = stats.tiles[self.pack_samples].astype(np.float64)
         tokens = stats.tokens[self.pack_samples].astype(np.float64)
         if padding == "varlen":
-            per_pack = _csr_features(tiles, tokens, self.pack_offsets)
+            per_pack = csr_features(tiles, tokens, self.pack_offsets)
         elif padding == "pad_to_longest":
-            per_pack = _csr_features(tiles, tokens, self.pack_offsets)
+            per_pack = csr_features(tiles, tokens, self.pack_offsets)
             sizes = self.pack_sizes().astype(np.float64)
-            t_max = _segment_max(tokens, self.pack_offsets)
+            t_max = segment_max(tokens, self.pack_offsets)
             per_pack[:, 2] = sizes * t_max
             per_pack[:, 3] = sizes * t_max * t_max
         elif padding == "fixed_buffer":
-            per_pack = _csr_features(tiles, tokens, self.pack_offsets)
+            per_pack = csr_features(tiles, tokens, self.pack_offsets)
             pad = np.clip(self.caps.tokens - per_pack[:, 2], 0, None)
             # Padding fills the token buffer as one extra masked segment; the ViT runs on Q_v tiles.
             per_pack[:, 1] = np.maximum(per_pack[:, 1], self.caps.tiles)
@@ -343,6 +344,14 @@ class Schedule:
             raise InputError(f"not valid JSON: {type(exc).__name__}", source=source) from None
         return cls.from_dict(d, source=source)
 
+    def fingerprint(self) -> str:
+        """SHA-256 (32 hex digits) of what the schedule deals (:func:`csr_fingerprint`): two ranks that built the
+        same schedule get the same one, any other pack, pack numbering or slot changes it. What a checkpoint
+        records, and what the ranks of a job compare before they train a schedule."""
+        counts = self.step_microbatches() if self.level_microbatches is not None else None
+        return csr_fingerprint(self.dp_size, self.num_microbatches, self.num_steps,
+                               (self.pack_samples, self.pack_offsets, self.pack_ids), counts)
+
     def equals(self, other: Schedule) -> bool:
         """Same micro-batches in the same slots (packs compared by content, not by numbering)."""
         if (self.dp_size, self.num_microbatches, self.num_steps) != (other.dp_size, other.num_microbatches,
@@ -462,26 +471,16 @@ def _read_steps(steps, dp: int, step_mbs: list[int], source: str) -> tuple[list[
     return samples, offsets
 
 
-def _csr_features(tiles: np.ndarray, tokens: np.ndarray, offsets: np.ndarray) -> np.ndarray:
-    """Varlen features of CSR packs; like ``cost.table.pack_features`` but safe for empty packs anywhere
-    (``np.add.reduceat`` rejects an empty pack at the end)."""
-    sizes = np.diff(offsets)
-    if len(tiles) == 0 or not (sizes == 0).any():
-        return pack_features(tiles, tokens, offsets)
-    label = np.repeat(np.arange(len(sizes)), sizes)
-    num = len(sizes)
-    return microbatch_features(np.bincount(label, tiles, num), np.bincount(label, tokens, num),
-                               np.bincount(label, tokens * tokens, num))
-
-
-def _segment_max(values: np.ndarray, offsets: np.ndarray) -> np.ndarray:
-    """Max of each CSR segment (0 for empty ones)."""
-    out = np.zeros(len(offsets) - 1)
-    sizes = np.diff(offsets)
-    nonempty = sizes > 0
-    if len(values):
-        out[nonempty] = np.maximum.reduceat(values, offsets[:-1][nonempty])
-    return out
+def csr_fingerprint(dp_size: int, num_microbatches: int, num_steps: int, arrays, counts=None) -> str:
+    """SHA-256 (32 hex digits) of a schedule's layout, its CSR arrays ``(pack_samples, pack_offsets, pack_ids)``
+    and, when its levels run their own micro-batch counts, every step's count; integers as little-endian
+    int64, so every machine hashes the same bytes."""
+    h = hashlib.sha256(f"{dp_size},{num_microbatches},{num_steps}".encode())
+    if counts is not None:
+        h.update(b"counts" + np.ascontiguousarray(counts, dtype="<i8").tobytes())
+    for arr in arrays:
+        h.update(np.ascontiguousarray(arr, dtype="<i8").tobytes())
+    return h.hexdigest()[:32]
 
 
 def build_schedule(*, pack_of: np.ndarray, num_packs: int, pack_ids: np.ndarray, **kwargs) -> Schedule:
@@ -495,4 +494,4 @@ def build_schedule(*, pack_of: np.ndarray, num_packs: int, pack_ids: np.ndarray,
     return Schedule(pack_samples=order, pack_offsets=offsets, pack_ids=pack_ids, **kwargs)
 
 
-__all__ = ["Caps", "Schedule", "FORMAT", "PADDINGS", "build_schedule", "microbatch_features"]
+__all__ = ["Caps", "Schedule", "FORMAT", "PADDINGS", "build_schedule", "csr_fingerprint", "microbatch_features"]

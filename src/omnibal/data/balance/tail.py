@@ -78,7 +78,8 @@ def _fill_empty(packs: Packs, rng) -> None:
         empty = np.flatnonzero(count == 0)
         if len(empty) == 0:
             return
-        donors = np.argsort(-count + rng.random(len(count)) * 0.5)[: len(empty)]
+        # the fullest packs first, equal counts in a random order (lexsort is stable: the same on every machine)
+        donors = np.lexsort((rng.permutation(len(count)), -count))[: len(empty)]
         donors = donors[count[donors] >= 2]
         assert len(donors), "more packs than samples reached the packer"
         empty = empty[: len(donors)]
