@@ -102,3 +102,33 @@ def test_unknown_stack_names_the_flag():
         get_stack("megatron")
     assert exc.value.field == "stack" and "megatron-deepspeed" in str(exc.value)
     assert np.all(np.isfinite(layer_param_bytes(SPEC, stack=STACKS["fsdp"])[2]))
+
+
+def test_fsdp_bytes_per_parameter_written_out_by_hand():
+    """FSDP2 (bf16 compute, fp32 reduce): sharded fp32 parameters 4 + fp32 gradients 4 + Adam 8 = 16 per
+    parameter over DP; under ZeRO-2 the unsharded bf16 weights (2) and fp32 gradient accumulator (4) stay
+    resident, under ZeRO-3 they exist for the layer being computed only (the gather reserve): 16 / DP, not
+    the 2/DP + 4/DP + 16/DP = 22/DP of sharding the working copies a second time."""
+    from omnibal.cost.analytic import analytic_cost_table, zero3_gather_reserve, zero_sharded_bytes
+    from omnibal.cost.hardware import get_hardware
+    from omnibal.cost.params import layer_param_counts
+    from omnibal.cost.presets import get_model_preset
+    from omnibal.cost.stack import check_stack_zero
+    from omnibal.errors import InputError
+
+    spec = get_model_preset("internvl-chat-1.5")
+    table = analytic_cost_table(spec, get_hardware("a100-80g"), stack="fsdp")
+    params = float(layer_param_counts(spec).sum())
+    dp = 64
+    z3 = sum(float(x.sum()) for x in zero_sharded_bytes(table, dp_size=dp, zero_stage=3))
+    z2 = sum(float(x.sum()) for x in zero_sharded_bytes(table, dp_size=dp, zero_stage=2))
+    assert z3 == pytest.approx(params * 16 / dp, rel=1e-12)
+    assert z2 == pytest.approx(params * (2 + 4 + 16 / dp), rel=1e-12)
+    biggest = float(table.param_bytes.max())  # two layers' bf16 weights gathered + one layer's fp32 gradient
+    assert zero3_gather_reserve(table, zero_stage=3, dp_size=dp) == pytest.approx(2 * biggest + 2 * biggest)
+    deepspeed = analytic_cost_table(spec, get_hardware("a100-80g"), stack="megatron-deepspeed")
+    z3_ds = sum(float(x.sum()) for x in zero_sharded_bytes(deepspeed, dp_size=dp, zero_stage=3))
+    assert z3_ds == pytest.approx(params * (2 + 4 + 12) / dp, rel=1e-12)  # DeepSpeed ZeRO-3 shards all three
+    for stage in (0, 1):
+        with pytest.raises(InputError, match="fsdp stack has no ZeRO"):
+            check_stack_zero("fsdp", stage)

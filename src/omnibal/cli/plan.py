@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from omnibal.cli.options import add_layout_options, add_option, check_layout_args
+from omnibal.cost.hardware import DEFAULT_MEMORY_HEADROOM
 from omnibal.cost.stack import DEFAULT_STACK
 from omnibal.data.hbp import LEVEL_MICROBATCHES
 from omnibal.errors import InputError
@@ -51,7 +52,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                help="engine that will run the plan: its constraints are planner inputs, the ablation prices each of "
                     "them, and its ready-to-use files go to OUT/exports/ (docs/engines/)")
     g.add_argument("--memory-budget", type=float, default=None, metavar="GIB",
-                   help="bytes per device the plan may use, in GiB (default: 95%% of the device memory)")
+                   help="bytes per device the plan may use, in GiB (default: the device memory less "
+                        "--memory-headroom)")
+    g.add_argument("--memory-headroom", type=float, default=DEFAULT_MEMORY_HEADROOM, metavar="SHARE_OR_GIB",
+                   help="what the budget leaves of the device memory for the caching allocator's reserve, the "
+                        "CUDA context and communication buffers: a share below 1, else GiB (default: "
+                        f"{DEFAULT_MEMORY_HEADROOM:g}; docs/gpu.md has the measurement it rests on)")
     add_option(g, "profile", help="measured layer profile (omnibal profile) to use instead of the analytic cost model")
     add_option(g, "schedule", default="1f1b", choices=PLANNER_SCHEDULES)
     d = parser.add_argument_group("data")
@@ -130,7 +136,8 @@ def job_config(args: argparse.Namespace):
     return PlanJobConfig(
         preset=args.model, hf_model=args.hf_model, hardware=hardware_by_name(args.hardware), num_gpus=args.num_gpus,
         layout=layout,
-        baseline_batch_size=args.batch_size, memory_budget_gib=args.memory_budget, stats_path=args.stats,
+        baseline_batch_size=args.batch_size, memory_budget_gib=args.memory_budget,
+        memory_headroom=args.memory_headroom, stats_path=args.stats,
         num_samples=args.samples, balance_samples=_balance_samples(args.balance_samples), seed=args.seed,
         profile_path=args.profile, balance_method=args.balance_method, padding=args.padding,
         max_tiles=args.max_tiles, max_tokens=args.max_tokens, oversize=args.oversize,
@@ -234,6 +241,20 @@ def _write_outputs(result, out: str, *, timelines: bool, progress: bool) -> dict
         bar.close()
 
 
+def _budget_line(p) -> str:
+    """The budget per device and, when a headroom made it, what the headroom left out and why."""
+    if p.memory_budget_bytes is None:
+        return "none (no device memory limit)"
+    line = f"{p.memory_budget_bytes / 2**30:.1f} GiB per device"
+    h = p.memory_headroom
+    if h is None:
+        return line
+    device = p.memory_budget_bytes / (1 - h) if h < 1 else p.memory_budget_bytes + h * 2**30
+    left = f"{h:.0%}" if h < 1 else f"{h:g} GiB"
+    return (f"{line} (the {device / 2**30:.1f} GiB device less {left} headroom for the caching allocator's "
+            "reserve, the CUDA context and communication buffers: --memory-headroom)")
+
+
 def _print_plan(result, exports: tuple[dict, dict]) -> None:
     """The data line, the ablation, the plan's stages, the engine exports (``write_engine_exports``'s answer)
     and the balance."""
@@ -246,7 +267,7 @@ def _print_plan(result, exports: tuple[dict, dict]) -> None:
         note = (f"; balanced a uniform random subset of {plan.data.settings['balanced_samples']:,} and scaled the "
                 f"epoch x{result.epoch_scale:.2f} (--balance-samples all: every sample)")
     print(f"data: {p.stats_source}, {p.num_samples:,} samples{note}; images: {p.stats_convention}")
-    print(f"memory budget: {p.memory_budget_bytes / 2**30:.1f} GiB per device\n")
+    print(f"memory budget: {_budget_line(p)}\n")
     if result.ablation[0].paper_gpu_days is not None:
         print("Ablation (predicted by omnibal's simulator; paper: OmniBal's measured 6B+20B on Megatron-DeepSpeed, "
               "A100; why they differ: docs/plan.md):")

@@ -302,6 +302,7 @@ def analytic_cost_table(spec: ModelSpec, hardware: HardwareSpec, *, tp_size: int
         names=tuple(layer.name for layer in layers), kinds=tuple(layer.kind for layer in layers),
         fwd_time=fwd, bwd_time=bwd, act_bytes=work.act_bytes, ckpt_bytes=work.ckpt_bytes,
         sel_act_bytes=np.where(selective[:, None], work.sel_act_bytes, work.act_bytes), sel_fwd_time=sel_fwd,
+        working_copies=get_stack(stack).working_copies and DTYPE_BYTES.get(dtype) != 4,
         out_bytes=work.out_bytes, param_bytes=param, grad_bytes=grad, optim_bytes=optim, tp_comm_time=tp_comm,
     )
 
@@ -309,12 +310,19 @@ def analytic_cost_table(spec: ModelSpec, hardware: HardwareSpec, *, tp_size: int
 def zero_sharded_bytes(table: LayerCostTable, *, dp_size: int, zero_stage: int = 1
                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per-device ``(param, grad, optim)`` bytes per layer under ZeRO ``zero_stage`` over ``dp_size`` ranks:
-    stage 1 shards the optimizer state, stage 2 also the gradients, stage 3 also the parameters."""
+    stage 1 shards the optimizer state, stage 2 also the gradients, stage 3 also the parameters. A table
+    whose weights and gradients are working copies of the sharded state (``working_copies``: FSDP) keeps none
+    of them resident under ZeRO-3 (the layer being computed is the gathered working set,
+    :func:`zero3_gather_reserve`) and both of them whole under ZeRO-2, beside the sharded state."""
     if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
         raise InputError(f"must be a positive integer, got {dp_size!r}", source="dp_size", field="dp_size")
     if zero_stage not in (0, 1, 2, 3):
         raise InputError(f"must be 0, 1, 2 or 3, got {zero_stage!r}", source="zero_stage", field="zero_stage")
     param, grad, optim = table.param_bytes, table.grad_bytes, table.optim_bytes
+    if table.working_copies:  # the sharded state is optim; the copies are resident (ZeRO-2) or per layer (3)
+        if zero_stage >= 3:
+            return np.zeros_like(param), np.zeros_like(grad), optim / dp_size
+        return param, grad, optim / dp_size
     return (param / dp_size if zero_stage >= 3 else param, grad / dp_size if zero_stage >= 2 else grad,
             optim / dp_size if zero_stage >= 1 else optim)
 

@@ -20,6 +20,21 @@ from omnibal.validate import check_non_negative_number, check_positive_int, chec
 
 GiB = 1 << 30
 EFFICIENCY_KINDS = ("matmul", "attention", "memory", "comm")
+DEFAULT_MEMORY_HEADROOM = 0.05
+"""Share of a device's memory a plan leaves for what the memory model does not count: the caching
+allocator's reserve beyond the live tensors (with expandable segments, the trainer's CUDA default), the CUDA
+context and the communication buffers. docs/gpu.md has the measurement it rests on."""
+
+
+def memory_budget(device_bytes: float, headroom: float = DEFAULT_MEMORY_HEADROOM) -> float:
+    """Bytes a plan may use on a device of ``device_bytes``: less ``headroom``, a share of it when below 1,
+    else GiB. The one place the headroom is applied (the planner and the simulator both call it)."""
+    check_non_negative_number(headroom, "memory_headroom", source="--memory-headroom")
+    reserve = headroom * device_bytes if headroom < 1 else headroom * GiB
+    if reserve >= device_bytes:
+        raise InputError(f"a headroom of {headroom:g} leaves nothing of the {device_bytes / GiB:.1f} GiB device",
+                         source="--memory-headroom", field="memory_headroom")
+    return float(device_bytes - reserve)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -217,12 +217,12 @@ def cost_table_from_profile(spec: ModelSpec, profile: dict[str, Any], *, hardwar
     param, grad, optim = layer_param_bytes(spec, dtype=dtype, tp_size=tp_size, tp_vision=tp_vision, stack=stack)
     # selective recompute from the analytic model: the bytes it keeps, and its share of the forward time
     shape = analytic_cost_table(spec, hardware or get_hardware("h100"), dtype=dtype, tp_size=tp_size,
-                                tp_vision=tp_vision)
+                                tp_vision=tp_vision, stack=stack)
     share = np.divide(shape.sel_fwd_time, shape.fwd_time, out=np.zeros_like(fwd), where=shape.fwd_time > 0)
     ckpt = np.minimum(work.ckpt_bytes, act)
     return LayerCostTable(
         names=tuple(layer.name for layer in spec.layers()), kinds=tuple(kinds), fwd_time=fwd, bwd_time=bwd,
         act_bytes=act, ckpt_bytes=ckpt, sel_act_bytes=np.clip(shape.sel_act_bytes, ckpt, act),
-        sel_fwd_time=fwd * share, out_bytes=work.out_bytes,
+        sel_fwd_time=fwd * share, out_bytes=work.out_bytes, working_copies=shape.working_copies,
         param_bytes=param, grad_bytes=grad, optim_bytes=optim, tp_comm_time=tp_comm,
     )

@@ -18,10 +18,13 @@ The stacks (``--stack``):
   two Adam moments (12) sharded by the distributed optimizer / ZeRO-1: ``6 + 12 / DP``.
 * ``omnibal`` (omnibal's reference trainer): bf16 weights and bf16 gradients (2 + 2), fp32 master + Adam
   (12) sharded: ``4 + 12 / DP``.
-* ``fsdp`` (FSDP2 under pipeline parallelism, as torchtitan configures it: bf16 compute, fp32 reduce,
-  parameters kept unsharded between micro-batches): the unsharded bf16 weights (2), the unsharded
-  gradient accumulated in the fp32 reduce dtype (4), and the sharded fp32 parameters, fp32 gradients and
-  Adam moments (4 + 4 + 8 = 16): ``6 + 16 / DP``.
+* ``fsdp`` (FSDP2 as torchtitan configures it: bf16 compute, fp32 reduce): the sharded fp32 parameters, fp32
+  gradients and Adam moments (4 + 4 + 8 = 16, ``state_bytes``) and unsharded working copies of the first
+  two: bf16 weights (2) and the gradient accumulated in the fp32 reduce dtype (4). With parameters kept
+  unsharded between micro-batches (ZeRO-2, ``reshard_after_forward="never"``) the copies stay: ``6 + 16 / DP``.
+  Under ZeRO-3 (``"always"``) they exist only for the layer being computed (the gathered working set the
+  memory model adds once per device, ``zero3_gather_reserve``): ``16 / DP``, with gradients reduce-scattered
+  after each backward. FSDP has no ZeRO-0/1 form: other ZeRO stages are refused.
 
 fp32 training (``dtype="fp32"``) has no separate master copy: weights 4, gradients 4, Adam moments 8 in
 every stack.
@@ -47,6 +50,11 @@ class StackConfig:
     state_bytes: float
     """Optimizer-owned state: fp32 master weights and Adam moments (12), plus any sharded fp32 gradient;
     ZeRO-1 shards it."""
+    working_copies: bool = False
+    """Whether the weights and the gradient buffer are unsharded working copies of state kept sharded in
+    ``state_bytes`` (FSDP): ZeRO-3 then holds them per layer only, instead of sharding them a second time."""
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    """ZeRO stages the stack exists in."""
 
     def __post_init__(self) -> None:
         for name in ("weight_bytes", "grad_bytes", "state_bytes"):
@@ -58,7 +66,8 @@ class StackConfig:
 STACKS: dict[str, StackConfig] = {
     "megatron-deepspeed": StackConfig(name="megatron-deepspeed", weight_bytes=2, grad_bytes=4, state_bytes=12),
     "omnibal": StackConfig(name="omnibal", weight_bytes=2, grad_bytes=2, state_bytes=12),
-    "fsdp": StackConfig(name="fsdp", weight_bytes=2, grad_bytes=4, state_bytes=16),
+    "fsdp": StackConfig(name="fsdp", weight_bytes=2, grad_bytes=4, state_bytes=16, working_copies=True,
+                        zero_stages=(2, 3)),
 }
 """The stacks ``--stack`` names (see the module docstring for each one's source)."""
 DEFAULT_STACK = "megatron-deepspeed"
@@ -76,3 +85,11 @@ def get_stack(name: str | StackConfig) -> StackConfig:
     except (KeyError, TypeError):
         raise InputError(f"unknown stack {name!r}; choose one of {', '.join(STACKS)}", source="--stack",
                          field="stack") from None
+
+
+def check_stack_zero(stack: str | StackConfig, zero_stage: int) -> None:
+    """InputError naming both flags when ``stack`` has no form at ``zero_stage``."""
+    config = get_stack(stack)
+    if zero_stage not in config.zero_stages:
+        raise InputError(f"the {config.name} stack has no ZeRO-{zero_stage} form; use --zero-stage "
+                         f"{' or '.join(map(str, config.zero_stages))}", source="--stack", field="zero_stage")

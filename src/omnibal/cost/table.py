@@ -122,6 +122,9 @@ class LayerCostTable:
     :data:`omnibal.cost.analytic.SELECTIVE_KINDS`); None: ``act_bytes`` (selective frees nothing)."""
     sel_fwd_time: np.ndarray | None = None
     """``[L, 4]`` time of the element-wise forward ops selective recompute runs again; None: zeros."""
+    working_copies: bool = False
+    """Whether ``param_bytes`` and ``grad_bytes`` are unsharded working copies of state that ``optim_bytes``
+    keeps sharded (the ``fsdp`` stack, :mod:`omnibal.cost.stack`): ZeRO-3 holds them per layer only."""
 
     def __post_init__(self) -> None:
         num_layers = len(self.names)

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from omnibal.cost.hardware import HardwareSpec
+from omnibal.cost.hardware import DEFAULT_MEMORY_HEADROOM, HardwareSpec
 from omnibal.errors import InputError
 from omnibal.layout import (
     BASELINE_PADDINGS,
@@ -81,8 +81,11 @@ class PlanJobConfig:
     baseline_batch_size: int = 4
     """Samples per micro-batch of the baseline (random, fixed size, padded to the longest sample)."""
     memory_budget_gib: float | None = None
-    """Per-device budget in GiB; None: 95% of the device memory (the rest: CUDA context, NCCL buffers,
-    allocator fragmentation)."""
+    """Per-device budget in GiB; None: the device memory less ``memory_headroom``."""
+    memory_headroom: float = DEFAULT_MEMORY_HEADROOM
+    """What the budget leaves of the device memory for what the memory model does not count (allocator
+    reserve, CUDA context, communication buffers): a share when below 1, else GiB
+    (:func:`omnibal.cost.hardware.memory_budget`). Ignored with ``memory_budget_gib``."""
     stats_path: str | None = None
     """Per-sample stats file; None: the synthetic InternVL-like mixture."""
     num_samples: int = 1_200_000
@@ -156,11 +159,13 @@ class PlanJobConfig:
         return self.hardware.name if isinstance(self.hardware, HardwareSpec) else str(self.hardware)
 
     def validate(self) -> None:
+        from omnibal.cost.stack import check_stack_zero
         from omnibal.plan.engines import check_job
 
         check_choice(self.engine, Engine, source="--engine", field="engine")
         check_choice(self.schedule, PLANNER_SCHEDULES, source="--schedule", field="schedule")
         check_job(self.engine, schedule=self.schedule, zero_stage=self.zero_stage, selective=self.selective)
+        check_stack_zero(self.stack, self.zero_stage)
         for name in ("baseline_batch_size", "num_samples"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -323,6 +328,8 @@ def _assemble_plan(config: PlanJobConfig, model: Model, data: Data, found: Found
             num_gpus=config.layout.num_gpus, dp_size=config.dp_size, pp_size=config.pp_size, tp_size=config.tp_size,
             zero_stage=config.zero_stage, num_microbatches=data.num_microbatches,
             memory_budget_bytes=model.budget, stats_source=data.stats_source, stats_fingerprint=stats.fingerprint(),
+            memory_headroom=None if config.memory_budget_gib is not None or model.budget is None
+            else float(config.memory_headroom),
             num_samples=data.full_samples, profile=config.profile_path, omnibal_version=__version__,
             stats_convention=data.convention),
         data=DataPlan(method=bal_sched.method, settings={"caps": bal_sched.caps.to_dict(), "padding": data.padding_bal,

@@ -113,10 +113,10 @@ def model_phase(config) -> Model:
     hw = resolve_hardware(config.hardware)
     table = cost_table(spec, hw, profile_path=config.profile_path, tp_size=config.tp_size, stack=config.stack)
     check_num_stages(config.pp_size, table.num_layers)
-    fraction = None if config.memory_budget_gib is not None else 0.95
+    headroom = None if config.memory_budget_gib is not None else config.memory_headroom
     sim_config = config_for_hardware(hw, dp_size=config.dp_size, pp_size=config.pp_size, tp_size=config.tp_size,
                                      schedule=config.schedule, zero_stage=config.zero_stage,
-                                     memory_fraction=fraction)
+                                     memory_headroom=headroom)
     if config.memory_budget_gib is not None:
         sim_config = replace(sim_config, memory_budget_bytes=config.memory_budget_gib * GiB)
     budget = sim_config.memory_budget_bytes

@@ -57,6 +57,9 @@ class PlanInputs:
     stats_convention: str = ""
     """Image convention the statistics were read in and what the model ran them as (``omnibal.sim.predict``),
     e.g. ``internvl/256 (not recorded: default) -> internvl/16``."""
+    memory_headroom: float | None = None
+    """What the budget left of the device memory (a share below 1, else GiB; None: a budget given outright,
+    or an older plan)."""
 
     @property
     def layout(self) -> Layout:
@@ -220,7 +223,7 @@ class Plan:
             "model": str, "model_spec": dict, "hardware": str, "num_gpus": int, "dp_size": int, "pp_size": int,
             "tp_size": int, "zero_stage": int, "num_microbatches": int, "memory_budget_bytes": (float, None),
             "stats_source": str, "stats_fingerprint": str, "num_samples": int, "profile": (str, None),
-            "omnibal_version": str, "stats_convention": str})
+            "omnibal_version": str, "stats_convention": str, "memory_headroom": (float, None)})
         if inputs.num_gpus != inputs.dp_size * inputs.pp_size * inputs.tp_size:
             raise InputError(f"num_gpus {inputs.num_gpus} != dp_size * pp_size * tp_size "
                              f"({inputs.dp_size} * {inputs.pp_size} * {inputs.tp_size})", source=source,

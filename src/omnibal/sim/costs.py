@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from omnibal.cost.analytic import zero3_active, zero3_gather_reserve, zero3_layer_comm, zero_sharded_bytes
+from omnibal.cost.hardware import DEFAULT_MEMORY_HEADROOM, memory_budget
 from omnibal.cost.spec import even_cuts as _even_cuts
 from omnibal.cost.table import NUM_FEATURES, RECOMPUTE_FULL, RECOMPUTE_SELECTIVE, LayerCostTable, recompute_codes
 from omnibal.errors import InputError
@@ -252,11 +253,13 @@ def _zero3_times(table, features, fwd_l, bwd_l, redo_l, assign, config: SimConfi
 
 
 def config_for_hardware(hardware, *, dp_size: int, pp_size: int, tp_size: int = 1, schedule: str = "1f1b",
-                        num_chunks: int = 1, zero_stage: int = 1, memory_fraction: float | None = 0.95,
+                        num_chunks: int = 1, zero_stage: int = 1,
+                        memory_headroom: float | None = DEFAULT_MEMORY_HEADROOM,
                         step_overhead: float = 0.0, p2p_occupancy: float | None = None,
                         compute_jitter: float = 0.0) -> SimConfig:
     """A :class:`SimConfig` for ``hardware`` (an ``omnibal.cost.hardware.HardwareSpec``: anything with
-    ``link(inter_node=...)``, ``gpus_per_node`` and ``memory_bytes``).
+    ``link(inter_node=...)``, ``gpus_per_node`` and ``memory_bytes``). ``memory_headroom``: what the budget
+    leaves of the device memory (:func:`omnibal.cost.hardware.memory_budget`; None: no budget).
 
     Ranks are laid out as Megatron does by default (tensor-parallel innermost, then data-parallel, pipeline
     outermost): the DP ring stays inside a node while ``tp * dp <= gpus_per_node``, and neighbouring
@@ -268,7 +271,7 @@ def config_for_hardware(hardware, *, dp_size: int, pp_size: int, tp_size: int = 
     dp_bw, dp_lat = hardware.link(inter_node=tp_size * dp_size > per_node)
     if p2p_occupancy is None:
         p2p_occupancy = 1.0 if str(getattr(hardware, "name", "")).startswith("cpu") else 0.0
-    budget = None if memory_fraction is None else float(hardware.memory_bytes) * memory_fraction
+    budget = None if memory_headroom is None else memory_budget(float(hardware.memory_bytes), memory_headroom)
     config = SimConfig(schedule=schedule, num_chunks=num_chunks, dp_size=dp_size, tp_size=tp_size,
                        zero_stage=zero_stage,
                        p2p_bandwidth=p2p_bw, p2p_latency=p2p_lat, dp_bandwidth=dp_bw, dp_latency=dp_lat,

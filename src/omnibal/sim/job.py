@@ -28,8 +28,8 @@ from typing import Callable
 
 import numpy as np
 
-from omnibal.cost.hardware import HardwareSpec, get_hardware
-from omnibal.cost.stack import DEFAULT_STACK
+from omnibal.cost.hardware import DEFAULT_MEMORY_HEADROOM, HardwareSpec, get_hardware
+from omnibal.cost.stack import DEFAULT_STACK, check_stack_zero
 from omnibal.cost.table import RECOMPUTE_FULL, RECOMPUTE_NONE, RECOMPUTE_SELECTIVE
 from omnibal.errors import InputError
 from omnibal.layout import check_layout_fields
@@ -70,7 +70,8 @@ class SimulateJobConfig:
     num_chunks: int | None = None
     """Model chunks per stage for the interleaved schedule (None: 2 there, else 1)."""
     memory_fraction: float | None = None
-    """Share of the device memory a rank may use (OOM flags); None: the plan's budget, else 0.95."""
+    """Share of the device memory a rank may use (OOM flags); None: the plan's budget, else the device less
+    ``omnibal.cost.hardware.DEFAULT_MEMORY_HEADROOM``."""
     step_overhead: float = 0.0
     """Fixed seconds per step outside the pipeline."""
     jitter: float = 0.0
@@ -229,6 +230,7 @@ def _setup(config: SimulateJobConfig, plan: PlannedRun | None) -> _Setup:
     from omnibal.sim.costs import config_for_hardware
 
     cluster = resolve_cluster(config, plan)
+    check_stack_zero(cluster["stack"], cluster["zero_stage"])
     spec = planned_spec(cluster["model"], plan)
     hardware = cluster["hardware"]
     if not isinstance(hardware, HardwareSpec):  # ``cpu`` is measured: the caller passes its spec
@@ -252,9 +254,9 @@ def _setup(config: SimulateJobConfig, plan: PlannedRun | None) -> _Setup:
     sim_config = config_for_hardware(
         hardware, dp_size=cluster["dp_size"], pp_size=cluster["pp_size"], tp_size=cluster["tp_size"],
         schedule=schedule, num_chunks=chunks, zero_stage=cluster["zero_stage"],
-        memory_fraction=0.95 if config.memory_fraction is None else config.memory_fraction,
+        memory_headroom=DEFAULT_MEMORY_HEADROOM if config.memory_fraction is None else 1.0 - config.memory_fraction,
         step_overhead=config.step_overhead, compute_jitter=config.jitter)
-    if planned_budget:  # the budget the plan fitted (``omnibal plan --memory-budget``, else 95% of the device)
+    if planned_budget:  # the budget the plan fitted (``omnibal plan --memory-budget``, else less its headroom)
         sim_config = replace(sim_config, memory_budget_bytes=plan.memory_budget_bytes)
     return _Setup(cluster=cluster, spec=spec, hardware=hardware, table=table, cuts=cuts, recompute=rec,
                   sim_config=sim_config, num_chunks=chunks, schedule=schedule, profile=profile)
