@@ -200,7 +200,7 @@ def test_the_docs_snippet_runs_as_written_on_two_ranks(tmp_path):
 
     path = write_tiny_exports("deepspeed", tmp_path)[0]
     results = spawn_local(_snippet_rank, 2, args=(str(tmp_path),), deadline_s=240,
-                          env={"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"})
+                          env={"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}, start_method="fork")
     for r in results:
         assert r.error is None, r.error
     values = sorted((r.value for r in results), key=lambda v: v["stage"])
