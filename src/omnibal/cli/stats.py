@@ -21,7 +21,7 @@ HELP = "compute per-sample statistics (tiles, tokens, images) from annotations o
 DESCRIPTION = """\
 Compute per-sample statistics (vision tiles, LLM tokens, images) and print their summary.
 
-Four modes:
+Four modes (annotations counted with explicit settings or a checkpoint's):
   omnibal stats ANNOTATION... --image-root DIR [--tokenizer PATH] --out stats.jsonl
       from LLaVA/InternVL-style annotation files (.json list or .jsonl); tiles by the InternVL
       dynamic-resolution rule from image headers (or the record's width/height), tokens with a local
