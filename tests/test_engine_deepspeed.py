@@ -171,6 +171,52 @@ def test_a_chain_of_another_model_is_refused(tmp_path):
         load_export(bad)
 
 
+def _snippet_rank(folder: str) -> dict:
+    """docs/engines/deepspeed.md's snippet, as written, on this rank: a chain of small linear layers as long as
+    the plan's, the exported ds_config (bf16, ZeRO-1)."""
+    from pathlib import Path
+
+    from doc_snippets import TINY, run_snippet
+
+    torch.set_num_threads(1)
+    names = json.loads((Path(folder) / "omnibal-out" / "exports" / "deepspeed.json").read_text())["layer_names"]
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(8, 8) for _ in names]
+    batches = [(torch.randn(2, 8, dtype=torch.bfloat16), torch.randn(2, 8)) for _ in range(NUM_MB)]  # bf16 job
+    ns = run_snippet("deepspeed", Path(folder), layers=layers, data_iter=iter(batches),
+                     loss_fn=lambda out, target: (out.float() - target).pow(2).mean(),
+                     num_layers=TINY["decoder_layers"], num_vision_layers=TINY["vision_layers"])
+    engine = ns["engine"]
+    return {"stage": engine.stage_id, "loss": float(ns["loss"]), "steps": engine.global_steps,
+            "optimizer": type(ns["optimizer"]).__name__, "bf16": engine.bfloat16_enabled(),
+            "zero": engine.zero_optimization_stage()}
+
+
+@pytest.mark.multiprocess
+def test_the_docs_snippet_runs_as_written_on_two_ranks(tmp_path):
+    from doc_snippets import write_tiny_exports
+    from omnibal.integrations.deepspeed import check_model, load_export
+    from omnibal.train.distributed import spawn_local
+
+    path = write_tiny_exports("deepspeed", tmp_path)[0]
+    results = spawn_local(_snippet_rank, 2, args=(str(tmp_path),), deadline_s=240,
+                          env={"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}, start_method="fork")
+    for r in results:
+        assert r.error is None, r.error
+    values = sorted((r.value for r in results), key=lambda v: v["stage"])
+    assert [v["stage"] for v in values] == [0, 1]
+    for v in values:
+        assert v["steps"] == 1 and v["optimizer"] == "AdamW" and v["bf16"] and v["zero"] == 1
+        assert v["loss"] == values[-1]["loss"] and v["loss"] == v["loss"] and v["loss"] > 0  # one finite loss
+    export = load_export(path)
+    with pytest.raises(InputError, match=r"^deepspeed: field 'layer_names': the plan \(tiny\) has 6 decoder layers, "
+                                         r"the model 4"):
+        check_model(export, num_layers=4)
+    with pytest.raises(InputError, match=r"^deepspeed: field 'layer_names': the plan \(tiny\) has 5 vision layers, "
+                                         r"the model 4"):
+        check_model(export, num_layers=6, num_vision_layers=4)
+
+
 def test_engine_refuses_what_deepspeed_cannot_run():
     for kw, field in (({"schedule": "gpipe"}, "schedule"), ({"zero_stage": 2}, "zero_stage")):
         with pytest.raises(InputError, match=rf"^deepspeed: field '{field}'"):

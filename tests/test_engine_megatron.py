@@ -76,3 +76,45 @@ def test_an_export_for_another_model_is_refused(tmp_path):
     broken = {**export, "language": {**export["language"], "pipeline_model_parallel_layout": "Et*32|VL"}}
     with pytest.raises(InputError, match=r"^megatron: field 'language': megatron-core refused"):
         transformer_configs(broken)
+
+
+def _snippet_rank(folder: str) -> dict:
+    """docs/engines/megatron.md's snippet, as written, on this rank; what its stage holds."""
+    from pathlib import Path
+
+    import torch
+
+    from doc_snippets import TINY, run_snippet
+
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    ns = run_snippet("megatron", Path(folder), num_layers=TINY["decoder_layers"],
+                     num_vision_layers=TINY["vision_layers"], vocab_size=256, max_length=128)
+    stage = ns["stage"]
+    out = {"rank": torch.distributed.get_rank(), "layers": [layer.layer_number for layer in stage.decoder.layers],
+           "embedding": hasattr(stage, "embedding"), "head": hasattr(stage, "output_layer"),
+           "counts": ns["stage_layer_counts"](ns["language"])}
+    ns["parallel_state"].destroy_model_parallel()
+    torch.distributed.destroy_process_group()
+    return out
+
+
+@pytest.mark.multiprocess
+def test_the_docs_snippet_builds_the_planned_stages_as_written(tmp_path):
+    from doc_snippets import write_tiny_exports
+    from omnibal.integrations.megatron import check_model, load_export
+    from omnibal.train.distributed import spawn_local
+
+    export = load_export(write_tiny_exports("megatron", tmp_path)[0])
+    assert export["language"]["pipeline_model_parallel_layout"] == "Et|t*5L"
+    results = spawn_local(_snippet_rank, 2, args=(str(tmp_path),), deadline_s=180, env={"OMP_NUM_THREADS": "1"},
+                          start_method="fork")
+    for r in results:
+        assert r.error is None, r.error
+    first, last = sorted((r.value for r in results), key=lambda v: v["rank"])
+    assert first["counts"] == last["counts"] == [1, 5]
+    assert (first["layers"], first["embedding"], first["head"]) == ([1], True, False)
+    assert (last["layers"], last["embedding"], last["head"]) == ([2, 3, 4, 5, 6], False, True)
+    with pytest.raises(InputError, match=r"^megatron: field 'vision.num_layers': the plan has 5 vision layers, the "
+                                         r"model 4"):
+        check_model(export, num_layers=6, num_vision_layers=4)

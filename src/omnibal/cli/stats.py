@@ -12,15 +12,24 @@ from omnibal.cli.options import add_option
 from omnibal.errors import InputError
 from omnibal.stats.io import FORMATS
 
+MODEL_DEFAULTS = {"min_tiles": 1, "max_tiles": 12, "tile_size": 448, "tokens_per_tile": 256, "image_marker_tokens": 2}
+"""Image settings without ``--hf-model`` (InternVL-1.5's); with it, the checkpoint sets them."""
+HF_SET = ("min_tiles", "tile_size", "no_thumbnail", "tokens_per_tile", "image_marker_tokens", "convention")
+"""Flags ``--hf-model`` sets (refused beside it); ``--max-tiles`` may narrow an InternVL checkpoint's cap."""
+
 HELP = "compute per-sample statistics (tiles, tokens, images) from annotations or convert stats files"
 DESCRIPTION = """\
 Compute per-sample statistics (vision tiles, LLM tokens, images) and print their summary.
 
-Four modes:
+Four modes (annotations counted with explicit settings or a checkpoint's):
   omnibal stats ANNOTATION... --image-root DIR [--tokenizer PATH] --out stats.jsonl
       from LLaVA/InternVL-style annotation files (.json list or .jsonl); tiles by the InternVL
       dynamic-resolution rule from image headers (or the record's width/height), tokens with a local
       Hugging Face tokenizer, or a labelled estimate without one
+  omnibal stats ANNOTATION... --image-root DIR --hf-model CKPT --out stats.jsonl
+      the same with the tile size, tokens per tile, tile cap and image markers of a Llava / InternVL
+      checkpoint (and its tokenizer unless --tokenizer is given): what `omnibal train --hf-model`,
+      `omnibal plan --hf-model` and RealDataConfig.from_hf count
   omnibal stats --summary FILE            summarise an existing stats file
   omnibal stats --convert IN --out OUT    convert between stats formats (jsonl, json, parquet, token-lengths)
   omnibal stats --synthetic N --seed S --out FILE
@@ -42,14 +51,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     ann = parser.add_argument_group("annotations")
     add_option(ann, "image_root", help="folder image paths are relative to (default: each annotation file's folder)")
-    add_option(ann, "tokenizer", help="local tokenizer.json or tokenizer folder (default: a labelled estimate)")
-    ann.add_argument("--min-tiles", type=int, default=1, help="smallest tile grid (default 1)")
-    ann.add_argument("--max-tiles", type=int, default=12, help="largest tile grid, thumbnail not counted (default 12)")
-    ann.add_argument("--tile-size", type=int, default=448, help="tile side in pixels (default 448)")
+    add_option(ann, "tokenizer", help="local tokenizer.json or tokenizer folder (default: the --hf-model "
+               "checkpoint's, else a labelled estimate)")
+    add_option(ann, "hf_model", help="count as this Llava / InternVL checkpoint takes its samples (reads its "
+               "config.json and preprocessor_config.json): sets the tile size, tokens per tile, tile cap, thumbnail "
+               "and image markers")
+    ann.add_argument("--min-tiles", type=int, help=f"smallest tile grid (default {MODEL_DEFAULTS['min_tiles']})")
+    ann.add_argument("--max-tiles", type=int, help="largest tile grid, thumbnail not counted (default: the "
+                     f"--hf-model checkpoint's max_patches, else {MODEL_DEFAULTS['max_tiles']})")
+    ann.add_argument("--tile-size", type=int, help=f"tile side in pixels (default {MODEL_DEFAULTS['tile_size']})")
     ann.add_argument("--no-thumbnail", action="store_true", help="no thumbnail tile for multi-tile images")
-    ann.add_argument("--tokens-per-tile", type=int, default=256, help="LLM tokens per tile (default 256)")
-    ann.add_argument("--image-marker-tokens", type=int, default=2,
-                     help="tokens around each image, <img></img> (default 2)")
+    ann.add_argument("--tokens-per-tile", type=int,
+                     help=f"LLM tokens per tile (default {MODEL_DEFAULTS['tokens_per_tile']})")
+    ann.add_argument("--image-marker-tokens", type=int,
+                     help=f"tokens around each image, <img></img> (default {MODEL_DEFAULTS['image_marker_tokens']})")
     ann.add_argument("--tokens-per-turn", type=int, default=0, help="chat-template tokens per turn (default 0)")
     ann.add_argument("--tokens-per-sample", type=int, default=0,
                      help="tokens once per sample, e.g. a system prompt (default 0)")
@@ -92,6 +107,8 @@ def run(args: argparse.Namespace) -> int:
             source="arguments",
         )
     mode = modes[0]
+    if args.hf_model and mode != "annotations":
+        raise InputError("applies to annotation files (it sets how their images are counted)", source="--hf-model")
     if mode in ("--convert", "--synthetic") and not args.out:
         raise InputError(f"{mode} needs --out", source="--out")
     from omnibal.outputs import check_file, check_image, write_text
@@ -160,10 +177,21 @@ def _from_annotations(args: argparse.Namespace):
     from omnibal.stats.tiles import TileConfig
     from omnibal.stats.tokens import TokenConfig
 
-    _annotation_convention(args)
     workers = args.workers or _available_cores()
     if workers < 1:
         raise InputError(f"must be >= 0, got {args.workers}", source="--workers")
+    run = dict(workers=workers, chunk_size=args.chunk_size, on_error=args.on_error, progress=not args.quiet)
+    data = dict(tokens_per_turn=args.tokens_per_turn, tokens_per_sample=args.tokens_per_sample,
+                count_dummy_tile=not args.no_dummy_tile, split_max_tiles=args.split_max_tiles,
+                apply_exif=not args.ignore_exif, allow_outside_root=args.allow_outside_root)
+    if args.image_root and not Path(args.image_root).is_dir():
+        raise InputError("not a folder", source="--image-root")
+    if args.hf_model:
+        return compute_stats(args.annotations, _hf_config(args, data, run))
+    _annotation_convention(args)
+    for name, value in MODEL_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     config = AnnotationConfig(
         image_root=args.image_root,
         tokenizer=args.tokenizer,
@@ -171,18 +199,23 @@ def _from_annotations(args: argparse.Namespace):
                          use_thumbnail=not args.no_thumbnail),
         tokens=TokenConfig(tokens_per_tile=args.tokens_per_tile, image_marker_tokens=args.image_marker_tokens,
                            tokens_per_turn=args.tokens_per_turn, tokens_per_sample=args.tokens_per_sample),
-        count_dummy_tile=not args.no_dummy_tile,
-        split_max_tiles=args.split_max_tiles,
-        apply_exif=not args.ignore_exif,
-        allow_outside_root=args.allow_outside_root,
-        workers=workers,
-        chunk_size=args.chunk_size,
-        on_error=args.on_error,
-        progress=not args.quiet,
+        **{k: v for k, v in data.items() if k not in ("tokens_per_turn", "tokens_per_sample")},
+        **run,
     )  # fmt: skip
-    if args.image_root and not Path(args.image_root).is_dir():
-        raise InputError("not a folder", source="--image-root")
     return compute_stats(args.annotations, config)  # records the convention (stats.annotations)
+
+
+def _hf_config(args: argparse.Namespace, data: dict, run: dict):
+    """``--hf-model``: the checkpoint's own image settings (``RealDataConfig.from_hf``, as ``omnibal train``)."""
+    from omnibal.data.realdata import RealDataConfig
+
+    for name in HF_SET:
+        if getattr(args, name) not in (None, False):
+            flag = "--" + name.replace("_", "-")
+            raise InputError("set by --hf-model (the checkpoint's own); leave it out", source=flag)
+    data_config = RealDataConfig.from_hf(args.hf_model, tokenizer=args.tokenizer, image_root=args.image_root,
+                                         max_tiles=args.max_tiles, **data)
+    return data_config.annotation_config(**run)
 
 
 def _annotation_convention(args: argparse.Namespace) -> None:

@@ -43,9 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                "reference model")
     r.add_argument("--save-dir", metavar="DIR", help="write the fine-tuned model here as an HF checkpoint at the end "
                                                      "(and to DIR/checkpoint-STEP at every checkpoint)")
-    r.add_argument("--max-tiles", type=int, default=12,
-                   help="dynamic-resolution tiles per image, thumbnail not counted "
-                        "(InternVL-style models; a Llava image is one tile)")
+    r.add_argument("--max-tiles", type=int,
+                   help="dynamic-resolution tiles per image, thumbnail not counted (InternVL-style models; a Llava "
+                        "image is one tile; default: the checkpoint's preprocessor max_patches, else 12)")
     add_option(r, "on_error", default="raise")
     g.add_argument("--max-samples", type=int, help="seeded random subset of the statistics")
     g.add_argument("--stats-tokens-per-tile", type=int, default=256,

@@ -9,16 +9,22 @@ reads it::
 Each sample is built exactly the way ``omnibal stats`` counts it, so its sizes equal the statistics row
 (tested): images are cut into InternVL dynamic-resolution tiles (:mod:`omnibal.stats.tiles`; EXIF
 rotation applied unless ``apply_exif=False``; a thumbnail tile when the grid has more than one tile),
-normalised with the ImageNet mean/std; every turn's text is tokenized on its own (the ``<image>``
-placeholders removed, no special tokens), preceded by ``tokens_per_turn`` template tokens, the whole sample by
-``tokens_per_sample``; each image becomes ``image_marker_tokens`` markers around ``tokens_per_tile`` image
-tokens per tile, put where its placeholder was (at the start of the first turn when the record has none).
+normalised with ``image_mean`` / ``image_std`` (ImageNet's by default); every turn's text is tokenized on its
+own (the ``<image>`` placeholders removed, no special tokens), preceded by ``tokens_per_turn`` template tokens,
+the whole sample by ``tokens_per_sample``; each image becomes ``image_marker_tokens`` markers around
+``tokens_per_tile`` image tokens per tile, put where its placeholder was (at the start of the first turn when
+the record has none).
 A text-only sample carries one dummy tile (zeros) that fills no token slot, like InternVL's.
 Labels: the text tokens of assistant turns (``from`` = ``gpt`` / ``assistant``); everything else is ignored.
 
 The image and marker token ids default to the tokenizer's own ``<IMG_CONTEXT>``, ``<img>``, ``</img>``
 tokens when it has them, else (and the template id always) to ids just past its vocabulary
 (:attr:`RealDataset.vocab_size_needed` says how many embedding rows the model needs).
+
+For a Hugging Face checkpoint, ``RealDataConfig.from_hf(folder)`` sets what the model takes (tile size,
+tokens per tile, tile cap, ``<img>`` / ``</img>`` markers, token ids, normalisation;
+:mod:`omnibal.data.hf_conventions`), and ``RealDataset.check_model(model)`` refuses a hand-made config that
+does not match it.
 
 One reader, one tokenizer loader, one key: records are read by :func:`omnibal.stats.annotations.iter_records`
 and checked by :func:`omnibal.stats.records.parse_record` (what ``omnibal stats`` does), the tokenizer is
@@ -41,6 +47,13 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from torch.utils.data import Dataset
 
 from omnibal.data.collate import IGNORE_INDEX
+from omnibal.data.hf_conventions import (
+    IMAGE_CONTEXT_TOKEN,
+    IMAGE_END_TOKEN,
+    IMAGE_START_TOKEN,
+    check_fits,
+    hf_data_fields,
+)
 from omnibal.errors import InputError
 from omnibal.stats.annotations import AnnotationConfig, compute_stats, iter_records, record_keys
 from omnibal.stats.records import RecordError, check_inside, parse_json_line, parse_record
@@ -49,7 +62,8 @@ from omnibal.stats.tiles import TileConfig, choose_grids, open_image_file
 from omnibal.stats.tokens import TokenConfig, make_counter
 
 IMAGE_PLACEHOLDER = "<image>"
-IMAGE_CONTEXT_TOKEN, IMAGE_START_TOKEN, IMAGE_END_TOKEN = "<IMG_CONTEXT>", "<img>", "</img>"  # InternVL's
+__all__ = ["IMAGE_CONTEXT_TOKEN", "IMAGE_END_TOKEN", "IMAGE_PLACEHOLDER", "IMAGE_START_TOKEN", "RealDataConfig",
+           "RealDataset"]
 ASSISTANT_ROLES = ("gpt", "assistant")
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -57,7 +71,9 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 
 @dataclass(frozen=True, kw_only=True)
 class RealDataConfig:
-    """How annotation records become samples (keep it equal to the ``omnibal stats`` settings)."""
+    """How annotation records become samples (keep it equal to the ``omnibal stats`` settings). For a Hugging
+    Face checkpoint, :meth:`from_hf` fills in what the model takes (tile size, tokens per tile, tile cap,
+    markers, token ids); set by hand, the fields must match the model (``RealDataset.check_model``)."""
 
     tokenizer: str
     """Local tokenizer: a ``tokenizer.json`` file or a tokenizer folder (as ``omnibal stats --tokenizer``)."""
@@ -105,6 +121,17 @@ class RealDataConfig:
                       apply_exif=self.apply_exif, allow_outside_root=self.allow_outside_root)
         fields.update(overrides)
         return AnnotationConfig(**fields)
+
+    @classmethod
+    def from_hf(cls, model, *, tokenizer=None, image_root=None, max_tiles: int | None = None,
+                **data) -> RealDataConfig:
+        """The samples a Llava / InternVL checkpoint takes (:mod:`omnibal.data.hf_conventions`): ``model`` is
+        its folder (``config.json``, and ``preprocessor_config.json`` when there is one), a transformers config
+        or a model. ``tokenizer`` defaults to the folder's own; ``max_tiles`` to the checkpoint's
+        ``max_patches`` (InternVL; 12 without one; a Llava image is one tile whatever it says). ``data``: the
+        fields that describe the data, not the model (``tokens_per_turn``, ``tokens_per_sample``, ``count_dummy_tile``,
+        ``split_max_tiles``, ``apply_exif``, ``allow_outside_root``, ``template_token_id``)."""
+        return cls(**hf_data_fields(model, tokenizer=tokenizer, image_root=image_root, max_tiles=max_tiles, **data))
 
     @classmethod
     def like_stats(cls, annotation_config, **overrides) -> RealDataConfig:
@@ -177,6 +204,12 @@ class RealDataset(Dataset):
         self.records = [self.records[i] for i in rows.tolist()]
         self.locators = [self.locators[i] for i in rows.tolist()]
         self.keys = keys[rows]
+
+    def check_model(self, model) -> None:
+        """Refuse a Hugging Face ``model`` (folder, config or model) that would not take these samples: an
+        ``InputError`` naming the ``RealDataConfig`` field (tile size, tokens per tile, markers, token ids)
+        and what the model takes, before any forward pass."""
+        check_fits(self, model, source=f"RealDataConfig of {self.path}")
 
     def __len__(self) -> int:
         return len(self.records)

@@ -7,7 +7,8 @@
     out_dir/images/            charts/*.png (matplotlib bar, line and pie charts), pages/*.png (Pillow text)
     out_dir/tokenizer/         byte-level BPE trained on the records' own text (tokenizer.json + config)
     out_dir/llava/             LlavaForConditionalGeneration: CLIP 56 px tiles of 14 px patches + Llama
-    out_dir/internvl/          InternVLForConditionalGeneration: 64 px tiles of 8 px patches + Qwen2
+    out_dir/internvl/          InternVLForConditionalGeneration: 64 px tiles of 8 px patches + Qwen2, with a
+                               preprocessor_config.json (tile cap 6)
     out_dir/summary.json       what ``make_real_example`` returns
 
 Answers are computed from what was drawn (bar values, the page's lines). Aspect ratios are picked so
@@ -32,6 +33,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from omnibal.data.realdata import IMAGENET_MEAN, IMAGENET_STD
 from omnibal.errors import InputError
 from omnibal.examples.render import pair_qa, render, text_qa
 from omnibal.stats.annotations import AnnotationConfig, compute_stats
@@ -247,7 +249,21 @@ def save_model(spec: TinyVLM, tokenizer, folder: Path, *, seed: int) -> int:
         if bars:
             hf_logging.enable_progress_bar()
     tokenizer.save_pretrained(folder)
+    if spec.kind == "internvl":
+        save_image_processor(spec, folder)
     return sum(p.numel() for p in model.parameters())
+
+
+def save_image_processor(spec: TinyVLM, folder: Path) -> None:
+    """InternVL's ``preprocessor_config.json`` (``GotOcr2ImageProcessor``, what ``AutoImageProcessor`` loads): its
+    tile size, tile cap and ImageNet normalisation, so the checkpoint itself says how its images are cut
+    (``RealDataConfig.from_hf`` reads it)."""
+    doc = {"image_processor_type": "GotOcr2ImageProcessor", "processor_class": "InternVLProcessor",
+           "crop_to_patches": True, "min_patches": 1, "max_patches": MAX_TILES,
+           "size": {"height": spec.image_size, "width": spec.image_size}, "do_resize": True, "resample": 3,
+           "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True, "do_convert_rgb": True,
+           "image_mean": list(IMAGENET_MEAN), "image_std": list(IMAGENET_STD)}
+    (folder / "preprocessor_config.json").write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
 
 
 # -- summary ------------------------------------------------------------------------------------------

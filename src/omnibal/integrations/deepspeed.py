@@ -3,10 +3,13 @@
 ``omnibal plan --engine deepspeed`` writes ``exports/deepspeed.json`` (parts, layers to checkpoint per stage)
 and ``exports/ds_config.json``. Then, on every rank::
 
-    from omnibal.integrations.deepspeed import load_export, pipeline_module
+    from omnibal.integrations.deepspeed import check_model, load_export, pipeline_module
     export = load_export("omnibal-out/exports/deepspeed.json")
+    check_model(export, num_layers=..., num_vision_layers=...)    # the model's decoder and vision layers
     module = pipeline_module(layers, export, loss_fn=loss_fn)      # layers: the plan's chain, in order
-    engine, *_ = deepspeed.initialize(model=module, config=export["ds_config"], optimizer=...)
+    params = [p for p in module.parameters() if p.requires_grad]
+    engine, *_ = deepspeed.initialize(model=module, config=export["ds_config"], model_parameters=params,
+                                      optimizer=torch.optim.AdamW(params))   # ZeRO-1 needs an optimizer
     loss = engine.train_batch(data_iter)
 
 Why a builder: ``PipelineModule(partition_method=...)`` accepts only ``uniform``, ``parameters`` and
@@ -34,7 +37,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from omnibal.errors import InputError
-from omnibal.plan.exports import deepspeed_fields
+from omnibal.plan.exports import deepspeed_fields, kind_of
 
 TESTED_VERSIONS = ">=0.16,<0.20"
 """DeepSpeed versions the builder was written for; CI runs 0.19.8 (only public API is used)."""
@@ -66,6 +69,21 @@ def load_export(path: str | Path) -> dict:
         raise InputError(f"must list one set per stage ({len(parts) - 1})", source="deepspeed",
                          field="recompute_layers_per_stage")
     return doc
+
+
+def check_model(export: dict, *, num_layers: int, num_vision_layers: int | None = None) -> None:
+    """Refuse an export made for another model: its decoder (LLM) and vision layer counts, read from
+    ``layer_names``, must be the model's (a chain of the same length but another split would otherwise pass
+    :func:`pipeline_module`). ``InputError`` naming the part and both counts."""
+    kinds = [kind_of(n) for n in export.get("layer_names", [])]
+    planned = kinds.count("llm_block")
+    if planned != num_layers:
+        raise InputError(f"the plan ({export.get('model', '?')}) has {planned} decoder layers, the model {num_layers}",
+                         source="deepspeed", field="layer_names")
+    vision = kinds.count("vision_block")
+    if num_vision_layers is not None and vision != num_vision_layers:
+        raise InputError(f"the plan ({export.get('model', '?')}) has {vision} vision layers, the model "
+                         f"{num_vision_layers}", source="deepspeed", field="layer_names")
 
 
 class StageBlock(nn.Module):

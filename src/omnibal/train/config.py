@@ -92,8 +92,9 @@ class TrainConfig:
     save_dir: str | None = None
     """Write the fine-tuned model here as an HF checkpoint (``from_pretrained`` loads it) at the end, and to
     ``save_dir/checkpoint-<step>`` at every checkpoint. Needs ``hf_model``."""
-    max_tiles: int = 12
-    """Dynamic-resolution tile cap per image for real data (InternVL-style models; a Llava image is 1 tile)."""
+    max_tiles: int | None = None
+    """Dynamic-resolution tile cap per image for real data (InternVL-style models; a Llava image is 1 tile); None:
+    the checkpoint's ``preprocessor_config.json`` ``max_patches``, else 12."""
     on_error: Literal["raise", "skip"] = "raise"
     """Bad annotation records: ``raise`` at the first, or ``skip`` them (counted and reported)."""
     baseline_batch_size: int = 4
@@ -153,8 +154,10 @@ class TrainConfig:
         if not is_int(self.num_steps) or self.num_steps < 0:
             raise InputError(f"must be an integer >= 0 (0: the whole epoch), got {self.num_steps!r}", source=src,
                              field="num_steps")
-        for name in ("baseline_batch_size", "torch_threads", "max_tiles"):
+        for name in ("baseline_batch_size", "torch_threads"):
             check_positive_int(getattr(self, name), name, source=src)
+        if self.max_tiles is not None:
+            check_positive_int(self.max_tiles, "max_tiles", source=src)
         check_positive_int(self.sp_degree, "sp_degree", source=src)
         if not is_int(self.level_curriculum) or self.level_curriculum < 0:
             raise InputError(f"must be an integer >= 0 (epochs), got {self.level_curriculum!r}", source=src,

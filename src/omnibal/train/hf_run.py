@@ -8,16 +8,16 @@ images and a tokenizer in; an HF checkpoint that ``from_pretrained`` loads out.
     ...
     export_hf(trainer, model, "out/", tokenizer="tok/", model_dir="ckpt/")   # collective: every rank calls it
 
-The samples follow the checkpoint's conventions: a Llava image is one tile of the vision tower's size (no
-dynamic tiling, no marker tokens), an InternVL image is cut into dynamic-resolution tiles of its size with a
-thumbnail and wrapped in ``<img>`` ... ``</img>`` when the tokenizer has those tokens; image slots carry the
-config's ``image_token_id``, which the tokenizer must have, and pixels are normalised with the checkpoint's
-``preprocessor_config.json`` mean and std when it has one.
+The samples follow the checkpoint's conventions, read by ``RealDataConfig.from_hf``
+(:mod:`omnibal.data.hf_conventions`, which ``omnibal stats --hf-model`` and the HF Trainer integration use too):
+a Llava image is one tile of the vision tower's size (no dynamic tiling, no marker tokens), an InternVL image
+is cut into dynamic-resolution tiles of its size with a thumbnail and wrapped in ``<img>`` ... ``</img>``;
+image slots carry the config's ``image_token_id``, which the tokenizer must have, and pixels are normalised
+with the checkpoint's ``preprocessor_config.json`` mean and std when it has one.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
@@ -25,9 +25,10 @@ from pathlib import Path
 import torch
 
 from omnibal.cost.hf_spec import load_hf_config
-from omnibal.data.realdata import IMAGE_END_TOKEN, IMAGE_START_TOKEN, RealDataConfig
+from omnibal.data.hf_conventions import DEFAULT_MAX_TILES, IMAGE_END_TOKEN, IMAGE_START_TOKEN
+from omnibal.data.realdata import RealDataConfig
 from omnibal.errors import InputError
-from omnibal.stats.annotations import compute_stats
+from omnibal.stats.annotations import annotation_convention, compute_stats
 from omnibal.stats.io import load_stats
 from omnibal.stats.tiles import TileConfig
 from omnibal.stats.tokens import make_counter
@@ -53,61 +54,23 @@ def load_hf_chain(path: str | os.PathLike):
     return from_hf(model)
 
 
-def _model_kind(model) -> str:
-    """``llava`` / ``internvl`` for a wrapped HF model, ``omnibal`` for the reference VLM."""
-    hf = getattr(model, "hf_model", None)
-    return "omnibal" if hf is None else hf.config.model_type
-
-
-def _normalisation(model_dir: str | None) -> dict:
-    if model_dir is None or not (Path(model_dir) / "preprocessor_config.json").is_file():
-        return {}
-    path = Path(model_dir) / "preprocessor_config.json"
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise InputError(f"unreadable: {exc}", source=str(path)) from None
-    out = {}
-    for key in ("image_mean", "image_std"):
-        value = doc.get(key)
-        if value is not None:
-            if not (isinstance(value, list) and len(value) == 3 and all(isinstance(v, (int, float)) for v in value)):
-                raise InputError(f"must be three numbers, got {value!r}", source=str(path), field=key)
-            out[key] = tuple(float(v) for v in value)
-    return out
-
-
 def real_data_config(cfg, model) -> RealDataConfig:
-    """How annotation records become samples for ``model`` (an HF chain or the reference VLM), with the
-    run's tokenizer, image root and tile cap; checks that the tokenizer fits the model."""
+    """How annotation records become samples for ``model`` with the run's tokenizer, image root and tile cap:
+    for an HF chain what its checkpoint takes (``RealDataConfig.from_hf``, the one owner of those
+    conventions), for the reference VLM its tile size and tokens per tile."""
+    if getattr(model, "hf_model", None) is not None:
+        return RealDataConfig.from_hf(cfg.hf_model, tokenizer=cfg.tokenizer_path, image_root=cfg.image_root,
+                                      max_tiles=cfg.max_tiles)
     spec = model.spec
     counter = make_counter(cfg.tokenizer_path)
-    kind = _model_kind(model)
-    if kind == "llava":  # LLaVA-1.5: one image = one tile of the tower's size, no markers
-        tiles = TileConfig(min_tiles=1, max_tiles=1, tile_size=spec.vision.image_size, use_thumbnail=False)
-    else:
-        tiles = TileConfig(max_tiles=cfg.max_tiles, tile_size=spec.vision.image_size)
-    markers = 2 if kind != "llava" and counter.token_to_id(IMAGE_START_TOKEN) is not None \
+    markers = 2 if counter.token_to_id(IMAGE_START_TOKEN) is not None \
         and counter.token_to_id(IMAGE_END_TOKEN) is not None else 0
-    ids = {}
-    if kind in ("llava", "internvl"):
-        image_id = int(model.image_token_id)
-        if image_id not in counter.added_token_ids():
-            token = counter.id_to_token(image_id)
-            what = "no token" if token is None else f"the ordinary text token {token!r}"
-            raise InputError(f"the tokenizer has {what} at id {image_id}, the model's image_token_id: use the "
-                             f"tokenizer the checkpoint was made with (its image token is an added special token)",
-                             source=str(cfg.tokenizer_path), field="tokenizer")
-        ids["image_token_id"] = image_id
-        if markers:
-            ids.update(image_start_id=counter.token_to_id(IMAGE_START_TOKEN),
-                       image_end_id=counter.token_to_id(IMAGE_END_TOKEN))
     if counter.vocab_size > spec.llm.vocab_size:
         raise InputError(f"the tokenizer has {counter.vocab_size} tokens, the model's embedding only "
                          f"{spec.llm.vocab_size} rows", source=str(cfg.tokenizer_path), field="tokenizer")
+    tiles = TileConfig(max_tiles=cfg.max_tiles or DEFAULT_MAX_TILES, tile_size=spec.vision.image_size)
     return RealDataConfig(tokenizer=str(cfg.tokenizer_path), image_root=cfg.image_root, tiles=tiles,
-                          tokens_per_tile=spec.llm_tokens_per_tile, image_marker_tokens=markers,
-                          **_normalisation(cfg.hf_model), **ids)
+                          tokens_per_tile=spec.llm_tokens_per_tile, image_marker_tokens=markers)
 
 
 def real_stats(cfg, data: RealDataConfig, notify=None):
@@ -116,6 +79,11 @@ def real_stats(cfg, data: RealDataConfig, notify=None):
     records ``--on-error skip`` left out."""
     if cfg.stats_path is not None:
         stats = load_stats(cfg.stats_path)
+        made, wanted = stats.convention, annotation_convention(data.annotation_config())
+        if made is not None and made != wanted:
+            raise InputError(f"made for {made.describe()}, the model takes {wanted.describe()}: make them with "
+                             "this model's settings (omnibal stats --hf-model DIR for a checkpoint)",
+                             source=str(cfg.stats_path), field="convention")
     else:
         stats, report = compute_stats(cfg.annotations_path, data.annotation_config(on_error=cfg.on_error))
         if report.num_skipped and notify is not None:
