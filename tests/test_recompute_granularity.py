@@ -20,11 +20,12 @@ from omnibal.cost.hardware import get_hardware
 from omnibal.cost.presets import get_model_preset
 from omnibal.cost.profile import Point
 from omnibal.cost.spec import LLMSpec, ModelSpec, VisionSpec
+from omnibal.data.collate import collate
 from omnibal.measure.runner import LayerRunner
 from omnibal.train.model import VLM
 from omnibal.train.recompute import GRANULARITIES
 from omnibal.train.stage import apply_checkpointing, build_stage
-from train_helpers import pack, rel_err, tiny_dataset, tiny_spec
+from train_helpers import rel_err, tiny_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_RUN = ROOT / "benchmarks" / "results" / "gpu" / "h200-2026-11-28-run1" / "result.json"
@@ -39,14 +40,24 @@ def _layer_name(name: str) -> bool:
     return ".blocks." in name
 
 
+@pytest.mark.parametrize("model", ["reference", "hf-llava", "hf-internvl"])
 @pytest.mark.parametrize("granularity", ["selective", "full"])
-def test_each_granularity_trains_exactly_like_no_recompute(granularity):
-    spec = tiny_spec()
-    ds = tiny_dataset(spec, tiles=[2, 1, 3], tokens=[30, 17, 40])
-    batch = pack(spec, [ds[0], ds[1], ds[2]], num_tiles=8, num_tokens=100)
+def test_each_granularity_trains_exactly_like_no_recompute(granularity, model):
+    from omnibal.data.dataset import SyntheticSampleConfig, SyntheticVLMDataset
+    from omnibal.stats.table import SampleStats
+
     results = []
     for mode in ("none", granularity):
-        stage = build_stage(VLM(spec, seed=1), 0, spec.num_layers)
+        chain = VLM(tiny_spec(), seed=1) if model == "reference" else _hf_chain(model.split("-")[1])
+        spec = chain.spec
+        image_id = spec.llm.vocab_size - 1 if model == "reference" else chain.image_token_id
+        n = spec.llm_tokens_per_tile
+        ds = SyntheticVLMDataset(SampleStats.from_arrays(tiles=[2, 1, 3], tokens=[2 * n + 14, n + 9, 3 * n + 20],
+                                                         source="granularity-test"),
+                                 SyntheticSampleConfig(image_size=spec.vision.image_size, tokens_per_tile=n,
+                                                       vocab_size=spec.llm.vocab_size, image_token_id=image_id, seed=0))
+        batch = collate([ds[0], ds[1], ds[2]], chain.collate_config(num_tiles=8, num_tokens=8 * n + 64))
+        stage = build_stage(chain, 0, spec.num_layers)
         blocks = [n for n in stage.layer_names if _layer_name(n)]
         apply_checkpointing(stage, blocks if mode == "full" else [], blocks if mode == "selective" else [])
         loss, _ = stage(*batch.carry())
