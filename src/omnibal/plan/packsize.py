@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from omnibal.cost.table import RECOMPUTE_FULL, RECOMPUTE_SELECTIVE
 from omnibal.data.balance.api import balance
 from omnibal.errors import InputError
 from omnibal.plan.joint import JointPlanner
@@ -82,19 +83,22 @@ class PackCandidate:
     parts: tuple[int, ...]
     """Cut points of the joint plan (empty when nothing fits)."""
     num_checkpointed: int
-    """Checkpointed layers of the joint plan."""
+    """Layers the joint plan recomputes whole."""
     gpu_days: float
     """Simulated epoch of the subset, scaled to the dataset (inf when nothing fits)."""
     oom: bool
     """No plan fits the budget, or the simulator saw a device above it."""
     off_batch: bool = False
     """Its packs miss the samples per step by more than ``batch_tolerance`` (not chosen)."""
+    num_selective: int = 0
+    """Blocks the joint plan recomputes selectively."""
 
     def to_dict(self) -> dict:
         return {"off_batch": self.off_batch, "num_microbatches": self.num_microbatches,
                 "target_samples": self.target_samples,
                 "samples_per_microbatch": self.samples_per_microbatch, "max_tiles": self.max_tiles,
                 "max_tokens": self.max_tokens, "parts": list(self.parts), "num_checkpointed": self.num_checkpointed,
+                "num_selective": self.num_selective,
                 "gpu_days": self.gpu_days if np.isfinite(self.gpu_days) else None, "oom": self.oom}
 
 
@@ -124,7 +128,8 @@ def screen_pack_size(stats, table, stage_config, sim_config, *, balance_config, 
     mask = sp.recompute_mask(table.num_layers)
     res = simulate_epoch(table, sp.parts, mask, features, sim_config)
     gpu_days = res.total_time * (num_total_samples / len(stats)) * res.num_gpus / 86400.0
-    return PackCandidate(**common, parts=tuple(sp.parts), num_checkpointed=int(mask.sum()), gpu_days=gpu_days,
+    return PackCandidate(**common, parts=tuple(sp.parts), num_checkpointed=int((mask == RECOMPUTE_FULL).sum()),
+                         num_selective=int((mask == RECOMPUTE_SELECTIVE).sum()), gpu_days=gpu_days,
                          oom=bool(res.oom.any()) if res.oom is not None else False)
 
 
