@@ -91,7 +91,7 @@ def check_verifiable(config, *, device: str = "cpu") -> None:
     if device == "cpu":
         if config.preset not in CPU_MODELS:
             raise InputError(f"--verify on CPU runs only {', '.join(CPU_MODELS)} (model {config.preset} would take "
-                             "hours per step); plan --preset tiny, or verify on CUDA devices", source="--verify",
+                             "hours per step); plan with --model tiny, or verify on CUDA devices", source="--verify",
                              field="preset")
         hardware = config.hardware_name
         if hardware != "cpu" and not hardware.startswith("cpu-"):  # a measured CPU spec is named cpu-<threads>t
