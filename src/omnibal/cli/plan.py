@@ -42,6 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_option(g, "num_gpus", default=128)
     add_layout_options(g, defaults={"pp_size": 4, "tp_size": 1, "num_microbatches": 8}, helps={
         "dp_size": "data-parallel size (default: gpus / (pp x tp))",
+        "num_microbatches": "micro-batches per DP rank per step (default 8: the default 128-GPU job's, enough to "
+                            "fill its 4 pipeline stages; balance and train default to 4, a small run's)",
         "zero_stage": "ZeRO stage over DP (default: 1; torchtitan: 2, FSDP with reshard_after_forward never)"})
     add_option(g, "engine", default="omnibal",
                help="engine that will run the plan: its constraints are planner inputs, the ablation prices each of "
@@ -88,7 +90,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_option(s, "stack", default=DEFAULT_STACK)
     s.add_argument("--pack-microbatches", default="8,12,16,24,32", metavar="M,M,...",
                    help="micro-batch counts the pack-size search tries at the same samples per step ('none': "
-                        "keep --num-microbatches and 4.5 samples per pack)")
+                        "keep --microbatches and 4.5 samples per pack)")
     add_option(s, "seed", default=0, help="seed of data, shuffles and step sample")
     s.add_argument("--verify", type=int, default=0, metavar="K", help="measure the top K candidates (partition x "
                    "recompute) in the reference trainer and choose by measurement (tiny / CPU profile, or CUDA)")

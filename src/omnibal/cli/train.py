@@ -1,8 +1,9 @@
 """``omnibal train``: run the reference DP x PP trainer (baseline or omnibal mode).
 
 One process (dp = pp = 1) runs in place; a larger world on one machine is started as local processes
-(``--nproc`` defaults to dp x pp); under ``torchrun`` use ``python -m omnibal.train`` with the same
-arguments (it reads RANK / WORLD_SIZE from the environment, also across nodes).
+(``--nproc`` defaults to dp x pp); under ``torchrun`` every rank runs the same command:
+``torchrun --nproc-per-node N -m omnibal train ARGS`` (it reads RANK / WORLD_SIZE from the environment,
+also across nodes).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from omnibal.layout import DpSync, Precision, TrainMode
 
 HELP = "run the reference DP x PP trainer (baseline or omnibal mode) on a plan"
 DESCRIPTION = (HELP + ". Examples: `omnibal train --stats stats.json --dp 2 --mode omnibal --steps 20`; "
-               "`torchrun --nproc-per-node 4 -m omnibal.train --stats stats.json --dp 2 --pp 2 --plan plan.json`.")
+               "`torchrun --nproc-per-node 4 -m omnibal train --stats stats.json --dp 2 --pp 2 --plan plan.json`.")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -60,7 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     w.add_argument("--precision", choices=[p.value for p in Precision], default="fp32",
                    help="fp32, or bf16-mixed: fp32 weights and optimizer, forward under torch.autocast in bf16")
     p = parser.add_argument_group("pipeline and data")
-    add_option(p, "num_microbatches", default=4, help="micro-batches per rank per step")
+    add_option(p, "num_microbatches", default=4, help="micro-batches per DP rank per step (omnibal balance's "
+               "default too; omnibal plan's 8 is its 128-GPU default job's)")
     add_option(p, "schedule", default="1f1b", action=ScheduleOrFile, choices=None, metavar="{1f1b,gpipe}",
                help="pipeline schedule (a file name here is the deprecated spelling of --schedule-file)")
     p.add_argument("--dp-sync", choices=tuple(DpSync), default="flat",

@@ -1,6 +1,6 @@
 """`TrainConfig`: everything the reference trainer needs to run, as one keyword-only dataclass.
 
-The CLI (`omnibal train`, `python -m omnibal.train`) builds it from arguments; tests build it directly.
+The CLI (`omnibal train`, `torchrun ... -m omnibal train`) builds it from arguments; tests build it directly.
 Validation here covers what can be checked without the model or the world: ranges, names, combinations.
 """
 

@@ -1,5 +1,5 @@
 """Build one rank's run from a :class:`TrainConfig` and train: model preset, statistics, dataset, schedule,
-stage layout, world. What ``omnibal train`` and ``python -m omnibal.train`` execute on every rank.
+stage layout, world. What ``omnibal train`` and ``torchrun ... -m omnibal train`` execute on every rank.
 
 Same model, same data, same world for both modes; they differ only in what the modes are defined by:
 
