@@ -237,6 +237,7 @@ def _print_plan(result, exports: tuple[dict, dict]) -> None:
     and the balance."""
     from omnibal.plan.ablation import ablation_markdown
     from omnibal.plan.report import balance_rows, stage_rows, text_table
+    from omnibal.tables import fixed
 
     plan, p = result.plan, result.plan.inputs
     note = ""
@@ -259,8 +260,8 @@ def _print_plan(result, exports: tuple[dict, dict]) -> None:
         print(f"pack size: {plan.inputs.num_microbatches} micro-batches per step of {mean:.2f} samples on average "
               f"(caps {caps['tiles']} tiles / {caps['tokens']} tokens), searched over {searched} micro-batches at the "
               f"same samples per step")
-    print(f"\nPlan: {plan.prediction.step_time_s:.2f} s per step, {plan.prediction.gpu_days:.1f} GPU days per epoch, "
-          f"bubble {plan.prediction.bubble:.1%}")
+    print(f"\nPlan: {fixed(plan.prediction.step_time_s, 2)} s per step, {fixed(plan.prediction.gpu_days, 1)} GPU days "
+          f"per epoch, bubble {plan.prediction.bubble:.1%}")
     print(text_table(stage_rows(plan)))
     written, skipped = exports
     if plan.engine == "omnibal":

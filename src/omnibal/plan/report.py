@@ -21,13 +21,13 @@ from omnibal.plan.exports import export_all
 from omnibal.plan.plan import Plan
 from omnibal.sim.epoch import simulate_epoch, simulate_one_step
 from omnibal.sim.report import pick_ranks, plot_timeline
-from omnibal.tables import markdown_table, text_table  # noqa: F401 (text_table: what `omnibal plan` prints with)
+from omnibal.tables import fixed, markdown_table, text_table  # noqa: F401 (text_table: what `omnibal plan` prints with)
 
 GiB = float(1 << 30)
 
 
 def _gib(x: float | None) -> str:
-    return "-" if x is None else f"{x / GiB:.1f}"
+    return "-" if x is None else fixed(x / GiB, 1)
 
 
 def _layer_span(modules: tuple[str, ...]) -> str:
@@ -41,8 +41,8 @@ def stage_rows(plan: Plan) -> list[list[str]]:
              f"planned GiB (budget {_gib(budget)})", "simulated peak GiB"]]
     for st in plan.stages:
         rows.append([str(st.stage), f"{st.layers[0]}-{st.layers[1] - 1}", _layer_span(st.modules),
-                     f"{len(st.recompute)} of {len(st.modules)}", str(st.in_flight), f"{st.time_s:.3f}",
-                     f"{st.recompute_time_s:.3f}", _gib(st.memory_bytes), _gib(st.simulated_peak_memory_bytes)])
+                     f"{len(st.recompute)} of {len(st.modules)}", str(st.in_flight), fixed(st.time_s, 3),
+                     fixed(st.recompute_time_s, 3), _gib(st.memory_bytes), _gib(st.simulated_peak_memory_bytes)])
     return rows
 
 
@@ -177,8 +177,9 @@ def plan_markdown(plan: Plan, ablation: list[AblationRow] | None, *, images: dic
              f"- balancer: {plan.data.method}, caps {plan.data.settings.get('caps')}, "
              f"padding {plan.data.settings.get('padding')}",
              "", "## Prediction", "",
-             f"Step time {pred.step_time_s:.2f} s, {pred.num_steps} steps, epoch {pred.epoch_time_s / 3600:.2f} h, "
-             f"**{pred.gpu_days:.1f} GPU days**, pipeline bubble {pred.bubble:.1%}"
+             f"Step time {fixed(pred.step_time_s, 2)} s, {pred.num_steps} steps, epoch "
+             f"{fixed(pred.epoch_time_s / 3600, 2)} h, **{fixed(pred.gpu_days, 1)} GPU days**, pipeline bubble "
+             f"{pred.bubble:.1%}"
              f"{', OUT OF MEMORY on some steps' if pred.oom else ''}.", ""]
     if ablation:
         paper = ablation[0].paper_gpu_days is not None
