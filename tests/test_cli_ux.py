@@ -96,3 +96,22 @@ def test_a_tiny_models_plan_prints_its_numbers_not_zeros(tmp_path, capsys):
     assert float(step) > 0 and float(days) > 0, line
     stage0 = next(x for x in out.splitlines() if x.startswith("0 "))
     assert float(stage0.split()[-1]) > 0, stage0  # simulated peak GiB
+
+
+def test_plan_hbp_says_what_it_does_and_how_long_before_the_search(monkeypatch, tmp_path, capsys):
+    """``plan --hbp`` printed nothing for 3-6 minutes: its first line came after the search."""
+    from omnibal.cli.plan_hbp import search_estimate
+    from omnibal.plan import hbp_job
+
+    assert "200,000 samples" in search_estimate(1_200_000, 200_000) and " min on 2 CPU cores" in \
+        search_estimate(1_200_000, 200_000)
+    assert "under a minute" in search_estimate(3000, None)
+
+    def search(*args, **kwargs):
+        raise KeyboardInterrupt  # what a person does after a silent minute
+
+    monkeypatch.setattr(hbp_job, "run_hbp_job", search)
+    assert main(["plan", "--hbp", "--samples", "2000", "--out", str(tmp_path / "o")]) == 130
+    out, err = capsys.readouterr()
+    assert out.startswith("omnibal plan --hbp: internvl-chat-1.5 on 128 x a100-80g"), out
+    assert "samples and simulating" in err and "interrupted" in err.splitlines()[-1], err

@@ -37,10 +37,12 @@ def run_hbp(args: argparse.Namespace, config) -> int:
                         microbatches=args.hbp_microbatches or HBPPlanConfig.microbatches,
                         partition_search=config.search,
                         progress=sys.stderr.isatty() and not args.quiet)
-    result = run_hbp_job(config, hbp, stats)
     gpus = config.dp_size * config.pp_size * config.tp_size
     print(f"omnibal plan --hbp: {config.hf_model or config.preset} on {gpus} x {config.hardware_name} "
-          f"(DP {config.dp_size} x PP {config.pp_size} x TP {config.tp_size}), data {stats.source}")
+          f"(DP {config.dp_size} x PP {config.pp_size} x TP {config.tp_size}), data {stats.source}", flush=True)
+    if not args.quiet:
+        print(search_estimate(len(stats), config.balance_samples), file=sys.stderr, flush=True)
+    result = run_hbp_job(config, hbp, stats)
     print(f"memory: at most {result.model.max_tokens_per_rank:,} LLM tokens per rank's micro-batch (every layer "
           f"checkpointed); SP degrees {list(result.model.sp_degrees)}\n")
     print(hbp_markdown(result))
@@ -50,6 +52,21 @@ def run_hbp(args: argparse.Namespace, config) -> int:
     _write_training_schedule(args, config, hbp, result, stats)
     print(f"({time.perf_counter() - t0:.1f} s)")
     return 0
+
+
+SECONDS_PER_BALANCED_SAMPLE = (90 / 200_000, 360 / 200_000)
+"""CPU time of the whole HBP search per balanced sample, low and high: the default job (200k balanced of 1.2M
+samples) took 1.5 to 6 minutes on 2 shared cores; the search balances and simulates ~10-20 level sets, each in
+time about linear in the balanced samples."""
+
+
+def search_estimate(num_samples: int, balance_samples: int | None) -> str:
+    """The line said before the search starts: what runs and about how long (it prints nothing for minutes)."""
+    n = num_samples if balance_samples is None else min(num_samples, balance_samples)
+    low, high = (max(1, round(n * s / 60)) for s in SECONDS_PER_BALANCED_SAMPLE)
+    span = "under a minute" if high <= 1 else f"about {low}-{high} min"
+    return (f"omnibal plan --hbp: balancing {n:,} samples and simulating ~10-20 level sets, SP degrees and partitions: "
+            f"{span} on 2 CPU cores (less with a smaller --balance-samples)")
 
 
 def _write_training_schedule(args: argparse.Namespace, config, hbp, result, stats) -> None:
