@@ -34,14 +34,14 @@ def test_verify_is_refused_where_the_trainer_cannot_measure_the_plan(change, fie
     assert exc.value.field == field
 
 
-def test_cli_refuses_verify_for_a_large_model_before_planning():
+def test_cli_refuses_verify_for_a_large_model_before_planning(tmp_path):
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        assert main(["plan", "--preset", "llava-1.5-7b", "--verify", "2", "--quiet", "--out", "/tmp/x"]) == 2
+        assert main(["plan", "--preset", "llava-1.5-7b", "--verify", "2", "--quiet", "--out", str(tmp_path / "x")]) == 2
     assert "--verify" in err.getvalue() and "tiny" in err.getvalue()
 
 
-def test_verify_never_starts_more_local_ranks_than_cores(monkeypatch, capsys):
+def test_verify_never_starts_more_local_ranks_than_cores(monkeypatch, capsys, tmp_path):
     """``plan --verify 2 --model tiny --hardware cpu`` (what its own messages asked for) started the default
     layout's 128 ranks on a 2-core machine (21 of 23 GB, load ~200). It is refused, naming both numbers, in a
     second and before any planning."""
@@ -51,7 +51,8 @@ def test_verify_never_starts_more_local_ranks_than_cores(monkeypatch, capsys):
 
     cores = verify.usable_cpus()
     t0 = time.monotonic()
-    assert main(["plan", "--verify", "2", "--model", "tiny", "--hardware", "cpu", "--quiet", "--out", "/tmp/x"]) == 2
+    assert main(["plan", "--verify", "2", "--model", "tiny", "--hardware", "cpu", "--quiet", "--out",
+                 str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err
     assert time.monotonic() - t0 < 30
     assert "the plan's 128 ranks" in err and f"this machine has {cores}" in err and "--gpus" in err, err
