@@ -145,7 +145,8 @@ def build_trainer(cfg: TrainConfig, world: World, notify=None, say=None):
     if cfg.save_dir is not None:
         def save(step: int | None) -> None:
             out = Path(cfg.save_dir) if step is None else Path(cfg.save_dir) / f"checkpoint-{step}"
-            export_hf(trainer, model, out, tokenizer=cfg.tokenizer_path, model_dir=cfg.hf_model)
+            export_hf(trainer, model, out, tokenizer=cfg.tokenizer_path, model_dir=cfg.hf_model,
+                      max_tiles=cfg.max_tiles)
 
         trainer.on_checkpoint = save
     return trainer
