@@ -92,3 +92,16 @@ def test_an_interrupted_plan_leaves_the_earlier_one_untouched(tmp_path, monkeypa
     (out / "notes.txt").write_text("mine")
     assert main([*PLAN, "--out", str(out)]) == 2  # refused before planning, never removed
     assert "notes.txt" in capsys.readouterr().err and (out / "notes.txt").read_text() == "mine"
+
+
+def test_report_reads_the_trainers_own_metrics_log(tmp_path, capsys):
+    """``report --train`` looked for ``step_time_s``; ``omnibal train --metrics-log`` writes ``step_s``."""
+    import json
+
+    out = tmp_path / "plan"
+    assert main([*PLAN, "--no-timelines", "--out", str(out)]) == 0
+    log = tmp_path / "run.jsonl"
+    log.write_text(json.dumps({"run": {"mode": "omnibal"}}) + "\n" +
+                   "".join(json.dumps({"step": i, "step_s": 0.5 + i}) + "\n" for i in range(3)))
+    assert main(["report", str(out), "--train", str(log)]) == 0
+    assert "3 steps, median 1.5000 s" in (out / "report.md").read_text()

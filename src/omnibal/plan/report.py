@@ -340,14 +340,15 @@ def _simulate_section(plan: Plan, path: Path) -> list[str]:
 
 
 def _train_section(plan: Plan, path: Path) -> list[str]:
-    """Measured step times from a training metrics log (JSON lines with ``step_time_s``)."""
+    """Measured step times from a training metrics log (JSON lines with ``step_s``, what ``omnibal train
+    --metrics-log`` writes, or ``step_time_s``)."""
     times = []
     try:
         for line in path.read_text().splitlines():
             if not line.strip():
                 continue
             rec = json.loads(line)
-            value = rec.get("step_time_s", rec.get("step_time"))
+            value = rec.get("step_s", rec.get("step_time_s", rec.get("step_time")))
             if value is not None:
                 times.append(float(value))
     except (OSError, json.JSONDecodeError, ValueError, AttributeError) as exc:
