@@ -16,9 +16,9 @@ def _subparsers() -> dict[str, argparse.ArgumentParser]:
     root = build_parser()
     sub = next(a for a in root._actions if isinstance(a, argparse._SubParsersAction))
     parsers = {name: sub.choices[name] for name in COMMANDS}
-    torchrun = argparse.ArgumentParser(prog="python -m omnibal.train")  # the torchrun entry point's parser
+    torchrun = argparse.ArgumentParser(prog="torchrun -m omnibal train")  # what torchrun runs on every rank
     cli_train.add_arguments(torchrun)
-    parsers["python -m omnibal.train"] = torchrun
+    parsers["torchrun -m omnibal train"] = torchrun
     return parsers
 
 
@@ -101,7 +101,7 @@ def test_an_old_spelling_still_works_and_warns(name, alias, capsys):
 
 
 def test_train_schedule_is_the_pipeline_schedule_and_a_file_is_the_deprecated_schedule_file(capsys):
-    parser = PARSERS["python -m omnibal.train"]
+    parser = PARSERS["torchrun -m omnibal train"]
     args = parser.parse_args(["--schedule", "gpipe"])
     assert (args.schedule, args.schedule_file, capsys.readouterr().err) == ("gpipe", None, "")
     args = parser.parse_args(["--schedule", "sched.json"])

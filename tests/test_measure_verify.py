@@ -34,11 +34,35 @@ def test_verify_is_refused_where_the_trainer_cannot_measure_the_plan(change, fie
     assert exc.value.field == field
 
 
-def test_cli_refuses_verify_for_a_large_model_before_planning():
+def test_cli_refuses_verify_for_a_large_model_before_planning(tmp_path):
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        assert main(["plan", "--preset", "llava-1.5-7b", "--verify", "2", "--quiet", "--out", "/tmp/x"]) == 2
+        assert main(["plan", "--preset", "llava-1.5-7b", "--verify", "2", "--quiet", "--out", str(tmp_path / "x")]) == 2
     assert "--verify" in err.getvalue() and "tiny" in err.getvalue()
+
+
+def test_verify_never_starts_more_local_ranks_than_cores(monkeypatch, capsys, tmp_path):
+    """``plan --verify 2 --model tiny --hardware cpu`` (what its own messages asked for) started the default
+    layout's 128 ranks on a 2-core machine (21 of 23 GB, load ~200). It is refused, naming both numbers, in a
+    second and before any planning."""
+    import time
+
+    from omnibal.measure import verify
+
+    cores = verify.usable_cpus()
+    t0 = time.monotonic()
+    assert main(["plan", "--verify", "2", "--model", "tiny", "--hardware", "cpu", "--quiet", "--out",
+                 str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert time.monotonic() - t0 < 30
+    assert "the plan's 128 ranks" in err and f"this machine has {cores}" in err and "--gpus" in err, err
+    assert "--preset" not in err
+    monkeypatch.setattr(verify, "usable_cpus", lambda: 1)
+    config = PlanJobConfig(preset="tiny", hardware="cpu", dp_size=1, pp_size=2)
+    with pytest.raises(InputError) as exc:
+        check_verifiable(config, device="cpu")
+    assert exc.value.field == "num_gpus" and "2 ranks" in exc.value.message
+    check_verifiable(config, device="cuda")  # one rank per device there: resolve_device counted the devices
 
 
 def _stats(n: int = 240) -> SampleStats:

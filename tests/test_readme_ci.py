@@ -44,3 +44,18 @@ def test_every_test_named_in_the_guarantees_exists():
             if name and not re.search(rf"^def {name}\(", path.read_text(), re.M):
                 missing.append(f"{file}::{name}")
     assert named > 40 and not missing, missing
+
+
+def test_what_the_readmes_commands_write_is_ignored_by_git():
+    """The README's commands left ``omnibal-out/``, ``ex/`` and ``stats.jsonl`` untracked in the checkout."""
+    import shutil
+    import subprocess
+
+    import pytest
+
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    paths = ["omnibal-out/plan.json", "ex/annotations.jsonl", "ex/finetuned/config.json", "stats.jsonl",
+             "stats.parquet", "omnibal-example/summary.json", "simulate-report/report.md"]
+    out = subprocess.run(["git", "check-ignore", "--no-index", *paths], cwd=ROOT, capture_output=True, text=True)
+    assert sorted(out.stdout.split()) == sorted(paths), out.stdout + out.stderr

@@ -263,3 +263,58 @@ def test_pp2_with_a_plan_saves_the_model_a_single_process_run_saves(example, tmp
     for k in a:
         assert torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-6), (k, float((a[k] - b[k]).abs().max()))
     assert sum(not torch.equal(a[k], first[k]) for k in a) > 0.9 * len(a)  # trained, not the input weights
+
+
+def _internvl_processor(folder: Path):
+    """``AutoProcessor.from_pretrained`` of an InternVL folder; without torchvision (transformers 5 needs it for
+    InternVL's video processor) the same processor built from the folder's files, its video processor aside."""
+    import transformers as tf
+
+    try:
+        import torchvision  # noqa: F401
+    except ImportError:
+        from transformers.processing_utils import ProcessorMixin
+
+        doc = json.loads((folder / "processor_config.json").read_text())
+        assert doc["processor_class"] == "InternVLProcessor" and doc["video_processor"]
+        check = ProcessorMixin.check_argument_for_proper_class
+        try:
+            ProcessorMixin.check_argument_for_proper_class = \
+                lambda self, name, arg: None if name == "video_processor" else check(self, name, arg)
+            return tf.InternVLProcessor(image_processor=tf.AutoImageProcessor.from_pretrained(folder),
+                                        tokenizer=tf.AutoTokenizer.from_pretrained(folder), video_processor=None,
+                                        image_seq_length=doc["image_seq_length"])
+        finally:
+            ProcessorMixin.check_argument_for_proper_class = check
+    return tf.AutoProcessor.from_pretrained(folder, local_files_only=True)
+
+
+@pytest.mark.parametrize("kind", ["llava", "internvl"])
+def test_the_saved_folder_has_a_processor_that_prepares_inputs_as_the_trainer_did(example, tmp_path, kind):
+    """``--save-dir`` wrote no processor config: ``AutoProcessor.from_pretrained`` failed on the result. The
+    processor made for it builds, for a record of the example, the token count ``omnibal stats`` counts for
+    it (tiles, image tokens, markers), and the saved model runs on its output."""
+    import transformers as tf
+    from PIL import Image
+
+    from omnibal.stats.io import load_stats
+
+    save = tmp_path / "model"
+    assert main(["train", "--annotations", str(example / "annotations.jsonl"), "--image-root",
+                 str(example / "images"), "--tokenizer", str(example / "tokenizer"), "--hf-model",
+                 str(example / kind), "--max-tiles", "6", "--microbatches", "1", "--steps", "1", "--quiet",
+                 "--save-dir", str(save)]) == 0
+    processor = tf.AutoProcessor.from_pretrained(save, local_files_only=True) if kind == "llava" else \
+        _internvl_processor(save)
+    records = [json.loads(x) for x in (example / "annotations.jsonl").read_text().splitlines()]
+    row, rec = next((i, r) for i, r in enumerate(records) if isinstance(r.get("image"), str))
+    placeholder = processor.image_token if kind == "llava" else processor.tokenizer.context_image_token
+    text = "".join(t["value"] for t in rec["conversations"]).replace("<image>", placeholder)
+    inputs = processor(images=[Image.open(example / "images" / rec["image"]).convert("RGB")], text=[text],
+                       return_tensors="pt")
+    stats = load_stats(_stats_file(example, kind))
+    assert int(inputs["pixel_values"].shape[0]) == int(stats.tiles[row])
+    image_tokens = int((inputs["input_ids"] == processor.tokenizer.convert_tokens_to_ids(placeholder)).sum())
+    model = tf.AutoModelForImageTextToText.from_pretrained(save, local_files_only=True)
+    assert image_tokens == int(stats.tiles[row]) * model.config.image_seq_length
+    assert torch.isfinite(model(**inputs).logits).all()

@@ -9,15 +9,25 @@ Files are then written atomically (``write_bytes``, ``write_text``, ``atomic_pat
 in the same folder, flushed and fsynced, given the mode a plain ``open()`` would give (``0o666`` minus the
 umask, or the mode of the file it replaces), and renamed over the final name. A process killed mid-write
 leaves the previous file intact, never a truncated one.
+
+A set of files that belong together (a plan: plan.json, report, exports, figures) is written into a
+temporary folder beside its final one and swapped in whole (``staged_dir``): an interrupted run leaves the
+previous set untouched, and no file of an earlier run survives beside the new ones. ``check_replaceable_dir``
+refuses, before any work, a folder that holds anything else, so the swap never removes a file the command
+did not write.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
+import fnmatch
 import os
+import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 from omnibal.errors import InputError
 
@@ -147,3 +157,70 @@ def write_bytes(path: str | os.PathLike, data: bytes) -> Path:
 def write_text(path: str | os.PathLike, text: str) -> Path:
     """Write ``text`` (UTF-8) to ``path`` atomically."""
     return write_bytes(path, text.encode("utf-8"))
+
+
+def check_replaceable_dir(path: str | os.PathLike, flag: str, owned: Iterable[str]) -> Path:
+    """:func:`check_dir`, and that :func:`staged_dir` may replace ``path`` whole: every entry in it matches one
+    of the ``owned`` names or glob patterns (what the command writes there), and it is neither the working
+    folder nor one above it. Raises an InputError naming ``flag`` otherwise."""
+    p = check_dir(path, flag)
+    if not p.exists():
+        return p
+    here, target = Path.cwd().resolve(), p.resolve()
+    if target == here or target in here.parents:
+        raise InputError("is the working folder (or holds it); the outputs replace the folder whole: name a "
+                         "folder of their own", source=str(path), field=flag)
+    patterns = tuple(owned)
+    foreign = sorted(e.name for e in p.iterdir() if not any(fnmatch.fnmatchcase(e.name, g) for g in patterns))
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise InputError(f"holds files this command does not write ({shown}); the outputs replace the folder "
+                         "whole, so name an empty or new folder, or one an earlier run of this command wrote",
+                         source=str(path), field=flag)
+    return p
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one step (Linux ``renameat2(RENAME_EXCHANGE)``); False where the system cannot."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EPERM, errno.ENOTSUP):  # a file system or kernel without it
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+@contextlib.contextmanager
+def staged_dir(path: str | os.PathLike) -> Iterator[Path]:
+    """A new temporary folder beside ``path`` to write a set of outputs into. On a clean exit it takes the
+    place of ``path`` whole, in one exchange where the system has one (else two renames, with ``path``
+    missing for a moment between them), and the previous folder is removed; on an error or an interrupt it is
+    removed and ``path`` is untouched. Check ``path`` first with :func:`check_replaceable_dir`."""
+    final = Path(path)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.", suffix=".tmp"))
+    try:
+        yield tmp
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0o700 is for the temporary name, not the outputs
+        if not final.exists():
+            os.rename(tmp, final)
+        elif _exchange(tmp, final):
+            shutil.rmtree(tmp)  # now the previous folder
+        else:
+            old = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.", suffix=".old"))
+            os.rename(final, old / final.name)
+            os.rename(tmp, final)
+            shutil.rmtree(old)
+        _fsync_dir(final.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Sequence
 
-__all__ = ["format_cell", "format_table", "markdown_table", "text_table"]
+__all__ = ["fixed", "format_cell", "format_table", "markdown_table", "text_table"]
 
 
 def format_cell(value: Any) -> str:
@@ -17,6 +17,15 @@ def format_cell(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4f}" if abs(value) < 100 else f"{value:.0f}"
     return str(value)
+
+
+def fixed(value: float, decimals: int) -> str:
+    """``value`` with ``decimals`` decimals, or with two significant digits where those decimals would show
+    only zeros: a tiny model's 0.0043 s step or 0.006 GPU days must not read as 0.00 and 0.0."""
+    text = f"{value:.{decimals}f}"
+    if value == 0 or text.strip("-0.") or not value == value:  # a non-zero digit shows (or nan)
+        return text
+    return f"{value:.2g}"
 
 
 def format_table(rows: Sequence[Sequence[Any]], *, style: Literal["text", "markdown"] = "text",

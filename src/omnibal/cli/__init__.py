@@ -8,6 +8,7 @@ Each subcommand module defines ``HELP`` (one line), ``DESCRIPTION``, ``add_argum
 from __future__ import annotations
 
 import argparse
+import enum
 import importlib
 import sys
 
@@ -45,8 +46,17 @@ def build_parser() -> argparse.ArgumentParser:
             formatter_class=_HelpFormatter,
         )
         mod.add_arguments(p)
+        plain_choices(p)
         p.set_defaults(_run=mod.run)
     return parser
+
+
+def plain_choices(parser: argparse.ArgumentParser) -> None:
+    """Every ``choices`` of ``parser`` as plain strings: argparse's "invalid choice" error lists the choices
+    by ``repr``, which for a ``StrEnum`` member is ``<Engine.OMNIBAL: 'omnibal'>``, not the word to type."""
+    for action in parser._actions:
+        if action.choices is not None and not isinstance(action.choices, dict):
+            action.choices = [c.value if isinstance(c, enum.Enum) else c for c in action.choices]
 
 
 def main(argv: list[str] | None = None) -> int:

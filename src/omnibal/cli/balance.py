@@ -23,7 +23,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                help="rows of the synthetic default mixture used when --stats is not given")
     # required, but checked in run: argparse's required= would refuse the deprecated --dp-size spelling
     add_option(parser, "dp_size", help="data-parallel ranks (required)")
-    add_option(parser, "num_microbatches", default=1)
+    add_option(parser, "num_microbatches", default=4, help="micro-batches per DP rank per step (omnibal train's "
+               "default too, so the schedule runs there as written)")
     parser.add_argument("--target-samples", type=float, default=4.5, help="mean samples per micro-batch")
     parser.add_argument("--max-tiles", type=int, default=None, help="fixed Q_v (default: cap search)")
     add_option(parser, "max_tokens")

@@ -43,6 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_option(g, "num_gpus", default=128)
     add_layout_options(g, defaults={"pp_size": 4, "tp_size": 1, "num_microbatches": 8}, helps={
         "dp_size": "data-parallel size (default: gpus / (pp x tp))",
+        "num_microbatches": "micro-batches per DP rank per step (default 8: the default 128-GPU job's, enough to "
+                            "fill its 4 pipeline stages; balance and train default to 4, a small run's)",
         "zero_stage": "ZeRO stage over DP (default: 1; torchtitan: 2, FSDP with reshard_after_forward never)"})
     g.add_argument("--selective-recompute", action=argparse.BooleanOptionalAction, default=None,
                    help="let adaptive recompute run transformer blocks selectively (keep matrix-product and "
@@ -98,7 +100,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_option(s, "stack", default=DEFAULT_STACK)
     s.add_argument("--pack-microbatches", default="8,12,16,24,32", metavar="M,M,...",
                    help="micro-batch counts the pack-size search tries at the same samples per step ('none': "
-                        "keep --num-microbatches and 4.5 samples per pack)")
+                        "keep --microbatches and 4.5 samples per pack)")
     add_option(s, "seed", default=0, help="seed of data, shuffles and step sample")
     s.add_argument("--verify", type=int, default=0, metavar="K", help="measure the top K candidates (partition x "
                    "recompute) in the reference trainer and choose by measurement (tiny / CPU profile, or CUDA)")
@@ -177,8 +179,9 @@ def _check_hbp_args(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from omnibal.outputs import check_dir
+    from omnibal.outputs import check_replaceable_dir, staged_dir
     from omnibal.plan.job import run_plan_job
+    from omnibal.plan.report import PLAN_OUTPUTS
 
     t0 = time.perf_counter()
     config = job_config(args)
@@ -190,18 +193,26 @@ def run(args: argparse.Namespace) -> int:
 
         _check_hbp_args(args)
         return run_hbp(args, config)
-    check_dir(args.out, "--out")  # before minutes of planning, not after
+    check_replaceable_dir(args.out, "--out", PLAN_OUTPUTS)  # before minutes of planning, not after
     progress = not args.quiet and sys.stderr.isatty()
     print(f"omnibal plan: {config.hf_model or config.preset} on {config.layout.num_gpus} x {config.hardware_name} "
           f"({config.layout.describe()}, engine {config.engine})", flush=True)
     if args.verify:  # fail in a second, not after planning
         _check_verify(args, config)
     result = run_plan_job(config, progress=progress)
+    verify_table = None
     if args.verify:
-        result = _verified(args, config, result)
-    files = _write_outputs(result, args.out, timelines=not args.no_timelines, progress=progress)
-    exports = write_engine_exports(result.plan, Path(args.out) / "exports")
-    _print_plan(result, exports)
+        result, verify_table = _verified(args, config, result)
+    # written whole into a temporary folder, then swapped in: an interrupt leaves the earlier plan as it was,
+    # and none of its files (a timeline of another ablation, an export this plan has not) stays beside these
+    with staged_dir(args.out) as tmp:
+        if verify_table is not None:
+            (tmp / "verify.md").write_text("# omnibal plan --verify\n\n" + verify_table)
+        files = _write_outputs(result, tmp, timelines=not args.no_timelines, progress=progress)
+        written, skipped = write_engine_exports(result.plan, tmp / "exports")
+    files = {k: Path(args.out) / p.relative_to(tmp) for k, p in files.items()}
+    written = {e: [Path(args.out) / Path(p).relative_to(tmp) for p in paths] for e, paths in written.items()}
+    _print_plan(result, (written, skipped))
     print(f"\nwrote {files['plan']}, {files['report']} and {sum(1 for k in files if k.startswith('png:'))} "
           f"PNGs into {args.out}/ ({time.perf_counter() - t0:.1f} s)")
     return 0
@@ -260,6 +271,7 @@ def _print_plan(result, exports: tuple[dict, dict]) -> None:
     and the balance."""
     from omnibal.plan.ablation import ablation_markdown
     from omnibal.plan.report import balance_rows, stage_rows, text_table
+    from omnibal.tables import fixed
 
     plan, p = result.plan, result.plan.inputs
     note = ""
@@ -282,8 +294,8 @@ def _print_plan(result, exports: tuple[dict, dict]) -> None:
         print(f"pack size: {plan.inputs.num_microbatches} micro-batches per step of {mean:.2f} samples on average "
               f"(caps {caps['tiles']} tiles / {caps['tokens']} tokens), searched over {searched} micro-batches at the "
               f"same samples per step")
-    print(f"\nPlan: {plan.prediction.step_time_s:.2f} s per step, {plan.prediction.gpu_days:.1f} GPU days per epoch, "
-          f"bubble {plan.prediction.bubble:.1%}")
+    print(f"\nPlan: {fixed(plan.prediction.step_time_s, 2)} s per step, {fixed(plan.prediction.gpu_days, 1)} GPU days "
+          f"per epoch, bubble {plan.prediction.bubble:.1%}")
     print(text_table(stage_rows(plan)))
     written, skipped = exports
     if plan.engine == "omnibal":
@@ -297,8 +309,9 @@ def _print_plan(result, exports: tuple[dict, dict]) -> None:
 
 
 def _verified(args, config, result):
-    """``--verify K``: the result with the plan chosen by measuring its top K candidates; prints and writes
-    (OUT/verify.md) predicted vs measured per candidate; the plan JSON holds them under search.verify."""
+    """``--verify K``: the result with the plan chosen by measuring its top K candidates, and the table of
+    predicted vs measured per candidate (printed here, written to OUT/verify.md by the caller); the plan
+    JSON holds them under search.verify."""
     from dataclasses import replace
 
     from omnibal.measure.verify import VerifyConfig, verify_markdown, verify_plan
@@ -308,9 +321,7 @@ def _verified(args, config, result):
                                  progress=say)
     table = verify_markdown(measured, plan.search["verify"]["chosen"])
     print(f"Verified candidates ({args.verify_steps} timed steps each on {plan.search['verify']['device']}):\n{table}")
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "verify.md").write_text("# omnibal plan --verify\n\n" + table)
-    return replace(result, plan=plan)
+    return replace(result, plan=plan), table
 
 
 def write_engine_exports(plan, out_dir: Path) -> tuple[dict, dict]:

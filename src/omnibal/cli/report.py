@@ -21,7 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ablation", default=None, metavar="FILE",
                         help="ablation.json (default: the one beside the plan, if any)")
     parser.add_argument("--simulate", default=None, metavar="FILE", help="omnibal simulate summary JSON")
-    parser.add_argument("--train", default=None, metavar="FILE", help="training metrics log (JSON lines)")
+    parser.add_argument("--train", default=None, metavar="FILE",
+                        help="training metrics log (omnibal train --metrics-log)")
     add_option(parser, "out", default=None, metavar="DIR", help="output folder (default: the plan's folder)")
 
 

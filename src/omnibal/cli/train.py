@@ -1,8 +1,9 @@
 """``omnibal train``: run the reference DP x PP trainer (baseline or omnibal mode).
 
 One process (dp = pp = 1) runs in place; a larger world on one machine is started as local processes
-(``--nproc`` defaults to dp x pp); under ``torchrun`` use ``python -m omnibal.train`` with the same
-arguments (it reads RANK / WORLD_SIZE from the environment, also across nodes).
+(``--nproc`` defaults to dp x pp); under ``torchrun`` every rank runs the same command:
+``torchrun --nproc-per-node N -m omnibal train ARGS`` (it reads RANK / WORLD_SIZE from the environment,
+also across nodes).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import os
 import sys
 
 from omnibal.cli.options import ScheduleOrFile, add_layout_options, add_option, check_layout_args
-from omnibal.errors import InputError
+from omnibal.errors import InputError, OmnibalError
 from omnibal.layout import DpSync, Precision, TrainMode
 
 CUDA_ALLOC_CONF = "expandable_segments:True"
@@ -21,7 +22,7 @@ variable-length packs the default allocator holds far more than it hands out (do
 
 HELP = "run the reference DP x PP trainer (baseline or omnibal mode) on a plan"
 DESCRIPTION = (HELP + ". Examples: `omnibal train --stats stats.json --dp 2 --mode omnibal --steps 20`; "
-               "`torchrun --nproc-per-node 4 -m omnibal.train --stats stats.json --dp 2 --pp 2 --plan plan.json`.")
+               "`torchrun --nproc-per-node 4 -m omnibal train --stats stats.json --dp 2 --pp 2 --plan plan.json`.")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,7 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     w.add_argument("--precision", choices=[p.value for p in Precision], default="fp32",
                    help="fp32, or bf16-mixed: fp32 weights and optimizer, forward under torch.autocast in bf16")
     p = parser.add_argument_group("pipeline and data")
-    add_option(p, "num_microbatches", default=4, help="micro-batches per rank per step")
+    add_option(p, "num_microbatches", default=4, help="micro-batches per DP rank per step (omnibal balance's "
+               "default too; omnibal plan's 8 is its 128-GPU default job's)")
     add_option(p, "schedule", default="1f1b", action=ScheduleOrFile, choices=None, metavar="{1f1b,gpipe}",
                help="pipeline schedule (a file name here is the deprecated spelling of --schedule-file)")
     p.add_argument("--dp-sync", choices=tuple(DpSync), default="flat",
@@ -99,7 +101,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--resume", action="store_true", help="continue from the newest valid checkpoint")
     o.add_argument("--reshard", action="store_true", help="with --resume: accept a checkpoint written with another "
                    "dp size (same pp and stage layers) and re-balance the rest of its epoch for this one")
-    add_option(o, "quiet", help="no progress bar, no summary table")
+    o.add_argument("--print-every", type=int, default=0, metavar="N",
+                   help="steps between the loss lines printed where stdout is not a terminal (a log file, a pipe); "
+                        "default: about 20 lines per run, and at least one a minute")
+    add_option(o, "quiet", help="no start line, progress bar, loss lines, summary table or saved-to line")
 
 
 def config_from_args(args: argparse.Namespace):
@@ -124,40 +129,64 @@ def config_from_args(args: argparse.Namespace):
         torch_threads=args.threads,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, resume=args.resume,
         reshard=args.reshard, log_path=args.log_path, summary_path=args.summary_path, ledger_path=args.ledger_path,
-        quiet=args.quiet, sp_degree=args.sp_degree, level_curriculum=args.level_curriculum)
+        quiet=args.quiet, sp_degree=args.sp_degree, level_curriculum=args.level_curriculum,
+        print_every=args.print_every)
 
 
 def run(args: argparse.Namespace) -> int:
-    from omnibal.train.run import preflight, train_rank
-
     cfg = config_from_args(args)
-    preflight(cfg)
-    if cfg.device == "cuda":  # before any CUDA call, for this process and the ranks it starts
-        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", CUDA_ALLOC_CONF)
     nproc = args.nproc or cfg.world_size
     if nproc != cfg.world_size:
         raise InputError(f"--nproc {nproc} but dp {cfg.dp_size} x pp {cfg.pp_size} = {cfg.world_size}",
                          source="--nproc")
-    if nproc == 1 or "RANK" in os.environ:
-        _print_summary(cfg, train_rank(cfg, notice))
+    torchrun = "RANK" in os.environ
+    if not cfg.quiet and os.environ.get("RANK", "0") == "0":
+        say(start_line(cfg, nproc, torchrun))  # before torch is imported and the ranks start: seconds to minutes
+    from omnibal.train.run import preflight, train_rank
+
+    preflight(cfg)
+    if cfg.device == "cuda":  # before any CUDA call, for this process and the ranks it starts
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", CUDA_ALLOC_CONF)
+    if nproc == 1 or torchrun:
+        _finish(cfg, train_rank(cfg, notice, say))
         return 0
-    from omnibal.train.distributed import spawn_local
+    from omnibal.train.distributed import root_causes_first, spawn_local
 
     # once a rank fails, the others' collectives fail within the timeout; a rank still there after twice that
     # is stopped or hung, and is killed and named rather than waited on
-    results = spawn_local(train_rank, nproc, args=(cfg, notice), deadline_s=7 * 24 * 3600.0,
-                          failure_grace_s=2 * cfg.timeout_s + 10)
-    failed = [r for r in results if r.error]
+    results = spawn_local(train_rank, nproc, args=(cfg, notice, say), deadline_s=7 * 24 * 3600.0,
+                          failure_grace_s=2 * cfg.timeout_s + 10, print_tracebacks=False)
+    failed = root_causes_first(results)
     if not failed:
-        _print_summary(cfg, results[0].value)
+        _finish(cfg, results[0].value)
         return 0
     if all(r.input_error is not None for r in failed):
         raise failed[0].input_error  # every rank refused the same input: one line, exit status 2
-    for r in failed:
-        last = r.message or f"exit code {r.exitcode}"
-        print(f"omnibal train: {'' if last.startswith(f'rank {r.rank} ') else f'rank {r.rank}: '}{last}",
-              file=sys.stderr)
+    report_failures(failed)
     return 1
+
+
+def start_line(cfg, nproc: int, torchrun: bool) -> str:
+    """What runs where, said before anything slow (importing torch, starting ranks, loading the model)."""
+    data = cfg.annotations_path or cfg.stats_path
+    where = (f"torchrun's {os.environ.get('WORLD_SIZE', '?')} ranks" if torchrun else
+             "one process" if nproc == 1 else f"{nproc} local processes")
+    return (f"omnibal train: {cfg.mode} mode, model {cfg.hf_model or cfg.model}, data {data}, dp {cfg.dp_size} x "
+            f"pp {cfg.pp_size} on {cfg.device} ({where}); loading")
+
+
+def report_failures(failed) -> None:
+    """One line per failed rank on stderr, the cause first (:func:`root_causes_first`): a rank's own error
+    (an input error names its file and record), a signal or a hang, then the ranks that saw it; then the
+    traceback of any rank that raised something other than an omnibal error (a bug)."""
+    for r in failed:
+        own = isinstance(r.exception, OmnibalError)  # its message is the whole story, no type name needed
+        line = str(r.exception) if own else (r.message or f"exit code {r.exitcode}")
+        print(f"omnibal train: {'' if line.startswith(f'rank {r.rank} ') else f'rank {r.rank}: '}{line}",
+              file=sys.stderr)
+    for r in failed:
+        if r.traceback_text:
+            print(f"\nomnibal train: rank {r.rank}'s traceback:\n{r.traceback_text.rstrip()}", file=sys.stderr)
 
 
 def notice(line: str) -> None:
@@ -165,9 +194,35 @@ def notice(line: str) -> None:
     print(f"omnibal train: {line}", file=sys.stderr, flush=True)
 
 
-def _print_summary(cfg, summary: dict | None) -> None:
-    """The end-of-run table (rank 0 returns the summary; other ranks an empty one)."""
+def say(line: str) -> None:
+    """The run's own lines (start, loss, checkpoints, summary, saved to) on stdout, flushed: a spawned rank's
+    stdout is a pipe or file more often than not. Module-level: spawned ranks pickle it."""
+    print(line, flush=True)
+
+
+def _finish(cfg, summary: dict | None) -> None:
+    """The end-of-run table and what the run saved where, on stdout (rank 0 returns the summary; other ranks
+    an empty one)."""
     from omnibal.train.metrics_log import format_summary
 
-    if summary and not cfg.quiet:
-        print(format_summary(summary, f"{cfg.mode} dp{cfg.dp_size} x pp{cfg.pp_size}"), file=sys.stderr)
+    if not summary or cfg.quiet:
+        return
+    say(format_summary(summary, f"{cfg.mode} dp{cfg.dp_size} x pp{cfg.pp_size}"))
+    say(saved_line(cfg))
+
+
+def saved_line(cfg) -> str:
+    """``omnibal train: saved ...``: every output of the run, by flag order (the newest checkpoint's folder)."""
+    from omnibal.train.checkpoint import list_steps, step_dir
+
+    saved = []
+    if cfg.save_dir:
+        saved.append(f"the model to {cfg.save_dir} (from_pretrained loads it)")
+    steps = list_steps(cfg.checkpoint_dir) if cfg.checkpoint_dir else []
+    if steps:
+        saved.append(f"checkpoint {step_dir(cfg.checkpoint_dir, steps[-1])}")
+    for what, path in (("metrics", cfg.log_path), ("ledger", cfg.ledger_path), ("summary", cfg.summary_path)):
+        if path:
+            saved.append(f"{what} {path}")
+    return "omnibal train: saved " + ", ".join(saved) if saved else \
+        "omnibal train: nothing saved (--save-dir, --checkpoint-dir, --metrics-log keep what a run did)"

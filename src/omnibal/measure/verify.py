@@ -8,7 +8,9 @@ one warm-up step and ``steps`` timed steps. The prediction it is compared with i
 those steps (the same micro-batches; p2p at the fixed buffer shape the trainer sends).
 
 Only models the trainer can run on this machine can be verified: the ``tiny`` preset (or another preset on
-CUDA devices), one rank per process, no tensor parallelism. On CPU the plan must be made for this machine
+CUDA devices), one rank per process, no tensor parallelism, and on CPU no more ranks (DP x PP) than the
+process may use cores: a larger world is refused with both numbers rather than shrunk, since a plan for
+another world is another plan. On CPU the plan must be made for this machine
 (``--hardware cpu``, ideally with a ``--profile`` measured here), or predicted and measured times describe
 different machines: both are InputErrors naming the option.
 """
@@ -91,13 +93,36 @@ def check_verifiable(config, *, device: str = "cpu") -> None:
     if device == "cpu":
         if config.preset not in CPU_MODELS:
             raise InputError(f"--verify on CPU runs only {', '.join(CPU_MODELS)} (model {config.preset} would take "
-                             "hours per step); plan --preset tiny, or verify on CUDA devices", source="--verify",
+                             "hours per step); plan with --model tiny, or verify on CUDA devices", source="--verify",
                              field="preset")
         hardware = config.hardware_name
         if hardware != "cpu" and not hardware.startswith("cpu-"):  # a measured CPU spec is named cpu-<threads>t
             raise InputError(f"--verify measures on this machine's CPU but the plan predicts {hardware}: plan "
                              "with --hardware cpu (and a --profile measured here)", source="--hardware",
                              field="hardware")
+        _check_fits_cpus(config.dp_size * config.pp_size, config.pp_size)
+
+
+def usable_cpus() -> int:
+    """CPU cores this process may run on (its affinity mask: a container's or ``taskset``'s share)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _check_fits_cpus(world: int, pp_size: int) -> None:
+    """Refuse a CPU measurement of more ranks than cores. Each rank is a process with one torch thread; more
+    of them than cores time-share the cores, so their step times measure the sharing, not the plan (and the
+    default 128-GPU layout started 128 ranks, ~20 GB, on a 2-core machine). The plan is not shrunk to fit:
+    another DP or PP size is another plan, with another schedule and other candidates."""
+    cores = usable_cpus()
+    if world <= cores:
+        return
+    pp = min(pp_size, cores)
+    raise InputError(f"--verify runs the plan's {world} ranks (DP x PP) as local processes, one per CPU core, and "
+                     f"this machine has {cores}: plan a world that fits (e.g. --gpus {cores} --pp {pp}), or verify "
+                     f"where {world} cores or CUDA devices are", source="--gpus", field="num_gpus")
 
 
 def resolve_device(device: str, world_size: int) -> str:

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from omnibal.tables import fixed
+
 PAPER_GPU_DAYS = {"baseline": 61.8, "+ data balance": 51.9, "+ balanced partition": 29.0,
                   "+ adaptive recompute": 21.3}
 """OmniBal, InternVL-Chat-1.5 (6B + 20B), Megatron-DeepSpeed, A100 (the paper's ablation)."""
@@ -113,8 +115,8 @@ def ablation_markdown(rows: list[AblationRow], *, show_paper: bool | None = None
     lines = [head, sep]
     for r in rows:
         recomputed = f"{r.num_checkpointed} + {r.num_selective}" if r.num_selective else f"{r.num_checkpointed}"
-        line = (f"| {r.name} | {list(r.parts)} | {recomputed} | {r.step_time_s:.2f} | {r.bubble:.1%} | "
-                f"{r.gpu_days:.1f}{' (OOM)' if r.oom else ''} | {r.speedup:.2f}x |")
+        line = (f"| {r.name} | {list(r.parts)} | {recomputed} | {fixed(r.step_time_s, 2)} | {r.bubble:.1%} | "
+                f"{fixed(r.gpu_days, 1)}{' (OOM)' if r.oom else ''} | {r.speedup:.2f}x |")
         if show_paper:
             paper = "" if r.paper_gpu_days is None else f"{r.paper_gpu_days:.1f}"
             ps = "" if r.paper_speedup is None else f"{r.paper_speedup:.2f}x"

@@ -21,13 +21,18 @@ from omnibal.plan.exports import export_all
 from omnibal.plan.plan import Plan
 from omnibal.sim.epoch import simulate_epoch, simulate_one_step
 from omnibal.sim.report import pick_ranks, plot_timeline
-from omnibal.tables import markdown_table, text_table  # noqa: F401 (text_table: what `omnibal plan` prints with)
+from omnibal.tables import fixed, markdown_table, text_table  # noqa: F401 (text_table: what `omnibal plan` prints with)
+
+PLAN_OUTPUTS = ("plan.json", "ablation.json", "report.md", "verify.md", "*.png", "exports", "hbp.json",
+                "hbp_schedule.json")
+"""What ``omnibal plan`` (and ``omnibal report`` on its folder) writes into its ``--out`` folder: a folder that holds
+anything else is refused, since a plan's folder is replaced whole (``omnibal.outputs.staged_dir``)."""
 
 GiB = float(1 << 30)
 
 
 def _gib(x: float | None) -> str:
-    return "-" if x is None else f"{x / GiB:.1f}"
+    return "-" if x is None else fixed(x / GiB, 1)
 
 
 def _layer_span(modules: tuple[str, ...]) -> str:
@@ -41,8 +46,8 @@ def stage_rows(plan: Plan) -> list[list[str]]:
              f"planned GiB (budget {_gib(budget)})", "simulated peak GiB"]]
     for st in plan.stages:
         rows.append([str(st.stage), f"{st.layers[0]}-{st.layers[1] - 1}", _layer_span(st.modules),
-                     f"{len(st.recompute)} of {len(st.modules)}", str(st.in_flight), f"{st.time_s:.3f}",
-                     f"{st.recompute_time_s:.3f}", _gib(st.memory_bytes), _gib(st.simulated_peak_memory_bytes)])
+                     f"{len(st.recompute)} of {len(st.modules)}", str(st.in_flight), fixed(st.time_s, 3),
+                     fixed(st.recompute_time_s, 3), _gib(st.memory_bytes), _gib(st.simulated_peak_memory_bytes)])
     return rows
 
 
@@ -177,8 +182,9 @@ def plan_markdown(plan: Plan, ablation: list[AblationRow] | None, *, images: dic
              f"- balancer: {plan.data.method}, caps {plan.data.settings.get('caps')}, "
              f"padding {plan.data.settings.get('padding')}",
              "", "## Prediction", "",
-             f"Step time {pred.step_time_s:.2f} s, {pred.num_steps} steps, epoch {pred.epoch_time_s / 3600:.2f} h, "
-             f"**{pred.gpu_days:.1f} GPU days**, pipeline bubble {pred.bubble:.1%}"
+             f"Step time {fixed(pred.step_time_s, 2)} s, {pred.num_steps} steps, epoch "
+             f"{fixed(pred.epoch_time_s / 3600, 2)} h, **{fixed(pred.gpu_days, 1)} GPU days**, pipeline bubble "
+             f"{pred.bubble:.1%}"
              f"{', OUT OF MEMORY on some steps' if pred.oom else ''}.", ""]
     if ablation:
         paper = ablation[0].paper_gpu_days is not None
@@ -239,6 +245,12 @@ def plan_markdown(plan: Plan, ablation: list[AblationRow] | None, *, images: dic
     return "\n".join(lines)
 
 
+def timeline_name(index: int, row_name: str) -> str:
+    """The timeline PNG of ablation row ``index`` (what ``write_job_outputs`` draws, ``render_report`` embeds)."""
+    slug = re.sub(r"[^A-Za-z0-9]+", "_", row_name.strip("+ ")).strip("_")  # engine rows hold ':' '/' '()'
+    return f"timeline_{index}_{slug}.png"
+
+
 def write_job_outputs(result, out_dir: str | Path, *, timelines: bool = True, progress=None) -> dict[str, Path]:
     """Write plan.json, ablation.json, report.md and the PNGs of a :class:`PlanJobResult`.
     ``progress(label)`` is called before each picture (for a progress bar)."""
@@ -261,8 +273,7 @@ def write_job_outputs(result, out_dir: str | Path, *, timelines: bool = True, pr
                 steps = simulate_epoch(result.table, parts, mask, feats, result.sim_config).step_time
             median = int(np.argsort(steps)[len(steps) // 2])
             costs, step = simulate_one_step(result.table, parts, mask, feats[median], result.sim_config)
-            slug = re.sub(r"[^A-Za-z0-9]+", "_", row.name.strip("+ ")).strip("_")  # engine rows hold ':' '/' '()'
-            name = f"timeline_{i}_{slug}.png"
+            name = timeline_name(i, row.name)
             # the slowest and the fastest DP rank of the step: the imbalance, at half the drawing time of four
             plot_timeline(costs, step, out / name, ranks=pick_ranks(step.pipeline.busy[0], max_ranks=2),
                           title=f"{row.name}: step {median} (median), {row.step_time_s:.1f} s mean step")
@@ -300,8 +311,10 @@ def render_report(plan_path: str | Path, out_dir: str | Path | None = None, *,
     images = {"stages": plot_stages(plan, out / "stages.png").name}
     if ablation:
         images["ablation"] = plot_ablation(ablation, out / "ablation.png").name
-    for name in sorted(p.name for p in out.glob("timeline_*.png")):
-        images[f"timeline:{name[len('timeline_'):-4]}"] = name
+    # the plan's own timelines only: a PNG of another run in the folder is not this plan's
+    for i, row in enumerate(ablation or []):
+        if (out / timeline_name(i, row.name)).is_file():
+            images[f"timeline:{row.name}"] = timeline_name(i, row.name)
     extra = []
     if simulate_path is not None:
         extra += _simulate_section(plan, Path(simulate_path))
@@ -327,14 +340,15 @@ def _simulate_section(plan: Plan, path: Path) -> list[str]:
 
 
 def _train_section(plan: Plan, path: Path) -> list[str]:
-    """Measured step times from a training metrics log (JSON lines with ``step_time_s``)."""
+    """Measured step times from a training metrics log (JSON lines with ``step_s``, what ``omnibal train
+    --metrics-log`` writes, or ``step_time_s``)."""
     times = []
     try:
         for line in path.read_text().splitlines():
             if not line.strip():
                 continue
             rec = json.loads(line)
-            value = rec.get("step_time_s", rec.get("step_time"))
+            value = rec.get("step_s", rec.get("step_time_s", rec.get("step_time")))
             if value is not None:
                 times.append(float(value))
     except (OSError, json.JSONDecodeError, ValueError, AttributeError) as exc:

@@ -1,6 +1,6 @@
 """`TrainConfig`: everything the reference trainer needs to run, as one keyword-only dataclass.
 
-The CLI (`omnibal train`, `python -m omnibal.train`) builds it from arguments; tests build it directly.
+The CLI (`omnibal train`, `torchrun ... -m omnibal train`) builds it from arguments; tests build it directly.
 Validation here covers what can be checked without the model or the world: ranges, names, combinations.
 """
 
@@ -138,7 +138,10 @@ class TrainConfig:
     summary_path: str | None = None
     """Write the end-of-run summary (throughput, per-rank compute/wait, memory) as JSON here (rank 0)."""
     quiet: bool = False
-    """No progress bar and no summary table on stderr."""
+    """No progress bar, no step lines and no summary table."""
+    print_every: int = 0
+    """Steps between the loss lines rank 0 prints where stdout is not a terminal (a log file): 0, about 20 per
+    run (:class:`omnibal.train.metrics_log.StepReporter`)."""
 
     def __post_init__(self) -> None:
         src = "train config"
@@ -162,6 +165,9 @@ class TrainConfig:
         if not is_int(self.level_curriculum) or self.level_curriculum < 0:
             raise InputError(f"must be an integer >= 0 (epochs), got {self.level_curriculum!r}", source=src,
                              field="level_curriculum")
+        if not is_int(self.print_every) or self.print_every < 0:
+            raise InputError(f"must be an integer >= 0 (0: about 20 lines per run), got {self.print_every!r}",
+                             source=src, field="print_every")
         if self.checkpoint_every < 0:
             raise InputError(f"must be >= 0, got {self.checkpoint_every}", source=src, field="checkpoint_every")
         if not self.timeout_s > 0:

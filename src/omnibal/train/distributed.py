@@ -14,12 +14,14 @@ and the multi-process tests use); under ``torchrun`` the environment already hol
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import pickle
 import queue as queue_mod
 import signal as signal_mod
 import socket
+import sys
 import time
 import traceback
 from dataclasses import dataclass
@@ -235,6 +237,15 @@ class RankResult:
     failure: str | None = None
     """How the rank ended when it did not raise but did not return either: a non-zero exit, a signal, or
     killed after its deadline or its peer's failure."""
+    traceback_text: str | None = None
+    """The formatted traceback of what the rank raised, unless it was an :class:`OmnibalError` (whose one line
+    says it all); printed by the rank itself unless ``spawn_local(print_tracebacks=False)``."""
+
+    @property
+    def peer_failure(self) -> bool:
+        """Whether the rank failed because another one did (a :class:`PeerFailure`): a consequence, not the
+        cause, so reports name the others first."""
+        return isinstance(self.exception, PeerFailure)
 
     @property
     def input_error(self) -> InputError | None:
@@ -253,6 +264,13 @@ class RankResult:
         return self.error
 
 
+def root_causes_first(results: list[RankResult]) -> list[RankResult]:
+    """The failed ranks, those whose failure is not a consequence of another's first (an exception of their
+    own, a signal, a hang), then the ones that saw a peer fail; each group by rank."""
+    failed = [r for r in results if r.error]
+    return sorted(failed, key=lambda r: (r.peer_failure, r.rank))
+
+
 def _one_line(exc: BaseException) -> str:
     text = str(exc)
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
@@ -269,7 +287,8 @@ def _sendable(exc: BaseException) -> BaseException:
 
 def spawn_local(fn: Callable[..., Any], world_size: int, *, args: tuple = (), deadline_s: float = 600.0,
                 master_port: int | None = None, env: dict[str, str] | None = None,
-                start_method: str = "spawn", failure_grace_s: float = 60.0) -> list[RankResult]:
+                start_method: str = "spawn", failure_grace_s: float = 60.0,
+                print_tracebacks: bool = True) -> list[RankResult]:
     """Run ``fn(*args)`` in ``world_size`` fresh processes with the env:// rendezvous variables set.
 
     Returns one RankResult per rank. Ranks still alive ``deadline_s`` after the start are killed (their
@@ -280,21 +299,33 @@ def spawn_local(fn: Callable[..., Any], world_size: int, *, args: tuple = (), de
     confirm when they can be read). ``start_method="fork"`` skips re-importing torch in every child (much
     faster on few cores); only use it from a parent that has not started a process group or torch worker
     threads.
+
+    The ranks ignore SIGINT: a Ctrl-C reaches the whole process group, and it is the caller's to handle once
+    (the parent stops the ranks and raises KeyboardInterrupt), not every rank's with a traceback of its own.
+    ``print_tracebacks=False``: a rank that raised keeps its traceback in :attr:`RankResult.traceback_text`
+    instead of printing it, so the caller can say the cause first.
     """
     ctx = mp.get_context(start_method)
     port = master_port or free_port()
     results: Any = ctx.Queue()
     oom_before = _oom_kills()
     procs = []
-    for rank in range(world_size):
-        rank_env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-                    "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size),
-                    **(env or {})}
-        proc = ctx.Process(target=_rank_main, args=(fn, args, rank_env, results), daemon=False)
-        proc.start()
-        procs.append(proc)
-    reported: dict[int, tuple] = {}  # rank -> (exception, value)
-    failed_at = _wait(procs, results, reported, time.monotonic() + deadline_s, failure_grace_s)
+    with _sigint_ignored_by_children():
+        for rank in range(world_size):
+            rank_env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                        "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+                        "LOCAL_WORLD_SIZE": str(world_size), **(env or {})}
+            proc = ctx.Process(target=_rank_main, args=(fn, args, rank_env, results, print_tracebacks),
+                               daemon=False)
+            proc.start()
+            procs.append(proc)
+    reported: dict[int, tuple] = {}  # rank -> (exception, value, traceback text)
+    try:
+        failed_at = _wait(procs, results, reported, time.monotonic() + deadline_s, failure_grace_s)
+    except KeyboardInterrupt:
+        _stop(procs)
+        results.close()
+        raise
     oom = _oom_kills() - oom_before if oom_before is not None else None
     out = []
     for rank, proc in enumerate(procs):
@@ -309,13 +340,42 @@ def spawn_local(fn: Callable[..., Any], world_size: int, *, args: tuple = (), de
                        f"{failed_at[1]:.0f} s after rank {failed_at[0]} failed")
             out.append(RankResult(rank, None, failure=f"rank {rank} {why}: killed"))
             continue
-        exception, value = reported.get(rank, (None, None))
+        exception, value, trace = reported.get(rank, (None, None, None))
         failure = None
         if exception is None and proc.exitcode != 0:
             failure = f"rank {rank} {describe_exit(proc.exitcode, oom_kills=oom)}"
-        out.append(RankResult(rank, proc.exitcode, exception, value, failure))
+        out.append(RankResult(rank, proc.exitcode, exception, value, failure, trace))
     results.close()
     return out
+
+
+@contextlib.contextmanager
+def _sigint_ignored_by_children():
+    """SIGINT ignored while the ranks start: a child inherits the ignored disposition (across exec too, and
+    Python then installs no KeyboardInterrupt handler), the parent gets its own handler back at once."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signals are the main thread's: a caller elsewhere keeps the default
+        return
+    previous = signal_mod.signal(signal_mod.SIGINT, signal_mod.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal_mod.signal(signal_mod.SIGINT, previous)
+
+
+def _stop(procs, grace_s: float = 5.0) -> None:
+    """End the ranks (SIGTERM, then SIGKILL for any still there after ``grace_s``) and reap them."""
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
 
 
 def _wait(procs, results, reported: dict, deadline: float, grace_s: float) -> tuple[int, float] | None:
@@ -392,18 +452,22 @@ def _proc_state(pid: int) -> str:
         return ""
 
 
-def _rank_main(fn: Callable[..., Any], args: tuple, env: dict[str, str], results: Any) -> None:
+def _rank_main(fn: Callable[..., Any], args: tuple, env: dict[str, str], results: Any,
+               print_tracebacks: bool = True) -> None:
     os.environ.update(env)
     rank = int(env["RANK"])
     try:
         value = fn(*args)
     except BaseException as exc:  # report everything, including KeyboardInterrupt, then exit non-zero
-        if not isinstance(exc, InputError):  # a bug or a crash: its traceback, where Python would print it
-            traceback.print_exception(exc)
-        results.put((rank, _sendable(exc), None))
+        trace = None
+        if not isinstance(exc, OmnibalError):  # a bug or a crash: its traceback (an omnibal error is one line)
+            trace = "".join(traceback.format_exception(exc))
+            if print_tracebacks:  # where Python would print it
+                print(trace, end="", file=sys.stderr, flush=True)
+        results.put((rank, _sendable(exc), None, trace))
         results.close()
         results.join_thread()
         os._exit(1)  # no destroy_process_group: with a dead peer it may block; exiting frees the sockets
-    results.put((rank, None, value))
+    results.put((rank, None, value, None))
     results.close()
     results.join_thread()

@@ -26,13 +26,14 @@ import torch
 
 from omnibal.cost.hf_spec import load_hf_config
 from omnibal.data.hf_conventions import DEFAULT_MAX_TILES, IMAGE_END_TOKEN, IMAGE_START_TOKEN
-from omnibal.data.realdata import RealDataConfig
+from omnibal.data.realdata import IMAGENET_MEAN, IMAGENET_STD, RealDataConfig
 from omnibal.errors import InputError
 from omnibal.stats.annotations import annotation_convention, compute_stats
 from omnibal.stats.io import load_stats
 from omnibal.stats.tiles import TileConfig
 from omnibal.stats.tokens import make_counter
 from omnibal.train.hf_adapter import from_hf
+from omnibal.train.hf_processor import load_tokenizer, save_processor
 
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "chat_template.json", "chat_template.jinja")
 """Files of the input checkpoint copied into every saved model, so its processor loads as before."""
@@ -99,10 +100,13 @@ def _stage_state(trainer, chain) -> dict[str, torch.Tensor] | None:
     return {names[id(p)]: p.detach().to("cpu", copy=True) for p in trainer.stage_module.parameters()}
 
 
-def export_hf(trainer, chain, out_dir: str | os.PathLike, *, tokenizer: str, model_dir: str) -> Path | None:
-    """Write the model as trained so far as an HF checkpoint folder (weights, config, tokenizer, the input
-    checkpoint's processor files). Collective: every rank calls it; each stage's dp rank 0 contributes its
-    tensors and global rank 0 writes the folder, atomically replacing what ``out_dir`` held."""
+def export_hf(trainer, chain, out_dir: str | os.PathLike, *, tokenizer: str, model_dir: str,
+              max_tiles: int = 12) -> Path | None:
+    """Write the model as trained so far as an HF checkpoint folder (weights, config, tokenizer, and the input
+    checkpoint's processor files, or where it has none a processor made to prepare inputs as the trainer did:
+    :mod:`omnibal.train.hf_processor`, with ``max_tiles`` per image). Collective: every rank calls it; each
+    stage's dp rank 0 contributes its tensors and global rank 0 writes the folder, atomically replacing what
+    ``out_dir`` held."""
     parts = trainer._gather_objects(_stage_state(trainer, chain), "saving the HF model")
     written = None
     if trainer.world.rank == 0:
@@ -111,27 +115,12 @@ def export_hf(trainer, chain, out_dir: str | os.PathLike, *, tokenizer: str, mod
             for part in parts:
                 for name, tensor in (part or {}).items():
                     hf.get_parameter(name).copy_(tensor)
-        written = _write_folder(hf, Path(out_dir), tokenizer=tokenizer, model_dir=model_dir)
+        written = _write_folder(hf, Path(out_dir), tokenizer=tokenizer, model_dir=model_dir, max_tiles=max_tiles)
     trainer._barrier("saving the HF model")
     return written
 
 
-def _save_tokenizer(tokenizer: str, folder: Path) -> None:
-    # optional dependency (the hf extra), imported where it is used
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-    p = Path(tokenizer)
-    try:
-        if p.is_dir() and (p / "tokenizer_config.json").is_file():
-            tok = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
-        else:
-            tok = PreTrainedTokenizerFast(tokenizer_file=str(p / "tokenizer.json" if p.is_dir() else p))
-    except (OSError, ValueError) as exc:
-        raise InputError(f"cannot save the tokenizer with the model: {exc}", source=str(p), field="tokenizer") from None
-    tok.save_pretrained(str(folder))
-
-
-def _write_folder(hf, out: Path, *, tokenizer: str, model_dir: str) -> Path:
+def _write_folder(hf, out: Path, *, tokenizer: str, model_dir: str, max_tiles: int) -> Path:
     if out.exists() and not out.is_dir():
         raise InputError("exists and is not a folder", source=str(out), field="save_dir")
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
@@ -139,10 +128,13 @@ def _write_folder(hf, out: Path, *, tokenizer: str, model_dir: str) -> Path:
     tmp.mkdir(parents=True)
     try:
         hf.save_pretrained(str(tmp))
-        _save_tokenizer(tokenizer, tmp)
-        for name in PROCESSOR_FILES:
-            if (Path(model_dir) / name).is_file():
-                shutil.copy2(Path(model_dir) / name, tmp / name)
+        load_tokenizer(tokenizer).save_pretrained(str(tmp))
+        copied = [name for name in PROCESSOR_FILES if (Path(model_dir) / name).is_file()]
+        for name in copied:
+            shutil.copy2(Path(model_dir) / name, tmp / name)
+        if not {"preprocessor_config.json", "processor_config.json"} & set(copied):  # AutoProcessor needs one
+            norm = {"image_mean": IMAGENET_MEAN, "image_std": IMAGENET_STD}  # no preprocessor: the defaults
+            save_processor(tmp, hf.config, tokenizer, max_tiles=max_tiles, **norm)
         out.mkdir(parents=True, exist_ok=True)
         new = {item.name for item in tmp.iterdir()}
         for item in sorted(tmp.iterdir()):

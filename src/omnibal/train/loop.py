@@ -42,7 +42,7 @@ from omnibal.train.feed import (  # noqa: F401 (re-exported)
     schedule_fingerprint,
     step_microbatches,
 )
-from omnibal.train.metrics_log import MetricsLog, RankTimes, StepRecord, process_memory, progress_bar, summarize
+from omnibal.train.metrics_log import MetricsLog, RankTimes, StepRecord, StepReporter, process_memory, summarize
 from omnibal.train.online import online_forward_backward
 from omnibal.train.pipeline import GradSync, StageLayout, StageRunner
 from omnibal.train.resume import CheckpointResume
@@ -72,7 +72,8 @@ class Trainer(CheckpointResume):
                  quiet: bool = True, checkpoint_dir: str | None = None, checkpoint_every: int = 0,
                  run_info: dict | None = None, dp_sync: str = "flat", ledger_path: str | None = None,
                  notify: Callable[[str], None] | None = None, sp_degree: int = 1, level_curriculum: int = 0,
-                 precision: str = "fp32", prefetch: bool = False):
+                 precision: str = "fp32", prefetch: bool = False, say: Callable[[str], None] | None = None,
+                 print_every: int = 0):
         self.world = world
         self.spec = model.spec
         self.layout = layout
@@ -86,6 +87,9 @@ class Trainer(CheckpointResume):
         # what the run decided (resumed, stopping early, checkpoints skipped), told on rank 0 unless quiet; the
         # caller (the CLI) prints it: the trainer itself never writes to the terminal, the progress bar aside
         self.notify = notify if notify is not None and not quiet and world.rank == 0 else _ignore
+        # the run's own lines (what it trains, loss every print_every steps, checkpoints saved), likewise
+        self.say = say if not quiet and world.rank == 0 else None
+        self.print_every = print_every
         self.checkpoint_dir = checkpoint_dir
         self.checkpoint_every = checkpoint_every
         self.model_id = model_identity(self.spec)
@@ -394,17 +398,19 @@ class Trainer(CheckpointResume):
         the schedule); returns the summary (on global rank 0; an empty dict elsewhere)."""
         num_steps = self._steps_to_run(num_steps)
         self._last_step = num_steps - 1
-        bar = progress_bar(num_steps, self.step, quiet=self.quiet or self.world.rank != 0)
+        bar = StepReporter(num_steps, self.step, show=not self.quiet and self.world.rank == 0, say=self.say,
+                           every=self.print_every)
+        samples = "" if self.dataset is None else f", {len(self.dataset):,} samples"
+        bar.line(f"omnibal train: training steps {self.step + 1}-{num_steps} of the {self.schedule.num_steps}-step "
+                 f"epoch{samples}" if self.step < num_steps else f"omnibal train: all {num_steps} steps done already")
         self._ledger_start()
         try:
             while self.step < num_steps:
-                record = self.train_step()
-                if record is not None:
-                    bar.set_postfix(loss=f"{record.loss:.3f}", sps=f"{record.samples_per_s:.1f}")
-                bar.update(1)
+                bar.update(self.train_step())
                 if self.checkpoint_dir and ((self.checkpoint_every and self.step % self.checkpoint_every == 0)
                                             or self.step == num_steps):
                     self.save_checkpoint()
+                    bar.line(f"omnibal train: checkpoint of step {self.step} saved to {self.checkpoint_path()}")
         finally:
             bar.close()
             self.log.close()

@@ -14,6 +14,8 @@ import os
 import resource
 import statistics
 import sys
+import threading
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -193,5 +195,63 @@ def format_summary(summary: dict, title: str = "training summary") -> str:
 
 def progress_bar(total: int, initial: int, *, quiet: bool, desc: str = "train"):
     """tqdm on stderr; disabled when quiet or stderr is not a terminal."""
+    if not hasattr(tqdm, "_lock"):
+        # tqdm's default lock holds a multiprocessing semaphore: a rank stopped by a signal (Ctrl-C, a failed
+        # peer) never releases it, and the parent's resource tracker then warns of a leak; one bar per process
+        # needs only a thread lock
+        tqdm.set_lock(threading.RLock())
     return tqdm(total=total, initial=initial, desc=desc, unit="step", file=sys.stderr,
                 disable=quiet or not sys.stderr.isatty(), dynamic_ncols=True)
+
+
+LINES_PER_RUN = 20
+"""Loss lines a run prints by default (``StepReporter(every=0)``), first and last step included."""
+MAX_QUIET_S = 60.0
+"""Longest a run goes without a loss line (slow steps): one is printed at the next step after it."""
+
+
+def _clock(seconds: float) -> str:
+    s = int(round(seconds))
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
+
+
+class StepReporter:
+    """What a person sees of the steps (global rank 0 of a run that is not quiet): the progress bar where
+    stderr is a terminal, and where stdout is not one (a log file, a pipe, a job scheduler) or no bar shows,
+    a loss line on ``say`` every ``every`` steps (0: about :data:`LINES_PER_RUN` per run), the first and the
+    last step and at least one every :data:`MAX_QUIET_S` included: a bar alone leaves a log with the final
+    loss only. :meth:`line` says anything else without tearing the bar."""
+
+    def __init__(self, total: int, initial: int, *, show: bool, say=None, every: int = 0):
+        self.total, self.initial, self.say = total, initial, say if show else None
+        self.bar = progress_bar(total, initial, quiet=not show)
+        self.lines = self.say is not None and (not sys.stdout.isatty() or self.bar.disable)
+        self.every = every or max(1, -(-(total - initial) // LINES_PER_RUN))
+        self._t0 = self._last = time.monotonic()
+
+    def line(self, text: str) -> None:
+        if self.say is None:
+            return
+        if self.bar.disable:
+            self.say(text)
+        else:
+            self.bar.write(text, file=sys.stdout)
+
+    def update(self, record: StepRecord | None) -> None:
+        """After a step (``record``: rank 0's, None elsewhere)."""
+        self.bar.update(1)
+        if record is None:
+            return
+        self.bar.set_postfix(loss=f"{record.loss:.3f}", sps=f"{record.samples_per_s:.1f}")
+        done, now = record.step + 1, time.monotonic()
+        if not self.lines or not (done in (self.initial + 1, self.total) or (done - self.initial) % self.every == 0
+                                  or now - self._last >= MAX_QUIET_S):
+            return
+        self._last = now
+        elapsed = now - self._t0
+        left = elapsed / max(1, done - self.initial) * (self.total - done)
+        self.say(f"step {done}/{self.total}  loss {record.loss:.4f}  {record.step_s:.2f} s/step  "
+                 f"{record.samples_per_s:.1f} samples/s  {_clock(elapsed)} elapsed, ~{_clock(left)} left")
+
+    def close(self) -> None:
+        self.bar.close()

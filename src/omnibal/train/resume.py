@@ -35,6 +35,10 @@ class CheckpointResume:
             state["balance"] = record
         return state
 
+    def checkpoint_path(self) -> Path:
+        """The folder :meth:`save_checkpoint` writes for the current step."""
+        return ckpt.step_dir(self.checkpoint_dir, self.step)
+
     def save_checkpoint(self) -> None:
         """Write this step's checkpoint: each stage's dp-rank-0 writes its file, rank 0 the manifest."""
         w = self.world

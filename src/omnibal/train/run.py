@@ -1,5 +1,5 @@
 """Build one rank's run from a :class:`TrainConfig` and train: model preset, statistics, dataset, schedule,
-stage layout, world. What ``omnibal train`` and ``python -m omnibal.train`` execute on every rank.
+stage layout, world. What ``omnibal train`` and ``torchrun ... -m omnibal train`` execute on every rank.
 
 Same model, same data, same world for both modes; they differ only in what the modes are defined by:
 
@@ -118,8 +118,9 @@ def build_inputs(cfg: TrainConfig, model, notify=None):
         vocab_size=spec.llm.vocab_size, image_token_id=spec.llm.vocab_size - 1, seed=cfg.seed)), raw.fingerprint()
 
 
-def build_trainer(cfg: TrainConfig, world: World, notify=None):
-    """The rank's :class:`Trainer`; ``notify(line)`` (rank 0, not quiet) is told what the run decides."""
+def build_trainer(cfg: TrainConfig, world: World, notify=None, say=None):
+    """The rank's :class:`Trainer`; ``notify(line)`` (rank 0, not quiet) is told what the run decides,
+    ``say(line)`` what it trains, its loss every ``cfg.print_every`` steps and the checkpoints it saves."""
     model = build_model(cfg)
     spec = model.spec
     notify = notify if world.rank == 0 and not cfg.quiet else None
@@ -141,12 +142,13 @@ def build_trainer(cfg: TrainConfig, world: World, notify=None):
                       log_path=cfg.log_path, quiet=cfg.quiet, checkpoint_dir=cfg.checkpoint_dir,
                       checkpoint_every=cfg.checkpoint_every, run_info=info, ledger_path=cfg.ledger_path,
                       notify=notify, sp_degree=cfg.sp_degree, level_curriculum=cfg.level_curriculum,
-                      precision=cfg.precision,
+                      precision=cfg.precision, say=say, print_every=cfg.print_every,
                       prefetch=cfg.device == "cuda" if cfg.prefetch is None else cfg.prefetch)
     if cfg.save_dir is not None:
         def save(step: int | None) -> None:
             out = Path(cfg.save_dir) if step is None else Path(cfg.save_dir) / f"checkpoint-{step}"
-            export_hf(trainer, model, out, tokenizer=cfg.tokenizer_path, model_dir=cfg.hf_model)
+            export_hf(trainer, model, out, tokenizer=cfg.tokenizer_path, model_dir=cfg.hf_model,
+                      max_tiles=cfg.max_tiles)
 
         trainer.on_checkpoint = save
     return trainer
@@ -169,6 +171,7 @@ def preflight(cfg: TrainConfig) -> None:
         check_file(path, flag)
     for flag, path in (("--checkpoint-dir", cfg.checkpoint_dir), ("--save-dir", cfg.save_dir)):
         check_dir(path, flag)
+    check_fresh_outputs(cfg)
     if cfg.hf_model is not None:
         spec = load_hf_spec(cfg.hf_model)
     else:
@@ -182,16 +185,41 @@ def preflight(cfg: TrainConfig) -> None:
                          "for synthetic samples shaped like those statistics", source="--stats")
 
 
-def train_rank(cfg: TrainConfig, notify=None) -> dict:
+def check_fresh_outputs(cfg: TrainConfig) -> None:
+    """Without ``--resume``, refuse a checkpoint folder that holds checkpoints and a ledger that holds steps:
+    a new run would silently start over, overwrite the checkpoints step by step and log its samples a second
+    time into the same ledger. Continuing is one flag away; starting over is another folder or file."""
+    if cfg.resume:
+        return
+    from omnibal.train.checkpoint import list_steps
+    from omnibal.train.ledger import read_ledger
+
+    steps = list_steps(cfg.checkpoint_dir) if cfg.checkpoint_dir else []
+    if steps:
+        raise InputError(f"holds checkpoints of an earlier run (steps {', '.join(map(str, steps[-3:]))}"
+                         f"{', ...' if len(steps) > 3 else ''}): pass --resume to continue from the newest, or give "
+                         "another --checkpoint-dir (or remove these) to start over", source=cfg.checkpoint_dir,
+                         field="--checkpoint-dir")
+    if cfg.ledger_path and Path(cfg.ledger_path).is_file() and Path(cfg.ledger_path).stat().st_size:
+        logged = [e for e in read_ledger(cfg.ledger_path) if e["event"] == "step"]
+        if logged:
+            raise InputError(f"already records {len(logged)} steps of an earlier run: a new run would log its "
+                             "samples a second time; pass --resume (with that run's --checkpoint-dir) to continue "
+                             "it, or give another --ledger file (or remove this one) to start over",
+                             source=cfg.ledger_path, field="--ledger")
+
+
+def train_rank(cfg: TrainConfig, notify=None, say=None) -> dict:
     """Everything one rank does: join the world, build, resume, train; returns the summary on rank 0.
     ``notify(line)``: told on rank 0 (unless ``cfg.quiet``) what the run decided (resumed, records or
-    checkpoints skipped, stopping early); it must pickle when the rank is spawned (a module-level function)."""
+    checkpoints skipped, stopping early); ``say(line)``: the run's own lines (:func:`build_trainer`). Both
+    must pickle when the rank is spawned (module-level functions)."""
     torch.set_num_threads(cfg.torch_threads)
     if cfg.world_size == 1 and "RANK" not in __import__("os").environ:
         world = local_world(cfg.device, cfg.timeout_s)
     else:
         world = init_world(dp_size=cfg.dp_size, pp_size=cfg.pp_size, device=cfg.device, timeout_s=cfg.timeout_s)
-    trainer = build_trainer(cfg, world, notify)
+    trainer = build_trainer(cfg, world, notify, say)
     if cfg.resume:
         trainer.maybe_resume(reshard=cfg.reshard)
     summary = trainer.run(cfg.num_steps)
