@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from omnibal.cost.hf_spec import load_hf_config
-from omnibal.data.hf_conventions import DEFAULT_MAX_TILES, IMAGE_END_TOKEN, IMAGE_START_TOKEN
+from omnibal.data.hf_conventions import DEFAULT_MAX_TILES, IMAGE_END_TOKEN, IMAGE_START_TOKEN, model_images
 from omnibal.data.realdata import IMAGENET_MEAN, IMAGENET_STD, RealDataConfig
 from omnibal.errors import InputError
 from omnibal.stats.annotations import annotation_convention, compute_stats
@@ -132,8 +132,9 @@ def _write_folder(hf, out: Path, *, tokenizer: str, model_dir: str, max_tiles: i
         copied = [name for name in PROCESSOR_FILES if (Path(model_dir) / name).is_file()]
         for name in copied:
             shutil.copy2(Path(model_dir) / name, tmp / name)
-        if not {"preprocessor_config.json", "processor_config.json"} & set(copied):  # AutoProcessor needs one
-            norm = {"image_mean": IMAGENET_MEAN, "image_std": IMAGENET_STD}  # no preprocessor: the defaults
+        if "processor_config.json" not in copied:  # AutoProcessor needs it: one that prepares inputs as we did
+            norm = {"image_mean": IMAGENET_MEAN, "image_std": IMAGENET_STD,
+                    **dict(model_images(model_dir).normalisation)}
             save_processor(tmp, hf.config, tokenizer, max_tiles=max_tiles, **norm)
         out.mkdir(parents=True, exist_ok=True)
         new = {item.name for item in tmp.iterdir()}
