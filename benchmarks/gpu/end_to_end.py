@@ -29,6 +29,7 @@ from benchmarks.trainer_runs import run_train
 from omnibal.cli.train import add_arguments, config_from_args
 from omnibal.cost.profile import FORMAT, cost_table_from_profile, fit_profile, grid_points
 from omnibal.cost.spec import LAYER_KINDS
+from omnibal.cost.table import RECOMPUTE_FULL, RECOMPUTE_SELECTIVE
 from omnibal.examples.real_example import make_real_example, save_model
 from omnibal.measure.profile import measure_points
 from omnibal.sim import SimConfig, simulate_epoch
@@ -73,7 +74,8 @@ def _measured(doc: dict) -> dict[str, Any]:
     return {"steps": s["steps"], "samples_per_s": s["samples_per_s"], "tokens_per_s": s["tokens_per_s"],
             "compute_samples_per_s": s["samples_per_s"] / compute if compute else None,
             "token_pad_ratio": s["token_pad_ratio"], "final_loss": s["final_loss"], "wall_s": doc["wall_s"],
-            "recompute": doc["recompute"], **{k: rank.get(k) for k in keys}}
+            "recompute": doc["recompute"], "selective": doc.get("selective", []),
+            **{k: rank.get(k) for k in keys}}
 
 
 def _chain_profile(chain, cfg: EndToEndConfig, shapes: CheckShapes) -> dict[str, Any]:
@@ -105,8 +107,10 @@ def predict(paths: dict, cfg: EndToEndConfig, shapes: CheckShapes, measured: dic
     for mode in MODES:
         schedule = train_run.build_schedule(replace(tcfg, mode=mode), stats)
         feats = step_features(schedule, stats, schedule.num_steps, padded=mode == "baseline")[1:]
-        recompute = set(name for stage in measured[mode]["recompute"] for name in stage)
-        mask = np.array([name in recompute for name in table.names])
+        whole = {name for stage in measured[mode]["recompute"] for name in stage}
+        sel = {name for stage in measured[mode]["selective"] for name in stage}
+        mask = np.array([RECOMPUTE_FULL if n in whole else RECOMPUTE_SELECTIVE if n in sel else 0
+                         for n in table.names], dtype=np.int8)
         res = simulate_epoch(table, np.array([0, table.num_layers]), mask, feats, SimConfig(dp_size=1, zero_stage=0))
         samples = sum(len(schedule.microbatch(s, 0, k)) for s in range(1, schedule.num_steps)
                       for k in range(schedule.num_microbatches))
