@@ -38,7 +38,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from omnibal.cost.table import LayerCostTable
+from omnibal.cost.table import RECOMPUTE_FULL, RECOMPUTE_SELECTIVE, LayerCostTable, recompute_codes
 from omnibal.data.balance.api import BalanceConfig, balance
 from omnibal.data.balance.cost import BalanceCost
 from omnibal.data.hbp import LEVEL_MICROBATCHES, LevelCostModel, balance_hbp
@@ -117,7 +117,9 @@ class LevelResult:
     samples: int
     """Samples of the level."""
     checkpointed: int
-    """Layers checkpointed on the level's steps."""
+    """Layers recomputed whole on the level's steps."""
+    selective: int = 0
+    """Blocks recomputed selectively on the level's steps (``omnibal.train.recompute``)."""
     time_s: float
     """Simulated seconds of the level's steps."""
     a2a_share: float
@@ -356,14 +358,14 @@ def simulate_levels(ctx: HBPContext, hbp: HBPPlanConfig, level_feats, lengths, *
     for k, (length, (d, feats, samples)) in enumerate(zip(lengths, level_feats)):
         a2a = level_a2a(ctx, hbp, d)
         table = sp_table(ctx.table, a2a)
-        mask = np.asarray(masks[k], bool) if masks is not None else level_recompute_mask(
+        mask = recompute_codes(masks[k]) if masks is not None else level_recompute_mask(
             ctx, table, feats, parts, recompute)
         res = simulate_epoch(table, parts, mask, feats, ctx.sim_config)
         busy = float(res.busy.sum())
         comm = float((feats @ a2a.T).sum())  # device-seconds, as busy
         results.append(LevelResult(
             length=int(length), sp=int(d), steps=int(len(feats)), microbatches=int(feats.shape[2]), samples=samples,
-            checkpointed=int(mask.sum()),
+            checkpointed=int((mask == RECOMPUTE_FULL).sum()), selective=int((mask == RECOMPUTE_SELECTIVE).sum()),
             time_s=res.total_time * ctx.epoch_scale, a2a_share=comm / busy if busy > 0 else 0.0,
             oom_steps=int(res.oom.any(axis=(1, 2)).sum()) if res.oom is not None else 0))
     total = sum(r.time_s for r in results)

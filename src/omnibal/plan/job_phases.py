@@ -336,7 +336,8 @@ def _ablation_specs(config, model: Model, data: Data, found: Found):
         specs.append(("+ selective recompute", "balanced", "joint min-max + search", "adaptive, selective",
                       found.best_selective.plan))
     if data.final_key == "packed":
-        specs.append(("+ pack size", "packed", "joint min-max + search", "adaptive", found.best_joint.plan))
+        pack_recompute = "adaptive, selective" if found.best_selective is not None else "adaptive"
+        specs.append(("+ pack size", "packed", "joint min-max + search", pack_recompute, found.best_joint.plan))
     if constraint_rows(config.engine):  # deepspeed and omnibal express every plan: no extra rows
         from omnibal.plan.engine_plan import engine_row_specs
 

@@ -108,7 +108,7 @@ def compare_online_offline(*, model: str = "internvl-chat-1.5", hardware="a100-8
     stats = SampleStats(tiles=raw.tiles, tokens=spec.sample_tokens(raw.tiles, raw.tokens, images=raw.images),
                         images=raw.images, keys=raw.keys, source=raw.source)
     cost = BalanceCost.from_cost_table(table)
-    config = config_for_hardware(hw, dp_size=dp_size, pp_size=pp_size, memory_fraction=None)
+    config = config_for_hardware(hw, dp_size=dp_size, pp_size=pp_size, memory_headroom=None)
     cuts = even_cuts(table.num_layers, pp_size)
     rec = np.array([("blocks" in n) for n in table.names])
     rand = balance(stats, dp_size=dp_size, num_microbatches=num_microbatches, seed=seed,
