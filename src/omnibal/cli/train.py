@@ -104,7 +104,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--print-every", type=int, default=0, metavar="N",
                    help="steps between the loss lines printed where stdout is not a terminal (a log file, a pipe); "
                         "default: about 20 lines per run, and at least one a minute")
-    add_option(o, "quiet", help="no start line, progress bar, loss lines, summary table or saved-to line")
+    add_option(o, "quiet", help="no start line, progress bar, loss lines, summary table or saved-to line; notices "
+               "about the data (records, samples or checkpoints skipped, samples left untrained) still go to "
+               "stderr and --summary-json")
 
 
 def config_from_args(args: argparse.Namespace):
@@ -190,7 +192,8 @@ def report_failures(failed) -> None:
 
 
 def notice(line: str) -> None:
-    """What the trainer tells (rank 0, not quiet): one line on stderr. Module-level: spawned ranks pickle it."""
+    """What the trainer tells about the data (quiet or not): one line on stderr. Module-level: spawned ranks
+    pickle it."""
     print(f"omnibal train: {line}", file=sys.stderr, flush=True)
 
 

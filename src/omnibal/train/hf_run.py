@@ -76,8 +76,8 @@ def real_data_config(cfg, model) -> RealDataConfig:
 
 def real_stats(cfg, data: RealDataConfig, notify=None):
     """The run's statistics: ``--stats`` (made by ``omnibal stats`` with the same settings; joined by key and
-    checked sample by sample) or computed now from the annotations. ``notify(line)``: told how many bad
-    records ``--on-error skip`` left out."""
+    checked sample by sample) or computed now from the annotations. ``notify(line)``: told each bad record
+    ``--on-error skip`` left out (one line each, the first ones, then how many more)."""
     if cfg.stats_path is not None:
         stats = load_stats(cfg.stats_path)
         made, wanted = stats.convention, annotation_convention(data.annotation_config())
@@ -88,7 +88,11 @@ def real_stats(cfg, data: RealDataConfig, notify=None):
     else:
         stats, report = compute_stats(cfg.annotations_path, data.annotation_config(on_error=cfg.on_error))
         if report.num_skipped and notify is not None:
-            notify(report.summary())
+            for error in report.errors:
+                notify(f"skipped record (--on-error skip): {error}")
+            if report.num_skipped > len(report.errors):
+                notify(f"skipped {report.num_skipped - len(report.errors):,} more records of "
+                       f"{cfg.annotations_path} (--on-error skip)")
     return stats
 
 

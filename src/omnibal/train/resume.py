@@ -118,6 +118,37 @@ class CheckpointResume:
                              f"steps)", source=str(found.path), field="sampler.next_step")
         return decision
 
+    def _steps_to_run(self, num_steps: int | None) -> int:
+        """The step to stop at. After a reshard the epoch has the new world's length, which the caller could
+        not know: a request past its end stops at the end, and one that leaves nothing of it to train (the
+        old world's step count) is refused rather than silently training nothing."""
+        source = getattr(self.schedule, "source", "schedule")
+        end = self.schedule.num_steps
+        if not num_steps:
+            return end
+        if self.resharded:
+            if num_steps <= self.step < end:
+                raise InputError(f"resumed at step {self.step} with the rest of the epoch re-balanced for dp "
+                                 f"{self.world.dp_size} (steps {self.step}..{end - 1}); {num_steps} steps in total "
+                                 f"leaves nothing to train: ask for {end} steps, or 0 for the rest of the epoch",
+                                 source=source, field="num_steps")
+            if num_steps < end:
+                left = self._samples_in_steps(num_steps, end)
+                self.notify(f"stopping at step {num_steps} of the re-balanced epoch (it ends at step {end}): "
+                            f"{left} samples of steps {num_steps}..{end - 1} are not trained (--steps 0 trains "
+                            f"the rest of the epoch)")
+            return min(num_steps, end)
+        if num_steps > end:
+            raise InputError(f"{num_steps} steps requested but the schedule has {end}", source=source,
+                             field="num_steps")
+        return num_steps
+
+    def _samples_in_steps(self, start: int, end: int) -> int:
+        """Samples the schedule's steps ``start..end-1`` train (an SP group's packs counted once)."""
+        degrees = self.step_sp
+        return sum(len(self.schedule.microbatch(s, r, k)) for s in range(start, end)
+                   for r in range(0, self.world.dp_size, int(degrees[s])) for k in range(int(self.step_mbs[s])))
+
     def _use_resharded(self, schedule) -> None:
         """Switch to the re-balanced rest of the epoch (built on global rank 0, the same on every rank)."""
         self._check_schedule(schedule)  # sets step_mbs for the remainder's numbering

@@ -119,13 +119,28 @@ def build_inputs(cfg: TrainConfig, model, notify=None):
 
 
 def build_trainer(cfg: TrainConfig, world: World, notify=None, say=None):
-    """The rank's :class:`Trainer`; ``notify(line)`` (rank 0, not quiet) is told what the run decides,
-    ``say(line)`` what it trains, its loss every ``cfg.print_every`` steps and the checkpoints it saves."""
+    """The rank's :class:`Trainer`; ``notify(line)`` is told what the run decides about its data (global rank
+    0, quiet or not: records, samples or checkpoints skipped, samples left untrained; a sample skipped while
+    training is told by the rank that read it), ``say(line)`` (not quiet) what it trains, its loss every
+    ``cfg.print_every`` steps and the checkpoints it saves."""
     model = build_model(cfg)
     spec = model.spec
-    notify = notify if world.rank == 0 and not cfg.quiet else None
-    stats, dataset, fingerprint = build_inputs(cfg, model, notify)
+    early: list[str] = []  # told before the trainer exists: its notices list them first
+
+    def tell(line: str) -> None:
+        early.append(line)
+        if notify is not None:
+            notify(line)
+
+    stats, dataset, fingerprint = build_inputs(cfg, model, tell if world.rank == 0 else None)
     schedule = build_schedule(cfg, stats, fingerprint)
+    per_step = cfg.dp_size // cfg.sp_degree * cfg.num_microbatches * cfg.baseline_batch_size
+    if world.rank == 0 and cfg.mode != "omnibal":
+        left = len(stats) - schedule.num_steps * per_step
+        if left:
+            tell(f"{left} of {len(stats)} samples do not fill a whole step of {cfg.dp_size // cfg.sp_degree} x "
+                 f"{cfg.num_microbatches} x {cfg.baseline_batch_size} ({cfg.mode} mode's fixed micro-batches): "
+                 f"they are not trained this epoch")
     names = [layer.name for layer, _ in model.chain()]
     recomputable = [layer.name for layer, _ in model.chain() if layer.kind in ("vision_block", "llm_block")]
     layout = resolve_layout(names, pp_size=cfg.pp_size, mode=cfg.mode, stage_layers=cfg.stage_layers,
@@ -143,7 +158,9 @@ def build_trainer(cfg: TrainConfig, world: World, notify=None, say=None):
                       checkpoint_every=cfg.checkpoint_every, run_info=info, ledger_path=cfg.ledger_path,
                       notify=notify, sp_degree=cfg.sp_degree, level_curriculum=cfg.level_curriculum,
                       precision=cfg.precision, say=say, print_every=cfg.print_every,
-                      prefetch=cfg.device == "cuda" if cfg.prefetch is None else cfg.prefetch)
+                      prefetch=cfg.device == "cuda" if cfg.prefetch is None else cfg.prefetch,
+                      on_error=cfg.on_error, warn=notify)
+    trainer.notices[:0] = early
     if cfg.save_dir is not None:
         def save(step: int | None) -> None:
             out = Path(cfg.save_dir) if step is None else Path(cfg.save_dir) / f"checkpoint-{step}"
@@ -211,9 +228,9 @@ def check_fresh_outputs(cfg: TrainConfig) -> None:
 
 def train_rank(cfg: TrainConfig, notify=None, say=None) -> dict:
     """Everything one rank does: join the world, build, resume, train; returns the summary on rank 0.
-    ``notify(line)``: told on rank 0 (unless ``cfg.quiet``) what the run decided (resumed, records or
-    checkpoints skipped, stopping early); ``say(line)``: the run's own lines (:func:`build_trainer`). Both
-    must pickle when the rank is spawned (module-level functions)."""
+    ``notify(line)``: told what the run decided about its data (resumed, records, samples or checkpoints
+    skipped, samples left untrained), quiet or not; ``say(line)``: the run's own lines, unless quiet
+    (:func:`build_trainer`). Both must pickle when the rank is spawned (module-level functions)."""
     torch.set_num_threads(cfg.torch_threads)
     if cfg.world_size == 1 and "RANK" not in __import__("os").environ:
         world = local_world(cfg.device, cfg.timeout_s)
@@ -227,6 +244,8 @@ def train_rank(cfg: TrainConfig, notify=None, say=None) -> dict:
         trainer.on_checkpoint(None)  # the final model
     if summary and cfg.summary_path:
         write_text(cfg.summary_path, json.dumps({"config": cfg.to_dict(), "summary": summary,
+                                                      "notices": trainer.notices,
+                                                      "skipped_samples": trainer.skipped_samples,
                                                       "skipped_checkpoints": trainer.skipped_checkpoints,
                                                       "stage_layers": [list(r) for r in trainer.layout.ranges],
                                                       "recompute": [list(r) for r in trainer.layout.recompute],

@@ -1,0 +1,154 @@
+"""Issue 31 ("Reliability, third round"): notices about the data under ``--quiet``, a sample that cannot be
+built under ``--on-error``, resume and reshard for every schedule kind the trainer runs, the HF Trainer's
+resume from the newest complete checkpoint, and every input path checked before any rank starts.
+
+The reproductions of the issue are the test inputs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from dist_helpers import make_trainer
+from omnibal.cli import main
+from omnibal.errors import InputError
+from omnibal.train.distributed import local_world
+from omnibal.train.ledger import trained_counts
+
+
+@pytest.fixture(scope="module")
+def stats480(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("r3") / "s.jsonl"
+    assert main(["stats", "--synthetic", "480", "--out", str(path), "--quiet"]) == 0
+    return path
+
+
+# ------------------------------------------------------------------------------------ item 1: --quiet
+
+
+class _Failing:
+    """A dataset whose rows in ``bad`` cannot be built (as a truncated image is found only when decoded)."""
+
+    def __init__(self, inner, bad) -> None:
+        self.inner, self.bad = inner, set(bad)
+        self.stats = inner.stats
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def key(self, i: int) -> int:
+        return 1000 + i
+
+    def __getitem__(self, i: int) -> dict:
+        if i in self.bad:
+            raise InputError("unreadable image x.png: image file is truncated", source="ann.jsonl",
+                             record=f"line {i + 1}", field="image")
+        return self.inner[i]
+
+
+def test_a_sample_that_cannot_be_built_follows_on_error(tmp_path):
+    """A truncated image (its header passes the statistics) stopped a ``--on-error skip`` run. Now it is skipped,
+    said once by the rank that read it, listed in ``skipped_samples``, kept out of the ledger; a micro-batch
+    whose every sample was skipped runs as a pack that trains nothing. ``raise`` still stops the run, naming
+    the step and the record."""
+    trainer = make_trainer(local_world(), num_microbatches=2, num_steps=3)
+    first = [int(i) for i in trainer.schedule.microbatch(0, 0, 1)]  # a whole micro-batch
+    other = int(trainer.schedule.microbatch(1, 0, 0)[0])
+    bad = first + [other]
+    said: list[str] = []
+    trainer.dataset = _Failing(trainer.dataset, bad)
+    trainer.reader.dataset, trainer.reader.on_error, trainer.reader.warn = trainer.dataset, "skip", said.append
+    trainer.ledger_path = str(tmp_path / "ledger.jsonl")
+    trainer.run(3)
+    assert sorted(s["index"] for s in trainer.skipped_samples) == sorted(bad)
+    assert all("image file is truncated" in s["error"] and s["key"] == 1000 + s["index"]
+               for s in trainer.skipped_samples)
+    assert len(said) == len(bad) and all("skipped sample" in line and "--on-error skip" in line for line in said)
+    counts = trained_counts(trainer.ledger_path)
+    assert not set(counts) & {1000 + i for i in bad}  # keys of skipped rows never in the ledger
+    trained = [i for step in trainer.consumed for i in step]
+    assert not set(trained) & set(bad) and len(trained) == len(set(trained))
+
+    strict = make_trainer(local_world(), num_microbatches=2, num_steps=3)
+    strict.dataset = strict.reader.dataset = _Failing(strict.dataset, [other])
+    with pytest.raises(InputError, match="step 1, dp rank 0, micro-batch 0: unreadable image") as err:
+        strict.run(3)
+    assert err.value.record == f"line {other + 1}"
+
+
+def test_quiet_still_says_what_a_resharded_resume_leaves_untrained(stats480, tmp_path, capfd):
+    """``train --dp 4 --resume --reshard --steps 7 --quiet`` exited 0 with 224 of 480 samples untrained and
+    printed nothing. ``--quiet`` hides progress and tables only: the notice reaches stderr and the summary."""
+    ck = tmp_path / "ck"
+    base = ["train", "--stats", str(stats480), "--checkpoint-dir", str(ck), "--quiet"]
+    assert main([*base, "--steps", "3", "--checkpoint-every", "1"]) == 0
+    shutil.rmtree(ck / "step_00000001")
+    (ck / "step_00000003" / "stage_0.pt").write_bytes(b"corrupt")  # a checkpoint skipped as corrupt
+    capfd.readouterr()
+    summary = tmp_path / "summary.json"
+    assert main([*base, "--dp", "2", "--steps", "5", "--resume", "--reshard", "--summary-json",
+                 str(summary)]) == 0
+    out, err = capfd.readouterr()
+    assert out == ""
+    lines = err.splitlines()
+    assert any(line.startswith("omnibal train: skipped corrupt checkpoint: ") and "step_00000003" in line
+               for line in lines), err
+    assert any("resumed from" in line and "step_00000002" in line for line in lines), err
+    untrained = [line for line in lines if "are not trained" in line]
+    assert len(untrained) == 1 and "stopping at step 5 of the re-balanced epoch" in untrained[0], err
+    doc = json.loads(summary.read_text())
+    assert untrained[0].removeprefix("omnibal train: ") in doc["notices"]
+    assert any("step_00000003" in line for line in doc["skipped_checkpoints"])
+    assert any("skipped corrupt checkpoint" in n for n in doc["notices"])
+
+
+@pytest.fixture(scope="module")
+def example(tmp_path_factory) -> Path:
+    """The real example (annotations, images, tokenizer, a tiny Llava), made once."""
+    pytest.importorskip("transformers")
+    from omnibal.examples.real_example import make_real_example
+
+    root = tmp_path_factory.mktemp("example")
+    make_real_example(root, num_records=48, seed=0)
+    return root
+
+
+def _image_of(root: Path, line: int) -> Path:
+    record = json.loads((root / "annotations.jsonl").read_text().splitlines()[line])
+    return root / "images" / record["image"]
+
+
+def _copy_example(example: Path, tmp_path: Path) -> Path:
+    root = tmp_path / "ex"
+    shutil.copytree(example, root)
+    return root
+
+
+def test_quiet_on_error_skip_reports_every_skipped_record_and_sample(example, tmp_path, capfd):
+    """``--on-error skip --quiet --summary-json S`` skipped a record with a corrupt image and neither stderr nor
+    the summary said so; a truncated image (its header readable) stopped the run instead of being skipped."""
+    root = _copy_example(example, tmp_path)
+    _image_of(root, 2).write_bytes(b"not an image at all")  # the statistics skip this record
+    truncated = _image_of(root, 0)
+    data = truncated.read_bytes()
+    truncated.write_bytes(data[: len(data) * 6 // 10])  # the header passes; decoding in a step fails
+    summary, ledger = tmp_path / "summary.json", tmp_path / "ledger.jsonl"
+    code = main(["train", "--annotations", str(root / "annotations.jsonl"), "--image-root", str(root / "images"),
+                 "--tokenizer", str(root / "tokenizer"), "--hf-model", str(root / "llava"), "--microbatches", "1",
+                 "--steps", "0", "--on-error", "skip", "--quiet", "--summary-json", str(summary),
+                 "--ledger", str(ledger)])
+    out, err = capfd.readouterr()
+    assert code == 0 and out == "", err
+    lines = err.splitlines()
+    assert len(lines) == 2, err
+    assert lines[0].startswith("omnibal train: skipped record (--on-error skip): ") and "line 3" in lines[0]
+    assert "skipped sample" in lines[1] and "line 1" in lines[1] and "image file is truncated" in lines[1]
+    doc = json.loads(summary.read_text())
+    assert doc["notices"] == [lines[0].removeprefix("omnibal train: ")]
+    assert [s["error"] for s in doc["skipped_samples"]] == [lines[1].split("(--on-error skip): ", 1)[1]]
+    assert sum(trained_counts(ledger).values()) == 46  # 48 records, 2 skipped, every other one once
+    assert set(Counter(trained_counts(ledger)).values()) == {1}
