@@ -152,3 +152,78 @@ def test_quiet_on_error_skip_reports_every_skipped_record_and_sample(example, tm
     assert [s["error"] for s in doc["skipped_samples"]] == [lines[1].split("(--on-error skip): ", 1)[1]]
     assert sum(trained_counts(ledger).values()) == 46  # 48 records, 2 skipped, every other one once
     assert set(Counter(trained_counts(ledger)).values()) == {1}
+
+
+# ------------------------------------------------------------------------------------ item 6: inputs, outputs
+
+
+def _limited(limit: int):
+    """A child whose files cannot grow past ``limit`` bytes (what a full disk does to a write: it fails with
+    no file name; ``EFBIG`` here, ``ENOSPC`` there)."""
+    import resource
+
+    def apply() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return apply
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+def test_a_full_disk_names_the_file_and_leaves_nothing_half_written(stats480, tmp_path, dp):
+    """A full disk while a checkpoint was written named no path (an OSError traceback, and from the ranks their
+    peers' tracebacks first). Now one line naming the file first, exit 2, no partial file, no empty step folder,
+    and the ranks' failure lines have no traceback."""
+    import subprocess
+    import sys
+
+    from test_train_output import ENV
+
+    ck = tmp_path / "ck"
+    proc = subprocess.run([sys.executable, "-m", "omnibal", "train", "--stats", str(stats480), "--dp", str(dp),
+                           "--steps", "1", "--checkpoint-dir", str(ck), "--quiet", "--timeout", "10"], env=ENV,
+                          capture_output=True, text=True, timeout=300, preexec_fn=_limited(1 << 20))
+    lines = proc.stderr.splitlines()
+    assert proc.returncode == 2, proc.stderr
+    assert str(ck / "step_00000001" / "stage_0.pt") in lines[0] and "File too large" in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr and len(lines) == dp, proc.stderr
+    assert not ck.exists() or not any(ck.iterdir())
+
+
+@pytest.mark.parametrize("where", ["/proc/omnibal-x", "loop", "loop/sub", "dangling"])
+def test_output_folders_that_cannot_be_written_are_refused_before_any_work(stats480, tmp_path, capsys,
+                                                                         monkeypatch, where):
+    """``--save-dir /proc/x`` failed after 88 s of training naming a temporary path, a symlink loop after the
+    ledger and metrics were written: both now fail before any work, one line naming the flag and the path."""
+    monkeypatch.chdir(tmp_path)
+    Path("loop").symlink_to("loop")
+    Path("dangling").symlink_to("nowhere/x")
+    for flag in ("--checkpoint-dir", "--metrics-log"):
+        code = main(["train", "--stats", str(stats480), "--steps", "1", "--ledger", "ledger.jsonl", flag, where])
+        err = capsys.readouterr().err
+        assert code == 2 and err.count("\n") == 1 and where in err and flag in err, err
+        assert not Path("ledger.jsonl").exists()
+
+
+def test_a_cut_short_hf_checkpoint_is_one_line_before_any_rank_starts(example, tmp_path, capsys):
+    """``--hf-model`` with a truncated ``model.safetensors``: a SafetensorError traceback, exit 1."""
+    root = _copy_example(example, tmp_path)
+    weights = root / "llava" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    code = main(["train", "--annotations", str(root / "annotations.jsonl"), "--tokenizer", str(root / "tokenizer"),
+                 "--hf-model", str(root / "llava"), "--dp", "2", "--steps", "1", "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and str(weights) in err and "truncated" in err, err
+    weights.unlink()
+    assert main(["train", "--annotations", str(root / "annotations.jsonl"), "--tokenizer", str(root / "tokenizer"),
+                 "--hf-model", str(root / "llava"), "--steps", "1", "--quiet"]) == 2
+    assert "no weights" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["1e-300", "0.01"])
+def test_balance_with_a_target_no_schedule_can_have_is_a_named_error(stats480, tmp_path, capsys, value):
+    """``balance --target-samples 1e-300``: a ValueError traceback (the cap search tried ~1e302 steps)."""
+    out = tmp_path / "b.json"
+    assert main(["balance", "--stats", str(stats480), "--dp", "2", "--target-samples", value, "--out", str(out),
+                 "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--target-samples" in err and "0.125" in err and not out.exists(), err

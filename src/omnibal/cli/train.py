@@ -20,6 +20,11 @@ CUDA_ALLOC_CONF = "expandable_segments:True"
 """PyTorch's caching allocator setting of a CUDA run, unless the user set ``PYTORCH_CUDA_ALLOC_CONF``: on
 variable-length packs the default allocator holds far more than it hands out (docs/gpu.md, fragmentation)."""
 
+CPP_LOG_LEVEL = "FATAL"
+"""torch's C++ log level in a multi-rank run, unless the user set ``TORCH_CPP_LOG_LEVEL``: once a rank fails,
+its peers' backends log their broken connections with C++ stack frames (20-80 lines per rank) before the
+launcher can say the cause; every error still reaches the rank's Python code and its one-line report."""
+
 HELP = "run the reference DP x PP trainer (baseline or omnibal mode) on a plan"
 DESCRIPTION = (HELP + ". Examples: `omnibal train --stats stats.json --dp 2 --mode omnibal --steps 20`; "
                "`torchrun --nproc-per-node 4 -m omnibal train --stats stats.json --dp 2 --pp 2 --plan plan.json`.")
@@ -144,6 +149,8 @@ def run(args: argparse.Namespace) -> int:
     torchrun = "RANK" in os.environ
     if not cfg.quiet and os.environ.get("RANK", "0") == "0":
         say(start_line(cfg, nproc, torchrun))  # before torch is imported and the ranks start: seconds to minutes
+    if nproc > 1:  # read when torch loads (here, or in the ranks this process starts); the user's setting wins
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", CPP_LOG_LEVEL)
     from omnibal.train.run import preflight, train_rank
 
     preflight(cfg)
@@ -165,7 +172,9 @@ def run(args: argparse.Namespace) -> int:
     if all(r.input_error is not None for r in failed):
         raise failed[0].input_error  # every rank refused the same input: one line, exit status 2
     report_failures(failed)
-    return 1
+    causes = [r for r in failed if not r.peer_failure]
+    # a rank's bad input (an image, a path it could not write) is the cause, the others' failures its echo
+    return 2 if causes and all(r.input_error is not None or r.path_error is not None for r in causes) else 1
 
 
 def start_line(cfg, nproc: int, torchrun: bool) -> str:
@@ -183,7 +192,8 @@ def report_failures(failed) -> None:
     traceback of any rank that raised something other than an omnibal error (a bug)."""
     for r in failed:
         own = isinstance(r.exception, OmnibalError)  # its message is the whole story, no type name needed
-        line = str(r.exception) if own else (r.message or f"exit code {r.exitcode}")
+        line = (str(r.exception) if own else f"{r.path_error.filename}: {r.path_error.strerror}" if r.path_error
+                else (r.message or f"exit code {r.exitcode}"))
         print(f"omnibal train: {'' if line.startswith(f'rank {r.rank} ') else f'rank {r.rank}: '}{line}",
               file=sys.stderr)
     for r in failed:

@@ -253,6 +253,12 @@ class RankResult:
         return self.exception if isinstance(self.exception, InputError) else None
 
     @property
+    def path_error(self) -> OSError | None:
+        """An ``OSError`` naming a path the rank could not read or write (a full disk, a vanished folder): one
+        line that names the path, like an input error; else None."""
+        return self.exception if is_path_error(self.exception) else None
+
+    @property
     def error(self) -> str | None:
         """One line saying how the rank failed (the exception's type and message, or ``failure``); None when
         it succeeded."""
@@ -269,6 +275,11 @@ def root_causes_first(results: list[RankResult]) -> list[RankResult]:
     own, a signal, a hang), then the ones that saw a peer fail; each group by rank."""
     failed = [r for r in results if r.error]
     return sorted(failed, key=lambda r: (r.peer_failure, r.rank))
+
+
+def is_path_error(exc: BaseException | None) -> bool:
+    """Whether ``exc`` is an ``OSError`` that names its file: its one line says what failed where."""
+    return isinstance(exc, OSError) and exc.filename is not None
 
 
 def _one_line(exc: BaseException) -> str:
@@ -460,7 +471,7 @@ def _rank_main(fn: Callable[..., Any], args: tuple, env: dict[str, str], results
         value = fn(*args)
     except BaseException as exc:  # report everything, including KeyboardInterrupt, then exit non-zero
         trace = None
-        if not isinstance(exc, OmnibalError):  # a bug or a crash: its traceback (an omnibal error is one line)
+        if not isinstance(exc, OmnibalError) and not is_path_error(exc):  # a bug or a crash: its traceback
             trace = "".join(traceback.format_exception(exc))
             if print_tracebacks:  # where Python would print it
                 print(trace, end="", file=sys.stderr, flush=True)

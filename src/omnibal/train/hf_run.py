@@ -34,6 +34,7 @@ from omnibal.stats.tiles import TileConfig
 from omnibal.stats.tokens import make_counter
 from omnibal.train.hf_adapter import from_hf
 from omnibal.train.hf_processor import load_tokenizer, save_processor
+from omnibal.train.hf_weights import check_weights
 
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "chat_template.json", "chat_template.jinja")
 """Files of the input checkpoint copied into every saved model, so its processor loads as before."""
@@ -47,6 +48,7 @@ def load_hf_chain(path: str | os.PathLike):
 
     load_hf_config(path)  # a clear error for a folder that is not an HF model
     hf_logging.disable_progress_bar()  # one bar per rank per load says nothing
+    check_weights(path)  # a cut-short weight file is named, not a safetensors traceback
     try:
         model = AutoModelForImageTextToText.from_pretrained(str(path), local_files_only=True, dtype=torch.float32)
     except (OSError, ValueError, KeyError, RuntimeError) as exc:

@@ -30,6 +30,7 @@ from omnibal.train.config import TrainConfig
 from omnibal.train.distributed import World, destroy_world, init_world, local_world
 from omnibal.train.feed import check_schedule_covers, load_schedule, random_microbatch_schedule
 from omnibal.train.hf_run import export_hf, load_hf_chain, real_data_config, real_stats
+from omnibal.train.hf_weights import check_weights
 from omnibal.train.loop import Trainer, fixed_buffer
 from omnibal.train.model import VLM
 from omnibal.train.pipeline import resolve_layout
@@ -175,10 +176,12 @@ def preflight(cfg: TrainConfig) -> None:
     """Checks that need no process group (model, stage layout, plan, files), run once before ranks are
     started, so a bad argument fails in a second instead of in every rank."""
     for flag, path in (("--stats", cfg.stats_path), ("--schedule", cfg.schedule_path),
-                       ("--annotations", cfg.annotations_path)):
-        if path is not None and not Path(path).is_file():
-            raise InputError("no such file", source=path, field=flag)
-    for flag, path in (("--image-root", cfg.image_root), ("--tokenizer", cfg.tokenizer_path)):
+                       ("--annotations", cfg.annotations_path), ("--plan", cfg.plan_path)):
+        if path is not None and not Path(path).is_file():  # a FIFO or device would block or never end
+            raise InputError("exists but is not a regular file" if Path(path).exists() else "no such file",
+                             source=path, field=flag)
+    for flag, path in (("--image-root", cfg.image_root), ("--tokenizer", cfg.tokenizer_path),
+                       ("--hf-model", cfg.hf_model)):
         if path is not None and not Path(path).exists():
             raise InputError("no such file or folder", source=path, field=flag)
 
@@ -191,6 +194,7 @@ def preflight(cfg: TrainConfig) -> None:
     check_fresh_outputs(cfg)
     if cfg.hf_model is not None:
         spec = load_hf_spec(cfg.hf_model)
+        check_weights(cfg.hf_model, field="--hf-model")  # a cut-short file fails here, not in every rank
     else:
         spec = get_model_preset(cfg.model)
     layers = spec.layers()
