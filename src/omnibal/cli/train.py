@@ -94,7 +94,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    "splits every pack (data balanced for dp/N groups; pp 1). A multi-level schedule sets its own")
     s.add_argument("--level-curriculum", type=int, default=0, metavar="EPOCHS",
                    help="multi-level schedule of one of the first EPOCHS epochs: short levels first (default 0)")
-    o = parser.add_argument_group("output")
+    _add_output_arguments(parser.add_argument_group("output"))
+
+
+def _add_output_arguments(o) -> None:
     o.add_argument("--metrics-log", "--log", dest="log_path", metavar="FILE",
                    help="JSONL metrics log (one line per step); under torchrun spell it --metrics-log (torchrun's own "
                         "--log-dir/--logs-specs make --log ambiguous to its parser)")
