@@ -80,6 +80,7 @@ def test_a_sample_that_cannot_be_built_follows_on_error(tmp_path):
     assert err.value.record == f"line {other + 1}"
 
 
+@pytest.mark.multiprocess
 def test_quiet_still_says_what_a_resharded_resume_leaves_untrained(stats480, tmp_path, capfd):
     """``train --dp 4 --resume --reshard --steps 7 --quiet`` exited 0 with 224 of 480 samples untrained and
     printed nothing. ``--quiet`` hides progress and tables only: the notice reaches stderr and the summary."""
@@ -168,7 +169,7 @@ def _limited(limit: int):
     return apply
 
 
-@pytest.mark.parametrize("dp", [1, 2])
+@pytest.mark.parametrize("dp", [1, pytest.param(2, marks=pytest.mark.multiprocess)])
 def test_a_full_disk_names_the_file_and_leaves_nothing_half_written(stats480, tmp_path, dp):
     """A full disk while a checkpoint was written named no path (an OSError traceback, and from the ranks their
     peers' tracebacks first). Now one line naming the file first, exit 2, no partial file, no empty step folder,
@@ -295,3 +296,108 @@ def test_hf_trainer_resumes_from_the_newest_complete_checkpoint(tmp_path, capfd)
     with pytest.raises(InputError, match="not a complete checkpoint: no weights") as err:
         run([f"--out={tmp_path / 'other'}", f"--resume={broken}", *common])
     assert err.value.field == "resume_from_checkpoint"
+
+
+# ------------------------------------------------------------------------------------ item 4: resume and reshard
+
+
+def _counts(ledger: Path) -> Counter:
+    return Counter(trained_counts(ledger).values())
+
+
+@pytest.fixture(scope="module")
+def hbp_run(tmp_path_factory) -> dict:
+    """A two-level schedule file for dp 2 (1024 tokens at SP 1, 4096 at SP 2, micro-batches per level by tokens:
+    what ``plan --hbp`` writes as ``hbp_schedule.json``), trained 3 steps at dp 2 with a checkpoint per step."""
+    import numpy as np
+
+    from omnibal.data.hbp import HBPConfig, LevelCostModel, balance_hbp
+    from omnibal.stats.io import load_stats, save_stats
+    from omnibal.stats.table import SampleStats
+
+    root = tmp_path_factory.mktemp("hbp")
+    rng = np.random.default_rng(0)
+    tiles = rng.integers(1, 3, 120)
+    tokens = np.where(rng.random(120) < 0.25, rng.integers(900, 1800, 120), tiles * 256 + rng.integers(20, 120, 120))
+    stats = save_stats(SampleStats.from_arrays(tiles=tiles, tokens=tokens, source="hbp-r3"), root / "s.jsonl")
+    config = HBPConfig(model=LevelCostModel(sp_degrees=(1, 2), a2a_per_token=(0.0, 0.0)), pack_lengths=(1024, 4096),
+                       level_sp=(1, 2), microbatches="tokens")
+    sched = balance_hbp(load_stats(stats), dp_size=2, num_microbatches=2, seed=0, config=config)
+    assert sched.level_sp == (1, 2) and sched.level_microbatches == (4, 2)
+    sched.to_json(root / "hbp.json")
+    base = ["train", "--stats", str(stats), "--schedule-file", str(root / "hbp.json"), "--microbatches", "4",
+            "--quiet", "--checkpoint-every", "1"]
+    assert main([*base, "--dp", "2", "--steps", "3", "--checkpoint-dir", str(root / "ck"), "--ledger",
+                 str(root / "ledger.jsonl")]) == 0
+    return {"root": root, "base": base, "steps": sched.num_steps}
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("dp", [1, 3])
+def test_an_hbp_schedule_resumes_on_another_dp_size_exactly_once(hbp_run, tmp_path, capfd, dp):
+    """``plan --hbp``'s schedule file, trained at dp 2, then ``--dp 1`` or ``--dp 3 --resume --reshard``: "schedule
+    is for dp_size 2", though the README promises a resume on another DP size. The untrained rows are balanced
+    again at the file's levels for the new world (the SP 2 level at SP 1: said), and every row of the epoch is
+    trained once. Resharding the resharded run again (back to dp 2, from its checkpoint's record) too."""
+    ck, ledger = tmp_path / "ck", tmp_path / "ledger.jsonl"
+    shutil.copytree(hbp_run["root"] / "ck", ck)
+    shutil.copy(hbp_run["root"] / "ledger.jsonl", ledger)
+    run = [*hbp_run["base"], "--checkpoint-dir", str(ck), "--ledger", str(ledger), "--resume", "--reshard"]
+    capfd.readouterr()
+    assert main([*run, "--dp", str(dp), "--steps", "5" if dp == 3 else "0"]) == 0
+    err = capfd.readouterr().err
+    assert f"the rest of the epoch re-balanced for dp {dp}" in err, err
+    assert "the level of 4096 tokens runs at SP 1 (was 2)" in err, err
+    if dp == 3:  # stopped inside the re-balanced epoch: the rest, from the checkpoint's record, at dp 2
+        assert main([*run, "--dp", "2", "--steps", "0"]) == 0
+        assert "resumed from" in capfd.readouterr().err
+    assert _counts(ledger) == Counter({1: 120})
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("mode", ["baseline", "online"])
+def test_random_microbatches_reshard_exactly_once(stats480, tmp_path, capfd, mode):
+    """``--reshard`` in online mode was refused "not the balancer's schedule, or written by an older omnibal". The
+    checkpoint now records how its random micro-batches were drawn: dp 2 -> 3 -> 1 finishes the epoch with every
+    drawn sample once; what does not fill a last step is said, never silent."""
+    ck, ledger = tmp_path / "ck", tmp_path / "ledger.jsonl"
+    base = ["train", "--stats", str(stats480), "--mode", mode, "--microbatches", "2", "--batch-size", "4", "--quiet",
+            "--checkpoint-dir", str(ck), "--ledger", str(ledger), "--checkpoint-every", "1"]
+    assert main([*base, "--dp", "2", "--steps", "5"]) == 0
+    assert main([*base, "--dp", "3", "--steps", "12", "--resume", "--reshard"]) == 0
+    assert main([*base, "--dp", "1", "--steps", "0", "--resume", "--reshard"]) == 0
+    err = capfd.readouterr().err
+    said = sum(int(line.split()[2]) for line in err.splitlines() if "of the rest of the epoch do not fill" in line)
+    assert said == (1 if mode == "online" else 0), err
+    assert _counts(ledger) == Counter({1: 480 - said}), err
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_balanced_schedule_file_for_another_dp_size_reshards_and_a_hand_made_one_is_refused(stats480, tmp_path,
+                                                                                            capsys):
+    """A ``--schedule-file`` of ``omnibal balance --dp 2`` resumed with ``--dp 1 --resume --reshard`` was refused
+    ("schedule is for dp_size 2"): it finishes the epoch once. A hand-made file records nothing to re-balance
+    with: one line saying so."""
+    import json as _json
+
+    sched, ck, ledger = tmp_path / "sched.json", tmp_path / "ck", tmp_path / "ledger.jsonl"
+    assert main(["balance", "--stats", str(stats480), "--dp", "2", "--microbatches", "4", "--out", str(sched),
+                 "--quiet"]) == 0
+    base = ["train", "--stats", str(stats480), "--schedule-file", str(sched), "--quiet", "--checkpoint-dir", str(ck),
+            "--ledger", str(ledger)]
+    assert main([*base, "--dp", "2", "--steps", "3", "--checkpoint-every", "1"]) == 0
+    assert main([*base, "--dp", "1", "--steps", "0", "--resume", "--reshard"]) == 0
+    assert _counts(ledger) == Counter({1: 480})
+    plain = tmp_path / "plain.json"
+    doc = _json.loads(sched.read_text())
+    steps = [[[list(map(int, mb)) for mb in rank] for rank in step] for step in doc["steps"]]
+    plain.write_text(_json.dumps({"dp_size": 2, "num_microbatches": 4, "steps": steps,
+                                  "stats_fingerprint": doc["stats_fingerprint"]}))
+    capsys.readouterr()
+    assert main(["train", "--stats", str(stats480), "--schedule-file", str(plain), "--quiet", "--dp", "1",
+                 "--checkpoint-dir", str(tmp_path / "ck2"), "--resume", "--reshard"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(plain) in err and "hand-made" in err, err

@@ -160,16 +160,17 @@ class Trainer(CheckpointResume):
             if self._notify is not None:
                 self._notify(line)
 
-    def _check_schedule(self, schedule) -> None:
+    def _check_schedule(self, schedule, num_microbatches: int | None = None) -> None:
         """:func:`omnibal.train.feed.check_schedule` on every rank (the row indices where the dataset is: stage
         0), so a schedule this world cannot run is refused by all ranks alike; sets ``step_mbs``. Only 1F1B
-        needs at least as many micro-batches as stages (torch's GPipe runs fewer)."""
+        needs at least as many micro-batches as stages (torch's GPipe runs fewer). ``num_microbatches``: the
+        largest count it may run (default: the run's ``--microbatches``)."""
         source = getattr(schedule, "source", "schedule")
         if self.mode == "online" and getattr(schedule, "level_microbatches", None) is not None:
             raise InputError("online mode re-deals fixed draws of --microbatches x --batch-size samples; a schedule "
                              "whose levels run their own micro-batch counts is for omnibal mode", source=source,
                              field="level_microbatches")
-        check_schedule(schedule, dp_size=self.world.dp_size, num_microbatches=self.num_microbatches,
+        check_schedule(schedule, dp_size=self.world.dp_size, num_microbatches=num_microbatches or self.num_microbatches,
                        num_samples=None if self.dataset is None else len(self.dataset), source=source,
                        pp_size=self.world.pp_size if self.pipeline_schedule == "1f1b" else 1)
         self.step_mbs = step_microbatches(schedule)
