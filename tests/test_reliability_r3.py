@@ -401,3 +401,23 @@ def test_a_balanced_schedule_file_for_another_dp_size_reshards_and_a_hand_made_o
                  "--checkpoint-dir", str(tmp_path / "ck2"), "--resume", "--reshard"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and str(plain) in err and "hand-made" in err, err
+
+
+def test_special_files_and_save_dirs_are_refused_before_any_rank_starts(example, tmp_path, capsys, monkeypatch):
+    """A FIFO given as input blocks a reader forever; ``--save-dir`` under ``/proc`` or through a symlink loop
+    failed after training. Each is one line naming the flag and path, before any work, nothing written."""
+    import os
+
+    monkeypatch.chdir(tmp_path)
+    os.mkfifo("fifo")
+    Path("loop").symlink_to("loop")
+    common = ["--tokenizer", str(example / "tokenizer"), "--hf-model", str(example / "llava"), "--steps", "1",
+              "--ledger", "ledger.jsonl", "--metrics-log", "log.jsonl"]
+    assert main(["train", "--annotations", "fifo", *common]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "fifo" in err and "not a regular file" in err, err
+    for where in ("/proc/omnibal-x", "loop/out"):
+        assert main(["train", "--annotations", str(example / "annotations.jsonl"), *common, "--save-dir", where]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and where in err and "--save-dir" in err, err
+    assert not Path("ledger.jsonl").exists() and not Path("log.jsonl").exists()

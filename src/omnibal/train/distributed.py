@@ -195,8 +195,11 @@ def caused_by_comm_error(exc: BaseException) -> bool:
 
 
 def _first_line(exc: BaseException) -> str:
+    """The line of a backend error that says what happened: its last, C++ stack frames left out (torch appends
+    them with ``TORCH_SHOW_CPP_STACKTRACES``)."""
     lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
-    return lines[-1] if lines else type(exc).__name__
+    said = [ln for ln in lines if not ln.startswith(("frame #", "Exception raised from", "<omitting python frames>"))]
+    return (said or lines)[-1] if lines else type(exc).__name__
 
 
 def fingerprint_exchange(group=None) -> Callable[[str], list[str]]:
