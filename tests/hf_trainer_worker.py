@@ -113,7 +113,7 @@ def run(argv: list[str] | None = None):
     p.add_argument("--microbatches", type=int, default=2, help="gradient_accumulation_steps")
     p.add_argument("--save-steps", type=int, default=0)
     p.add_argument("--stop-at", type=int, default=0, help="save and stop after this step (0: run to the end)")
-    p.add_argument("--resume", default="", help="checkpoint folder to resume from")
+    p.add_argument("--resume", default="", help="checkpoint folder to resume from (latest: the newest complete)")
     p.add_argument("--lr", type=float, default=1e-2)
     a = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -133,7 +133,7 @@ def run(argv: list[str] | None = None):
     trainer = OmnibalTrainer(model=tiny_llava(seed=0), args=args, train_dataset=dataset,
                              ledger_path=str(out / "ledger-rank{rank}.jsonl"),
                              callbacks=[_stop_callback(a.stop_at)] if a.stop_at else None)
-    trainer.train(resume_from_checkpoint=a.resume or None)
+    trainer.train(resume_from_checkpoint=True if a.resume == "latest" else a.resume or None)
     if trainer.args.process_index == 0:
         (out / "log.json").write_text(json.dumps({"log_history": trainer.state.log_history,
                                                   "global_step": trainer.state.global_step,

@@ -88,6 +88,8 @@ GRAPH = {name: _imports(mod) for name, mod in MODULES.items()}
 
 def _layer(name: str) -> int:
     parts = name.split(".")
+    if parts[-1] == "__main__":  # an entry point (``python -m``) is the command line's, wherever it sits
+        return LAYERS["__main__"]
     key = parts[1] if len(parts) > 1 else "__init__"
     assert key in LAYERS, f"{name}: a new top-level part of the package needs a layer in LAYERS and the docs"
     return LAYERS[key]

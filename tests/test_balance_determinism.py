@@ -254,6 +254,7 @@ def test_a_resharded_remainder_has_its_own_fingerprint():
     it = iter(old)
     for _ in range(5):
         next(it)
+    old.mark_trained(5)
     state = old.state_dict()
     new = [BalancedBatchSampler(stats, dp_rank=r, dp_size=2, num_microbatches=1, seed=0) for r in range(2)]
     for s in new:

@@ -39,11 +39,13 @@ def ranks(stats, dp_size: int, num_microbatches: int, **kw) -> list:
 
 
 def take(sampler, num_microbatches: int) -> list[list[int]]:
-    """The next ``num_microbatches`` micro-batches of a sampler (as the training loop consumes them)."""
+    """The next ``num_microbatches`` micro-batches of a sampler, each reported trained (as the training loop
+    consumes them)."""
     out = []
     it = iter(sampler)
     for _ in range(num_microbatches):
         out.append(next(it))
+        sampler.mark_trained()
     return out
 
 
@@ -195,7 +197,7 @@ def test_the_resume_loop_trains_every_epoch_exactly_once():
 # ------------------------------------------------------------------------------------ DataLoader workers
 
 
-def _loader_samples(stats, sampler, num_workers: int):
+def _loader_samples(stats, sampler, num_workers: int, prefetch_factor: int = 2):
     """A real DataLoader over the sampler; yields each micro-batch's sample indices (from the collated data,
     not from the sampler: what training actually receives)."""
     import torch
@@ -210,7 +212,7 @@ def _loader_samples(stats, sampler, num_workers: int):
 
     loader = DataLoader(Rows(), batch_sampler=sampler, num_workers=num_workers, collate_fn=list,
                         multiprocessing_context="fork" if num_workers else None,
-                        prefetch_factor=2 if num_workers else None)
+                        prefetch_factor=prefetch_factor if num_workers else None)
     torch.set_num_threads(1)
     return loader
 
@@ -325,6 +327,29 @@ def test_state_taken_after_a_resume_before_the_first_mark_trained_counts_trained
     for s, state in zip(ranks(stats, dp, micro), again):
         s.load_state_dict(state)
         trained += list(_loader_samples(stats, s, 2))
+    assert_exactly_once(trained, scheduled_rows(stats, dp, micro))
+
+
+@pytest.mark.parametrize("workers", [0, 1, 2])
+def test_state_of_a_fresh_sampler_before_the_first_mark_trained_records_nothing_trained(workers):
+    """Issue 31, item 2: behind ``DataLoader(num_workers=1-2, prefetch_factor=4)`` a fresh sampler's
+    ``state_dict()`` taken before the first ``mark_trained`` counted the prefetched micro-batches as trained, and
+    47 and 81 of 240 rows were never trained after the resume. Prefetched (or merely handed out, without
+    workers) is never progress: the state records nothing trained, and every row trains exactly once."""
+    stats = make_stats(240)
+    dp, micro = 2, 2
+    trained, states = [], []
+    for s in ranks(stats, dp, micro):
+        it = iter(_loader_samples(stats, s, workers, prefetch_factor=4))
+        next(it)  # the first micro-batch is in the loop's hands (the workers hold up to 8 more): none trained
+        states.append(s.state_dict())
+        assert states[-1]["consumed_microbatches"] == 0, "handed-out micro-batches recorded as trained"
+        del it  # the job dies before its first step ends
+    for s, state in zip(ranks(stats, dp, micro), states):
+        s.load_state_dict(state)
+        for mb in _loader_samples(stats, s, workers, prefetch_factor=4):
+            trained.append(mb)
+            s.mark_trained()
     assert_exactly_once(trained, scheduled_rows(stats, dp, micro))
 
 

@@ -49,6 +49,7 @@ def test_resume_after_k_reproduces_the_rest_on_every_rank(n, dp, m, k, seed):
         first = BalancedBatchSampler(stats, dp_rank=rank, dp_size=dp, num_microbatches=m, seed=seed)
         it = iter(first)
         head = [next(it) for _ in range(min(k, len(full)))]
+        first.mark_trained(len(head))
         state = first.state_dict()
         second = BalancedBatchSampler(stats, dp_rank=rank, dp_size=dp, num_microbatches=m, seed=seed)
         second.load_state_dict(state)
@@ -76,6 +77,7 @@ def test_reshard_finishes_the_epoch_exactly_once(old_m, new_dp, new_m):
     old = [BalancedBatchSampler(stats, dp_rank=r, dp_size=4, num_microbatches=old_m) for r in range(4)]
     its = [iter(s) for s in old]
     consumed = [i for it in its for _ in range(5) for i in next(it)]  # 5 micro-batches on every rank
+    old[0].mark_trained(5)
     state = old[0].state_dict()
     new = [BalancedBatchSampler(stats, dp_rank=r, dp_size=new_dp, num_microbatches=new_m) for r in range(new_dp)]
     for s in new:
@@ -117,7 +119,7 @@ def test_state_counts_trained_microbatches_not_prefetched_ones():
     full = list(BalancedBatchSampler(stats, dp_rank=0, dp_size=2, num_microbatches=2))
     it = iter(s)
     pulled = [next(it) for _ in range(7)]  # what a DataLoader with workers pulls ahead
-    assert s.state_dict()["consumed_microbatches"] == 7  # nothing reported: the handed-out count
+    assert s.state_dict()["consumed_microbatches"] == 0  # nothing reported: handed out is not trained
     s.mark_trained(2)  # one step of two micro-batches trained
     s.mark_trained(2)
     assert s.trained_microbatches == 4 and s.state_dict()["consumed_microbatches"] == 4

@@ -40,6 +40,13 @@ def take(s, k: int) -> list:
     return [next(it) for _ in range(k)]
 
 
+def train(s, k: int) -> list:
+    """:func:`take`, each micro-batch reported trained (what a checkpoint records)."""
+    out = take(s, k)
+    s.mark_trained(k)
+    return out
+
+
 # ------------------------------------------------------------------------------------ re-iterable, len()
 
 
@@ -78,7 +85,7 @@ def test_len_is_what_the_next_iteration_yields_in_every_state():
 def test_len_after_reshard_and_after_exhausting_the_remainder():
     old = [make(rank=r, dp=2, m=2) for r in range(2)]
     for s in old:
-        take(s, 6)
+        train(s, 6)
     new = make(rank=0, dp=3, m=1)
     new.load_state_dict(old[0].state_dict(), reshard=True)
     rest = list(copy.deepcopy(new))
@@ -104,7 +111,10 @@ def test_only_the_newest_iteration_moves_the_counters():
     fresh = iter(s)
     assert [next(fresh) for _ in range(3)] == [list(mb) for mb in full_epoch(0)[:3]]
     assert [next(stale) for _ in range(5)] == [list(mb) for mb in full_epoch(0)[1:6]]  # still yields ...
-    assert s.state_dict()["consumed_microbatches"] == 3  # ... but the state follows the newest iteration
+    s.mark_trained(3)  # ... but only the newest iteration's 3 can be reported trained
+    assert s.state_dict()["consumed_microbatches"] == 3
+    with pytest.raises(InputError, match="mark_trained"):
+        s.mark_trained(1)
 
 
 _OPS = st.lists(st.one_of(
@@ -148,7 +158,7 @@ def test_any_sequence_of_calls_keeps_len_and_the_resume_rules(ops):
                 epoch, pending, issued, trained = arg, None, 0, 0
         else:  # a checkpoint round trip into a new process
             state = s.state_dict()
-            assert state["consumed_microbatches"] == (trained if tracking else issued)
+            assert state["consumed_microbatches"] == trained  # handed out is not trained
             assert state["trained_reported"] == tracking
             s = make(epoch=epoch)
             s.load_state_dict(state)
@@ -182,7 +192,7 @@ def test_the_resume_loop_continues_a_resharded_epoch_exactly_once():
     """``load_state_dict(state, reshard=True); for epoch in ...: set_epoch(epoch)`` keeps the remainder."""
     stats = random_stats(600, seed=3)
     old = [make(stats, rank=r, dp=4, m=1, epoch=1) for r in range(4)]
-    trained = [i for s in old for mb in take(s, 5) for i in mb]
+    trained = [i for s in old for mb in train(s, 5) for i in mb]
     state = old[2].state_dict()
     new = [make(stats, rank=r, dp=2, m=2) for r in range(2)]
     seen = {1: list(trained), 2: []}
@@ -351,7 +361,7 @@ def test_len_and_schedule_do_not_rebalance(monkeypatch):
 
 def test_a_remainder_that_does_not_fit_the_caps_is_refused_and_the_sampler_is_unchanged(monkeypatch):
     old = make(rank=0, dp=2, m=2)
-    take(old, 4)
+    train(old, 4)
     state = old.state_dict()
     new = make(rank=0, dp=3, m=1)
     before = list(copy.deepcopy(new))

@@ -161,7 +161,7 @@ def test_a_peers_bad_image_is_the_first_line_with_rank_file_and_record(tmp_path)
                            "--dp", "2", "--microbatches", "1", "--steps", "0", "--timeout", "10"], env=ENV,
                           capture_output=True, text=True, timeout=600)
     first = proc.stderr.splitlines()[0]
-    assert proc.returncode == 1, proc.stderr
+    assert proc.returncode == 2, proc.stderr  # the cause is bad input
     assert first.startswith("omnibal train: rank ") and f"{tmp_path / 'annotations.jsonl'}: line 1: " in first, first
     assert f"unreadable image {image}: image file is truncated" in first, first
     assert "Traceback" not in proc.stderr

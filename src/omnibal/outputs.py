@@ -32,19 +32,44 @@ from typing import Iterable, Iterator
 from omnibal.errors import InputError
 
 
-def _nearest_existing(path: Path) -> Path:
+def _nearest_existing(path: Path, flag: str, target: Path) -> Path:
     p = path
     while not p.exists() and p != p.parent:
+        _check_link(p, flag, target)
         p = p.parent
     return p
 
 
+def _check_link(p: Path, flag: str, target: Path) -> None:
+    """A name that is there but leads nowhere: a symbolic link to a missing path, or a loop of links."""
+    if os.path.islink(p):
+        try:
+            os.stat(p)
+        except OSError as exc:
+            what = "a loop of symbolic links" if exc.errno == errno.ELOOP else \
+                f"a symbolic link to a missing path ({os.readlink(p)})"
+            raise InputError(f"{p} is {what}: cannot write {target}", source=str(target), field=flag) from None
+
+
+def _probe(folder: Path, target: Path, flag: str) -> None:
+    """Create and remove a file in ``folder``: what the write will do, tried now. Permission bits say nothing
+    to root and nothing about special file systems (``/proc``, ``/sys``) or one mounted read-only."""
+    try:
+        fd, name = tempfile.mkstemp(dir=folder, prefix=".omnibal-probe.")
+    except OSError as exc:
+        raise InputError(f"cannot write into {folder}: {exc.strerror or exc}", source=str(target),
+                         field=flag) from None
+    os.close(fd)
+    os.unlink(name)
+
+
 def _check_parent(path: Path, flag: str) -> None:
-    ancestor = _nearest_existing(path.parent)
+    ancestor = _nearest_existing(path.parent, flag, path)
     if not ancestor.is_dir():
         raise InputError(f"{ancestor} is a file, not a folder: cannot write {path}", source=str(path), field=flag)
     if not os.access(ancestor, os.W_OK | os.X_OK):
         raise InputError(f"cannot write into {ancestor} (permission denied)", source=str(path), field=flag)
+    _probe(ancestor, path, flag)
 
 
 def check_file(path: str | os.PathLike | None, flag: str) -> Path | None:
@@ -54,6 +79,8 @@ def check_file(path: str | os.PathLike | None, flag: str) -> Path | None:
     p = Path(path)
     if str(path) == "" or p.is_dir():
         raise InputError("is a folder, not a file name" if str(path) else "empty path", source=str(path), field=flag)
+    if not p.exists():
+        _check_link(p, flag, p)
     if p.exists() and not p.is_file():
         raise InputError("exists and is not a regular file", source=str(path), field=flag)
     if p.exists() and not os.access(p, os.W_OK):
@@ -91,7 +118,9 @@ def check_dir(path: str | os.PathLike | None, flag: str) -> Path | None:
             raise InputError("exists and is not a folder", source=str(path), field=flag)
         if not os.access(p, os.W_OK | os.X_OK):
             raise InputError("cannot write into this folder (permission denied)", source=str(path), field=flag)
+        _probe(p, p, flag)
         return p
+    _check_link(p, flag, p)
     _check_parent(p, flag)
     return p
 
@@ -124,26 +153,46 @@ def _fsync_dir(path: Path) -> None:
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """A temporary path beside ``path`` to write to (same suffix, so writers that go by the extension work);
-    on a clean exit it is fsynced, given the final mode and renamed to ``path``; on an error it is removed."""
+    on a clean exit it is fsynced, given the final mode and renamed to ``path``; on an error it is removed. An
+    ``OSError`` that names no file (a full disk, a quota: ``write`` knows no path) is raised naming ``path``."""
     final = Path(path)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(dir=final.parent, prefix=f".{final.name}.", suffix=f".tmp{final.suffix}")
+    with naming_path(final):
+        final.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp_name = tempfile.mkstemp(dir=final.parent, prefix=f".{final.name}.", suffix=f".tmp{final.suffix}")
     os.close(fd)
     tmp = Path(tmp_name)
     try:
-        yield tmp
-        try:
-            mode = final.stat().st_mode & 0o7777 if final.is_file() else 0o666 & ~_umask()
-        except OSError:
-            mode = 0o666 & ~_umask()
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, final)
-        _fsync_dir(final.parent)
+        with naming_path(final):
+            yield tmp
+            _commit(tmp, final)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+@contextlib.contextmanager
+def naming_path(final: str | os.PathLike) -> Iterator[None]:
+    """Re-raise an ``OSError`` without a file name (``write`` on a full disk or over a quota knows no path) as
+    one naming ``final``, the file being written."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is not None or exc.errno is None:
+            raise
+        raise OSError(exc.errno, exc.strerror or str(exc), str(final)) from exc
+
+
+def _commit(tmp: Path, final: Path) -> None:
+    """fsync ``tmp``, give it the final mode, rename it over ``final``."""
+    try:
+        mode = final.stat().st_mode & 0o7777 if final.is_file() else 0o666 & ~_umask()
+    except OSError:
+        mode = 0o666 & ~_umask()
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.chmod(tmp, mode)
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
 
 
 def write_bytes(path: str | os.PathLike, data: bytes) -> Path:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 
@@ -98,6 +99,19 @@ def plot_loads(schedule, stats, path: str, cost=None) -> None:
         fig.savefig(tmp, dpi=120, format=image_format(path) or "png")
 
 
+def check_target_samples(target: float, *, slots: int) -> None:
+    """``--target-samples T`` asks for about N / T micro-batches of N samples. A micro-batch holds at least one
+    sample, so a target below one sample per step's micro-batches (``1 / slots``) asks for more steps than the
+    samples can fill: refused by name, before the cap search tries step counts no schedule can have."""
+    if not math.isfinite(target) or target <= 0:
+        raise InputError(f"must be a finite number > 0, got {target}", source="--target-samples",
+                         field="target_samples")
+    if target * slots < 1:
+        raise InputError(f"{target:g} samples per micro-batch asks for more micro-batches than there are samples "
+                         f"(each holds at least one); give at least 1 / (dp x microbatches) = {1 / slots:g}",
+                         source="--target-samples", field="target_samples")
+
+
 def run(args: argparse.Namespace) -> int:
     from omnibal.data.balance import BalanceConfig, balance
     from omnibal.data.metrics import format_table, schedule_metrics
@@ -110,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
         raise InputError("required: the number of data-parallel ranks", source="--dp", field="dp_size")
     stats = _load(args.stats, args.samples)
     cost, stats = _model_cost(args, stats)
+    check_target_samples(args.target_samples, slots=args.dp_size * args.num_microbatches)
     config = BalanceConfig(cost=cost, method=args.balance_method, target_samples=args.target_samples,
                            max_tiles=args.max_tiles,
                            max_tokens=args.max_tokens, oversize=args.oversize, batch_size=args.batch_size,

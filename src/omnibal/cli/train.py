@@ -20,6 +20,11 @@ CUDA_ALLOC_CONF = "expandable_segments:True"
 """PyTorch's caching allocator setting of a CUDA run, unless the user set ``PYTORCH_CUDA_ALLOC_CONF``: on
 variable-length packs the default allocator holds far more than it hands out (docs/gpu.md, fragmentation)."""
 
+CPP_LOG_LEVEL = "FATAL"
+"""torch's C++ log level in a multi-rank run, unless the user set ``TORCH_CPP_LOG_LEVEL``: once a rank fails,
+its peers' backends log their broken connections with C++ stack frames (20-80 lines per rank) before the
+launcher can say the cause; every error still reaches the rank's Python code and its one-line report."""
+
 HELP = "run the reference DP x PP trainer (baseline or omnibal mode) on a plan"
 DESCRIPTION = (HELP + ". Examples: `omnibal train --stats stats.json --dp 2 --mode omnibal --steps 20`; "
                "`torchrun --nproc-per-node 4 -m omnibal train --stats stats.json --dp 2 --pp 2 --plan plan.json`.")
@@ -89,7 +94,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    "splits every pack (data balanced for dp/N groups; pp 1). A multi-level schedule sets its own")
     s.add_argument("--level-curriculum", type=int, default=0, metavar="EPOCHS",
                    help="multi-level schedule of one of the first EPOCHS epochs: short levels first (default 0)")
-    o = parser.add_argument_group("output")
+    _add_output_arguments(parser.add_argument_group("output"))
+
+
+def _add_output_arguments(o) -> None:
     o.add_argument("--metrics-log", "--log", dest="log_path", metavar="FILE",
                    help="JSONL metrics log (one line per step); under torchrun spell it --metrics-log (torchrun's own "
                         "--log-dir/--logs-specs make --log ambiguous to its parser)")
@@ -104,7 +112,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--print-every", type=int, default=0, metavar="N",
                    help="steps between the loss lines printed where stdout is not a terminal (a log file, a pipe); "
                         "default: about 20 lines per run, and at least one a minute")
-    add_option(o, "quiet", help="no start line, progress bar, loss lines, summary table or saved-to line")
+    add_option(o, "quiet", help="no start line, progress bar, loss lines, summary table or saved-to line; notices "
+               "about the data (records, samples or checkpoints skipped, samples left untrained) still go to "
+               "stderr and --summary-json")
 
 
 def config_from_args(args: argparse.Namespace):
@@ -142,6 +152,8 @@ def run(args: argparse.Namespace) -> int:
     torchrun = "RANK" in os.environ
     if not cfg.quiet and os.environ.get("RANK", "0") == "0":
         say(start_line(cfg, nproc, torchrun))  # before torch is imported and the ranks start: seconds to minutes
+    if nproc > 1:  # read when torch loads (here, or in the ranks this process starts); the user's setting wins
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", CPP_LOG_LEVEL)
     from omnibal.train.run import preflight, train_rank
 
     preflight(cfg)
@@ -163,7 +175,9 @@ def run(args: argparse.Namespace) -> int:
     if all(r.input_error is not None for r in failed):
         raise failed[0].input_error  # every rank refused the same input: one line, exit status 2
     report_failures(failed)
-    return 1
+    causes = [r for r in failed if not r.peer_failure]
+    # a rank's bad input (an image, a path it could not write) is the cause, the others' failures its echo
+    return 2 if causes and all(r.input_error is not None or r.path_error is not None for r in causes) else 1
 
 
 def start_line(cfg, nproc: int, torchrun: bool) -> str:
@@ -181,7 +195,8 @@ def report_failures(failed) -> None:
     traceback of any rank that raised something other than an omnibal error (a bug)."""
     for r in failed:
         own = isinstance(r.exception, OmnibalError)  # its message is the whole story, no type name needed
-        line = str(r.exception) if own else (r.message or f"exit code {r.exitcode}")
+        line = (str(r.exception) if own else f"{r.path_error.filename}: {r.path_error.strerror}" if r.path_error
+                else (r.message or f"exit code {r.exitcode}"))
         print(f"omnibal train: {'' if line.startswith(f'rank {r.rank} ') else f'rank {r.rank}: '}{line}",
               file=sys.stderr)
     for r in failed:
@@ -190,7 +205,8 @@ def report_failures(failed) -> None:
 
 
 def notice(line: str) -> None:
-    """What the trainer tells (rank 0, not quiet): one line on stderr. Module-level: spawned ranks pickle it."""
+    """What the trainer tells about the data (quiet or not): one line on stderr. Module-level: spawned ranks
+    pickle it."""
     print(f"omnibal train: {line}", file=sys.stderr, flush=True)
 
 

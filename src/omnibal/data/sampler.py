@@ -55,13 +55,14 @@ and caps (the same remainder on every rank), and the epoch finishes on the new w
 sample.
 
 Trained, not handed out: a DataLoader with workers pulls ``num_workers x prefetch_factor`` micro-batches
-ahead of the training loop, so the count the sampler has handed out runs ahead of what was trained, and a
-checkpoint of it would skip the prefetched micro-batches on resume. The training loop therefore reports
-what it finished with ``mark_trained(n)`` (e.g. ``n = num_microbatches`` after each optimizer step). Once
-it does, ``state_dict()`` records that count, and says so (``trained_reported``): a sampler resumed from that
-state records trained micro-batches from the start, also for a ``state_dict()`` taken before the resumed
-loop's first ``mark_trained``. A loop that never calls it gets the handed-out count, which is exact only
-with ``num_workers=0`` (nothing is pulled ahead).
+ahead of the training loop (and even without workers the micro-batch in the loop's hands is handed out
+before it is trained), so the count the sampler has handed out runs ahead of what was trained, and a
+checkpoint of it would skip those micro-batches on resume. The training loop therefore reports what it
+finished with ``mark_trained(n)`` (e.g. ``n = num_microbatches`` after each optimizer step), and
+``state_dict()`` records only that count, whenever it is taken: before the first ``mark_trained`` it records
+nothing trained in the epoch (the resume position, after a resume). A loop that never reports resumes at the
+start of its epoch: samples trained again, never lost. ``trained_reported`` says whether the loop reports
+(it decides where a re-iteration restarts, see "Re-iterable").
 
 Every field of a state is checked before any is used (types, ranges, remainder rows distinct and inside
 the statistics, consumed micro-batches inside the epoch): a bad state is an InputError naming the field,
@@ -310,9 +311,9 @@ class BalancedBatchSampler:
 
     @property
     def trained_microbatches(self) -> int:
-        """Micro-batches of the current epoch the state records: trained (reported by ``mark_trained``),
-        or handed out while the training loop reports nothing."""
-        return self._trained if self._tracking else self._issued
+        """Micro-batches of the current epoch the state records: those reported by ``mark_trained`` (plus the
+        resume position), never those only handed out: prefetched is not trained."""
+        return self._trained
 
     def state_dict(self) -> dict:
         tiles, tokens = self.caps

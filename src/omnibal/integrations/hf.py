@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections import Counter
 from functools import partial
 from pathlib import Path
@@ -24,6 +25,7 @@ import torch
 from omnibal.cost.hf_spec import SUPPORTED as HF_ADAPTERS
 from omnibal.data.sampler import BalancedBatchSampler
 from omnibal.errors import InputError
+from omnibal.integrations.hf_checkpoints import STATE_FILE, STATE_FORMAT, checkpoint_problem, newest_complete
 from omnibal.integrations.hf_collate import (
     ATTENTION_MODES,
     FLASH_KWARGS,
@@ -31,11 +33,12 @@ from omnibal.integrations.hf_collate import (
     HFPackCollator,
     block_causal_mask,
 )
+from omnibal.outputs import write_text
 
 try:
     from torch.utils.data import DataLoader
     from transformers import Trainer, TrainerCallback
-    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, seed_worker
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, seed_worker
     from transformers.utils import SAFE_WEIGHTS_NAME
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("omnibal.integrations.hf needs transformers and accelerate: pip install 'omnibal[hf]'") from exc
@@ -43,9 +46,6 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 __all__ = ["ATTENTION_MODES", "FLASH_KWARGS", "SAMPLE_INDEX_KEY", "STATE_FILE", "HFPackCollator", "OmnibalTrainer",
            "block_causal_mask"]
 
-STATE_FILE = "omnibal_sampler_rank{rank}.json"
-"""Per-rank sampler state written into every checkpoint folder."""
-STATE_FORMAT = "omnibal.hf_sampler/1"
 
 
 def _saved_to_model_keys(model) -> dict[str, str] | None:
@@ -164,6 +164,8 @@ class OmnibalTrainer(Trainer):
         self._resume_dir: str | None = None
         self._pending_skip = 0
         self._ledger_slot: tuple[int, int] = (-1, 0)
+        self.skipped_checkpoints: list[str] = []
+        """Checkpoint folders ``train(resume_from_checkpoint=True)`` skipped as incomplete, newest first."""
         self.add_callback(_OmnibalCallback(self))
 
     # -- data ---------------------------------------------------------------------------------------
@@ -227,16 +229,28 @@ class OmnibalTrainer(Trainer):
         folder.mkdir(parents=True, exist_ok=True)
         record = {"format": STATE_FORMAT, "rank": self.args.process_index, "world_size": self.args.world_size,
                   "global_step": state.global_step, "sampler": self.omnibal_sampler.state_dict()}
-        path = folder / STATE_FILE.format(rank=self.args.process_index)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(record, sort_keys=True))
-        os.replace(tmp, path)
+        write_text(folder / STATE_FILE.format(rank=self.args.process_index), json.dumps(record, sort_keys=True))
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        """``Trainer.train``; ``resume_from_checkpoint=True`` takes the newest *complete* checkpoint folder
+        (:mod:`omnibal.integrations.hf_checkpoints`), naming every newer one it skips on stderr (process 0) and
+        in ``skipped_checkpoints``; a folder given by name must be complete, or an InputError says what it lacks."""
+        checks = dict(world_size=self.args.world_size, weights=not (self.is_fsdp_enabled or self.is_deepspeed_enabled),
+                      optimizer=not self.args.save_only_model)
         if isinstance(resume_from_checkpoint, bool) and resume_from_checkpoint:
-            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
+            resume_from_checkpoint, self.skipped_checkpoints = newest_complete(self.args.output_dir, **checks)
+            if self.args.process_index == 0:
+                for line in self.skipped_checkpoints:
+                    print(f"OmnibalTrainer: {line}", file=sys.stderr, flush=True)
             if resume_from_checkpoint is None:
-                raise InputError("no checkpoint found to resume from", source=str(self.args.output_dir))
+                raise InputError(f"no complete checkpoint to resume from ({len(self.skipped_checkpoints)} incomplete "
+                                 "skipped)", source=str(self.args.output_dir), field="resume_from_checkpoint")
+            resume_from_checkpoint = str(resume_from_checkpoint)
+        elif resume_from_checkpoint:
+            why = checkpoint_problem(resume_from_checkpoint, **checks)
+            if why is not None:
+                raise InputError(f"not a complete checkpoint: {why}", source=str(resume_from_checkpoint),
+                                 field="resume_from_checkpoint")
         self._resume_dir = resume_from_checkpoint or None
         return super().train(resume_from_checkpoint, *args, **kwargs)
 

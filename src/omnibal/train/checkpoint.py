@@ -18,6 +18,7 @@ or stage layout is refused with an InputError (resuming it would silently train 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -68,7 +69,14 @@ def write_stage_file(root: str | Path, step: int, stage: int, *, model: torch.nn
                 "step": step, "stage": stage}, buf)
     data = buf.getvalue()
     path = step_dir(root, step) / stage_file(stage)
-    write_bytes(path, data)
+    fresh = not path.parent.exists()
+    try:
+        write_bytes(path, data)
+    except BaseException:
+        if fresh:  # a step folder this write made and left empty (a full disk) is no checkpoint to skip later
+            with contextlib.suppress(OSError):
+                path.parent.rmdir()  # only when empty: another stage's file may be there
+        raise
     return {"file": path.name, "stage": stage, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
             "params": param_signature(model)}
 

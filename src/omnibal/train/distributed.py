@@ -195,8 +195,11 @@ def caused_by_comm_error(exc: BaseException) -> bool:
 
 
 def _first_line(exc: BaseException) -> str:
+    """The line of a backend error that says what happened: its last, C++ stack frames left out (torch appends
+    them with ``TORCH_SHOW_CPP_STACKTRACES``)."""
     lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
-    return lines[-1] if lines else type(exc).__name__
+    said = [ln for ln in lines if not ln.startswith(("frame #", "Exception raised from", "<omitting python frames>"))]
+    return (said or lines)[-1] if lines else type(exc).__name__
 
 
 def fingerprint_exchange(group=None) -> Callable[[str], list[str]]:
@@ -253,6 +256,12 @@ class RankResult:
         return self.exception if isinstance(self.exception, InputError) else None
 
     @property
+    def path_error(self) -> OSError | None:
+        """An ``OSError`` naming a path the rank could not read or write (a full disk, a vanished folder): one
+        line that names the path, like an input error; else None."""
+        return self.exception if is_path_error(self.exception) else None
+
+    @property
     def error(self) -> str | None:
         """One line saying how the rank failed (the exception's type and message, or ``failure``); None when
         it succeeded."""
@@ -269,6 +278,11 @@ def root_causes_first(results: list[RankResult]) -> list[RankResult]:
     own, a signal, a hang), then the ones that saw a peer fail; each group by rank."""
     failed = [r for r in results if r.error]
     return sorted(failed, key=lambda r: (r.peer_failure, r.rank))
+
+
+def is_path_error(exc: BaseException | None) -> bool:
+    """Whether ``exc`` is an ``OSError`` that names its file: its one line says what failed where."""
+    return isinstance(exc, OSError) and exc.filename is not None
 
 
 def _one_line(exc: BaseException) -> str:
@@ -460,7 +474,7 @@ def _rank_main(fn: Callable[..., Any], args: tuple, env: dict[str, str], results
         value = fn(*args)
     except BaseException as exc:  # report everything, including KeyboardInterrupt, then exit non-zero
         trace = None
-        if not isinstance(exc, OmnibalError):  # a bug or a crash: its traceback (an omnibal error is one line)
+        if not isinstance(exc, OmnibalError) and not is_path_error(exc):  # a bug or a crash: its traceback
             trace = "".join(traceback.format_exception(exc))
             if print_tracebacks:  # where Python would print it
                 print(trace, end="", file=sys.stderr, flush=True)

@@ -56,6 +56,8 @@ class IndexSchedule:
     """``SampleStats.fingerprint()`` of the statistics the schedule was made for ("" when it does not say)."""
     dropped: tuple = ()
     """Rows left out of the epoch on purpose."""
+    record: dict | None = None
+    """How to build it again (a random epoch's seed and layout: :mod:`omnibal.train.reshard_kinds`)."""
 
     @property
     def num_steps(self) -> int:
@@ -337,9 +339,12 @@ def random_microbatch_schedule(num_samples: int, *, dp_size: int, num_microbatch
     steps = available if num_steps is None else min(num_steps, available)
     perm = np.random.default_rng(seed).permutation(num_samples)[: steps * per_step]
     grid = perm.reshape(steps, dp_size, num_microbatches, batch_size)
+    record = {"kind": "random", "dp_size": dp_size, "num_microbatches": num_microbatches, "batch_size": batch_size,
+              "seed": seed, "num_samples": num_samples, "rows": None, "step_offset": 0}
     return IndexSchedule(dp_size, num_microbatches,
                          tuple(tuple(tuple(grid[s, r, k] for k in range(num_microbatches)) for r in range(dp_size))
-                               for s in range(steps)), None, f"random micro-batches of {batch_size}, seed {seed}")
+                               for s in range(steps)), None, f"random micro-batches of {batch_size}, seed {seed}",
+                         record=None if num_steps is not None else record)
 
 
 def buffer_shape(schedule: ScheduleLike, tiles: np.ndarray, tokens: np.ndarray, *, pad_to_longest: bool,

@@ -34,6 +34,7 @@ from omnibal.stats.tiles import TileConfig
 from omnibal.stats.tokens import make_counter
 from omnibal.train.hf_adapter import from_hf
 from omnibal.train.hf_processor import load_tokenizer, save_processor
+from omnibal.train.hf_weights import check_weights
 
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "chat_template.json", "chat_template.jinja")
 """Files of the input checkpoint copied into every saved model, so its processor loads as before."""
@@ -47,6 +48,7 @@ def load_hf_chain(path: str | os.PathLike):
 
     load_hf_config(path)  # a clear error for a folder that is not an HF model
     hf_logging.disable_progress_bar()  # one bar per rank per load says nothing
+    check_weights(path)  # a cut-short weight file is named, not a safetensors traceback
     try:
         model = AutoModelForImageTextToText.from_pretrained(str(path), local_files_only=True, dtype=torch.float32)
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
@@ -76,8 +78,8 @@ def real_data_config(cfg, model) -> RealDataConfig:
 
 def real_stats(cfg, data: RealDataConfig, notify=None):
     """The run's statistics: ``--stats`` (made by ``omnibal stats`` with the same settings; joined by key and
-    checked sample by sample) or computed now from the annotations. ``notify(line)``: told how many bad
-    records ``--on-error skip`` left out."""
+    checked sample by sample) or computed now from the annotations. ``notify(line)``: told each bad record
+    ``--on-error skip`` left out (one line each, the first ones, then how many more)."""
     if cfg.stats_path is not None:
         stats = load_stats(cfg.stats_path)
         made, wanted = stats.convention, annotation_convention(data.annotation_config())
@@ -88,7 +90,11 @@ def real_stats(cfg, data: RealDataConfig, notify=None):
     else:
         stats, report = compute_stats(cfg.annotations_path, data.annotation_config(on_error=cfg.on_error))
         if report.num_skipped and notify is not None:
-            notify(report.summary())
+            for error in report.errors:
+                notify(f"skipped record (--on-error skip): {error}")
+            if report.num_skipped > len(report.errors):
+                notify(f"skipped {report.num_skipped - len(report.errors):,} more records of "
+                       f"{cfg.annotations_path} (--on-error skip)")
     return stats
 
 

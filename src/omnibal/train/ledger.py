@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from omnibal.errors import InputError
+from omnibal.outputs import naming_path
 
 
 class LedgerWriter:
@@ -45,9 +46,10 @@ class LedgerWriter:
         self._write({"event": "start", "time": time.time(), **header})
 
     def _write(self, record: dict) -> None:
-        self._file.write(json.dumps(record, separators=(",", ":")).encode() + b"\n")
-        self._file.flush()
-        os.fsync(self._file.fileno())
+        with naming_path(self.path):
+            self._file.write(json.dumps(record, separators=(",", ":")).encode() + b"\n")
+            self._file.flush()
+            os.fsync(self._file.fileno())
 
     def step(self, step: int, keys: list[int], rows: list[int]) -> None:
         self._write({"event": "step", "step": int(step), "keys": keys, "rows": rows})

@@ -46,13 +46,9 @@ from omnibal.train.metrics_log import MetricsLog, RankTimes, StepRecord, StepRep
 from omnibal.train.online import online_forward_backward
 from omnibal.train.pipeline import GradSync, StageLayout, StageRunner
 from omnibal.train.resume import CheckpointResume
+from omnibal.train.samples import SampleReader, placeholder_sample, real_indices
 from omnibal.train.sp import SequenceParallel, check_sp_run, sp_schedule
 from omnibal.train.stage import apply_checkpointing, build_stage, example_carry
-
-
-def _ignore(line: str) -> None:
-    """The ``notify`` of a quiet run, and of every rank but 0."""
-
 
 _COUNT_FIELDS = ("targets", "samples", "tokens", "tiles", "buffer_tokens", "buffer_tiles")
 
@@ -73,7 +69,7 @@ class Trainer(CheckpointResume):
                  run_info: dict | None = None, dp_sync: str = "flat", ledger_path: str | None = None,
                  notify: Callable[[str], None] | None = None, sp_degree: int = 1, level_curriculum: int = 0,
                  precision: str = "fp32", prefetch: bool = False, say: Callable[[str], None] | None = None,
-                 print_every: int = 0):
+                 print_every: int = 0, on_error: str = "raise", warn: Callable[[str], None] | None = None):
         self.world = world
         self.spec = model.spec
         self.layout = layout
@@ -83,13 +79,8 @@ class Trainer(CheckpointResume):
         self.num_microbatches = num_microbatches
         self.pipeline_schedule = pipeline_schedule
         """``1f1b`` or ``gpipe`` (pp > 1)."""
-        self.quiet = quiet
-        # what the run decided (resumed, stopping early, checkpoints skipped), told on rank 0 unless quiet; the
-        # caller (the CLI) prints it: the trainer itself never writes to the terminal, the progress bar aside
-        self.notify = notify if notify is not None and not quiet and world.rank == 0 else _ignore
-        # the run's own lines (what it trains, loss every print_every steps, checkpoints saved), likewise
-        self.say = say if not quiet and world.rank == 0 else None
-        self.print_every = print_every
+        self._init_reporting(quiet=quiet, notify=notify, say=say, print_every=print_every, on_error=on_error,
+                             warn=warn)
         self.checkpoint_dir = checkpoint_dir
         self.checkpoint_every = checkpoint_every
         self.model_id = model_identity(self.spec)
@@ -142,17 +133,44 @@ class Trainer(CheckpointResume):
         self.online_info: list = []
         """``--mode online``: per step, the dispatch's per-phase balance
         (:class:`omnibal.train.online.OnlineStepInfo`)."""
+        self.skipped_samples: list[dict] = []
+        """After :meth:`run`: every rank's samples left out by ``on_error="skip"`` (see ``reader.skipped``)."""
 
-    def _check_schedule(self, schedule) -> None:
+    def _init_reporting(self, *, quiet: bool, notify, say, print_every: int, on_error: str, warn) -> None:
+        """What the run tells and where (the caller, e.g. the CLI, prints it: the trainer itself never writes to
+        the terminal, the progress bar aside), and how it reads its samples."""
+        world = self.world
+        self.quiet = quiet
+        """No progress bar and none of ``say``'s lines; notices (:meth:`notify`) are told all the same."""
+        self._notify = notify if world.rank == 0 else None
+        self.notices: list[str] = []
+        """Every line :meth:`notify` told (global rank 0): what the summary JSON lists."""
+        # the run's own lines (what it trains, loss every print_every steps, checkpoints saved), unless quiet
+        self.say = say if not quiet and world.rank == 0 else None
+        self.print_every = print_every
+        self.reader = SampleReader(self.dataset, on_error, warn=warn,
+                                   where=world.where if world.world_size > 1 else "")
+        """Reads the samples of this rank's micro-batches (``on_error``: a sample that cannot be built stops
+        the run or is skipped, :mod:`omnibal.train.samples`)."""
+
+    def notify(self, line: str) -> None:
+        """Tell a notice about the data (global rank 0; whether or not the run is quiet) and keep it."""
+        if self.world.rank == 0:
+            self.notices.append(line)
+            if self._notify is not None:
+                self._notify(line)
+
+    def _check_schedule(self, schedule, num_microbatches: int | None = None) -> None:
         """:func:`omnibal.train.feed.check_schedule` on every rank (the row indices where the dataset is: stage
         0), so a schedule this world cannot run is refused by all ranks alike; sets ``step_mbs``. Only 1F1B
-        needs at least as many micro-batches as stages (torch's GPipe runs fewer)."""
+        needs at least as many micro-batches as stages (torch's GPipe runs fewer). ``num_microbatches``: the
+        largest count it may run (default: the run's ``--microbatches``)."""
         source = getattr(schedule, "source", "schedule")
         if self.mode == "online" and getattr(schedule, "level_microbatches", None) is not None:
             raise InputError("online mode re-deals fixed draws of --microbatches x --batch-size samples; a schedule "
                              "whose levels run their own micro-batch counts is for omnibal mode", source=source,
                              field="level_microbatches")
-        check_schedule(schedule, dp_size=self.world.dp_size, num_microbatches=self.num_microbatches,
+        check_schedule(schedule, dp_size=self.world.dp_size, num_microbatches=num_microbatches or self.num_microbatches,
                        num_samples=None if self.dataset is None else len(self.dataset), source=source,
                        pp_size=self.world.pp_size if self.pipeline_schedule == "1f1b" else 1)
         self.step_mbs = step_microbatches(schedule)
@@ -243,8 +261,9 @@ class Trainer(CheckpointResume):
         cfg = self._collate_config(indices)
         out = []
         for k, mb in enumerate(indices):
-            try:
-                out.append(collate([self.dataset[int(i)] for i in mb], cfg))
+            try:  # a micro-batch whose every sample was skipped runs as a pack that trains nothing
+                samples = self.reader.read(mb, step=step, report=self._sp_leader(step))
+                out.append(collate(samples or [placeholder_sample(cfg.image_size)], cfg))
             except InputError as exc:
                 raise InputError(f"step {step}, dp rank {self.world.dp_rank}, micro-batch {k}: {exc.message}",
                                  source=exc.source, record=exc.record, field=exc.field) from exc
@@ -289,11 +308,11 @@ class Trainer(CheckpointResume):
             batches = self._step_batches(step)
             carries = [b.carry() for b in batches]
             tiles = sum(int(b.sizes[0, SIZE_TILES]) for b in batches)
+            self._fed = [i for b in batches for i in real_indices(b.sample_indices)]
             counts += torch.tensor([
-                sum(b.num_targets for b in batches), sum(len(b.sample_indices) for b in batches),
+                sum(b.num_targets for b in batches), len(self._fed),
                 sum(b.num_real_tokens for b in batches), tiles, sum(int(b.sizes[0, SIZE_TOKENS]) for b in batches),
                 tiles], dtype=torch.float64)
-            self._fed = [int(i) for b in batches for i in b.sample_indices]
             if not self._sp_leader(step):
                 counts.zero_()
                 self._fed = []
@@ -420,32 +439,11 @@ class Trainer(CheckpointResume):
             if self._ledger is not None:
                 self._ledger.close()
                 self._ledger = None
+        self.skipped_samples = [s for part in self._gather_objects(self.reader.skipped, "the skipped samples")
+                                for s in part or ()]
         if self.world.rank != 0:
             return {}
         return summarize(self.log.records, warmup=warmup)
-
-    def _steps_to_run(self, num_steps: int | None) -> int:
-        """The step to stop at. After a reshard the epoch has the new world's length, which the caller could
-        not know: a request past its end stops at the end, and one that leaves nothing of it to train (the
-        old world's step count) is refused rather than silently training nothing."""
-        source = getattr(self.schedule, "source", "schedule")
-        end = self.schedule.num_steps
-        if not num_steps:
-            return end
-        if self.resharded:
-            if num_steps <= self.step < end:
-                raise InputError(f"resumed at step {self.step} with the rest of the epoch re-balanced for dp "
-                                 f"{self.world.dp_size} (steps {self.step}..{end - 1}); {num_steps} steps in total "
-                                 f"leaves nothing to train: ask for {end} steps, or 0 for the rest of the epoch",
-                                 source=source, field="num_steps")
-            if num_steps < end:
-                self.notify(f"stopping at step {num_steps} of the re-balanced epoch (it ends at step {end}): "
-                            f"the samples of steps {num_steps}..{end - 1} are not trained")
-            return min(num_steps, end)
-        if num_steps > end:
-            raise InputError(f"{num_steps} steps requested but the schedule has {end}", source=source,
-                             field="num_steps")
-        return num_steps
 
     def check_schedule_agrees(self) -> None:
         """All-gather every rank's schedule fingerprint; raise :class:`~omnibal.errors.ScheduleMismatch` naming

@@ -23,6 +23,8 @@ from typing import Sequence
 import torch
 from tqdm import tqdm
 
+from omnibal.outputs import naming_path
+
 RANK_FIELDS = ("step_s", "compute_s", "wait_s", "dp_sync_s", "optim_s", "data_s", "cpu_s", "mem_bytes",
                "peak_mem_bytes")
 
@@ -130,8 +132,9 @@ class MetricsLog:
     def add(self, record: StepRecord) -> None:
         self.records.append(record)
         if self._file is not None:
-            self._file.write(json.dumps(record.to_json()) + "\n")
-            self._file.flush()
+            with naming_path(self.path):
+                self._file.write(json.dumps(record.to_json()) + "\n")
+                self._file.flush()
 
     def close(self) -> None:
         if self._file is not None:

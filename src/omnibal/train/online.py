@@ -162,7 +162,8 @@ def _online_step(trainer):
     trainer._cpu_start = time.process_time()
     local = [int(i) for k in range(trainer.num_microbatches)
              for i in np.asarray(trainer.schedule.microbatch(trainer.step, w.dp_rank, k))]
-    samples = [trainer.dataset[i] for i in local]
+    kept = [(i, s) for i in local for s in trainer.reader.read([i], step=trainer.step)]  # --on-error skip
+    local, samples = [i for i, _ in kept], [s for _, s in kept]
     times.data_s = time.perf_counter() - t0
 
     t_comm = time.perf_counter()

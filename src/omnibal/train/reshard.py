@@ -14,12 +14,15 @@ are the re-balanced remainder. Deterministic: every rank (and every retry) gets 
 
 from __future__ import annotations
 
+import functools
+import json
 from dataclasses import dataclass
 
 import numpy as np
 
 from omnibal.data.balance.api import BalanceConfig
 from omnibal.data.balance.cost import BalanceCost
+from omnibal.data.balance.schedule import Schedule
 from omnibal.data.sampler import BalancedBatchSampler
 from omnibal.errors import InputError
 
@@ -28,13 +31,18 @@ from omnibal.errors import InputError
 class ResumedSchedule:
     """The rest of an epoch re-balanced for a new world, numbered after the steps the old world trained.
 
-    ``microbatch(step, ...)`` of step ``step_offset + s`` is micro-batch ``s`` of ``inner`` (a balancer
-    ``Schedule`` over ``stats.take(rows)``), mapped back to dataset rows."""
+    ``microbatch(step, ...)`` of step ``step_offset + s`` is micro-batch ``s`` of ``inner`` (a schedule over
+    ``stats.take(rows)``, mapped back to dataset rows; ``rows`` None: over the dataset rows themselves). The
+    steps before ``step_offset`` run nothing: they only keep the step numbers of the old world's epoch. A
+    multi-level ``inner`` keeps its levels, SP degrees and micro-batch counts (:meth:`step_sp`,
+    :meth:`step_microbatches`, numbered the same way)."""
 
     inner: object
-    rows: np.ndarray
+    rows: np.ndarray | None
     step_offset: int
     source: str = "<resharded schedule>"
+    record: dict | None = None
+    """How to build it again (:mod:`omnibal.train.reshard_kinds`; None: the balancer's, :func:`balance_record`)."""
 
     @property
     def dp_size(self) -> int:
@@ -52,24 +60,73 @@ class ResumedSchedule:
     def num_steps(self) -> int:
         return self.step_offset + self.inner.num_steps
 
-    # CSR view (dataset rows), so fingerprints, index checks and buffer shapes take their vectorised path
+    # levels of a multi-level inner (the steps before step_offset count as level 0: they never run)
+    @property
+    def levels(self):
+        own = getattr(self.inner, "levels", None)
+        return None if own is None else (0,) * self.step_offset + tuple(own)
+
+    @property
+    def level_sp(self):
+        return getattr(self.inner, "level_sp", None)
+
+    @property
+    def level_microbatches(self):
+        return getattr(self.inner, "level_microbatches", None)
+
+    @property
+    def meta(self) -> dict:
+        return getattr(self.inner, "meta", {})
+
+    @property
+    def epoch(self) -> int:
+        return int(getattr(self.inner, "epoch", 0))
+
+    def step_sp(self) -> np.ndarray:
+        own = self.inner.step_sp() if hasattr(self.inner, "step_sp") else np.ones(self.inner.num_steps, np.int64)
+        return np.concatenate([np.ones(self.step_offset, np.int64), np.asarray(own, np.int64)])
+
+    def step_microbatches(self) -> np.ndarray:
+        own = getattr(self.inner, "step_microbatches", None)
+        own = own() if own is not None else np.full(self.inner.num_steps, self.inner.num_microbatches, np.int64)
+        return np.concatenate([np.full(self.step_offset, self.num_microbatches, np.int64), np.asarray(own, np.int64)])
+
+    def leader_mask(self) -> np.ndarray:
+        """The inner's: the rows of ``pack_ids`` (its own steps only)."""
+        return self.inner.leader_mask()
+
+    # CSR view (dataset rows): fingerprints, index checks and buffer shapes read the inner's steps only (the
+    # steps before step_offset have no micro-batches to read)
+    @functools.cached_property
+    def _csr(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        inner = self.inner
+        if getattr(inner, "pack_ids", None) is not None:
+            return np.asarray(inner.pack_samples), np.asarray(inner.pack_offsets), np.asarray(inner.pack_ids)
+        shape = (inner.num_steps, inner.dp_size, inner.num_microbatches)
+        mbs = [np.asarray(inner.microbatch(s, r, k), np.int64) for s, r, k in np.ndindex(*shape)]
+        offsets = np.concatenate([[0], np.cumsum([len(mb) for mb in mbs], dtype=np.int64)]).astype(np.int64)
+        samples = np.concatenate(mbs) if mbs else np.zeros(0, np.int64)
+        return samples, offsets, np.arange(len(mbs), dtype=np.int64).reshape(shape)
+
     @property
     def pack_samples(self) -> np.ndarray:
-        return self.rows[np.asarray(self.inner.pack_samples)]
+        own = self._csr[0]
+        return own if self.rows is None else self.rows[own]
 
     @property
     def pack_offsets(self) -> np.ndarray:
-        return np.asarray(self.inner.pack_offsets)
+        return self._csr[1]
 
     @property
     def pack_ids(self) -> np.ndarray:
-        return np.asarray(self.inner.pack_ids)
+        return self._csr[2]
 
     def microbatch(self, step: int, dp_rank: int, micro: int) -> np.ndarray:
         if step < self.step_offset:
             raise InputError(f"step {step} was trained by the world before the reshard (this schedule starts at "
                              f"step {self.step_offset})", source=self.source, field="steps")
-        return self.rows[self.inner.microbatch(step - self.step_offset, dp_rank, micro)]
+        own = self.inner.microbatch(step - self.step_offset, dp_rank, micro)
+        return np.asarray(own) if self.rows is None else self.rows[own]
 
 
 def balance_record(schedule) -> dict | None:
@@ -113,6 +170,16 @@ def _check_record(rec: dict, source: str) -> None:
         raise bad("must be null or a list of row indices", "rows")
 
 
+def _fingerprints(schedule, fingerprint) -> tuple[str, ...]:
+    """The fingerprints ``schedule`` has as built and as read back from its JSON form: a schedule file (``omnibal
+    balance --out``) numbers its packs in the order of their slots, so the same micro-batches hash differently
+    from the balancer's own arrays."""
+    own = fingerprint(schedule)
+    if not isinstance(schedule, Schedule):
+        return (own,)
+    return own, fingerprint(Schedule.from_dict(json.loads(schedule.to_json())))
+
+
 def reshard_schedule(manifest: dict, stats, *, dp_size: int, num_microbatches: int, source: str,
                      fingerprint):
     """The rest of the checkpoint's epoch, re-balanced for ``dp_size`` x ``num_microbatches`` (a
@@ -140,7 +207,7 @@ def reshard_schedule(manifest: dict, stats, *, dp_size: int, num_microbatches: i
     old._remainder = None if old_rows is None else old._check_remainder({"rows": old_rows.tolist()})
     old_inner, _ = old.schedule()
     old_schedule = old_inner if old_rows is None else ResumedSchedule(old_inner, old_rows, offset)
-    if fingerprint(old_schedule) != sampler.get("schedule_fingerprint"):
+    if sampler.get("schedule_fingerprint") not in _fingerprints(old_schedule, fingerprint):
         raise InputError("rebuilding the checkpoint's schedule from its record gave another schedule (other stats "
                          "or balancer version?): cannot tell which samples are left", source=source,
                          field="sampler.schedule_fingerprint")

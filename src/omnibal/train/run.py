@@ -28,11 +28,15 @@ from omnibal.stats.io import load_stats
 from omnibal.stats.table import SampleStats
 from omnibal.train.config import TrainConfig
 from omnibal.train.distributed import World, destroy_world, init_world, local_world
-from omnibal.train.feed import check_schedule_covers, load_schedule, random_microbatch_schedule
+from omnibal.train.feed import check_schedule_covers, load_schedule, random_microbatch_schedule, schedule_fingerprint
 from omnibal.train.hf_run import export_hf, load_hf_chain, real_data_config, real_stats
+from omnibal.train.hf_weights import check_weights
 from omnibal.train.loop import Trainer, fixed_buffer
 from omnibal.train.model import VLM
 from omnibal.train.pipeline import resolve_layout
+from omnibal.train.reshard import balance_record, reshard_schedule
+from omnibal.train.reshard_kinds import hbp_of, hbp_params, hbp_rest, untrained
+from omnibal.train.sp import curriculum_order
 
 
 def max_samples_subset(stats, cfg: TrainConfig):
@@ -81,6 +85,27 @@ def build_schedule(cfg: TrainConfig, stats, stats_fingerprint: str | None = None
     return balance(stats, dp_size=groups, num_microbatches=cfg.num_microbatches, seed=cfg.seed)
 
 
+def schedule_for_world(old, stats, cfg: TrainConfig, spec):
+    """``(old as its world ran it, a schedule of its epoch for this world)`` for a ``--schedule-file`` made for
+    another DP size, given with ``--resume --reshard``: the resume finds the checkpoint's untrained samples in
+    the first, and the run trains the second only when there is no checkpoint. An HBP schedule is balanced
+    again at its levels, the balancer's single level with its recorded config; a hand-made one cannot be."""
+    source = getattr(old, "source", "schedule")
+    ran = curriculum_order(old) if int(getattr(old, "epoch", 0)) < cfg.level_curriculum else old
+    groups = cfg.dp_size // cfg.sp_degree
+    if hbp_of(old) is not None:
+        return ran, hbp_rest(hbp_params(old), untrained(old, 0), stats, dp_size=groups,
+                             num_heads=spec.llm.num_heads, source=source)
+    record = balance_record(old)
+    if record is None:
+        raise InputError(f"schedule is for dp_size {old.dp_size}, the run has {groups}, and it records neither "
+                         "levels nor how it was balanced (a hand-made schedule): its epoch cannot be re-balanced "
+                         f"for dp {groups}", source=source, field="dp_size")
+    manifest = {"sampler": {"next_step": 0, "schedule_fingerprint": schedule_fingerprint(old), "balance": record}}
+    return ran, reshard_schedule(manifest, stats, dp_size=groups, num_microbatches=cfg.num_microbatches,
+                                 source=source, fingerprint=schedule_fingerprint)
+
+
 def build_model(cfg: TrainConfig):
     """The model every rank builds whole (its stage keeps only its layers): the user's HF checkpoint wrapped
     as a layer chain, or the reference VLM of the preset."""
@@ -98,8 +123,9 @@ def build_data(cfg: TrainConfig, model):
 
 
 def build_inputs(cfg: TrainConfig, model, notify=None):
-    """:func:`build_data` plus the fingerprint of the statistics as their file has them (what a ``--schedule``
-    file made by ``omnibal balance --stats`` records). ``notify(line)``: told about skipped records."""
+    """:func:`build_data` plus the statistics as their file has them (what a ``--schedule`` file made by
+    ``omnibal balance --stats`` was balanced from and records the fingerprint of). ``notify(line)``: told about
+    skipped records."""
     spec = model.spec
     if cfg.annotations_path is not None:
         data = real_data_config(cfg, model)
@@ -109,23 +135,42 @@ def build_inputs(cfg: TrainConfig, model, notify=None):
             raise InputError(f"the samples need {dataset.vocab_size_needed} token ids (tokenizer plus image "
                              f"tokens), the model has {spec.llm.vocab_size}", source=str(cfg.tokenizer_path),
                              field="tokenizer")
-        return stats, dataset, stats.fingerprint()
+        return stats, dataset, stats
 
     raw = _raw_training_stats(cfg)
     stats = _in_model_units(raw, cfg, spec)
     return stats, SyntheticVLMDataset(stats, SyntheticSampleConfig(
         image_size=spec.vision.image_size, tokens_per_tile=spec.llm_tokens_per_tile,
-        vocab_size=spec.llm.vocab_size, image_token_id=spec.llm.vocab_size - 1, seed=cfg.seed)), raw.fingerprint()
+        vocab_size=spec.llm.vocab_size, image_token_id=spec.llm.vocab_size - 1, seed=cfg.seed)), raw
 
 
 def build_trainer(cfg: TrainConfig, world: World, notify=None, say=None):
-    """The rank's :class:`Trainer`; ``notify(line)`` (rank 0, not quiet) is told what the run decides,
-    ``say(line)`` what it trains, its loss every ``cfg.print_every`` steps and the checkpoints it saves."""
+    """The rank's :class:`Trainer`; ``notify(line)`` is told what the run decides about its data (global rank
+    0, quiet or not: records, samples or checkpoints skipped, samples left untrained; a sample skipped while
+    training is told by the rank that read it), ``say(line)`` (not quiet) what it trains, its loss every
+    ``cfg.print_every`` steps and the checkpoints it saves."""
     model = build_model(cfg)
     spec = model.spec
-    notify = notify if world.rank == 0 and not cfg.quiet else None
-    stats, dataset, fingerprint = build_inputs(cfg, model, notify)
-    schedule = build_schedule(cfg, stats, fingerprint)
+    early: list[str] = []  # told before the trainer exists: its notices list them first
+
+    def tell(line: str) -> None:
+        early.append(line)
+        if notify is not None:
+            notify(line)
+
+    stats, dataset, raw = build_inputs(cfg, model, tell if world.rank == 0 else None)
+    schedule = build_schedule(cfg, stats, raw.fingerprint())
+    balanced_on = raw if cfg.schedule_path is not None and cfg.mode == "omnibal" else stats
+    trained_on = None
+    if cfg.resume and cfg.reshard and schedule.dp_size != cfg.dp_size // cfg.sp_degree:
+        trained_on, schedule = schedule_for_world(schedule, balanced_on, cfg, spec)
+    per_step = cfg.dp_size // cfg.sp_degree * cfg.num_microbatches * cfg.baseline_batch_size
+    if world.rank == 0 and cfg.mode != "omnibal":
+        left = len(stats) - schedule.num_steps * per_step
+        if left:
+            tell(f"{left} of {len(stats)} samples do not fill a whole step of {cfg.dp_size // cfg.sp_degree} x "
+                 f"{cfg.num_microbatches} x {cfg.baseline_batch_size} ({cfg.mode} mode's fixed micro-batches): "
+                 f"they are not trained this epoch")
     names = [layer.name for layer, _ in model.chain()]
     recomputable = [layer.name for layer, _ in model.chain() if layer.kind in ("vision_block", "llm_block")]
     layout = resolve_layout(names, pp_size=cfg.pp_size, mode=cfg.mode, stage_layers=cfg.stage_layers,
@@ -143,7 +188,10 @@ def build_trainer(cfg: TrainConfig, world: World, notify=None, say=None):
                       checkpoint_every=cfg.checkpoint_every, run_info=info, ledger_path=cfg.ledger_path,
                       notify=notify, sp_degree=cfg.sp_degree, level_curriculum=cfg.level_curriculum,
                       precision=cfg.precision, say=say, print_every=cfg.print_every,
-                      prefetch=cfg.device == "cuda" if cfg.prefetch is None else cfg.prefetch)
+                      prefetch=cfg.device == "cuda" if cfg.prefetch is None else cfg.prefetch,
+                      on_error=cfg.on_error, warn=notify)
+    trainer.notices[:0] = early
+    trainer.reshard_source, trainer.schedule_stats = trained_on, balanced_on
     if cfg.save_dir is not None:
         def save(step: int | None) -> None:
             out = Path(cfg.save_dir) if step is None else Path(cfg.save_dir) / f"checkpoint-{step}"
@@ -158,10 +206,12 @@ def preflight(cfg: TrainConfig) -> None:
     """Checks that need no process group (model, stage layout, plan, files), run once before ranks are
     started, so a bad argument fails in a second instead of in every rank."""
     for flag, path in (("--stats", cfg.stats_path), ("--schedule", cfg.schedule_path),
-                       ("--annotations", cfg.annotations_path)):
-        if path is not None and not Path(path).is_file():
-            raise InputError("no such file", source=path, field=flag)
-    for flag, path in (("--image-root", cfg.image_root), ("--tokenizer", cfg.tokenizer_path)):
+                       ("--annotations", cfg.annotations_path), ("--plan", cfg.plan_path)):
+        if path is not None and not Path(path).is_file():  # a FIFO or device would block or never end
+            raise InputError("exists but is not a regular file" if Path(path).exists() else "no such file",
+                             source=path, field=flag)
+    for flag, path in (("--image-root", cfg.image_root), ("--tokenizer", cfg.tokenizer_path),
+                       ("--hf-model", cfg.hf_model)):
         if path is not None and not Path(path).exists():
             raise InputError("no such file or folder", source=path, field=flag)
 
@@ -174,6 +224,7 @@ def preflight(cfg: TrainConfig) -> None:
     check_fresh_outputs(cfg)
     if cfg.hf_model is not None:
         spec = load_hf_spec(cfg.hf_model)
+        check_weights(cfg.hf_model, field="--hf-model")  # a cut-short file fails here, not in every rank
     else:
         spec = get_model_preset(cfg.model)
     layers = spec.layers()
@@ -211,9 +262,9 @@ def check_fresh_outputs(cfg: TrainConfig) -> None:
 
 def train_rank(cfg: TrainConfig, notify=None, say=None) -> dict:
     """Everything one rank does: join the world, build, resume, train; returns the summary on rank 0.
-    ``notify(line)``: told on rank 0 (unless ``cfg.quiet``) what the run decided (resumed, records or
-    checkpoints skipped, stopping early); ``say(line)``: the run's own lines (:func:`build_trainer`). Both
-    must pickle when the rank is spawned (module-level functions)."""
+    ``notify(line)``: told what the run decided about its data (resumed, records, samples or checkpoints
+    skipped, samples left untrained), quiet or not; ``say(line)``: the run's own lines, unless quiet
+    (:func:`build_trainer`). Both must pickle when the rank is spawned (module-level functions)."""
     torch.set_num_threads(cfg.torch_threads)
     if cfg.world_size == 1 and "RANK" not in __import__("os").environ:
         world = local_world(cfg.device, cfg.timeout_s)
@@ -227,6 +278,8 @@ def train_rank(cfg: TrainConfig, notify=None, say=None) -> dict:
         trainer.on_checkpoint(None)  # the final model
     if summary and cfg.summary_path:
         write_text(cfg.summary_path, json.dumps({"config": cfg.to_dict(), "summary": summary,
+                                                      "notices": trainer.notices,
+                                                      "skipped_samples": trainer.skipped_samples,
                                                       "skipped_checkpoints": trainer.skipped_checkpoints,
                                                       "stage_layers": [list(r) for r in trainer.layout.ranges],
                                                       "recompute": [list(r) for r in trainer.layout.recompute],
