@@ -32,6 +32,8 @@ import numpy as np
 from omnibal.data.balance.common import distinct_keys, random_ranks
 from omnibal.data.balance.cost import to_grid
 from omnibal.data.balance.exchange import Packs, Targets, level_llm, repair_tiles
+from omnibal.data.balance.layers import level_tokens
+from omnibal.data.balance.phases import phase
 from omnibal.data.balance.tail import enforce_caps
 
 DEFAULT_LLM_TOL = 0.01
@@ -52,6 +54,10 @@ class PackResult:
     """LLM cost per pack (per-sample part), in the units of the integer grid the packer puts it on."""
     passes: tuple[int, int, int]
     """Exchange passes run in the tile repair, the LLM levelling and after the tail's new packs."""
+
+
+_DEAL_ROUNDS_PER_PACKFUL = 4
+"""Dealing rounds per ``ceil(n / p)`` before every round is forced (see ``_deal``)."""
 
 
 def _deal(v, t, lc, p, max_tiles, max_tokens, rng) -> np.ndarray:
@@ -80,8 +86,11 @@ def _deal(v, t, lc, p, max_tiles, max_tokens, rng) -> np.ndarray:
     nxt = 0
     force = False
     # Progress: a round places a sample, or reads a new one, or (placing and reading nothing) forces the
-    # next round, which places everything it holds. So there are at most 3n rounds; asserted below.
+    # next round, which places everything it holds. So there are at most 3n rounds; asserted below. Work:
+    # each round sorts the packs, so after ``_DEAL_ROUNDS_PER_PACKFUL`` rounds per packful of samples every
+    # later round is forced (it places all it holds): O((n + p) log p) whatever the caps.
     max_rounds = 3 * n + 3
+    force_after = _DEAL_ROUNDS_PER_PACKFUL * -(-n // p) + 16
     rounds = 0
     while nxt < n or len(pending):
         rounds += 1
@@ -109,7 +118,7 @@ def _deal(v, t, lc, p, max_tiles, max_tokens, rng) -> np.ndarray:
         # The same when a round places nothing while the pending samples fill every pack slot: no new
         # sample can enter the next round, so without forcing it would be this round again, forever.
         stalled = len(packs) == 0 and len(pending) >= p
-        force = stalled or (nxt >= n and len(packs) <= max(len(items) // 20, 0))
+        force = stalled or (nxt >= n and len(packs) <= max(len(items) // 20, 0)) or rounds >= force_after
     need = int(count.max()) + 3  # keep free slots so samples can move between packs
     if slots.shape[1] < need:
         slots = np.concatenate([slots, np.full((p, need - slots.shape[1]), n, dtype=np.int64)], axis=1)
@@ -148,13 +157,19 @@ def pack_balanced(
     v = np.asarray(tiles, np.float64)
     t = np.asarray(tokens, np.float64)
     lc = to_grid(llm_cost)  # integers: every pack's sum exact, the same on every machine
-    packs = Packs(_deal(v, t, lc, p, max_tiles, max_tokens, rng), v, t, lc)
+    with phase("deal"):
+        packs = Packs(_deal(v, t, lc, p, max_tiles, max_tokens, rng), v, t, lc)
     targets = Targets.of(v, t, lc, p, max_tiles, max_tokens, llm_tol)
-    passes_tiles = repair_tiles(packs, targets, rng)
-    passes_llm = level_llm(packs, targets, rng, max_passes)
-    packs, passes_rescue = enforce_caps(packs, v, t, lc, max_tiles=max_tiles, max_tokens=max_tokens,
-                                         hard_caps=hard_caps, pack_step=pack_step, max_packs=max_packs,
-                                         llm_tol=llm_tol, rng=rng,
-                                         max_passes=max_passes)
+    with phase("tile_repair"):
+        passes_tiles = repair_tiles(packs, targets, rng)
+    with phase("token_levelling"):
+        level_tokens(packs, rng)
+    with phase("llm_levelling"):
+        passes_llm = level_llm(packs, targets, rng, max_passes)
+        level_tokens(packs, rng)
+    with phase("tail"):
+        packs, passes_rescue = enforce_caps(packs, v, t, lc, max_tiles=max_tiles, max_tokens=max_tokens,
+                                            hard_caps=hard_caps, pack_step=pack_step, max_packs=max_packs,
+                                            llm_tol=llm_tol, rng=rng, max_passes=max_passes)
     return PackResult(pack_of=packs.pack_of(), tiles=packs.pv, tokens=packs.pt, llm=packs.pl,
                       passes=(passes_tiles, passes_llm, passes_rescue))
