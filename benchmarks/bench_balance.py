@@ -30,7 +30,7 @@ import numpy as np  # noqa: E402
 
 from balance_helpers import two_profile_mixture  # noqa: E402
 from omnibal.data.balance import BalanceConfig, balance  # noqa: E402
-from omnibal.data.balance.caps import pad_floor  # noqa: E402
+from omnibal.data.balance.floor import pad_floor  # noqa: E402
 from omnibal.data.balance.isf import isf_pack, search_caps  # noqa: E402
 from omnibal.data.metrics import schedule_metrics  # noqa: E402
 from omnibal.stats.io import load_stats  # noqa: E402
@@ -59,7 +59,7 @@ import json, resource, sys, time
 sys.path.insert(0, {src!r})
 import numpy as np
 from omnibal.data.balance import BalanceConfig, balance
-from omnibal.data.balance.caps import pad_floor
+from omnibal.data.balance.floor import pad_floor
 from omnibal.data.metrics import schedule_metrics
 from omnibal.stats.table import SampleStats
 from omnibal.stats.io import load_stats
