@@ -87,8 +87,9 @@ CHARTQA_DP8 = pytest.mark.xfail(reason="issue 35: chartqa at DP 8 packs at 546 s
                                  "0.015)", strict=False)
 
 
-@pytest.mark.parametrize(("which", "dp_size"), [("ai2d", 8), ("ai2d", 32), pytest.param("chartqa", 8, marks=CHARTQA_DP8),
-                                               ("chartqa", 32), ("merged", 8), ("merged", 32)])
+@pytest.mark.parametrize(("which", "dp_size"), [("ai2d", 8), ("ai2d", 32),
+                                               pytest.param("chartqa", 8, marks=CHARTQA_DP8), ("chartqa", 32),
+                                               ("merged", 8), ("merged", 32)])
 def test_pad_of_the_derived_buffer_on_real_stats(shared_stats_dir, which, dp_size):
     stats = real_stats(str(shared_stats_dir), which)
     m = schedule_metrics(balance(stats, dp_size=dp_size), stats)

@@ -21,6 +21,8 @@ from omnibal.errors import InputError
 from omnibal.layout import BalanceMethod
 
 METHODS = tuple(BalanceMethod)
+FALLBACK_ROWS = 4 * 16384
+"""Rows up to which the packer packs the cap search's runner-up too when its choice needed the tail rule."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -170,9 +172,9 @@ def _pack_regular(stats, regular, pack_of, llm, *, per_step, max_total, num_alon
     """Cap search and packing of the rows under the caps (``llm``: their LLM costs on the integer grid);
     writes their pack labels into ``pack_of``. Returns (number of packs, (Q_v, Q_t), exchange passes).
 
-    With derived caps, when the chosen count needed the tail rule (new steps, or a buffer grown over the
-    searched caps: what the search's subsample did not show), the runner-up count is packed too and the one
-    that pads less is kept."""
+    With derived caps, when the chosen count needed the tail rule (new steps, or a tile cap grown over the
+    searched one: what the search's subsample did not show), the runner-up count is packed too and the one
+    that pads less is kept -- up to ``FALLBACK_ROWS`` rows (a second packing is its whole cost again)."""
     tiles, tokens = stats.tiles[regular], stats.tokens[regular]
     with phase("cap_search"):
         choice = choose_caps(tiles, tokens, slots_per_step=per_step, target_samples=config.target_samples,
@@ -182,7 +184,7 @@ def _pack_regular(stats, regular, pack_of, llm, *, per_step, max_total, num_alon
     args = dict(tiles=tiles, tokens=tokens, llm=llm, per_step=per_step, max_total=max_total, num_alone=num_alone,
                 config=config, rng=rng)
     best = _pack_at(choice.num_steps, choice.max_tiles, choice.max_tokens, **args)
-    if best[3] and choice.runners_up and not _caps_fixed(config):
+    if best[3] and choice.runners_up and not _caps_fixed(config) and len(tiles) <= FALLBACK_ROWS:
         other = _pack_at(*choice.runners_up[0], **args)
         best = min(best, other, key=lambda r: r[4])
     packed, q_v, q_t = best[:3]
@@ -212,7 +214,7 @@ def _pack_at(steps, max_tiles, max_tokens, *, tiles, tokens, llm, per_step, max_
     if config.max_tokens is None:
         q_t = -(-int(max(packed.tokens.max(), 1)) // config.token_multiple) * config.token_multiple
     p = len(packed.tiles)
-    tailed = p != num_packs or q_v > max_tiles or q_t > max_tokens
+    tailed = p != num_packs or q_v > max_tiles  # new steps or a larger tile cap (a token cap grows by little)
     score = (2 - float(tiles.sum()) / (p * max(q_v, 1)) - float(tokens.sum()) / (p * q_t)
              + 0.05 * abs_log(len(tiles) / p / config.target_samples))
     return packed, q_v, q_t, tailed, score
