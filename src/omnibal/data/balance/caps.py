@@ -47,6 +47,10 @@ from omnibal.errors import InputError
 TRIAL_ROWS = 16384
 """Rows of the subsample a trial packs."""
 OVER_SHARE = 0.002
+SLACK_ROWS = 2 * TRIAL_ROWS
+"""Over this many rows a tile cap leaves the packer ``tile_slack`` (0.8%) of spare tiles at least: a trial's
+subsample fluctuates by more than the spare a cap just over V/P leaves (1.2M real rows at DP 8 chose V/P
+17.99 under a cap of 18 that the subsample reached and the full set did not: tile pad 0.057)."""
 TRIAL_WORK_PER_ROW = 64
 """Candidate exchanges per row a trial's tile repair may weigh (after the type matching)."""
 """Share of a trial's packs that may stay over its tile cap (the tail rule takes care of those)."""
@@ -121,6 +125,8 @@ def _candidates(model: CapModel, steps: np.ndarray, token_slack: float, extra: i
     p = model.packs(steps)
     qt0 = model.caps_for(steps)[1]
     tight = model.tight_tiles(steps)
+    if model.n > SLACK_ROWS:  # a trial sees a small share: it cannot tell a cap the full set just reaches
+        tight = np.maximum(tight, np.ceil(model.total_v / p / (1 - model.tile_slack) - 1e-9))
     out_s, out_v, out_t = [], [], []
     for add in range(extra):
         qv = tight + add
