@@ -1,26 +1,29 @@
-"""omnibal's packer: ``P`` packs whose tile counts are equal (to the integer) and whose LLM costs are equal
-(within a small band), all under the (Q_v, Q_t) buffer.
+"""omnibal's packer: ``P`` packs whose tile counts are equal (to the integer) and whose tokens and LLM costs are
+level, all under the (Q_v, Q_t) buffer.
 
-Four vectorised phases, no per-sample Python loop:
+Vectorised phases, no per-sample Python loop:
 
 1. **Round dealing** (an LPT in rounds): samples sorted by (tiles, LLM cost), largest first, are dealt ``P``
    at a time; in every round the largest sample goes to the pack with the fewest tiles so far (ties: the
    lowest LLM cost). Every pack gets one sample from every size band.
-2. **Tile repair**: packs whose tile count is outside ``[floor(V/P), ceil(V/P)]`` (V = total tiles; never
-   above the tile cap) are paired with packs on the other side and the single swap or move that brings
-   both closest to the range is applied, all pairs at once as ``[pairs, K, K]`` array operations.
-3. **LLM levelling**: the same pairwise exchange, restricted to swaps that keep both packs' tile counts in
-   range, pulls every pack under the token cap and its LLM cost into ``llm_tol`` (default 1%) of the mean.
-   Pairs are heaviest-with-lightest (sorted), alternating with random pairings so that no pair is tried
-   twice in a row; only pairs with a pack outside the band are evaluated, so late passes are cheap.
-4. **The tail** (``enforce_caps``): packs still over a cap give up samples -- per pack the smallest one
-   whose removal suffices -- to whole new steps of packs; then phases 2-3 run again with the caps hard
-   (every pack starts under them and no exchange may bring one over), which spreads the new packs' room
-   over all packs. So a fixed buffer always holds, whatever the caps, as long as every sample fits alone and
-   there are enough samples for the packs. With derived caps a buffer grown to the few packs a little over
-   it is kept instead when that pads less than a step of new packs; outliers far over never set it.
+2. **Tile repair** (``exchange.repair_tiles``): packs whose tile count is outside ``[floor(V/P), ceil(V/P)]``
+   (V = total tiles; never above the tile cap; under it only by as many tiles as the pack's token room
+   holds) are paired with packs on the other side and the best swap or move of up to two samples is applied,
+   all pairs at once as ``[pairs, K, K]`` array operations.
+3. **Token levelling by layers** (``layers.level_tokens``): samples trade places only with samples of their
+   own tile count, a layer at a time, largest into the lowest packs: tile counts never move, the largest pack
+   and the spread only fall. Ties go by the LLM cost, which levels with the tokens.
+4. **LLM levelling** (``exchange.level_llm``): the pairwise exchange again, tile counts kept under the cap,
+   until no pack is over the token cap (a text-heavy sample may cost its pack tiles); then the layers again.
+5. **The tail** (``tail.enforce_caps``): packs still over a cap give up samples -- per pack the smallest one
+   whose removal suffices -- to packs with room, and what is left to whole new steps of packs; then phases
+   2-4 run again with the caps hard (every pack starts under them and no exchange may bring one over). So a
+   fixed buffer always holds, whatever the caps, as long as every sample fits alone and there are enough
+   samples for the packs. With derived caps a buffer grown to the packs over it is kept instead when that
+   pads less than the new steps would; outliers far over never set it.
 
-Exactly-once holds by construction: samples only ever change slots.
+Every exchange phase runs within a ``phases.WorkBudget`` (bounded work on any input). Exactly-once holds by
+construction: samples only ever change slots.
 """
 
 from __future__ import annotations
