@@ -2,14 +2,16 @@
 
     PYTHONPATH=src python benchmarks/bench_balance.py [--stats-dir DIR] [--quick] [--skip-10m]
 
-Sections: every method on the real subsets (ai2d, chartqa, merged); omnibal's pads against its buffer and
-its balance across ranks and micro-batches on each real subset, the merged stats, a two-subset mixture
-with different tile profiles (mostly 3 vs mostly 5 tiles) and the synthetic default mixture; the fixed
-caps 9/4096 (InternVL's default), 12/4096, 12/4800 and 16/4352 for omnibal vs faithful ISF; 1.2M (and
-10M) rows for speed. Beside every pad: ``pad_floor``, the bound no packing beats within the samples
-tolerance; where a pad misses 0.02 the case is run again at ``samples_tolerance`` 0.4. Writes
-benchmarks/results/balance.json and balance.md. Not a test: it reports what it measured, with the machine
-load next to the timings (the machine is shared; CPU seconds are reported beside wall seconds).
+Sections: every method on the real subsets (ai2d, chartqa, merged); omnibal against the issue-35 goals on
+each real subset, the merged stats, a two-subset mixture with different tile profiles (mostly 3 vs mostly 5
+tiles) and the synthetic default mixture, at DP 8-1024 and 1-8 micro-batches: the fixed buffer's compute pad
+beside its floor (``pad_floor``: no packing pads less within the samples tolerance) and the target
+``max(0.01, floor + 0.002)``, balance across ranks of each named cost, CPU seconds per phase; the fixed caps
+9/4096 (InternVL's default), 12/4096, 12/4800 and 16/4352 for omnibal vs faithful ISF; 1.2M and 10M rows
+(the real stats replicated; the synthetic default) in separate single-threaded processes, with a row per
+phase and the peak memory. Writes benchmarks/results/balance.json and balance.md. Not a test: it reports
+what it measured, with the machine load next to the timings (the machine is shared; CPU seconds are
+reported beside wall seconds).
 """
 
 from __future__ import annotations
@@ -29,9 +31,10 @@ sys.path.insert(0, str(ROOT / "tests"))  # the two-profile mixture the tests use
 import numpy as np  # noqa: E402
 
 from balance_helpers import two_profile_mixture  # noqa: E402
-from omnibal.data.balance import BalanceConfig, balance  # noqa: E402
-from omnibal.data.balance.caps import pad_floor  # noqa: E402
+from omnibal.data.balance import DEFAULT_COST, BalanceConfig, balance  # noqa: E402
+from omnibal.data.balance.floor import pad_floor  # noqa: E402
 from omnibal.data.balance.isf import isf_pack, search_caps  # noqa: E402
+from omnibal.data.balance.phases import record_phases  # noqa: E402
 from omnibal.data.metrics import schedule_metrics  # noqa: E402
 from omnibal.stats.io import load_stats  # noqa: E402
 from omnibal.stats.synthetic import synthetic_internvl_mixture  # noqa: E402
@@ -44,11 +47,16 @@ METHODS = [("random", "random fixed micro-batch of 4"), ("length-grouped", "LLaV
            ("omnibal", "omnibal")]
 FIXED_CAPS = [(9, 4096), (12, 4096), (12, 4800), (16, 4352)]
 """InternVL's default 9/4096 and the caps the issue measured the balancer failing at."""
-PAD_KEYS = ["buffer_pad_tiles", "buffer_pad_tokens", "vision_max_mean_ranks", "llm_max_mean_ranks",
+PAD_KEYS = ["buffer_pad_tiles", "buffer_pad_tokens", "buffer_pad_compute", "vision_max_mean_ranks",
+            "llm_max_mean_ranks", "llm_linear_max_mean_ranks", "llm_attention_max_mean_ranks",
             "total_max_mean_ranks", "llm_max_mean_ranks_worst", "vision_max_mean_microbatches",
             "llm_max_mean_microbatches", "total_max_mean_microbatches", "samples_per_microbatch_mean",
-            "caps_tiles", "caps_tokens", "num_steps", "microbatches_over_caps", "coverage_ok"]
-KEYS = ["vision_max_mean_ranks", "llm_max_mean_ranks", "total_max_mean_ranks", "vision_max_mean_ranks_worst",
+            "caps_tiles", "caps_tokens", "num_steps", "microbatches_over_caps", "coverage_ok", "cost_model"]
+GOAL_CELLS = [(8, 1), (32, 1), (128, 1), (1024, 1), (32, 4), (8, 8), (128, 8)]
+"""(DP, micro-batches per step) of the goals table: DP 8-1024, M 1-8."""
+PHASES = ["cap_search", "deal", "tile_repair", "token_levelling", "llm_levelling", "tail", "assign", "schedule"]
+KEYS = ["vision_max_mean_ranks", "llm_max_mean_ranks", "llm_attention_max_mean_ranks", "total_max_mean_ranks",
+        "vision_max_mean_ranks_worst", "buffer_pad_compute", "cost_model",
         "llm_max_mean_ranks_worst", "total_max_mean_microbatches", "buffer_pad_tiles", "buffer_pad_tokens",
         "pad_ratio_longest", "dist_ratio_vision", "dist_ratio_text", "useful_fraction",
         "samples_per_microbatch_mean", "samples_per_microbatch_std", "caps_tiles", "caps_tokens", "num_steps",
@@ -58,12 +66,13 @@ _CHILD = r"""
 import json, resource, sys, time
 sys.path.insert(0, {src!r})
 import numpy as np
-from omnibal.data.balance import BalanceConfig, balance
-from omnibal.data.balance.caps import pad_floor
+from omnibal.data.balance import DEFAULT_COST, BalanceConfig, balance
+from omnibal.data.balance.floor import pad_floor
+from omnibal.data.balance.phases import record_phases
 from omnibal.data.metrics import schedule_metrics
 from omnibal.stats.table import SampleStats
 from omnibal.stats.io import load_stats
-kind, n, dp, method = {kind!r}, {n}, {dp}, {method!r}
+kind, n, dp, micro, method = {kind!r}, {n}, {dp}, {micro}, {method!r}
 if kind == "real":
     parts = [load_stats(p) for p in {paths!r}]
     stats = SampleStats.concat(parts).replicate(n)
@@ -76,20 +85,24 @@ else:
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 cfg = BalanceConfig(method=method, **{cfg!r})
 w0, c0 = time.perf_counter(), time.process_time()
-sched = balance(stats, dp_size=dp, config=cfg)
+with record_phases() as phases:
+    sched = balance(stats, dp_size=dp, num_microbatches=micro, config=cfg)
 wall, cpu = time.perf_counter() - w0, time.process_time() - c0
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 m = schedule_metrics(sched, stats)
-fl = pad_floor(stats.tiles, stats.tokens, slots_per_step=dp, samples_tolerance=cfg.samples_tolerance)
-print(json.dumps({{"rows": len(stats), "wall_s": wall, "cpu_s": cpu, "peak_rss_mib": peak / 1024,
-                  "input_rss_mib": base / 1024, "samples_tolerance": cfg.samples_tolerance,
-                  "floor_tiles": fl.tiles, "floor_tokens": fl.tokens, "metrics": {{k: m[k] for k in {keys!r}}}}}))
+fl = pad_floor(stats.tiles, stats.tokens, slots_per_step=dp * micro, samples_tolerance=cfg.samples_tolerance,
+               cost=DEFAULT_COST)
+print(json.dumps({{"rows": len(stats), "dp_size": dp, "num_microbatches": micro, "wall_s": wall, "cpu_s": cpu,
+                  "phases_cpu_s": phases, "peak_rss_mib": peak / 1024, "input_rss_mib": base / 1024,
+                  "samples_tolerance": cfg.samples_tolerance, "floor_tiles": fl.tiles, "floor_tokens": fl.tokens,
+                  "floor_compute": fl.compute, "metrics": {{k: m[k] for k in {keys!r}}}}}))
 """
 
 
-def run_child(kind: str, n: int, dp: int, method: str, paths: list[str], cfg: dict, timeout: int) -> dict:
-    code = _CHILD.format(src=str(ROOT / "src"), kind=kind, n=n, dp=dp, method=method, paths=paths, cfg=cfg,
-                         keys=KEYS)
+def run_child(kind: str, n: int, dp: int, method: str, paths: list[str], cfg: dict, timeout: int,
+              micro: int = 1) -> dict:
+    code = _CHILD.format(src=str(ROOT / "src"), kind=kind, n=n, dp=dp, micro=micro, method=method, paths=paths,
+                         cfg=cfg, keys=sorted(set(KEYS) | set(PAD_KEYS)))
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
     try:
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env)
@@ -121,7 +134,7 @@ def fmt(x) -> str:
     if isinstance(x, bool):
         return "yes" if x else "NO"
     if isinstance(x, float):
-        return f"{x:.3f}" if abs(x) < 100 else f"{x:.0f}"
+        return f"{x:.4f}" if abs(x) < 100 else f"{x:.0f}"
     return str(x)
 
 
@@ -161,27 +174,40 @@ def methods_table(subsets: dict, iters: int) -> list[dict]:
     return rows
 
 
-def pad_table(subsets: dict) -> list[dict]:
-    """omnibal's derived buffer on every data set: pads and balance across ranks and micro-batches, the floor
-    within the samples tolerance beside them; a case missing 0.02 again at tolerance 0.4."""
+def goal_row(name: str, stats, dp: int, micro: int) -> dict:
+    """omnibal's derived buffer in one cell: pads and their floors, balance of each named cost, phases."""
+    with record_phases() as phases:
+        sched, wall, cpu = timed_balance(stats, dp, BalanceConfig(), micro)
+    if isinstance(sched, str):
+        return {"subset": name, "rows": len(stats), "dp_size": dp, "num_microbatches": micro, "error": sched,
+                "wall_s": wall, "cpu_s": cpu}
+    m = schedule_metrics(sched, stats)
+    fl = pad_floor(stats.tiles, stats.tokens, slots_per_step=dp * micro, cost=DEFAULT_COST)
+    target = max(0.01, fl.compute + 0.002)
+    return {"subset": name, "rows": len(stats), "dp_size": dp, "num_microbatches": micro,
+            "floor_tiles": fl.tiles, "floor_tokens": fl.tokens, "floor_both": fl.larger, "floor_compute": fl.compute,
+            "target_compute": target, "pad_met": m["buffer_pad_compute"] <= target + 1e-12,
+            "balance_met": max(m["vision_max_mean_ranks"], m["llm_max_mean_ranks"]) <= 1.002,
+            "wall_s": wall, "cpu_s": cpu, "phases_cpu_s": dict(phases), **{k: m[k] for k in PAD_KEYS}}
+
+
+def goals_table(subsets: dict) -> list[dict]:
+    """omnibal on every data set at DP 8-1024 x M 1-8 against the issue-35 goals (pad <= max(0.01, floor +
+    0.002), vision and LLM max/mean <= 1.002), with the floors and the CPU seconds of each phase."""
     rows = []
     for name, stats in subsets.items():
-        for dp, micro in ((8, 1), (32, 1), (128, 1), (32, 4)):
-            for tol in (0.15, 0.4):
-                sched, wall, cpu = timed_balance(stats, dp, BalanceConfig(samples_tolerance=tol), micro)
-                if isinstance(sched, str):
-                    raise RuntimeError(f"{name} dp {dp} x {micro}: {sched}")
-                m = schedule_metrics(sched, stats)
-                fl = pad_floor(stats.tiles, stats.tokens, slots_per_step=dp * micro, samples_tolerance=tol)
-                rows.append({"subset": name, "rows": len(stats), "dp_size": dp, "num_microbatches": micro,
-                             "samples_tolerance": tol, "floor_tiles": fl.tiles, "floor_tokens": fl.tokens,
-                             "floor_both": fl.larger,
-                             "wall_s": wall, "cpu_s": cpu, **{k: m[k] for k in PAD_KEYS}})
-                print(f"pad {name:10s} dp={dp:4d} M={micro} tol {tol} pad {m['buffer_pad_tiles']:.3f}/"
-                      f"{m['buffer_pad_tokens']:.3f} floor {fl.tiles:.3f}/{fl.tokens:.3f} both {fl.larger:.3f} "
-                      f"llm {m['llm_max_mean_ranks']:.4f} {cpu:.2f}s cpu", file=sys.stderr)
-                if max(m["buffer_pad_tiles"], m["buffer_pad_tokens"]) <= 0.02:
-                    break
+        for dp, micro in GOAL_CELLS:
+            if len(stats) < dp * micro:
+                continue
+            row = goal_row(name, stats, dp, micro)
+            rows.append(row)
+            if "error" in row:
+                print(f"goal {name} dp={dp} M={micro}: {row['error']}", file=sys.stderr)
+                continue
+            print(f"goal {name:10s} dp={dp:4d} M={micro} pad {row['buffer_pad_tiles']:.4f}/"
+                  f"{row['buffer_pad_tokens']:.4f} compute {row['buffer_pad_compute']:.4f} floor "
+                  f"{row['floor_compute']:.4f} vis {row['vision_max_mean_ranks']:.4f} llm "
+                  f"{row['llm_max_mean_ranks']:.4f} {row['cpu_s']:.2f}s cpu", file=sys.stderr)
     return rows
 
 
@@ -209,18 +235,17 @@ def fixed_caps_table(subsets: dict, iters: int, dp: int = 32) -> list[dict]:
 
 
 def scale_runs(subsets: dict, paths: list[str], skip_10m: bool) -> dict:
-    """1.2M rows (real stats replicated; the synthetic default) in separate single-threaded processes."""
+    """1.2M rows (real stats replicated; the synthetic default) and 10M in separate single-threaded processes."""
     scale = {}
-    for dp in (8, 32, 128):
-        scale[f"omnibal_1.2M_dp{dp}"] = run_child("real", 1_200_000, dp, "omnibal", paths, {}, timeout=900)
-    scale["omnibal_1.2M_synthetic_dp32"] = run_child("synthetic", 1_200_000, 32, "omnibal", [], {}, timeout=900)
-    scale["omnibal_1.2M_synthetic_dp32_tolerance0.4"] = run_child("synthetic", 1_200_000, 32, "omnibal", [],
-                                                                  {"samples_tolerance": 0.4}, timeout=900)
+    for dp, micro in ((8, 1), (32, 1), (128, 1), (1024, 1), (32, 8)):
+        scale[f"omnibal_1.2M_dp{dp}x{micro}"] = run_child("real", 1_200_000, dp, "omnibal", paths, {}, timeout=1800,
+                                                          micro=micro)
+    scale["omnibal_1.2M_synthetic_dp32"] = run_child("synthetic", 1_200_000, 32, "omnibal", [], {}, timeout=1800)
     print("1.2M omnibal:", {k: (v.get("cpu_s"), v.get("error")) for k, v in scale.items()}, file=sys.stderr)
     scale["isf_1.2M_dp32"] = isf_timing(subsets["merged"].replicate(1_200_000), 32, 50)
     if not skip_10m:
-        scale["omnibal_10M_synthetic_dp128"] = run_child("synthetic", 10_000_000, 128, "omnibal", [], {},
-                                                         timeout=1800)
+        scale["omnibal_10M_dp128"] = run_child("real", 10_000_000, 128, "omnibal", paths, {}, timeout=3600)
+        print("10M omnibal:", scale["omnibal_10M_dp128"].get("cpu_s"), file=sys.stderr)
     return scale
 
 
@@ -243,7 +268,7 @@ def main() -> int:
     result = {"load_before": os.getloadavg(), "cpu_count": os.cpu_count(), "scale": {}}
     t_start, c_start = time.time(), time.process_time()
     result["table"] = methods_table(subsets, iters)
-    result["pads"] = pad_table(subsets)
+    result["goals"] = goals_table(subsets)
     result["fixed_caps"] = fixed_caps_table(subsets, iters)
     if not args.quick:
         result["scale"] = scale_runs(subsets, paths, args.skip_10m)
@@ -266,7 +291,7 @@ def render_md(result: dict) -> str:
              "ranks (or across all micro-batches of a step), averaged over steps (worst step beside); pads are "
              "against the fixed (Q_v, Q_t) buffer; random and length-grouped run padded to their longest sample.",
              ""]
-    lines += _md_methods(result["table"]) + _md_pads(result["pads"]) + _md_fixed(result["fixed_caps"])
+    lines += _md_methods(result["table"]) + _md_goals(result["goals"]) + _md_fixed(result["fixed_caps"])
     lines += _md_scale(result["scale"]) if result["scale"] else []
     return "\n".join(lines) + "\n"
 
@@ -288,24 +313,36 @@ def _md_methods(table: list[dict]) -> list[str]:
         heads, [[row[c] for c in cols] for row in table])
 
 
-def _md_pads(table: list[dict]) -> list[str]:
-    cols = ["subset", "rows", "dp_size", "num_microbatches", "samples_tolerance", "buffer_pad_tiles",
-            "buffer_pad_tokens", "floor_tiles", "floor_tokens", "floor_both", "vision_max_mean_ranks",
-            "llm_max_mean_ranks", "total_max_mean_ranks", "llm_max_mean_ranks_worst",
-            "vision_max_mean_microbatches", "llm_max_mean_microbatches", "samples_per_microbatch_mean",
-            "caps_tiles", "caps_tokens", "microbatches_over_caps", "coverage_ok", "cpu_s"]
-    heads = ["data", "rows", "DP", "M", "samples tolerance", "tile pad", "token pad", "tile floor", "token floor",
-             "floor of the larger pad", "vision ranks", "LLM ranks", "total ranks",
-             "LLM worst step", "vision micro-batches", "LLM micro-batches", "samples/mb", "Q_v", "Q_t",
-             "over caps", "exactly once", "CPU s"]
-    note = ("mixture-3/5: two synthetic subsets, wide charts (mostly 3 tiles) and square documents (mostly 5), "
-            "half and half; synthetic: the default InternVL-like mixture at the merged stats' size. Floors: "
-            "`pad_floor`, each pad's lowest bound over the pack counts the samples tolerance allows (no packing "
-            "pads less); the floor of the larger pad is the lowest the two pads can reach together, with the text "
-            "coupling (text-heavy samples' packs hold fewer tiles). A case over 0.02 at tolerance 0.15 is run again "
-            "at 0.4.")
-    return ["", "## omnibal's derived buffer: pads and balance (max/mean across ranks and micro-batches)", "",
-            note, ""] + _md_table(heads, [[row[c] for c in cols] for row in table])
+def _md_goals(table: list[dict]) -> list[str]:
+    ok = [r for r in table if "error" not in r]
+    cols = ["subset", "rows", "dp_size", "num_microbatches", "buffer_pad_tiles", "buffer_pad_tokens",
+            "buffer_pad_compute", "floor_compute", "target_compute", "pad_met", "vision_max_mean_ranks",
+            "llm_max_mean_ranks", "llm_attention_max_mean_ranks", "total_max_mean_ranks", "balance_met",
+            "samples_per_microbatch_mean", "caps_tiles", "caps_tokens", "coverage_ok", "cpu_s", "wall_s"]
+    heads = ["data", "rows", "DP", "M", "tile pad", "token pad", "compute pad", "compute floor",
+             "target max(0.01, floor+0.002)", "pad met", "vision max/mean", "LLM (linear+attn) max/mean",
+             "LLM attention alone", "total max/mean", "<= 1.002", "samples/mb", "Q_v", "Q_t", "exactly once",
+             "CPU s", "wall s"]
+    note = ("Cost: the analytic training FLOPs of InternViT-6B + InternLM2-20B (`BalanceCost.internvl_6b_20b`): "
+            "vision = encoder + projector per tile; LLM = linear (weights, per token) + causal attention (per "
+            "sample's tokens**2); the attention part alone beside it; total = vision + LLM. max/mean: per step, the "
+            "most loaded rank over the ranks' mean, averaged over steps. Compute pad: `1 - cost packed / cost padded "
+            "to the (Q_v, Q_t) buffer`; its floor: `pad_floor(..., cost=)`, the lowest any packing reaches within the "
+            "samples tolerance (0.15) with the text coupling. mixture-3/5: two synthetic subsets, wide charts (mostly "
+            "3 tiles) and square documents (mostly 5), half and half; synthetic: the default InternVL-like mixture "
+            "at the merged stats' size.")
+    lines = ["", "## Issue-35 goals: compute pad vs its floor, balance of each named cost (DP 8-1024, M 1-8)", "",
+             note, ""] + _md_table(heads, [[row[c] for c in cols] for row in ok])
+    errors = [r for r in table if "error" in r]
+    if errors:
+        lines += ["", "Refused: " + "; ".join(f"{r['subset']} DP {r['dp_size']} x {r['num_microbatches']}: "
+                                               f"{r['error'][:120]}" for r in errors)]
+    met = sum(r["pad_met"] for r in ok), sum(r["balance_met"] for r in ok)
+    lines += ["", f"Pad at or under its target in {met[0]} of {len(ok)} cells; vision and LLM max/mean both <= "
+              f"1.002 in {met[1]} of {len(ok)}.", "", "CPU seconds per phase, summed over the cells above:", ""]
+    totals = {ph: sum(r["phases_cpu_s"].get(ph, 0.0) for r in ok) for ph in PHASES}
+    lines += _md_table(PHASES + ["all"], [[totals[ph] for ph in PHASES] + [sum(r["cpu_s"] for r in ok)]])
+    return lines
 
 
 def _md_fixed(table: list[dict]) -> list[str]:
@@ -325,22 +362,30 @@ def _md_fixed(table: list[dict]) -> list[str]:
 
 
 def _md_scale(scale: dict) -> list[str]:
-    lines = ["", "## Scale", "", "| run | rows | wall s | CPU s | peak RSS MiB | vision max/mean | LLM max/mean "
-             "| tile pad | token pad | floor (tiles / tokens) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["", "## Scale (one core per run: OMP/OPENBLAS/MKL_NUM_THREADS=1; the real stats replicated)", "",
+             "| run | rows | DP x M | wall s | CPU s | peak RSS MiB | MiB per 1M rows (over the input) | "
+             "vision max/mean | LLM (linear+attn) max/mean | tile pad | token pad | compute pad | compute floor |",
+             "|" + "---|" * 13]
+    phase_rows = []
     for name, r in scale.items():
         if "metrics" in r:
             m = r["metrics"]
-            lines.append(f"| {name} | {r['rows']} | {r['wall_s']:.1f} | {r['cpu_s']:.1f} | {r['peak_rss_mib']:.0f} | "
+            lines.append(f"| {name} | {r['rows']} | {r['dp_size']} x {r['num_microbatches']} | {r['wall_s']:.1f} | "
+                         f"{r['cpu_s']:.1f} | {r['peak_rss_mib']:.0f} | "
+                         f"{(r['peak_rss_mib'] - r['input_rss_mib']) / r['rows'] * 1e6:.0f} | "
                          f"{m['vision_max_mean_ranks']:.4f} | {m['llm_max_mean_ranks']:.4f} | "
-                         f"{m['buffer_pad_tiles']:.4f} | {m['buffer_pad_tokens']:.4f} | "
-                         f"{r.get('floor_tiles', float('nan')):.4f} / {r.get('floor_tokens', float('nan')):.4f} |")
+                         f"{m['buffer_pad_tiles']:.4f} | {m['buffer_pad_tokens']:.4f} | {m['buffer_pad_compute']:.4f}"
+                         f" | {r.get('floor_compute', float('nan')):.4f} |")
+            phase_rows.append([name] + [r["phases_cpu_s"].get(ph, 0.0) for ph in PHASES] + [r["cpu_s"]])
         elif "one_run_cpu_s" in r:
-            lines.append(f"| {name}: one ISF run (T=50) at its caps {r['caps']} | 1200000 | "
-                         f"{r['one_run_wall_s']:.1f} | {r['one_run_cpu_s']:.1f} | - | - | - | - | - | - |")
+            lines.append(f"| {name}: one ISF run (T=50) at its caps {r['caps']} | 1200000 | 32 x 1 | "
+                         f"{r['one_run_wall_s']:.1f} | {r['one_run_cpu_s']:.1f} | - | - | - | - | - | - | - | - |")
             lines.append(f"| {name}: argument search, {r['search_candidates']} candidates x one run (estimate) | "
-                         f"1200000 | - | {r['search_estimate_cpu_s']:.0f} | - | - | - | - | - | - |")
+                         f"1200000 | 32 x 1 | - | {r['search_estimate_cpu_s']:.0f} | - | - | - | - | - | - | - | - |")
         else:
-            lines.append(f"| {name} | - | {r.get('error')} | | | | | | | |")
+            lines.append(f"| {name} | - | - | {r.get('error')} | | | | | | | | | |")
+    lines += ["", "CPU seconds per phase (a phase that grows shows here first):", ""]
+    lines += _md_table(["run"] + PHASES + ["all"], phase_rows)
     return lines
 
 

@@ -47,15 +47,20 @@ CASES = {
 # these inputs. That is allowed (a better packer), but it must be the same change on every machine: rerun
 # this test with NPY_DISABLE_CPU_FEATURES (as test_the_schedule_is_the_same_on_older_cpus does) before
 # pinning new values.
+# Re-pinned by issue 35 (balancer round 3): the packer levels tokens by layers (``layers.level_tokens``), the
+# cap search measures its counts by branch and bound with the exchange types of ``tilematch`` in its trials
+# and a token check, and the tail rule puts evicted samples into packs with room first and grows the buffer
+# unless new steps save more pad: every omnibal schedule changed on purpose (ISF packs with omnibal's
+# assignment did not). The older-CPU and reversed-ties tests below pass with them.
 PINNED = {
-    "synthetic-dp32": ("24981955c427331202ce38c524c937d5",
-                       "b6cf28d04ec6186d821d8d77ac8ac86a7f5185cfcceb35e203cd7780443c2c1c"),
-    "tail-4x2": ("67d075f73e0113ac66524bec38fd5791",
-                 "2ca9cf07b8ac397c41dbb45b8a70d8c88aff0fc6ddbd04791cee2a3f69109755"),
+    "synthetic-dp32": ("3a8e3f747dd298b4c2e62d21c3734645",
+                       "870930c59615b7506526561f72b7218ec6c3acfcbb00632dd2bede58146eef5c"),
+    "tail-4x2": ("f465f5618ea24db69cb59babc037fcea",
+                 "c4964e870cb9d9cac47c5641cf6264e77684478477f4658ce7f15083c44e7ace"),
     "isf+assign-dp8": ("9e137c3055c5924ec91a42b019612d4b",
                        "f781685dd9158450dbe2b4598ae5ba37203bd9a5dc6cf4eee95ad1555bad06c6"),
-    "ai2d-dp8": ("5e85d02dd46a6d2202265ef03b296af2",
-                 "448cc8e370d70777b7f0227a69607fe479f0cefd10f6d07f4d3fb774a569941a"),
+    "ai2d-dp8": ("482f68238404c1feca4dad30cb5e3631",
+                 "75f8a13d065436f6e9eb501c4b79a563bd0d62a2c9568e3d4c69ec8ff4171868"),
 }
 SYNTHETIC_STATS = "f71f1123aa05badd"
 """``SampleStats.fingerprint()`` of the synthetic mixture (its generator draws with np.exp, whose last bit may

@@ -14,6 +14,18 @@ the sum over its M micro-batches):
   ``..._max_mean_microbatches``: the same over all N x M micro-batches of a step (what a pipeline sees).
   Steps with empty micro-batches (a baseline's partial last step) are left out of these averages and
   counted in ``steps_with_empty_microbatches``.
+* **Which cost.** Every max/mean is of a cost priced on ``cost`` (a ``BalanceCost``; its name is
+  ``cost_model`` in the result, by default the analytic training FLOPs of InternViT-6B + InternLM2-20B) and
+  the micro-batch features as they run (``Schedule.features``: varlen packs sum ``tokens_sq`` per sample):
+  ``vision = vision_coef . (one, tiles, tokens, tokens_sq)``; ``llm = llm_coef . (...)``, which is the sum
+  of ``llm_linear`` (the ``one``, ``tiles`` and ``tokens`` terms: weights, embedding, head) and
+  ``llm_attention`` (the ``tokens_sq`` term: causal attention over each sample's segment); ``total =
+  vision + llm``. ``llm_linear_max_mean_ranks`` and ``llm_attention_max_mean_ranks`` are each part alone,
+  so a reader pricing attention differently can see both (any positive mix of the two is at most the
+  larger max/mean of its parts).
+* ``buffer_pad_compute``: the fixed buffer's compute pad, ``1 - sum(total cost as packed, varlen) /
+  sum(total cost padded to (Q_v, Q_t))``, the padding one extra attention segment per micro-batch
+  (``Schedule.features(padding="fixed_buffer")``).
 * ``useful_fraction``: real (varlen, unpadded) cost of all samples / (sum over steps of N x the slowest
   rank's cost as it runs, padding included): 1.0 means no padding and no waiting.
 * ``samples_per_microbatch_*``: mean, std, min, max over micro-batches.
@@ -52,12 +64,14 @@ def schedule_metrics(schedule, stats, cost: BalanceCost | None = None) -> dict:
     feats = schedule.features(stats)  # as it runs (padding included)
     real = schedule.features(stats, padding="varlen")
     vis, llm = cost.evaluate(feats)  # [S, N, M]
+    llm_attention = feats[..., 3] * cost.llm_coef[3]
+    llm_linear = llm - llm_attention
     total = vis + llm
-    rank_v, rank_l, rank_tot = vis.sum(2), llm.sum(2), total.sum(2)  # [S, N]
+    rank_tot = total.sum(2)  # [S, N]
     out: dict = {"method": schedule.method, "dp_size": schedule.dp_size,
                  "num_microbatches": schedule.num_microbatches, "num_steps": schedule.num_steps,
                  "caps_tiles": schedule.caps.tiles, "caps_tokens": schedule.caps.tokens,
-                 "padding": schedule.padding}
+                 "padding": schedule.padding, "cost_model": cost.name}
     # a step with empty micro-batches (a baseline's partial last step) would dominate the averages with
     # one huge ratio; it is counted apart and left out of the per-step averages. Slots a step does not run
     # (an HBP level with fewer micro-batches than the largest count) are no micro-batches at all.
@@ -66,8 +80,9 @@ def schedule_metrics(schedule, stats, cost: BalanceCost | None = None) -> dict:
     full = ((sizes_mb > 0) | ~runs).all(axis=(1, 2))
     out["steps_with_empty_microbatches"] = int((~full).sum())
     width = schedule.dp_size * schedule.num_microbatches
-    for name, per_rank, per_mb in (("vision", rank_v, vis), ("llm", rank_l, llm), ("total", rank_tot, total)):
-        out.update(_summary(f"{name}_max_mean_ranks", _max_mean(per_rank[full], 1)))
+    for name, per_mb in (("vision", vis), ("llm", llm), ("llm_linear", llm_linear),
+                         ("llm_attention", llm_attention), ("total", total)):
+        out.update(_summary(f"{name}_max_mean_ranks", _max_mean(per_mb.sum(2)[full], 1)))
         flat, mask = per_mb[full].reshape(-1, width), runs[full].reshape(-1, width)
         out.update(_summary(f"{name}_max_mean_microbatches", _max_mean(flat, 1, mask)))
     # dist ratios on raw tiles / tokens per rank (as the reference computes them)
@@ -95,6 +110,8 @@ def schedule_metrics(schedule, stats, cost: BalanceCost | None = None) -> dict:
     num_mb = used.size
     out["buffer_pad_tiles"] = float(1 - real[..., 1].sum() / (num_mb * schedule.caps.tiles)) if num_mb else 0.0
     out["buffer_pad_tokens"] = float(1 - real[..., 2].sum() / (num_mb * schedule.caps.tokens)) if num_mb else 0.0
+    padded = sum(c.sum() for c in cost.evaluate(schedule.features(stats, padding="fixed_buffer")))
+    out["buffer_pad_compute"] = float(1 - sum(c.sum() for c in cost.evaluate(real)) / padded) if padded > 0 else 0.0
     over = (real[..., 1] > schedule.caps.tiles) | (real[..., 2] > schedule.caps.tokens)
     out["microbatches_over_caps"] = int(over.sum())
     # useful compute
@@ -124,10 +141,19 @@ def coverage(schedule) -> dict:
     }
 
 
+def cost_legend(cost: BalanceCost | None = None) -> str:
+    """One line saying what every printed max/mean measures (the cost, its parts, the model it is priced on)."""
+    cost = cost or DEFAULT_COST
+    return ("max/mean: per step, the most loaded rank's cost over the ranks' mean, averaged over steps; costs "
+            f"priced on {cost.name}: vision = encoder + projector; LLM = linear (weights, per token) + attention "
+            "(causal, per sample's tokens**2; llm_attention alone beside); total = vision + LLM")
+
+
 def format_table(rows: list[dict], keys: list[str] | None = None) -> str:
     """A markdown table of selected metrics, one row per schedule."""
     keys = keys or ["method", "dp_size", "num_steps", "caps_tiles", "caps_tokens", "samples_per_microbatch_mean",
-                    "vision_max_mean_ranks", "llm_max_mean_ranks", "total_max_mean_ranks", "llm_max_mean_ranks_worst",
-                    "buffer_pad_tiles", "buffer_pad_tokens", "pad_ratio_longest", "dist_ratio_vision",
+                    "vision_max_mean_ranks", "llm_max_mean_ranks", "llm_attention_max_mean_ranks",
+                    "total_max_mean_ranks", "llm_max_mean_ranks_worst", "buffer_pad_tiles", "buffer_pad_tokens",
+                    "buffer_pad_compute", "pad_ratio_longest", "dist_ratio_vision",
                     "dist_ratio_text", "useful_fraction", "coverage_ok"]
     return markdown_table([keys] + [[r.get(k, "") for k in keys] for r in rows]) + "\n"

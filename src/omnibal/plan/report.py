@@ -57,9 +57,11 @@ BALANCE_KEYS = (("num_microbatches", "micro-batches per step", "{:d}"),
                 ("caps_tiles", "tile buffer Q_v", "{:d}"), ("caps_tokens", "token buffer Q_t", "{:d}"),
                 ("pad_ratio_longest", "pad ratio (padded to longest)", "{:.3f}"),
                 ("dist_ratio_vision", "dist ratio vision", "{:.3f}"), ("dist_ratio_text", "dist ratio text", "{:.3f}"),
-                ("vision_max_mean_ranks", "vision cost max/mean over ranks", "{:.3f}"),
-                ("llm_max_mean_ranks", "LLM cost max/mean over ranks", "{:.3f}"),
-                ("total_max_mean_ranks", "total cost max/mean over ranks", "{:.3f}"),
+                ("vision_max_mean_ranks", "vision cost max/mean over ranks (per step, mean over steps)", "{:.3f}"),
+                ("llm_max_mean_ranks", "LLM cost (linear + attention) max/mean over ranks", "{:.3f}"),
+                ("llm_attention_max_mean_ranks", "LLM attention cost alone max/mean over ranks", "{:.3f}"),
+                ("total_max_mean_ranks", "total cost (vision + LLM) max/mean over ranks", "{:.3f}"),
+                ("cost_model", "costs priced on", "{}"),
                 ("useful_fraction", "useful compute fraction", "{:.3f}"), ("coverage_ok", "every sample once", "{}"))
 
 

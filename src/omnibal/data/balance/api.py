@@ -9,16 +9,20 @@ import numpy as np
 
 from omnibal.data.balance.assign import assign_sorted
 from omnibal.data.balance.baselines import balance_length_grouped, balance_random
+from omnibal.data.balance.capmodel import abs_log
 from omnibal.data.balance.caps import choose_caps
 from omnibal.data.balance.common import OVERSIZE_POLICIES, epoch_rng, split_oversize
 from omnibal.data.balance.cost import DEFAULT_COST, BalanceCost
 from omnibal.data.balance.isf import balance_isf
 from omnibal.data.balance.packer import DEFAULT_LLM_TOL, pack_balanced
+from omnibal.data.balance.phases import phase
 from omnibal.data.balance.schedule import Caps, Schedule, build_schedule
 from omnibal.errors import InputError
 from omnibal.layout import BalanceMethod
 
 METHODS = tuple(BalanceMethod)
+FALLBACK_ROWS = 4 * 16384
+"""Rows up to which the packer packs the cap search's runner-up too when its choice needed the tail rule."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -140,7 +144,8 @@ def _balance_omnibal(stats, dp_size, num_microbatches, seed, epoch, config: Bala
                          source=stats.source, field="oversize")
     rng = epoch_rng(seed, epoch)
     pack_of = np.full(len(stats), -1, np.int64)
-    costs = config.cost.grid_costs(stats.tiles, stats.tokens)  # integers: exact sums on every machine
+    with phase("costs"):
+        costs = config.cost.grid_costs(stats.tiles, stats.tokens)  # integers: exact sums on every machine
     if len(regular):
         num_regular_packs, (q_v, q_t), passes = _pack_regular(stats, regular, pack_of, costs[1][regular],
                                                               per_step=per_step, max_total=max_total,
@@ -150,45 +155,69 @@ def _balance_omnibal(stats, dp_size, num_microbatches, seed, epoch, config: Bala
         q_v, q_t = config.max_tiles or 1, config.max_tokens or 1
     num_total = num_regular_packs + len(alone)
     pack_of[alone] = num_regular_packs + np.arange(len(alone))
-    pack_ids = _assign(stats, pack_of, num_total, costs, dp_size=dp_size, num_microbatches=num_microbatches,
-                       config=config, rng=rng)
-    return build_schedule(
-        pack_of=pack_of, num_packs=num_total, pack_ids=pack_ids, dp_size=dp_size,
-        num_microbatches=num_microbatches, caps=Caps(tiles=int(q_v), tokens=int(q_t)),
-        num_samples=len(stats), padding="varlen", method="omnibal", seed=seed, epoch=epoch,
-        stats_fingerprint=stats.fingerprint(), dropped=dropped,
-        meta={"config": config.to_dict(), "exchange_passes": list(passes), "own_packs": alone.tolist()},
-    )
+    with phase("assign"):
+        pack_ids = _assign(stats, pack_of, num_total, costs, dp_size=dp_size, num_microbatches=num_microbatches,
+                           config=config, rng=rng)
+    with phase("schedule"):
+        return build_schedule(
+            pack_of=pack_of, num_packs=num_total, pack_ids=pack_ids, dp_size=dp_size,
+            num_microbatches=num_microbatches, caps=Caps(tiles=int(q_v), tokens=int(q_t)),
+            num_samples=len(stats), padding="varlen", method="omnibal", seed=seed, epoch=epoch,
+            stats_fingerprint=stats.fingerprint(), dropped=dropped,
+            meta={"config": config.to_dict(), "exchange_passes": list(passes), "own_packs": alone.tolist()},
+        )
 
 
 def _pack_regular(stats, regular, pack_of, llm, *, per_step, max_total, num_alone, config, rng):
     """Cap search and packing of the rows under the caps (``llm``: their LLM costs on the integer grid);
-    writes their pack labels into ``pack_of``. Returns (number of packs, (Q_v, Q_t), exchange passes)."""
+    writes their pack labels into ``pack_of``. Returns (number of packs, (Q_v, Q_t), exchange passes).
+
+    With derived caps, when the chosen count needed the tail rule (new steps, or a tile cap grown over the
+    searched one: what the search's subsample did not show), the runner-up count is packed too and the one
+    that pads less is kept -- up to ``FALLBACK_ROWS`` rows (a second packing is its whole cost again)."""
     tiles, tokens = stats.tiles[regular], stats.tokens[regular]
-    choice = choose_caps(tiles, tokens, slots_per_step=per_step, target_samples=config.target_samples,
-                         samples_tolerance=config.samples_tolerance, max_tiles=config.max_tiles,
-                         max_tokens=config.max_tokens, token_slack=config.token_slack,
-                         token_multiple=config.token_multiple, rng=rng, num_steps=config.num_steps)
+    with phase("cap_search"):
+        choice = choose_caps(tiles, tokens, slots_per_step=per_step, target_samples=config.target_samples,
+                             samples_tolerance=config.samples_tolerance, max_tiles=config.max_tiles,
+                             max_tokens=config.max_tokens, token_slack=config.token_slack,
+                             token_multiple=config.token_multiple, rng=rng, num_steps=config.num_steps)
+    args = dict(tiles=tiles, tokens=tokens, llm=llm, per_step=per_step, max_total=max_total, num_alone=num_alone,
+                config=config, rng=rng)
+    best = _pack_at(choice.num_steps, choice.max_tiles, choice.max_tokens, **args)
+    if best[3] and choice.runners_up and not _caps_fixed(config) and len(tiles) <= FALLBACK_ROWS:
+        other = _pack_at(*choice.runners_up[0], **args)
+        best = min(best, other, key=lambda r: r[4])
+    packed, q_v, q_t = best[:3]
+    pack_of[regular] = packed.pack_of
+    return len(packed.tiles), (q_v, q_t), packed.passes
+
+
+def _pack_at(steps, max_tiles, max_tokens, *, tiles, tokens, llm, per_step, max_total, num_alone, config, rng):
+    """Pack at one (steps, Q_v, Q_t): (packs, derived Q_v, derived Q_t, whether the tail rule changed the
+    count or the caps, pad score of the derived caps)."""
     # with the own packs, a whole number of steps
-    num_packs = min(-(-(choice.num_packs + num_alone) // per_step) * per_step, max_total) - num_alone
-    packed = pack_balanced(tiles, tokens, llm, num_packs=num_packs, max_tiles=choice.max_tiles,
-                           max_tokens=choice.max_tokens, rng=rng, llm_tol=config.llm_tol, pack_step=per_step,
+    num_packs = min(-(-(steps * per_step + num_alone) // per_step) * per_step, max_total) - num_alone
+    packed = pack_balanced(tiles, tokens, llm, num_packs=num_packs, max_tiles=max_tiles,
+                           max_tokens=max_tokens, rng=rng, llm_tol=config.llm_tol, pack_step=per_step,
                            max_packs=max_total - num_alone, hard_caps=_caps_fixed(config))
-    over = (packed.tiles > choice.max_tiles) & (config.max_tiles is not None)
-    over = int((over | (packed.tokens > choice.max_tokens) & (config.max_tokens is not None)).sum())
+    over = (packed.tiles > max_tiles) & (config.max_tiles is not None)
+    over = int((over | (packed.tokens > max_tokens) & (config.max_tokens is not None)).sum())
     if over:  # the packer adds packs for what does not fit, unless more packs would leave some empty
-        raise InputError(f"could not pack under the caps tiles={choice.max_tiles} tokens={choice.max_tokens} "
+        raise InputError(f"could not pack under the caps tiles={max_tiles} tokens={max_tokens} "
                          f"({over} packs over) without more micro-batches than samples; raise the caps, or "
                          f"lower dp_size x num_microbatches", source="caps",
-                         field="max_tokens" if (packed.tokens > choice.max_tokens).any() else "max_tiles")
+                         field="max_tokens" if (packed.tokens > max_tokens).any() else "max_tiles")
     # derived caps: what the packs really need (the searched caps, or a little over them: see the packer)
-    pack_of[regular] = packed.pack_of
-    q_v, q_t = choice.max_tiles, choice.max_tokens
+    q_v, q_t = max_tiles, max_tokens
     if config.max_tiles is None:
         q_v = max(int(packed.tiles.max()), 1)
     if config.max_tokens is None:
         q_t = -(-int(max(packed.tokens.max(), 1)) // config.token_multiple) * config.token_multiple
-    return len(packed.tiles), (q_v, q_t), packed.passes
+    p = len(packed.tiles)
+    tailed = p != num_packs or q_v > max_tiles  # new steps or a larger tile cap (a token cap grows by little)
+    score = (2 - float(tiles.sum()) / (p * max(q_v, 1)) - float(tokens.sum()) / (p * q_t)
+             + 0.05 * abs_log(len(tiles) / p / config.target_samples))
+    return packed, q_v, q_t, tailed, score
 
 
 def _caps_fixed(config: BalanceConfig) -> bool:

@@ -10,8 +10,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from omnibal.data.balance.common import distinct_keys, exact_sum, random_ranks
+from omnibal.data.balance.phases import WorkBudget
+from omnibal.data.balance.tilematch import match_tiles
 
 _CHUNK_PAIRS = 1 << 14  # bounds the [pairs, K, K] temporaries to a few MiB each
+_MAX_COLUMNS = {1: 64, 2: 20}
+"""Slots of a pack one exchange weighs (single moves; pairs of slots: 190 pairs): packs are ~5 samples wide,
+so this binds only on wide packs, whose pairs would otherwise cost width**2 (width**4 for pairs of slots)."""
 
 
 class Packs:
@@ -26,50 +31,60 @@ class Packs:
         self.pt = self.tt[slots].sum(1)
         self.pl = self.ll[slots].sum(1)
 
-    def best_moves(self, a: np.ndarray, b: np.ndarray, objective, group: int = 1):
+    def best_moves(self, a: np.ndarray, b: np.ndarray, objective, group: int = 1, budget=None):
         """For every pair (a[k], b[k]) the best exchange that lowers ``objective(pv, pt, pl)`` of the
         pair: a single swap/move (``group=1``; moves go through an empty slot) or a swap of up to two
         samples against up to two (``group=2``). Returns (gain [h], slots sent by a [h, g], slots sent by
-        b [h, g]); gain <= 0 means no improving exchange."""
-        if len(a) == 0:  # no pair to try (e.g. no active pair in a pass): nothing to reduce over
-            empty = np.zeros((0, group), np.int64)
+        b [h, g]); gain <= 0 means no improving exchange. Wide packs are weighed on their first
+        ``_MAX_COLUMNS[group] - 1`` slots and a free one (a pair's work is bounded whatever the input);
+        ``budget`` (a ``WorkBudget``) refuses the call, with no exchange found, once its candidates are spent."""
+        h = len(a)
+        empty = np.zeros((h, group), np.int64)
+        if h == 0:  # no pair to try (e.g. no active pair in a pass): nothing to reduce over
             return np.zeros(0), empty, empty.copy()
         both = np.unique(np.concatenate([a, b]))
         # only the occupied slots plus one free one matter: compact the rows of these packs
         self.slots[both] = np.sort(self.slots[both], axis=1)  # the empty marker n sorts last
         width = min(self.slots.shape[1], int((self.slots[both] < self.n).sum(1).max()) + 1)
+        cols = np.arange(width)
+        if width > _MAX_COLUMNS[group]:  # the last column is free in every row: moves stay possible
+            cols = np.append(cols[: _MAX_COLUMNS[group] - 1], width - 1)
         if group == 1:
-            sel = np.arange(width)[:, None]
+            sel = np.arange(len(cols))[:, None]
         else:
-            i1, i2 = np.triu_indices(width, 1)
-            sel = np.stack([i1, i2], axis=1)  # pairs of slots; an empty slot in a pair makes it a single
+            i1, i2 = np.triu_indices(len(cols), 1)
+            sel = np.stack([i1, i2], axis=1)  # an empty slot in a pair makes it a single
         k = len(sel)
-        h = len(a)
+        if budget is not None and not budget.allows(h * k * k):
+            return np.full(h, -np.inf), empty, empty.copy()
+        needs_llm = getattr(objective, "needs_llm", True)
         gains = np.full(h, -np.inf)
         best_i = np.zeros((h, sel.shape[1]), np.int64)
         best_j = np.zeros((h, sel.shape[1]), np.int64)
         chunk = max(1, _CHUNK_PAIRS * 64 // (k * k))
         for c0 in range(0, h, chunk):
             ca, cb = a[c0:c0 + chunk], b[c0:c0 + chunk]
-            sa, sb = self.slots[ca, :width], self.slots[cb, :width]
+            sa, sb = self.slots[ca[:, None], cols], self.slots[cb[:, None], cols]
             ga, gb = sa[:, sel], sb[:, sel]  # [c, k, group] sample ids per candidate subset
             dv = self.vv[ga].sum(2)[:, :, None] - self.vv[gb].sum(2)[:, None, :]  # a sends minus receives
             dt = self.tt[ga].sum(2)[:, :, None] - self.tt[gb].sum(2)[:, None, :]
-            dl = self.ll[ga].sum(2)[:, :, None] - self.ll[gb].sum(2)[:, None, :]
             before = objective(self.pv[ca], self.pt[ca], self.pl[ca]) + objective(self.pv[cb], self.pt[cb],
                                                                                   self.pl[cb])
-            after = objective(self.pv[ca][:, None, None] - dv, self.pt[ca][:, None, None] - dt,
-                              self.pl[ca][:, None, None] - dl)
-            after += objective(self.pv[cb][:, None, None] + dv, self.pt[cb][:, None, None] + dt,
-                               self.pl[cb][:, None, None] + dl)
-            gain = before[:, None, None] - after
-            gain[(ga == self.n).all(2)[:, :, None] & (gb == self.n).all(2)[:, None, :]] = -np.inf
+            if needs_llm:
+                dl = self.ll[ga].sum(2)[:, :, None] - self.ll[gb].sum(2)[:, None, :]
+                la, lb = self.pl[ca][:, None, None] - dl, self.pl[cb][:, None, None] + dl
+            else:
+                la = lb = None
+            after = objective(self.pv[ca][:, None, None] - dv, self.pt[ca][:, None, None] - dt, la)
+            after += objective(self.pv[cb][:, None, None] + dv, self.pt[cb][:, None, None] + dt, lb)
+            # a swap of two empty slots changes nothing: its gain is exactly 0 and never taken
+            gain = np.subtract(before[:, None, None], after, out=after)
             flat = gain.reshape(len(ca), k * k)
             best = np.argmax(flat, axis=1)
             g = flat[np.arange(len(ca)), best]
             gains[c0:c0 + chunk] = np.where(g > 1e-12 * np.maximum(before, 1e-300), g, -np.inf)
-            best_i[c0:c0 + chunk] = sel[best // k]
-            best_j[c0:c0 + chunk] = sel[best % k]
+            best_i[c0:c0 + chunk] = cols[sel[best // k]]
+            best_j[c0:c0 + chunk] = cols[sel[best % k]]
         return gains, best_i, best_j
 
     def apply(self, a: np.ndarray, b: np.ndarray, i: np.ndarray, j: np.ndarray) -> None:
@@ -82,9 +97,9 @@ class Packs:
             total[a] -= d
             total[b] += d
 
-    def exchange(self, a: np.ndarray, b: np.ndarray, objective, group: int = 1) -> int:
+    def exchange(self, a: np.ndarray, b: np.ndarray, objective, group: int = 1, budget=None) -> int:
         """Apply the best improving exchange of every disjoint pair (a[k], b[k]); returns pairs changed."""
-        gains, i, j = self.best_moves(a, b, objective, group)
+        gains, i, j = self.best_moves(a, b, objective, group, budget)
         take = gains > 0
         if take.any():
             self.apply(a[take], b[take], i[take], j[take])
@@ -99,8 +114,9 @@ class Packs:
 
 
 def improve(packs: Packs, objective, deviation, rng, max_passes: int, group: int = 1,
-             bad_above: float = 0.0) -> int:
-    """Pairwise exchange passes until no pack is off (objective 0) or nothing improves for a while."""
+            bad_above: float = 0.0, budget=None) -> int:
+    """Pairwise exchange passes until no pack is off (objective 0), nothing improves for a while or the
+    ``budget`` is spent."""
     p = len(packs.pv)
     if p < 2:
         return 0
@@ -109,7 +125,8 @@ def improve(packs: Packs, objective, deviation, rng, max_passes: int, group: int
     g = objective(packs.pv, packs.pt, packs.pl)
     for passes in range(1, max_passes + 1):
         bad = g > bad_above
-        if not bad.any():
+        # a pass pairs every pack: once only a few are off, the targeted repair serves them for less
+        if bad.sum() <= FEW_OFF * p or (budget is not None and budget.exhausted):
             break
         if passes % 2:
             # packs of equal deviation in a random order (distinct keys: the same order on every machine)
@@ -120,7 +137,7 @@ def improve(packs: Packs, objective, deviation, rng, max_passes: int, group: int
             first, second = perm[: p // 2], perm[p // 2: 2 * (p // 2)]
         active = bad[first] | bad[second]
         before = exact_sum(np.maximum(g - bad_above, 0))
-        packs.exchange(first[active], second[active], objective, group)
+        packs.exchange(first[active], second[active], objective, group, budget)
         g = objective(packs.pv, packs.pt, packs.pl)
         after = exact_sum(np.maximum(g - bad_above, 0))
         # stop after two passes in a row that gain under 5%: the tail is left to the targeted repair
@@ -130,19 +147,39 @@ def improve(packs: Packs, objective, deviation, rng, max_passes: int, group: int
     return passes
 
 
+FEW_OFF = 0.01
+"""Share of packs off under which the pairing passes stop (the targeted repair takes the rest)."""
+
+
+def _smallest(values: np.ndarray, k: int) -> np.ndarray:
+    """Positions of the ``k`` smallest ``values`` in the order of (value, position): what a stable argsort
+    gives first, in O(N + k log k) (a partition finds the k-th value; no order depends on the sort kernel)."""
+    if k >= len(values):
+        return np.argsort(values, kind="stable")
+    kth = np.partition(values, k - 1)[k - 1]
+    below = np.flatnonzero(values < kth)
+    chosen = np.concatenate([below, np.flatnonzero(values == kth)[: k - len(below)]])
+    return chosen[np.argsort(values[chosen], kind="stable")] if len(chosen) else chosen
+
+
 def _occupied(packs: Packs, rows: np.ndarray) -> int:
     """Occupied slots of the widest of ``rows``, plus two (the free slot a move goes through, and margin)."""
     return int((packs.slots[rows] < packs.n).sum(1).max()) + 2
 
 
-def _pair_budget(width: int, group: int) -> int:
-    """Pairs of packs one repair round may try so that it weighs ~1M candidate exchanges in all."""
-    subsets = width if group == 1 else width * (width - 1) // 2
-    return max(16, (1 << 20) // (subsets * subsets))
+ROUND_WORK_PER_ROW = 8
+"""Candidate exchanges per row one repair round may weigh (between ``2**16`` and ``2**20`` in all)."""
+
+
+def _pair_budget(width: int, group: int, rows: int) -> int:
+    """Pairs of packs one repair round may try: ``ROUND_WORK_PER_ROW`` candidates per row, at least 64k
+    and at most ~1M in all, and at least 16 pairs."""
+    subsets = min(width, _MAX_COLUMNS[group]) if group == 1 else min(width, _MAX_COLUMNS[group]) ** 2 // 2
+    return max(16, min(max(ROUND_WORK_PER_ROW * rows, 1 << 16), 1 << 20) // (subsets * subsets))
 
 
 def _repair(packs: Packs, objective, deviation, rng, rounds: int, partners: int, group: int,
-            bad_above: float = 0.0) -> int:
+            bad_above: float = 0.0, budget=None) -> int:
     """For the few packs still off: try ``partners`` packs that are fine, drawn from those with the most
     room (lowest deviation), for each of them; keep the best improving exchange per off pack (each partner
     used once per round). Much stronger than one partner per pass when only a tail is left."""
@@ -150,28 +187,28 @@ def _repair(packs: Packs, objective, deviation, rng, rounds: int, partners: int,
         g = objective(packs.pv, packs.pt, packs.pl)
         bad = np.flatnonzero(g > bad_above)
         good = np.flatnonzero(g <= bad_above)
-        if len(bad) == 0 or len(good) == 0:
+        if len(bad) == 0 or len(good) == 0 or (budget is not None and budget.exhausted):
             return r - 1
         # bounded work per round: many partners for a short tail, fewer when many packs are off
         width = _occupied(packs, bad)
-        budget = _pair_budget(width, group)
-        partners_now = max(1, min(partners, budget // len(bad)))
-        if len(bad) > budget:
-            bad = bad[rng.permutation(len(bad))[:budget]]
+        most = _pair_budget(width, group, packs.n)
+        partners_now = max(1, min(partners, most // len(bad)))
+        if len(bad) > most:
+            bad = bad[rng.permutation(len(bad))[:most]]
         pool_size = min(len(good), max(64, 8 * partners_now * len(bad)))
         dev = deviation(packs.pv[good], packs.pt[good], packs.pl[good])
         sign = np.sign(np.median(deviation(packs.pv[bad], packs.pt[bad], packs.pl[bad])))
-        pool = good[np.argsort(sign * dev, kind="stable")[:pool_size]]  # room on the side the off ones need
+        pool = good[_smallest(sign * dev, pool_size)]  # room on the side the off ones need
         # a pair's work is set by the wider of its two packs: partners wider than the off packs (many short
         # samples, as in LLM-only data) would otherwise multiply the round's work by (their width)^2
         pool_width = _occupied(packs, pool)
         if pool_width > width:
-            budget = _pair_budget(pool_width, group)
-            partners_now = max(1, min(partners, budget // len(bad)))
-            bad = bad[:budget]
+            most = _pair_budget(pool_width, group, packs.n)
+            partners_now = max(1, min(partners, most // len(bad)))
+            bad = bad[:most]
         a = np.repeat(bad, partners_now)
         b = pool[rng.integers(0, len(pool), size=len(a))]
-        gains, i, j = packs.best_moves(a, b, objective, group)
+        gains, i, j = packs.best_moves(a, b, objective, group, budget)
         order = np.lexsort((-gains, a))  # per off pack, its best partner first
         first = np.ones(len(order), bool)
         first[1:] = a[order][1:] != a[order][:-1]
@@ -245,12 +282,26 @@ class Targets:
                    max_tokens=float(max_tokens), llm_tol=llm_tol, hard=hard, tokens_per_tile=min_tokens_per_tile(v, t))
 
     def tile_off(self, pv, pt):
-        # under the range only by as many tiles as the pack's token room still holds
-        room = np.maximum(np.floor((self.max_tokens - pt) / self.tokens_per_tile), 0)
-        return np.maximum(pv - self.tile_top, 0) + np.minimum(np.maximum(self.tile_lo - pv, 0), room)
+        # under the range only by as many tiles as the pack's token room still holds (written with in-place
+        # operations on fresh arrays: the exchange evaluates it on [pairs, K, K] candidates)
+        off = pv - self.tile_top
+        np.maximum(off, 0, out=off)
+        if np.isfinite(self.tokens_per_tile):
+            room = self.max_tokens - pt
+            room /= self.tokens_per_tile
+            np.floor(room, out=room)
+            np.maximum(room, 0, out=room)
+            under = self.tile_lo - pv
+            np.maximum(under, 0, out=under)
+            np.minimum(under, room, out=under)
+            off += under
+        return off
 
     def token_over(self, pt):
-        return np.maximum(pt - self.max_tokens, 0) / self.mean_t
+        over = pt - self.max_tokens
+        np.maximum(over, 0, out=over)
+        over /= self.mean_t
+        return over
 
     def _hard(self, pv, pt):
         if not self.hard:
@@ -259,8 +310,16 @@ class Targets:
 
     def tile_objective(self, pv, pt, pl):
         # a token overflow counts as the tiles it is worth: repairs never fill a text-heavy pack with tiles
-        off = self.tile_off(pv, pt) + self.token_over(pt) * self.mean_t / self.tokens_per_tile
-        return off * off + self._hard(pv, pt)
+        off = self.tile_off(pv, pt)
+        if np.isfinite(self.tokens_per_tile):
+            over = pt - self.max_tokens
+            np.maximum(over, 0, out=over)
+            over /= self.tokens_per_tile
+            off += over
+        off *= off
+        if self.hard:
+            off += self._hard(pv, pt)
+        return off
 
     def tile_deviation(self, pv, pt, pl):
         # continuous, so a pack over the range meets one at the low end of it (not one just inside)
@@ -275,13 +334,30 @@ class Targets:
         # over the tile cap: forbidden; over the token cap: to be fixed, even by a pack one tile under the
         # range (a text-heavy sample needs the room of a tile); under the range: a mild cost
         over = self.token_over(pt)
+        g = pv - self.tile_hi
+        np.maximum(g, 0, out=g)
+        g *= g
+        g *= _W_TILE_CAP
+        g += (over > 0) * _W_ANY_OVER
         off = self.tile_off(pv, pt)
-        g = _W_TILE_CAP * np.maximum(pv - self.tile_hi, 0) ** 2 + _W_TOKEN_OVER * over * over
-        g = g + _W_TILE_RANGE * off * off + _W_ANY_OVER * (over > 0)
+        off *= off
+        off *= _W_TILE_RANGE
+        g += off
+        over *= over
+        over *= _W_TOKEN_OVER
+        g += over
         if self.llm_tol is not None:
-            band = np.maximum(np.abs(self.llm_dev(pv, pl)) - self.llm_tol, 0)
-            g = g + _W_LLM_BAND * band * band
-        return g + self._hard(pv, pt)
+            band = pl - self.mean_l
+            band /= self.mean_l
+            np.abs(band, out=band)
+            band -= self.llm_tol
+            np.maximum(band, 0, out=band)
+            band *= band
+            band *= _W_LLM_BAND
+            g += band
+        if self.hard:
+            g += self._hard(pv, pt)
+        return g
 
     def llm_deviation(self, pv, pt, pl):
         return self.llm_dev(pv, pl) + 10.0 * self.token_over(pt)
@@ -290,24 +366,42 @@ class Targets:
     ok_level = _W_TILE_RANGE + 1e-9
 
 
-def repair_tiles(packs: Packs, targets: Targets, rng) -> int:
-    """Phase 2: bring every pack's tile count into ``[tile_lo, tile_hi]``."""
-    passes = improve(packs, targets.tile_objective, targets.tile_deviation, rng, 8)
+Targets.tile_objective.needs_llm = False  # reads tiles and tokens only: the exchange skips the LLM deltas
+
+
+TILE_WORK_PER_ROW = 400
+"""Candidate exchanges per row the tile repair may weigh (its ``WorkBudget``)."""
+LEVEL_WORK_PER_ROW = 800
+"""Candidate exchanges per row the LLM levelling may weigh."""
+
+
+def repair_tiles(packs: Packs, targets: Targets, rng, budget=None) -> int:
+    """Phase 2: bring every pack's tile count into ``[tile_lo, tile_hi]`` (within ``budget``, a
+    ``WorkBudget``; by default ``TILE_WORK_PER_ROW`` candidates per row)."""
+    budget = budget or WorkBudget.per_row(packs.n, TILE_WORK_PER_ROW)
+    if not np.isfinite(targets.tokens_per_tile):
+        # tiles alone (the cap search's trials): exchange types mend most packs at O(P) numpy per type. With
+        # the token room in play (the packer) the pairwise exchange below does better: it sees the tokens
+        match_tiles(packs, targets.tile_lo, targets.tile_top, rng)
+    passes = improve(packs, targets.tile_objective, targets.tile_deviation, rng, 8, budget=budget)
     for group in (1, 2):
         if (targets.tile_objective(packs.pv, packs.pt, packs.pl) > 0).any():
             passes += _repair(packs, targets.tile_objective, targets.tile_deviation, rng, rounds=4, partners=24,
-                              group=group)
+                              group=group, budget=budget)
     return passes
 
 
-def level_llm(packs: Packs, targets: Targets, rng, max_passes: int) -> int:
-    """Phase 3: token cap and LLM levelling, tile counts kept in range."""
+def level_llm(packs: Packs, targets: Targets, rng, max_passes: int, budget=None) -> int:
+    """Phase 3: token cap and LLM levelling, tile counts kept in range (within ``budget``; by default
+    ``LEVEL_WORK_PER_ROW`` candidates per row)."""
+    budget = budget or WorkBudget.per_row(packs.n, LEVEL_WORK_PER_ROW)
     ok = targets.ok_level
-    passes = improve(packs, targets.llm_objective, targets.llm_deviation, rng, max_passes, bad_above=ok)
+    passes = improve(packs, targets.llm_objective, targets.llm_deviation, rng, max_passes, bad_above=ok,
+                     budget=budget)
     for group in (1, 2):
         if (targets.llm_objective(packs.pv, packs.pt, packs.pl) > ok).any():
             passes += _repair(packs, targets.llm_objective, targets.llm_deviation, rng, rounds=6, partners=256,
-                              group=group, bad_above=ok)
+                              group=group, bad_above=ok, budget=budget)
     # group swaps twice more, only while a pack is over the token cap: the text-heavy packs' last overflows
     # need more than one round of 2-for-2 swaps (a 20k synthetic mixture at 4 x 4: without them packs stay a
     # few tokens over in some epochs); packs merely outside the LLM band do not pay for them (1.2M real rows
@@ -316,6 +410,6 @@ def level_llm(packs: Packs, targets: Targets, rng, max_passes: int) -> int:
         if not (packs.pt > targets.max_tokens).any():
             break
         passes += _repair(packs, targets.llm_objective, targets.llm_deviation, rng, rounds=6, partners=256,
-                          group=2, bad_above=ok)
+                          group=2, bad_above=ok, budget=budget)
     return passes
 

@@ -1,26 +1,29 @@
-"""omnibal's packer: ``P`` packs whose tile counts are equal (to the integer) and whose LLM costs are equal
-(within a small band), all under the (Q_v, Q_t) buffer.
+"""omnibal's packer: ``P`` packs whose tile counts are equal (to the integer) and whose tokens and LLM costs are
+level, all under the (Q_v, Q_t) buffer.
 
-Four vectorised phases, no per-sample Python loop:
+Vectorised phases, no per-sample Python loop:
 
 1. **Round dealing** (an LPT in rounds): samples sorted by (tiles, LLM cost), largest first, are dealt ``P``
    at a time; in every round the largest sample goes to the pack with the fewest tiles so far (ties: the
    lowest LLM cost). Every pack gets one sample from every size band.
-2. **Tile repair**: packs whose tile count is outside ``[floor(V/P), ceil(V/P)]`` (V = total tiles; never
-   above the tile cap) are paired with packs on the other side and the single swap or move that brings
-   both closest to the range is applied, all pairs at once as ``[pairs, K, K]`` array operations.
-3. **LLM levelling**: the same pairwise exchange, restricted to swaps that keep both packs' tile counts in
-   range, pulls every pack under the token cap and its LLM cost into ``llm_tol`` (default 1%) of the mean.
-   Pairs are heaviest-with-lightest (sorted), alternating with random pairings so that no pair is tried
-   twice in a row; only pairs with a pack outside the band are evaluated, so late passes are cheap.
-4. **The tail** (``enforce_caps``): packs still over a cap give up samples -- per pack the smallest one
-   whose removal suffices -- to whole new steps of packs; then phases 2-3 run again with the caps hard
-   (every pack starts under them and no exchange may bring one over), which spreads the new packs' room
-   over all packs. So a fixed buffer always holds, whatever the caps, as long as every sample fits alone and
-   there are enough samples for the packs. With derived caps a buffer grown to the few packs a little over
-   it is kept instead when that pads less than a step of new packs; outliers far over never set it.
+2. **Tile repair** (``exchange.repair_tiles``): packs whose tile count is outside ``[floor(V/P), ceil(V/P)]``
+   (V = total tiles; never above the tile cap; under it only by as many tiles as the pack's token room
+   holds) are paired with packs on the other side and the best swap or move of up to two samples is applied,
+   all pairs at once as ``[pairs, K, K]`` array operations.
+3. **Token levelling by layers** (``layers.level_tokens``): samples trade places only with samples of their
+   own tile count, a layer at a time, largest into the lowest packs: tile counts never move, the largest pack
+   and the spread only fall. Ties go by the LLM cost, which levels with the tokens.
+4. **LLM levelling** (``exchange.level_llm``): the pairwise exchange again, tile counts kept under the cap,
+   until no pack is over the token cap (a text-heavy sample may cost its pack tiles); then the layers again.
+5. **The tail** (``tail.enforce_caps``): packs still over a cap give up samples -- per pack the smallest one
+   whose removal suffices -- to packs with room, and what is left to whole new steps of packs; then phases
+   2-4 run again with the caps hard (every pack starts under them and no exchange may bring one over). So a
+   fixed buffer always holds, whatever the caps, as long as every sample fits alone and there are enough
+   samples for the packs. With derived caps a buffer grown to the packs over it is kept instead when that
+   pads less than the new steps would; outliers far over never set it.
 
-Exactly-once holds by construction: samples only ever change slots.
+Every exchange phase runs within a ``phases.WorkBudget`` (bounded work on any input). Exactly-once holds by
+construction: samples only ever change slots.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ import numpy as np
 from omnibal.data.balance.common import distinct_keys, random_ranks
 from omnibal.data.balance.cost import to_grid
 from omnibal.data.balance.exchange import Packs, Targets, level_llm, repair_tiles
+from omnibal.data.balance.layers import level_tokens
+from omnibal.data.balance.phases import phase
 from omnibal.data.balance.tail import enforce_caps
 
 DEFAULT_LLM_TOL = 0.01
@@ -52,6 +57,10 @@ class PackResult:
     """LLM cost per pack (per-sample part), in the units of the integer grid the packer puts it on."""
     passes: tuple[int, int, int]
     """Exchange passes run in the tile repair, the LLM levelling and after the tail's new packs."""
+
+
+_DEAL_ROUNDS_PER_PACKFUL = 4
+"""Dealing rounds per ``ceil(n / p)`` before every round is forced (see ``_deal``)."""
 
 
 def _deal(v, t, lc, p, max_tiles, max_tokens, rng) -> np.ndarray:
@@ -80,8 +89,11 @@ def _deal(v, t, lc, p, max_tiles, max_tokens, rng) -> np.ndarray:
     nxt = 0
     force = False
     # Progress: a round places a sample, or reads a new one, or (placing and reading nothing) forces the
-    # next round, which places everything it holds. So there are at most 3n rounds; asserted below.
+    # next round, which places everything it holds. So there are at most 3n rounds; asserted below. Work:
+    # each round sorts the packs, so after ``_DEAL_ROUNDS_PER_PACKFUL`` rounds per packful of samples every
+    # later round is forced (it places all it holds): O((n + p) log p) whatever the caps.
     max_rounds = 3 * n + 3
+    force_after = _DEAL_ROUNDS_PER_PACKFUL * -(-n // p) + 16
     rounds = 0
     while nxt < n or len(pending):
         rounds += 1
@@ -109,7 +121,7 @@ def _deal(v, t, lc, p, max_tiles, max_tokens, rng) -> np.ndarray:
         # The same when a round places nothing while the pending samples fill every pack slot: no new
         # sample can enter the next round, so without forcing it would be this round again, forever.
         stalled = len(packs) == 0 and len(pending) >= p
-        force = stalled or (nxt >= n and len(packs) <= max(len(items) // 20, 0))
+        force = stalled or (nxt >= n and len(packs) <= max(len(items) // 20, 0)) or rounds >= force_after
     need = int(count.max()) + 3  # keep free slots so samples can move between packs
     if slots.shape[1] < need:
         slots = np.concatenate([slots, np.full((p, need - slots.shape[1]), n, dtype=np.int64)], axis=1)
@@ -148,13 +160,19 @@ def pack_balanced(
     v = np.asarray(tiles, np.float64)
     t = np.asarray(tokens, np.float64)
     lc = to_grid(llm_cost)  # integers: every pack's sum exact, the same on every machine
-    packs = Packs(_deal(v, t, lc, p, max_tiles, max_tokens, rng), v, t, lc)
+    with phase("deal"):
+        packs = Packs(_deal(v, t, lc, p, max_tiles, max_tokens, rng), v, t, lc)
     targets = Targets.of(v, t, lc, p, max_tiles, max_tokens, llm_tol)
-    passes_tiles = repair_tiles(packs, targets, rng)
-    passes_llm = level_llm(packs, targets, rng, max_passes)
-    packs, passes_rescue = enforce_caps(packs, v, t, lc, max_tiles=max_tiles, max_tokens=max_tokens,
-                                         hard_caps=hard_caps, pack_step=pack_step, max_packs=max_packs,
-                                         llm_tol=llm_tol, rng=rng,
-                                         max_passes=max_passes)
+    with phase("tile_repair"):
+        passes_tiles = repair_tiles(packs, targets, rng)
+    with phase("token_levelling"):
+        level_tokens(packs, rng)
+    with phase("llm_levelling"):
+        passes_llm = level_llm(packs, targets, rng, max_passes)
+        level_tokens(packs, rng)
+    with phase("tail"):
+        packs, passes_rescue = enforce_caps(packs, v, t, lc, max_tiles=max_tiles, max_tokens=max_tokens,
+                                            hard_caps=hard_caps, pack_step=pack_step, max_packs=max_packs,
+                                            llm_tol=llm_tol, rng=rng, max_passes=max_passes)
     return PackResult(pack_of=packs.pack_of(), tiles=packs.pv, tokens=packs.pt, llm=packs.pl,
                       passes=(passes_tiles, passes_llm, passes_rescue))

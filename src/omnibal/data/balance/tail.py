@@ -6,8 +6,14 @@ from __future__ import annotations
 
 import numpy as np
 
+from omnibal.data.balance.common import distinct_keys, random_ranks
 from omnibal.data.balance.exchange import Packs, Targets, level_llm, repair_tiles
 from omnibal.data.balance.isf import next_fit
+from omnibal.data.balance.layers import level_tokens
+
+GROW_MARGIN = 0.003
+"""Derived caps: pad (both buffers together) the new steps must save over growing the buffer, since they
+cost a second repair and levelling of every pack."""
 
 
 def _over(packs: Packs, max_tiles: float, max_tokens: float) -> np.ndarray:
@@ -88,35 +94,71 @@ def _fill_empty(packs: Packs, rng) -> None:
         packs.apply(donors, empty, d_slot[:, None], e_slot[:, None])
 
 
-def _growing_is_cheaper(packs: Packs, max_tiles, max_tokens, pack_step: int) -> bool:
-    """Derived caps: would a buffer grown to the packs over it pad less than one more step of packs?"""
-    grow = (max(float(packs.pv.max()) / max(max_tiles, 1) - 1, 0)
+def _reinsert(packs: Packs, items: np.ndarray, max_tiles: float, max_tokens: float, rng, rounds: int = 4):
+    """Put evicted samples into packs that still have room for them under both caps, largest first into the
+    roomiest packs, a round at a time (each pack takes at most one sample a round); returns those left."""
+    if len(items) == 0:
+        return items
+    if (packs.slots[:, -1] < packs.n).any():  # a free column for every pack
+        packs.slots = np.concatenate([packs.slots, np.full((len(packs.pv), 1), packs.n)], axis=1)
+    size = packs.vv[items] / max(max_tiles, 1) + packs.tt[items] / max(max_tokens, 1)
+    items = items[np.argsort(-distinct_keys(size, random_ranks(len(items), rng)))]
+    for _ in range(rounds):
+        room = np.minimum(max_tiles - packs.pv, (max_tokens - packs.pt) * (max_tiles / max(max_tokens, 1)))
+        free = packs.slots[:, -1] >= packs.n
+        open_ = np.flatnonzero((room > 0) & free)
+        if len(open_) == 0 or len(items) == 0:
+            break
+        open_ = open_[np.argsort(-distinct_keys(room[open_], random_ranks(len(open_), rng)))][: len(items)]
+        take = items[: len(open_)]
+        fits = (packs.pv[open_] + packs.vv[take] <= max_tiles) & (packs.pt[open_] + packs.tt[take] <= max_tokens)
+        rows, placed = open_[fits], take[fits]
+        col = np.argmax(packs.slots[rows] >= packs.n, axis=1)
+        packs.slots[rows, col] = placed
+        packs.pv[rows] += packs.vv[placed]
+        packs.pt[rows] += packs.tt[placed]
+        packs.pl[rows] += packs.ll[placed]
+        if not fits.any():
+            break
+        items = np.concatenate([take[~fits], items[len(open_):]])
+    return items
+
+
+def _grow_cost(packs: Packs, max_tiles, max_tokens) -> float:
+    """What growing the buffer to the packs over it adds to the two pads (relative growth of each cap)."""
+    return (max(float(packs.pv.max()) / max(max_tiles, 1) - 1, 0)
             + max(float(packs.pt.max()) / max(max_tokens, 1) - 1, 0))
-    return grow <= 2 * pack_step / len(packs.pv)  # a step more empties both buffers by pack_step / P
 
 
 def enforce_caps(packs: Packs, v, t, lc, *, max_tiles, max_tokens, hard_caps, pack_step, max_packs, llm_tol,
-                  rng, max_passes) -> tuple[Packs, int]:
+                 rng, max_passes) -> tuple[Packs, int]:
     """Phase 4, the rule for the tail: packs the exchange left over a cap give up samples (``_evict``);
     those go to whole new steps of packs (``pack_step`` packs each), and the exchange phases run again
     with the caps hard, which spreads the new packs' room over all. With derived caps (``hard_caps``
-    False) the buffer instead grows to the packs over it when that pads less than a step of new packs
-    (a few packs a little over); never for outliers far over. Returns (packs, exchange passes)."""
+    False) the buffer instead grows to the packs over it when that pads less than the new steps would
+    (each empties both buffers by its share of the packs). Returns (packs, exchange passes)."""
     if not _over(packs, max_tiles, max_tokens).any():
         return packs, 0
     p_old = len(packs.pv)
-    if not hard_caps and _growing_is_cheaper(packs, max_tiles, max_tokens, pack_step):
-        return packs, 0
+    grow = _grow_cost(packs, max_tiles, max_tokens)
     snapshot = packs.slots.copy(), packs.pv.copy(), packs.pt.copy(), packs.pl.copy()
-    items = _evict(packs, max_tiles, max_tokens)
+    items = _reinsert(packs, _evict(packs, max_tiles, max_tokens), max_tiles, max_tokens, rng)
+    if len(items) == 0:  # the packs with room took every evicted sample: no new pack, nothing to re-level
+        level_tokens(packs, rng, passes=1)
+        return packs, 0
     order, starts = _next_fit_largest_first(packs, items, max_tiles, max_tokens,
                                             max_items=int(np.ceil(len(v) / p_old)) + 1)
     p_new = p_old + -(-len(starts) // pack_step) * pack_step
-    if p_new > max_packs:  # no room for more packs (fewer samples than slots): the caller reports it
+    # the new steps must save more than GROW_MARGIN of pad to be worth re-levelling every pack for
+    cheaper_to_grow = not hard_caps and grow <= 2 * (p_new - p_old) / p_new + GROW_MARGIN
+    if p_new > max_packs or cheaper_to_grow:  # no room for more packs (the caller reports it), or growing pads less
         packs.slots, packs.pv, packs.pt, packs.pl = snapshot
         return packs, 0
     packs = _add_packs(packs, order, starts, p_new - p_old)
     _fill_empty(packs, rng)
     targets = Targets.of(v, t, lc, p_new, max_tiles, max_tokens, llm_tol, hard=True)
-    passes = repair_tiles(packs, targets, rng) + level_llm(packs, targets, rng, max_passes)
+    passes = repair_tiles(packs, targets, rng)
+    level_tokens(packs, rng)
+    passes += level_llm(packs, targets, rng, max_passes)
+    level_tokens(packs, rng)
     return packs, passes
