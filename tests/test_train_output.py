@@ -30,6 +30,14 @@ def stats(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def long_stats(tmp_path_factory) -> Path:
+    """An epoch of thousands of steps: a run signalled after its first step is still training then."""
+    path = tmp_path_factory.mktemp("train-output-long") / "s.jsonl"
+    assert main(["stats", "--synthetic", "20000", "--out", str(path), "--quiet"]) == 0
+    return path
+
+
 def test_a_run_says_what_it_trains_its_loss_what_it_saved_and_its_summary_on_stdout(stats, tmp_path, capsys):
     """Only the final loss reached a log file (the bar needs a terminal), nothing said where the outputs went, and
     the summary went to stderr."""
@@ -109,9 +117,9 @@ def _start_dp2(stats: Path, *extra: str) -> subprocess.Popen:
 
 @pytest.mark.multiprocess
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc to find the ranks")
-def test_ctrl_c_is_one_line_and_exit_130(stats):
+def test_ctrl_c_is_one_line_and_exit_130(long_stats):
     """Ctrl-C printed two KeyboardInterrupt tracebacks (64 lines), one per rank."""
-    proc = _start_dp2(stats)
+    proc = _start_dp2(long_stats)
     ranks = _children(proc.pid)
     try:
         os.killpg(proc.pid, signal.SIGINT)
@@ -127,9 +135,9 @@ def test_ctrl_c_is_one_line_and_exit_130(stats):
 
 @pytest.mark.multiprocess
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc to find the ranks")
-def test_a_killed_peer_is_the_first_line(stats):
+def test_a_killed_peer_is_the_first_line(long_stats):
     """The surviving rank's 30-line traceback came first and the cause last."""
-    proc = _start_dp2(stats, "--timeout", "5")
+    proc = _start_dp2(long_stats, "--timeout", "5")
     try:
         os.kill(_children(proc.pid)[1], signal.SIGKILL)
         _, err = proc.communicate(timeout=120)
