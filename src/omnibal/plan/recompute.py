@@ -14,9 +14,10 @@ minimise the recompute time subject to the memory fitting the budget.
 It is solved exactly over **classes**: layers with identical (time, saving) for both options are
 interchangeable (every block of one kind in the analytic model and in per-kind fitted profiles), so only
 *how many* of each class take each option matters. The Pareto front of a class's (selective, full) counts
-is small (a count trades against the other only near the class size), the fronts of all classes but the
-largest are combined, and for each combination the cheapest point of the largest class's front that frees
-enough is found by binary search, per value of the transient term.
+is small (a count trades against the other only near the class size), and the fronts of a stage's classes
+combine into the front of the stage. Ordered by the bytes a choice frees (``k`` times its saving less its
+transient), the cheapest choice that frees enough is one binary search; the combined front depends on the
+class counts and ``k`` only, so it is built once for all stages of one composition.
 """
 
 from __future__ import annotations
@@ -93,10 +94,9 @@ class RecomputeSolver:
     ``selective``) selective recompute, the least recompute time that fits.
 
     Layers with identical (full time, full saving, selective time, selective saving) form a class and are
-    interchangeable, so only the counts per class matter. For every class but the largest, the Pareto front of
-    its (selective, full) counts is built once per count and the fronts are combined; for the largest class,
-    the cheapest point of its own front that frees enough is found by a search per transient value.
-    """
+    interchangeable, so only the counts per class matter. For every class, the Pareto front of its (selective,
+    full) counts is built once per count, and the fronts of a composition are combined once
+    (:meth:`_choices`)."""
 
     def __init__(self, q: LayerQuantities, *, selective: bool = False) -> None:
         self.q = q
@@ -121,6 +121,7 @@ class RecomputeSolver:
         self.act_prefix = np.concatenate([[0.0], np.cumsum(q.act_bytes)])
         self.saving_prefix = np.concatenate([[0.0], np.cumsum(saving)])
         self._fronts: dict[tuple[int, int], _Frontier] = {}
+        self._combined: dict[tuple[bytes, int], tuple] = {}
 
     # ---- memory bounds -------------------------------------------------------------------------
     def memory_without_recompute(self, start: int, stop: int, in_flight: int) -> float:
@@ -161,37 +162,37 @@ class RecomputeSolver:
         if not known_feasible and not fits(self.min_memory(start, stop, in_flight), budget):
             return None
         counts = self.count_prefix[stop] - self.count_prefix[start]
-        present = np.flatnonzero(counts > 0)
-        free = int(present[np.argmax(counts[present])])
-        others = _Frontier.nothing(len(self.class_time))
-        for c in present[present != free]:
-            others = others.plus(self.class_front(int(c), int(counts[c])))
-        cost, mem, idx = self._best_with_free(others, self.class_front(free, int(counts[free])), base, in_flight,
-                                              budget)
-        assert np.isfinite(cost), "min_memory said a choice fits"
-        chosen = others.counts[idx[0]] + self.class_front(free, int(counts[free])).counts[idx[1]]
+        front, v_sorted, order, best_of_suffix = self._choices(counts, in_flight)
+        i = int(np.searchsorted(v_sorted, base - budget * (1.0 + MEMORY_RTOL), side="left"))
+        assert i < len(v_sorted), "min_memory said a choice fits"
+        j = int(order[best_of_suffix[i]])
+        cost, mem = float(front.time[j]), float(base - (in_flight * front.save[j] - front.trans[j]))
+        chosen = front.counts[j]
         full, sel = (self._first_layers(start, stop, chosen) if with_layers else ((), ()))
         return StageRecompute(checkpointed=full, recompute_time=cost, memory_bytes=mem, selective=sel)
 
-    def _best_with_free(self, others: _Frontier, front: _Frontier, base: float, k: int, budget: float):
-        """(time, memory, (other point, free point)) of the cheapest fitting combination: for every other
-        point and every transient of the free class, the first free point that frees enough."""
-        best = (np.inf, np.inf, (0, 0))
-        for t in np.unique(front.trans):
-            g = np.flatnonzero(front.trans == t)
-            trans = np.maximum(others.trans, t)
-            need = (base + trans - budget * (1.0 + MEMORY_RTOL)) / k - others.save  # bytes the free class frees
-            pos = np.searchsorted(front.save[g], need, side="left")
-            for cand in (np.maximum(pos - 1, 0), pos):  # one below: float rounding of an exact fit
-                ok = cand < len(g)
-                j = g[np.minimum(cand, len(g) - 1)]
-                mem = base - k * (others.save + front.save[j]) + trans
-                cost = np.where(ok & fits(mem, budget), others.time + front.time[j], np.inf)
-                order = np.lexsort((mem, cost))
-                i = int(order[0])
-                if (cost[i], mem[i]) < best[:2]:
-                    best = (float(cost[i]), float(mem[i]), (i, int(j[i])))
-        return best
+    def _choices(self, counts: np.ndarray, k: int):
+        """Every Pareto-optimal choice of a stage with class ``counts`` and ``k`` micro-batches in flight, by
+        the bytes it frees (``k * saving - transient``): (the front, those bytes ascending, the front's order
+        for them, and per position the cheapest choice freeing at least that much, the one freeing most among
+        equally cheap ones). Cached: it depends on the counts and ``k`` only, so stages of one composition
+        share it and a stage is one binary search."""
+        key = (counts.tobytes(), k)
+        if key not in self._combined:
+            present = np.flatnonzero(counts > 0)
+            front = _Frontier.nothing(len(self.class_time))
+            for c in present:
+                front = front.plus(self.class_front(int(c), int(counts[c])))
+            freed = k * front.save - front.trans
+            order = np.argsort(freed, kind="stable")
+            rev_time = front.time[order][::-1]
+            running = np.minimum.accumulate(rev_time)
+            improves = rev_time < np.concatenate([[np.inf], running[:-1]])
+            best_rev = np.maximum.accumulate(np.where(improves, np.arange(len(order)), 0))
+            # position i (ascending freed) -> reversed position n-1-i -> its best, back in ascending positions
+            best_of_suffix = (len(order) - 1 - best_rev)[::-1]
+            self._combined[key] = (front, freed[order], order, best_of_suffix)
+        return self._combined[key]
 
     def _first_layers(self, start: int, stop: int, chosen: np.ndarray) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(full, selective) layers: of each class, the first ``full`` layers of the stage recompute whole and
