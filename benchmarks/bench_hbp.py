@@ -10,9 +10,11 @@ Cases (all on 128 A100-80G, predicted by omnibal's cost model + step-time simula
 * ``6b+20b short``: the default job on its default data (the synthetic InternVL-like 1.2M mixture).
 
 Rows: ``baseline`` (random micro-batches padded to the longest: 1 sample each on long data, 4 on short;
-one SP degree that holds the longest, even partition, full recompute), ``single level, naive packing`` (the
-next row's recipe packed by the reference ISF: random full-length packs dealt in contiguous blocks, the
-attention cost not balanced: HBP's paper's baseline), ``single level, full recompute``
+one SP degree that holds the longest, even partition, full recompute), ``single level, naive packing`` (HBP's
+paper's baseline: the longest level packed by the reference ISF, random full-length packs dealt in contiguous
+blocks, the attention cost not balanced; the fastest SP degree that fits, the fewest checkpointed layers that
+fit), ``levels, naive packing`` (HBP's levels and SP degrees, each level packed the same naive way: the
+paper's "+ hierarchical"), ``single level, full recompute``
 (omnibal packing at one pack length = the longest level, the least SP degree that fits, full recompute),
 ``single level`` (the fastest single level: the longest level with the SP degree the simulator chose and
 adaptive recompute, or the plain ``omnibal plan`` packing), ``hbp`` (levels, SP degrees and recompute per
@@ -102,6 +104,15 @@ def markdown(results: list[dict], load: str) -> str:
             gains = " | ".join(f"{ref / r['gpu_days']:.2f}x" for ref in (single, naive, base))
             lines.append(f"| {res['case']} | {r['name']}{origin} | {levels} | {mbs} | {ckpt} | {r['gpu_days']:.1f} | "
                          f"{gains} |")
+    lines += ["", "HBP's own ablation, in its paper's Table 6 steps: naive packing (ISF at the longest level, the "
+              "fastest SP degree that fits, the fewest checkpointed layers that fit), + hierarchical (HBP's levels, "
+              "each packed naively), + balance (HBP):", "",
+              "| case | naive packing | + hierarchical | + balance | gain of hierarchical | gain of balance | total |",
+              "|---|---|---|---|---|---|---|"]
+    for res in results:
+        naive, levels, hbp = (t["gpu_days"] for t in res["ablation"])
+        lines.append(f"| {res['case']} | {naive:.1f} | {levels:.1f} | {hbp:.1f} | {naive / levels:.2f}x | "
+                     f"{levels / hbp:.2f}x | {naive / hbp:.2f}x |")
     lines += ["", "Bounds on HBP's gain over the single level under this cost model (`omnibal.plan.hbp_bound`): "
               "(a) the "
               "single level with recompute and all-to-all free (least over its own packing and the longest level at "

@@ -72,8 +72,8 @@ def small_plan():
 
 def test_small_plan_covers_every_sample_once_and_is_serialisable(small_plan):
     stats, result = small_plan
-    assert [r.name for r in result.rows] == ["baseline", "single level, naive packing", "single level, full recompute",
-                                             "single level", "hbp"]
+    assert [r.name for r in result.rows] == ["baseline", "single level, naive packing", "levels, naive packing",
+                                             "single level, full recompute", "single level", "hbp"]
     hbp = result.row("hbp")
     assert sum(lv.samples for lv in hbp.levels) == len(stats)
     assert np.all(result.schedule.sample_counts() == 1)
@@ -89,14 +89,24 @@ def test_small_plan_covers_every_sample_once_and_is_serialisable(small_plan):
     assert "| hbp |" in hbp_markdown(result)
 
 
-def test_naive_packing_is_the_recipe_packed_by_isf_and_slower_than_balanced_packing(small_plan):
+def test_naive_packing_is_hbps_paper_recipe_and_the_ablation_follows_its_table(small_plan):
+    """HBP's naive row: ISF packs at the longest level, the SP degree that fits (the fastest), the fewest
+    checkpointed layers that fit; "+ hierarchical" packs HBP's own levels the same naive way."""
     stats, result = small_plan
-    naive, recipe = result.row("single level, naive packing"), result.row("single level, full recompute")
+    naive, recipe, hbp = (result.row(n) for n in ("single level, naive packing", "single level, full recompute", "hbp"))
     (lv,), (rl,) = naive.levels, recipe.levels
-    assert (lv.length, lv.sp, lv.microbatches, lv.checkpointed) == (rl.length, rl.sp, rl.microbatches, rl.checkpointed)
-    assert lv.samples == len(stats) and naive.dropped == 0
-    # the same recipe with the attention cost unbalanced across ranks (packs of long and short samples at random)
-    assert naive.gpu_days > recipe.gpu_days > result.row("hbp").gpu_days
+    assert lv.length == rl.length and lv.samples == len(stats) and naive.dropped == 0 and naive.oom_steps == 0
+    assert lv.checkpointed < rl.checkpointed  # adaptive: not every layer, as full recompute does
+    assert lv.sp in result.model.feasible_sp(lv.length)
+    levels = result.row("levels, naive packing")
+    assert [(x.length, x.sp) for x in levels.levels] == [(x.length, x.sp) for x in hbp.levels]
+    assert sum(x.samples for x in levels.levels) == len(stats) and levels.oom_steps == 0
+    # balanced packing beats naive packing of the same levels, and HBP beats the naive recipe
+    assert naive.gpu_days > hbp.gpu_days and levels.gpu_days > hbp.gpu_days
+    table = result.ablation()
+    assert [t["step"] for t in table] == ["naive packing", "+ hierarchical", "+ balance"]
+    assert table[0]["speedup"] == 1.0 and table[2]["speedup"] == pytest.approx(naive.gpu_days / hbp.gpu_days)
+    assert result.to_dict()["ablation"] == table
 
 
 def test_bound_on_the_long_mixture_lies_between_hbp_and_the_single_level(small_plan):

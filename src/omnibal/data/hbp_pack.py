@@ -28,7 +28,13 @@ STEP_TRIES = (0, 1, 2, 0.1, 0.2, 0.3, 0.45, 0.6)
 def balance_level(level_stats, length: int, num_steps: int, *, dp_size: int, num_microbatches: int, seed: int,
                   epoch: int, balance_config) -> Schedule:
     """The level's rows balanced for ``dp_size`` SP groups into packs of at most ``length`` tokens, in
-    ``num_steps`` steps or, when they cannot be packed so, a few more."""
+    ``num_steps`` steps or, when they cannot be packed so, a few more. With ``balance_config.method`` ``isf``
+    the level is packed naively instead (HBP's "+ hierarchical" ablation row): ISF packs, no tile cap."""
+    if balance_config.method == "isf":  # naive packing: ISF at the level length, as many steps as it makes
+        bconfig = replace(balance_config, max_tokens=int(length), oversize="error", num_steps=None,
+                          max_tiles=int(np.sum(level_stats.tiles, dtype=np.int64)) + 1)
+        return balance(level_stats, dp_size=dp_size, num_microbatches=num_microbatches, seed=seed, epoch=epoch,
+                       config=bconfig)
     slots = dp_size * num_microbatches
     most = len(level_stats) // slots
     tries = sorted({num_steps + (t if isinstance(t, int) else math.ceil(num_steps * t)) for t in STEP_TRIES})

@@ -52,6 +52,8 @@ from omnibal.sim.epoch import SECONDS_PER_DAY, simulate_epoch
 LLM_ATTENTION_KINDS = ("llm_block",)
 NAIVE = "single level, naive packing"
 """The row of :func:`naive_row`."""
+HIERARCHICAL = "levels, naive packing"
+"""The row of :func:`hierarchical_row` (HBP's "+ hierarchical")."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -396,6 +398,14 @@ class HBPPlanResult:
     def row(self, name: str) -> HBPRow:
         return next(r for r in self.rows if r.name == name)
 
+    def ablation(self) -> list[dict]:
+        """HBP's own ablation (its paper's Table 6 order): naive packing, + hierarchical (the levels, packed
+        naively), + balance (HBP), each with GPU days and its speed-up over naive packing."""
+        naive = self.row(NAIVE).gpu_days
+        steps = (("naive packing", NAIVE), ("+ hierarchical", HIERARCHICAL), ("+ balance", "hbp"))
+        return [{"step": step, "row": name, "gpu_days": self.row(name).gpu_days,
+                 "speedup": naive / self.row(name).gpu_days} for step, name in steps]
+
     def to_dict(self) -> dict:
         m = self.model
         return {"rows": [r.to_dict() for r in self.rows],
@@ -405,6 +415,7 @@ class HBPPlanResult:
                 "speedup_hbp_vs_single": self.row("single level").gpu_days / self.row("hbp").gpu_days,
                 "speedup_hbp_vs_naive": self.row(NAIVE).gpu_days / self.row("hbp").gpu_days,
                 "speedup_hbp_vs_baseline": self.row("baseline").gpu_days / self.row("hbp").gpu_days,
+                "ablation": self.ablation(),
                 "bound": None if self.bound is None else self.bound.to_dict(), "notes": list(self.notes)}
 
 
@@ -433,18 +444,39 @@ def baseline_row(ctx: HBPContext, hbp: HBPPlanConfig, stats, model: LevelCostMod
     return row
 
 
-def naive_row(ctx: HBPContext, hbp: HBPPlanConfig, stats, model: LevelCostModel, recipe: HBPRow) -> HBPRow:
-    """The usual long-context recipe (``recipe``: one pack length, one SP degree, full recompute) packed
-    naively, as HBP's paper measures against: the reference ISF packs (random packs filled to the length
-    under no cost, dealt to ranks in contiguous blocks; ``BalanceConfig(method="isf")``), so packs mixing
-    long and short samples leave the attention cost unbalanced across ranks. Same micro-batches per step."""
-    level = recipe.levels[0]
-    d = level.sp
-    sched = balance(stats, dp_size=ctx.dp_size // d, num_microbatches=level.microbatches, seed=ctx.seed,
-                    config=BalanceConfig(method="isf", max_tokens=level.length, max_tiles=int(stats.tiles.sum()) + 1,
-                                         cost=model.cost))
-    return simulate_levels(ctx, hbp, [group_level(sched, stats, d)], [level.length], name=NAIVE, recompute="full",
-                           dropped=len(sched.dropped))
+def naive_row(ctx: HBPContext, hbp: HBPPlanConfig, stats, model: LevelCostModel, length: int,
+              config) -> HBPRow:
+    """HBP's naive packing as its paper measures against: one pack length (``length``, the longest level),
+    the reference ISF packs (random packs filled to the length under no cost, dealt to ranks in contiguous
+    blocks; ``BalanceConfig(method="isf")``), and the fewest checkpointed layers that fit memory. Every SP
+    degree whose share of ``length`` fits a rank is tried, each step holding the tokens per rank of
+    ``config``'s micro-batch rule (:func:`omnibal.data.hbp.level_microbatch_counts`); the fastest that fits
+    is kept (the degree a user would tune)."""
+    from omnibal.data.hbp import level_microbatch_counts
+
+    best = None
+    for d in model.feasible_sp(length) or model.sp_degrees[-1:]:
+        if ctx.dp_size % d:
+            continue
+        mbs = level_microbatch_counts((length,), (d,), ctx.num_microbatches, config.microbatches,
+                                      config.step_tokens, config.min_microbatches)[0]
+        sched = balance(stats, dp_size=ctx.dp_size // d, num_microbatches=mbs, seed=ctx.seed,
+                        config=BalanceConfig(method="isf", max_tokens=int(length),
+                                             max_tiles=int(stats.tiles.sum()) + 1, cost=model.cost))
+        row = simulate_levels(ctx, hbp, [group_level(sched, stats, d)], [length], name=NAIVE,
+                              recompute="adaptive", dropped=len(sched.dropped))
+        if best is None or row.rank < best.rank:
+            best = row
+    return best
+
+
+def hierarchical_row(ctx: HBPContext, hbp: HBPPlanConfig, stats, levels_of, config, cache: dict) -> HBPRow:
+    """HBP's "+ hierarchical" ablation row: the level lengths and SP degrees of the schedule ``levels_of``,
+    each level packed naively (ISF at its length, no balancing), the fewest checkpointed layers that fit."""
+    meta = levels_of.meta["hbp"]
+    naive = replace(config, pack_lengths=tuple(meta["level_lengths"]), level_sp=tuple(levels_of.level_sp),
+                    balance=replace(config.balance, method="isf"))
+    return simulate_schedule(ctx, hbp, ctx.balance(stats, naive, cache), stats, name=HIERARCHICAL).row
 
 
 def simulate_schedule(ctx: HBPContext, hbp: HBPPlanConfig, schedule, stats, *, name: str,

@@ -127,6 +127,10 @@ def hbp_markdown(result: HBPPlanResult) -> str:
         origin = f" ({row.origin})" if row.origin != "levels" and row.name != row.origin else ""
         lines.append(f"| {row.name}{origin} | {desc} | {row.gpu_days:.1f} | {single / row.gpu_days:.2f}x | "
                      f"{row.oom_steps} |")
+    lines += ["", "HBP's ablation (its paper's Table 6 steps): naive packing at the longest level, + hierarchical "
+              "(HBP's levels, each packed naively), + balance (HBP):", "",
+              "| step | packing | GPU days | vs naive packing |", "|---|---|---|---|"]
+    lines += [f"| {t['step']} | {t['row']} | {t['gpu_days']:.1f} | {t['speedup']:.2f}x |" for t in result.ablation()]
     trials = sp_trials_lines(result)
     if trials:
         lines += ["", "SP degree per level, chosen by the simulator (degree: simulated hours of the level, the other "

@@ -31,6 +31,7 @@ from omnibal.plan.hbp import (
     HBPPlanConfig,
     HBPPlanResult,
     baseline_row,
+    hierarchical_row,
     level_a2a,
     level_planner,
     level_stage_plan,
@@ -236,7 +237,9 @@ def plan_hbp(ctx: HBPContext, hbp: HBPPlanConfig, stats, *, model: LevelCostMode
     recipe = ctx.balance(stats, replace(config, pack_lengths=top, level_sp=(model.feasible_sp(top[0])[0],)), cache)
     recipe_row = simulate_schedule(ctx, hbp, recipe, stats, name="single level, full recompute", recompute="full").row
     single_row = replace(single.row, name="single level")
-    rows = (baseline_row(ctx, hbp, stats, model), naive_row(ctx, hbp, stats, model, recipe_row), recipe_row,
+    multi = min([c for c in sets if len(c.row.levels) > 1] or sets, key=lambda c: c.row.rank)
+    rows = (baseline_row(ctx, hbp, stats, model), naive_row(ctx, hbp, stats, model, top[0], config),
+            hierarchical_row(ctx, hbp, stats, multi.schedule, config, cache), recipe_row,
             single_row, replace(best.row, name="hbp"), *(c.row for c in extra))
     tried = tuple({"lengths": [lv.length for lv in c.row.levels], "sp": [lv.sp for lv in c.row.levels],
                    "gpu_days": c.row.gpu_days, "origin": c.row.origin,
