@@ -93,6 +93,42 @@ def test_expand_and_curriculum():
     assert list(first.step_sp()) == [1, 1, 2, 4, 4] and list(later.step_sp()) == list(sched.step_sp())
 
 
+def test_warmup_runs_the_shortest_levels_steps_first_then_the_schedules_order():
+    from dataclasses import replace
+
+    from omnibal.train.sp import warmup_order
+
+    sched = level_schedule(tiny_stats(), dp_size=4, level_sp=(1, 2, 4), levels=(2, 0, 1, 0, 2, 0))
+    one = warmup_order(sched, 1)
+    assert list(one.levels) == [0, 2, 1, 0, 2, 0]  # one warm-up step; the others keep their order
+    two = warmup_order(sched, 2)
+    assert list(two.levels) == [0, 0, 2, 1, 2, 0]
+    assert np.array_equal(two.pack_ids[0], sched.pack_ids[1]) and np.array_equal(two.pack_ids[1], sched.pack_ids[3])
+    assert np.array_equal(np.sort(two.pack_ids, axis=None), np.sort(sched.pack_ids, axis=None))  # every pack once
+    assert list(warmup_order(sched, 99).levels) == [0, 0, 0, 2, 1, 2] and warmup_order(sched, 0) is sched
+    # epoch 0 only; the curriculum, where it applies, decides the whole order
+    first, _ = sp_schedule(sched, sp_degree=1, curriculum_epochs=0, dp_size=4, num_heads=4, warmup_steps=2)
+    later, _ = sp_schedule(replace(sched, epoch=1), sp_degree=1, curriculum_epochs=0, dp_size=4, num_heads=4,
+                           warmup_steps=2)
+    assert list(first.levels) == list(two.levels) and list(later.levels) == list(sched.levels)
+
+
+def test_warmup_is_a_train_option_checked_by_name():
+    import argparse
+
+    import pytest
+
+    from omnibal.cli.train import add_arguments, config_from_args
+    from omnibal.errors import InputError
+    from omnibal.train.config import TrainConfig
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert config_from_args(parser.parse_args(["--level-warmup", "500"])).level_warmup == 500
+    with pytest.raises(InputError, match="level_warmup"):
+        TrainConfig(level_warmup=-1).validate()
+
+
 def test_pad_tokens_adds_an_ignored_segment():
     import torch
 

@@ -94,6 +94,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    "splits every pack (data balanced for dp/N groups; pp 1). A multi-level schedule sets its own")
     s.add_argument("--level-curriculum", type=int, default=0, metavar="EPOCHS",
                    help="multi-level schedule of one of the first EPOCHS epochs: short levels first (default 0)")
+    s.add_argument("--level-warmup", type=int, default=0, metavar="STEPS",
+                   help="multi-level schedule, epoch 0: up to STEPS steps of the shortest level first, then the "
+                   "levels alternate (HBP's warm-up; default 0)")
     _add_output_arguments(parser.add_argument_group("output"))
 
 
@@ -140,6 +143,7 @@ def config_from_args(args: argparse.Namespace):
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, resume=args.resume,
         reshard=args.reshard, log_path=args.log_path, summary_path=args.summary_path, ledger_path=args.ledger_path,
         quiet=args.quiet, sp_degree=args.sp_degree, level_curriculum=args.level_curriculum,
+        level_warmup=args.level_warmup,
         print_every=args.print_every)
 
 

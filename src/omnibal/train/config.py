@@ -52,6 +52,9 @@ class TrainConfig:
     level_curriculum: int = 0
     """HBP's curriculum: in a multi-level schedule of one of the first ``level_curriculum`` epochs (its
     ``epoch`` field), the short levels' steps (smaller SP degree) run first. 0: the schedule's order."""
+    level_warmup: int = 0
+    """HBP's warm-up: in a multi-level schedule of epoch 0, up to ``level_warmup`` steps of the shortest level
+    run first, then the levels alternate in the schedule's order (:func:`omnibal.train.sp.warmup_order`)."""
     pipeline_schedule: Literal["1f1b", "gpipe"] = "1f1b"
     """Pipeline schedule (torch.distributed.pipelining Schedule1F1B or ScheduleGPipe)."""
     dp_sync: Literal["flat", "ddp"] = "flat"
@@ -165,6 +168,9 @@ class TrainConfig:
         if not is_int(self.level_curriculum) or self.level_curriculum < 0:
             raise InputError(f"must be an integer >= 0 (epochs), got {self.level_curriculum!r}", source=src,
                              field="level_curriculum")
+        if not is_int(self.level_warmup) or self.level_warmup < 0:
+            raise InputError(f"must be an integer >= 0 (steps), got {self.level_warmup!r}", source=src,
+                             field="level_warmup")
         if not is_int(self.print_every) or self.print_every < 0:
             raise InputError(f"must be an integer >= 0 (0: about 20 lines per run), got {self.print_every!r}",
                              source=src, field="print_every")

@@ -68,6 +68,7 @@ class Trainer(CheckpointResume):
                  quiet: bool = True, checkpoint_dir: str | None = None, checkpoint_every: int = 0,
                  run_info: dict | None = None, dp_sync: str = "flat", ledger_path: str | None = None,
                  notify: Callable[[str], None] | None = None, sp_degree: int = 1, level_curriculum: int = 0,
+                 level_warmup: int = 0,
                  precision: str = "fp32", prefetch: bool = False, say: Callable[[str], None] | None = None,
                  print_every: int = 0, on_error: str = "raise", warn: Callable[[str], None] | None = None):
         self.world = world
@@ -97,7 +98,7 @@ class Trainer(CheckpointResume):
         if layout.ranges[-1][1] != len(layer_names) or len(layout.ranges) != world.pp_size:
             raise InputError(f"stage layout {layout.ranges} does not split the {len(layer_names)}-layer model into "
                              f"{world.pp_size} stages", source="stage_layers")
-        self.schedule = schedule = self._sp_schedule(schedule, sp_degree, level_curriculum)
+        self.schedule = schedule = self._sp_schedule(schedule, sp_degree, level_curriculum, level_warmup)
         self._check_schedule(schedule)
         self.schedule_id = schedule_fingerprint(schedule)
         self._agreed_id: str | None = None  # the schedule fingerprint all ranks were found to share
@@ -205,10 +206,11 @@ class Trainer(CheckpointResume):
 
     # ---------------------------------------------------------------------------------------------- SP
 
-    def _sp_schedule(self, schedule, sp_degree: int, curriculum_epochs: int):
+    def _sp_schedule(self, schedule, sp_degree: int, curriculum_epochs: int, warmup_steps: int):
         """The schedule as this world runs it (:func:`omnibal.train.sp.sp_schedule`); sets ``step_sp``."""
         schedule, self.step_sp = sp_schedule(schedule, sp_degree=sp_degree, curriculum_epochs=curriculum_epochs,
-                                             dp_size=self.world.dp_size, num_heads=self.spec.llm.num_heads)
+                                             dp_size=self.world.dp_size, num_heads=self.spec.llm.num_heads,
+                                             warmup_steps=warmup_steps)
         """SP degree of every step (1: plain data parallel)."""
         return schedule
 

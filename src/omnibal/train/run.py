@@ -36,7 +36,7 @@ from omnibal.train.model import VLM
 from omnibal.train.pipeline import resolve_layout
 from omnibal.train.reshard import balance_record, reshard_schedule
 from omnibal.train.reshard_kinds import hbp_of, hbp_params, hbp_rest, untrained
-from omnibal.train.sp import curriculum_order
+from omnibal.train.sp import level_order
 
 
 def max_samples_subset(stats, cfg: TrainConfig):
@@ -91,7 +91,7 @@ def schedule_for_world(old, stats, cfg: TrainConfig, spec):
     the first, and the run trains the second only when there is no checkpoint. An HBP schedule is balanced
     again at its levels, the balancer's single level with its recorded config; a hand-made one cannot be."""
     source = getattr(old, "source", "schedule")
-    ran = curriculum_order(old) if int(getattr(old, "epoch", 0)) < cfg.level_curriculum else old
+    ran = level_order(old, curriculum_epochs=cfg.level_curriculum, warmup_steps=cfg.level_warmup)
     groups = cfg.dp_size // cfg.sp_degree
     if hbp_of(old) is not None:
         return ran, hbp_rest(hbp_params(old), untrained(old, 0), stats, dp_size=groups,
@@ -187,6 +187,7 @@ def build_trainer(cfg: TrainConfig, world: World, notify=None, say=None):
                       log_path=cfg.log_path, quiet=cfg.quiet, checkpoint_dir=cfg.checkpoint_dir,
                       checkpoint_every=cfg.checkpoint_every, run_info=info, ledger_path=cfg.ledger_path,
                       notify=notify, sp_degree=cfg.sp_degree, level_curriculum=cfg.level_curriculum,
+                      level_warmup=cfg.level_warmup,
                       precision=cfg.precision, say=say, print_every=cfg.print_every,
                       prefetch=cfg.device == "cuda" if cfg.prefetch is None else cfg.prefetch,
                       on_error=cfg.on_error, warn=notify)

@@ -246,19 +246,18 @@ def step_degrees(schedule, default: int = 1) -> np.ndarray:
     return np.full(schedule.num_steps, default, np.int64)
 
 
-def sp_schedule(schedule, *, sp_degree: int, curriculum_epochs: int, dp_size: int, num_heads: int):
+def sp_schedule(schedule, *, sp_degree: int, curriculum_epochs: int, dp_size: int, num_heads: int,
+                warmup_steps: int = 0):
     """``(schedule, step_sp)`` as a world of ``dp_size`` ranks runs it: a single-level schedule balanced for
     ``dp_size / sp_degree`` groups dealt to every rank of each group, a multi-level one's degrees checked;
-    in curriculum order when its ``epoch`` (0 when it has none) is one of the first ``curriculum_epochs``.
-    ``step_sp`` is the SP degree of every step."""
+    in the order :func:`level_order` gives it. ``step_sp`` is the SP degree of every step."""
     source = getattr(schedule, "source", "schedule")
     if sp_degree != 1:
         check_sp_degree(sp_degree, dp_size=dp_size, num_heads=num_heads)
         schedule = expand_for_sp(schedule, sp_degree, dp_size=dp_size)
     for d in getattr(schedule, "level_sp", None) or ():
         check_sp_degree(d, dp_size=dp_size, num_heads=num_heads, source=source, field="level_sp")
-    if int(getattr(schedule, "epoch", 0)) < curriculum_epochs:
-        schedule = curriculum_order(schedule)
+    schedule = level_order(schedule, curriculum_epochs=curriculum_epochs, warmup_steps=warmup_steps)
     return schedule, step_degrees(schedule, sp_degree)
 
 
@@ -274,6 +273,27 @@ def check_sp_run(stage: nn.Module, *, pp_size: int, mode: str, dp_sync: str) -> 
     if "llm.embed" not in getattr(stage, "layer_names", ()):
         raise InputError("sequence parallelism needs the reference VLM's layer chain", source=source,
                          field="model")
+
+
+def level_order(schedule, *, curriculum_epochs: int, warmup_steps: int):
+    """The order a multi-level schedule trains in: :func:`curriculum_order` when its ``epoch`` (0 when it has
+    none) is one of the first ``curriculum_epochs``, else :func:`warmup_order` in epoch 0 (every rank and a
+    resumed run compute the same order from the same inputs)."""
+    epoch = int(getattr(schedule, "epoch", 0))
+    if epoch < curriculum_epochs:
+        return curriculum_order(schedule)
+    return warmup_order(schedule, warmup_steps) if epoch == 0 else schedule
+
+
+def warmup_order(schedule, steps: int):
+    """HBP's warm-up: up to ``steps`` steps of the shortest level first, the other steps after them in the
+    schedule's own (alternating) order. A single-level schedule comes back unchanged."""
+    if getattr(schedule, "levels", None) is None or steps <= 0:
+        return schedule
+    levels = np.asarray(schedule.levels)
+    first = np.flatnonzero(levels == levels.min())[:steps]
+    order = np.concatenate([first, np.setdiff1d(np.arange(len(levels)), first)])
+    return replace(schedule, pack_ids=schedule.pack_ids[order], levels=tuple(int(levels[i]) for i in order))
 
 
 def curriculum_order(schedule):
