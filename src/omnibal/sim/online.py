@@ -28,6 +28,7 @@ import numpy as np
 from omnibal.cost.table import microbatch_features
 from omnibal.data.balance.cost import DEFAULT_COST, BalanceCost
 from omnibal.data.online import balance_phases, phase_loads
+from omnibal.data.online_owners import TransferBytes
 
 
 def _shares(members: list[int], cost: np.ndarray, m: int) -> list[np.ndarray]:
@@ -36,16 +37,19 @@ def _shares(members: list[int], cost: np.ndarray, m: int) -> list[np.ndarray]:
     return [np.asarray(order[k::m], np.int64) for k in range(m)]
 
 
-def online_step(tiles, tokens, draws, *, num_microbatches: int, cost: BalanceCost | None = None):
+def online_step(tiles, tokens, draws, *, num_microbatches: int, cost: BalanceCost | None = None,
+                transfer: TransferBytes | None = None, keep_on_owner: bool = True):
     """One online step from the local ``draws`` (per rank, its sample rows; ``[D, n]`` or a list). Returns
     ``(features [D, M, 4], assignment, owners)``; ``owners`` is ``(data, vision, llm)`` rank of every
-    position of the gathered batch (rank-major)."""
+    position of the gathered batch (rank-major). ``keep_on_owner``: place the balanced bins as the trainer
+    does (fewest moved bytes, weighed by ``transfer``), else owner-blind."""
     cost = cost or DEFAULT_COST
     draws = [np.asarray(d, np.int64) for d in draws]
     dp = len(draws)
     rows = np.concatenate(draws)
     t, k = np.asarray(tiles)[rows], np.asarray(tokens)[rows]
-    a = balance_phases(t, k, dp_size=dp, cost=cost)
+    data = np.repeat(np.arange(dp), [len(d) for d in draws])
+    a = balance_phases(t, k, dp_size=dp, cost=cost, owner=data if keep_on_owner else None, transfer=transfer)
     vis, llm = cost.sample_costs(t, k)
     feats = np.zeros((dp, num_microbatches, 4))
     kf = k.astype(np.float64)
@@ -58,7 +62,7 @@ def online_step(tiles, tokens, draws, *, num_microbatches: int, cost: BalanceCos
     for r in range(dp):
         v_own[a.vision[r]] = r
         l_own[a.llm[r]] = r
-    return feats, a, (np.repeat(np.arange(dp), [len(d) for d in draws]), v_own, l_own)
+    return feats, a, (data, v_own, l_own)
 
 
 def _a2a_time(src, dst, nbytes, dp: int, bandwidth: float, latency: float) -> float:
