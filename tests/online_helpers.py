@@ -17,7 +17,7 @@ def online_schedule(dp: int, num_samples: int = 160):
 
 
 def make_online_trainer(world, *, checkpoint_dir=None, lr=1e-3, num_samples=160, ledger_path=None,
-                        checkpoint_every=0):
+                        checkpoint_every=0, precision="fp32"):
     from omnibal.train.loop import Trainer
     from omnibal.train.model import VLM
     from omnibal.train.pipeline import resolve_layout
@@ -29,7 +29,7 @@ def make_online_trainer(world, *, checkpoint_dir=None, lr=1e-3, num_samples=160,
     return Trainer(world=world, model=model, layout=layout, schedule=online_schedule(world.dp_size, num_samples),
                    dataset=tiny_dataset(spec, stats), mode="online", num_microbatches=MICRO, lr=lr,
                    checkpoint_dir=checkpoint_dir, ledger_path=ledger_path,
-                   checkpoint_every=checkpoint_every)
+                   checkpoint_every=checkpoint_every, precision=precision)
 
 
 def single_process_step(dp: int, step: int = 0):
@@ -113,3 +113,27 @@ def rank_online_dies(dp: int, victim: int):
         online.balance_phases = crash
         del real
     return timed_failing_step(trainer)
+
+
+def rank_online_bf16_step(dp: int):
+    """One ``bf16-mixed`` online step; records the dtype of every all-to-all payload."""
+    torch.set_num_threads(1)
+    import omnibal.train.online as online
+    from omnibal.train.distributed import destroy_world, init_world
+
+    sent = []
+    real = online._a2a
+
+    def spy(x, send, recv, group):
+        sent.append(str(x.dtype))
+        return real(x, send, recv, group)
+
+    online._a2a = spy
+    world = init_world(dp_size=dp, pp_size=1, timeout_s=TIMEOUT_S)
+    trainer = make_online_trainer(world, precision="bf16-mixed")
+    result = trainer.forward_backward()
+    grads = {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)).float().numpy()
+             for n, p in trainer.stage_module.named_parameters()}
+    destroy_world()
+    online._a2a = real
+    return {"rank": world.rank, "loss_part": result.loss_sum, "dtypes": sent, "grads": grads}

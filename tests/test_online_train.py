@@ -7,7 +7,13 @@ import numpy as np
 import pytest
 
 from omnibal.train.distributed import spawn_local
-from online_helpers import rank_online_dies, rank_online_forward_backward, rank_online_train, single_process_step
+from online_helpers import (
+    rank_online_bf16_step,
+    rank_online_dies,
+    rank_online_forward_backward,
+    rank_online_train,
+    single_process_step,
+)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -84,3 +90,21 @@ def test_online_mode_config_is_checked():
     with pytest.raises(InputError, match="flat"):
         TrainConfig(mode="online", dp_size=2, dp_sync="ddp")
     TrainConfig(mode="online", dp_size=2)
+
+
+def test_online_bf16_moves_pixels_and_features_in_bf16():
+    """Under ``bf16-mixed`` the pixels and the visual features (and their gradients) travel as bf16, half
+    the bytes of fp32, and the step still matches the fp32 single-process loss and gradients to bf16's
+    precision; token ids stay int64."""
+    values = _values(spawn_local(rank_online_bf16_step, 2, args=(2,), deadline_s=120, start_method="fork"))
+    ref_loss, ref_grads, _ = single_process_step(2)
+    for v in values:
+        # pixels, tokens, features forward, feature gradients backward
+        assert v["dtypes"] == ["torch.bfloat16", "torch.int64", "torch.bfloat16", "torch.bfloat16"], v["dtypes"]
+    loss = sum(v["loss_part"] for v in values)
+    assert abs(loss - ref_loss) <= 2e-2 * abs(ref_loss)
+    for v in values:
+        for name, grad in v["grads"].items():
+            ref = ref_grads[name]
+            err = np.linalg.norm(grad - ref) / max(np.linalg.norm(ref), 1e-30)
+            assert err <= 0.1, (name, err)

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from omnibal.data.balance.cost import DEFAULT_COST
 from omnibal.data.collate import IGNORE_INDEX, NUM_META_ROWS, collate
 from omnibal.data.online import balance_phases, phase_loads
+from omnibal.data.online_owners import TransferBytes
 from omnibal.errors import InputError
 from omnibal.train.distributed import caused_by_comm_error, is_comm_error, peer_failure
 from omnibal.train.metrics_log import RankTimes
@@ -210,7 +211,8 @@ def _gather_and_dispatch(trainer, samples: list[dict], local: list[int], group) 
         table = mine.numpy()
     n_local = len(local)
     tiles, tokens, targets, index = (table[:, c] for c in range(_COLS))
-    plan = balance_phases(tiles, tokens, dp_size=dp)
+    owner = np.repeat(np.arange(dp), n_local)
+    plan = balance_phases(tiles, tokens, dp_size=dp, owner=owner, transfer=_transfer_bytes(trainer))
     v_own = np.empty(len(table), np.int64)
     l_own = np.empty(len(table), np.int64)
     for r in range(dp):
@@ -220,21 +222,35 @@ def _gather_and_dispatch(trainer, samples: list[dict], local: list[int], group) 
     info = OnlineStepInfo(plan.vision_max_mean, plan.llm_max_mean, float(lv.max() / lv.mean()),
                           float(ll.max() / ll.mean()), 0.0)
     return _Dispatch(tiles=tiles, tokens=tokens, targets=targets, index=index,
-                     owner=np.repeat(np.arange(dp), n_local), v_own=v_own, l_own=l_own, n_local=n_local, me=me,
+                     owner=owner, v_own=v_own, l_own=l_own, n_local=n_local, me=me,
                      dp=dp, info=info)
+
+
+def transfer_dtype(trainer) -> torch.dtype:
+    """The dtype pixels and visual features travel in: the forward dtype (bf16 under ``bf16-mixed``, where
+    the encoder reads its input and the LLM its features in bf16 anyway), else fp32."""
+    return trainer.autocast or torch.float32
+
+
+def _transfer_bytes(trainer) -> TransferBytes:
+    """What one tile's pixels, one token's id + label and one tile's features occupy on the wire."""
+    elem = torch.empty((), dtype=transfer_dtype(trainer)).element_size()
+    base = trainer._collate_base
+    return TransferBytes(pixel_tile=3.0 * base.image_size ** 2 * elem, token=16.0,
+                         feature_tile=float(base.tokens_per_tile * trainer.spec.llm.hidden * elem))
 
 
 def _send_samples(trainer, d: _Dispatch, samples: list[dict], group) -> tuple[torch.Tensor, torch.Tensor]:
     """Step 3: samples to their phase owners: pixels to the vision owner, token ids + labels to the LLM owner.
     Returns the pixels (device) and the ids/labels (host: the collator builds its tensors there) received."""
     w, me, n_local, dp = trainer.world, d.me, d.n_local, d.dp
-    side = trainer._collate_base.image_size
+    side, dtype = trainer._collate_base.image_size, transfer_dtype(trainer)
     pos_mine = np.arange(me * n_local, (me + 1) * n_local)
     tile_elems = 3 * side * side
     pix_send, pix_split, tok_send, tok_split = [], [], [], []
     for r in range(dp):
         to_v = [p for p in pos_mine if d.v_own[p] == r]
-        pix_send += [samples[p - me * n_local]["pixel_values"].reshape(-1).float() for p in to_v]
+        pix_send += [samples[p - me * n_local]["pixel_values"].reshape(-1).to(dtype) for p in to_v]
         pix_split.append(int(d.tiles[to_v].sum()) * tile_elems)
         to_l = [p for p in pos_mine if d.l_own[p] == r]
         for p in to_l:
@@ -244,7 +260,7 @@ def _send_samples(trainer, d: _Dispatch, samples: list[dict], group) -> tuple[to
     v_mine, l_mine = d.v_mine, d.l_mine
     pix_recv = [int(d.tiles[v_mine[d.owner[v_mine] == r]].sum()) * tile_elems for r in range(dp)]
     tok_recv = [2 * int(d.tokens[l_mine[d.owner[l_mine] == r]].sum()) for r in range(dp)]
-    pix_flat = (torch.cat(pix_send) if pix_send else torch.zeros(0)).to(w.device)
+    pix_flat = (torch.cat(pix_send) if pix_send else torch.zeros(0, dtype=dtype)).to(w.device)
     tok_flat = (torch.cat(tok_send) if tok_send else torch.zeros(0, dtype=torch.int64)).to(w.device)
     if dp > 1:
         pix_flat = _a2a(pix_flat, pix_split, pix_recv, group)
@@ -263,7 +279,7 @@ def _vision_phase(trainer, d: _Dispatch, pix_flat: torch.Tensor) -> torch.Tensor
     num_tiles = int(d.tiles[d.v_mine].sum())
     pixels = pix_flat.reshape(1, num_tiles, 3, side, side).to(w.device)
     if num_tiles == 0:  # no tile here: one zero tile keeps the encoder's graph (zero gradients), as InternVL's dummy
-        pixels = torch.zeros(1, 1, 3, side, side, device=w.device)
+        pixels = torch.zeros(1, 1, 3, side, side, device=w.device, dtype=pix_flat.dtype)
     meta = torch.zeros(1, NUM_META_ROWS, 1, dtype=torch.int64, device=w.device)
     sizes = torch.tensor([[num_tiles, 1]], dtype=torch.int64, device=w.device)
     return _run_layers(trainer.stage_module, 0, _llm_start(trainer), (pixels, meta, sizes))[0][0, :num_tiles]
@@ -281,7 +297,8 @@ def _features_to_llm_owners(trainer, d: _Dispatch, feats: torch.Tensor, group) -
         for j in np.flatnonzero(l_own[v_mine] == r):
             rows.extend(range(int(tile_start[j]), int(tile_start[j + 1])))
         f_split.append(int(tiles[v_mine[l_own[v_mine] == r]].sum()) * tpt * width)
-    send = feats[torch.as_tensor(rows, dtype=torch.long, device=feats.device)].reshape(-1)
+    # to the wire dtype (differentiable: the gradients come back in it and return to the encoder's dtype)
+    send = feats[torch.as_tensor(rows, dtype=torch.long, device=feats.device)].reshape(-1).to(transfer_dtype(trainer))
     f_recv = [int(tiles[l_mine[v_own[l_mine] == r]].sum()) * tpt * width for r in range(dp)]
     recv = exchange(send, f_split, f_recv, group, dp)
     # received rows are ordered by (vision owner, position); the pack wants ascending position
