@@ -24,12 +24,14 @@ def _values(results):
     return [r.value for r in results]
 
 
-@pytest.mark.parametrize("dp", [2, 4])
-def test_online_step_matches_single_process(dp):
-    """The samples are moved (pixels to the vision owner, ids to the LLM owner, features between them) and
-    the loss and every gradient still equal one process on the whole global batch within 1e-5; each sample
-    is trained by exactly one rank; each phase is balanced by its own cost."""
-    values = _values(spawn_local(rank_online_forward_backward, dp, args=(dp,), deadline_s=120, start_method="fork"))
+@pytest.mark.parametrize(("dp", "node_size"), [(2, 0), (4, 0), (4, 2)])
+def test_online_step_matches_single_process(dp, node_size):
+    """The samples are moved (pixels to the vision owner, ids to the LLM owner, features between them; flat,
+    or node-wise with 2 ranks per node) and the loss and every gradient still equal one process on the whole
+    global batch within 1e-5; each sample is trained by exactly one rank; each phase is balanced by its own
+    cost."""
+    values = _values(spawn_local(rank_online_forward_backward, dp, args=(dp, node_size), deadline_s=120,
+                                 start_method="fork"))
     ref_loss, ref_grads, rows = single_process_step(dp)
     loss = sum(v["loss_part"] for v in values)
     assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
@@ -90,6 +92,12 @@ def test_online_mode_config_is_checked():
     with pytest.raises(InputError, match="flat"):
         TrainConfig(mode="online", dp_size=2, dp_sync="ddp")
     TrainConfig(mode="online", dp_size=2)
+    TrainConfig(mode="online", dp_size=4, node_size=2)
+    for bad in ({"dp_size": 4, "node_size": 3}, {"dp_size": 4, "node_size": -1}):
+        with pytest.raises(InputError, match="node_size"):
+            TrainConfig(mode="online", **bad)
+    with pytest.raises(InputError, match="node_size"):
+        TrainConfig(mode="baseline", dp_size=4, node_size=2)
 
 
 def test_online_bf16_moves_pixels_and_features_in_bf16():

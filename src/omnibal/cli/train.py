@@ -87,6 +87,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--selective", help='per-stage layer names under selective recompute (keep matrix-product '
                    'and attention outputs, recompute the rest), as --recompute: e.g. "llm.blocks.0,llm.blocks.1;"')
     add_option(p, "schedule_file", help="balanced schedule JSON (omnibal mode; default: balance the statistics now)")
+    p.add_argument("--node-size", type=int, default=0, metavar="N",
+                   help="online mode: DP ranks per node; samples and features move intra-node first, then "
+                        "inter-node (must divide --dp; 0: one flat all-to-all)")
     add_option(p, "batch_size", default=4, help="samples per micro-batch in baseline mode; online mode draws "
                "--microbatches x this many samples per rank per step")
     s = parser.add_argument_group("sequence parallelism")
@@ -140,7 +143,7 @@ def config_from_args(args: argparse.Namespace):
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, resume=args.resume,
         reshard=args.reshard, log_path=args.log_path, summary_path=args.summary_path, ledger_path=args.ledger_path,
         quiet=args.quiet, sp_degree=args.sp_degree, level_curriculum=args.level_curriculum,
-        print_every=args.print_every)
+        print_every=args.print_every, node_size=args.node_size)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -52,6 +52,10 @@ class TrainConfig:
     level_curriculum: int = 0
     """HBP's curriculum: in a multi-level schedule of one of the first ``level_curriculum`` epochs (its
     ``epoch`` field), the short levels' steps (smaller SP degree) run first. 0: the schedule's order."""
+    node_size: int = 0
+    """``--mode online``: DP ranks per node for the node-wise (two-level) all-to-all of samples and features,
+    intra-node first, then inter-node (:mod:`omnibal.train.alltoall`); must divide ``dp_size``. 0: one flat
+    all-to-all."""
     pipeline_schedule: Literal["1f1b", "gpipe"] = "1f1b"
     """Pipeline schedule (torch.distributed.pipelining Schedule1F1B or ScheduleGPipe)."""
     dp_sync: Literal["flat", "ddp"] = "flat"
@@ -184,6 +188,12 @@ class TrainConfig:
             raise InputError("online mode runs data parallel only (pp = 1): the vision encoder and the LLM of a "
                              "sample run on different DP ranks", source=src, field="pp_size")
         self._check_sp()
+        if self.node_size < 0 or (self.node_size and self.dp_size % self.node_size):
+            raise InputError(f"node_size {self.node_size} must be 0 (flat all-to-all) or divide dp_size "
+                             f"{self.dp_size}", source=src, field="node_size")
+        if self.node_size and self.mode != "online":
+            raise InputError("node_size sets online mode's all-to-all: pass mode 'online'", source=src,
+                             field="node_size")
         if self.stage_layers is not None and len(self.stage_layers) != self.pp_size:
             raise InputError(f"{len(self.stage_layers)} ranges given for {self.pp_size} stages", source=src,
                              field="stage_layers")

@@ -36,6 +36,7 @@ from omnibal.data.collate import IGNORE_INDEX, NUM_META_ROWS, collate
 from omnibal.data.online import balance_phases, phase_loads
 from omnibal.data.online_owners import TransferBytes
 from omnibal.errors import InputError
+from omnibal.train.alltoall import AllToAllGroups, Exchange, all_to_all_groups, exchange_raw
 from omnibal.train.distributed import caused_by_comm_error, is_comm_error, peer_failure
 from omnibal.train.metrics_log import RankTimes
 from omnibal.train.pipeline import StepResult
@@ -43,31 +44,23 @@ from omnibal.train.pipeline import StepResult
 _COLS = 4  # gathered per sample: tiles, tokens, target tokens, dataset index
 
 
-class AllToAll(torch.autograd.Function):
-    """``all_to_all_single`` of a 1-D tensor with split sizes; backward sends the gradients back the same
-    way reversed (so the sender's graph gets the gradient of what it sent)."""
-
-    @staticmethod
-    def forward(ctx, x, send_splits, recv_splits, group):  # type: ignore[override]
-        ctx.send, ctx.recv, ctx.group = list(send_splits), list(recv_splits), group
-        return _a2a(x, ctx.send, ctx.recv, group)
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        return _a2a(grad, ctx.recv, ctx.send, ctx.group), None, None, None
-
-
-def _a2a(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
-    out = x.new_empty(sum(recv))
-    dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
+def _splits(src: np.ndarray, dst: np.ndarray, units: np.ndarray, dp: int) -> np.ndarray:
+    """``[dp, dp]`` elements each rank sends each rank: position ``p`` sends ``units[p]`` from ``src[p]`` to
+    ``dst[p]`` (a rank's chunks to itself included: they stay in place)."""
+    out = np.zeros((dp, dp), np.int64)
+    np.add.at(out, (src, dst), np.asarray(units, np.int64))
     return out
 
 
-def exchange(x: torch.Tensor, send: list[int], recv: list[int], group, dp_size: int) -> torch.Tensor:
-    """Differentiable all-to-all (identity for one rank)."""
-    if dp_size == 1:
-        return x
-    return AllToAll.apply(x, send, recv, group)
+def _groups(trainer) -> AllToAllGroups:
+    """The communicators of this run's all-to-alls (flat, or node-wise for ``node_size``), made on the
+    first online step: every rank reaches it together, and ``new_group`` needs every rank."""
+    if getattr(trainer, "_a2a_groups", None) is None:
+        w = trainer.world
+        dp_groups = [[d * w.pp_size + p for d in range(w.dp_size)] for p in range(w.pp_size)]
+        trainer._a2a_groups = all_to_all_groups(dp_rank=w.dp_rank, dp_size=w.dp_size, dp_group=w.dp_group,
+                                                global_ranks=dp_groups, node_size=trainer.node_size)
+    return trainer._a2a_groups
 
 
 @dataclass
@@ -158,6 +151,7 @@ def _online_step(trainer):
         raise InputError("online mode runs data parallel only (pp = 1) with the flat gradient sum (dp_sync 'flat'): "
                          "its layers are called outside a pipeline or DDP wrapper", source="mode", field="mode")
     group = w.dp_group if w.dp_size > 1 else None
+    comm = _groups(trainer) if w.dp_size > 1 else None
     times = RankTimes()
     trainer._t_start = t0 = time.perf_counter()
     trainer._cpu_start = time.process_time()
@@ -169,13 +163,13 @@ def _online_step(trainer):
 
     t_comm = time.perf_counter()
     d = _gather_and_dispatch(trainer, samples, local, group)
-    pix_flat, tok_flat = _send_samples(trainer, d, samples, group)
+    pix_flat, tok_flat = _send_samples(trainer, d, samples, comm)
     comm_s = time.perf_counter() - t_comm
 
     t_compute = time.perf_counter()
     with trainer.runner.precision():
         feats = _vision_phase(trainer, d, pix_flat)
-        img = _features_to_llm_owners(trainer, d, feats, group)
+        img = _features_to_llm_owners(trainer, d, feats, comm)
         loss_sum, global_targets = _llm_phase(trainer, d, img, tok_flat)
     loss = loss_sum / max(global_targets, 1.0)
     loss.backward()
@@ -240,31 +234,25 @@ def _transfer_bytes(trainer) -> TransferBytes:
                          feature_tile=float(base.tokens_per_tile * trainer.spec.llm.hidden * elem))
 
 
-def _send_samples(trainer, d: _Dispatch, samples: list[dict], group) -> tuple[torch.Tensor, torch.Tensor]:
+def _send_samples(trainer, d: _Dispatch, samples: list[dict], comm) -> tuple[torch.Tensor, torch.Tensor]:
     """Step 3: samples to their phase owners: pixels to the vision owner, token ids + labels to the LLM owner.
     Returns the pixels (device) and the ids/labels (host: the collator builds its tensors there) received."""
     w, me, n_local, dp = trainer.world, d.me, d.n_local, d.dp
     side, dtype = trainer._collate_base.image_size, transfer_dtype(trainer)
     pos_mine = np.arange(me * n_local, (me + 1) * n_local)
     tile_elems = 3 * side * side
-    pix_send, pix_split, tok_send, tok_split = [], [], [], []
-    for r in range(dp):
+    pix_send, tok_send = [], []
+    for r in range(dp):  # chunks in destination order
         to_v = [p for p in pos_mine if d.v_own[p] == r]
         pix_send += [samples[p - me * n_local]["pixel_values"].reshape(-1).to(dtype) for p in to_v]
-        pix_split.append(int(d.tiles[to_v].sum()) * tile_elems)
-        to_l = [p for p in pos_mine if d.l_own[p] == r]
-        for p in to_l:
+        for p in (p for p in pos_mine if d.l_own[p] == r):
             s = samples[p - me * n_local]
             tok_send += [s["input_ids"].to(torch.int64), s["labels"].to(torch.int64)]
-        tok_split.append(2 * int(d.tokens[to_l].sum()))
-    v_mine, l_mine = d.v_mine, d.l_mine
-    pix_recv = [int(d.tiles[v_mine[d.owner[v_mine] == r]].sum()) * tile_elems for r in range(dp)]
-    tok_recv = [2 * int(d.tokens[l_mine[d.owner[l_mine] == r]].sum()) for r in range(dp)]
     pix_flat = (torch.cat(pix_send) if pix_send else torch.zeros(0, dtype=dtype)).to(w.device)
     tok_flat = (torch.cat(tok_send) if tok_send else torch.zeros(0, dtype=torch.int64)).to(w.device)
-    if dp > 1:
-        pix_flat = _a2a(pix_flat, pix_split, pix_recv, group)
-        tok_flat = _a2a(tok_flat, tok_split, tok_recv, group)
+    if dp > 1:  # received in source order = ascending position
+        pix_flat = exchange_raw(pix_flat, _splits(d.owner, d.v_own, d.tiles * tile_elems, dp), comm)
+        tok_flat = exchange_raw(tok_flat, _splits(d.owner, d.l_own, 2 * d.tokens, dp), comm)
     return pix_flat, tok_flat.cpu()
 
 
@@ -285,22 +273,20 @@ def _vision_phase(trainer, d: _Dispatch, pix_flat: torch.Tensor) -> torch.Tensor
     return _run_layers(trainer.stage_module, 0, _llm_start(trainer), (pixels, meta, sizes))[0][0, :num_tiles]
 
 
-def _features_to_llm_owners(trainer, d: _Dispatch, feats: torch.Tensor, group) -> torch.Tensor:
+def _features_to_llm_owners(trainer, d: _Dispatch, feats: torch.Tensor, comm) -> torch.Tensor:
     """Step 5: visual features to the LLM owners (differentiable all-to-all); returns this rank's LLM samples'
     features ``[tiles, tpt, D]`` in ascending position order."""
     tpt, width, dp = trainer._collate_base.tokens_per_tile, feats.shape[-1], d.dp
     tiles, v_own, l_own, v_mine, l_mine = d.tiles, d.v_own, d.l_own, d.v_mine, d.l_mine
     # rows ordered by (destination, position) on the way out
     tile_start = np.concatenate([[0], np.cumsum(tiles[v_mine])])
-    rows, f_split = [], []
+    rows = []
     for r in range(dp):
         for j in np.flatnonzero(l_own[v_mine] == r):
             rows.extend(range(int(tile_start[j]), int(tile_start[j + 1])))
-        f_split.append(int(tiles[v_mine[l_own[v_mine] == r]].sum()) * tpt * width)
     # to the wire dtype (differentiable: the gradients come back in it and return to the encoder's dtype)
     send = feats[torch.as_tensor(rows, dtype=torch.long, device=feats.device)].reshape(-1).to(transfer_dtype(trainer))
-    f_recv = [int(tiles[l_mine[v_own[l_mine] == r]].sum()) * tpt * width for r in range(dp)]
-    recv = exchange(send, f_split, f_recv, group, dp)
+    recv = Exchange.apply(send, _splits(v_own, l_own, tiles * tpt * width, dp), comm) if dp > 1 else send
     # received rows are ordered by (vision owner, position); the pack wants ascending position
     arrival = np.concatenate([l_mine[v_own[l_mine] == r] for r in range(dp)])
     arr_start = dict(zip(arrival.tolist(), np.concatenate([[0], np.cumsum(tiles[arrival])])[:-1].tolist()))
