@@ -17,7 +17,7 @@ def online_schedule(dp: int, num_samples: int = 160):
 
 
 def make_online_trainer(world, *, checkpoint_dir=None, lr=1e-3, num_samples=160, ledger_path=None,
-                        checkpoint_every=0, precision="fp32", node_size=0):
+                        checkpoint_every=0, precision="fp32", node_size=0, online_balance=True):
     from omnibal.train.loop import Trainer
     from omnibal.train.model import VLM
     from omnibal.train.pipeline import resolve_layout
@@ -29,7 +29,8 @@ def make_online_trainer(world, *, checkpoint_dir=None, lr=1e-3, num_samples=160,
     return Trainer(world=world, model=model, layout=layout, schedule=online_schedule(world.dp_size, num_samples),
                    dataset=tiny_dataset(spec, stats), mode="online", num_microbatches=MICRO, lr=lr,
                    checkpoint_dir=checkpoint_dir, ledger_path=ledger_path,
-                   checkpoint_every=checkpoint_every, precision=precision, node_size=node_size)
+                   checkpoint_every=checkpoint_every, precision=precision, node_size=node_size,
+                   online_balance=online_balance)
 
 
 def single_process_step(dp: int, step: int = 0):
@@ -57,18 +58,19 @@ def single_process_step(dp: int, step: int = 0):
     return float(loss.detach()), grads, sorted(rows)
 
 
-def rank_online_forward_backward(dp: int, node_size: int = 0):
+def rank_online_forward_backward(dp: int, node_size: int = 0, online_balance: bool = True):
     torch.set_num_threads(1)
     from omnibal.train.distributed import destroy_world, init_world
 
     world = init_world(dp_size=dp, pp_size=1, timeout_s=TIMEOUT_S)
-    trainer = make_online_trainer(world, node_size=node_size)
+    trainer = make_online_trainer(world, node_size=node_size, online_balance=online_balance)
     result = trainer.forward_backward()
     grads = {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)).numpy()
              for n, p in trainer.stage_module.named_parameters()}
     info = trainer.online_info[-1]
     destroy_world()
-    return {"rank": world.rank, "loss_part": result.loss_sum, "grads": grads, "fed": trainer._fed,
+    local = [int(i) for k in range(MICRO) for i in trainer.schedule.microbatch(0, world.dp_rank, k)]
+    return {"rank": world.rank, "loss_part": result.loss_sum, "grads": grads, "fed": trainer._fed, "local": local,
             "info": (info.vision_max_mean, info.llm_max_mean, info.local_vision_max_mean, info.local_llm_max_mean)}
 
 

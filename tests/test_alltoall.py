@@ -35,3 +35,15 @@ def test_node_size_must_divide_the_group():
     for bad in (4, -1):
         with pytest.raises(InputError, match="node_size"):
             check_node_size(bad, 6)
+
+
+def test_nothing_off_the_diagonal_makes_no_collective():
+    """Every chunk staying home (online's control run) returns the input, with no process group at all."""
+    import numpy as np
+    import torch
+
+    from omnibal.train.alltoall import AllToAllGroups, exchange_raw
+
+    x = torch.arange(3.0)
+    groups = AllToAllGroups(dp_rank=0, dp_size=2, group=None)
+    assert exchange_raw(x, np.diag([3, 5]), groups) is x

@@ -24,13 +24,13 @@ def _values(results):
     return [r.value for r in results]
 
 
-@pytest.mark.parametrize(("dp", "node_size"), [(2, 0), (4, 0), (4, 2)])
-def test_online_step_matches_single_process(dp, node_size):
+@pytest.mark.parametrize(("dp", "node_size", "balance"), [(2, 0, True), (4, 0, True), (4, 2, True), (2, 0, False)])
+def test_online_step_matches_single_process(dp, node_size, balance):
     """The samples are moved (pixels to the vision owner, ids to the LLM owner, features between them; flat,
     or node-wise with 2 ranks per node) and the loss and every gradient still equal one process on the whole
     global batch within 1e-5; each sample is trained by exactly one rank; each phase is balanced by its own
-    cost."""
-    values = _values(spawn_local(rank_online_forward_backward, dp, args=(dp, node_size), deadline_s=120,
+    cost. The control (no re-deal) trains each rank's own draw, at the draw's balance."""
+    values = _values(spawn_local(rank_online_forward_backward, dp, args=(dp, node_size, balance), deadline_s=120,
                                  start_method="fork"))
     ref_loss, ref_grads, rows = single_process_step(dp)
     loss = sum(v["loss_part"] for v in values)
@@ -46,6 +46,9 @@ def test_online_step_matches_single_process(dp, node_size):
     assert all(v["info"] == info for v in values)  # every rank computed the same dispatch
     vis, llm, local_vis, local_llm = info
     assert vis <= local_vis + 1e-9 and llm <= local_llm + 1e-9
+    if not balance:
+        assert (vis, llm) == (local_vis, local_llm)
+        assert all(sorted(v["fed"]) == sorted(v["local"]) for v in values)
 
 
 def test_online_epoch_exactly_once_and_resume_continues_the_draws(tmp_path):
@@ -98,6 +101,9 @@ def test_online_mode_config_is_checked():
             TrainConfig(mode="online", **bad)
     with pytest.raises(InputError, match="node_size"):
         TrainConfig(mode="baseline", dp_size=4, node_size=2)
+    TrainConfig(mode="online", dp_size=2, online_balance=False)
+    with pytest.raises(InputError, match="online_balance"):
+        TrainConfig(mode="baseline", dp_size=2, online_balance=False)
 
 
 def test_online_bf16_moves_pixels_and_features_in_bf16():

@@ -13,7 +13,8 @@ The **two-level** exchange groups the DP ranks into nodes of ``node_size`` conse
    node's sources) bound for it (slow links, ``D / S`` ranks; each pair of nodes exchanges ``S`` larger
    messages instead of ``S x S`` small ones).
 
-Both move exactly the flat exchange's data; only the route differs. :class:`Exchange` is differentiable:
+Both move exactly the flat exchange's data; only the route differs. A split matrix with nothing off its
+diagonal makes no collective at all. :class:`Exchange` is differentiable:
 its backward sends the gradients back along the transposed splits.
 """
 
@@ -83,6 +84,8 @@ def all_to_all_groups(*, dp_rank: int, dp_size: int, dp_group, global_ranks, nod
 def exchange_raw(x: torch.Tensor, splits: np.ndarray, groups: AllToAllGroups) -> torch.Tensor:
     """The all-to-all of ``x`` (this rank's chunks, destination order) along ``splits`` (not differentiable)."""
     splits = np.asarray(splits, np.int64)
+    if not (splits - np.diag(np.diag(splits))).any():  # every chunk stays home (every rank sees the same)
+        return x
     if groups.two_level:
         return _two_level(x, splits, groups)
     me = groups.dp_rank

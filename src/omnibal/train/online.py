@@ -206,15 +206,19 @@ def _gather_and_dispatch(trainer, samples: list[dict], local: list[int], group) 
     n_local = len(local)
     tiles, tokens, targets, index = (table[:, c] for c in range(_COLS))
     owner = np.repeat(np.arange(dp), n_local)
-    plan = balance_phases(tiles, tokens, dp_size=dp, owner=owner, transfer=_transfer_bytes(trainer))
-    v_own = np.empty(len(table), np.int64)
-    l_own = np.empty(len(table), np.int64)
-    for r in range(dp):
-        v_own[plan.vision[r]] = r
-        l_own[plan.llm[r]] = r
     lv, ll = phase_loads([range(r * n_local, (r + 1) * n_local) for r in range(dp)], tiles, tokens)
-    info = OnlineStepInfo(plan.vision_max_mean, plan.llm_max_mean, float(lv.max() / lv.mean()),
-                          float(ll.max() / ll.mean()), 0.0)
+    local_mm = (float(lv.max() / lv.mean()), float(ll.max() / ll.mean()))
+    if not trainer.online_balance:  # the control: nothing moves
+        v_own, l_own = owner, owner
+        info = OnlineStepInfo(*local_mm, *local_mm, 0.0)
+    else:
+        plan = balance_phases(tiles, tokens, dp_size=dp, owner=owner, transfer=_transfer_bytes(trainer))
+        v_own = np.empty(len(table), np.int64)
+        l_own = np.empty(len(table), np.int64)
+        for r in range(dp):
+            v_own[plan.vision[r]] = r
+            l_own[plan.llm[r]] = r
+        info = OnlineStepInfo(plan.vision_max_mean, plan.llm_max_mean, *local_mm, 0.0)
     return _Dispatch(tiles=tiles, tokens=tokens, targets=targets, index=index,
                      owner=owner, v_own=v_own, l_own=l_own, n_local=n_local, me=me,
                      dp=dp, info=info)
