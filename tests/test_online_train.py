@@ -122,3 +122,17 @@ def test_online_bf16_moves_pixels_and_features_in_bf16():
             ref = ref_grads[name]
             err = np.linalg.norm(grad - ref) / max(np.linalg.norm(ref), 1e-30)
             assert err <= 0.1, (name, err)
+
+
+def test_train_cli_passes_node_size_and_the_control_flag():
+    import argparse
+
+    from omnibal.cli.train import add_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    cfg = config_from_args(parser.parse_args(["--mode", "online", "--dp", "4", "--node-size", "2",
+                                              "--no-online-balance"]))
+    assert (cfg.node_size, cfg.online_balance) == (2, False)
+    cfg = config_from_args(parser.parse_args(["--mode", "online", "--dp", "4"]))
+    assert (cfg.node_size, cfg.online_balance) == (0, True)
