@@ -13,7 +13,8 @@ every rank computes the same assignment without further communication; the calle
 - :func:`balance_phases`: OrchMLLM's per-modality dispatch: one assignment of the vision phase balanced by
   vision cost, and another of the LLM phase balanced by LLM cost (attention's sum of squares included), so
   each phase is balanced on its own; the trainer (:mod:`omnibal.train.online`) moves the visual features
-  between the two with an all-to-all.
+  between the two with an all-to-all. Given the rank that drew each sample (``owner``), it places the
+  balanced bins to move the fewest bytes at the same loads (:mod:`omnibal.data.online_owners`).
 
 Algorithm: LPT in rounds over the bins, then vectorised passes of best single swaps between the heaviest
 and lightest bins. Cost: O(B log B) numpy work; ~10 us per sample on one core for B = 1024.

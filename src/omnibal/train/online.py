@@ -6,20 +6,25 @@ at step S continues the same draws). One step on every rank:
 
 1. read the local samples; **all-gather** their sizes (tiles, tokens, target tokens, dataset index);
 2. :func:`omnibal.data.online.balance_phases` on the gathered sizes (pure: every rank computes the same
-   dispatch): a vision assignment balanced by vision cost and an LLM assignment balanced by LLM cost;
+   dispatch): a vision assignment balanced by vision cost and an LLM assignment balanced by LLM cost,
+   placed to keep samples on the rank that drew them where that changes no load (fewest moved bytes);
+   the control run (``online_balance`` False) keeps every sample where it was drawn;
 3. **all-to-all** of the samples themselves: each sample's pixel tiles go to the rank that owns its vision
    phase, its token ids and labels to the rank that owns its LLM phase (no shared dataset is assumed);
+   pixels in the forward dtype (bf16 under ``bf16-mixed``);
 4. the vision phase (``vision.embed .. projector``) runs on all tiles this rank owns, as one batch of tiles
    (a ViT attends within a tile, so grouping tiles of several samples changes nothing);
-5. **all-to-all** of the visual features to the LLM owners (:class:`AllToAll`, an autograd function whose
-   backward is the reverse all-to-all of the feature gradients), which pack their samples into up to
+5. **all-to-all** of the visual features, in the forward dtype, to the LLM owners
+   (:class:`omnibal.train.alltoall.Exchange`, whose backward is the reverse all-to-all of the feature
+   gradients), which pack their samples into up to
    ``num_microbatches`` varlen packs of similar LLM cost (block-diagonal attention) and run
    ``llm.embed .. llm.head`` on each (one backward for all of them at the end);
 6. the loss is ``loss_sum / global_target_tokens`` (the count comes from the all-gather), backward runs
    through the reverse all-to-all into the vision encoder, and the trainer sums gradients over DP as in
    the other modes: the update equals the single-process gradient of the global-token-mean loss.
 
-Model code stays free of torch.distributed: this module calls the stage's layers by their chain position.
+Every all-to-all is flat, or node-wise with ``node_size`` (:mod:`omnibal.train.alltoall`). Model code stays
+free of torch.distributed: this module calls the stage's layers by their chain position.
 """
 
 from __future__ import annotations
