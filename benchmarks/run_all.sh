@@ -23,6 +23,7 @@ ALL=(
   bench_sim_ranking       # the candidate plans of run 3 ordered by 20 rounds of measurement
   bench_plan_cpu          # planned vs even partition on the CPU trainer
   bench_train             # omnibal vs baseline on the CPU trainer
+  bench_online_sim        # online mode predicted for a cluster, with the control baseline
   bench_online            # online vs offline balance on the CPU trainer
   bench_train_hf          # omnibal vs baseline on an HF InternVL checkpoint
   bench_online_hf         # online vs offline on the HF checkpoint

@@ -17,7 +17,7 @@ def online_schedule(dp: int, num_samples: int = 160):
 
 
 def make_online_trainer(world, *, checkpoint_dir=None, lr=1e-3, num_samples=160, ledger_path=None,
-                        checkpoint_every=0):
+                        checkpoint_every=0, precision="fp32", node_size=0, online_balance=True):
     from omnibal.train.loop import Trainer
     from omnibal.train.model import VLM
     from omnibal.train.pipeline import resolve_layout
@@ -29,7 +29,8 @@ def make_online_trainer(world, *, checkpoint_dir=None, lr=1e-3, num_samples=160,
     return Trainer(world=world, model=model, layout=layout, schedule=online_schedule(world.dp_size, num_samples),
                    dataset=tiny_dataset(spec, stats), mode="online", num_microbatches=MICRO, lr=lr,
                    checkpoint_dir=checkpoint_dir, ledger_path=ledger_path,
-                   checkpoint_every=checkpoint_every)
+                   checkpoint_every=checkpoint_every, precision=precision, node_size=node_size,
+                   online_balance=online_balance)
 
 
 def single_process_step(dp: int, step: int = 0):
@@ -57,18 +58,19 @@ def single_process_step(dp: int, step: int = 0):
     return float(loss.detach()), grads, sorted(rows)
 
 
-def rank_online_forward_backward(dp: int):
+def rank_online_forward_backward(dp: int, node_size: int = 0, online_balance: bool = True):
     torch.set_num_threads(1)
     from omnibal.train.distributed import destroy_world, init_world
 
     world = init_world(dp_size=dp, pp_size=1, timeout_s=TIMEOUT_S)
-    trainer = make_online_trainer(world)
+    trainer = make_online_trainer(world, node_size=node_size, online_balance=online_balance)
     result = trainer.forward_backward()
     grads = {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)).numpy()
              for n, p in trainer.stage_module.named_parameters()}
     info = trainer.online_info[-1]
     destroy_world()
-    return {"rank": world.rank, "loss_part": result.loss_sum, "grads": grads, "fed": trainer._fed,
+    local = [int(i) for k in range(MICRO) for i in trainer.schedule.microbatch(0, world.dp_rank, k)]
+    return {"rank": world.rank, "loss_part": result.loss_sum, "grads": grads, "fed": trainer._fed, "local": local,
             "info": (info.vision_max_mean, info.llm_max_mean, info.local_vision_max_mean, info.local_llm_max_mean)}
 
 
@@ -113,3 +115,58 @@ def rank_online_dies(dp: int, victim: int):
         online.balance_phases = crash
         del real
     return timed_failing_step(trainer)
+
+
+def rank_online_bf16_step(dp: int):
+    """One ``bf16-mixed`` online step; records the dtype of every all-to-all payload."""
+    torch.set_num_threads(1)
+    import omnibal.train.alltoall as online
+    from omnibal.train.distributed import destroy_world, init_world
+
+    sent = []
+    real = online._a2a
+
+    def spy(x, send, recv, group):
+        sent.append(str(x.dtype))
+        return real(x, send, recv, group)
+
+    online._a2a = spy
+    world = init_world(dp_size=dp, pp_size=1, timeout_s=TIMEOUT_S)
+    trainer = make_online_trainer(world, precision="bf16-mixed")
+    result = trainer.forward_backward()
+    grads = {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)).float().numpy()
+             for n, p in trainer.stage_module.named_parameters()}
+    destroy_world()
+    online._a2a = real
+    return {"rank": world.rank, "loss_part": result.loss_sum, "dtypes": sent, "grads": grads}
+
+
+def rank_two_level_matches_flat(dp: int, node_sizes: tuple[int, ...], seed: int):
+    """For random split matrices (zeros included): what every node size's exchange delivers, and the
+    gradient it returns, next to the flat one's."""
+    torch.set_num_threads(1)
+    import numpy as np
+
+    from omnibal.train.alltoall import Exchange, all_to_all_groups
+    from omnibal.train.distributed import destroy_world, init_world
+
+    world = init_world(dp_size=dp, pp_size=1, timeout_s=TIMEOUT_S)
+    me = world.dp_rank
+    kinds = {s: all_to_all_groups(dp_rank=me, dp_size=dp, dp_group=world.dp_group, global_ranks=[range(dp)],
+                                  node_size=s) for s in (0, *node_sizes)}
+    out = {s: [] for s in kinds}
+    rng = np.random.default_rng(seed)
+    for trial in range(4):
+        splits = rng.integers(0, 4, (dp, dp)) * (rng.random((dp, dp)) < 0.8)
+        # element value = 1000 * source + 100 * destination + index within the chunk: any misroute shows
+        x = torch.cat([torch.arange(int(splits[me, d]), dtype=torch.float32) + 1000 * me + 100 * d
+                       for d in range(dp)])
+        for s, groups in kinds.items():
+            leaf = x.clone().requires_grad_(True)
+            got = Exchange.apply(leaf, splits, groups)
+            (got * torch.arange(len(got), dtype=torch.float32)).sum().backward()
+            out[s].append((got.detach().numpy().tolist(), leaf.grad.numpy().tolist(), trial))
+    bf = torch.arange(6, dtype=torch.bfloat16).repeat(dp)
+    half = {s: Exchange.apply(bf, np.full((dp, dp), 6), g).dtype for s, g in kinds.items()}
+    destroy_world()
+    return {"rank": world.rank, "out": out, "bf16": {s: str(t) for s, t in half.items()}}

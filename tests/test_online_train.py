@@ -7,7 +7,13 @@ import numpy as np
 import pytest
 
 from omnibal.train.distributed import spawn_local
-from online_helpers import rank_online_dies, rank_online_forward_backward, rank_online_train, single_process_step
+from online_helpers import (
+    rank_online_bf16_step,
+    rank_online_dies,
+    rank_online_forward_backward,
+    rank_online_train,
+    single_process_step,
+)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -18,12 +24,14 @@ def _values(results):
     return [r.value for r in results]
 
 
-@pytest.mark.parametrize("dp", [2, 4])
-def test_online_step_matches_single_process(dp):
-    """The samples are moved (pixels to the vision owner, ids to the LLM owner, features between them) and
-    the loss and every gradient still equal one process on the whole global batch within 1e-5; each sample
-    is trained by exactly one rank; each phase is balanced by its own cost."""
-    values = _values(spawn_local(rank_online_forward_backward, dp, args=(dp,), deadline_s=120, start_method="fork"))
+@pytest.mark.parametrize(("dp", "node_size", "balance"), [(2, 0, True), (4, 0, True), (4, 2, True), (2, 0, False)])
+def test_online_step_matches_single_process(dp, node_size, balance):
+    """The samples are moved (pixels to the vision owner, ids to the LLM owner, features between them; flat,
+    or node-wise with 2 ranks per node) and the loss and every gradient still equal one process on the whole
+    global batch within 1e-5; each sample is trained by exactly one rank; each phase is balanced by its own
+    cost. The control (no re-deal) trains each rank's own draw, at the draw's balance."""
+    values = _values(spawn_local(rank_online_forward_backward, dp, args=(dp, node_size, balance), deadline_s=120,
+                                 start_method="fork"))
     ref_loss, ref_grads, rows = single_process_step(dp)
     loss = sum(v["loss_part"] for v in values)
     assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
@@ -38,6 +46,9 @@ def test_online_step_matches_single_process(dp):
     assert all(v["info"] == info for v in values)  # every rank computed the same dispatch
     vis, llm, local_vis, local_llm = info
     assert vis <= local_vis + 1e-9 and llm <= local_llm + 1e-9
+    if not balance:
+        assert (vis, llm) == (local_vis, local_llm)
+        assert all(sorted(v["fed"]) == sorted(v["local"]) for v in values)
 
 
 def test_online_epoch_exactly_once_and_resume_continues_the_draws(tmp_path):
@@ -84,3 +95,44 @@ def test_online_mode_config_is_checked():
     with pytest.raises(InputError, match="flat"):
         TrainConfig(mode="online", dp_size=2, dp_sync="ddp")
     TrainConfig(mode="online", dp_size=2)
+    TrainConfig(mode="online", dp_size=4, node_size=2)
+    for bad in ({"dp_size": 4, "node_size": 3}, {"dp_size": 4, "node_size": -1}):
+        with pytest.raises(InputError, match="node_size"):
+            TrainConfig(mode="online", **bad)
+    with pytest.raises(InputError, match="node_size"):
+        TrainConfig(mode="baseline", dp_size=4, node_size=2)
+    TrainConfig(mode="online", dp_size=2, online_balance=False)
+    with pytest.raises(InputError, match="online_balance"):
+        TrainConfig(mode="baseline", dp_size=2, online_balance=False)
+
+
+def test_online_bf16_moves_pixels_and_features_in_bf16():
+    """Under ``bf16-mixed`` the pixels and the visual features (and their gradients) travel as bf16, half
+    the bytes of fp32, and the step still matches the fp32 single-process loss and gradients to bf16's
+    precision; token ids stay int64."""
+    values = _values(spawn_local(rank_online_bf16_step, 2, args=(2,), deadline_s=120, start_method="fork"))
+    ref_loss, ref_grads, _ = single_process_step(2)
+    for v in values:
+        # pixels, tokens, features forward, feature gradients backward
+        assert v["dtypes"] == ["torch.bfloat16", "torch.int64", "torch.bfloat16", "torch.bfloat16"], v["dtypes"]
+    loss = sum(v["loss_part"] for v in values)
+    assert abs(loss - ref_loss) <= 2e-2 * abs(ref_loss)
+    for v in values:
+        for name, grad in v["grads"].items():
+            ref = ref_grads[name]
+            err = np.linalg.norm(grad - ref) / max(np.linalg.norm(ref), 1e-30)
+            assert err <= 0.1, (name, err)
+
+
+def test_train_cli_passes_node_size_and_the_control_flag():
+    import argparse
+
+    from omnibal.cli.train import add_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    cfg = config_from_args(parser.parse_args(["--mode", "online", "--dp", "4", "--node-size", "2",
+                                              "--no-online-balance"]))
+    assert (cfg.node_size, cfg.online_balance) == (2, False)
+    cfg = config_from_args(parser.parse_args(["--mode", "online", "--dp", "4"]))
+    assert (cfg.node_size, cfg.online_balance) == (0, True)

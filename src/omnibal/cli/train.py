@@ -87,6 +87,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--selective", help='per-stage layer names under selective recompute (keep matrix-product '
                    'and attention outputs, recompute the rest), as --recompute: e.g. "llm.blocks.0,llm.blocks.1;"')
     add_option(p, "schedule_file", help="balanced schedule JSON (omnibal mode; default: balance the statistics now)")
+    p.add_argument("--node-size", type=int, default=0, metavar="N",
+                   help="online mode: DP ranks per node; samples and features move intra-node first, then "
+                        "inter-node (must divide --dp; 0: one flat all-to-all)")
+    p.add_argument("--online-balance", action=argparse.BooleanOptionalAction, default=True,
+                   help="online mode: re-deal each step's draws across DP ranks; --no-online-balance is the "
+                        "control run (unpadded packs, no recompute, every sample where it was drawn)")
     add_option(p, "batch_size", default=4, help="samples per micro-batch in baseline mode; online mode draws "
                "--microbatches x this many samples per rank per step")
     s = parser.add_argument_group("sequence parallelism")
@@ -144,7 +150,8 @@ def config_from_args(args: argparse.Namespace):
         reshard=args.reshard, log_path=args.log_path, summary_path=args.summary_path, ledger_path=args.ledger_path,
         quiet=args.quiet, sp_degree=args.sp_degree, level_curriculum=args.level_curriculum,
         level_warmup=args.level_warmup,
-        print_every=args.print_every)
+        print_every=args.print_every, node_size=args.node_size,
+        online_balance=args.online_balance)
 
 
 def run(args: argparse.Namespace) -> int:

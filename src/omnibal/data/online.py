@@ -13,7 +13,8 @@ every rank computes the same assignment without further communication; the calle
 - :func:`balance_phases`: OrchMLLM's per-modality dispatch: one assignment of the vision phase balanced by
   vision cost, and another of the LLM phase balanced by LLM cost (attention's sum of squares included), so
   each phase is balanced on its own; the trainer (:mod:`omnibal.train.online`) moves the visual features
-  between the two with an all-to-all.
+  between the two with an all-to-all. Given the rank that drew each sample (``owner``), it places the
+  balanced bins to move the fewest bytes at the same loads (:mod:`omnibal.data.online_owners`).
 
 Algorithm: LPT in rounds over the bins, then vectorised passes of best single swaps between the heaviest
 and lightest bins. Cost: O(B log B) numpy work; ~10 us per sample on one core for B = 1024.
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from omnibal.data.balance.cost import DEFAULT_COST, BalanceCost
+from omnibal.data.online_owners import TransferBytes, keep_on_owners
 from omnibal.errors import InputError
 
 
@@ -67,16 +69,27 @@ class PhaseAssignment:
         return _max_mean(self.llm_load)
 
 
-def balance_phases(tiles, tokens, *, dp_size: int, cost: BalanceCost | None = None,
-                   swap_passes: int = 8) -> PhaseAssignment:
+def balance_phases(tiles, tokens, *, dp_size: int, cost: BalanceCost | None = None, swap_passes: int = 8,
+                   owner=None, transfer: TransferBytes | None = None) -> PhaseAssignment:
     """OrchMLLM's per-phase balance of a gathered global batch: the vision phase dealt to ``dp_size`` ranks
     by vision cost, the LLM phase dealt again by LLM cost. Every position is in exactly one vision list and
-    one LLM list; every rank gets at least one LLM sample when there are at least ``dp_size`` samples."""
+    one LLM list; every rank gets at least one LLM sample when there are at least ``dp_size`` samples.
+
+    ``owner`` (optional): the DP rank that drew each position. Given it, the balanced bins are placed on
+    ranks, and samples of equal cost exchanged, so that the fewest bytes move (weighed by ``transfer``;
+    :func:`omnibal.data.online_owners.keep_on_owners`): the per-rank loads are the owner-blind ones,
+    permuted, so every max/mean is unchanged."""
     tiles, tokens = _check_sizes(tiles, tokens, dp_size, 1)
     cost = cost or DEFAULT_COST
     vis, llm = cost.sample_costs(tiles, tokens)
     v_bin = _lpt_swap(vis, dp_size, swap_passes)
     l_bin = _lpt_swap(llm, dp_size, swap_passes)
+    if owner is not None:
+        owner = np.asarray(owner)
+        if owner.shape != tiles.shape or ((owner < 0) | (owner >= dp_size)).any():
+            raise InputError(f"owner must give a rank in [0, {dp_size}) for each of the {len(tiles)} positions",
+                             source="global batch", field="owner")
+        v_bin, l_bin = keep_on_owners(v_bin, l_bin, owner, tiles, tokens, vis, llm, transfer)
     return PhaseAssignment(
         vision=[np.flatnonzero(v_bin == r).tolist() for r in range(dp_size)],
         llm=[np.flatnonzero(l_bin == r).tolist() for r in range(dp_size)],

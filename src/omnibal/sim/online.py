@@ -27,7 +27,8 @@ import numpy as np
 
 from omnibal.cost.table import microbatch_features
 from omnibal.data.balance.cost import DEFAULT_COST, BalanceCost
-from omnibal.data.online import balance_phases, phase_loads
+from omnibal.data.online import PhaseAssignment, balance_phases, phase_loads
+from omnibal.data.online_owners import TransferBytes, moved_bytes
 
 
 def _shares(members: list[int], cost: np.ndarray, m: int) -> list[np.ndarray]:
@@ -36,16 +37,25 @@ def _shares(members: list[int], cost: np.ndarray, m: int) -> list[np.ndarray]:
     return [np.asarray(order[k::m], np.int64) for k in range(m)]
 
 
-def online_step(tiles, tokens, draws, *, num_microbatches: int, cost: BalanceCost | None = None):
+def online_step(tiles, tokens, draws, *, num_microbatches: int, cost: BalanceCost | None = None,
+                transfer: TransferBytes | None = None, keep_on_owner: bool = True, balance: bool = True):
     """One online step from the local ``draws`` (per rank, its sample rows; ``[D, n]`` or a list). Returns
     ``(features [D, M, 4], assignment, owners)``; ``owners`` is ``(data, vision, llm)`` rank of every
-    position of the gathered batch (rank-major)."""
+    position of the gathered batch (rank-major). ``keep_on_owner``: place the balanced bins as the trainer
+    does (fewest moved bytes, weighed by ``transfer``), else owner-blind. ``balance`` False: the control,
+    every sample stays where it was drawn (online's varlen packs without its re-deal)."""
     cost = cost or DEFAULT_COST
     draws = [np.asarray(d, np.int64) for d in draws]
     dp = len(draws)
     rows = np.concatenate(draws)
     t, k = np.asarray(tiles)[rows], np.asarray(tokens)[rows]
-    a = balance_phases(t, k, dp_size=dp, cost=cost)
+    data = np.repeat(np.arange(dp), [len(d) for d in draws])
+    if balance:
+        a = balance_phases(t, k, dp_size=dp, cost=cost, owner=data if keep_on_owner else None, transfer=transfer)
+    else:
+        mine = [np.flatnonzero(data == r).tolist() for r in range(dp)]
+        lv, ll = phase_loads(mine, t, k, cost=cost)
+        a = PhaseAssignment(vision=mine, llm=mine, vision_load=lv, llm_load=ll)
     vis, llm = cost.sample_costs(t, k)
     feats = np.zeros((dp, num_microbatches, 4))
     kf = k.astype(np.float64)
@@ -58,7 +68,7 @@ def online_step(tiles, tokens, draws, *, num_microbatches: int, cost: BalanceCos
     for r in range(dp):
         v_own[a.vision[r]] = r
         l_own[a.llm[r]] = r
-    return feats, a, (np.repeat(np.arange(dp), [len(d) for d in draws]), v_own, l_own)
+    return feats, a, (data, v_own, l_own)
 
 
 def _a2a_time(src, dst, nbytes, dp: int, bandwidth: float, latency: float) -> float:
@@ -87,11 +97,14 @@ def compare_online_offline(*, model: str = "internvl-chat-1.5", hardware="a100-8
                            pp_size: int = 4, num_microbatches: int = 8, batch_size: int = 4,
                            num_samples: int = 40_000, epoch_samples: int = 1_200_000, seed: int = 0,
                            dtype_bytes: int = 2) -> dict:
-    """baseline (random draws, padded rows), online (the same draws, post-balanced per phase, varlen, plus its
-    collectives) and omnibal (the offline balancer's packs) on one cluster, even partition and full
-    recompute for all three (so only the data differs). ``num_samples`` of the synthetic InternVL-like
-    mixture are simulated and the epoch is scaled to ``epoch_samples``. ``hardware``: a preset name or a
-    ``HardwareSpec`` (``cpu`` is measured: the caller passes ``omnibal.measure.hardware.hardware_by_name``'s)."""
+    """On one cluster and the same random draws: ``baseline`` (padded rows), ``control`` (the draws packed
+    varlen where they were drawn: no padding, no re-deal), ``online`` (the draws post-balanced per phase,
+    placed to move the fewest bytes, plus its collectives), ``online (owner-blind)`` (the same balance
+    placed by bin index) and ``omnibal`` (the offline balancer's packs); even partition and full recompute
+    for all, so only the data differs, and control vs online isolates the balance from the padding.
+    ``num_samples`` of the synthetic InternVL-like mixture are simulated and the epoch is scaled to
+    ``epoch_samples``. ``hardware``: a preset name or a ``HardwareSpec`` (``cpu`` is measured: the caller
+    passes ``omnibal.measure.hardware.hardware_by_name``'s)."""
     from omnibal.cost.analytic import analytic_cost_table
     from omnibal.cost.hardware import HardwareSpec, get_hardware
     from omnibal.cost.presets import get_model_preset
@@ -116,59 +129,74 @@ def compare_online_offline(*, model: str = "internvl-chat-1.5", hardware="a100-8
     omni = balance(stats, dp_size=dp_size, num_microbatches=num_microbatches, seed=seed,
                    config=BalanceConfig(cost=cost))
     v = spec.vision
-    pixel_bytes = 3 * v.image_size * v.image_size * dtype_bytes
-    feature_bytes = spec.llm_tokens_per_tile * spec.llm.hidden * dtype_bytes
+    transfer = TransferBytes(pixel_tile=3 * v.image_size * v.image_size * dtype_bytes, token=16.0,
+                             feature_tile=spec.llm_tokens_per_tile * spec.llm.hidden * dtype_bytes)
     out = {"setting": f"{model} on {dp_size * pp_size} x {hardware} (DP{dp_size} x PP{pp_size}), {num_microbatches} "
-                      f"micro-batches of {batch_size} random samples per rank per step (baseline, online), even "
-                      f"partition, full recompute, {num_samples:,} synthetic samples scaled to an epoch of "
+                      f"micro-batches of {batch_size} random samples per rank per step (baseline, control, online), "
+                      f"even partition, full recompute, {num_samples:,} synthetic samples scaled to an epoch of "
                       f"{epoch_samples:,}", "modes": {}}
 
-    def summarize(name, feats, comm, vis_mm, llm_mm, steps_per_sample):
-        res = simulate_epoch(table, cuts, rec, feats, config)
-        step = res.step_time + comm
-        steps = steps_per_sample * epoch_samples
+    def summarize(name, sched, feats, comm, vis_mm, llm_mm, moved, steps_per_sample):
+        step = simulate_epoch(table, cuts, rec, feats, config).step_time + comm
         out["modes"][name] = {"vision_max_mean": float(np.mean(vis_mm)), "llm_max_mean": float(np.mean(llm_mm)),
                               "step_s": float(step.mean()), "comm_s": float(np.mean(comm)),
-                              "gpu_days": float(step.mean() * steps * dp_size * pp_size / 86400)}
+                              "moved_gb_per_step": float(np.mean(moved)) / 1e9,
+                              "gpu_days": float(step.mean() * steps_per_sample * epoch_samples * dp_size * pp_size
+                                                / 86400)}
 
     def rank_rows(sched, s):
         return [np.concatenate([np.asarray(sched.microbatch(s, r, k), np.int64) for k in range(num_microbatches)])
                 for r in range(dp_size)]
 
-    def local_balance(sched):
-        vm, lm = [], []
-        for s in range(sched.num_steps):
-            a, b = phase_loads(rank_rows(sched, s), stats.tiles, stats.tokens, cost=cost)
-            vm.append(a.max() / a.mean())
-            lm.append(b.max() / b.mean())
-        return vm, lm
-
     used = sum(len(r) for s in range(rand.num_steps) for r in rank_rows(rand, s))
-    vm, lm = local_balance(rand)
-    summarize("baseline", rand.features(stats), np.zeros(rand.num_steps), vm, lm, rand.num_steps / used)
-    feats, comm, vm, lm = [], [], [], []
-    for s in range(rand.num_steps):
-        draws = rank_rows(rand, s)
-        f, a, owners = online_step(stats.tiles, stats.tokens, draws, num_microbatches=num_microbatches, cost=cost)
-        feats.append(f)
-        rows = np.concatenate(draws)
-        comm.append(online_comm_time(stats.tiles[rows], stats.tokens[rows], owners, dp_size=dp_size,
-                                     bandwidth=config.dp_bandwidth, latency=config.dp_latency,
-                                     pixel_bytes_per_tile=pixel_bytes, feature_bytes_per_tile=feature_bytes)["total_s"])
-        vm.append(a.vision_max_mean)
-        lm.append(a.llm_max_mean)
-    summarize("online", np.stack(feats), np.array(comm), vm, lm, rand.num_steps / used)
-    vm, lm = local_balance(omni)
-    summarize("omnibal", omni.features(stats), np.zeros(omni.num_steps), vm, lm, omni.num_steps / len(stats))
+    zeros = np.zeros(rand.num_steps)
+    vm, lm = _local_balance(rand, rank_rows, stats, cost)
+    summarize("baseline", rand, rand.features(stats), zeros, vm, lm, zeros, rand.num_steps / used)
+    for name, kwargs in (("control", {"balance": False}), ("online", {}),
+                         ("online (owner-blind)", {"keep_on_owner": False})):
+        steps = [_online_rows(stats, rank_rows(rand, s), num_microbatches, cost, transfer, config, kwargs)
+                 for s in range(rand.num_steps)]
+        feats, comm, vm, lm, moved = (np.array(x) for x in zip(*steps))
+        summarize(name, rand, feats, comm, vm, lm, moved, rand.num_steps / used)
+    vm, lm = _local_balance(omni, rank_rows, stats, cost)
+    zeros = np.zeros(omni.num_steps)
+    summarize("omnibal", omni, omni.features(stats), zeros, vm, lm, zeros, omni.num_steps / len(stats))
     return out
+
+
+def _local_balance(sched, rank_rows, stats, cost) -> tuple[list[float], list[float]]:
+    """Per step, the per-phase max/mean across ranks of what each rank's own rows carry."""
+    vm, lm = [], []
+    for s in range(sched.num_steps):
+        a, b = phase_loads(rank_rows(sched, s), stats.tiles, stats.tokens, cost=cost)
+        vm.append(a.max() / a.mean())
+        lm.append(b.max() / b.mean())
+    return vm, lm
+
+
+def _online_rows(stats, draws, num_microbatches, cost, transfer, config, kwargs):
+    """One simulated online step: ``(features, collective seconds, vision max/mean, LLM max/mean, moved
+    bytes)``; a step whose samples all stay put (the control) makes no collective."""
+    f, a, owners = online_step(stats.tiles, stats.tokens, draws, num_microbatches=num_microbatches, cost=cost,
+                               transfer=transfer, **kwargs)
+    rows = np.concatenate(draws)
+    moved = moved_bytes(*owners, stats.tiles[rows], stats.tokens[rows], transfer)["total"]
+    comm = 0.0
+    if kwargs.get("balance", True):
+        comm = online_comm_time(stats.tiles[rows], stats.tokens[rows], owners, dp_size=len(draws),
+                                bandwidth=config.dp_bandwidth, latency=config.dp_latency,
+                                pixel_bytes_per_tile=transfer.pixel_tile, feature_bytes_per_tile=transfer.feature_tile,
+                                token_bytes=transfer.token)["total_s"]
+    return f, comm, a.vision_max_mean, a.llm_max_mean, moved
 
 
 def comparison_markdown(result: dict) -> str:
     """:func:`compare_online_offline`'s result as a markdown table."""
     lines = [f"Predicted, {result['setting']}:", "",
-             "| mode | vision max/mean | LLM max/mean | step s | collectives s per step | epoch GPU days |",
-             "| --- | --- | --- | --- | --- | --- |"]
+             "| mode | vision max/mean | LLM max/mean | step s | collectives s per step | moved GB per step | "
+             "epoch GPU days |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for name, r in result["modes"].items():
         lines.append(f"| {name} | {r['vision_max_mean']:.3f} | {r['llm_max_mean']:.3f} | {r['step_s']:.2f} | "
-                     f"{r['comm_s']:.3f} | {r['gpu_days']:.1f} |")
+                     f"{r['comm_s']:.3f} | {r['moved_gb_per_step']:.2f} | {r['gpu_days']:.1f} |")
     return "\n".join(lines) + "\n"

@@ -55,6 +55,14 @@ class TrainConfig:
     level_warmup: int = 0
     """HBP's warm-up: in a multi-level schedule of epoch 0, up to ``level_warmup`` steps of the shortest level
     run first, then the levels alternate in the schedule's order (:func:`omnibal.train.sp.warmup_order`)."""
+    node_size: int = 0
+    """``--mode online``: DP ranks per node for the node-wise (two-level) all-to-all of samples and features,
+    intra-node first, then inter-node (:mod:`omnibal.train.alltoall`); must divide ``dp_size``. 0: one flat
+    all-to-all."""
+    online_balance: bool = True
+    """``--mode online``: re-deal each step's draws across DP ranks. False is the control run: every sample
+    runs on the rank that drew it, in online's unpadded packs and without recompute, so that comparing it
+    with online isolates the balance from the padding and recompute the baseline adds."""
     pipeline_schedule: Literal["1f1b", "gpipe"] = "1f1b"
     """Pipeline schedule (torch.distributed.pipelining Schedule1F1B or ScheduleGPipe)."""
     dp_sync: Literal["flat", "ddp"] = "flat"
@@ -190,6 +198,15 @@ class TrainConfig:
             raise InputError("online mode runs data parallel only (pp = 1): the vision encoder and the LLM of a "
                              "sample run on different DP ranks", source=src, field="pp_size")
         self._check_sp()
+        if self.node_size < 0 or (self.node_size and self.dp_size % self.node_size):
+            raise InputError(f"node_size {self.node_size} must be 0 (flat all-to-all) or divide dp_size "
+                             f"{self.dp_size}", source=src, field="node_size")
+        if not self.online_balance and self.mode != "online":
+            raise InputError("online_balance False is online mode's control: pass mode 'online'", source=src,
+                             field="online_balance")
+        if self.node_size and self.mode != "online":
+            raise InputError("node_size sets online mode's all-to-all: pass mode 'online'", source=src,
+                             field="node_size")
         if self.stage_layers is not None and len(self.stage_layers) != self.pp_size:
             raise InputError(f"{len(self.stage_layers)} ranges given for {self.pp_size} stages", source=src,
                              field="stage_layers")

@@ -70,7 +70,8 @@ class Trainer(CheckpointResume):
                  notify: Callable[[str], None] | None = None, sp_degree: int = 1, level_curriculum: int = 0,
                  level_warmup: int = 0,
                  precision: str = "fp32", prefetch: bool = False, say: Callable[[str], None] | None = None,
-                 print_every: int = 0, on_error: str = "raise", warn: Callable[[str], None] | None = None):
+                 print_every: int = 0, on_error: str = "raise", warn: Callable[[str], None] | None = None,
+                 node_size: int = 0, online_balance: bool = True):
         self.world = world
         self.spec = model.spec
         self.layout = layout
@@ -86,6 +87,10 @@ class Trainer(CheckpointResume):
         self.checkpoint_every = checkpoint_every
         self.model_id = model_identity(self.spec)
         self.pad_to_longest = mode == "baseline"
+        self.node_size = node_size
+        """``--mode online``: DP ranks per node of the two-level all-to-all (0: flat)."""
+        self.online_balance = online_balance
+        """``--mode online``: re-deal the draws (False: the control, every sample stays where drawn)."""
         self.step = 0
         """Steps completed (the next step to run)."""
         self.skipped_checkpoints: list[str] = []

@@ -6,20 +6,25 @@ at step S continues the same draws). One step on every rank:
 
 1. read the local samples; **all-gather** their sizes (tiles, tokens, target tokens, dataset index);
 2. :func:`omnibal.data.online.balance_phases` on the gathered sizes (pure: every rank computes the same
-   dispatch): a vision assignment balanced by vision cost and an LLM assignment balanced by LLM cost;
+   dispatch): a vision assignment balanced by vision cost and an LLM assignment balanced by LLM cost,
+   placed to keep samples on the rank that drew them where that changes no load (fewest moved bytes);
+   the control run (``online_balance`` False) keeps every sample where it was drawn;
 3. **all-to-all** of the samples themselves: each sample's pixel tiles go to the rank that owns its vision
    phase, its token ids and labels to the rank that owns its LLM phase (no shared dataset is assumed);
+   pixels in the forward dtype (bf16 under ``bf16-mixed``);
 4. the vision phase (``vision.embed .. projector``) runs on all tiles this rank owns, as one batch of tiles
    (a ViT attends within a tile, so grouping tiles of several samples changes nothing);
-5. **all-to-all** of the visual features to the LLM owners (:class:`AllToAll`, an autograd function whose
-   backward is the reverse all-to-all of the feature gradients), which pack their samples into up to
+5. **all-to-all** of the visual features, in the forward dtype, to the LLM owners
+   (:class:`omnibal.train.alltoall.Exchange`, whose backward is the reverse all-to-all of the feature
+   gradients), which pack their samples into up to
    ``num_microbatches`` varlen packs of similar LLM cost (block-diagonal attention) and run
    ``llm.embed .. llm.head`` on each (one backward for all of them at the end);
 6. the loss is ``loss_sum / global_target_tokens`` (the count comes from the all-gather), backward runs
    through the reverse all-to-all into the vision encoder, and the trainer sums gradients over DP as in
    the other modes: the update equals the single-process gradient of the global-token-mean loss.
 
-Model code stays free of torch.distributed: this module calls the stage's layers by their chain position.
+Every all-to-all is flat, or node-wise with ``node_size`` (:mod:`omnibal.train.alltoall`). Model code stays
+free of torch.distributed: this module calls the stage's layers by their chain position.
 """
 
 from __future__ import annotations
@@ -34,7 +39,9 @@ import torch.distributed as dist
 from omnibal.data.balance.cost import DEFAULT_COST
 from omnibal.data.collate import IGNORE_INDEX, NUM_META_ROWS, collate
 from omnibal.data.online import balance_phases, phase_loads
+from omnibal.data.online_owners import TransferBytes
 from omnibal.errors import InputError
+from omnibal.train.alltoall import AllToAllGroups, Exchange, all_to_all_groups, exchange_raw
 from omnibal.train.distributed import caused_by_comm_error, is_comm_error, peer_failure
 from omnibal.train.metrics_log import RankTimes
 from omnibal.train.pipeline import StepResult
@@ -42,31 +49,23 @@ from omnibal.train.pipeline import StepResult
 _COLS = 4  # gathered per sample: tiles, tokens, target tokens, dataset index
 
 
-class AllToAll(torch.autograd.Function):
-    """``all_to_all_single`` of a 1-D tensor with split sizes; backward sends the gradients back the same
-    way reversed (so the sender's graph gets the gradient of what it sent)."""
-
-    @staticmethod
-    def forward(ctx, x, send_splits, recv_splits, group):  # type: ignore[override]
-        ctx.send, ctx.recv, ctx.group = list(send_splits), list(recv_splits), group
-        return _a2a(x, ctx.send, ctx.recv, group)
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        return _a2a(grad, ctx.recv, ctx.send, ctx.group), None, None, None
-
-
-def _a2a(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
-    out = x.new_empty(sum(recv))
-    dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
+def _splits(src: np.ndarray, dst: np.ndarray, units: np.ndarray, dp: int) -> np.ndarray:
+    """``[dp, dp]`` elements each rank sends each rank: position ``p`` sends ``units[p]`` from ``src[p]`` to
+    ``dst[p]`` (a rank's chunks to itself included: they stay in place)."""
+    out = np.zeros((dp, dp), np.int64)
+    np.add.at(out, (src, dst), np.asarray(units, np.int64))
     return out
 
 
-def exchange(x: torch.Tensor, send: list[int], recv: list[int], group, dp_size: int) -> torch.Tensor:
-    """Differentiable all-to-all (identity for one rank)."""
-    if dp_size == 1:
-        return x
-    return AllToAll.apply(x, send, recv, group)
+def _groups(trainer) -> AllToAllGroups:
+    """The communicators of this run's all-to-alls (flat, or node-wise for ``node_size``), made on the
+    first online step: every rank reaches it together, and ``new_group`` needs every rank."""
+    if getattr(trainer, "_a2a_groups", None) is None:
+        w = trainer.world
+        dp_groups = [[d * w.pp_size + p for d in range(w.dp_size)] for p in range(w.pp_size)]
+        trainer._a2a_groups = all_to_all_groups(dp_rank=w.dp_rank, dp_size=w.dp_size, dp_group=w.dp_group,
+                                                global_ranks=dp_groups, node_size=trainer.node_size)
+    return trainer._a2a_groups
 
 
 @dataclass
@@ -157,6 +156,7 @@ def _online_step(trainer):
         raise InputError("online mode runs data parallel only (pp = 1) with the flat gradient sum (dp_sync 'flat'): "
                          "its layers are called outside a pipeline or DDP wrapper", source="mode", field="mode")
     group = w.dp_group if w.dp_size > 1 else None
+    comm = _groups(trainer) if w.dp_size > 1 else None
     times = RankTimes()
     trainer._t_start = t0 = time.perf_counter()
     trainer._cpu_start = time.process_time()
@@ -168,13 +168,13 @@ def _online_step(trainer):
 
     t_comm = time.perf_counter()
     d = _gather_and_dispatch(trainer, samples, local, group)
-    pix_flat, tok_flat = _send_samples(trainer, d, samples, group)
+    pix_flat, tok_flat = _send_samples(trainer, d, samples, comm)
     comm_s = time.perf_counter() - t_comm
 
     t_compute = time.perf_counter()
     with trainer.runner.precision():
         feats = _vision_phase(trainer, d, pix_flat)
-        img = _features_to_llm_owners(trainer, d, feats, group)
+        img = _features_to_llm_owners(trainer, d, feats, comm)
         loss_sum, global_targets = _llm_phase(trainer, d, img, tok_flat)
     loss = loss_sum / max(global_targets, 1.0)
     loss.backward()
@@ -210,45 +210,58 @@ def _gather_and_dispatch(trainer, samples: list[dict], local: list[int], group) 
         table = mine.numpy()
     n_local = len(local)
     tiles, tokens, targets, index = (table[:, c] for c in range(_COLS))
-    plan = balance_phases(tiles, tokens, dp_size=dp)
-    v_own = np.empty(len(table), np.int64)
-    l_own = np.empty(len(table), np.int64)
-    for r in range(dp):
-        v_own[plan.vision[r]] = r
-        l_own[plan.llm[r]] = r
+    owner = np.repeat(np.arange(dp), n_local)
     lv, ll = phase_loads([range(r * n_local, (r + 1) * n_local) for r in range(dp)], tiles, tokens)
-    info = OnlineStepInfo(plan.vision_max_mean, plan.llm_max_mean, float(lv.max() / lv.mean()),
-                          float(ll.max() / ll.mean()), 0.0)
+    local_mm = (float(lv.max() / lv.mean()), float(ll.max() / ll.mean()))
+    if not trainer.online_balance:  # the control: nothing moves
+        v_own, l_own = owner, owner
+        info = OnlineStepInfo(*local_mm, *local_mm, 0.0)
+    else:
+        plan = balance_phases(tiles, tokens, dp_size=dp, owner=owner, transfer=_transfer_bytes(trainer))
+        v_own = np.empty(len(table), np.int64)
+        l_own = np.empty(len(table), np.int64)
+        for r in range(dp):
+            v_own[plan.vision[r]] = r
+            l_own[plan.llm[r]] = r
+        info = OnlineStepInfo(plan.vision_max_mean, plan.llm_max_mean, *local_mm, 0.0)
     return _Dispatch(tiles=tiles, tokens=tokens, targets=targets, index=index,
-                     owner=np.repeat(np.arange(dp), n_local), v_own=v_own, l_own=l_own, n_local=n_local, me=me,
+                     owner=owner, v_own=v_own, l_own=l_own, n_local=n_local, me=me,
                      dp=dp, info=info)
 
 
-def _send_samples(trainer, d: _Dispatch, samples: list[dict], group) -> tuple[torch.Tensor, torch.Tensor]:
+def transfer_dtype(trainer) -> torch.dtype:
+    """The dtype pixels and visual features travel in: the forward dtype (bf16 under ``bf16-mixed``, where
+    the encoder reads its input and the LLM its features in bf16 anyway), else fp32."""
+    return trainer.autocast or torch.float32
+
+
+def _transfer_bytes(trainer) -> TransferBytes:
+    """What one tile's pixels, one token's id + label and one tile's features occupy on the wire."""
+    elem = torch.empty((), dtype=transfer_dtype(trainer)).element_size()
+    base = trainer._collate_base
+    return TransferBytes(pixel_tile=3.0 * base.image_size ** 2 * elem, token=16.0,
+                         feature_tile=float(base.tokens_per_tile * trainer.spec.llm.hidden * elem))
+
+
+def _send_samples(trainer, d: _Dispatch, samples: list[dict], comm) -> tuple[torch.Tensor, torch.Tensor]:
     """Step 3: samples to their phase owners: pixels to the vision owner, token ids + labels to the LLM owner.
     Returns the pixels (device) and the ids/labels (host: the collator builds its tensors there) received."""
     w, me, n_local, dp = trainer.world, d.me, d.n_local, d.dp
-    side = trainer._collate_base.image_size
+    side, dtype = trainer._collate_base.image_size, transfer_dtype(trainer)
     pos_mine = np.arange(me * n_local, (me + 1) * n_local)
     tile_elems = 3 * side * side
-    pix_send, pix_split, tok_send, tok_split = [], [], [], []
-    for r in range(dp):
+    pix_send, tok_send = [], []
+    for r in range(dp):  # chunks in destination order
         to_v = [p for p in pos_mine if d.v_own[p] == r]
-        pix_send += [samples[p - me * n_local]["pixel_values"].reshape(-1).float() for p in to_v]
-        pix_split.append(int(d.tiles[to_v].sum()) * tile_elems)
-        to_l = [p for p in pos_mine if d.l_own[p] == r]
-        for p in to_l:
+        pix_send += [samples[p - me * n_local]["pixel_values"].reshape(-1).to(dtype) for p in to_v]
+        for p in (p for p in pos_mine if d.l_own[p] == r):
             s = samples[p - me * n_local]
             tok_send += [s["input_ids"].to(torch.int64), s["labels"].to(torch.int64)]
-        tok_split.append(2 * int(d.tokens[to_l].sum()))
-    v_mine, l_mine = d.v_mine, d.l_mine
-    pix_recv = [int(d.tiles[v_mine[d.owner[v_mine] == r]].sum()) * tile_elems for r in range(dp)]
-    tok_recv = [2 * int(d.tokens[l_mine[d.owner[l_mine] == r]].sum()) for r in range(dp)]
-    pix_flat = (torch.cat(pix_send) if pix_send else torch.zeros(0)).to(w.device)
+    pix_flat = (torch.cat(pix_send) if pix_send else torch.zeros(0, dtype=dtype)).to(w.device)
     tok_flat = (torch.cat(tok_send) if tok_send else torch.zeros(0, dtype=torch.int64)).to(w.device)
-    if dp > 1:
-        pix_flat = _a2a(pix_flat, pix_split, pix_recv, group)
-        tok_flat = _a2a(tok_flat, tok_split, tok_recv, group)
+    if dp > 1:  # received in source order = ascending position
+        pix_flat = exchange_raw(pix_flat, _splits(d.owner, d.v_own, d.tiles * tile_elems, dp), comm)
+        tok_flat = exchange_raw(tok_flat, _splits(d.owner, d.l_own, 2 * d.tokens, dp), comm)
     return pix_flat, tok_flat.cpu()
 
 
@@ -263,27 +276,26 @@ def _vision_phase(trainer, d: _Dispatch, pix_flat: torch.Tensor) -> torch.Tensor
     num_tiles = int(d.tiles[d.v_mine].sum())
     pixels = pix_flat.reshape(1, num_tiles, 3, side, side).to(w.device)
     if num_tiles == 0:  # no tile here: one zero tile keeps the encoder's graph (zero gradients), as InternVL's dummy
-        pixels = torch.zeros(1, 1, 3, side, side, device=w.device)
+        pixels = torch.zeros(1, 1, 3, side, side, device=w.device, dtype=pix_flat.dtype)
     meta = torch.zeros(1, NUM_META_ROWS, 1, dtype=torch.int64, device=w.device)
     sizes = torch.tensor([[num_tiles, 1]], dtype=torch.int64, device=w.device)
     return _run_layers(trainer.stage_module, 0, _llm_start(trainer), (pixels, meta, sizes))[0][0, :num_tiles]
 
 
-def _features_to_llm_owners(trainer, d: _Dispatch, feats: torch.Tensor, group) -> torch.Tensor:
+def _features_to_llm_owners(trainer, d: _Dispatch, feats: torch.Tensor, comm) -> torch.Tensor:
     """Step 5: visual features to the LLM owners (differentiable all-to-all); returns this rank's LLM samples'
     features ``[tiles, tpt, D]`` in ascending position order."""
     tpt, width, dp = trainer._collate_base.tokens_per_tile, feats.shape[-1], d.dp
     tiles, v_own, l_own, v_mine, l_mine = d.tiles, d.v_own, d.l_own, d.v_mine, d.l_mine
     # rows ordered by (destination, position) on the way out
     tile_start = np.concatenate([[0], np.cumsum(tiles[v_mine])])
-    rows, f_split = [], []
+    rows = []
     for r in range(dp):
         for j in np.flatnonzero(l_own[v_mine] == r):
             rows.extend(range(int(tile_start[j]), int(tile_start[j + 1])))
-        f_split.append(int(tiles[v_mine[l_own[v_mine] == r]].sum()) * tpt * width)
-    send = feats[torch.as_tensor(rows, dtype=torch.long, device=feats.device)].reshape(-1)
-    f_recv = [int(tiles[l_mine[v_own[l_mine] == r]].sum()) * tpt * width for r in range(dp)]
-    recv = exchange(send, f_split, f_recv, group, dp)
+    # to the wire dtype (differentiable: the gradients come back in it and return to the encoder's dtype)
+    send = feats[torch.as_tensor(rows, dtype=torch.long, device=feats.device)].reshape(-1).to(transfer_dtype(trainer))
+    recv = Exchange.apply(send, _splits(v_own, l_own, tiles * tpt * width, dp), comm) if dp > 1 else send
     # received rows are ordered by (vision owner, position); the pack wants ascending position
     arrival = np.concatenate([l_mine[v_own[l_mine] == r] for r in range(dp)])
     arr_start = dict(zip(arrival.tolist(), np.concatenate([[0], np.cumsum(tiles[arrival])])[:-1].tolist()))

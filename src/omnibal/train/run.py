@@ -190,7 +190,8 @@ def build_trainer(cfg: TrainConfig, world: World, notify=None, say=None):
                       level_warmup=cfg.level_warmup,
                       precision=cfg.precision, say=say, print_every=cfg.print_every,
                       prefetch=cfg.device == "cuda" if cfg.prefetch is None else cfg.prefetch,
-                      on_error=cfg.on_error, warn=notify)
+                      on_error=cfg.on_error, warn=notify, node_size=cfg.node_size,
+                      online_balance=cfg.online_balance)
     trainer.notices[:0] = early
     trainer.reshard_source, trainer.schedule_stats = trained_on, balanced_on
     if cfg.save_dir is not None:
