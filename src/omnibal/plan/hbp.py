@@ -364,7 +364,7 @@ def simulate_levels(ctx: HBPContext, hbp: HBPPlanConfig, level_feats, lengths, *
             ctx, table, feats, parts, recompute)
         res = simulate_epoch(table, parts, mask, feats, ctx.sim_config)
         busy = float(res.busy.sum())
-        comm = float((feats @ a2a.T).sum())  # device-seconds, as busy
+        comm = float(feats.reshape(-1, feats.shape[-1]).sum(axis=0) @ a2a.sum(axis=0))  # device-seconds, as busy
         results.append(LevelResult(
             length=int(length), sp=int(d), steps=int(len(feats)), microbatches=int(feats.shape[2]), samples=samples,
             checkpointed=int((mask == RECOMPUTE_FULL).sum()), selective=int((mask == RECOMPUTE_SELECTIVE).sum()),

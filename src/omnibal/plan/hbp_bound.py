@@ -201,7 +201,7 @@ def time_breakdown(ctx: HBPContext, hbp: HBPPlanConfig, row, schedule, stats) ->
                                                                                     memory_budget_bytes=None))
         devices = res.busy.shape[1] * res.busy.shape[2]
         busy, recompute = res.busy.sum() / devices, (res.busy.sum() - bare.busy.sum()) / devices
-        comm = float((feats @ a2a.T).sum()) / devices
+        comm = float(feats.reshape(-1, feats.shape[-1]).sum(axis=0) @ a2a.sum(axis=0)) / devices
         sync = float(res.allreduce_time.max()) * len(feats)
         wait = float(res.sync_wait.sum()) / devices
         parts = {"work": busy - recompute - comm, "recompute": recompute, "a2a": comm,
