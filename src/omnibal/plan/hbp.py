@@ -455,9 +455,7 @@ def naive_row(ctx: HBPContext, hbp: HBPPlanConfig, stats, model: LevelCostModel,
     from omnibal.data.hbp import level_microbatch_counts
 
     best = None
-    for d in model.feasible_sp(length) or model.sp_degrees[-1:]:
-        if ctx.dp_size % d:
-            continue
+    for d in model.feasible_sp(length) or model.sp_degrees[-1:]:  # the model's degrees divide dp_size
         mbs = level_microbatch_counts((length,), (d,), ctx.num_microbatches, config.microbatches,
                                       config.step_tokens, config.min_microbatches)[0]
         sched = balance(stats, dp_size=ctx.dp_size // d, num_microbatches=mbs, seed=ctx.seed,
