@@ -48,6 +48,7 @@ from omnibal.plan.partition import even_partition
 from omnibal.plan.search import SearchConfig
 from omnibal.plan.stages import StageModelConfig, layer_quantities
 from omnibal.sim.epoch import SECONDS_PER_DAY, simulate_epoch
+from omnibal.validate import is_int
 
 LLM_ATTENTION_KINDS = ("llm_block",)
 NAIVE = "single level, naive packing"
@@ -97,7 +98,7 @@ class HBPPlanConfig:
                              source="--hbp-microbatches", field="microbatches")
         for name in ("max_levels", "baseline_batch_size", "length_search_rounds"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < (0 if "rounds" in name else 1):
+            if not is_int(value) or value < (0 if "rounds" in name else 1):
                 raise InputError(f"must be a {'non-negative' if 'rounds' in name else 'positive'} integer, got "
                                  f"{value!r}", source="HBPPlanConfig", field=name)
 

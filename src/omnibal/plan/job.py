@@ -54,6 +54,7 @@ from omnibal.plan.packsize import PackSearchConfig
 from omnibal.plan.partition import vision_first_partition  # noqa: F401 (re-exported)
 from omnibal.plan.plan import DataPlan, Plan, PlanInputs, Prediction, plan_stages
 from omnibal.plan.search import Candidate, SearchConfig
+from omnibal.validate import is_int
 
 BASELINE_PARTITIONS = tuple(BaselinePartition)
 BASELINE_SAMPLERS = tuple(BaselineSampler)
@@ -168,7 +169,7 @@ class PlanJobConfig:
         check_stack_zero(self.stack, self.zero_stage)
         for name in ("baseline_batch_size", "num_samples"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not is_int(value) or value < 1:
                 raise InputError(f"must be a positive integer, got {value!r}", source=f"--{name.replace('_', '-')}",
                                  field=name)
         self.layout.check_devices(self.num_gpus)
@@ -184,7 +185,7 @@ class PlanJobConfig:
         check_choice(self.oversize, OversizePolicy, source="--oversize", field="oversize")
         for name in ("max_tiles", "max_tokens"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            if value is not None and (not is_int(value) or value < 1):
                 raise InputError(f"must be a positive integer, got {value!r}", source=f"--{name.replace('_', '-')}",
                                  field=name)
             if value is not None and self.balance_method in (BalanceMethod.RANDOM, BalanceMethod.LENGTH_GROUPED):

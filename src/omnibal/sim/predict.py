@@ -34,6 +34,7 @@ from omnibal.stats.table import (
     convert_convention,
     one_tile_per_image,
 )
+from omnibal.validate import is_int
 
 
 def model_convention(spec: ModelSpec) -> ImageConvention:
@@ -81,7 +82,7 @@ def job_stats(spec: ModelSpec, *, stats_path: str | None = None, num_samples: in
     they are) or the synthetic InternVL-like mixture of ``num_samples`` rows (default
     :data:`SYNTHETIC_SAMPLES`) drawn with ``seed``, always converted (it stands in for any model's data).
     ``omnibal plan`` and ``omnibal simulate`` read their data here, so the same inputs give the same rows."""
-    if num_samples is not None and (isinstance(num_samples, bool) or not isinstance(num_samples, int)
+    if num_samples is not None and (not is_int(num_samples)
                                     or num_samples < 1):
         raise InputError(f"must be a positive integer, got {num_samples!r}", source="--samples", field="samples")
     if stats_path:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from omnibal.outputs import write_text
 from omnibal.sim.costs import StageCosts
 from omnibal.sim.epoch import EpochResult
 from omnibal.sim.step import StepTimes
@@ -209,7 +210,7 @@ def write_report(result: EpochResult, costs: StageCosts, step: StepTimes, step_i
     summary = result.summary()
     summary["inputs"] = header or {}
     summary["timeline_step"] = step_index
-    (out / f"{prefix}.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_text(out / f"{prefix}.json", json.dumps(summary, indent=2) + "\n")
     lines = ["# omnibal simulate", ""]
     if header:
         lines += [f"- {k}: {v}" for k, v in header.items()] + [""]
@@ -222,5 +223,5 @@ def write_report(result: EpochResult, costs: StageCosts, step: StepTimes, step_i
     lines += [f"## Pipeline timeline (step {step_index})", "", f"![timeline]({timeline.name})", "",
               "## Per-rank load", "", f"![load]({load.name})", ""]
     md = out / f"{prefix}.md"
-    md.write_text("\n".join(lines))
+    write_text(md, "\n".join(lines))
     return {"markdown": md, "json": out / f"{prefix}.json", "timeline": timeline, "load": load}
