@@ -236,11 +236,10 @@ def plan_markdown(plan: Plan, ablation: list[AblationRow] | None, *, images: dic
                   f"neighbours within {search.get('radius')} layers ranked by the stage model, the best "
                   f"{search.get('scored')} simulated on {search.get('sample_steps')} steps; chosen "
                   f"{search.get('chosen_parts')}.", "",
-                  "| cut points | stage-model step (s) | simulated step (s) | OOM |", "| --- | --- | --- | --- |"]
-        for c in search["candidates"]:
-            sim = "-" if c.get("sim_step_time_s") is None else f"{c['sim_step_time_s']:.3f}"
-            lines.append(f"| {c['parts']} | {c['model_step_time_s']:.3f} | {sim} | {c['oom']} |")
-        lines.append("")
+                  markdown_table([["cut points", "stage-model step (s)", "simulated step (s)", "OOM"]] + [
+                      [str(c["parts"]), f"{c['model_step_time_s']:.3f}",
+                       "-" if c.get("sim_step_time_s") is None else f"{c['sim_step_time_s']:.3f}", str(c["oom"])]
+                      for c in search["candidates"]]), ""]
     if extra:
         lines += extra
     if timings:
