@@ -103,7 +103,7 @@ def with_speedups(rows: list[AblationRow], model: str = PAPER_MODEL) -> list[Abl
 def ablation_markdown(rows: list[AblationRow], *, show_paper: bool | None = None) -> str:
     """The ablation as a markdown table (what ``omnibal plan`` prints and the report embeds); the paper's
     columns appear when the rows carry its figures (``show_paper`` None), with our cumulative speed-up
-    relative to the paper's on the same row (issue 17's yardstick: within 15%)."""
+    relative to the paper's on the same row."""
     if show_paper is None:
         show_paper = any(r.paper_gpu_days is not None for r in rows)
     head = ["step", "partition (cut points)", "layers recomputed (whole + selective)", "step time (s)", "bubble",

@@ -93,9 +93,8 @@ class PlanJobConfig:
     """Size of the synthetic mixture."""
     balance_samples: int | None = 200_000
     """Balance a uniform random subset of this many samples and scale the epoch to the full dataset
-    (None: balance every sample). A 200k subset predicts the default job's epoch within 0.4% of balancing all
-    1.2M samples, which costs ~12 s more CPU at the pack the pack-size search picks (24 micro-batches of 1.5
-    samples; 1.3 s at 8 micro-batches of 4.5)."""
+    (None: balance every sample). A subset this size predicts the default job's epoch close to balancing
+    every sample, at a fraction of the CPU time (benchmarks/results: bench_plan_default)."""
     seed: int = 0
     """Seed of the synthetic data, the shuffles and the step sample of the search."""
     profile_path: str | None = None

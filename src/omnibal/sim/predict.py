@@ -2,9 +2,9 @@
 the statistics in the model's units, the balancer's cost and the micro-batch features the simulator runs.
 
 ``omnibal plan`` (``plan.job``), ``omnibal simulate`` and ``omnibal balance`` all call these functions, so the
-same inputs give the same prediction. (They once diverged by up to 6.6x: ``simulate`` re-counted the LLM
-tokens of each tile for the model, ``plan`` took the statistics' 256 tokens per tile as they were - for the
-``tiny`` preset's 16 tokens per tile that was 11.0 s against 1.67 s per step, the trainer measuring 1.69.)
+same inputs give the same prediction: two paths drift apart (one re-counting the LLM tokens of each tile
+for the model, the other taking the statistics' tokens per tile as they are), and the commands would then
+disagree by a multiple for the same job.
 
 Image conventions: a model expects the statistics in its own convention (:func:`model_convention`: LLaVA
 models - a projector without a LayerNorm - one image per tile, others InternVL tiles). Statistics recorded

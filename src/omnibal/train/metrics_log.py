@@ -95,7 +95,7 @@ class StepRecord:
         doc["samples_per_s"] = self.samples_per_s
         doc["tokens_per_s"] = self.tokens_per_s
         # no tile pad ratio: the layers compute only the active tiles, which are all real (a tile is never
-        # padded), so it was 0 by construction
+        # padded), so it would be 0 by construction
         doc["token_pad_ratio"] = 1 - self.tokens / self.buffer_tokens if self.buffer_tokens else 0.0
         return doc
 
