@@ -3,7 +3,8 @@
 - Files the user gets are written through :mod:`omnibal.outputs` (checked first, written atomically): no
   ``Path.write_text`` / ``write_bytes``, no ``open(..., "w")``, no ``os.replace`` / ``os.rename`` elsewhere
   in src/, except the few listed in ``WRITE_ALLOWED`` with the reason they differ.
-- Markdown tables are built by :mod:`omnibal.tables`: no table separator row (``| --- |``) elsewhere.
+- Markdown tables are built by :mod:`omnibal.tables`: no table separator row (``| --- |``) elsewhere in
+  src/, except the modules in ``TABLE_ALLOWED``.
 - Integers are checked by :func:`omnibal.validate.is_int`: no inline ``isinstance(x, bool) or not
   isinstance(x, int)`` elsewhere.
 """
@@ -28,8 +29,12 @@ WRITE_ALLOWED = {
     ("examples/real_example.py", "os.replace"),
     # merges a save_pretrained folder into one that may hold the user's other files: each file renamed in
     ("train/hf_run.py", "os.replace"),
-    # the online-mode simulator, owned by another branch of the renovation at the time of writing
-    ("sim/online.py", "table"),
+}
+
+# Modules that may still build a markdown table by hand, each with its reason.
+TABLE_ALLOWED = {
+    # the online-mode simulator is being rewritten on a parallel branch; its table moves to tables.py there
+    "sim/online.py",
 }
 
 _WRITE_METHODS = {"write_text", "write_bytes"}
@@ -77,7 +82,7 @@ _SEPARATOR = re.compile(r"\|\s*:?-{3,}:?\s*\|")
 
 def test_markdown_tables_are_built_by_tables_py():
     bad = [f"{p.relative_to(SRC)}:{i}" for p in sorted(SRC.rglob("*.py")) if p.name != "tables.py"
-           and (p.relative_to(SRC).as_posix(), "table") not in WRITE_ALLOWED
+           and p.relative_to(SRC).as_posix() not in TABLE_ALLOWED
            for i, line in enumerate(p.read_text().splitlines(), 1) if _SEPARATOR.search(line)]
     assert not bad, "build markdown tables with omnibal.tables.markdown_table:\n" + "\n".join(bad)
 
