@@ -26,9 +26,9 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from omnibal.errors import InputError
+from omnibal.train import checkpoint as ckpt
 
 torch = pytest.importorskip("torch")
-ckpt = pytest.importorskip("omnibal.train.checkpoint", reason="the trainer's checkpoints are not on this branch yet")
 
 WORLD = {"dp_size": 2, "pp_size": 2}
 LAYERS = [[0, 3], [3, 6]]

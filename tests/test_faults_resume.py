@@ -35,7 +35,6 @@ from reliab_helpers import (
 )
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("omnibal.train.loop", reason="the distributed trainer is not on this branch yet")
 
 pytestmark = pytest.mark.multiprocess
 NUM_SAMPLES = 128

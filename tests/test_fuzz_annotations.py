@@ -24,8 +24,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from omnibal.errors import InputError
+from omnibal.stats import annotations
 
-annotations = pytest.importorskip("omnibal.stats.annotations", reason="the annotation reader is not on this branch yet")
 AnnotationConfig, compute_stats = annotations.AnnotationConfig, annotations.compute_stats
 
 FUZZ = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -7,7 +7,7 @@ import pytest
 
 from omnibal.data.balance import BalanceCost
 from omnibal.data.balance.schedule import Caps, Schedule
-from omnibal.data.metrics import coverage, format_table, schedule_metrics
+from omnibal.data.metrics import coverage, metrics_table, schedule_metrics
 from omnibal.stats.table import SampleStats
 
 TILES_ONLY = BalanceCost(vision_coef=(0, 1, 0, 0), llm_coef=(0, 0, 1, 0))
@@ -36,7 +36,7 @@ def test_hand_computed_values():
     assert m["buffer_pad_tokens"] == pytest.approx(1 - 1000 / 2000)
     assert m["useful_fraction"] == pytest.approx((9 + 1000) / (2 * (5 + 600)))
     assert m["coverage_ok"] and m["samples_per_microbatch_mean"] == 2
-    assert "| method |" in format_table([m])
+    assert "| method |" in metrics_table([m])
 
 
 def test_padded_schedule_counts_padding_as_work():

@@ -106,9 +106,6 @@ def test_grid_validation_and_shapes():
     assert [s["tiles"] for s in grid.shapes("projector", spec)] == [1, 3]
 
 
-train_layers = pytest.importorskip("omnibal.train.layers", reason="the reference model (omnibal.train) is not merged")
-
-
 def test_measured_saved_bytes_match_the_analytic_accounting(tmp_path):
     """On the real modules: the vision block keeps exactly the analytic activation bytes (flash attention,
     no dropout); every kind is measured, timed and fitted; the CLI writes a loadable profile."""

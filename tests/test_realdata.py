@@ -6,9 +6,11 @@ import numpy as np
 import pytest
 import torch
 
+from omnibal import examples
 from omnibal.data.collate import IGNORE_INDEX, CollateConfig, collate
 from omnibal.data.realdata import RealDataConfig, RealDataset
 from omnibal.errors import InputError
+from omnibal.stats import annotations as stats_annotations
 from omnibal.stats.tiles import TileConfig, count_tiles
 
 pytest.importorskip("tokenizers")
@@ -184,15 +186,13 @@ def test_stats_property_measures_every_sample(example):
 
 
 def test_the_project_examples_have_exactly_the_sizes_omnibal_stats_computes():
-    examples = pytest.importorskip("omnibal.examples")
-    annotations = pytest.importorskip("omnibal.stats.annotations")
     from omnibal.stats.tokens import TokenConfig
 
     # small tiles keep the test fast; the rule and the token layout are what is compared
-    ann = annotations.AnnotationConfig(tokenizer=str(examples.TOKENIZER), tiles=TileConfig(tile_size=28),
+    ann = stats_annotations.AnnotationConfig(tokenizer=str(examples.TOKENIZER), tiles=TileConfig(tile_size=28),
                                        tokens=TokenConfig(tokens_per_tile=4, image_marker_tokens=2, tokens_per_turn=2,
                                                           tokens_per_sample=1))
-    expected, _ = annotations.compute_stats(examples.ANNOTATIONS, ann)
+    expected, _ = stats_annotations.compute_stats(examples.ANNOTATIONS, ann)
     ds = RealDataset(examples.ANNOTATIONS, RealDataConfig.like_stats(ann))
     assert len(ds) == len(expected) >= 10
     assert ds.image_token_id == 3 and ds.image_start_id == 1  # the tokenizer's own <IMG_CONTEXT>, <img>
@@ -233,7 +233,6 @@ def test_real_samples_train_the_reference_model(example):
 
 def test_default_internvl_settings_equal_the_omnibal_stats_cli(tmp_path):
     """448 px tiles, 256 tokens per tile, max 12 + thumbnail: what `omnibal stats` writes for the examples."""
-    examples = pytest.importorskip("omnibal.examples")
     from omnibal.cli import main
     from omnibal.stats.io import load_stats
 

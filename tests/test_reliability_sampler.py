@@ -19,10 +19,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from omnibal.data import sampler as sampler_mod
 from omnibal.errors import InputError
 from omnibal.stats.table import SampleStats
 
-sampler_mod = pytest.importorskip("omnibal.data.sampler", reason="the resumable sampler is not on this branch yet")
 BalancedBatchSampler = sampler_mod.BalancedBatchSampler
 
 

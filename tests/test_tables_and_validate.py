@@ -25,6 +25,12 @@ def test_markdown_table_and_cells():
     assert format_table([]) == ""
 
 
+def test_markdown_table_compact_and_right_aligned():
+    assert markdown_table([["a", "b"], ["x", "1"]], compact=True).splitlines()[1] == "|---|---|"
+    assert markdown_table([["a", "b", "c"]], right=(1, 2)).splitlines()[1] == "| --- | ---: | ---: |"
+    assert markdown_table([["a", ""], ["x", ""]]).splitlines() == ["| a |  |", "| --- | --- |", "| x |  |"]
+
+
 @pytest.mark.parametrize("check, good, bad", [
     (check_positive_int, [1, np.int64(3)], [0, -1, 1.0, True, "2", None]),
     (check_non_negative_int, [0, 5], [-1, 0.5, False]),

@@ -31,15 +31,13 @@ def fixed(value: float, decimals: int) -> str:
 def format_table(rows: Sequence[Sequence[Any]], *, style: Literal["text", "markdown"] = "text",
                  align: Literal["left", "right"] = "left") -> str:
     """``rows`` (header first) as a text table (columns two spaces apart, aligned by ``align``, a dashed rule
-    under the header, no trailing spaces) or a markdown table. Cells that are not strings go through
-    :func:`format_cell`."""
-    cells = [[c if isinstance(c, str) else format_cell(c) for c in row] for row in rows]
+    under the header, no trailing spaces) or a markdown table (:func:`markdown_table`). Cells that are not
+    strings go through :func:`format_cell`."""
+    if style == "markdown":
+        return markdown_table(rows)
+    cells = _cells(rows)
     if not cells:
         return ""
-    if style == "markdown":
-        lines = ["| " + " | ".join(cells[0]) + " |", "|" + " --- |" * len(cells[0])]
-        lines += ["| " + " | ".join(r) + " |" for r in cells[1:]]
-        return "\n".join(lines)
     widths = [max(len(r[i]) for r in cells) for i in range(len(cells[0]))]
     pad = str.ljust if align == "left" else str.rjust
     lines = ["  ".join(pad(c, w) for c, w in zip(r, widths)).rstrip() for r in cells]
@@ -52,6 +50,19 @@ def text_table(rows: Sequence[Sequence[Any]], *, align: Literal["left", "right"]
     return format_table(rows, style="text", align=align)
 
 
-def markdown_table(rows: Sequence[Sequence[Any]]) -> str:
-    """:func:`format_table` as markdown."""
-    return format_table(rows, style="markdown")
+def markdown_table(rows: Sequence[Sequence[Any]], *, right: Sequence[int] = (), compact: bool = False) -> str:
+    """``rows`` (header first) as a markdown table: ``| a | b |`` lines, the separator row ``| --- | --- |``
+    (``|---|---|`` when ``compact``), the columns numbered in ``right`` aligned right (``---:``). Cells that are
+    not strings go through :func:`format_cell`."""
+    cells = _cells(rows)
+    if not cells:
+        return ""
+    rules = ["---:" if i in right else "---" for i in range(len(cells[0]))]
+    sep = "|" + "".join(f"{r}|" if compact else f" {r} |" for r in rules)
+    lines = ["| " + " | ".join(cells[0]) + " |", sep]
+    lines += ["| " + " | ".join(r) + " |" for r in cells[1:]]
+    return "\n".join(lines)
+
+
+def _cells(rows: Sequence[Sequence[Any]]) -> list[list[str]]:
+    return [[c if isinstance(c, str) else format_cell(c) for c in row] for row in rows]

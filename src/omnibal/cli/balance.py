@@ -114,7 +114,7 @@ def check_target_samples(target: float, *, slots: int) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from omnibal.data.balance import BalanceConfig, balance
-    from omnibal.data.metrics import cost_legend, format_table, schedule_metrics
+    from omnibal.data.metrics import cost_legend, metrics_table, schedule_metrics
     from omnibal.outputs import check_file, check_image, write_text
 
     check_file(args.out, "--out")  # every output path before any work: none fails after another is written
@@ -145,6 +145,6 @@ def run(args: argparse.Namespace) -> int:
                 "vision_max_mean_ranks", "llm_max_mean_ranks", "llm_attention_max_mean_ranks", "total_max_mean_ranks",
                 "buffer_pad_tiles", "buffer_pad_tokens", "buffer_pad_compute", "useful_fraction", "coverage_ok"]
         sys.stdout.write(f"{len(stats)} samples from {stats.source}; balanced in {seconds:.2f} s\n")
-        sys.stdout.write(format_table([metrics], keys))
+        sys.stdout.write(metrics_table([metrics], keys))
         sys.stdout.write(cost_legend(config.cost) + "\n")
     return 0 if metrics["coverage_ok"] else 1

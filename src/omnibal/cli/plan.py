@@ -179,7 +179,7 @@ def _check_hbp_args(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from omnibal.outputs import check_replaceable_dir, staged_dir
+    from omnibal.outputs import check_replaceable_dir, staged_dir, write_text
     from omnibal.plan.job import run_plan_job
     from omnibal.plan.report import PLAN_OUTPUTS
 
@@ -207,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
     # and none of its files (a timeline of another ablation, an export this plan has not) stays beside these
     with staged_dir(args.out) as tmp:
         if verify_table is not None:
-            (tmp / "verify.md").write_text("# omnibal plan --verify\n\n" + verify_table)
+            write_text(tmp / "verify.md", "# omnibal plan --verify\n\n" + verify_table)
         files = _write_outputs(result, tmp, timelines=not args.no_timelines, progress=progress)
         written, skipped = write_engine_exports(result.plan, tmp / "exports")
     files = {k: Path(args.out) / p.relative_to(tmp) for k, p in files.items()}

@@ -15,7 +15,7 @@ long-context mixture (``omnibal.stats.long_context``) of ``--samples`` rows."""
 
 def run_hbp(args: argparse.Namespace, config) -> int:
     """Choose the levels, print the per-level table and the comparison, write ``OUT/hbp.json``."""
-    from omnibal.outputs import check_replaceable_dir, staged_dir
+    from omnibal.outputs import check_replaceable_dir, staged_dir, write_text
     from omnibal.plan.hbp import HBPPlanConfig
     from omnibal.plan.hbp_job import hbp_markdown, run_hbp_job
     from omnibal.plan.report import PLAN_OUTPUTS
@@ -48,7 +48,7 @@ def run_hbp(args: argparse.Namespace, config) -> int:
           f"checkpointed); SP degrees {list(result.model.sp_degrees)}\n")
     print(hbp_markdown(result))
     with staged_dir(args.out) as tmp:  # the folder swapped in whole (see omnibal plan)
-        (tmp / "hbp.json").write_text(json.dumps(result.to_dict(), indent=2) + "\n")
+        write_text(tmp / "hbp.json", json.dumps(result.to_dict(), indent=2) + "\n")
         sched = _write_training_schedule(config, hbp, result, stats, tmp)
     print(f"\nwrote {Path(args.out) / 'hbp.json'}")
     _say_training_schedule(sched, Path(args.out) / "hbp_schedule.json", stats)

@@ -86,12 +86,13 @@ def run(args: argparse.Namespace) -> int:
 
 def format_fit_table(profile: dict) -> str:
     """Markdown table: per kind, fitted coefficients and in-sample fit errors."""
-    lines = ["| kind | pass | one (ms) | per tile (ms) | per token (us) | per token^2 (ns) | mean err | max err |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    from omnibal.tables import markdown_table
+
+    rows = [["kind", "pass", "one (ms)", "per tile (ms)", "per token (us)", "per token^2 (ns)", "mean err", "max err"]]
     for kind, entry in profile["fit"].items():
         for name in ("fwd_time", "bwd_time"):
             c = entry[name]["coef"]
-            lines.append(f"| {kind} | {name[:3]} | {c[0] * 1e3:.3f} | {c[1] * 1e3:.3f} | {c[2] * 1e6:.3f} | "
-                         f"{c[3] * 1e9:.4f} | {entry[name]['mean_rel_error']:.1%} | "
-                         f"{entry[name]['max_rel_error']:.1%} |")
-    return "\n".join(lines)
+            rows.append([kind, name[:3], f"{c[0] * 1e3:.3f}", f"{c[1] * 1e3:.3f}", f"{c[2] * 1e6:.3f}",
+                         f"{c[3] * 1e9:.4f}", f"{entry[name]['mean_rel_error']:.1%}",
+                         f"{entry[name]['max_rel_error']:.1%}"])
+    return markdown_table(rows, right=range(2, 8))

@@ -126,7 +126,7 @@ def job_config(args: argparse.Namespace, plan=None):
 
 def run(args: argparse.Namespace) -> int:
     from omnibal.sim.job import PlannedRun, resolve_cluster, run_simulate_job
-    from omnibal.sim.report import format_text_table
+    from omnibal.tables import text_table
 
     if args.online_vs_offline:
         return _online_vs_offline(args)
@@ -143,9 +143,9 @@ def run(args: argparse.Namespace) -> int:
         check_dir(config.out, "--out")  # before the simulation, not after it
     result = run_simulate_job(config, plan=plan, progress=not args.quiet and sys.stderr.isatty(),
                               log=None if args.quiet else _say)
-    print(format_text_table(result.totals))
+    print(text_table(result.totals, align="right"))
     print()
-    print(format_text_table(result.stages))
+    print(text_table(result.stages, align="right"))
     if result.files and not args.quiet:
         files = {k: Path(v) for k, v in result.files.items()}
         _say(f"report: {files['markdown']} (+ {files['timeline'].name}, {files['load'].name}, {files['json'].name})")

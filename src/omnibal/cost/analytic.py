@@ -65,6 +65,7 @@ from omnibal.cost.spec import ModelSpec
 from omnibal.cost.stack import FP32_STACK, StackConfig, get_stack
 from omnibal.cost.table import NUM_FEATURES, LayerCostTable
 from omnibal.errors import InputError
+from omnibal.validate import is_int
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 BWD_FACTOR = {"matmul": 2.0, "attention": 2.5, "memory": 2.0}
@@ -109,7 +110,7 @@ def _vec(**cols: float) -> np.ndarray:
 
 def check_tp(spec: ModelSpec, tp_size: int, *, tp_vision: bool = True) -> None:
     """InputError naming the field when ``tp_size`` does not divide a split dimension."""
-    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+    if not is_int(tp_size) or tp_size < 1:
         raise InputError(f"must be a positive integer, got {tp_size!r}", source="tp_size", field="tp_size")
     checks = [("llm.num_heads", spec.llm.num_heads), ("llm.num_kv_heads", spec.llm.num_kv_heads),
               ("llm.mlp_hidden", spec.llm.mlp_hidden), ("llm.hidden", spec.llm.hidden)]
@@ -314,7 +315,7 @@ def zero_sharded_bytes(table: LayerCostTable, *, dp_size: int, zero_stage: int =
     whose weights and gradients are working copies of the sharded state (``working_copies``: FSDP) keeps none
     of them resident under ZeRO-3 (the layer being computed is the gathered working set,
     :func:`zero3_gather_reserve`) and both of them whole under ZeRO-2, beside the sharded state."""
-    if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
+    if not is_int(dp_size) or dp_size < 1:
         raise InputError(f"must be a positive integer, got {dp_size!r}", source="dp_size", field="dp_size")
     if zero_stage not in (0, 1, 2, 3):
         raise InputError(f"must be 0, 1, 2 or 3, got {zero_stage!r}", source="zero_stage", field="zero_stage")

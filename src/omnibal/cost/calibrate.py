@@ -54,8 +54,8 @@ def calibrate_hardware(spec: ModelSpec, hardware: HardwareSpec, profile: dict[st
     the profile's measurements (``profile["measurements"]`` rows, as written by ``omnibal profile``).
 
     Residuals are relative; with ``weight_by_layer_count`` each is also weighted by how many layers of its
-    kind the model has, so the few factors fit best where the model spends its time (measured on the tiny
-    preset: whole-model error 8.3% instead of 10.8% on a separate validation run)."""
+    kind the model has, so the few factors fit best where the model spends its time: the whole-model error
+    is what the plan pays for, not the mean over kinds."""
     design, target, count = _design(spec, hardware, profile["measurements"], profile["dtype"])
     weights = 1.0 / np.maximum(target, 1e-12)
     if weight_by_layer_count:

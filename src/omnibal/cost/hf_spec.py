@@ -16,6 +16,7 @@ from pathlib import Path
 
 from omnibal.cost.spec import LLMSpec, ModelSpec, VisionSpec
 from omnibal.errors import InputError
+from omnibal.validate import is_int
 
 SUPPORTED = ("llava", "internvl")
 """``config.model_type`` values with an adapter (LlavaForConditionalGeneration, InternVLForConditionalGeneration)."""
@@ -24,7 +25,7 @@ SUPPORTED = ("llava", "internvl")
 def used_vision_layers(layer, num_vision: int, where: str) -> int:
     """Encoder layers that run when the features are read at ``vision_feature_layer`` (HF's
     ``hidden_states[k]`` is the output of k layers; -1 the last one)."""
-    if isinstance(layer, bool) or not isinstance(layer, int):
+    if not is_int(layer):
         raise InputError(f"only a single vision_feature_layer is supported, got {layer!r}", source=where,
                          field="vision_feature_layer")
     used = layer if layer >= 0 else num_vision + 1 + layer

@@ -55,10 +55,10 @@ _PRESETS: dict[str, ModelSpec] = {
                                projector_norm=False),
     # CPU model for tests and measured runs (see docs/cost.md): 112 px tiles of 8 x 8 patches (65 ViT tokens),
     # pixel shuffle 0.5 -> 16 LLM tokens per tile. 5 ViT + 6 LLM blocks: on the real InternVL-1.2M statistics
-    # (ai2d + chartqa) the ViT takes 52% of the measured CPU time, as it takes 53% of InternViT-6B +
-    # InternLM2-20B's predicted A100 time on the same samples (the earlier 8 + 3 blocks gave 74-78%, so the
-    # baseline's LLM padding hardly cost anything). A balanced pack of ~4.7 such samples (~18 tiles, ~630 LLM
-    # tokens) takes ~0.29 s forward + backward on one core, far above the ~1-2.5 ms of gloo p2p per micro-batch.
+    # (ai2d + chartqa) the ViT takes about the share of the CPU time it takes of InternViT-6B + InternLM2-20B's
+    # predicted A100 time on the same samples, so the baseline's LLM padding costs what it costs there
+    # (docs/cost.md has the figures). A balanced pack's forward + backward on one core is far above a gloo
+    # p2p transfer per micro-batch, so the pipeline's compute, not its links, sets the step time.
     "tiny": ModelSpec(name="tiny", vision=TINY_VISION, llm=TINY_LLM, downsample_ratio=0.5),
 }
 

@@ -36,6 +36,7 @@ from omnibal.cost.hardware import HardwareSpec, get_hardware
 from omnibal.cost.spec import LAYER_KINDS, ModelSpec
 from omnibal.cost.table import FEATURES, LayerCostTable
 from omnibal.errors import InputError
+from omnibal.outputs import write_text
 
 FORMAT = "omnibal-profile/1"
 ONE, TILES, TOKENS, TOKENS_SQ = range(len(FEATURES))
@@ -143,9 +144,7 @@ def fit_profile(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------------------- load / use
 def save_profile(profile: dict[str, Any], path: str | Path) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(profile, indent=1) + "\n")
+    write_text(path, json.dumps(profile, indent=1) + "\n")
 
 
 def load_profile(path: str | Path, spec: ModelSpec | None = None) -> dict[str, Any]:

@@ -24,7 +24,7 @@ import numpy as np
 
 from omnibal.errors import InputError
 from omnibal.stats.table import tokens_for_model
-from omnibal.validate import check_positive_int
+from omnibal.validate import check_positive_int, is_int
 
 LayerKind = Literal["vision_embed", "vision_block", "projector", "llm_embed", "llm_block", "lm_head"]
 LAYER_KINDS: tuple[str, ...] = ("vision_embed", "vision_block", "projector", "llm_embed", "llm_block", "lm_head")
@@ -242,7 +242,7 @@ def even_cuts(num_layers: int, num_stages: int) -> tuple[int, ...]:
     """Cut points ``(0, ..., num_layers)`` of the even layer-count split: counts differ by at most one and the
     first ``num_layers % num_stages`` stages take the extra layer (DeepSpeed's ``partition_uniform``). The one
     definition of "even split": the planner's baseline, the simulator and the trainer all call it."""
-    if (isinstance(num_stages, bool) or not isinstance(num_stages, (int, np.integer))
+    if (not is_int(num_stages)
             or not 1 <= num_stages <= num_layers):
         raise InputError(f"cannot split {num_layers} layers into {num_stages!r} non-empty stages", source="pp_size",
                          field="pp_size")

@@ -32,6 +32,7 @@ from omnibal.cost.hf_spec import load_hf_config, spec_from_hf_config
 from omnibal.errors import InputError
 from omnibal.stats.tiles import TileConfig
 from omnibal.stats.tokens import make_counter
+from omnibal.validate import is_int
 
 IMAGE_CONTEXT_TOKEN, IMAGE_START_TOKEN, IMAGE_END_TOKEN = "<IMG_CONTEXT>", "<img>", "</img>"  # InternVL's
 DEFAULT_MAX_TILES = 12
@@ -103,7 +104,7 @@ def _preprocessor(folder: Path | None) -> dict:
     for key in ("min_patches", "max_patches"):
         value = doc.get(key)
         if value is not None:
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_int(value) or value < 1:
                 raise InputError(f"must be a positive integer, got {value!r}", source=str(path), field=key)
             out[key] = value
     return out
@@ -116,7 +117,7 @@ def model_images(model) -> ModelImages:
     image_id = getattr(config, "image_token_id", None)
     if image_id is None:
         image_id = getattr(config, "image_token_index", None)
-    if isinstance(image_id, bool) or not isinstance(image_id, int):
+    if not is_int(image_id):
         raise InputError(f"must be a token id, got {image_id!r}", source=where, field="image_token_id")
     pre = _preprocessor(folder)
     norm = tuple((k, pre[k]) for k in ("image_mean", "image_std") if k in pre)

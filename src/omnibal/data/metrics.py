@@ -149,7 +149,7 @@ def cost_legend(cost: BalanceCost | None = None) -> str:
             "(causal, per sample's tokens**2; llm_attention alone beside); total = vision + LLM")
 
 
-def format_table(rows: list[dict], keys: list[str] | None = None) -> str:
+def metrics_table(rows: list[dict], keys: list[str] | None = None) -> str:
     """A markdown table of selected metrics, one row per schedule."""
     keys = keys or ["method", "dp_size", "num_steps", "caps_tiles", "caps_tokens", "samples_per_microbatch_mean",
                     "vision_max_mean_ranks", "llm_max_mean_ranks", "llm_attention_max_mean_ranks",

@@ -80,7 +80,7 @@ import numpy as np
 
 from omnibal.data.balance.api import BalanceConfig, balance
 from omnibal.errors import InputError, ScheduleMismatch
-from omnibal.validate import check_positive_int
+from omnibal.validate import check_positive_int, is_int
 
 STATE_VERSION = 3
 """3: the state says whether the training loop reports trained micro-batches (``trained_reported``)."""
@@ -99,7 +99,7 @@ def _config_hash(config: BalanceConfig) -> str:
 
 
 def _check_int(value, name: str, low: int) -> int:
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low:
+    if not is_int(value) or value < low:
         raise InputError(f"must be an integer >= {low}, got {value!r}", source=name, field=name)
     return int(value)
 
@@ -339,7 +339,7 @@ class BalancedBatchSampler:
         for key, low in (("epoch", 0), ("consumed_microbatches", 0), ("dp_size", 1), ("num_microbatches", 1),
                          ("seed", 0)):
             value = state[key]
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            if not is_int(value) or value < low:
                 raise InputError(f"must be an integer >= {low}, got {value!r:.40}", source="state_dict", field=key)
         if not isinstance(state.get("trained_reported", False), bool):
             raise InputError("must be true or false", source="state_dict", field="trained_reported")
@@ -355,7 +355,7 @@ class BalancedBatchSampler:
                              field="config_hash")
         caps = state["caps"]
         values = [caps.get(k) for k in ("tiles", "tokens")] if isinstance(caps, dict) else [None]
-        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in values):
+        if not all(is_int(v) and v >= 1 for v in values):
             raise InputError(f"caps must be {{'tiles': int >= 1, 'tokens': int >= 1}}, got {caps!r:.60}",
                              source="state_dict", field="caps")
         return values[0], values[1]
@@ -365,7 +365,7 @@ class BalancedBatchSampler:
         if remainder is None:
             return None
         rows = remainder.get("rows") if isinstance(remainder, dict) else None
-        ok = isinstance(rows, list) and all(isinstance(r, (int, np.integer)) and not isinstance(r, bool)
+        ok = isinstance(rows, list) and all(is_int(r)
                                             and 0 <= r < len(self.stats) for r in rows)
         arr = np.asarray(rows if ok and rows else [None])
         if (arr.ndim != 1 or arr.dtype.kind not in "iu" or len(np.unique(arr)) != len(arr)

@@ -14,6 +14,8 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw
 
+from omnibal.outputs import write_text
+
 # name -> (stored width, stored height, format, EXIF orientation or None). The expected tiles (InternVL
 # rule, max 12 + thumbnail) are worked out by hand in tests/test_stats_examples.py.
 IMAGES = {
@@ -138,7 +140,7 @@ def train_tokenizer(texts: list[str], path: Path, vocab_size: int = 2048) -> Non
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
     )  # fmt: skip
     tok.train_from_iterator(texts, trainer=trainer)
-    path.write_text(tok.to_str(pretty=False), encoding="utf-8")
+    write_text(path, tok.to_str(pretty=False))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,9 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     draw_images(args.out / "images")
     recs = annotations()
-    with open(args.out / "annotations.jsonl", "w", encoding="utf-8") as f:
-        for r in recs:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    write_text(args.out / "annotations.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs))
     texts = [t["value"] for r in recs for t in r["conversations"]] + english_corpus()
     train_tokenizer(texts, args.out / "tokenizer.json")
     print(f"wrote {len(IMAGES)} images, {len(recs)} annotations and tokenizer.json to {args.out}")

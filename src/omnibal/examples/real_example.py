@@ -36,9 +36,11 @@ from tqdm import tqdm
 from omnibal.data.realdata import IMAGENET_MEAN, IMAGENET_STD
 from omnibal.errors import InputError
 from omnibal.examples.render import pair_qa, render, text_qa
+from omnibal.outputs import write_text
 from omnibal.stats.annotations import AnnotationConfig, compute_stats
 from omnibal.stats.tiles import TileConfig
 from omnibal.stats.tokens import TokenConfig
+from omnibal.validate import is_int
 
 __all__ = ["INTERNVL", "LLAVA", "MAX_TILES", "SPECIAL_TOKENS", "TinyVLM", "make_real_example", "prepare_output"]
 
@@ -107,7 +109,7 @@ MODELS = (LLAVA, INTERNVL)
 def prepare_output(out_dir, num_records, *, out_name: str = "out_dir", records_name: str = "num_records") -> Path:
     """Check the arguments and create the output folder; InputError naming ``out_name`` / ``records_name``."""
     out = Path(out_dir)
-    if isinstance(num_records, bool) or not isinstance(num_records, int) or not 1 <= num_records <= MAX_RECORDS:
+    if not is_int(num_records) or not 1 <= num_records <= MAX_RECORDS:
         raise InputError(f"must be a whole number in [1, {MAX_RECORDS}], got {num_records!r}", source=records_name)
     if out.exists() and not out.is_dir():
         raise InputError(f"{out} exists and is not a folder", source=out_name)
@@ -122,7 +124,7 @@ def make_real_example(out_dir, *, num_records: int = 400, seed: int = 0, progres
     """Write the dataset, tokenizer and both models into ``out_dir`` (see the module docstring); returns
     the summary (paths, counts, tile histograms and token statistics per model, seconds taken)."""
     started = time.perf_counter()
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+    if not is_int(seed) or seed < 0:
         raise InputError(f"must be a whole number >= 0, got {seed!r}", source="seed")
     out = prepare_output(out_dir, num_records)
     stage = Path(tempfile.mkdtemp(prefix=".omnibal-example-", dir=out))
@@ -133,13 +135,12 @@ def make_real_example(out_dir, *, num_records: int = 400, seed: int = 0, progres
         bar = tqdm(range(num_records), desc="omnibal example", unit="record", file=sys.stderr, leave=False,
                    disable=not progress)
         records = [make_record(i, rng, stage / "images") for i in bar]
-        with open(stage / "annotations.jsonl", "w", encoding="utf-8") as f:
-            f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+        write_text(stage / "annotations.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
         fast = save_tokenizer([t["value"] for r in records for t in r["conversations"]], stage / "tokenizer")
         params = {m.kind: save_model(m, fast, stage / m.kind, seed=seed) for m in MODELS}
         summary = _summarize(stage, out, records, params, seed)
         summary["seconds"] = round(time.perf_counter() - started, 2)
-        (stage / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+        write_text(stage / "summary.json", json.dumps(summary, indent=2) + "\n")
         _publish(stage, out)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
@@ -263,7 +264,7 @@ def save_image_processor(spec: TinyVLM, folder: Path) -> None:
            "size": {"height": spec.image_size, "width": spec.image_size}, "do_resize": True, "resample": 3,
            "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True, "do_convert_rgb": True,
            "image_mean": list(IMAGENET_MEAN), "image_std": list(IMAGENET_STD)}
-    (folder / "preprocessor_config.json").write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+    write_text(folder / "preprocessor_config.json", json.dumps(doc, indent=2) + "\n")
 
 
 # -- summary ------------------------------------------------------------------------------------------

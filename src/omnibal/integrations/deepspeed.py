@@ -37,6 +37,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from omnibal.errors import InputError
+from omnibal.outputs import write_text
 from omnibal.plan.exports import deepspeed_fields, kind_of
 
 TESTED_VERSIONS = ">=0.16,<0.20"
@@ -49,8 +50,8 @@ def write_exports(plan, out_dir: str | Path) -> list[Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path, cfg = out / "deepspeed.json", out / "ds_config.json"
-    path.write_text(json.dumps({"engine": "deepspeed", "tested_versions": TESTED_VERSIONS, **fields}, indent=2) + "\n")
-    cfg.write_text(json.dumps(fields["ds_config"], indent=2) + "\n")
+    write_text(path, json.dumps({"engine": "deepspeed", "tested_versions": TESTED_VERSIONS, **fields}, indent=2) + "\n")
+    write_text(cfg, json.dumps(fields["ds_config"], indent=2) + "\n")
     return [path, cfg]
 
 

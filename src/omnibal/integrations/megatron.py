@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from omnibal.errors import InputError
+from omnibal.outputs import write_text
 from omnibal.plan.exports import megatron_fields
 
 TESTED_VERSIONS = ">=0.14,<0.17"
@@ -39,8 +40,8 @@ def write_exports(plan, out_dir: str | Path) -> list[Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path, args = out / "megatron.json", out / "megatron_args.txt"
-    path.write_text(json.dumps({"engine": "megatron", "tested_versions": TESTED_VERSIONS, **fields}, indent=2) + "\n")
-    args.write_text("\n".join(cli_args(fields)) + "\n")
+    write_text(path, json.dumps({"engine": "megatron", "tested_versions": TESTED_VERSIONS, **fields}, indent=2) + "\n")
+    write_text(args, "\n".join(cli_args(fields)) + "\n")
     return [path, args]
 
 

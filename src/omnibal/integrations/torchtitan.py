@@ -22,6 +22,7 @@ import json
 from pathlib import Path
 
 from omnibal.errors import InputError
+from omnibal.outputs import write_text
 from omnibal.plan.exports import kind_of, torchtitan_fields
 
 TESTED_VERSIONS = ">=0.3,<0.4"
@@ -67,7 +68,7 @@ def write_exports(plan, out_dir: str | Path) -> list[Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "torchtitan.toml"
-    path.write_text(fragment_text(fields))
+    write_text(path, fragment_text(fields))
     return [path]
 
 

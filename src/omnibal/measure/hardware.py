@@ -34,8 +34,8 @@ def measure_cpu(*, threads: int = 1, repeats: int = 5, links: bool = False) -> H
     CPU "links" are gloo over loopback TCP. With ``links=True`` they are measured too (two spawned processes
     ping-pong tensors, :func:`omnibal.measure.links.measure_gloo_link`; several seconds of process start-up);
     otherwise the defaults are what a pipeline transfer costs on this project's 2-core machine: 1.6 GB/s
-    (raw gloo send/recv, measured) and 1 ms per transfer (``facts.md``: ~1-2.5 ms per micro-batch through
-    torch.distributed.pipelining; raw gloo alone is ~0.07 ms).
+    (raw gloo send/recv) and 1 ms per transfer (what a micro-batch costs through torch.distributed.pipelining,
+    well above raw gloo's own latency).
     """
     check_positive_int(threads, "threads")
     old_threads = torch.get_num_threads()

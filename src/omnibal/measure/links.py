@@ -26,6 +26,7 @@ import torch.multiprocessing as mp
 
 from omnibal.cost.fit import nnls
 from omnibal.errors import InputError
+from omnibal.outputs import write_text
 from omnibal.train.distributed import free_port
 
 DEFAULT_SIZES = (1 << 10, 1 << 16, 1 << 20, 1 << 22)
@@ -88,7 +89,7 @@ def _worker(rank: int, port: int, sizes: tuple[int, ...], repeats: int, all_redu
                 out["allreduce"].append(_all_reduce(buf, repeats))
             if probe:
                 out["slowdown"].append(_probe_slowdown())
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(out))
+        write_text(Path(out_dir, f"rank{rank}.json"), json.dumps(out))
     finally:
         dist.destroy_process_group()
 

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from omnibal.errors import InputError
+from omnibal.tables import markdown_table
 
 CPU_MODELS = ("tiny",)
 """Presets the reference trainer runs on CPU in seconds per step."""
@@ -267,13 +268,14 @@ def _plan_for(result, candidate):
 
 def verify_markdown(measured: list[CandidateMeasurement], chosen: int) -> str:
     """Predicted vs measured per candidate, as a markdown table."""
-    lines = ["| # | cut points | recomputed layers | search score s | predicted s/step | measured wall s/step "
-             "| error | slowdown | CPU-normalised s/step | error | |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = [["#", "cut points", "recomputed layers", "search score s", "predicted s/step", "measured wall s/step",
+             "error", "slowdown", "CPU-normalised s/step", "error", ""]]
     for n, m in enumerate(measured):
-        mark = "chosen (fastest measured)" if n == chosen else ""
-        lines.append(f"| {n + 1} | {list(m.parts)} | {sum(len(r) for r in m.recompute)} | {m.search_step_s:.4g} | "
-                     f"{m.predicted_step_s:.4g} | {m.measured_step_s:.4g} | {m.error:+.1%} | {m.slowdown:.2f} | "
-                     f"{m.normalised_step_s:.4g} | {m.error_normalised:+.1%} | {mark} |")
+        rows.append([str(n + 1), str(list(m.parts)), str(sum(len(r) for r in m.recompute)), f"{m.search_step_s:.4g}",
+                     f"{m.predicted_step_s:.4g}", f"{m.measured_step_s:.4g}", f"{m.error:+.1%}", f"{m.slowdown:.2f}",
+                     f"{m.normalised_step_s:.4g}", f"{m.error_normalised:+.1%}",
+                     "chosen (fastest measured)" if n == chosen else ""])
+    lines = [markdown_table(rows, compact=True)]
     pred_order = list(np.argsort([m.predicted_step_s for m in measured]))
     meas_order = list(np.argsort([m.normalised_step_s for m in measured]))
     lines += ["", f"Simulator's order {[int(i) + 1 for i in pred_order]}, measured (CPU-normalised) order "

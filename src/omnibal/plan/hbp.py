@@ -48,6 +48,7 @@ from omnibal.plan.partition import even_partition
 from omnibal.plan.search import SearchConfig
 from omnibal.plan.stages import StageModelConfig, layer_quantities
 from omnibal.sim.epoch import SECONDS_PER_DAY, simulate_epoch
+from omnibal.validate import is_int
 
 LLM_ATTENTION_KINDS = ("llm_block",)
 NAIVE = "single level, naive packing"
@@ -63,8 +64,7 @@ class HBPPlanConfig:
     sp_degrees: tuple[int, ...] = (1, 2, 4, 8)
     """SP degrees a level may use (each divides dp_size; 8 = one node of A100s)."""
     max_levels: int = 5
-    """Most levels (the simulator keeps fewer when they are faster; 6B+20B long context: 4 levels 323.3, 5
-    levels 317.6 GPU days)."""
+    """Most levels (the simulator keeps fewer when they are faster)."""
     candidate_lengths: tuple[int, ...] | None = None
     """Level lengths to choose from; None: powers of two and 1.5x midpoints from the median sample to the
     longest (``omnibal.data.hbp.default_candidates``)."""
@@ -82,7 +82,7 @@ class HBPPlanConfig:
     (:func:`omnibal.plan.hbp_search.refine_lengths`); False: only the estimate's sets."""
     length_search_rounds: int = 10
     """Most faster level sets that search moves to (each round simulates the moves of one set; it stops earlier
-    when no move is faster. 6B+20B long context: 4 rounds 317.6, 10 rounds 315.3 GPU days, 67 vs 74 CPU s)."""
+    when no move is faster; later rounds gain less for the CPU time they cost)."""
     progress: bool = False
     """Count the level sets simulated on stderr (a tqdm counter: the searches run for a minute or two)."""
     microbatches: str = "tokens"
@@ -99,7 +99,7 @@ class HBPPlanConfig:
                              source="--hbp-microbatches", field="microbatches")
         for name in ("max_levels", "baseline_batch_size", "length_search_rounds"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < (0 if "rounds" in name else 1):
+            if not is_int(value) or value < (0 if "rounds" in name else 1):
                 raise InputError(f"must be a {'non-negative' if 'rounds' in name else 'positive'} integer, got "
                                  f"{value!r}", source="HBPPlanConfig", field=name)
 

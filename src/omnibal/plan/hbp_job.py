@@ -26,6 +26,7 @@ from omnibal.plan.hbp import (
 )
 from omnibal.plan.hbp_bound import hbp_bound
 from omnibal.plan.hbp_search import plan_hbp
+from omnibal.tables import markdown_table
 
 PLAIN = "omnibal plan"
 """Name of the plain plan's row (and its ``origin`` when it is the single level)."""
@@ -114,23 +115,23 @@ def _hours(seconds: float) -> str:
 
 def hbp_markdown(result: HBPPlanResult) -> str:
     """Per-level table of the HBP plan, the comparison rows, the SP degrees tried and the bound."""
-    lines = ["| level | pack length | SP | micro-batches | steps | samples | checkpointed layers | all-to-all share "
-             "| time (h) |", "|---|---|---|---|---|---|---|---|---|"]
+    levels = [["level", "pack length", "SP", "micro-batches", "steps", "samples", "checkpointed layers",
+               "all-to-all share", "time (h)"]]
     for i, lv in enumerate(result.row("hbp").levels):
-        lines.append(f"| {i} | {lv.length:,} | {lv.sp} | {lv.microbatches} | {lv.steps:,} | {lv.samples:,} | "
-                     f"{lv.checkpointed} | {lv.a2a_share:.1%} | {_hours(lv.time_s)} |")
-    lines += ["", "| packing | levels (length x SP) | GPU days | vs single level | OOM steps |",
-              "|---|---|---|---|---|"]
+        levels.append([str(i), f"{lv.length:,}", str(lv.sp), str(lv.microbatches), f"{lv.steps:,}", f"{lv.samples:,}",
+                       str(lv.checkpointed), f"{lv.a2a_share:.1%}", _hours(lv.time_s)])
+    packings = [["packing", "levels (length x SP)", "GPU days", "vs single level", "OOM steps"]]
     single = result.row("single level").gpu_days
     for row in result.rows:
         desc = ", ".join(f"{lv.length:,} x {lv.sp}" for lv in row.levels)
         origin = f" ({row.origin})" if row.origin != "levels" and row.name != row.origin else ""
-        lines.append(f"| {row.name}{origin} | {desc} | {row.gpu_days:.1f} | {single / row.gpu_days:.2f}x | "
-                     f"{row.oom_steps} |")
-    lines += ["", "HBP's ablation (its paper's Table 6 steps): naive packing at the longest level, + hierarchical "
-              "(HBP's levels, each packed naively), + balance (HBP):", "",
-              "| step | packing | GPU days | vs naive packing |", "|---|---|---|---|"]
-    lines += [f"| {t['step']} | {t['row']} | {t['gpu_days']:.1f} | {t['speedup']:.2f}x |" for t in result.ablation()]
+        packings.append([f"{row.name}{origin}", desc, f"{row.gpu_days:.1f}", f"{single / row.gpu_days:.2f}x",
+                         str(row.oom_steps)])
+    steps = [[t["step"], t["row"], f"{t['gpu_days']:.1f}", f"{t['speedup']:.2f}x"] for t in result.ablation()]
+    lines = [markdown_table(levels, compact=True), "", markdown_table(packings, compact=True), "",
+             "HBP's ablation (its paper's Table 6 steps): naive packing at the longest level, + hierarchical (HBP's "
+             "levels, each packed naively), + balance (HBP):", "",
+             markdown_table([["step", "packing", "GPU days", "vs naive packing"], *steps], compact=True)]
     trials = sp_trials_lines(result)
     if trials:
         lines += ["", "SP degree per level, chosen by the simulator (degree: simulated hours of the level, the other "

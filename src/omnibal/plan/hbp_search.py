@@ -6,10 +6,9 @@ The estimate (:func:`omnibal.data.hbp.choose_levels`) proposes one level set per
 * each level's SP degree (:func:`refine_sp`), one level at a time, longest first, the others fixed;
 * the level lengths (:func:`refine_lengths`). The estimate ranks sets differently from the simulator (it has
   no per-step costs, gradient sync and pipeline fill and drain, and charges every pack of a level its
-  costliest sample): on the 6B+20B long-context case its sets simulate to 368.0-377.6 GPU days while
-  {32k, 64k, 96k, 128k} simulates to 358.1 (docs/hbp.md). So from the fastest multi-level set the search
-  tries one level removed, moved to the next shorter or longer candidate length, or one candidate added,
-  each balanced and simulated, and moves to the first faster set;
+  costliest sample), so its best set need not be the simulator's best (docs/hbp.md). So from the fastest
+  multi-level set the search tries one level removed, moved to the next shorter or longer candidate length,
+  or one candidate added, each balanced and simulated, and moves to the first faster set;
 * the partition (:func:`refine_partition`): the paper's search step around the joint optimum, every level
   simulated, for the single level and the chosen HBP set alike.
 """

@@ -54,6 +54,7 @@ from omnibal.plan.packsize import PackSearchConfig
 from omnibal.plan.partition import vision_first_partition  # noqa: F401 (re-exported)
 from omnibal.plan.plan import DataPlan, Plan, PlanInputs, Prediction, plan_stages
 from omnibal.plan.search import Candidate, SearchConfig
+from omnibal.validate import is_int
 
 BASELINE_PARTITIONS = tuple(BaselinePartition)
 BASELINE_SAMPLERS = tuple(BaselineSampler)
@@ -92,9 +93,8 @@ class PlanJobConfig:
     """Size of the synthetic mixture."""
     balance_samples: int | None = 200_000
     """Balance a uniform random subset of this many samples and scale the epoch to the full dataset
-    (None: balance every sample). A 200k subset predicts the default job's epoch within 0.4% of balancing all
-    1.2M samples, which costs ~12 s more CPU at the pack the pack-size search picks (24 micro-batches of 1.5
-    samples; 1.3 s at 8 micro-batches of 4.5)."""
+    (None: balance every sample). A subset this size predicts the default job's epoch close to balancing
+    every sample, at a fraction of the CPU time (benchmarks/results: bench_plan_default)."""
     seed: int = 0
     """Seed of the synthetic data, the shuffles and the step sample of the search."""
     profile_path: str | None = None
@@ -168,7 +168,7 @@ class PlanJobConfig:
         check_stack_zero(self.stack, self.zero_stage)
         for name in ("baseline_batch_size", "num_samples"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not is_int(value) or value < 1:
                 raise InputError(f"must be a positive integer, got {value!r}", source=f"--{name.replace('_', '-')}",
                                  field=name)
         self.layout.check_devices(self.num_gpus)
@@ -184,7 +184,7 @@ class PlanJobConfig:
         check_choice(self.oversize, OversizePolicy, source="--oversize", field="oversize")
         for name in ("max_tiles", "max_tokens"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            if value is not None and (not is_int(value) or value < 1):
                 raise InputError(f"must be a positive integer, got {value!r}", source=f"--{name.replace('_', '-')}",
                                  field=name)
             if value is not None and self.balance_method in (BalanceMethod.RANDOM, BalanceMethod.LENGTH_GROUPED):

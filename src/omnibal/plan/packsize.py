@@ -33,6 +33,7 @@ from omnibal.errors import InputError
 from omnibal.plan.joint import JointPlanner
 from omnibal.plan.stages import layer_quantities
 from omnibal.sim.epoch import simulate_epoch
+from omnibal.validate import is_int
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,7 +54,7 @@ class PackSearchConfig:
     so very small targets overshoot), not only how the step is cut."""
 
     def validate(self) -> None:
-        if any(not isinstance(m, int) or isinstance(m, bool) or m < 1 for m in self.microbatches):
+        if any(not is_int(m) or m < 1 for m in self.microbatches):
             raise InputError(f"must be positive integers, got {self.microbatches!r}", source="--pack-microbatches",
                              field="microbatches")
         if not 0 <= self.batch_tolerance:

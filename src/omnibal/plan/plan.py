@@ -13,8 +13,10 @@ from typing import Any
 
 from omnibal.errors import InputError
 from omnibal.layout import Layout, check_layout_fields
+from omnibal.outputs import write_text
 from omnibal.plan.engines import ENGINES
 from omnibal.plan.exports import export_all
+from omnibal.validate import is_int
 
 PLAN_FORMAT = "omnibal.plan"
 PLAN_VERSION = 1
@@ -178,10 +180,7 @@ class Plan:
         return json.dumps(_finite(self.to_dict()), indent=2, sort_keys=False) + "\n"
 
     def save(self, path: str | Path) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(self.to_json())
-        return path
+        return write_text(path, self.to_json())
 
     @classmethod
     def from_json(cls, text: str, source: str = "plan.json") -> Plan:
@@ -245,7 +244,7 @@ class Plan:
             where = f"stages[{s}]"
             r.obj(st, where)
             layers = r.get(st, "layers", list, where)
-            if len(layers) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in layers):
+            if len(layers) != 2 or not all(is_int(x) for x in layers):
                 raise InputError("must be [start, stop] integers", source=source, record=where, field="layers")
             start, stop = layers
             if start != expected_start or stop <= start:
@@ -410,7 +409,7 @@ class _Reader:
                 return None
             if k is float and isinstance(value, (int, float)) and not isinstance(value, bool):
                 return float(value)
-            if k is int and isinstance(value, int) and not isinstance(value, bool):
+            if k is int and is_int(value):
                 return value
             if k not in (None, float, int) and isinstance(value, k):
                 return value

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from omnibal.errors import InputError
+from omnibal.outputs import write_text
 from omnibal.plan.ablation import AblationRow, ablation_markdown
 from omnibal.plan.exports import export_all
 from omnibal.plan.plan import Plan
@@ -235,11 +236,10 @@ def plan_markdown(plan: Plan, ablation: list[AblationRow] | None, *, images: dic
                   f"neighbours within {search.get('radius')} layers ranked by the stage model, the best "
                   f"{search.get('scored')} simulated on {search.get('sample_steps')} steps; chosen "
                   f"{search.get('chosen_parts')}.", "",
-                  "| cut points | stage-model step (s) | simulated step (s) | OOM |", "| --- | --- | --- | --- |"]
-        for c in search["candidates"]:
-            sim = "-" if c.get("sim_step_time_s") is None else f"{c['sim_step_time_s']:.3f}"
-            lines.append(f"| {c['parts']} | {c['model_step_time_s']:.3f} | {sim} | {c['oom']} |")
-        lines.append("")
+                  markdown_table([["cut points", "stage-model step (s)", "simulated step (s)", "OOM"]] + [
+                      [str(c["parts"]), f"{c['model_step_time_s']:.3f}",
+                       "-" if c.get("sim_step_time_s") is None else f"{c['sim_step_time_s']:.3f}", str(c["oom"])]
+                      for c in search["candidates"]]), ""]
     if extra:
         lines += extra
     if timings:
@@ -282,15 +282,15 @@ def write_job_outputs(result, out_dir: str | Path, *, timelines: bool = True, pr
             images[f"timeline:{row.name}"] = name
     md = plan_markdown(result.plan, result.ablation, images=images, balance_metrics=result.balance_metrics,
                        timings=result.timings)
-    (out / "report.md").write_text(md)
+    write_text(out / "report.md", md)
     files["report"] = out / "report.md"
     for key, name in images.items():
         files[f"png:{key}"] = out / name
     # last, so that its timings include writing this report
     timings = {**result.timings, "report": round(time.perf_counter() - t0, 3)}
-    (out / "ablation.json").write_text(json.dumps({"rows": [r.to_dict() for r in result.ablation],
-                                                   "balance_metrics": result.balance_metrics,
-                                                   "timings": timings}, indent=2) + "\n")
+    write_text(out / "ablation.json", json.dumps({"rows": [r.to_dict() for r in result.ablation],
+                                                 "balance_metrics": result.balance_metrics,
+                                                 "timings": timings}, indent=2) + "\n")
     files["ablation"] = out / "ablation.json"
     return files
 
@@ -323,7 +323,7 @@ def render_report(plan_path: str | Path, out_dir: str | Path | None = None, *,
     if train_path is not None:
         extra += _train_section(plan, Path(train_path))
     md = plan_markdown(plan, ablation, images=images, balance_metrics=metrics, extra=extra, timings=timings)
-    (out / "report.md").write_text(md)
+    write_text(out / "report.md", md)
     files = {"report": out / "report.md"}
     files.update({f"png:{k}": out / v for k, v in images.items()})
     return files

@@ -19,6 +19,7 @@ from omnibal.cost.table import NUM_FEATURES, RECOMPUTE_FULL, RECOMPUTE_SELECTIVE
 from omnibal.errors import InputError
 from omnibal.layout import check_layout_fields
 from omnibal.sim.schedule import SCHEDULES
+from omnibal.validate import is_int
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,7 +63,7 @@ class SimConfig:
             raise InputError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}",
                              source="schedule", field="schedule")
         check_layout_fields({"dp_size": self.dp_size, "tp_size": self.tp_size, "zero_stage": self.zero_stage})
-        if not isinstance(self.num_chunks, (int, np.integer)) or isinstance(self.num_chunks, bool) \
+        if not is_int(self.num_chunks) \
                 or self.num_chunks < 1:
             raise InputError(f"must be a positive integer, got {self.num_chunks!r}", source="num_chunks",
                              field="num_chunks")

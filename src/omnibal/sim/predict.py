@@ -2,9 +2,9 @@
 the statistics in the model's units, the balancer's cost and the micro-batch features the simulator runs.
 
 ``omnibal plan`` (``plan.job``), ``omnibal simulate`` and ``omnibal balance`` all call these functions, so the
-same inputs give the same prediction. (They once diverged by up to 6.6x: ``simulate`` re-counted the LLM
-tokens of each tile for the model, ``plan`` took the statistics' 256 tokens per tile as they were - for the
-``tiny`` preset's 16 tokens per tile that was 11.0 s against 1.67 s per step, the trainer measuring 1.69.)
+same inputs give the same prediction: two paths drift apart (one re-counting the LLM tokens of each tile
+for the model, the other taking the statistics' tokens per tile as they are), and the commands would then
+disagree by a multiple for the same job.
 
 Image conventions: a model expects the statistics in its own convention (:func:`model_convention`: LLaVA
 models - a projector without a LayerNorm - one image per tile, others InternVL tiles). Statistics recorded
@@ -34,6 +34,7 @@ from omnibal.stats.table import (
     convert_convention,
     one_tile_per_image,
 )
+from omnibal.validate import is_int
 
 
 def model_convention(spec: ModelSpec) -> ImageConvention:
@@ -81,7 +82,7 @@ def job_stats(spec: ModelSpec, *, stats_path: str | None = None, num_samples: in
     they are) or the synthetic InternVL-like mixture of ``num_samples`` rows (default
     :data:`SYNTHETIC_SAMPLES`) drawn with ``seed``, always converted (it stands in for any model's data).
     ``omnibal plan`` and ``omnibal simulate`` read their data here, so the same inputs give the same rows."""
-    if num_samples is not None and (isinstance(num_samples, bool) or not isinstance(num_samples, int)
+    if num_samples is not None and (not is_int(num_samples)
                                     or num_samples < 1):
         raise InputError(f"must be a positive integer, got {num_samples!r}", source="--samples", field="samples")
     if stats_path:

@@ -11,9 +11,11 @@ from pathlib import Path
 
 import numpy as np
 
+from omnibal.outputs import write_text
 from omnibal.sim.costs import StageCosts
 from omnibal.sim.epoch import EpochResult
 from omnibal.sim.step import StepTimes
+from omnibal.tables import markdown_table
 
 COLOURS = {
     "forward": "#4C72B0",
@@ -67,23 +69,6 @@ def totals_rows(result: EpochResult) -> list[list[str]]:
 def _idle_share(result: EpochResult) -> float:
     total = result.step_time.sum() * result.busy.shape[1] * result.busy.shape[2]
     return float(1.0 - result.busy.sum() / total) if total > 0 else 0.0
-
-
-def format_text_table(rows: list[list[str]], *, align: str = "right") -> str:
-    """Fixed-width table, first row a header; ``align="left"`` pads on the right and trims line ends."""
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    if align == "left":
-        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    else:
-        lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
-def format_markdown_table(rows: list[list[str]], *, separator: str = "---|") -> str:
-    lines = ["| " + " | ".join(rows[0]) + " |", "|" + separator * len(rows[0])]
-    lines += ["| " + " | ".join(r) + " |" for r in rows[1:]]
-    return "\n".join(lines)
 
 
 def pick_ranks(busy_step: np.ndarray, max_ranks: int = 4) -> list[int]:
@@ -209,12 +194,12 @@ def write_report(result: EpochResult, costs: StageCosts, step: StepTimes, step_i
     summary = result.summary()
     summary["inputs"] = header or {}
     summary["timeline_step"] = step_index
-    (out / f"{prefix}.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_text(out / f"{prefix}.json", json.dumps(summary, indent=2) + "\n")
     lines = ["# omnibal simulate", ""]
     if header:
         lines += [f"- {k}: {v}" for k, v in header.items()] + [""]
-    lines += ["## Totals", "", format_markdown_table(totals_rows(result)), "", "## Stages", "",
-              format_markdown_table(stage_table(result)), ""]
+    lines += ["## Totals", "", markdown_table(totals_rows(result), compact=True), "", "## Stages", "",
+              markdown_table(stage_table(result), compact=True), ""]
     if layer_names is not None:
         lines += ["Stage layers: " + "; ".join(
             f"{s}: {layer_names[result.cuts[s]]} .. {layer_names[result.cuts[s + 1] - 1]}"
@@ -222,5 +207,5 @@ def write_report(result: EpochResult, costs: StageCosts, step: StepTimes, step_i
     lines += [f"## Pipeline timeline (step {step_index})", "", f"![timeline]({timeline.name})", "",
               "## Per-rank load", "", f"![load]({load.name})", ""]
     md = out / f"{prefix}.md"
-    md.write_text("\n".join(lines))
+    write_text(md, "\n".join(lines))
     return {"markdown": md, "json": out / f"{prefix}.json", "timeline": timeline, "load": load}

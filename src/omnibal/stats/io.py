@@ -48,7 +48,7 @@ import numpy as np
 
 from omnibal.errors import InputError
 from omnibal.layout import OnError
-from omnibal.outputs import atomic_path, check_file
+from omnibal.outputs import atomic_path, check_file, write_text
 from omnibal.stats.json_records import (
     OMNIBAL,
     TOKEN_LENGTHS,
@@ -210,12 +210,11 @@ def save_stats(stats: SampleStats, path: str | os.PathLike, *, format: str | Non
                          "write .jsonl or .parquet", source=str(p), field="convention")
 
     check_file(p, "out")
-    with atomic_path(p) as tmp:  # a killed writer leaves the old file; the new one gets the umask's mode
-        if fmt == "parquet":
+    if fmt == "parquet":  # a killed writer leaves the old file; the new one gets the umask's mode
+        with atomic_path(p) as tmp:
             _write_parquet(stats, str(tmp))
-        else:
-            with open(tmp, "w", encoding="utf-8") as f:
-                f.write(_render_json(stats, fmt))
+    else:
+        write_text(p, _render_json(stats, fmt))
     return p
 
 

@@ -15,7 +15,7 @@ listed for the InternVL-Chat-1.2 SFT data, typical image resolutions: COCO photo
 of published statistics (ChartQA: most samples 1.1k-1.6k tokens; AI2D: a few hundred to 1.5k). No
 per-sample data is copied: nothing here is read from the real statistics files.
 
-**Fitted to OmniBal's published statistics** (the default since issue 17). OmniBal's reference repository
+**Fitted to OmniBal's published statistics** (the default). OmniBal's reference repository
 publishes per-sample statistics of two subsets of this mixture (AI2D, 12,413 samples; ChartQA, 18,317;
 ``internvl-1.2m-stats``). They fix two things the descriptions above do not:
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from omnibal.errors import InputError
+from omnibal.validate import is_int
 
 # Sizes beyond these are almost certainly corrupt input, not real samples: a 448px tile grid of 4096
 # tiles is a 28,000 x 28,000 px image, and 16M tokens is far beyond any context length in use.
@@ -81,7 +82,7 @@ class ImageConvention:
         if self.layout not in CONVENTION_LAYOUTS:
             raise InputError(f"unknown image layout {self.layout!r}; one of {', '.join(CONVENTION_LAYOUTS)}",
                              source="convention", field="layout")
-        if isinstance(self.tokens_per_tile, bool) or not isinstance(self.tokens_per_tile, int) or not (
+        if not is_int(self.tokens_per_tile) or not (
                 1 <= self.tokens_per_tile <= MAX_TOKENS):
             raise InputError(f"tokens per tile must be a positive integer, got {self.tokens_per_tile!r}",
                              source="convention", field="tokens_per_tile")

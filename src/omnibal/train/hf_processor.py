@@ -24,6 +24,7 @@ import json
 from pathlib import Path
 
 from omnibal.errors import InputError
+from omnibal.outputs import write_text
 
 BICUBIC = 3
 """PIL's resampling code for bicubic: the trainer resizes tiles with it."""
@@ -118,7 +119,7 @@ def _save_internvl(folder: Path, config, tokenizer, *, max_tiles: int, image_mea
               "do_convert_rgb": True, "initial_shift": True, "do_sample_frames": False}
     doc = {"processor_class": "InternVLProcessor", "image_seq_length": int(config.image_seq_length),
            "image_processor": images.to_dict(), "video_processor": videos}
-    (folder / "processor_config.json").write_text(json.dumps(doc, indent=2) + "\n")
+    write_text(folder / "processor_config.json", json.dumps(doc, indent=2) + "\n")
     _note_processor(folder / "tokenizer_config.json", "InternVLProcessor")
 
 
@@ -126,4 +127,4 @@ def _note_processor(path: Path, name: str) -> None:
     """The ``processor_class`` a processor's ``save_pretrained`` writes into the tokenizer's config."""
     doc = json.loads(path.read_text())
     doc["processor_class"] = name
-    path.write_text(json.dumps(doc, indent=2) + "\n")
+    write_text(path, json.dumps(doc, indent=2) + "\n")

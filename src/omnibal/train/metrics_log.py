@@ -24,6 +24,7 @@ import torch
 from tqdm import tqdm
 
 from omnibal.outputs import naming_path
+from omnibal.tables import markdown_table
 
 RANK_FIELDS = ("step_s", "compute_s", "wait_s", "dp_sync_s", "optim_s", "data_s", "cpu_s", "mem_bytes",
                "peak_mem_bytes")
@@ -94,7 +95,7 @@ class StepRecord:
         doc["samples_per_s"] = self.samples_per_s
         doc["tokens_per_s"] = self.tokens_per_s
         # no tile pad ratio: the layers compute only the active tiles, which are all real (a tile is never
-        # padded), so it was 0 by construction
+        # padded), so it would be 0 by construction
         doc["token_pad_ratio"] = 1 - self.tokens / self.buffer_tokens if self.buffer_tokens else 0.0
         return doc
 
@@ -186,13 +187,12 @@ def format_summary(summary: dict, title: str = "training summary") -> str:
              f"{summary['median_step_s'] * 1e3:.1f} ms, {summary['samples_per_s']:.2f} samples/s, "
              f"{summary['tokens_per_s']:.0f} tokens/s (real), token pad {summary['token_pad_ratio']:.1%}, "
              f"final loss {summary['final_loss']:.4f}", "",
-             "| rank | dp | pp | step ms | compute ms | pipeline wait ms | dp sync ms | optim ms | data ms | cpu ms "
-             "| peak MiB |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for r in summary["per_rank"]:
-        lines.append(f"| {r['rank']} | {r['dp']} | {r['pp']} | {r['step_s'] * 1e3:.1f} | {r['compute_s'] * 1e3:.1f} | "
-                     f"{r['wait_s'] * 1e3:.1f} | {r['dp_sync_s'] * 1e3:.1f} | {r['optim_s'] * 1e3:.1f} | "
-                     f"{r['data_s'] * 1e3:.1f} | {r['cpu_s'] * 1e3:.1f} | {r['peak_mem_bytes'] / 2**20:.0f} |")
+             markdown_table([["rank", "dp", "pp", "step ms", "compute ms", "pipeline wait ms", "dp sync ms",
+                             "optim ms", "data ms", "cpu ms", "peak MiB"]] + [
+                 [str(r["rank"]), str(r["dp"]), str(r["pp"])]
+                 + [f"{r[k] * 1e3:.1f}" for k in ("step_s", "compute_s", "wait_s", "dp_sync_s", "optim_s", "data_s",
+                                                  "cpu_s")]
+                 + [f"{r['peak_mem_bytes'] / 2**20:.0f}"] for r in summary["per_rank"]])]
     return "\n".join(lines)
 
 

@@ -43,6 +43,7 @@ from omnibal.cost.spec import even_cuts
 from omnibal.errors import InputError
 from omnibal.layout import DpSync
 from omnibal.plan.plan import Plan
+from omnibal.validate import is_int
 
 DP_SYNCS = tuple(DpSync)
 """How gradients are summed over DP: ``flat`` (one all-reduce after the step, so the time a rank waits for
@@ -66,7 +67,7 @@ def validate_stage_layers(ranges: Sequence[Sequence[int]], num_layers: int, *, s
                          field="stage_layers")
     expect = 0
     for s, rng in enumerate(ranges):
-        if len(rng) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in rng):
+        if len(rng) != 2 or not all(is_int(v) for v in rng):
             raise InputError(f"a stage range is [start, end) of two integers, got {rng!r}", source=source,
                              record=f"stage {s}", field="stage_layers")
         start, end = int(rng[0]), int(rng[1])

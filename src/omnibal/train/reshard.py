@@ -25,6 +25,7 @@ from omnibal.data.balance.cost import BalanceCost
 from omnibal.data.balance.schedule import Schedule
 from omnibal.data.sampler import BalancedBatchSampler
 from omnibal.errors import InputError
+from omnibal.validate import is_int
 
 
 @dataclass(frozen=True, eq=False)
@@ -160,12 +161,12 @@ def _check_record(rec: dict, source: str) -> None:
 
     for name, low in (("dp_size", 1), ("num_microbatches", 1), ("seed", 0), ("epoch", 0), ("step_offset", 0)):
         value = rec.get(name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        if not is_int(value) or value < low:
             raise bad(f"must be an integer >= {low}, got {value!r:.60}", name)
     if not isinstance(rec.get("config"), dict):
         raise bad("must be the balance config (an object)", "config")
     rows = rec.get("rows")
-    if rows is not None and (not isinstance(rows, list) or not all(isinstance(r, int) and not isinstance(r, bool)
+    if rows is not None and (not isinstance(rows, list) or not all(is_int(r)
                                                                    and r >= 0 for r in rows)):
         raise bad("must be null or a list of row indices", "rows")
 

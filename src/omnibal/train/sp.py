@@ -42,12 +42,13 @@ from torch import nn
 from omnibal.data.collate import IGNORE_INDEX, META_IMAGE_INDEX, META_LABELS, META_SEGMENT_IDS, SIZE_TILES, SIZE_TOKENS
 from omnibal.errors import InputError
 from omnibal.train.layers import packed_causal_attention
+from omnibal.validate import is_int
 
 
 def check_sp_degree(degree: int, *, dp_size: int, num_heads: int, source: str = "--sp-degree",
                     field: str = "sp_degree") -> None:
     """An SP degree must be a positive integer dividing the DP size and the LLM's attention heads."""
-    if not isinstance(degree, (int, np.integer)) or isinstance(degree, bool) or degree < 1:
+    if not is_int(degree) or degree < 1:
         raise InputError(f"must be a positive integer, got {degree!r}", source=source, field=field)
     if dp_size % degree:
         raise InputError(f"SP degree {degree} does not divide the {dp_size} data-parallel ranks (an SP group is "

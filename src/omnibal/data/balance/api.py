@@ -19,6 +19,7 @@ from omnibal.data.balance.phases import phase
 from omnibal.data.balance.schedule import Caps, Schedule, build_schedule
 from omnibal.errors import InputError
 from omnibal.layout import BalanceMethod
+from omnibal.validate import is_int
 
 METHODS = tuple(BalanceMethod)
 FALLBACK_ROWS = 4 * 16384
@@ -106,7 +107,7 @@ def _check_layout(stats, dp_size: int, num_microbatches: int, seed: int, epoch: 
         raise InputError("no samples: cannot build a schedule from empty stats", source=stats.source)
     for name, value, low in (("dp_size", dp_size, 1), ("num_microbatches", num_microbatches, 1),
                              ("seed", seed, 0), ("epoch", epoch, 0)):
-        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low:
+        if not is_int(value) or value < low:
             raise InputError(f"must be an integer >= {low}, got {value!r}", source=name, field=name)
     if len(stats) < dp_size * num_microbatches:
         raise InputError(f"dp_size x num_microbatches = {dp_size * num_microbatches} micro-batches per step, but "

@@ -403,9 +403,8 @@ def level_llm(packs: Packs, targets: Targets, rng, max_passes: int, budget=None)
             passes += _repair(packs, targets.llm_objective, targets.llm_deviation, rng, rounds=6, partners=256,
                               group=group, bad_above=ok, budget=budget)
     # group swaps twice more, only while a pack is over the token cap: the text-heavy packs' last overflows
-    # need more than one round of 2-for-2 swaps (a 20k synthetic mixture at 4 x 4: without them packs stay a
-    # few tokens over in some epochs); packs merely outside the LLM band do not pay for them (1.2M real rows
-    # at DP 8: 16.9 CPU s with them, 3.7 s without)
+    # need more than one round of 2-for-2 swaps (without them packs stay a few tokens over in some epochs);
+    # packs merely outside the LLM band do not pay for them (they would cost several times the CPU time)
     for _ in range(2):
         if not (packs.pt > targets.max_tokens).any():
             break

@@ -68,7 +68,7 @@ def _deal(v, t, lc, p, max_tiles, max_tokens, rng) -> np.ndarray:
     LLM cost); a sample that would overflow its pack's buffer waits for the next round. Whatever still
     does not fit when a round places nothing goes to the lightest packs (the repair phases fix those)."""
     n = len(v)
-    # one float key per sort (a lexsort of three keys is ~3x slower): tiles first, LLM cost as the tie-break
+    # one float key per sort (a lexsort of three keys is slower): tiles first, LLM cost as the tie-break
     lc_unit = lc / max(float(lc.max()), 1e-300) * 0.45
     item_key = v + lc_unit
     # text-heavy samples (far more of the token buffer than of the tile buffer) are dealt by their token

@@ -37,6 +37,7 @@ import numpy as np
 from omnibal.cost.table import NUM_FEATURES, csr_features, microbatch_features, segment_max
 from omnibal.errors import InputError
 from omnibal.layout import Padding
+from omnibal.validate import is_int
 
 FORMAT = "omnibal.schedule/1"
 PADDINGS = tuple(Padding)
@@ -299,7 +300,7 @@ class Schedule:
         samples, offsets = _read_steps(d["steps"], dp, step_mbs, source)
         arr = np.asarray(samples, dtype=np.int64)
         dropped = d.get("dropped", [])
-        if not isinstance(dropped, list) or not all(_is_int(i) and 0 <= i < 2**62 for i in dropped):
+        if not isinstance(dropped, list) or not all(is_int(i) and 0 <= i < 2**62 for i in dropped):
             raise InputError("must be a list of rows (integers >= 0)", source=source, field="dropped")
         num_samples = _int_field(d, "num_samples", 1, source) if "num_samples" in d else (
             max(([int(arr.max())] if len(arr) else []) + dropped, default=-1) + 1)
@@ -375,13 +376,9 @@ def check_keys(d: dict, source: str) -> None:
                          source=source, field=unknown[0])
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _int_field(d: dict, key: str, low: int, source: str, prefix: str = "") -> int:
     value = d.get(key)
-    if not _is_int(value) or not low <= value < 2**62:
+    if not is_int(value) or not low <= value < 2**62:
         raise InputError(f"must be an integer >= {low}, got {value!r:.40}", source=source, field=prefix + key)
     return value
 
@@ -395,11 +392,11 @@ def _read_levels(d: dict, num_steps: int, dp: int, source: str):
         return None, None
     level_sp, levels = d["level_sp"], d["levels"]
     if not isinstance(level_sp, list) or not level_sp or not all(
-            _is_int(x) and 1 <= x <= dp and dp % x == 0 for x in level_sp):
+            is_int(x) and 1 <= x <= dp and dp % x == 0 for x in level_sp):
         raise InputError(f"must be a non-empty list of SP degrees that divide dp_size {dp}", source=source,
                          field="level_sp")
     if not isinstance(levels, list) or len(levels) != num_steps or not all(
-            _is_int(x) and 0 <= x < len(level_sp) for x in levels):
+            is_int(x) and 0 <= x < len(level_sp) for x in levels):
         raise InputError(f"must list one level in [0, {len(level_sp)}) per step ({num_steps} steps)",
                          source=source, field="levels")
     return tuple(levels), tuple(level_sp)
@@ -414,7 +411,7 @@ def _read_level_microbatches(d: dict, levels, level_sp, m: int, source: str):
     if levels is None:
         raise InputError("'level_microbatches' needs 'levels' and 'level_sp'", source=source, field="levels")
     if not isinstance(counts, list) or len(counts) != len(level_sp) or not all(
-            _is_int(x) and 1 <= x <= m for x in counts) or max(counts) != m:
+            is_int(x) and 1 <= x <= m for x in counts) or max(counts) != m:
         raise InputError(f"must list one micro-batch count in [1, {m}] per level ({len(level_sp)} levels), the "
                          f"largest equal to num_microbatches {m}", source=source, field="level_microbatches")
     return tuple(counts)
@@ -463,7 +460,7 @@ def _read_steps(steps, dp: int, step_mbs: list[int], source: str) -> tuple[list[
                              record=f"step {s}", field="steps")
         for r, rank in enumerate(step):
             for k, mb in enumerate(rank):
-                if not isinstance(mb, list) or not all(_is_int(i) and 0 <= i < 2**62 for i in mb):
+                if not isinstance(mb, list) or not all(is_int(i) and 0 <= i < 2**62 for i in mb):
                     raise InputError("a micro-batch is a list of sample rows (integers >= 0)", source=source,
                                      record=f"step {s} rank {r} micro-batch {k}", field="steps")
                 samples.extend(mb)
