@@ -32,10 +32,7 @@ WRITE_ALLOWED = {
 }
 
 # Modules that may still build a markdown table by hand, each with its reason.
-TABLE_ALLOWED = {
-    # the online-mode simulator is being rewritten on a parallel branch; its table moves to tables.py there
-    "sim/online.py",
-}
+TABLE_ALLOWED: set[str] = set()
 
 _WRITE_METHODS = {"write_text", "write_bytes"}
 _RENAMES = {("os", "replace"), ("os", "rename"), ("shutil", "move")}

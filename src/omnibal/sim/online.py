@@ -192,11 +192,11 @@ def _online_rows(stats, draws, num_microbatches, cost, transfer, config, kwargs)
 
 def comparison_markdown(result: dict) -> str:
     """:func:`compare_online_offline`'s result as a markdown table."""
-    lines = [f"Predicted, {result['setting']}:", "",
-             "| mode | vision max/mean | LLM max/mean | step s | collectives s per step | moved GB per step | "
-             "epoch GPU days |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
-    for name, r in result["modes"].items():
-        lines.append(f"| {name} | {r['vision_max_mean']:.3f} | {r['llm_max_mean']:.3f} | {r['step_s']:.2f} | "
-                     f"{r['comm_s']:.3f} | {r['moved_gb_per_step']:.2f} | {r['gpu_days']:.1f} |")
-    return "\n".join(lines) + "\n"
+    from omnibal.tables import markdown_table
+
+    rows = [["mode", "vision max/mean", "LLM max/mean", "step s", "collectives s per step", "moved GB per step",
+             "epoch GPU days"]]
+    rows += [[name, f"{r['vision_max_mean']:.3f}", f"{r['llm_max_mean']:.3f}", f"{r['step_s']:.2f}",
+              f"{r['comm_s']:.3f}", f"{r['moved_gb_per_step']:.2f}", f"{r['gpu_days']:.1f}"]
+             for name, r in result["modes"].items()]
+    return f"Predicted, {result['setting']}:\n\n" + markdown_table(rows) + "\n"
