@@ -101,12 +101,18 @@ def _children(pid: int) -> list[int]:
     return sorted(out)
 
 
+def _default_sigint() -> None:
+    """A terminal's Ctrl-C disposition for the child: a test run started in the background by a
+    non-interactive shell inherits SIGINT ignored, and Python then installs no KeyboardInterrupt handler."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start_dp2(stats: Path, *extra: str) -> subprocess.Popen:
     """``omnibal train --dp 2`` in its own session (a terminal's Ctrl-C reaches the whole process group), stdout
     read until its first step line."""
     proc = subprocess.Popen([sys.executable, "-m", "omnibal", "train", "--stats", str(stats), "--dp", "2",
                              "--steps", "0", "--microbatches", "1", *extra], env=ENV, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=_default_sigint)
     deadline = time.monotonic() + 240
     for line in proc.stdout:
         if line.startswith("step ") or time.monotonic() > deadline:
