@@ -41,6 +41,13 @@ class TransferBytes:
     feature_tile: float = 256 * 6144 * 2.0
     """One tile's visual features after the projector (tokens per tile x LLM width x element size)."""
 
+    @classmethod
+    def of(cls, *, image_size: int, tokens_per_tile: int, hidden: int, element_bytes: int) -> TransferBytes:
+        """A model's payloads: 3-channel ``image_size`` tiles and ``tokens_per_tile`` features of width ``hidden``
+        per tile, both as ``element_bytes`` elements; token ids and labels as int64."""
+        return cls(pixel_tile=3.0 * image_size**2 * element_bytes,
+                   feature_tile=float(tokens_per_tile) * hidden * element_bytes)
+
     def __post_init__(self) -> None:
         for name in ("pixel_tile", "token", "feature_tile"):
             if not float(getattr(self, name)) >= 0:

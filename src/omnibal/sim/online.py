@@ -128,9 +128,8 @@ def compare_online_offline(*, model: str = "internvl-chat-1.5", hardware="a100-8
                    config=BalanceConfig(method="random", batch_size=batch_size, cost=cost))
     omni = balance(stats, dp_size=dp_size, num_microbatches=num_microbatches, seed=seed,
                    config=BalanceConfig(cost=cost))
-    v = spec.vision
-    transfer = TransferBytes(pixel_tile=3 * v.image_size * v.image_size * dtype_bytes, token=16.0,
-                             feature_tile=spec.llm_tokens_per_tile * spec.llm.hidden * dtype_bytes)
+    transfer = TransferBytes.of(image_size=spec.vision.image_size, tokens_per_tile=spec.llm_tokens_per_tile,
+                                hidden=spec.llm.hidden, element_bytes=dtype_bytes)
     out = {"setting": f"{model} on {dp_size * pp_size} x {hardware} (DP{dp_size} x PP{pp_size}), {num_microbatches} "
                       f"micro-batches of {batch_size} random samples per rank per step (baseline, control, online), "
                       f"even partition, full recompute, {num_samples:,} synthetic samples scaled to an epoch of "

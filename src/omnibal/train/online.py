@@ -239,8 +239,8 @@ def _transfer_bytes(trainer) -> TransferBytes:
     """What one tile's pixels, one token's id + label and one tile's features occupy on the wire."""
     elem = torch.empty((), dtype=transfer_dtype(trainer)).element_size()
     base = trainer._collate_base
-    return TransferBytes(pixel_tile=3.0 * base.image_size ** 2 * elem, token=16.0,
-                         feature_tile=float(base.tokens_per_tile * trainer.spec.llm.hidden * elem))
+    return TransferBytes.of(image_size=base.image_size, tokens_per_tile=base.tokens_per_tile,
+                            hidden=trainer.spec.llm.hidden, element_bytes=elem)
 
 
 def _send_samples(trainer, d: _Dispatch, samples: list[dict], comm) -> tuple[torch.Tensor, torch.Tensor]:
