@@ -39,29 +39,38 @@ import time
 from pathlib import Path
 
 from benchmarks.common import RESULTS, write_result
-from omnibal.plan.hbp import NAIVE, HBPPlanConfig
+from omnibal.cli.plan import add_arguments, job_config
+from omnibal.plan.hbp import NAIVE
 from omnibal.plan.hbp_bound import BREAKDOWN_PARTS, time_breakdown
-from omnibal.plan.hbp_job import hbp_context, run_hbp_job, sp_trials_lines
+from omnibal.plan.hbp_job import hbp_context, hbp_plan_config, run_hbp_job, sp_trials_lines
 from omnibal.plan.job import PlanJobConfig
 from omnibal.plan.job_phases import balance_subset
 from omnibal.stats.long_context import llm_only, long_context_mixture
 from omnibal.stats.synthetic import synthetic_internvl_mixture
 
 
+def job(*flags: str) -> PlanJobConfig:
+    """The plan job ``omnibal plan --hbp FLAGS`` runs (the CLI's own parsing, so its defaults hold here)."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return job_config(parser.parse_args(list(flags)))
+
+
 def cases(samples: int, balance_samples: int):
     long_mix = long_context_mixture(samples, 0)
-    job = dict(balance_samples=balance_samples, num_samples=samples)
-    yield ("6b+20b long", PlanJobConfig(**job), long_mix, 1)
-    yield ("7b-llm long", PlanJobConfig(preset="llava-1.5-7b", dp_size=128, pp_size=1, **job), llm_only(long_mix), 1)
-    yield ("6b+20b short", PlanJobConfig(**job), synthetic_internvl_mixture(samples, 0), 4)
+    common = ("--samples", str(samples), "--balance-samples", str(balance_samples))
+    yield "6b+20b long", job(*common, "--batch-size", "1"), long_mix
+    yield ("7b-llm long", job(*common, "--batch-size", "1", "--model", "llava-1.5-7b", "--dp", "128", "--pp", "1"),
+           llm_only(long_mix))
+    yield "6b+20b short", job(*common), synthetic_internvl_mixture(samples, 0)
 
 
-def run_case(name: str, config: PlanJobConfig, stats, batch: int) -> dict:
+def run_case(name: str, config: PlanJobConfig, stats) -> dict:
     t_wall, t_cpu = time.perf_counter(), time.process_time()
-    hbp = HBPPlanConfig(baseline_batch_size=batch)
+    hbp = hbp_plan_config(config)
     result = run_hbp_job(config, hbp, stats)
     wall, cpu = time.perf_counter() - t_wall, time.process_time() - t_cpu
-    one = HBPPlanConfig(baseline_batch_size=batch, microbatches="same")
+    one = hbp_plan_config(config, microbatches="same")
     same = run_hbp_job(config, one, stats, bound=False)
     same_hbp = {**same.row("hbp").to_dict(), "name": "hbp, one micro-batch count"}
     balanced = balance_subset(stats, config)

@@ -16,8 +16,7 @@ long-context mixture (``omnibal.stats.long_context``) of ``--samples`` rows."""
 def run_hbp(args: argparse.Namespace, config) -> int:
     """Choose the levels, print the per-level table and the comparison, write ``OUT/hbp.json``."""
     from omnibal.outputs import check_replaceable_dir, staged_dir, write_text
-    from omnibal.plan.hbp import HBPPlanConfig
-    from omnibal.plan.hbp_job import hbp_markdown, run_hbp_job
+    from omnibal.plan.hbp_job import hbp_markdown, hbp_plan_config, run_hbp_job
     from omnibal.plan.report import PLAN_OUTPUTS
 
     t0 = time.perf_counter()
@@ -34,10 +33,7 @@ def run_hbp(args: argparse.Namespace, config) -> int:
         from omnibal.stats.synthetic import synthetic_internvl_mixture
 
         stats = synthetic_internvl_mixture(config.num_samples, config.seed)
-    hbp = HBPPlanConfig(baseline_batch_size=config.baseline_batch_size, oversize=config.oversize,
-                        microbatches=args.hbp_microbatches or HBPPlanConfig.microbatches,
-                        partition_search=config.search,
-                        progress=sys.stderr.isatty() and not args.quiet)
+    hbp = hbp_plan_config(config, microbatches=args.hbp_microbatches, progress=sys.stderr.isatty() and not args.quiet)
     gpus = config.dp_size * config.pp_size * config.tp_size
     print(f"omnibal plan --hbp: {config.hf_model or config.preset} on {gpus} x {config.hardware_name} "
           f"(DP {config.dp_size} x PP {config.pp_size} x TP {config.tp_size}), data {stats.source}", flush=True)

@@ -63,6 +63,14 @@ def plain_candidate(config, ctx: HBPContext, hbp: HBPPlanConfig, stats, balanced
     return Candidate(row=row, schedule=sched, level_feats=((1, feats, samples),))
 
 
+def hbp_plan_config(config, *, microbatches: str | None = None, progress: bool = False) -> HBPPlanConfig:
+    """The :class:`HBPPlanConfig` ``omnibal plan --hbp`` runs for the plan job ``config``: its baseline batch
+    size, oversize policy and partition search; ``microbatches`` (None: the default rule)."""
+    return HBPPlanConfig(baseline_batch_size=config.baseline_batch_size, oversize=config.oversize,
+                         microbatches=microbatches or HBPPlanConfig.microbatches, partition_search=config.search,
+                         progress=progress)
+
+
 def run_hbp_job(config, hbp: HBPPlanConfig, stats, *, plain: bool = True, bound: bool = True) -> HBPPlanResult:
     """``omnibal plan --hbp``: the job's model and cluster, ``stats`` subsampled as the job does; with
     ``plain`` the plain plan as a single-level candidate (when SP 1 holds every sample), with ``bound`` the
