@@ -30,21 +30,13 @@ from omnibal.sim.online import compare_online_offline, comparison_markdown
 from omnibal.stats.synthetic import synthetic_internvl_mixture
 
 
-def _rank_of(lists, n: int) -> np.ndarray:
-    out = np.empty(n, np.int64)
-    for r, members in enumerate(lists):
-        out[members] = r
-    return out
-
-
 def dispatch_moves(model: str, dp_sizes, per_rank: int, batches: int, seed: int) -> list[dict]:
-    """Owner-aware vs owner-blind placement of the same balanced bins, mean over random global batches."""
+    """Owner-aware vs owner-blind placement of the same balanced work, mean over random global batches."""
     spec = get_model_preset(model)
     raw = synthetic_internvl_mixture(max(dp_sizes) * per_rank * batches, seed=seed)
     tokens = spec.sample_tokens(raw.tiles, raw.tokens, images=raw.images)
-    v = spec.vision
-    transfer = TransferBytes(pixel_tile=3 * v.image_size * v.image_size * 2.0, token=16.0,
-                             feature_tile=spec.llm_tokens_per_tile * spec.llm.hidden * 2.0)
+    transfer = TransferBytes.of(image_size=spec.vision.image_size, tokens_per_tile=spec.llm_tokens_per_tile,
+                                hidden=spec.llm.hidden, element_bytes=2)
     rng = np.random.default_rng(seed)
     rows = []
     for dp in dp_sizes:
@@ -55,8 +47,7 @@ def dispatch_moves(model: str, dp_sizes, per_rank: int, batches: int, seed: int)
             t, k = raw.tiles[pick], tokens[pick]
             for name, own in (("blind", None), ("aware", owner)):
                 a = balance_phases(t, k, dp_size=dp, owner=own, transfer=transfer)
-                v_own, l_own = _rank_of(a.vision, len(t)), _rank_of(a.llm, len(t))
-                m = moved_bytes(owner, v_own, l_own, t, k, transfer)
+                m = moved_bytes(owner, a.vision_tiles, a.llm_owner, t, k, transfer)
                 acc[name].append((m["samples"] / len(t), m["total"] / 1e9, a.vision_max_mean, a.llm_max_mean))
         row = {"dp": dp, "samples_per_step": dp * per_rank}
         for name, vals in acc.items():

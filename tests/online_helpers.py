@@ -71,7 +71,8 @@ def rank_online_forward_backward(dp: int, node_size: int = 0, online_balance: bo
     destroy_world()
     local = [int(i) for k in range(MICRO) for i in trainer.schedule.microbatch(0, world.dp_rank, k)]
     return {"rank": world.rank, "loss_part": result.loss_sum, "grads": grads, "fed": trainer._fed, "local": local,
-            "info": (info.vision_max_mean, info.llm_max_mean, info.local_vision_max_mean, info.local_llm_max_mean)}
+            "info": (info.vision_max_mean, info.llm_max_mean, info.local_vision_max_mean, info.local_llm_max_mean),
+            "split_samples": info.split_samples}
 
 
 def rank_online_train(dp: int, checkpoint_dir: str, num_steps: int, resume: bool, every: int, num_samples: int,

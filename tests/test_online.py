@@ -69,12 +69,12 @@ def test_balance_phases_each_phase_balanced_by_its_own_cost(dp):
     a = balance_phases(tiles, tokens, dp_size=dp)
     for _rank in range(dp):  # what each rank computes from the gathered sizes
         other = balance_phases(tiles.copy(), tokens.copy(), dp_size=dp)
-        assert other.vision == a.vision and other.llm == a.llm
-    for lists in (a.vision, a.llm):
-        assert sorted(i for r in lists for i in r) == list(range(16 * dp))
-        assert all(len(r) >= 1 for r in lists)
-    vis, llm = phase_loads(a.vision, tiles, tokens)
-    assert np.allclose(vis, a.vision_load)
+        assert (other.vision_tiles == a.vision_tiles).all() and other.llm == a.llm
+    assert sorted(i for r in a.llm for i in r) == list(range(16 * dp))
+    assert all(len(r) >= 1 for r in a.llm)
+    per_rank = np.bincount(a.vision_tiles, minlength=dp)
+    assert per_rank.sum() == tiles.sum() and per_rank.max() - per_rank.min() <= 1
+    assert np.allclose(a.vision_load, per_rank * DEFAULT_COST.vision_coef[1])
     assert np.allclose(phase_loads(a.llm, tiles, tokens)[1], a.llm_load)
     assert a.vision_max_mean <= 1.05 and a.llm_max_mean <= 1.05
     local = [list(range(r * 16, (r + 1) * 16)) for r in range(dp)]
@@ -91,50 +91,45 @@ def test_balance_phases_partitions_any_batch(dp, rows):
     tiles = np.array([t for t, _ in rows])
     tokens = np.array([max(k, 1) for _, k in rows])
     a = balance_phases(tiles, tokens, dp_size=dp)
-    assert len(a.vision) == len(a.llm) == dp
-    for lists in (a.vision, a.llm):
-        assert sorted(i for r in lists for i in r) == list(range(len(rows)))
-        assert all(r == sorted(r) for r in lists)
-        if len(rows) >= dp:
-            assert all(len(r) >= 1 for r in lists)
+    assert len(a.llm) == dp and len(a.vision_tiles) == tiles.sum()
+    assert sorted(i for r in a.llm for i in r) == list(range(len(rows)))
+    assert all(r == sorted(r) for r in a.llm)
+    if len(rows) >= dp:
+        assert all(len(r) >= 1 for r in a.llm)
+    per_rank = np.bincount(a.vision_tiles, minlength=dp)  # every tile once, within one tile per rank
+    assert per_rank.sum() == tiles.sum() and per_rank.max() - per_rank.min() <= 1
     with pytest.raises(InputError):
         balance_phases(tiles, tokens, dp_size=0)
 
 
 # ------------------------------------------------------------------ owner-aware placement
 
-def _owners_of(lists, n):
-    own = np.empty(n, np.int64)
-    for r, members in enumerate(lists):
-        own[members] = r
-    return own
-
-
 @settings(max_examples=80, deadline=None)
 @given(st.integers(1, 8), st.integers(1, 12), st.integers(0, 2**31 - 1))
-def test_owner_aware_dispatch_moves_no_more_at_the_same_balance(dp, per_rank, seed):
-    """Given the rank that drew each sample, the dispatch keeps every phase's per-rank loads (a permutation
-    of the owner-blind ones: the same max/mean) and moves no more bytes and, here, no more samples."""
+def test_owner_aware_dispatch_moves_no_more_at_no_worse_balance(dp, per_rank, seed):
+    """Given the rank that drew each sample, the dispatch keeps the vision loads (a permutation of the
+    owner-blind ones), balances the LLM phase no worse, and moves no more bytes nor samples."""
     rng = np.random.default_rng(seed)
     n = dp * per_rank
     tiles, tokens = rng.integers(0, 7, n), rng.integers(1, 600, n)
     owner = np.repeat(np.arange(dp), per_rank)
     blind = balance_phases(tiles, tokens, dp_size=dp)
     aware = balance_phases(tiles, tokens, dp_size=dp, owner=owner)
-    for lists in (aware.vision, aware.llm):
-        assert sorted(i for r in lists for i in r) == list(range(n))
+    assert sorted(i for r in aware.llm for i in r) == list(range(n))
     assert np.allclose(np.sort(aware.vision_load), np.sort(blind.vision_load), rtol=1e-12, atol=0)
-    assert np.allclose(np.sort(aware.llm_load), np.sort(blind.llm_load), rtol=1e-12, atol=0)
+    assert aware.llm_load.sum() == pytest.approx(blind.llm_load.sum(), rel=1e-12)
     assert aware.vision_max_mean == pytest.approx(blind.vision_max_mean, rel=1e-12)
-    assert aware.llm_max_mean == pytest.approx(blind.llm_max_mean, rel=1e-12)
-    before = moved_bytes(owner, _owners_of(blind.vision, n), _owners_of(blind.llm, n), tiles, tokens)
-    after = moved_bytes(owner, _owners_of(aware.vision, n), _owners_of(aware.llm, n), tiles, tokens)
+    assert aware.llm_max_mean <= blind.llm_max_mean * (1 + 1e-12)
+    if n >= dp:
+        assert all(len(r) >= 1 for r in aware.llm)
+    before = moved_bytes(owner, blind.vision_tiles, blind.llm_owner, tiles, tokens)
+    after = moved_bytes(owner, aware.vision_tiles, aware.llm_owner, tiles, tokens)
     assert after["total"] <= before["total"] and after["samples"] <= before["samples"]
 
 
 def test_owner_aware_dispatch_moves_fewer_samples_on_typical_batches():
-    """On InternVL-like global batches (16 samples per rank) the placement moves fewer samples and at most
-    half the bytes of the owner-blind one, summed over seeds, at every DP size."""
+    """On InternVL-like global batches (16 samples per rank) the placement moves at most 0.65 times the
+    samples and the bytes of the owner-blind one, summed over seeds, at every DP size."""
     for dp in (2, 4, 8, 32):
         moved = {"blind": [0, 0.0], "aware": [0, 0.0]}
         for seed in range(5):
@@ -142,11 +137,11 @@ def test_owner_aware_dispatch_moves_fewer_samples_on_typical_batches():
             owner = np.repeat(np.arange(dp), 16)
             for name, own in (("blind", None), ("aware", owner)):
                 a = balance_phases(tiles, tokens, dp_size=dp, owner=own)
-                m = moved_bytes(owner, _owners_of(a.vision, len(tiles)), _owners_of(a.llm, len(tiles)), tiles, tokens)
+                m = moved_bytes(owner, a.vision_tiles, a.llm_owner, tiles, tokens)
                 moved[name][0] += m["samples"]
                 moved[name][1] += m["total"]
-        assert moved["aware"][0] < moved["blind"][0], (dp, moved)
-        assert moved["aware"][1] <= 0.5 * moved["blind"][1], (dp, moved)
+        assert moved["aware"][0] <= 0.65 * moved["blind"][0], (dp, moved)
+        assert moved["aware"][1] <= 0.65 * moved["blind"][1], (dp, moved)
 
 
 def test_owner_aware_placement_keeps_a_balanced_draw_in_place():
@@ -154,7 +149,20 @@ def test_owner_aware_placement_keeps_a_balanced_draw_in_place():
     tiles, tokens = np.array([4, 1, 1, 4]), np.array([100, 900, 900, 100])
     owner = np.array([0, 0, 1, 1])
     a = balance_phases(tiles, tokens, dp_size=2, owner=owner)
-    assert moved_bytes(owner, _owners_of(a.vision, 4), _owners_of(a.llm, 4), tiles, tokens)["total"] == 0
+    assert moved_bytes(owner, a.vision_tiles, a.llm_owner, tiles, tokens)["total"] == 0
+
+
+@pytest.mark.parametrize("per_rank", [1, 2])
+def test_tiles_balance_the_vision_phase_of_a_few_large_samples(per_rank):
+    """With 1-2 multi-tile samples per rank no sample-level deal can level the encoder; dealing tiles puts
+    every rank within one tile of the others."""
+    for seed in range(10):
+        rng = np.random.default_rng(seed)
+        tiles, tokens = rng.integers(1, 14, 8 * per_rank), rng.integers(300, 4000, 8 * per_rank)
+        a = balance_phases(tiles, tokens, dp_size=8, owner=np.repeat(np.arange(8), per_rank))
+        per = np.bincount(a.vision_tiles, minlength=8)
+        assert per.max() - per.min() <= 1
+        assert a.vision_max_mean <= np.ceil(tiles.sum() / 8) / (tiles.sum() / 8) + 1e-12
 
 
 def test_owner_aware_dispatch_names_a_bad_owner():

@@ -29,7 +29,9 @@ def test_online_step_matches_single_process(dp, node_size, balance):
     """The samples are moved (pixels to the vision owner, ids to the LLM owner, features between them; flat,
     or node-wise with 2 ranks per node) and the loss and every gradient still equal one process on the whole
     global batch within 1e-5; each sample is trained by exactly one rank; each phase is balanced by its own
-    cost. The control (no re-deal) trains each rank's own draw, at the draw's balance."""
+    cost. The control (no re-deal) trains each rank's own draw, at the draw's balance. At dp 4 the
+    re-deal encodes one sample's tiles on two ranks (the vision phase is dealt by tile) and the gradients
+    still agree."""
     values = _values(spawn_local(rank_online_forward_backward, dp, args=(dp, node_size, balance), deadline_s=120,
                                  start_method="fork"))
     ref_loss, ref_grads, rows = single_process_step(dp)
@@ -46,6 +48,8 @@ def test_online_step_matches_single_process(dp, node_size, balance):
     assert all(v["info"] == info for v in values)  # every rank computed the same dispatch
     vis, llm, local_vis, local_llm = info
     assert vis <= local_vis + 1e-9 and llm <= local_llm + 1e-9
+    if balance and dp == 4:  # this draw: a sample's tiles are split over two vision ranks
+        assert values[0]["split_samples"] >= 1
     if not balance:
         assert (vis, llm) == (local_vis, local_llm)
         assert all(sorted(v["fed"]) == sorted(v["local"]) for v in values)

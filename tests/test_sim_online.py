@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from omnibal.data.online_owners import tile_positions
 from omnibal.sim.online import compare_online_offline, online_comm_time, online_step
 
 
@@ -17,8 +18,8 @@ def test_online_step_features_carry_each_phase_assignment():
     rows = draws.reshape(-1)
     assert feats.shape == (4, 4, 4)
     assert feats[..., 1].sum() == tiles[rows].sum() and feats[..., 2].sum() == tokens[rows].sum()
-    for r in range(4):  # rank r's tiles are its vision samples', its tokens its LLM samples'
-        assert feats[r, :, 1].sum() == tiles[rows[a.vision[r]]].sum()
+    for r in range(4):  # rank r's tiles are its vision tiles, its tokens its LLM samples'
+        assert feats[r, :, 1].sum() == (a.vision_tiles == r).sum()
         assert feats[r, :, 2].sum() == tokens[rows[a.llm[r]]].sum()
         assert np.isclose(feats[r, :, 3].sum(), (tokens[rows[a.llm[r]]].astype(float) ** 2).sum())
     assert (data == np.repeat(np.arange(4), 32)).all()
@@ -29,7 +30,7 @@ def test_online_step_features_carry_each_phase_assignment():
     slow = online_comm_time(tiles[rows], tokens[rows], (data, vis, llm), dp_size=4, bandwidth=1e8, latency=1e-5,
                             pixel_bytes_per_tile=1e6, feature_bytes_per_tile=1e5)
     assert slow["total_s"] > comm["total_s"]
-    same = (data, data, data)  # nothing moves: latency only
+    same = (data, data[tile_positions(tiles[rows])], data)  # nothing moves: latency only
     assert online_comm_time(tiles[rows], tokens[rows], same, dp_size=4, bandwidth=1e9, latency=1e-5,
                             pixel_bytes_per_tile=1e6, feature_bytes_per_tile=1e5)["samples_a2a_s"] < 1e-3
 
@@ -50,10 +51,11 @@ def test_compare_online_offline_for_a_cluster():
     assert control["comm_s"] == control["moved_gb_per_step"] == 0
     assert control["vision_max_mean"] == base["vision_max_mean"] and control["llm_max_mean"] == base["llm_max_mean"]
     assert online["step_s"] < control["step_s"] < base["step_s"]
-    # owner-aware placement: the same balance, fewer bytes moved, less time in collectives
-    for phase in ("vision_max_mean", "llm_max_mean"):
-        assert online[phase] == pytest.approx(blind[phase], rel=1e-12)
-    assert online["moved_gb_per_step"] < 0.5 * blind["moved_gb_per_step"] and online["comm_s"] < blind["comm_s"]
+    # owner-aware placement: the same vision balance, an LLM balance no worse, fewer bytes moved, less time
+    # in collectives
+    assert online["vision_max_mean"] == pytest.approx(blind["vision_max_mean"], rel=1e-12)
+    assert online["llm_max_mean"] <= blind["llm_max_mean"] * (1 + 1e-12)
+    assert online["moved_gb_per_step"] < 0.85 * blind["moved_gb_per_step"] and online["comm_s"] < blind["comm_s"]
 
 
 def test_simulate_cli_online_vs_offline(capsys):

@@ -10,11 +10,17 @@ every rank computes the same assignment without further communication; the calle
 - :func:`rebalance_global_batch`: one assignment on the sum of the relative vision and LLM costs (one
   combined cost: a sample heavy for the encoder is not heavy for the LLM, so neither phase is balanced
   exactly).
-- :func:`balance_phases`: OrchMLLM's per-modality dispatch: one assignment of the vision phase balanced by
-  vision cost, and another of the LLM phase balanced by LLM cost (attention's sum of squares included), so
-  each phase is balanced on its own; the trainer (:mod:`omnibal.train.online`) moves the visual features
-  between the two with an all-to-all. Given the rank that drew each sample (``owner``), it places the
-  balanced bins to move the fewest bytes at the same loads (:mod:`omnibal.data.online_owners`).
+- :func:`balance_phases`: OrchMLLM's per-modality dispatch: the vision phase dealt by image tile, and the
+  LLM phase balanced by LLM cost (attention's sum of squares included), so each phase is balanced on its
+  own; the trainer (:mod:`omnibal.train.online`) moves the visual features between the two with an
+  all-to-all. Given the rank that drew each sample (``owner``), it places the work to move the fewest bytes
+  at the same loads (:mod:`omnibal.data.online_owners`).
+
+The vision unit is the tile, finer than OrchMLLM's image: the encoders omnibal runs (InternViT, CLIP on
+InternVL-style tiles, the reference ViT) attend within a tile and the projector maps each tile on its own,
+so the tiles of one image, or of one multi-image sample, may be encoded on different ranks and the features
+are exactly those of encoding them together. Every tile costs the encoder the same, so the vision phase
+balances to within one tile per rank, whatever the images per sample.
 
 Algorithm: LPT in rounds over the bins, then vectorised passes of best single swaps between the heaviest
 and lightest bins. Cost: O(B log B) numpy work; ~10 us per sample on one core for B = 1024.
@@ -27,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from omnibal.data.balance.cost import DEFAULT_COST, BalanceCost
-from omnibal.data.online_owners import TransferBytes, keep_on_owners
+from omnibal.data.online_owners import TransferBytes, deal_tiles, keep_on_owners, tile_positions
 from omnibal.errors import InputError
 
 
@@ -51,12 +57,13 @@ def rebalance_global_batch(tiles, tokens, *, dp_size: int, num_microbatches: int
 class PhaseAssignment:
     """Per-modality dispatch of one global batch (positions index the gathered batch)."""
 
-    vision: list[list[int]]
-    """``vision[r]``: positions whose vision phase (encoder + projector) runs on DP rank r, ascending."""
+    vision_tiles: np.ndarray
+    """Vision rank of every tile of the batch, tiles in position order
+    (:func:`omnibal.data.online_owners.tile_positions`)."""
     llm: list[list[int]]
     """``llm[r]``: positions whose LLM phase runs on DP rank r, ascending."""
     vision_load: np.ndarray
-    """Vision cost per rank (the cost model's units)."""
+    """Vision cost per rank (the cost model's units; a sample's cost shared equally by its tiles)."""
     llm_load: np.ndarray
     """LLM cost per rank."""
 
@@ -68,33 +75,79 @@ class PhaseAssignment:
     def llm_max_mean(self) -> float:
         return _max_mean(self.llm_load)
 
+    @property
+    def llm_owner(self) -> np.ndarray:
+        """LLM rank of every position."""
+        out = np.empty(sum(len(r) for r in self.llm), np.int64)
+        for r, members in enumerate(self.llm):
+            out[members] = r
+        return out
+
 
 def balance_phases(tiles, tokens, *, dp_size: int, cost: BalanceCost | None = None, swap_passes: int = 8,
-                   owner=None, transfer: TransferBytes | None = None) -> PhaseAssignment:
-    """OrchMLLM's per-phase balance of a gathered global batch: the vision phase dealt to ``dp_size`` ranks
-    by vision cost, the LLM phase dealt again by LLM cost. Every position is in exactly one vision list and
-    one LLM list; every rank gets at least one LLM sample when there are at least ``dp_size`` samples.
+                   owner=None, transfer: TransferBytes | None = None, num_packs: int = 1) -> PhaseAssignment:
+    """OrchMLLM's per-phase balance of a gathered global batch: the tiles dealt to ``dp_size`` vision ranks
+    (within one tile of each other), the LLM phase dealt by LLM cost. Every tile has one vision rank, every
+    position is in exactly one LLM list; every rank gets at least one LLM sample when there are at least
+    ``dp_size`` samples.
 
-    ``owner`` (optional): the DP rank that drew each position. Given it, the balanced bins are placed on
-    ranks, and samples of equal cost exchanged, so that the fewest bytes move (weighed by ``transfer``;
-    :func:`omnibal.data.online_owners.keep_on_owners`): the per-rank loads are the owner-blind ones,
-    permuted, so every max/mean is unchanged."""
+    ``owner`` (optional): the DP rank that drew each position. Given it, the work is placed so that the
+    fewest bytes move (weighed by ``transfer``; :func:`omnibal.data.online_owners.keep_on_owners`): the
+    owner-blind LLM bins matched to ranks, or an assignment built from the owners outwards
+    (:func:`_owner_first`) when it balances no worse; the vision loads are unchanged and the LLM max/mean
+    is never above the owner-blind one. ``num_packs``: the packs each rank runs its LLM phase in
+    (:func:`llm_packs`); the assignment built from the owners must not raise the largest pack either."""
     tiles, tokens = _check_sizes(tiles, tokens, dp_size, 1)
     cost = cost or DEFAULT_COST
     vis, llm = cost.sample_costs(tiles, tokens)
-    v_bin = _lpt_swap(vis, dp_size, swap_passes)
     l_bin = _lpt_swap(llm, dp_size, swap_passes)
     if owner is not None:
         owner = np.asarray(owner)
         if owner.shape != tiles.shape or ((owner < 0) | (owner >= dp_size)).any():
             raise InputError(f"owner must give a rank in [0, {dp_size}) for each of the {len(tiles)} positions",
                              source="global batch", field="owner")
-        v_bin, l_bin = keep_on_owners(v_bin, l_bin, owner, tiles, tokens, vis, llm, transfer)
+        local = _owner_first(llm, owner, dp_size, swap_passes)
+        as_good = (_max_mean(_loads(local, llm, dp_size)) <= _max_mean(_loads(l_bin, llm, dp_size))
+                   and _largest_pack(local, llm, dp_size, num_packs) <= _largest_pack(l_bin, llm, dp_size, num_packs))
+        if len(tiles) >= dp_size and np.bincount(local, minlength=dp_size).min() == 0:
+            as_good = False  # every rank keeps an LLM sample
+        v_tile, l_bin = keep_on_owners(l_bin, owner, tiles, tokens, llm, transfer,
+                                       alternatives=(local,) if as_good else ())
+    else:
+        v_tile = deal_tiles(tiles, l_bin, None, dp_size)
+    pos = tile_positions(tiles)
     return PhaseAssignment(
-        vision=[np.flatnonzero(v_bin == r).tolist() for r in range(dp_size)],
+        vision_tiles=v_tile,
         llm=[np.flatnonzero(l_bin == r).tolist() for r in range(dp_size)],
-        vision_load=np.bincount(v_bin, weights=vis, minlength=dp_size),
-        llm_load=np.bincount(l_bin, weights=llm, minlength=dp_size))
+        vision_load=np.bincount(v_tile, weights=(vis / np.maximum(tiles, 1))[pos], minlength=dp_size),
+        llm_load=_loads(l_bin, llm, dp_size))
+
+
+def _loads(bin_of: np.ndarray, cost: np.ndarray, bins: int) -> np.ndarray:
+    return np.bincount(bin_of, weights=cost, minlength=bins)
+
+
+def _largest_pack(bin_of: np.ndarray, cost: np.ndarray, bins: int, num_packs: int) -> float:
+    """The costliest of the :func:`llm_packs` every rank would run."""
+    if num_packs == 1:
+        return float(_loads(bin_of, cost, bins).max(initial=0.0))
+    return max((float(cost[p].sum()) for r in range(bins)
+                for p in llm_packs(np.flatnonzero(bin_of == r), cost, num_packs)), default=0.0)
+
+
+def llm_packs(members, cost: np.ndarray, num_packs: int) -> list[np.ndarray]:
+    """A rank's LLM samples ``members`` in up to ``num_packs`` non-empty varlen packs of similar ``cost``
+    (LPT: largest first into the lightest pack, ties by position), each in ascending position order: how
+    the online trainer runs its LLM phase and how the simulator prices it."""
+    members = np.asarray(members, np.int64)
+    k = max(1, min(num_packs, len(members)))
+    load = np.zeros(k)
+    out: list[list[int]] = [[] for _ in range(k)]
+    for p in sorted(members.tolist(), key=lambda q: (-cost[q], q)):
+        j = int(np.argmin(load))
+        out[j].append(p)
+        load[j] += cost[p]
+    return [np.asarray(sorted(g), np.int64) for g in out if g]
 
 
 def phase_loads(groups, tiles, tokens, *, cost: BalanceCost | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -122,8 +175,8 @@ def _check_sizes(tiles, tokens, dp_size: int, num_microbatches: int) -> tuple[np
 
 
 def _lpt_swap(size: np.ndarray, bins: int, swap_passes: int) -> np.ndarray:
-    """Bin of every item: LPT in rounds of ``bins`` items (so counts differ by at most one), then passes of
-    the best single swap between the heaviest and the lightest bins, all pairs at once."""
+    """Bin of every item: LPT in rounds of ``bins`` items (so counts differ by at most one), then
+    :func:`_swap_passes`."""
     n = len(size)
     order = np.lexsort((np.arange(n), -size))  # largest first, ties by position: identical on every rank
     bin_of = np.empty(n, np.int64)
@@ -133,6 +186,28 @@ def _lpt_swap(size: np.ndarray, bins: int, swap_passes: int) -> np.ndarray:
         lightest = np.lexsort((np.arange(bins), load))[: len(items)]
         bin_of[items] = lightest
         load[lightest] += size[items]
+    return _swap_passes(bin_of, load, size, bins, swap_passes)
+
+
+def _owner_first(size: np.ndarray, owner: np.ndarray, bins: int, swap_passes: int) -> np.ndarray:
+    """Bin of every item, keeping items on their ``owner`` where the balance allows: largest first, an item
+    stays with its owner while that keeps the owner at or under the mean load, else goes to the lightest
+    bin (ties: the lowest); then :func:`_swap_passes`."""
+    n = len(size)
+    mean = float(size.sum()) / bins
+    bin_of = np.empty(n, np.int64)
+    load = np.zeros(bins)
+    for i in np.lexsort((np.arange(n), -size)).tolist():
+        b = int(owner[i])
+        if load[b] + size[i] > mean:
+            b = int(np.argmin(load))
+        bin_of[i] = b
+        load[b] += size[i]
+    return _swap_passes(bin_of, load, size, bins, swap_passes)
+
+
+def _swap_passes(bin_of: np.ndarray, load: np.ndarray, size: np.ndarray, bins: int, swap_passes: int) -> np.ndarray:
+    """Passes of the best single swap between the heaviest and the lightest bins, all pairs at once."""
     for _ in range(swap_passes):  # heaviest bin swaps one sample with the lightest, etc., all pairs at once
         srt = np.lexsort((np.arange(bins), load))
         half = bins // 2

@@ -1,24 +1,27 @@
 """Owner-aware dispatch for online post-balancing: keep samples on the DP rank that drew them.
 
-:func:`omnibal.data.online.balance_phases` deals each phase into ``dp_size`` bins of similar cost. Which
-bin runs on which rank does not change any load, and neither does exchanging two samples of identical cost
-between bins, so both are free to choose: this module chooses them to minimise the bytes the step's
-all-to-alls move (a sample's pixels from the rank that drew it to its vision owner, its token ids and
-labels to its LLM owner, its visual features from the vision owner to the LLM owner). The per-rank loads,
-hence every max/mean, are exactly those of the owner-blind dispatch; only the placement changes.
+:func:`omnibal.data.online.balance_phases` deals the LLM phase into ``dp_size`` bins of similar cost and the
+vision phase tile by tile. Which LLM bin runs on which rank does not change any load, and neither does
+exchanging two samples of identical LLM cost between bins, so both are free to choose; and every tile costs
+the encoder the same, so which tiles fill a rank's quota is free too. This module chooses them to minimise
+the bytes the step's all-to-alls move (a tile's pixels from the rank that drew its sample to its vision
+owner, a sample's token ids and labels to its LLM owner, a tile's visual features from its vision owner to
+its sample's LLM owner). Placement changes no vision load and, of the owner-blind LLM bins, no LLM load
+(the loads are permuted); an offered alternative changes the LLM loads but never for a worse max/mean.
 
 Steps (all deterministic, so every rank computes the same dispatch):
 
-1. LLM bins to ranks: a maximum-weight matching of bins to ranks, the weight of (bin, rank) being the token
-   bytes of the bin's samples drawn by that rank;
+1. LLM bins to ranks: a maximum-weight matching of bins to ranks, the weight of (bin, rank) being the bytes
+   of the bin's samples drawn by that rank (token ids and labels, and the pixels, which mostly follow the
+   LLM owner in step 3);
 2. samples of equal LLM cost exchange bins where that keeps more of them on the rank that drew them;
-3. vision bins to ranks: the same matching, weighing pixel bytes against the data owner and feature
-   bytes against the LLM owner of steps 1-2;
-4. the same exchange among samples of equal vision cost.
+3. tiles to vision ranks (:func:`deal_tiles`): each rank's quota is filled first with tiles of its own LLM
+   samples (their features then stay), then with tiles it drew (their pixels stay), then with what is left.
 
-The owner-blind placement is kept where it moves fewer bytes or fewer samples (the steps optimise the phases
-one after the other, and bytes rather than samples, so neither total is guaranteed better by them alone); the
-result therefore never moves more bytes nor more samples.
+The caller may offer other LLM assignments that balance no worse (:func:`omnibal.data.online.balance_phases`
+offers one built from the owners outwards); the placement that moves the fewest bytes wins, and the
+owner-blind one is kept where none moves fewer bytes without moving more samples. The result therefore never
+moves more bytes nor more samples than the owner-blind dispatch.
 """
 
 from __future__ import annotations
@@ -55,42 +58,99 @@ class TransferBytes:
                                  source="transfer bytes", field=name)
 
 
-def moved_bytes(owner, v_own, l_own, tiles, tokens, transfer: TransferBytes | None = None) -> dict:
-    """Bytes and samples one step moves: ``pixels`` (data owner -> vision owner), ``tokens`` (data owner ->
-    LLM owner), ``features`` (vision owner -> LLM owner, one way), their ``total`` and ``samples`` (positions
-    whose vision or LLM phase runs off the rank that drew them)."""
+def tile_positions(tiles) -> np.ndarray:
+    """Position of every tile of a gathered batch, tiles in position order (position ``p`` owns the next
+    ``tiles[p]``)."""
+    t = np.asarray(tiles, np.int64)
+    return np.repeat(np.arange(len(t)), t)
+
+
+def moved_bytes(owner, v_tile, l_own, tiles, tokens, transfer: TransferBytes | None = None) -> dict:
+    """Bytes and samples one step moves: ``pixels`` (data owner -> vision owner, per tile), ``tokens`` (data
+    owner -> LLM owner), ``features`` (vision owner -> LLM owner, one way, per tile), their ``total`` and
+    ``samples`` (positions with a tile or the LLM phase off the rank that drew them). ``v_tile``: the vision
+    rank of every tile (:func:`tile_positions` order)."""
     tb = transfer or TransferBytes()
-    owner, v_own, l_own = (np.asarray(a) for a in (owner, v_own, l_own))
-    t = np.asarray(tiles, np.float64)
+    owner, v_tile, l_own = (np.asarray(a, np.int64) for a in (owner, v_tile, l_own))
+    pos = tile_positions(tiles)
     k = np.asarray(tokens, np.float64)
-    pix = float((t * tb.pixel_tile)[owner != v_own].sum())
+    pixel_moved = owner[pos] != v_tile
+    feature_moved = v_tile != l_own[pos]
+    pix = float(pixel_moved.sum() * tb.pixel_tile)
     tok = float((k * tb.token)[owner != l_own].sum())
-    feat = float((t * tb.feature_tile)[v_own != l_own].sum())
-    return {"pixels": pix, "tokens": tok, "features": feat, "total": pix + tok + feat,
-            "samples": int(((owner != v_own) | (owner != l_own)).sum())}
+    feat = float(feature_moved.sum() * tb.feature_tile)
+    off = (owner != l_own) | (np.bincount(pos[pixel_moved], minlength=len(owner)) > 0)
+    return {"pixels": pix, "tokens": tok, "features": feat, "total": pix + tok + feat, "samples": int(off.sum())}
 
 
-def keep_on_owners(v_bin, l_bin, owner, tiles, tokens, vis_cost, llm_cost,
-                   transfer: TransferBytes | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """``(vision rank, LLM rank)`` of every position: the bins ``v_bin``/``l_bin`` (ints in ``[0, D)``)
-    placed on ranks and equal-cost samples exchanged so that the fewest bytes move (module docstring).
-    ``owner``: the rank that drew each position. Per-rank loads equal the bins' loads, permuted."""
+def tile_quota(num_tiles: int, dp: int, demand: np.ndarray) -> np.ndarray:
+    """Tiles per vision rank: ``num_tiles // dp`` each, one more for the ``num_tiles % dp`` ranks whose LLM
+    samples hold the most tiles (ties: the lower rank), so the extra tiles need not travel."""
+    quota = np.full(dp, num_tiles // dp, np.int64)
+    quota[np.lexsort((np.arange(dp), -np.asarray(demand)))[: num_tiles % dp]] += 1
+    return quota
+
+
+def deal_tiles(tiles, l_own, owner, dp: int) -> np.ndarray:
+    """Vision rank of every tile (:func:`tile_positions` order): each rank gets its :func:`tile_quota` of
+    tiles (every tile costs the encoder the same), first tiles of its own LLM samples, then tiles of samples
+    it drew (``owner``; None: unknown), then the rest in position order. Vectorised: no loop over tiles."""
+    pos = tile_positions(tiles)
+    l_tile = np.asarray(l_own, np.int64)[pos]
+    d_tile = l_tile if owner is None else np.asarray(owner, np.int64)[pos]
+    n = len(pos)
+    quota = tile_quota(n, dp, np.bincount(l_tile, minlength=dp))
+    v_tile = np.full(n, -1, np.int64)
+    # 1. stay with the LLM owner, tiles it also drew first
+    order = np.lexsort((np.arange(n), d_tile != l_tile, l_tile))
+    _fill(v_tile, order, l_tile[order], quota)
+    # 2. stay with the rank that drew them
+    left = np.flatnonzero(v_tile < 0)
+    room = quota - np.bincount(v_tile[v_tile >= 0], minlength=dp)
+    order = left[np.lexsort((left, d_tile[left]))]
+    _fill(v_tile, order, d_tile[order], room)
+    # 3. the rest, in position order, into the ranks with room left, lowest rank first
+    left = np.flatnonzero(v_tile < 0)
+    room = quota - np.bincount(v_tile[v_tile >= 0], minlength=dp)
+    v_tile[left] = np.repeat(np.arange(dp), room)
+    return v_tile
+
+
+def _fill(v_tile: np.ndarray, order: np.ndarray, want: np.ndarray, room: np.ndarray) -> None:
+    """Give the tiles ``order`` (grouped by the rank each ``want``s, in preference order) to that rank while
+    it has ``room``."""
+    if not len(order):
+        return
+    first = np.r_[0, np.flatnonzero(np.diff(want)) + 1]
+    rank_in_group = np.arange(len(order)) - np.repeat(first, np.diff(np.r_[first, len(order)]))
+    take = rank_in_group < room[want]
+    v_tile[order[take]] = want[take]
+
+
+def keep_on_owners(l_bin, owner, tiles, tokens, llm_cost, transfer: TransferBytes | None = None,
+                   alternatives=()) -> tuple[np.ndarray, np.ndarray]:
+    """``(vision rank of every tile, LLM rank of every position)`` that move the fewest bytes (module
+    docstring). ``l_bin``: the owner-blind LLM bins (ints in ``[0, D)``); ``owner``: the rank that drew each
+    position; ``alternatives``: other LLM assignments the caller found no less balanced than ``l_bin``.
+    Candidates are the blind dispatch, ``l_bin`` placed by matching and exchange, and the alternatives (each
+    with its tiles dealt by :func:`deal_tiles`); the one moving the fewest bytes among those moving no more
+    samples than the blind one wins, the blind one on ties."""
     tb = transfer or TransferBytes()
-    v_bin, l_bin, owner = (np.asarray(a, np.int64) for a in (v_bin, l_bin, owner))
-    dp = int(max(v_bin.max(initial=0), l_bin.max(initial=0), owner.max(initial=0))) + 1
+    l_bin, owner = np.asarray(l_bin, np.int64), np.asarray(owner, np.int64)
+    dp = int(max(l_bin.max(initial=0), owner.max(initial=0))) + 1
     t = np.asarray(tiles, np.float64)
     k = np.asarray(tokens, np.float64)
-    pix, tok, feat = t * tb.pixel_tile, k * tb.token, t * tb.feature_tile
-
-    l_own = _relabel(l_bin, [(tok, owner)], dp)
-    l_own = _exchange_equal_cost(l_own, np.asarray(llm_cost), [(tok, owner)], dp)
-    v_own = _relabel(v_bin, [(pix, owner), (feat, l_own)], dp)
-    v_own = _exchange_equal_cost(v_own, np.asarray(vis_cost), [(pix, owner), (feat, l_own)], dp)
-    mine = moved_bytes(owner, v_own, l_own, t, k, tb)
-    blind = moved_bytes(owner, v_bin, l_bin, t, k, tb)
-    if mine["total"] <= blind["total"] and mine["samples"] <= blind["samples"]:
-        return v_own, l_own
-    return v_bin.copy(), l_bin.copy()
+    stays = [(k * tb.token + t * tb.pixel_tile, owner)]
+    matched = _exchange_equal_cost(_relabel(l_bin, stays, dp), np.asarray(llm_cost), stays, dp)
+    best = (deal_tiles(tiles, l_bin, None, dp), l_bin.copy())
+    blind = moved_bytes(owner, *best, tiles, tokens, tb)
+    best_total = blind["total"]
+    for l_own in (matched, *(np.asarray(a, np.int64) for a in alternatives)):
+        v_tile = deal_tiles(tiles, l_own, owner, dp)
+        moved = moved_bytes(owner, v_tile, l_own, tiles, tokens, tb)
+        if moved["samples"] <= blind["samples"] and moved["total"] < best_total:
+            best, best_total = (v_tile, l_own), moved["total"]
+    return best
 
 
 def _relabel(bin_of: np.ndarray, terms, dp: int) -> np.ndarray:

@@ -1,19 +1,19 @@
 """The online mode (OrchMLLM-style post-balancing, ``omnibal train --mode online``) in the simulator.
 
 Each DP rank draws ``num_microbatches x batch_size`` random samples (the baseline's draws); per step the
-sizes are all-gathered, the vision phase is dealt by vision cost and the LLM phase by LLM cost
+sizes are all-gathered, the vision phase is dealt by tile and the LLM phase by LLM cost
 (:func:`omnibal.data.online.balance_phases`), samples move by one all-to-all and the visual features by a
 second one (and their gradients back by its reverse). Modelled here:
 
-- **compute**: each rank's micro-batch ``k`` carries the tiles of the ``k``-th share of its *vision*
-  samples and the tokens of the ``k``-th share of its *LLM* samples, so the pipeline engine charges the
+- **compute**: each rank's micro-batch ``k`` carries the ``k``-th share of its *vision* tiles and the
+  tokens of the ``k``-th share of its *LLM* samples, so the pipeline engine charges the
   encoder layers for the vision assignment and the LLM layers for the LLM assignment (no padding: varlen
   packs). With pp > 1 that is OrchMLLM's dispatch per pipeline (idealised: the features are assumed to
   reach the LLM phase's pipeline where the encoder ends);
 - **communication**, added to every step, not overlapped: the all-gather of 4 integers per sample (a ring:
   ``(D-1)`` latencies), the sample all-to-all (pixels to the vision owner, token ids to the LLM owner) and the
   feature all-to-all forward and backward, each timed by the busiest rank's bytes (the larger of sent and
-  received, of samples that change rank) over the DP link of :class:`~omnibal.sim.costs.SimConfig` plus
+  received, of tiles and samples that change rank) over the DP link of :class:`~omnibal.sim.costs.SimConfig` plus
   ``(D-1)`` latencies.
 
 :func:`compare_online_offline` runs baseline, online and omnibal (offline) on the same draws for a cluster
@@ -27,23 +27,18 @@ import numpy as np
 
 from omnibal.cost.table import microbatch_features
 from omnibal.data.balance.cost import DEFAULT_COST, BalanceCost
-from omnibal.data.online import PhaseAssignment, balance_phases, phase_loads
-from omnibal.data.online_owners import TransferBytes, moved_bytes
-
-
-def _shares(members: list[int], cost: np.ndarray, m: int) -> list[np.ndarray]:
-    """Split one rank's samples into ``m`` shares of similar cost (LPT order dealt round-robin)."""
-    order = sorted(members, key=lambda i: (-cost[i], i))
-    return [np.asarray(order[k::m], np.int64) for k in range(m)]
+from omnibal.data.online import PhaseAssignment, balance_phases, llm_packs, phase_loads
+from omnibal.data.online_owners import TransferBytes, moved_bytes, tile_positions
 
 
 def online_step(tiles, tokens, draws, *, num_microbatches: int, cost: BalanceCost | None = None,
                 transfer: TransferBytes | None = None, keep_on_owner: bool = True, balance: bool = True):
     """One online step from the local ``draws`` (per rank, its sample rows; ``[D, n]`` or a list). Returns
-    ``(features [D, M, 4], assignment, owners)``; ``owners`` is ``(data, vision, llm)`` rank of every
-    position of the gathered batch (rank-major). ``keep_on_owner``: place the balanced bins as the trainer
-    does (fewest moved bytes, weighed by ``transfer``), else owner-blind. ``balance`` False: the control,
-    every sample stays where it was drawn (online's varlen packs without its re-deal)."""
+    ``(features [D, M, 4], assignment, owners)``; ``owners`` is ``(data rank of every position, vision rank
+    of every tile, LLM rank of every position)``, positions rank-major, tiles in position order.
+    ``keep_on_owner``: place the work as the trainer does (fewest moved bytes, weighed by ``transfer``), else
+    owner-blind. ``balance`` False: the control, every sample stays where it was drawn (online's varlen
+    packs without its re-deal)."""
     cost = cost or DEFAULT_COST
     draws = [np.asarray(d, np.int64) for d in draws]
     dp = len(draws)
@@ -51,24 +46,23 @@ def online_step(tiles, tokens, draws, *, num_microbatches: int, cost: BalanceCos
     t, k = np.asarray(tiles)[rows], np.asarray(tokens)[rows]
     data = np.repeat(np.arange(dp), [len(d) for d in draws])
     if balance:
-        a = balance_phases(t, k, dp_size=dp, cost=cost, owner=data if keep_on_owner else None, transfer=transfer)
+        a = balance_phases(t, k, dp_size=dp, cost=cost, owner=data if keep_on_owner else None, transfer=transfer,
+                           num_packs=num_microbatches)
     else:
         mine = [np.flatnonzero(data == r).tolist() for r in range(dp)]
         lv, ll = phase_loads(mine, t, k, cost=cost)
-        a = PhaseAssignment(vision=mine, llm=mine, vision_load=lv, llm_load=ll)
-    vis, llm = cost.sample_costs(t, k)
+        a = PhaseAssignment(vision_tiles=data[tile_positions(t)], llm=mine, vision_load=lv, llm_load=ll)
+    llm = cost.sample_costs(t, k)[1]
+    vision_tiles = np.bincount(a.vision_tiles, minlength=dp)
     feats = np.zeros((dp, num_microbatches, 4))
     kf = k.astype(np.float64)
     for r in range(dp):
-        for j, (vs, ls) in enumerate(zip(_shares(a.vision[r], vis, num_microbatches),
-                                         _shares(a.llm[r], llm, num_microbatches))):
-            feats[r, j] = microbatch_features(t[vs].sum(), kf[ls].sum(), (kf[ls] ** 2).sum())
-    v_own = np.empty(len(rows), np.int64)
-    l_own = np.empty(len(rows), np.int64)
-    for r in range(dp):
-        v_own[a.vision[r]] = r
-        l_own[a.llm[r]] = r
-    return feats, a, (data, v_own, l_own)
+        packs = llm_packs(a.llm[r], llm, num_microbatches)
+        packs += [np.zeros(0, np.int64)] * (num_microbatches - len(packs))
+        for j, ls in enumerate(packs):
+            tiles_j = vision_tiles[r] // num_microbatches + (j < vision_tiles[r] % num_microbatches)
+            feats[r, j] = microbatch_features(tiles_j, kf[ls].sum(), (kf[ls] ** 2).sum())
+    return feats, a, (data, a.vision_tiles, a.llm_owner)
 
 
 def _a2a_time(src, dst, nbytes, dp: int, bandwidth: float, latency: float) -> float:
@@ -81,14 +75,17 @@ def _a2a_time(src, dst, nbytes, dp: int, bandwidth: float, latency: float) -> fl
 
 def online_comm_time(tiles, tokens, owners, *, dp_size: int, bandwidth: float, latency: float,
                      pixel_bytes_per_tile: float, feature_bytes_per_tile: float, token_bytes: float = 16.0) -> dict:
-    """Seconds of one step's all-gather and all-to-alls (see the module docstring)."""
-    data, vis, llm = owners
-    t = np.asarray(tiles, np.float64)
+    """Seconds of one step's all-gather and all-to-alls (see the module docstring); ``owners`` as
+    :func:`online_step` returns them."""
+    data, vis, llm = (np.asarray(o, np.int64) for o in owners)
+    pos = tile_positions(tiles)
+    per_tile = np.ones(len(pos))
     k = np.asarray(tokens, np.float64)
-    gather = (dp_size - 1) * latency + len(t) * 32.0 / bandwidth if dp_size > 1 else 0.0
-    samples = (_a2a_time(data, vis, t * pixel_bytes_per_tile, dp_size, bandwidth, latency)
+    gather = (dp_size - 1) * latency + len(k) * 32.0 / bandwidth if dp_size > 1 else 0.0
+    samples = (_a2a_time(data[pos], vis, per_tile * pixel_bytes_per_tile, dp_size, bandwidth, latency)
                + _a2a_time(data, llm, k * token_bytes, dp_size, bandwidth, latency)) if dp_size > 1 else 0.0
-    feats = 2 * _a2a_time(vis, llm, t * feature_bytes_per_tile, dp_size, bandwidth, latency) if dp_size > 1 else 0.0
+    feats = (2 * _a2a_time(vis, llm[pos], per_tile * feature_bytes_per_tile, dp_size, bandwidth, latency)
+             if dp_size > 1 else 0.0)
     return {"all_gather_s": gather, "samples_a2a_s": samples, "features_a2a_s": feats,
             "total_s": gather + samples + feats}
 

@@ -38,7 +38,7 @@ class TrainConfig:
     sample, even layer split, every block recomputed. `omnibal`: the balanced schedule's packs, the
     plan's (or the given) partition and recompute sets. `online` (OrchMLLM-style, pp = 1): the baseline's
     random local draws of `num_microbatches x baseline_batch_size` samples per rank, re-dealt every step by
-    an all-gather of sizes and all-to-alls, the vision phase balanced by vision cost and the LLM phase by
+    an all-gather of sizes and all-to-alls, the vision phase dealt by tile and the LLM phase balanced by
     LLM cost (:mod:`omnibal.train.online`)."""
     layout: Layout = default_layout(zero_stage=0, num_microbatches=4)
     """DP x PP (world size = dp_size * pp_size) and micro-batches per DP rank per step (must match the

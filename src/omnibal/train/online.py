@@ -6,14 +6,15 @@ at step S continues the same draws). One step on every rank:
 
 1. read the local samples; **all-gather** their sizes (tiles, tokens, target tokens, dataset index);
 2. :func:`omnibal.data.online.balance_phases` on the gathered sizes (pure: every rank computes the same
-   dispatch): a vision assignment balanced by vision cost and an LLM assignment balanced by LLM cost,
-   placed to keep samples on the rank that drew them where that changes no load (fewest moved bytes);
-   the control run (``online_balance`` False) keeps every sample where it was drawn;
-3. **all-to-all** of the samples themselves: each sample's pixel tiles go to the rank that owns its vision
-   phase, its token ids and labels to the rank that owns its LLM phase (no shared dataset is assumed);
-   pixels in the forward dtype (bf16 under ``bf16-mixed``);
+   dispatch): the tiles dealt evenly to vision ranks and an LLM assignment balanced by LLM cost, placed
+   to keep work on the rank that drew it where that changes no load (fewest moved bytes); the control
+   run (``online_balance`` False) keeps every sample where it was drawn;
+3. **all-to-all** of the samples themselves: each pixel tile goes to its vision rank (the tiles of one
+   sample may go to several), token ids and labels to the rank that owns the sample's LLM phase (no shared
+   dataset is assumed); pixels in the forward dtype (bf16 under ``bf16-mixed``);
 4. the vision phase (``vision.embed .. projector``) runs on all tiles this rank owns, as one batch of tiles
-   (a ViT attends within a tile, so grouping tiles of several samples changes nothing);
+   (a ViT attends within a tile and the projector maps each tile alone, so grouping or splitting the
+   tiles of samples changes nothing);
 5. **all-to-all** of the visual features, in the forward dtype, to the LLM owners
    (:class:`omnibal.train.alltoall.Exchange`, whose backward is the reverse all-to-all of the feature
    gradients), which pack their samples into up to
@@ -38,8 +39,8 @@ import torch.distributed as dist
 
 from omnibal.data.balance.cost import DEFAULT_COST
 from omnibal.data.collate import IGNORE_INDEX, NUM_META_ROWS, collate
-from omnibal.data.online import balance_phases, phase_loads
-from omnibal.data.online_owners import TransferBytes
+from omnibal.data.online import balance_phases, llm_packs, phase_loads
+from omnibal.data.online_owners import TransferBytes, tile_positions
 from omnibal.errors import InputError
 from omnibal.train.alltoall import AllToAllGroups, Exchange, all_to_all_groups, exchange_raw
 from omnibal.train.distributed import caused_by_comm_error, is_comm_error, peer_failure
@@ -49,11 +50,12 @@ from omnibal.train.pipeline import StepResult
 _COLS = 4  # gathered per sample: tiles, tokens, target tokens, dataset index
 
 
-def _splits(src: np.ndarray, dst: np.ndarray, units: np.ndarray, dp: int) -> np.ndarray:
-    """``[dp, dp]`` elements each rank sends each rank: position ``p`` sends ``units[p]`` from ``src[p]`` to
-    ``dst[p]`` (a rank's chunks to itself included: they stay in place)."""
+def _splits(src: np.ndarray, dst: np.ndarray, units, dp: int) -> np.ndarray:
+    """``[dp, dp]`` elements each rank sends each rank: item ``i`` (a position or a tile) sends ``units[i]``
+    (or ``units`` each) from ``src[i]`` to ``dst[i]`` (a rank's chunks to itself included: they stay in
+    place)."""
     out = np.zeros((dp, dp), np.int64)
-    np.add.at(out, (src, dst), np.asarray(units, np.int64))
+    np.add.at(out, (src, dst), np.broadcast_to(np.asarray(units, np.int64), np.shape(src)))
     return out
 
 
@@ -79,23 +81,13 @@ class OnlineStepInfo:
     local_llm_max_mean: float
     comm_s: float
     """Seconds in the all-gather and the sample all-to-all (the feature all-to-alls are inside compute)."""
+    split_samples: int = 0
+    """Samples whose tiles were encoded on more than one rank (the vision phase is dealt by tile)."""
 
 
 def _target_count(sample: dict, image_token_id: int) -> int:
     ids, labels = sample["input_ids"], sample["labels"]
     return int(((labels[1:] != IGNORE_INDEX) & (ids[1:] != image_token_id)).sum())
-
-
-def _packs(members: np.ndarray, cost: np.ndarray, num_packs: int) -> list[np.ndarray]:
-    """Up to ``num_packs`` non-empty packs of similar cost (LPT), each in ascending position order."""
-    k = max(1, min(num_packs, len(members)))
-    load = np.zeros(k)
-    out: list[list[int]] = [[] for _ in range(k)]
-    for p in sorted(members.tolist(), key=lambda q: (-cost[q], q)):
-        j = int(np.argmin(load))
-        out[j].append(p)
-        load[j] += cost[p]
-    return [np.asarray(sorted(g), np.int64) for g in out if g]
 
 
 def _run_layers(stage, start: int, end: int, carry):
@@ -119,7 +111,7 @@ def online_forward_backward(trainer):
 @dataclass
 class _Dispatch:
     """Step 2's outcome, the same on every rank: the gathered sizes and each position's phase owners.
-    A position is ``data owner * n_local + local index``."""
+    A position is ``data owner * n_local + local index``; tiles are numbered in position order."""
 
     tiles: np.ndarray
     tokens: np.ndarray
@@ -127,8 +119,8 @@ class _Dispatch:
     index: np.ndarray
     owner: np.ndarray
     """Data owner (the rank that drew it) of every position."""
-    v_own: np.ndarray
-    """Vision-phase owner of every position."""
+    v_tile: np.ndarray
+    """Vision-phase owner of every tile."""
     l_own: np.ndarray
     """LLM-phase owner of every position."""
     n_local: int
@@ -137,9 +129,14 @@ class _Dispatch:
     info: OnlineStepInfo
 
     @property
+    def tile_pos(self) -> np.ndarray:
+        """Position of every tile."""
+        return tile_positions(self.tiles)
+
+    @property
     def v_mine(self) -> np.ndarray:
-        """Positions whose vision phase runs here, ascending = ordered by data owner, then position."""
-        return np.flatnonzero(self.v_own == self.me)
+        """Tiles whose vision phase runs here, ascending = ordered by data owner, then position."""
+        return np.flatnonzero(self.v_tile == self.me)
 
     @property
     def l_mine(self) -> np.ndarray:
@@ -214,18 +211,18 @@ def _gather_and_dispatch(trainer, samples: list[dict], local: list[int], group) 
     lv, ll = phase_loads([range(r * n_local, (r + 1) * n_local) for r in range(dp)], tiles, tokens)
     local_mm = (float(lv.max() / lv.mean()), float(ll.max() / ll.mean()))
     if not trainer.online_balance:  # the control: nothing moves
-        v_own, l_own = owner, owner
+        v_tile, l_own = owner[tile_positions(tiles)], owner
         info = OnlineStepInfo(*local_mm, *local_mm, 0.0)
     else:
-        plan = balance_phases(tiles, tokens, dp_size=dp, owner=owner, transfer=_transfer_bytes(trainer))
-        v_own = np.empty(len(table), np.int64)
-        l_own = np.empty(len(table), np.int64)
-        for r in range(dp):
-            v_own[plan.vision[r]] = r
-            l_own[plan.llm[r]] = r
-        info = OnlineStepInfo(plan.vision_max_mean, plan.llm_max_mean, *local_mm, 0.0)
+        plan = balance_phases(tiles, tokens, dp_size=dp, owner=owner, transfer=_transfer_bytes(trainer),
+                              num_packs=trainer.num_microbatches)
+        v_tile, l_own = plan.vision_tiles, plan.llm_owner
+        pos = tile_positions(tiles)
+        first = np.r_[0, np.cumsum(tiles)[:-1]][pos]  # each tile's sample's first tile
+        split = np.unique(pos[v_tile != v_tile[first]]).size
+        info = OnlineStepInfo(plan.vision_max_mean, plan.llm_max_mean, *local_mm, 0.0, split)
     return _Dispatch(tiles=tiles, tokens=tokens, targets=targets, index=index,
-                     owner=owner, v_own=v_own, l_own=l_own, n_local=n_local, me=me,
+                     owner=owner, v_tile=v_tile, l_own=l_own, n_local=n_local, me=me,
                      dp=dp, info=info)
 
 
@@ -244,23 +241,27 @@ def _transfer_bytes(trainer) -> TransferBytes:
 
 
 def _send_samples(trainer, d: _Dispatch, samples: list[dict], comm) -> tuple[torch.Tensor, torch.Tensor]:
-    """Step 3: samples to their phase owners: pixels to the vision owner, token ids + labels to the LLM owner.
-    Returns the pixels (device) and the ids/labels (host: the collator builds its tensors there) received."""
+    """Step 3: samples to their phase owners: each tile's pixels to its vision owner, token ids + labels to
+    the LLM owner. Returns the pixels (device) and the ids/labels (host: the collator builds its tensors
+    there) received."""
     w, me, n_local, dp = trainer.world, d.me, d.n_local, d.dp
     side, dtype = trainer._collate_base.image_size, transfer_dtype(trainer)
     pos_mine = np.arange(me * n_local, (me + 1) * n_local)
-    tile_elems = 3 * side * side
-    pix_send, tok_send = [], []
+    tile_pos, tile_first = d.tile_pos, int(d.tiles[:me * n_local].sum())
+    my_tiles = np.arange(tile_first, tile_first + int(d.tiles[pos_mine].sum()))
+    pix_mine = torch.cat([samples[p - me * n_local]["pixel_values"] for p in pos_mine if d.tiles[p]]) \
+        if len(my_tiles) else torch.zeros(0, 3, side, side)
+    tok_send = []
+    send_order = my_tiles[np.argsort(d.v_tile[my_tiles], kind="stable")] - tile_first  # by destination
+    pix_flat = pix_mine[torch.as_tensor(send_order, dtype=torch.long)].reshape(-1).to(dtype)
     for r in range(dp):  # chunks in destination order
-        to_v = [p for p in pos_mine if d.v_own[p] == r]
-        pix_send += [samples[p - me * n_local]["pixel_values"].reshape(-1).to(dtype) for p in to_v]
         for p in (p for p in pos_mine if d.l_own[p] == r):
             s = samples[p - me * n_local]
             tok_send += [s["input_ids"].to(torch.int64), s["labels"].to(torch.int64)]
-    pix_flat = (torch.cat(pix_send) if pix_send else torch.zeros(0, dtype=dtype)).to(w.device)
+    pix_flat = pix_flat.to(w.device)
     tok_flat = (torch.cat(tok_send) if tok_send else torch.zeros(0, dtype=torch.int64)).to(w.device)
-    if dp > 1:  # received in source order = ascending position
-        pix_flat = exchange_raw(pix_flat, _splits(d.owner, d.v_own, d.tiles * tile_elems, dp), comm)
+    if dp > 1:  # received in source order = ascending tile / position
+        pix_flat = exchange_raw(pix_flat, _splits(d.owner[tile_pos], d.v_tile, 3 * side * side, dp), comm)
         tok_flat = exchange_raw(tok_flat, _splits(d.owner, d.l_own, 2 * d.tokens, dp), comm)
     return pix_flat, tok_flat.cpu()
 
@@ -271,9 +272,9 @@ def _llm_start(trainer) -> int:
 
 
 def _vision_phase(trainer, d: _Dispatch, pix_flat: torch.Tensor) -> torch.Tensor:
-    """Step 4: the vision phase on every tile this rank owns (ascending positions): ``[tiles, tpt, D]``."""
+    """Step 4: the vision phase on every tile this rank owns (ascending tiles): ``[tiles, tpt, D]``."""
     w, side = trainer.world, trainer._collate_base.image_size
-    num_tiles = int(d.tiles[d.v_mine].sum())
+    num_tiles = len(d.v_mine)
     pixels = pix_flat.reshape(1, num_tiles, 3, side, side).to(w.device)
     if num_tiles == 0:  # no tile here: one zero tile keeps the encoder's graph (zero gradients), as InternVL's dummy
         pixels = torch.zeros(1, 1, 3, side, side, device=w.device, dtype=pix_flat.dtype)
@@ -284,24 +285,19 @@ def _vision_phase(trainer, d: _Dispatch, pix_flat: torch.Tensor) -> torch.Tensor
 
 def _features_to_llm_owners(trainer, d: _Dispatch, feats: torch.Tensor, comm) -> torch.Tensor:
     """Step 5: visual features to the LLM owners (differentiable all-to-all); returns this rank's LLM samples'
-    features ``[tiles, tpt, D]`` in ascending position order."""
+    features ``[tiles, tpt, D]`` in ascending tile order (= position order)."""
     tpt, width, dp = trainer._collate_base.tokens_per_tile, feats.shape[-1], d.dp
-    tiles, v_own, l_own, v_mine, l_mine = d.tiles, d.v_own, d.l_own, d.v_mine, d.l_mine
-    # rows ordered by (destination, position) on the way out
-    tile_start = np.concatenate([[0], np.cumsum(tiles[v_mine])])
-    rows = []
-    for r in range(dp):
-        for j in np.flatnonzero(l_own[v_mine] == r):
-            rows.extend(range(int(tile_start[j]), int(tile_start[j + 1])))
+    l_tile = d.l_own[d.tile_pos]
+    v_mine = d.v_mine
+    rows = np.argsort(l_tile[v_mine], kind="stable")  # by (destination, tile) on the way out
     # to the wire dtype (differentiable: the gradients come back in it and return to the encoder's dtype)
     send = feats[torch.as_tensor(rows, dtype=torch.long, device=feats.device)].reshape(-1).to(transfer_dtype(trainer))
-    recv = Exchange.apply(send, _splits(v_own, l_own, tiles * tpt * width, dp), comm) if dp > 1 else send
-    # received rows are ordered by (vision owner, position); the pack wants ascending position
-    arrival = np.concatenate([l_mine[v_own[l_mine] == r] for r in range(dp)])
-    arr_start = dict(zip(arrival.tolist(), np.concatenate([[0], np.cumsum(tiles[arrival])])[:-1].tolist()))
-    order = [row for p in l_mine for row in range(int(arr_start[p]), int(arr_start[p]) + int(tiles[p]))]
-    llm_tiles = int(tiles[l_mine].sum())
-    return recv.reshape(llm_tiles, tpt, width)[torch.as_tensor(order, dtype=torch.long, device=recv.device)]
+    recv = Exchange.apply(send, _splits(d.v_tile, l_tile, tpt * width, dp), comm) if dp > 1 else send
+    # received rows are ordered by (vision owner, tile); the packs want ascending tiles
+    mine = np.flatnonzero(l_tile == d.me)
+    arrival = mine[np.argsort(d.v_tile[mine], kind="stable")]
+    order = np.argsort(arrival, kind="stable")
+    return recv.reshape(len(mine), tpt, width)[torch.as_tensor(order, dtype=torch.long, device=recv.device)]
 
 
 def _llm_phase(trainer, d: _Dispatch, img: torch.Tensor, tok_flat: torch.Tensor) -> tuple[torch.Tensor, float]:
@@ -323,7 +319,7 @@ def _llm_phase(trainer, d: _Dispatch, img: torch.Tensor, tok_flat: torch.Tensor)
     img_start = dict(zip(l_mine.tolist(), np.concatenate([[0], np.cumsum(tiles[l_mine])])[:-1].tolist()))
     llm_cost = DEFAULT_COST.sample_costs(tiles, tokens)[1]
     loss_sum = img.new_zeros(())
-    for group in _packs(l_mine, llm_cost, trainer.num_microbatches):
+    for group in llm_packs(l_mine, llm_cost, trainer.num_microbatches):
         rows = [row for p in group for row in range(int(img_start[p]), int(img_start[p]) + int(tiles[p]))]
         feats_g = img[torch.as_tensor(rows, dtype=torch.long, device=img.device)]
         n_tiles = int(tiles[group].sum())
