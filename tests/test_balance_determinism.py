@@ -20,10 +20,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from balance_helpers import random_stats, real_stats
 from omnibal.data.balance import BalanceConfig, balance
-from omnibal.data.balance.common import distinct_keys, random_ranks
+from omnibal.data.balance.common import distinct_keys, random_ranks, sorted_order, stable_order, tie_break
 from omnibal.data.balance.cost import BalanceCost, to_grid
 from omnibal.data.balance.exchange import Packs
 from omnibal.data.sampler import BalancedBatchSampler
@@ -212,6 +214,24 @@ def test_distinct_keys_sort_like_their_values_and_break_ties_by_the_ranks():
     order = np.argsort(keys)
     assert np.array_equal(order, np.lexsort((ranks, values)))
     assert np.array_equal(np.argsort(keys, kind="heapsort"), order)  # any algorithm: one order
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 3000), st.integers(0, 2**31 - 1), st.integers(1, 50))
+def test_the_sort_based_orders_equal_the_argsorts_they_replace(m, seed, spread):
+    """``sorted_order`` inverts the tie-break in the keys' low bits instead of running an argsort, and
+    ``stable_order`` sorts keys with their positions packed in: the same orders, for any values."""
+    rng = np.random.default_rng(seed)
+    values = rng.integers(0, spread, m) * 0.61
+    ties = tie_break(m, np.random.default_rng(seed))
+    assert np.array_equal(ties.ranks, random_ranks(m, np.random.default_rng(seed)))
+    assert np.array_equal(ties.positions(ties.ranks), np.arange(m))
+    keys = distinct_keys(values, ties.ranks)
+    assert np.array_equal(sorted_order(values, ties), np.argsort(keys))
+    assert np.array_equal(sorted_order(values, ties, descending=True), np.argsort(-keys))
+    small = rng.integers(0, spread, m)
+    assert np.array_equal(stable_order(small), np.argsort(small, kind="stable"))
+    assert np.array_equal(stable_order(small + (1 << 62)), np.argsort(small + (1 << 62), kind="stable"))
 
 
 # ------------------------------------------------------------------------------------ the cross-rank check

@@ -14,6 +14,7 @@ graph of ``omnibal.data.balance`` stays acyclic.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -77,20 +78,77 @@ def distinct_keys(values: np.ndarray, tiebreak: np.ndarray) -> np.ndarray:
     return keys
 
 
-def random_ranks(m: int, rng: np.random.Generator) -> np.ndarray:
+@dataclass(frozen=True)
+class TieBreak:
+    """``m`` distinct integers under ``2**bits`` in a seeded order (:func:`tie_break`), with the inverse of the
+    bijection that made them, so a sort of :func:`distinct_keys` built on them gives back positions."""
+
+    ranks: np.ndarray
+    """The tie-break of each position (int64)."""
+    bits: int
+    multipliers: tuple[int, int]
+    offset: int
+
+    def positions(self, ranks: np.ndarray) -> np.ndarray:
+        """The position each of ``ranks`` (values of :attr:`ranks`) belongs to."""
+        mask, shift = np.uint64((1 << self.bits) - 1), np.uint64((self.bits + 1) // 2)
+        x = np.asarray(ranks).astype(np.uint64)
+        for a in reversed(self.multipliers):  # undo: xor-shift (its own inverse: 2 x shift >= bits), then x*a+b
+            x ^= x >> shift
+            x -= np.uint64(self.offset)
+            x *= np.uint64(pow(a, -1, 1 << self.bits))
+            x &= mask
+        return x.astype(np.int64)
+
+
+def tie_break(m: int, rng: np.random.Generator) -> TieBreak:
     """``m`` distinct integers under ``2**bits(m - 1)`` in an order drawn from ``rng``: a tie-break for
     :func:`distinct_keys`. A seeded bijection of the positions (multiply by an odd number, xor-shift, twice,
-    modulo ``2**bits``) rather than a permutation: as good for breaking ties, and three times cheaper."""
+    modulo ``2**bits``) rather than a permutation: as good for breaking ties, three times cheaper, and
+    invertible (:meth:`TieBreak.positions`)."""
     bits = max(int(m - 1).bit_length(), 1)
     mask, shift = np.uint64((1 << bits) - 1), np.uint64((bits + 1) // 2)
-    a1, a2, b = (np.uint64(int(x)) for x in rng.integers(0, 1 << 62, 3))
+    a1, a2, b = (int(x) for x in rng.integers(0, 1 << 62, 3))
+    multipliers = (a1 | 1, a2 | 1)
     x = np.arange(m, dtype=np.uint64)
-    for a in (a1 | np.uint64(1), a2 | np.uint64(1)):
-        x *= a
-        x += b
+    for a in multipliers:
+        x *= np.uint64(a)
+        x += np.uint64(b)
         x &= mask
         x ^= x >> shift
-    return x.astype(np.int64)
+    return TieBreak(ranks=x.astype(np.int64), bits=bits, multipliers=multipliers, offset=b)
+
+
+def random_ranks(m: int, rng: np.random.Generator) -> np.ndarray:
+    """:func:`tie_break`'s integers alone."""
+    return tie_break(m, rng).ranks
+
+
+def sorted_order(values: np.ndarray, ties: TieBreak, *, descending: bool = False) -> np.ndarray:
+    """``np.argsort(distinct_keys(values, ties.ranks))`` (``descending``: of the keys negated), computed by a
+    plain sort of the keys, several times faster than an argsort: the keys are distinct and their low bits
+    are the tie-break, which :meth:`TieBreak.positions` maps back to positions."""
+    keys = np.sort(distinct_keys(values, ties.ranks))
+    if descending:
+        keys = keys[::-1]
+    keys &= (1 << max(int(len(keys) - 1).bit_length(), 1)) - 1
+    return ties.positions(keys)
+
+
+def stable_order(keys: np.ndarray) -> np.ndarray:
+    """``np.argsort(keys, kind="stable")`` of non-negative integers, by a plain sort of each key with its
+    position in the low bits where both fit in 63 bits (several times faster), else the argsort."""
+    keys = np.asarray(keys)
+    n = len(keys)
+    bits = max(int(n - 1).bit_length(), 1)
+    top = int(keys.max(initial=0))
+    if n == 0 or int(keys.min(initial=0)) < 0 or top.bit_length() + bits > 63:
+        return np.argsort(keys, kind="stable")
+    packed = keys.astype(np.int64) << bits
+    packed |= np.arange(n, dtype=np.int64)
+    packed.sort()
+    packed &= (1 << bits) - 1
+    return packed
 
 
 def exact_sum(values: np.ndarray) -> float:

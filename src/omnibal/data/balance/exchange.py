@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from omnibal.data.balance.common import distinct_keys, exact_sum, random_ranks
+from omnibal.data.balance.common import exact_sum, sorted_order, tie_break
 from omnibal.data.balance.phases import WorkBudget
 from omnibal.data.balance.tilematch import match_tiles
 
@@ -42,7 +42,9 @@ class Packs:
         empty = np.zeros((h, group), np.int64)
         if h == 0:  # no pair to try (e.g. no active pair in a pass): nothing to reduce over
             return np.zeros(0), empty, empty.copy()
-        both = np.unique(np.concatenate([a, b]))
+        both = np.zeros(len(self.pv), bool)  # the packs of the pairs (a mask: no sort of the indices)
+        both[a] = True
+        both[b] = True
         # only the occupied slots plus one free one matter: compact the rows of these packs
         self.slots[both] = np.sort(self.slots[both], axis=1)  # the empty marker n sorts last
         width = min(self.slots.shape[1], int((self.slots[both] < self.n).sum(1).max()) + 1)
@@ -130,7 +132,7 @@ def improve(packs: Packs, objective, deviation, rng, max_passes: int, group: int
             break
         if passes % 2:
             # packs of equal deviation in a random order (distinct keys: the same order on every machine)
-            srt = np.argsort(distinct_keys(deviation(packs.pv, packs.pt, packs.pl), random_ranks(p, rng)))
+            srt = sorted_order(deviation(packs.pv, packs.pt, packs.pl), tie_break(p, rng))
             first, second = srt[: p // 2], srt[::-1][: p // 2]
         else:
             perm = rng.permutation(p)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from omnibal.data.balance.common import distinct_keys, random_ranks
+from omnibal.data.balance.common import sorted_order, stable_order, tie_break
 
 
 def _layers(packs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -32,14 +32,14 @@ def _layers(packs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     tiles -= tiles.min(initial=0)
     # one int64 key (tile count, pack, slot): distinct, so any sort gives the same order
     key = (tiles * p + pack) * width + slot
-    order = np.argsort(key)
+    order = stable_order(key)  # distinct keys: any sort gives this order
     pack, slot, tiles = pack[order], slot[order], tiles[order]
     start = np.ones(len(order), bool)
     start[1:] = (tiles[1:] != tiles[:-1]) | (pack[1:] != pack[:-1])
     run_start = np.maximum.accumulate(np.where(start, np.arange(len(order)), 0))
     j = np.arange(len(order)) - run_start  # the j-th sample of its tile count in its pack
     layer = tiles * (int(j.max(initial=0)) + 1) + j
-    by_layer = np.argsort(layer, kind="stable")
+    by_layer = stable_order(layer)
     layer = layer[by_layer]
     bounds = np.r_[0, np.flatnonzero(np.diff(layer)) + 1, len(layer)]
     return pack[by_layer], slot[by_layer], bounds
@@ -76,9 +76,9 @@ def _redeal(packs, pack: np.ndarray, slot: np.ndarray, llm_scale: float, rng) ->
     t, lc = packs.tt[sample], packs.ll[sample]
     rest_t, rest_l = packs.pt[pack] - t, packs.pl[pack] - lc
     m = len(pack)
-    ties = random_ranks(m, rng)
-    by_rest = np.argsort(distinct_keys(_key(rest_t, rest_l, llm_scale), ties))
-    by_size = np.argsort(-distinct_keys(_key(t, lc, llm_scale), ties))
+    ties = tie_break(m, rng)
+    by_rest = sorted_order(_key(rest_t, rest_l, llm_scale), ties)
+    by_size = sorted_order(_key(t, lc, llm_scale), ties, descending=True)
     new = np.empty(m, np.int64)
     new[by_rest] = sample[by_size]
     changed = new != sample

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from omnibal.data.balance.common import distinct_keys, random_ranks
+from omnibal.data.balance.common import sorted_order, tie_break
 from omnibal.data.balance.cost import to_grid
 from omnibal.data.balance.exchange import Packs, Targets, level_llm, repair_tiles
 from omnibal.data.balance.layers import level_tokens
@@ -78,12 +78,12 @@ def _deal(v, t, lc, p, max_tiles, max_tokens, rng) -> np.ndarray:
     heavy = share_t > 2.0 * share_v + 0.1
     item_key = np.where(heavy, share_t * max_tiles + 0.45, item_key)
     # largest first, equal samples in a random order; distinct keys sort alike on every machine
-    order = np.argsort(-distinct_keys(item_key, random_ranks(n, rng)))
+    order = sorted_order(item_key, tie_break(n, rng), descending=True)
     width = -(-n // p) + 4
     slots = np.full((p, width), n, dtype=np.int64)
     count = np.zeros(p, dtype=np.int64)
     load_v, load_t, load_l = np.zeros(p), np.zeros(p), np.zeros(p)
-    pack_rank = random_ranks(p, rng)  # packs of equal load: a random order, fixed for the deal
+    pack_rank = tie_break(p, rng)  # packs of equal load: a random order, fixed for the deal
     l_scale = 0.45 / max(float(lc.sum()) / p * 1.5, 1e-300)
     pending = np.zeros(0, dtype=np.int64)
     nxt = 0
@@ -105,7 +105,7 @@ def _deal(v, t, lc, p, max_tiles, max_tokens, rng) -> np.ndarray:
         # tiles first, but a pack whose tokens are further along than its tiles counts as that full
         dominant = np.maximum(load_v, load_t / max(max_tokens, 1) * max_tiles)
         pack_key = dominant + np.minimum(load_l * l_scale, 0.45)
-        packs = np.argsort(distinct_keys(pack_key, pack_rank))[: len(items)]
+        packs = sorted_order(pack_key, pack_rank)[: len(items)]
         fits = force | ((load_v[packs] + v[items] <= max_tiles) & (load_t[packs] + t[items] <= max_tokens))
         packs, placed = packs[fits], items[fits]
         if len(packs):

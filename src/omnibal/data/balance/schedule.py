@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from omnibal.cost.table import NUM_FEATURES, csr_features, microbatch_features, segment_max
+from omnibal.data.balance.common import stable_order
 from omnibal.errors import InputError
 from omnibal.layout import Padding
 from omnibal.validate import is_int
@@ -484,7 +485,7 @@ def build_schedule(*, pack_of: np.ndarray, num_packs: int, pack_ids: np.ndarray,
     """CSR packs from a per-sample pack label (``-1`` = not in any pack) with a stable in-pack order."""
     pack_of = np.asarray(pack_of, dtype=np.int64)
     rows = np.flatnonzero(pack_of >= 0)
-    order = rows[np.argsort(pack_of[rows], kind="stable")]
+    order = rows[stable_order(pack_of[rows])]
     counts = np.bincount(pack_of[rows], minlength=num_packs)
     offsets = np.zeros(num_packs + 1, np.int64)
     np.cumsum(counts, out=offsets[1:])

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from omnibal.data.balance.common import distinct_keys, random_ranks
+from omnibal.data.balance.common import sorted_order, tie_break
 from omnibal.data.balance.exchange import Packs, Targets, level_llm, repair_tiles
 from omnibal.data.balance.isf import next_fit
 from omnibal.data.balance.layers import level_tokens
@@ -102,14 +102,14 @@ def _reinsert(packs: Packs, items: np.ndarray, max_tiles: float, max_tokens: flo
     if (packs.slots[:, -1] < packs.n).any():  # a free column for every pack
         packs.slots = np.concatenate([packs.slots, np.full((len(packs.pv), 1), packs.n)], axis=1)
     size = packs.vv[items] / max(max_tiles, 1) + packs.tt[items] / max(max_tokens, 1)
-    items = items[np.argsort(-distinct_keys(size, random_ranks(len(items), rng)))]
+    items = items[sorted_order(size, tie_break(len(items), rng), descending=True)]
     for _ in range(rounds):
         room = np.minimum(max_tiles - packs.pv, (max_tokens - packs.pt) * (max_tiles / max(max_tokens, 1)))
         free = packs.slots[:, -1] >= packs.n
         open_ = np.flatnonzero((room > 0) & free)
         if len(open_) == 0 or len(items) == 0:
             break
-        open_ = open_[np.argsort(-distinct_keys(room[open_], random_ranks(len(open_), rng)))][: len(items)]
+        open_ = open_[sorted_order(room[open_], tie_break(len(open_), rng), descending=True)][: len(items)]
         take = items[: len(open_)]
         fits = (packs.pv[open_] + packs.vv[take] <= max_tiles) & (packs.pt[open_] + packs.tt[take] <= max_tokens)
         rows, placed = open_[fits], take[fits]

@@ -20,7 +20,7 @@ import itertools
 
 import numpy as np
 
-from omnibal.data.balance.common import distinct_keys, random_ranks
+from omnibal.data.balance.common import sorted_order, tie_break
 
 _MAX_CLASSES = 6
 """Tile counts the types are built from (the most common among the samples)."""
@@ -106,8 +106,8 @@ def _apply_type(state: _State, x, y, delta, lo, top, room, off_rows, rng) -> int
         if len(g) == 0 or len(r) == 0:
             continue
         # most off first; equal ones in a seeded order (distinct keys: the same on every machine)
-        g = g[np.argsort(-distinct_keys(pv[g], random_ranks(len(g), rng)))]
-        r = r[np.argsort(distinct_keys(pv[r], random_ranks(len(r), rng)))]
+        g = g[sorted_order(pv[g], tie_break(len(g), rng), descending=True)]
+        r = r[sorted_order(pv[r], tie_break(len(r), rng))]
         m = min(len(g), len(r))
         g, r = g[:m], r[:m]
         i = state.slots_of(g, x + (-1,) * max(len(y) - len(x), 0))
