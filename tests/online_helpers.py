@@ -58,18 +58,20 @@ def single_process_step(dp: int, step: int = 0):
     return float(loss.detach()), grads, sorted(rows)
 
 
-def rank_online_forward_backward(dp: int, node_size: int = 0, online_balance: bool = True):
+def rank_online_forward_backward(dp: int, node_size: int = 0, online_balance: bool = True, step: int = 0):
+    """Forward + backward of schedule step ``step`` (the trainer is placed at it, nothing trained before)."""
     torch.set_num_threads(1)
     from omnibal.train.distributed import destroy_world, init_world
 
     world = init_world(dp_size=dp, pp_size=1, timeout_s=TIMEOUT_S)
     trainer = make_online_trainer(world, node_size=node_size, online_balance=online_balance)
+    trainer.step = step
     result = trainer.forward_backward()
     grads = {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)).numpy()
              for n, p in trainer.stage_module.named_parameters()}
     info = trainer.online_info[-1]
     destroy_world()
-    local = [int(i) for k in range(MICRO) for i in trainer.schedule.microbatch(0, world.dp_rank, k)]
+    local = [int(i) for k in range(MICRO) for i in trainer.schedule.microbatch(step, world.dp_rank, k)]
     return {"rank": world.rank, "loss_part": result.loss_sum, "grads": grads, "fed": trainer._fed, "local": local,
             "info": (info.vision_max_mean, info.llm_max_mean, info.local_vision_max_mean, info.local_llm_max_mean),
             "split_samples": info.split_samples}

@@ -30,11 +30,12 @@ def test_online_step_matches_single_process(dp, node_size, balance):
     or node-wise with 2 ranks per node) and the loss and every gradient still equal one process on the whole
     global batch within 1e-5; each sample is trained by exactly one rank; each phase is balanced by its own
     cost. The control (no re-deal) trains each rank's own draw, at the draw's balance. At dp 4 the
-    re-deal encodes one sample's tiles on two ranks (the vision phase is dealt by tile) and the gradients
-    still agree."""
-    values = _values(spawn_local(rank_online_forward_backward, dp, args=(dp, node_size, balance), deadline_s=120,
-                                 start_method="fork"))
-    ref_loss, ref_grads, rows = single_process_step(dp)
+    re-deal of step 1 encodes a sample's tiles on two ranks (the vision phase is dealt by tile) and the
+    gradients still agree."""
+    step = 1
+    values = _values(spawn_local(rank_online_forward_backward, dp, args=(dp, node_size, balance, step),
+                                 deadline_s=120, start_method="fork"))
+    ref_loss, ref_grads, rows = single_process_step(dp, step)
     loss = sum(v["loss_part"] for v in values)
     assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
     for v in values:
