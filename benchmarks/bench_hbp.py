@@ -40,11 +40,11 @@ from pathlib import Path
 
 from benchmarks.common import RESULTS, write_result
 from omnibal.cli.plan import add_arguments, job_config
+from omnibal.jobs.hbp import hbp_context, hbp_plan_config, run_hbp_job, sp_trials_lines
+from omnibal.jobs.plan_job import PlanJobConfig
+from omnibal.jobs.plan_phases import balance_subset
 from omnibal.plan.hbp import NAIVE
 from omnibal.plan.hbp_bound import BREAKDOWN_PARTS, time_breakdown
-from omnibal.plan.hbp_job import hbp_context, hbp_plan_config, run_hbp_job, sp_trials_lines
-from omnibal.plan.job import PlanJobConfig
-from omnibal.plan.job_phases import balance_subset
 from omnibal.stats.long_context import llm_only, long_context_mixture
 from omnibal.stats.synthetic import synthetic_internvl_mixture
 

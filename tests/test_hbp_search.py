@@ -9,10 +9,10 @@ import pytest
 
 from omnibal.data.balance.api import BalanceConfig
 from omnibal.data.hbp import HBPConfig, balance_hbp, candidate_lengths
+from omnibal.jobs.hbp import hbp_context
+from omnibal.jobs.plan_job import PlanJobConfig
 from omnibal.plan.hbp import HBPPlanConfig, simulate_levels, simulate_schedule, stats_level_cost_model
-from omnibal.plan.hbp_job import hbp_context
 from omnibal.plan.hbp_search import length_moves, level_lengths_of, refine_lengths, refine_partition
-from omnibal.plan.job import PlanJobConfig
 from omnibal.plan.search import SearchConfig
 from omnibal.stats.long_context import long_context_mixture
 

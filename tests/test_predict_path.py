@@ -1,5 +1,5 @@
 """One step-time prediction path: ``omnibal plan`` and ``omnibal simulate`` agree for every preset, stats carry
-their image convention, and a convention mismatch is an InputError naming both (``omnibal.sim.predict``)."""
+their image convention, and a convention mismatch is an InputError naming both (``omnibal.jobs.predict``)."""
 
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ import pytest
 from omnibal.cli import main
 from omnibal.cost.presets import get_model_preset, preset_names
 from omnibal.errors import InputError
+from omnibal.jobs.plan_job import PlanJobConfig, run_plan_job
+from omnibal.jobs.predict import model_convention, model_stats
 from omnibal.measure.hardware import hardware_by_name
-from omnibal.plan.job import PlanJobConfig, run_plan_job
 from omnibal.plan.plan import Plan
 from omnibal.plan.search import SearchConfig
-from omnibal.sim.predict import model_convention, model_stats
 from omnibal.stats.io import load_stats, save_stats
 from omnibal.stats.table import INTERNVL_CONVENTION, LLAVA_CONVENTION, SampleStats, convert_convention
 

@@ -28,7 +28,7 @@ from the cost table and the hardware, and prices the result with the step-time s
   the fastest; every degree tried is reported. It also searches the level lengths
   (:func:`omnibal.plan.hbp_search.refine_lengths`).
 * **Other single levels** (``extra``): a packing made elsewhere (the plain ``omnibal plan``: its own caps,
-  SP 1, adaptive recompute; ``omnibal.plan.hbp_job``) competes as a single level, so neither the single
+  SP 1, adaptive recompute; ``omnibal.jobs.hbp``) competes as a single level, so neither the single
   level nor HBP is predicted slower than it.
 """
 
@@ -391,7 +391,7 @@ class HBPPlanResult:
     single: Candidate | None = None
     """The single-level row's candidate (the bound re-runs its features)."""
     bound: object = None
-    """An ``omnibal.plan.hbp_bound.HBPBound`` when computed (``omnibal.plan.hbp_job``)."""
+    """An ``omnibal.plan.hbp_bound.HBPBound`` when computed (``omnibal.jobs.hbp``)."""
     notes: tuple[str, ...] = ()
     """Why a candidate was not tried (e.g. the plain plan on data one rank cannot hold)."""
 

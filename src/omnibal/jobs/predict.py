@@ -1,7 +1,7 @@
 """The one step-time prediction path: model + hardware (or a measured profile) + statistics -> the cost table,
 the statistics in the model's units, the balancer's cost and the micro-batch features the simulator runs.
 
-``omnibal plan`` (``plan.job``), ``omnibal simulate`` and ``omnibal balance`` all call these functions, so the
+``omnibal plan`` (``jobs.plan_job``), ``omnibal simulate`` and ``omnibal balance`` all call these functions, so the
 same inputs give the same prediction: two paths drift apart (one re-counting the LLM tokens of each tile
 for the model, the other taking the statistics' tokens per tile as they are), and the commands would then
 disagree by a multiple for the same job.

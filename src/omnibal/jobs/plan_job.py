@@ -21,6 +21,18 @@ import numpy as np
 
 from omnibal.cost.hardware import DEFAULT_MEMORY_HEADROOM, HardwareSpec
 from omnibal.errors import InputError
+from omnibal.jobs.plan_phases import (
+    Data,
+    Found,
+    Model,
+    ablation_phase,
+    balance_phase,
+    model_phase,
+    pack_phase,
+    plan_phase,
+    search_phase,
+    stats_phase,
+)
 from omnibal.layout import (
     BASELINE_PADDINGS,
     PLAN_PADDINGS,
@@ -36,28 +48,10 @@ from omnibal.layout import (
     holds_layout,
 )
 from omnibal.plan.ablation import AblationRow
-from omnibal.plan.job_phases import (  # noqa: F401
-    Data,
-    Found,
-    GiB,
-    Model,
-    ablation_phase,
-    balance_phase,
-    model_phase,
-    pack_phase,
-    plan_phase,
-    replace_padding,
-    search_phase,
-    stats_phase,
-)
 from omnibal.plan.packsize import PackSearchConfig
-from omnibal.plan.partition import vision_first_partition  # noqa: F401 (re-exported)
 from omnibal.plan.plan import DataPlan, Plan, PlanInputs, Prediction, plan_stages
 from omnibal.plan.search import Candidate, SearchConfig
 from omnibal.validate import is_int
-
-BASELINE_PARTITIONS = tuple(BaselinePartition)
-BASELINE_SAMPLERS = tuple(BaselineSampler)
 
 
 @holds_layout
@@ -138,7 +132,7 @@ class PlanJobConfig:
     convert_stats: bool = False
     """Convert statistics made in another image convention (InternVL tiles vs LLaVA single image) to the
     model's (``--convert-stats``); without it such statistics are an InputError naming both
-    (``omnibal.sim.predict.model_stats``). The synthetic InternVL-like mixture is always converted."""
+    (``omnibal.jobs.predict.model_stats``). The synthetic InternVL-like mixture is always converted."""
     engine: str = "omnibal"
     """Engine the plan is for (``omnibal.plan.engines``): its constraints are inputs to the planner, and the
     ablation gets one row per constraint (and one with all of them: the plan)."""
@@ -276,7 +270,7 @@ class _Phases:
 
 def run_plan_job(config: PlanJobConfig, *, progress: bool = False, stats=None,
                  cache: dict | None = None) -> PlanJobResult:
-    """Run the whole job (see the module docstring; one function per phase in ``omnibal.plan.job_phases``).
+    """Run the whole job (see the module docstring; one function per phase in ``omnibal.jobs.plan_phases``).
 
     ``stats``: a ``SampleStats`` to use instead of ``config.stats_path`` / the synthetic mixture (its
     ``source`` is recorded). ``cache``: a dict kept between calls (benchmarks running several variants)
@@ -356,7 +350,7 @@ def _assemble_plan(config: PlanJobConfig, model: Model, data: Data, found: Found
 
 
 def _data_recipe(config: PlanJobConfig, data: Data) -> dict:
-    """What else ``omnibal simulate --plan`` needs to draw the plan's data again (``omnibal.sim.planned``):
+    """What else ``omnibal simulate --plan`` needs to draw the plan's data again (``omnibal.jobs.simulate_plan``):
     the seed, where the statistics came from and whether they were converted."""
     return {"seed": config.seed, "synthetic_stats": data.synthetic,
             "stats_path": None if config.stats_path is None else str(config.stats_path),
