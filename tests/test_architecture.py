@@ -2,7 +2,7 @@
 modules, no import from a lower layer into a higher one, no function over 80 lines, no module over 500.
 
 Layers, lowest first (docs/architecture.md); a module may import its own layer (if acyclic) and lower ones:
-errors/outputs/validate/tables/layout -> stats -> cost -> data/sim -> plan/train -> integrations/examples -> jobs
+errors/outputs/validate/tables/layout -> stats -> cost -> data/sim -> plan/train/hbp -> integrations/examples -> jobs
 -> measure -> cli.
 Every import counts: module level, inside functions, under ``if TYPE_CHECKING``.
 """
@@ -20,7 +20,7 @@ LAYERS = {
     "stats": 1,
     "cost": 2,
     "data": 3, "sim": 3,
-    "plan": 4, "train": 4,
+    "plan": 4, "train": 4, "hbp": 4,
     "integrations": 5, "examples": 5,
     "jobs": 6,
     "measure": 7,

@@ -311,7 +311,8 @@ def hbp_run(tmp_path_factory) -> dict:
     what ``plan --hbp`` writes as ``hbp_schedule.json``), trained 3 steps at dp 2 with a checkpoint per step."""
     import numpy as np
 
-    from omnibal.data.hbp import HBPConfig, LevelCostModel, balance_hbp
+    from omnibal.hbp.balance import balance_hbp
+    from omnibal.hbp.levels import HBPConfig, LevelCostModel
     from omnibal.stats.io import load_stats, save_stats
     from omnibal.stats.table import SampleStats
 

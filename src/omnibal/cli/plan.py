@@ -10,8 +10,8 @@ from pathlib import Path
 from omnibal.cli.options import add_layout_options, add_option, check_layout_args
 from omnibal.cost.hardware import DEFAULT_MEMORY_HEADROOM
 from omnibal.cost.stack import DEFAULT_STACK
-from omnibal.data.hbp import LEVEL_MICROBATCHES
 from omnibal.errors import InputError
+from omnibal.hbp.levels import LEVEL_MICROBATCHES
 from omnibal.jobs.exports import write_engine_exports
 from omnibal.layout import (
     BASELINE_PADDINGS,

@@ -1,6 +1,6 @@
 """``omnibal plan --hbp`` as a library call: the plan job's model, cluster and data planned with HBP
-(:mod:`omnibal.plan.hbp`), the plain ``omnibal plan`` packing as one more single-level candidate, and the
-bound on what HBP can gain (:mod:`omnibal.plan.hbp_bound`). With a micro-batch count per level, the levels'
+(:mod:`omnibal.hbp.planning`), the plain ``omnibal plan`` packing as one more single-level candidate, and the
+bound on what HBP can gain (:mod:`omnibal.hbp.bound`). With a micro-batch count per level, the levels'
 steps then hold the plain plan's tokens per rank (its token cap x its micro-batches), so a gain is not a
 larger batch.
 
@@ -16,7 +16,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from omnibal.errors import InputError
-from omnibal.plan.hbp import (
+from omnibal.hbp.bound import hbp_bound
+from omnibal.hbp.planning import (
     Candidate,
     HBPContext,
     HBPPlanConfig,
@@ -24,8 +25,7 @@ from omnibal.plan.hbp import (
     simulate_levels,
     stats_level_cost_model,
 )
-from omnibal.plan.hbp_bound import hbp_bound
-from omnibal.plan.hbp_search import plan_hbp
+from omnibal.hbp.search import plan_hbp
 from omnibal.tables import markdown_table
 
 PLAIN = "omnibal plan"
@@ -103,7 +103,7 @@ def training_schedule(config, hbp: HBPPlanConfig, result: HBPPlanResult, stats):
     trainer runs (``Schedule`` with ``levels``). None when the plain plan's single level won (its training
     schedule is ``omnibal balance`` with its caps)."""
     from omnibal.data.balance.api import BalanceConfig
-    from omnibal.data.hbp import HBPConfig
+    from omnibal.hbp.levels import HBPConfig
 
     sched = result.schedule
     if sched.levels is None or "hbp" not in sched.meta:

@@ -1,6 +1,6 @@
 """Per-level settings of an HBP schedule: SP degree, partition and recompute, priced by the simulator.
 
-:mod:`omnibal.data.hbp` chooses the levels from a :class:`LevelCostModel`; this module fills that model
+:mod:`omnibal.hbp.balance` chooses the levels from a :class:`LevelCostModel`; this module fills that model
 from the cost table and the hardware, and prices the result with the step-time simulator:
 
 * **Ulysses all-to-all** (:func:`ulysses_a2a_time`): an SP group of ``d`` DP ranks splits a pack along the
@@ -18,15 +18,15 @@ from the cost table and the hardware, and prices the result with the step-time s
 * **Partition and recompute**: one partition for the whole run (the joint min-max optimum over every
   level's micro-batches, sized for the largest), and per level the least recompute that fits its own
   micro-batches (:meth:`JointPlanner.evaluate` with ``adaptive``): short levels recompute less.
-* **SP degree** per level: the estimate (``omnibal.data.hbp``) proposes the levels and a degree per level
+* **SP degree** per level: the estimate (``omnibal.hbp.balance``) proposes the levels and a degree per level
   (a larger degree adds all-to-all time but shrinks a rank's share of the pack, so less recompute is
   needed; the recompute price per per-rank length comes from the planner, :func:`recompute_ratio`). The
   estimate has no per-step costs (gradient reduction, optimizer, pipeline fill) and no small-kernel
   slowdown, so it overrates SP for short packs: a degree ``d`` makes ``d`` times more steps. The simulator
   therefore chooses each level's degree among the memory-feasible ones
-  (:func:`omnibal.plan.hbp_search.refine_sp`), one level at a time, longest first, the others fixed, and keeps
+  (:func:`omnibal.hbp.search.refine_sp`), one level at a time, longest first, the others fixed, and keeps
   the fastest; every degree tried is reported. It also searches the level lengths
-  (:func:`omnibal.plan.hbp_search.refine_lengths`).
+  (:func:`omnibal.hbp.search.refine_lengths`).
 * **Other single levels** (``extra``): a packing made elsewhere (the plain ``omnibal plan``: its own caps,
   SP 1, adaptive recompute; ``omnibal.jobs.hbp``) competes as a single level, so neither the single
   level nor HBP is predicted slower than it.
@@ -41,8 +41,9 @@ import numpy as np
 from omnibal.cost.table import RECOMPUTE_FULL, RECOMPUTE_SELECTIVE, LayerCostTable, recompute_codes
 from omnibal.data.balance.api import BalanceConfig, balance
 from omnibal.data.balance.cost import BalanceCost
-from omnibal.data.hbp import LEVEL_MICROBATCHES, LevelCostModel, balance_hbp
 from omnibal.errors import InputError
+from omnibal.hbp.balance import balance_hbp
+from omnibal.hbp.levels import LEVEL_MICROBATCHES, LevelCostModel
 from omnibal.plan.joint import JointPlanner
 from omnibal.plan.partition import even_partition
 from omnibal.plan.search import SearchConfig
@@ -67,7 +68,7 @@ class HBPPlanConfig:
     """Most levels (the simulator keeps fewer when they are faster)."""
     candidate_lengths: tuple[int, ...] | None = None
     """Level lengths to choose from; None: powers of two and 1.5x midpoints from the median sample to the
-    longest (``omnibal.data.hbp.default_candidates``)."""
+    longest (``omnibal.hbp.balance.default_candidates``)."""
     oversize: str = "error"
     """A sample no level holds even at the largest SP degree: ``error`` or ``drop`` (listed)."""
     baseline_batch_size: int = 4
@@ -75,22 +76,22 @@ class HBPPlanConfig:
     dtype_bytes: int = 2
     """Bytes per activation value the all-to-alls move (bf16)."""
     sp_by_simulator: bool = True
-    """Choose each level's SP degree by the simulator (:func:`omnibal.plan.hbp_search.refine_sp`); False: the
+    """Choose each level's SP degree by the simulator (:func:`omnibal.hbp.search.refine_sp`); False: the
     estimate's degree."""
     length_search: bool = True
     """Search the level lengths by the simulator from the fastest of the estimate's multi-level sets
-    (:func:`omnibal.plan.hbp_search.refine_lengths`); False: only the estimate's sets."""
+    (:func:`omnibal.hbp.search.refine_lengths`); False: only the estimate's sets."""
     length_search_rounds: int = 10
     """Most faster level sets that search moves to (each round simulates the moves of one set; it stops earlier
     when no move is faster; later rounds gain less for the CPU time they cost)."""
     progress: bool = False
     """Count the level sets simulated on stderr (a tqdm counter: the searches run for a minute or two)."""
     microbatches: str = "tokens"
-    """Micro-batches per step of each level (``omnibal.data.hbp.HBPConfig.microbatches``): ``tokens`` (a
+    """Micro-batches per step of each level (``omnibal.hbp.balance.HBPConfig.microbatches``): ``tokens`` (a
     short level's step holds as many tokens per rank as the longest level's, in more micro-batches) or
     ``same`` (the job's count on every level)."""
     partition_search: SearchConfig = field(default_factory=SearchConfig)
-    """The partition search around the joint optimum (:func:`omnibal.plan.hbp_search.refine_partition`;
+    """The partition search around the joint optimum (:func:`omnibal.hbp.search.refine_partition`;
     ``radius`` 0 keeps the joint optimum)."""
 
     def __post_init__(self) -> None:
@@ -130,7 +131,7 @@ class LevelResult:
     """Steps over the memory budget."""
     sp_trials: tuple[tuple[int, float], ...] = ()
     """``(SP degree, simulated seconds of this level)`` for every degree the simulator tried on this level,
-    the other levels fixed (:func:`omnibal.plan.hbp_search.refine_sp`); empty when the degree was not searched."""
+    the other levels fixed (:func:`omnibal.hbp.search.refine_sp`); empty when the degree was not searched."""
 
     def to_dict(self) -> dict:
         out = {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -183,7 +184,7 @@ class Candidate:
 
 @dataclass(frozen=True, kw_only=True)
 class HBPContext:
-    """Model, cluster and data of one HBP plan (what :func:`omnibal.plan.hbp_search.plan_hbp` needs besides the
+    """Model, cluster and data of one HBP plan (what :func:`omnibal.hbp.search.plan_hbp` needs besides the
     HBP settings)."""
 
     table: LayerCostTable
@@ -213,7 +214,7 @@ class HBPContext:
         return self.sim_config.dp_size * self.stage_config.num_stages * self.sim_config.tp_size
 
     def balance(self, stats, config, cache: dict | None = None):
-        """``stats`` balanced into levels by ``config`` (:func:`omnibal.data.hbp.balance_hbp`) on this job's DP
+        """``stats`` balanced into levels by ``config`` (:func:`omnibal.hbp.balance.balance_hbp`) on this job's DP
         ranks, micro-batches and seed."""
         return balance_hbp(stats, dp_size=self.dp_size, num_microbatches=self.num_microbatches, seed=self.seed,
                            config=config, cache=cache)
@@ -391,7 +392,7 @@ class HBPPlanResult:
     single: Candidate | None = None
     """The single-level row's candidate (the bound re-runs its features)."""
     bound: object = None
-    """An ``omnibal.plan.hbp_bound.HBPBound`` when computed (``omnibal.jobs.hbp``)."""
+    """An ``omnibal.hbp.bound.HBPBound`` when computed (``omnibal.jobs.hbp``)."""
     notes: tuple[str, ...] = ()
     """Why a candidate was not tried (e.g. the plain plan on data one rank cannot hold)."""
 
@@ -450,9 +451,9 @@ def naive_row(ctx: HBPContext, hbp: HBPPlanConfig, stats, model: LevelCostModel,
     the reference ISF packs (random packs filled to the length under no cost, dealt to ranks in contiguous
     blocks; ``BalanceConfig(method="isf")``), and the fewest checkpointed layers that fit memory. Every SP
     degree whose share of ``length`` fits a rank is tried, each step holding the tokens per rank of
-    ``config``'s micro-batch rule (:func:`omnibal.data.hbp.level_microbatch_counts`); the fastest that fits
+    ``config``'s micro-batch rule (:func:`omnibal.hbp.balance.level_microbatch_counts`); the fastest that fits
     is kept (the degree a user would tune)."""
-    from omnibal.data.hbp import level_microbatch_counts
+    from omnibal.hbp.balance import level_microbatch_counts
 
     best = None
     for d in model.feasible_sp(length) or model.sp_degrees[-1:]:  # the model's degrees divide dp_size
