@@ -66,7 +66,8 @@ def _model_cost(args: argparse.Namespace, stats):
             raise InputError("a profile describes one model: pass --model too", source="--profile", field="profile")
         return DEFAULT_COST, stats
     from omnibal.cost.presets import get_model_preset
-    from omnibal.jobs.predict import balance_cost, cost_table, model_stats
+    from omnibal.cost.units import model_stats
+    from omnibal.jobs.predict import balance_cost, cost_table
     from omnibal.measure.hardware import hardware_by_name
 
     spec, hardware = get_model_preset(args.model), hardware_by_name(args.hardware)

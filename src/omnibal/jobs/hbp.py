@@ -8,7 +8,7 @@ The plain candidate is the plan job itself (:func:`omnibal.jobs.plan_job.run_pla
 the balancer's own caps, SP 1, its partition search and adaptive recompute), re-simulated here with the plan's
 partition and recompute mask. It is tried only when every sample fits one rank (SP 1), and kept only when
 the job balanced the same rows (the HBP levels see the statistics as given; the job converts them to the
-model's convention first, ``omnibal.jobs.predict.model_stats``).
+model's convention first, ``omnibal.cost.units.model_stats``).
 """
 
 from __future__ import annotations

@@ -132,7 +132,7 @@ class PlanJobConfig:
     convert_stats: bool = False
     """Convert statistics made in another image convention (InternVL tiles vs LLaVA single image) to the
     model's (``--convert-stats``); without it such statistics are an InputError naming both
-    (``omnibal.jobs.predict.model_stats``). The synthetic InternVL-like mixture is always converted."""
+    (``omnibal.cost.units.model_stats``). The synthetic InternVL-like mixture is always converted."""
     engine: str = "omnibal"
     """Engine the plan is for (``omnibal.plan.engines``): its constraints are inputs to the planner, and the
     ablation gets one row per constraint (and one with all of them: the plan)."""

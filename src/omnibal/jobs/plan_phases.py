@@ -10,8 +10,9 @@ import numpy as np
 
 from omnibal.cost.analytic import zero3_gather_reserve, zero_sharded_bytes
 from omnibal.cost.hardware import HardwareSpec, get_hardware
+from omnibal.cost.units import convention_label, model_stats
 from omnibal.errors import InputError
-from omnibal.jobs.predict import balance_cost, convention_label, cost_table, job_stats, model_stats
+from omnibal.jobs.predict import balance_cost, cost_table, job_stats
 from omnibal.jobs.predict import balance_subset as predict_subset
 from omnibal.plan.ablation import AblationRow, with_speedups
 from omnibal.plan.engines import constraint_rows

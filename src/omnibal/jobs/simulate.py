@@ -93,7 +93,7 @@ class SimulateJobConfig:
     to this many."""
     convert_stats: bool = False
     """Convert statistics made in another image convention to the model's (``--convert-stats``); without it
-    they are an InputError naming both (``omnibal.jobs.predict.model_stats``)."""
+    they are an InputError naming both (``omnibal.cost.units.model_stats``)."""
     schedule_file: str | None = None
     """A balanced schedule JSON instead of balancing here."""
     balance_method: str | None = None
