@@ -43,7 +43,7 @@ from omnibal.cli.plan import add_arguments, job_config
 from omnibal.hbp.bound import BREAKDOWN_PARTS, time_breakdown
 from omnibal.hbp.planning import NAIVE
 from omnibal.jobs.hbp import hbp_context, hbp_plan_config, run_hbp_job, sp_trials_lines
-from omnibal.jobs.plan_job import PlanJobConfig
+from omnibal.jobs.plan_config import PlanJobConfig
 from omnibal.jobs.plan_phases import balance_subset
 from omnibal.stats.long_context import llm_only, long_context_mixture
 from omnibal.stats.synthetic import synthetic_internvl_mixture

@@ -13,7 +13,8 @@ import pytest
 
 from omnibal.cli import main
 from omnibal.errors import InputError
-from omnibal.jobs.plan_job import PlanJobConfig, run_plan_job
+from omnibal.jobs.plan_config import PlanJobConfig
+from omnibal.jobs.plan_job import run_plan_job
 from omnibal.plan.constrained import ConstrainedPlanner
 from omnibal.plan.engines import Constraints, constraint_rows, engine_constraints
 from omnibal.plan.exports import block_counts, engine_fields, kind_of

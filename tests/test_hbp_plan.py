@@ -19,7 +19,7 @@ from omnibal.hbp.planning import (
     ulysses_a2a_time,
 )
 from omnibal.jobs.hbp import hbp_markdown, run_hbp_job
-from omnibal.jobs.plan_job import PlanJobConfig
+from omnibal.jobs.plan_config import PlanJobConfig
 from omnibal.plan.joint import JointPlanner
 from omnibal.plan.stages import StageModelConfig, layer_quantities
 from omnibal.stats.long_context import long_context_mixture

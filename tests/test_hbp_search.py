@@ -13,7 +13,7 @@ from omnibal.hbp.levels import HBPConfig, candidate_lengths
 from omnibal.hbp.planning import HBPPlanConfig, simulate_levels, simulate_schedule, stats_level_cost_model
 from omnibal.hbp.search import length_moves, level_lengths_of, refine_lengths, refine_partition
 from omnibal.jobs.hbp import hbp_context
-from omnibal.jobs.plan_job import PlanJobConfig
+from omnibal.jobs.plan_config import PlanJobConfig
 from omnibal.plan.search import SearchConfig
 from omnibal.stats.long_context import long_context_mixture
 

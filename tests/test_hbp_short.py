@@ -8,7 +8,8 @@ import pytest
 from omnibal.hbp.bound import long_share
 from omnibal.hbp.planning import HBPPlanConfig
 from omnibal.jobs.hbp import PLAIN, run_hbp_job
-from omnibal.jobs.plan_job import PlanJobConfig, run_plan_job
+from omnibal.jobs.plan_config import PlanJobConfig
+from omnibal.jobs.plan_job import run_plan_job
 from omnibal.stats.synthetic import synthetic_internvl_mixture
 from omnibal.stats.table import SampleStats
 

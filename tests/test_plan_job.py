@@ -8,7 +8,8 @@ import pytest
 from omnibal.cli import main
 from omnibal.cost.presets import get_model_preset
 from omnibal.errors import InputError
-from omnibal.jobs.plan_job import PlanJobConfig, run_plan_job
+from omnibal.jobs.plan_config import PlanJobConfig
+from omnibal.jobs.plan_job import run_plan_job
 from omnibal.jobs.plan_report import render_report, write_job_outputs
 from omnibal.plan.ablation import ROW_NAMES
 from omnibal.plan.partition import vision_first_partition

@@ -17,7 +17,8 @@ from omnibal.cli import main
 from omnibal.cost.presets import get_model_preset, preset_names
 from omnibal.cost.units import model_convention, model_stats
 from omnibal.errors import InputError
-from omnibal.jobs.plan_job import PlanJobConfig, run_plan_job
+from omnibal.jobs.plan_config import PlanJobConfig
+from omnibal.jobs.plan_job import run_plan_job
 from omnibal.measure.hardware import hardware_by_name
 from omnibal.plan.plan import Plan
 from omnibal.plan.search import SearchConfig

@@ -124,7 +124,7 @@ def _balance_samples(text: str) -> int | None:
 
 def job_config(args: argparse.Namespace):
     """The :class:`PlanJobConfig` the arguments describe (refusing bad ones, named by their flags)."""
-    from omnibal.jobs.plan_job import PlanJobConfig
+    from omnibal.jobs.plan_config import PlanJobConfig
     from omnibal.measure.hardware import hardware_by_name
     from omnibal.plan.engines import get_engine
     from omnibal.plan.search import SearchConfig

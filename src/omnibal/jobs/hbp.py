@@ -33,7 +33,7 @@ PLAIN = "omnibal plan"
 
 
 def hbp_context(config, *, num_samples: int, balanced_samples: int, cost=None) -> HBPContext:
-    """The :class:`HBPContext` of an ``omnibal plan`` job (:class:`omnibal.jobs.plan_job.PlanJobConfig`)."""
+    """The :class:`HBPContext` of an ``omnibal plan`` job (:class:`omnibal.jobs.plan_config.PlanJobConfig`)."""
     from omnibal.jobs.plan_phases import model_phase  # the job's cost table, hardware, simulator and stages
 
     config.validate()
