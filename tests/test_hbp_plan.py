@@ -12,12 +12,8 @@ from omnibal.cost.analytic import analytic_cost_table
 from omnibal.cost.hardware import get_hardware
 from omnibal.cost.presets import get_model_preset
 from omnibal.errors import InputError
-from omnibal.hbp.planning import (
-    HBPPlanConfig,
-    max_tokens_per_rank,
-    per_rank_features,
-    ulysses_a2a_time,
-)
+from omnibal.hbp.planning import HBPPlanConfig
+from omnibal.hbp.sp_cost import max_tokens_per_rank, per_rank_features, ulysses_a2a_time
 from omnibal.jobs.hbp import hbp_markdown, run_hbp_job
 from omnibal.jobs.plan_config import PlanJobConfig
 from omnibal.plan.joint import JointPlanner

@@ -8,8 +8,10 @@ One package, one file per concept, lowest first:
 * :mod:`omnibal.hbp.packing`: one level packed under its length by the existing balancer;
 * :mod:`omnibal.hbp.balance`: the multi-level schedule: samples to levels, levels packed, steps interleaved,
   and the rows left for a resume or reshard;
-* :mod:`omnibal.hbp.planning`: per-level planning: Ulysses all-to-all, per-rank work, memory, the partition
-  and each level's recompute, priced by the step-time simulator;
+* :mod:`omnibal.hbp.sp_cost`: what sequence parallelism costs a level: Ulysses all-to-all, per-rank work,
+  the memory limit and the recompute price of a per-rank length;
+* :mod:`omnibal.hbp.planning`: per-level planning: the level estimate's inputs, the partition and each
+  level's recompute, priced by the step-time simulator;
 * :mod:`omnibal.hbp.search`: the simulator-scored search over level lengths, SP degrees and partition;
 * :mod:`omnibal.hbp.bound`: the bound: how much HBP can gain over the single level at most, under the cost
   model.

@@ -39,7 +39,8 @@ import numpy as np
 from omnibal.data.balance.api import BalanceConfig
 from omnibal.errors import InputError
 from omnibal.hbp.levels import HBPConfig, candidate_lengths
-from omnibal.hbp.planning import HBPContext, HBPPlanConfig, level_a2a, level_features, level_recompute_mask, sp_table
+from omnibal.hbp.planning import HBPContext, HBPPlanConfig, level_a2a, level_features, level_recompute_mask
+from omnibal.hbp.sp_cost import sp_table
 from omnibal.plan.joint import JointPlanner
 from omnibal.plan.partition import min_max_partition
 from omnibal.plan.stages import layer_quantities

@@ -1,26 +1,18 @@
 """Per-level settings of an HBP schedule: SP degree, partition and recompute, priced by the simulator.
 
-:mod:`omnibal.hbp.balance` chooses the levels from a :class:`LevelCostModel`; this module fills that model
+:mod:`omnibal.hbp.levels` chooses the levels from a :class:`LevelCostModel`; this module fills that model
 from the cost table and the hardware, and prices the result with the step-time simulator:
 
-* **Ulysses all-to-all** (:func:`ulysses_a2a_time`): an SP group of ``d`` DP ranks splits a pack along the
-  sequence; each LLM block exchanges q, k, v before attention and the attention output after it (four
-  all-to-alls forward, four backward), each moving a rank's ``(d-1)/d`` share of its ``tokens/d`` rows
-  (``2 hidden + 2 kv_dim`` values per token in all), over NVLink when ``d <= gpus_per_node`` (SP groups are
-  adjacent DP ranks, as Megatron orders context parallelism inside data parallelism). The time enters the
-  cost table's ``tp_comm_time`` (a per-layer collective the simulator and planner already charge; recompute
-  repeats the forward half). Vision tiles are split over the group without communication (a tile is its
-  own ViT sequence).
-* **Per-rank work**: a rank of an SP group runs ``1/d`` of the pack's tiles, tokens and attention
-  (``sum len^2``; Ulysses gives each rank ``heads/d`` over the full sequence) -- :func:`per_rank_features`.
-* **Memory** (:func:`max_tokens_per_rank`): the most LLM tokens per rank for which some partition fits the
-  budget with every layer checkpointed (the planner's exact minimum-memory partition).
+* **The SP terms** (:mod:`omnibal.hbp.sp_cost`): the Ulysses all-to-all of a level's SP degree (added to
+  the cost table's per-layer collectives), a rank's ``1/d`` share of the pack's work, the most LLM tokens per
+  rank that fit the memory budget, and the recompute price of a per-rank length.
 * **Partition and recompute**: one partition for the whole run (the joint min-max optimum over every
   level's micro-batches, sized for the largest), and per level the least recompute that fits its own
   micro-batches (:meth:`JointPlanner.evaluate` with ``adaptive``): short levels recompute less.
-* **SP degree** per level: the estimate (``omnibal.hbp.balance``) proposes the levels and a degree per level
+* **SP degree** per level: the estimate (``omnibal.hbp.levels``) proposes the levels and a degree per level
   (a larger degree adds all-to-all time but shrinks a rank's share of the pack, so less recompute is
-  needed; the recompute price per per-rank length comes from the planner, :func:`recompute_ratio`). The
+  needed; the recompute price per per-rank length comes from the planner,
+  :func:`omnibal.hbp.sp_cost.recompute_ratio`). The
   estimate has no per-step costs (gradient reduction, optimizer, pipeline fill) and no small-kernel
   slowdown, so it overrates SP for short packs: a degree ``d`` makes ``d`` times more steps. The simulator
   therefore chooses each level's degree among the memory-feasible ones
@@ -44,6 +36,7 @@ from omnibal.data.balance.cost import BalanceCost
 from omnibal.errors import InputError
 from omnibal.hbp.balance import balance_hbp
 from omnibal.hbp.levels import LEVEL_MICROBATCHES, LevelCostModel
+from omnibal.hbp.sp_cost import max_tokens_per_rank, per_rank_features, recompute_ratio, sp_table, ulysses_a2a_time
 from omnibal.plan.joint import JointPlanner
 from omnibal.plan.partition import even_partition
 from omnibal.plan.search import SearchConfig
@@ -51,7 +44,6 @@ from omnibal.plan.stages import StageModelConfig, layer_quantities
 from omnibal.sim.epoch import SECONDS_PER_DAY, simulate_epoch
 from omnibal.validate import is_int
 
-LLM_ATTENTION_KINDS = ("llm_block",)
 NAIVE = "single level, naive packing"
 """The row of :func:`naive_row`."""
 HIERARCHICAL = "levels, naive packing"
@@ -220,59 +212,6 @@ class HBPContext:
                            config=config, cache=cache)
 
 
-# -- the cost model's SP terms -----------------------------------------------------------------------
-def ulysses_a2a_time(table: LayerCostTable, spec, hardware, degree: int, *, tp_size: int = 1,
-                     dtype_bytes: int = 2) -> np.ndarray:
-    """``[L, 4]`` all-to-all seconds (forward + backward) per layer of one rank in an SP group of ``degree``."""
-    out = np.zeros((table.num_layers, 4))
-    if degree <= 1:
-        return out
-    llm = spec.llm
-    kv_dim = llm.num_kv_heads * (llm.hidden // llm.num_heads)
-    values = (2 * llm.hidden + 2 * kv_dim) / tp_size  # q, k, v in; attention output back
-    bandwidth, latency = hardware.link(inter_node=degree * tp_size > hardware.gpus_per_node)
-    per_token = values * dtype_bytes * (degree - 1) / degree / bandwidth
-    rows = np.isin(np.asarray(table.kinds), LLM_ATTENTION_KINDS)
-    out[rows, 2] = 2.0 * per_token  # forward and backward
-    out[rows, 0] = 2.0 * 4 * (degree - 1) * latency
-    return out
-
-
-def sp_table(table: LayerCostTable, a2a: np.ndarray) -> LayerCostTable:
-    """The table with the all-to-all time added to its per-layer collectives."""
-    base = np.zeros_like(a2a) if table.tp_comm_time is None else table.tp_comm_time
-    return replace(table, tp_comm_time=base + a2a)
-
-
-def per_rank_features(features: np.ndarray, degree: int) -> np.ndarray:
-    """Features of one rank's share of micro-batches split over an SP group of ``degree``."""
-    out = np.array(features, dtype=np.float64, copy=True)
-    out[..., 1:] /= degree
-    return out
-
-
-def max_tokens_per_rank(table: LayerCostTable, stage_config: StageModelConfig, tiles_per_token: float) -> int:
-    """Most LLM tokens per rank's micro-batch (with ``tiles_per_token`` tiles each) that some partition fits
-    in the budget with every layer checkpointed; 2**30 without a budget."""
-    budget = stage_config.memory_budget_bytes
-    if budget is None:
-        return 1 << 30
-
-    def fits(tokens: int) -> bool:
-        feats = np.array([[1.0, tokens * tiles_per_token, tokens, float(tokens) ** 2]])
-        planner = JointPlanner(layer_quantities(table, feats, stage_config), stage_config)
-        return planner.min_memory_partition().bottleneck <= budget
-
-    if not fits(1):
-        raise InputError("not even a one-token micro-batch fits the memory budget", source="--memory-budget",
-                         field="memory_budget_gib")
-    lo, hi = 1, 1 << 30
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo
-
-
 def stats_level_cost_model(ctx: HBPContext, hbp: HBPPlanConfig, stats) -> LevelCostModel:
     """:func:`level_cost_model` at the tiles per LLM token of ``stats``."""
     return level_cost_model(ctx, hbp, float(stats.tiles.sum()) / max(float(stats.tokens.sum()), 1.0))
@@ -293,15 +232,6 @@ def level_cost_model(ctx: HBPContext, hbp: HBPPlanConfig, tiles_per_token: float
     ratios = tuple(recompute_ratio(ctx.table, ctx.stage_config, t, tiles_per_token) for t in grid)
     return LevelCostModel(cost=cost, sp_degrees=degrees, a2a_per_token=tuple(a2a), max_tokens_per_rank=most,
                           recompute_tokens=tuple(grid), recompute_ratio=ratios)
-
-
-def recompute_ratio(table: LayerCostTable, stage_config: StageModelConfig, tokens: int,
-                    tiles_per_token: float) -> float:
-    """Extra time share of the least recompute that fits micro-batches of ``tokens`` per rank: the joint
-    optimum's bottleneck over the min-max bottleneck without recompute, less one."""
-    feats = np.array([[1.0, tokens * tiles_per_token, tokens, float(tokens) ** 2]])
-    planner = JointPlanner(layer_quantities(table, feats, stage_config), stage_config)
-    return max(planner.plan().bottleneck / planner.plan_fixed_recompute("none").bottleneck - 1.0, 0.0)
 
 
 # -- simulation --------------------------------------------------------------------------------------

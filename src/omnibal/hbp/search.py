@@ -37,9 +37,9 @@ from omnibal.hbp.planning import (
     naive_row,
     simulate_levels,
     simulate_schedule,
-    sp_table,
     stats_level_cost_model,
 )
+from omnibal.hbp.sp_cost import sp_table
 from omnibal.plan.search import model_step_time, neighbour_parts
 
 
