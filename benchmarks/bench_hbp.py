@@ -1,6 +1,6 @@
 """Predicted GPU days of HBP multi-level packing vs single-level packing vs the baseline.
 
-Cases (all on 128 A100-80G, predicted by omnibal's cost model + step-time simulator, ``omnibal.plan.hbp``):
+Cases (all on 128 A100-80G, predicted by omnibal's cost model + step-time simulator, ``omnibal.hbp.planning``):
 
 * ``6b+20b long``: InternViT-6B + InternLM2-20B (the default ``omnibal plan`` job: DP 32 x PP 4, ZeRO-1,
   8 micro-batches per step) on the synthetic long-context mixture (``omnibal.stats.long_context``: 80%
@@ -23,7 +23,7 @@ level, each level's step holding the longest level's tokens per rank in as many 
 micro-batch count`` (the same search with the job's 8 micro-batches on every level, ``"same"``), ``omnibal
 plan`` (the plain plan: the
 balancer's own caps, SP 1, adaptive recompute; only where one rank holds the longest sample). Per case
-also: the SP degrees the simulator tried per level, the bounds on HBP's gain (``omnibal.plan.hbp_bound``)
+also: the SP degrees the simulator tried per level, the bounds on HBP's gain (``omnibal.hbp.bound``)
 and the planning CPU seconds. A uniform random subset of ``--balance-samples`` rows is balanced and
 simulated, the epoch scaled to ``--samples`` (as ``omnibal plan`` does). Writes
 benchmarks/results/hbp.json and hbp.md.
@@ -40,11 +40,11 @@ from pathlib import Path
 
 from benchmarks.common import RESULTS, write_result
 from omnibal.cli.plan import add_arguments, job_config
-from omnibal.plan.hbp import NAIVE
-from omnibal.plan.hbp_bound import BREAKDOWN_PARTS, time_breakdown
-from omnibal.plan.hbp_job import hbp_context, hbp_plan_config, run_hbp_job, sp_trials_lines
-from omnibal.plan.job import PlanJobConfig
-from omnibal.plan.job_phases import balance_subset
+from omnibal.hbp.bound import BREAKDOWN_PARTS, time_breakdown
+from omnibal.hbp.planning import NAIVE
+from omnibal.jobs.hbp import hbp_context, hbp_plan_config, run_hbp_job, sp_trials_lines
+from omnibal.jobs.plan_config import PlanJobConfig
+from omnibal.jobs.plan_phases import balance_subset
 from omnibal.stats.long_context import llm_only, long_context_mixture
 from omnibal.stats.synthetic import synthetic_internvl_mixture
 
@@ -97,7 +97,7 @@ def _total(levels: list[dict]) -> dict:
 
 def markdown(results: list[dict], load: str) -> str:
     lines = ["# HBP: predicted GPU days per epoch (128 A100-80G)", "",
-             "Predicted by omnibal's cost model + simulator (`omnibal.plan.hbp`); see docs/hbp.md. " + load, "",
+             "Predicted by omnibal's cost model + simulator (`omnibal.hbp.planning`); see docs/hbp.md. " + load, "",
              "| case | packing | levels (pack length x SP) | micro-batches per level | checkpointed layers per level "
              "| GPU days | vs single level | vs naive packing | vs baseline |", "|---|---|---|---|---|---|---|---|---|"]
     for res in results:
@@ -122,7 +122,7 @@ def markdown(results: list[dict], load: str) -> str:
         naive, levels, hbp = (t["gpu_days"] for t in res["ablation"])
         lines.append(f"| {res['case']} | {naive:.1f} | {levels:.1f} | {hbp:.1f} | {naive / levels:.2f}x | "
                      f"{levels / hbp:.2f}x | {naive / hbp:.2f}x |")
-    lines += ["", "Bounds on HBP's gain over the single level under this cost model (`omnibal.plan.hbp_bound`): "
+    lines += ["", "Bounds on HBP's gain over the single level under this cost model (`omnibal.hbp.bound`): "
               "(a) the "
               "single level with recompute and all-to-all free (least over its own packing and the longest level at "
               "every SP degree, memory ignored), a bound only when every level has the job's micro-batch count; "
@@ -139,7 +139,7 @@ def markdown(results: list[dict], load: str) -> str:
                      f"{b['gain_bound_free']:.2f}x | {b['floor_gpu_days']:.1f} | {b['gain_bound_floor']:.2f}x | "
                      f"{b['long_share']:.1%} (over {b['long_length']:,} tokens) | "
                      f"{b['gain_bound_amdahl']:.2f}x | {b['hbp_gain']:.2f}x | {one:.2f}x | {res['cpu_s']} |")
-    lines += ["", "Where the time goes (`omnibal.plan.hbp_bound.time_breakdown`): each level's simulated time per "
+    lines += ["", "Where the time goes (`omnibal.hbp.bound.time_breakdown`): each level's simulated time per "
               "device, hours of the scaled epoch; work includes the per-micro-batch fixed term, pipeline idle is "
               "fill/drain and stage imbalance.", "",
               "| case | packing | level (length x SP) | micro-batches | steps | " + " | ".join(

@@ -20,7 +20,8 @@ from pathlib import Path
 import numpy as np
 
 from omnibal.errors import InputError
-from omnibal.plan.job import PlanJobConfig, run_plan_job
+from omnibal.jobs.plan_config import PlanJobConfig
+from omnibal.jobs.plan_job import run_plan_job
 from omnibal.plan.packsize import PackSearchConfig
 from omnibal.stats.io import load_stats, save_stats
 from omnibal.stats.synthetic import SyntheticConfig, synthetic_internvl_mixture

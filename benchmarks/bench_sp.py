@@ -11,7 +11,7 @@ A. **SP vs DP on long packs.** Samples of 2-6k LLM tokens and 1-4 tiles, two per
    (``--sp-degree 2``). The same packs in the same order, so the same samples and FLOPs.
 B. **HBP vs one level** on the data helper's scaled-down long mixture (``cpu_long_context_mixture``:
    80% short, 15% documents, 5% videos, sizes / 16): ``hbp (estimate's SP)`` is
-   :func:`omnibal.data.hbp.balance_hbp` with SP degrees (1, 2) and a 4096-token per-rank budget (it picks the
+   :func:`omnibal.hbp.balance.balance_hbp` with SP degrees (1, 2) and a 4096-token per-rank budget (it picks the
    levels and their degrees by its estimate, here with no all-to-all price); ``hbp (least SP)`` the same
    level lengths, each with the least SP degree whose per-rank share fits the budget; ``one level
    sp2`` packs everything at the longest level's length with the SP degree that length needs under the same
@@ -76,7 +76,8 @@ def hbp_schedules(stats):
     """(hbp with its estimate's SP degrees, hbp with the least SP degree that fits each level, one level, hbp with
     the estimate's SP degrees and a micro-batch count per level) schedules of the mixture for 2 ranks (the level
     lengths: ``balance_hbp``'s choice)."""
-    from omnibal.data.hbp import HBPConfig, LevelCostModel, balance_hbp
+    from omnibal.hbp.balance import balance_hbp
+    from omnibal.hbp.levels import HBPConfig, LevelCostModel
 
     model = LevelCostModel(sp_degrees=(1, 2), a2a_per_token=(0.0, 0.0), max_tokens_per_rank=4096)
     hbp = balance_hbp(stats, dp_size=DP, num_microbatches=MICRO, seed=0, config=HBPConfig(model=model))

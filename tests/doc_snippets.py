@@ -28,7 +28,8 @@ def write_tiny_exports(engine: str, folder: Path) -> list[Path]:
     ``folder/omnibal-out/exports``."""
     import importlib
 
-    from omnibal.plan.job import PlanJobConfig, run_plan_job
+    from omnibal.jobs.plan_config import PlanJobConfig
+    from omnibal.jobs.plan_job import run_plan_job
     from omnibal.plan.search import SearchConfig
 
     extra = {"zero_stage": 0} if engine == "torchtitan" else {}

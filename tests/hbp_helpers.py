@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from omnibal.data.hbp import LevelCostModel
+from omnibal.hbp.levels import LevelCostModel
 
 # FLOP units as the default BalanceCost (~1.2e11 per LLM token): SP all-to-all ~5-8% of a token's work
 MODEL = LevelCostModel(sp_degrees=(1, 2, 4), a2a_per_token=(0.0, 6e9, 9e9), max_tokens_per_rank=2048,

@@ -20,7 +20,8 @@ def ragged_schedule(dp_size: int, level_sp: tuple[int, int], *, stats=None, reve
     (``reverse``: the steps in reverse order)."""
     from dataclasses import replace
 
-    from omnibal.data.hbp import HBPConfig, LevelCostModel, balance_hbp
+    from omnibal.hbp.balance import balance_hbp
+    from omnibal.hbp.levels import HBPConfig, LevelCostModel
 
     stats = tiny_stats() if stats is None else stats
     model = LevelCostModel(sp_degrees=(1, 2), a2a_per_token=(0.0, 0.0))

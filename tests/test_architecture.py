@@ -2,8 +2,8 @@
 modules, no import from a lower layer into a higher one, no function over 80 lines, no module over 500.
 
 Layers, lowest first (docs/architecture.md); a module may import its own layer (if acyclic) and lower ones:
-errors/outputs/validate/tables/layout -> stats -> cost -> data/sim -> plan/train -> measure/integrations/examples
--> cli.
+errors/outputs/validate/tables/layout -> stats -> cost -> data/sim -> plan/train/hbp -> integrations/examples -> jobs
+-> measure -> cli.
 Every import counts: module level, inside functions, under ``if TYPE_CHECKING``.
 """
 
@@ -20,9 +20,11 @@ LAYERS = {
     "stats": 1,
     "cost": 2,
     "data": 3, "sim": 3,
-    "plan": 4, "train": 4,
-    "measure": 5, "integrations": 5, "examples": 5,
-    "cli": 6, "__main__": 6,  # ``python -m omnibal`` is the command line's entry point
+    "plan": 4, "train": 4, "hbp": 4,
+    "integrations": 5, "examples": 5,
+    "jobs": 6,
+    "measure": 7,
+    "cli": 8, "__main__": 8,  # ``python -m omnibal`` is the command line's entry point
     "__init__": 1,  # the package root re-exports errors and stats.SampleStats only
 }
 MAX_FUNCTION_LINES = 80

@@ -101,7 +101,7 @@ def test_a_tiny_models_plan_prints_its_numbers_not_zeros(tmp_path, capsys):
 def test_plan_hbp_says_what_it_does_and_how_long_before_the_search(monkeypatch, tmp_path, capsys):
     """``plan --hbp`` printed nothing for 3-6 minutes: its first line came after the search."""
     from omnibal.cli.plan_hbp import search_estimate
-    from omnibal.plan import hbp_job
+    from omnibal.jobs import hbp as hbp_job
 
     assert "200,000 samples" in search_estimate(1_200_000, 200_000) and " min on 2 CPU cores" in \
         search_estimate(1_200_000, 200_000)

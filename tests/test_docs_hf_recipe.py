@@ -4,7 +4,6 @@ trains, every sample is trained exactly once across the two ranks, and the saved
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -17,6 +16,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 from conftest import free_port  # noqa: E402
+from omnibal.train.ledger import read_ledger  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "docs" / "examples" / "hf_trainer.py"
@@ -46,9 +46,9 @@ def test_the_recipe_trains_every_sample_once_on_two_ranks(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    lines = [json.loads(x) for r in (0, 1) for x in (out / f"ledger-rank{r}.jsonl").read_text().splitlines()]
+    lines = [e for r in (0, 1) for e in read_ledger(out / f"ledger-rank{r}.jsonl") if e["event"] == "step"]
     assert {x["rank"] for x in lines} == {0, 1}
-    trained = sorted(i for x in lines for i in x["indices"])
+    trained = sorted(i for x in lines for i in x["rows"])
     assert trained == list(range(RECORDS)), "every sample exactly once across the two ranks"
     before = st.load_file(str(ex / "internvl" / "model.safetensors"))
     after = st.load_file(str(out / "model.safetensors"))

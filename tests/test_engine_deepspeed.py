@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from omnibal.errors import InputError
-from omnibal.plan.job import PlanJobConfig, run_plan_job
+from omnibal.jobs.plan_config import PlanJobConfig
+from omnibal.jobs.plan_job import run_plan_job
 from omnibal.plan.search import SearchConfig
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (CI installs it: .ci/run; "

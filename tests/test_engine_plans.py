@@ -13,10 +13,11 @@ import pytest
 
 from omnibal.cli import main
 from omnibal.errors import InputError
+from omnibal.jobs.plan_config import PlanJobConfig
+from omnibal.jobs.plan_job import run_plan_job
 from omnibal.plan.constrained import ConstrainedPlanner
 from omnibal.plan.engines import Constraints, constraint_rows, engine_constraints
 from omnibal.plan.exports import block_counts, engine_fields, kind_of
-from omnibal.plan.job import PlanJobConfig, run_plan_job
 from omnibal.plan.joint import JointPlanner
 from omnibal.plan.stages import StageModelConfig, layer_quantities, stage_memory
 from plan_helpers import uniform_features, vlm_like_table

@@ -131,7 +131,8 @@ def test_a_zero3_plan_becomes_fsdp_resharding_after_every_forward(tmp_path):
     from torchtitan.config import ParallelismConfig
 
     from omnibal.integrations.torchtitan import load_fragment, parallelism_config, write_exports
-    from omnibal.plan.job import PlanJobConfig, run_plan_job
+    from omnibal.jobs.plan_config import PlanJobConfig
+    from omnibal.jobs.plan_job import run_plan_job
     from omnibal.plan.search import SearchConfig
 
     plan = run_plan_job(PlanJobConfig(engine="torchtitan", num_gpus=64, dp_size=64, pp_size=1, zero_stage=3,

@@ -12,8 +12,9 @@ from omnibal.cost.hardware import get_hardware
 from omnibal.cost.presets import get_model_preset
 from omnibal.data.balance.api import BalanceConfig
 from omnibal.data.balance.cost import BalanceCost
+from omnibal.jobs.plan_config import PlanJobConfig
+from omnibal.jobs.plan_job import run_plan_job
 from omnibal.plan.ablation import PAPER_GPU_DAYS, AblationRow, with_speedups
-from omnibal.plan.job import PlanJobConfig, run_plan_job
 from omnibal.plan.packsize import PackSearchConfig, search_pack_size
 from omnibal.plan.search import SearchConfig
 from omnibal.plan.stages import StageModelConfig

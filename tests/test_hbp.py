@@ -12,17 +12,9 @@ from hypothesis import strategies as st
 
 from hbp_helpers import CANDIDATES, MODEL
 from omnibal.data.balance.schedule import Caps, Schedule
-from omnibal.data.hbp import (
-    HBPConfig,
-    LevelCostModel,
-    balance_hbp,
-    choose_levels,
-    exhaustive_levels,
-    level_lengths,
-    levels_cost,
-    untrained_rows,
-)
 from omnibal.errors import InputError
+from omnibal.hbp.balance import balance_hbp, level_lengths, untrained_rows
+from omnibal.hbp.levels import HBPConfig, LevelCostModel, choose_levels, exhaustive_levels, levels_cost
 from omnibal.stats.long_context import cpu_long_context_mixture, long_context_mixture
 from omnibal.stats.table import SampleStats, index_keys
 

@@ -11,14 +11,9 @@ from hypothesis import strategies as st
 
 from hbp_helpers import CANDIDATES, MODEL
 from omnibal.data.balance.schedule import Caps, Schedule
-from omnibal.data.hbp import (
-    HBPConfig,
-    balance_hbp,
-    level_lengths,
-    level_microbatch_counts,
-    untrained_rows,
-)
 from omnibal.errors import InputError
+from omnibal.hbp.balance import balance_hbp, level_lengths, level_microbatch_counts, untrained_rows
+from omnibal.hbp.levels import HBPConfig
 from omnibal.stats.long_context import cpu_long_context_mixture
 
 

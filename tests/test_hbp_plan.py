@@ -12,14 +12,10 @@ from omnibal.cost.analytic import analytic_cost_table
 from omnibal.cost.hardware import get_hardware
 from omnibal.cost.presets import get_model_preset
 from omnibal.errors import InputError
-from omnibal.plan.hbp import (
-    HBPPlanConfig,
-    max_tokens_per_rank,
-    per_rank_features,
-    ulysses_a2a_time,
-)
-from omnibal.plan.hbp_job import hbp_markdown, run_hbp_job
-from omnibal.plan.job import PlanJobConfig
+from omnibal.hbp.planning import HBPPlanConfig
+from omnibal.hbp.sp_cost import max_tokens_per_rank, per_rank_features, ulysses_a2a_time
+from omnibal.jobs.hbp import hbp_markdown, run_hbp_job
+from omnibal.jobs.plan_config import PlanJobConfig
 from omnibal.plan.joint import JointPlanner
 from omnibal.plan.stages import StageModelConfig, layer_quantities
 from omnibal.stats.long_context import long_context_mixture
@@ -143,9 +139,9 @@ def test_one_count_for_every_level_is_slower_and_under_the_free_single_level_bou
 
 
 def test_time_breakdown_adds_up_to_each_levels_simulated_time(small_plan):
-    from omnibal.plan.hbp_bound import BREAKDOWN_PARTS, time_breakdown
-    from omnibal.plan.hbp_job import hbp_context
-    from omnibal.plan.job_phases import balance_subset
+    from omnibal.hbp.bound import BREAKDOWN_PARTS, time_breakdown
+    from omnibal.jobs.hbp import hbp_context
+    from omnibal.jobs.plan_phases import balance_subset
 
     stats, result = small_plan
     config = PlanJobConfig(**SMALL_JOB)
@@ -165,7 +161,7 @@ def test_training_schedule_covers_every_row_or_is_none_for_a_plain_winner(small_
     from dataclasses import replace
 
     from omnibal.data.balance import balance
-    from omnibal.plan.hbp_job import training_schedule
+    from omnibal.jobs.hbp import training_schedule
 
     stats, result = small_plan
     config, hbp = PlanJobConfig(**SMALL_JOB), HBPPlanConfig(baseline_batch_size=1)

@@ -1,4 +1,4 @@
-"""HBP level lengths searched by the simulator (``omnibal.plan.hbp_search``)."""
+"""HBP level lengths searched by the simulator (``omnibal.hbp.search``)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 
 from omnibal.data.balance.api import BalanceConfig
-from omnibal.data.hbp import HBPConfig, balance_hbp, candidate_lengths
-from omnibal.plan.hbp import HBPPlanConfig, simulate_levels, simulate_schedule, stats_level_cost_model
-from omnibal.plan.hbp_job import hbp_context
-from omnibal.plan.hbp_search import length_moves, level_lengths_of, refine_lengths, refine_partition
-from omnibal.plan.job import PlanJobConfig
+from omnibal.hbp.balance import balance_hbp
+from omnibal.hbp.levels import HBPConfig, candidate_lengths
+from omnibal.hbp.planning import HBPPlanConfig, simulate_levels, simulate_schedule, stats_level_cost_model
+from omnibal.hbp.search import length_moves, level_lengths_of, refine_lengths, refine_partition
+from omnibal.jobs.hbp import hbp_context
+from omnibal.jobs.plan_config import PlanJobConfig
 from omnibal.plan.search import SearchConfig
 from omnibal.stats.long_context import long_context_mixture
 

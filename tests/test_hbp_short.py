@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from omnibal.plan.hbp import HBPPlanConfig
-from omnibal.plan.hbp_bound import long_share
-from omnibal.plan.hbp_job import PLAIN, run_hbp_job
-from omnibal.plan.job import PlanJobConfig, run_plan_job
+from omnibal.hbp.bound import long_share
+from omnibal.hbp.planning import HBPPlanConfig
+from omnibal.jobs.hbp import PLAIN, run_hbp_job
+from omnibal.jobs.plan_config import PlanJobConfig
+from omnibal.jobs.plan_job import run_plan_job
 from omnibal.stats.synthetic import synthetic_internvl_mixture
 from omnibal.stats.table import SampleStats
 

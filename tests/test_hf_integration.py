@@ -30,6 +30,7 @@ from omnibal.data.sampler import BalancedBatchSampler  # noqa: E402
 from omnibal.errors import InputError  # noqa: E402
 from omnibal.integrations.hf import SAMPLE_INDEX_KEY, STATE_FILE, HFPackCollator, OmnibalTrainer, block_causal_mask  # noqa: E402
 from omnibal.stats.table import SampleStats  # noqa: E402
+from omnibal.train.ledger import final_steps, read_ledger  # noqa: E402
 
 torch.set_num_threads(1)
 TESTS = Path(__file__).resolve().parent
@@ -303,14 +304,15 @@ def test_trainer_counts_real_tokens_and_evaluates_packs(tmp_path):
 
 
 def _ledger(folder: Path) -> list[dict]:
-    return [json.loads(line) for path in sorted(folder.glob("ledger-rank*.jsonl"))
-            for line in path.read_text().splitlines()]
+    """The micro-batches in the final weights, rank file after rank file (``omnibal.train.ledger``'s format)."""
+    return [event for path in sorted(folder.glob("ledger-rank*.jsonl"))
+            for events in final_steps(read_ledger(path)).values() for event in events]
 
 
 def _per_epoch_counts(ledger: list[dict]) -> dict[int, Counter]:
     counts: dict[int, Counter] = {}
     for rec in ledger:
-        counts.setdefault(rec["epoch"], Counter()).update(rec["indices"])
+        counts.setdefault(rec["epoch"], Counter()).update(rec["rows"])
     return counts
 
 
@@ -390,7 +392,7 @@ def test_ddp_trainer_trains_every_sample_once_per_epoch_and_the_loss_falls(full_
         sampler = BalancedBatchSampler(stats, dp_rank=rank, dp_size=2, num_microbatches=2, seed=0)
         for epoch in (0, 1):
             sampler.set_epoch(epoch)
-            mine = [r["indices"] for r in ledger if r["rank"] == rank and r["epoch"] == epoch]
+            mine = [r["rows"] for r in ledger if r["rank"] == rank and r["epoch"] == epoch]
             assert mine == list(sampler)
     steps = _steps_per_epoch(stats, world=2)
     assert [r["step"] for r in ledger if r["rank"] == 0] == [s for s in range(2 * steps) for _ in range(2)]

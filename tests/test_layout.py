@@ -9,8 +9,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from omnibal.errors import InputError
+from omnibal.jobs.plan_config import PlanJobConfig
 from omnibal.layout import BalanceMethod, Engine, Layout, OversizePolicy, Padding, PipelineSchedule, check_layout_fields
-from omnibal.plan.job import PlanJobConfig
 from omnibal.train.config import TrainConfig
 
 

@@ -13,9 +13,10 @@ import pytest
 
 from omnibal.cli import main
 from omnibal.errors import InputError
+from omnibal.jobs.plan_config import PlanJobConfig
+from omnibal.jobs.plan_job import run_plan_job
 from omnibal.measure.hardware import hardware_by_name
 from omnibal.measure.verify import VerifyConfig, check_verifiable, top_candidates, verify_plan
-from omnibal.plan.job import PlanJobConfig, run_plan_job
 from omnibal.plan.plan import Plan
 from omnibal.plan.search import SearchConfig
 from omnibal.stats.table import SampleStats

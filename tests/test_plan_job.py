@@ -8,10 +8,12 @@ import pytest
 from omnibal.cli import main
 from omnibal.cost.presets import get_model_preset
 from omnibal.errors import InputError
+from omnibal.jobs.plan_config import PlanJobConfig
+from omnibal.jobs.plan_job import run_plan_job
+from omnibal.jobs.plan_report import render_report, write_job_outputs
 from omnibal.plan.ablation import ROW_NAMES
-from omnibal.plan.job import PlanJobConfig, run_plan_job, vision_first_partition
+from omnibal.plan.partition import vision_first_partition
 from omnibal.plan.plan import Plan
-from omnibal.plan.report import render_report, write_job_outputs
 from omnibal.plan.search import SearchConfig
 
 TINY = ["--model", "tiny", "--gpus", "4", "--pp", "2", "--microbatches", "4", "--samples", "3000",

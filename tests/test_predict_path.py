@@ -1,11 +1,13 @@
 """One step-time prediction path: ``omnibal plan`` and ``omnibal simulate`` agree for every preset, stats carry
-their image convention, and a convention mismatch is an InputError naming both (``omnibal.sim.predict``)."""
+their image convention, and a convention mismatch is an InputError naming both (``omnibal.jobs.predict``,
+``omnibal.cost.units``)."""
 
 from __future__ import annotations
 
 import contextlib
 import io
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -13,14 +15,21 @@ import pytest
 
 from omnibal.cli import main
 from omnibal.cost.presets import get_model_preset, preset_names
+from omnibal.cost.units import model_convention, model_stats
 from omnibal.errors import InputError
+from omnibal.jobs.plan_config import PlanJobConfig
+from omnibal.jobs.plan_job import run_plan_job
 from omnibal.measure.hardware import hardware_by_name
-from omnibal.plan.job import PlanJobConfig, run_plan_job
 from omnibal.plan.plan import Plan
 from omnibal.plan.search import SearchConfig
-from omnibal.sim.predict import model_convention, model_stats
 from omnibal.stats.io import load_stats, save_stats
-from omnibal.stats.table import INTERNVL_CONVENTION, LLAVA_CONVENTION, SampleStats, convert_convention
+from omnibal.stats.table import (
+    INTERNVL_CONVENTION,
+    LLAVA_CONVENTION,
+    ImageConvention,
+    SampleStats,
+    convert_convention,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_PROFILE = ROOT / "benchmarks" / "results" / "profile_tiny_cpu.json"
@@ -178,3 +187,26 @@ def test_plan_records_how_the_stats_convention_was_read(tmp_path):
     plan = run_plan_job(config).plan
     assert plan.inputs.stats_convention == "internvl/256 (not recorded: default) -> internvl/16"
     assert Plan.load(plan.save(tmp_path / "p.json")).inputs.stats_convention == plan.inputs.stats_convention
+
+
+def test_the_trainer_puts_statistics_in_the_models_units_as_plan_does(tmp_path):
+    """The trainer rescaled tokens by ``--stats-tokens-per-tile`` alone, ignoring a recorded convention: it now
+    calls ``model_stats`` too, so a recorded convention wins and another layout is refused."""
+    from omnibal.train.config import TrainConfig
+    from omnibal.train.run import load_training_stats
+
+    tiny = get_model_preset("tiny")
+    tiles, images = np.array([2, 1, 3]), np.array([1, 0, 2])
+    recorded = replace(SampleStats.from_arrays(tiles=tiles, tokens=tiles * 100 + 50, images=images, source="s"),
+                       convention=ImageConvention("internvl", 100))
+    save_stats(recorded, tmp_path / "recorded.jsonl")
+    got = load_training_stats(TrainConfig(stats_path=str(tmp_path / "recorded.jsonl")), tiny)  # default 256 unused
+    assert got.tokens.tolist() == model_stats(recorded, tiny).tokens.tolist() == [2 * 16 + 50, 150, 3 * 16 + 50]
+    unrecorded = SampleStats.from_arrays(tiles=tiles, tokens=tiles * 100 + 50, images=images, source="u")
+    save_stats(unrecorded, tmp_path / "unrecorded.jsonl")
+    cfg = TrainConfig(stats_path=str(tmp_path / "unrecorded.jsonl"), stats_tokens_per_tile=100)
+    assert load_training_stats(cfg, tiny).tokens.tolist() == [2 * 16 + 50, 150, 3 * 16 + 50]
+    llava = replace(recorded, convention=LLAVA_CONVENTION)
+    save_stats(llava, tmp_path / "llava.jsonl")
+    with pytest.raises(InputError, match=r"statistics are LLaVA .* model tiny expects .*\(internvl/16\)"):
+        load_training_stats(TrainConfig(stats_path=str(tmp_path / "llava.jsonl")), tiny)

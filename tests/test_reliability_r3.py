@@ -288,10 +288,14 @@ def test_hf_trainer_resumes_from_the_newest_complete_checkpoint(tmp_path, capfd)
     assert "no weights" in trainer.skipped_checkpoints[0] and "sampler state" in trainer.skipped_checkpoints[1]
     assert all(f"OmnibalTrainer: {line}" in err for line in trainer.skipped_checkpoints)
     assert "Traceback" not in err
-    resumed = _ledger(part)[len(first):]
+    from omnibal.train.ledger import read_ledger
+
+    starts = [e["resumed_at"] for e in read_ledger(part / "ledger-rank0.jsonl") if e["event"] == "start"]
+    assert starts == [0, steps]  # the resumed run replaces what the first logged from `steps` on
+    final = _ledger(part)
     kept = [rec for rec in first if rec["step"] < steps]  # what the checkpoint of step `steps` holds
-    assert kept + resumed == _ledger(tmp_path / "full")
-    assert all(set(c.values()) == {1} and len(c) == 16 for c in _per_epoch_counts(kept + resumed).values())
+    assert final[:len(kept)] == kept and final == _ledger(tmp_path / "full")
+    assert all(set(c.values()) == {1} and len(c) == 16 for c in _per_epoch_counts(final).values())
     assert _losses(part, after=steps) == pytest.approx(_losses(tmp_path / "full", after=steps), rel=1e-5)
     with pytest.raises(InputError, match="not a complete checkpoint: no weights") as err:
         run([f"--out={tmp_path / 'other'}", f"--resume={broken}", *common])
@@ -311,7 +315,8 @@ def hbp_run(tmp_path_factory) -> dict:
     what ``plan --hbp`` writes as ``hbp_schedule.json``), trained 3 steps at dp 2 with a checkpoint per step."""
     import numpy as np
 
-    from omnibal.data.hbp import HBPConfig, LevelCostModel, balance_hbp
+    from omnibal.hbp.balance import balance_hbp
+    from omnibal.hbp.levels import HBPConfig, LevelCostModel
     from omnibal.stats.io import load_stats, save_stats
     from omnibal.stats.table import SampleStats
 

@@ -79,7 +79,7 @@ def test_bad_input_exits_2_naming_the_argument(extra, needle, capsys):
 def test_schedule_file_must_match_the_cluster(tmp_path, capsys):
     from omnibal.cost.presets import get_model_preset
     from omnibal.data.balance import balance
-    from omnibal.sim.predict import job_stats
+    from omnibal.jobs.predict import job_stats
 
     stats, _ = job_stats(get_model_preset("tiny"), num_samples=3000)  # the rows simulate balances, tiny's units
     sched = balance(stats, dp_size=2, num_microbatches=4)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
 from omnibal.errors import InputError
-from omnibal.layout import Layout
-from omnibal.sim.job import PlannedRun, SimulateJobConfig, resolve_cluster, run_simulate_job
+from omnibal.jobs.simulate import SimulateJobConfig, resolve_cluster, run_simulate_job
+from omnibal.plan.plan import measured_plan
 
 TINY = dict(model="tiny", hardware="a100-80g", samples=3000, dp_size=2, pp_size=2, num_microbatches=4)
 
@@ -30,8 +31,9 @@ def test_no_out_writes_nothing(tmp_path):
 
 
 def test_explicit_settings_win_the_plan_fills_the_rest_and_a_contradiction_is_refused():
-    plan = PlannedRun(source="p.json", model="tiny", hardware="h100", layout=Layout(dp_size=4, pp_size=2,
-                      num_microbatches=8), parts=(0, 5, 10), recompute=frozenset(), num_layers=10)
+    plan = measured_plan(model="tiny", layer_names=[f"l{i}" for i in range(10)], parts=(0, 5, 10),
+                         stage_times_s=[1.0, 1.0], num_samples=100, num_microbatches=8, dp_size=4)
+    plan = replace(plan, inputs=replace(plan.inputs, hardware="h100"))
     cluster = resolve_cluster(SimulateJobConfig(dp_size=2), plan)
     assert (cluster["dp_size"], cluster["pp_size"], cluster["hardware"], cluster["num_microbatches"]) == \
         (2, 2, "h100", 8)

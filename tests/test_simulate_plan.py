@@ -51,7 +51,7 @@ def _assert_same_prediction(plan: Plan, sim: dict) -> None:
 def cheap_plan(tmp_path_factory):
     """The default job on a 48k-sample epoch, with every timeline the report draws captured:
     (plan folder, [(title, micro-batches per step drawn)])."""
-    import omnibal.plan.report as report
+    import omnibal.jobs.plan_report as report
 
     out = tmp_path_factory.mktemp("plan") / "out"
     drawn = []
@@ -164,7 +164,7 @@ def test_a_job_that_runs_out_of_memory_on_every_step_exits_1_after_its_tables(tm
 
 
 def test_the_library_returns_an_out_of_memory_result_instead_of_raising():
-    from omnibal.sim.job import SimulateJobConfig, run_simulate_job
+    from omnibal.jobs.simulate import SimulateJobConfig, run_simulate_job
 
     result = run_simulate_job(SimulateJobConfig(model="internvl-chat-1.5", samples=2000, out=None))
     assert result.summary["oom_steps"] == result.summary["simulated_steps"] > 0

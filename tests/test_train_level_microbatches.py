@@ -167,7 +167,8 @@ def test_cli_trains_a_ragged_schedule_file_and_names_the_count(tmp_path, capsys)
     """`omnibal train --schedule-file` of an HBP file: --microbatches must be the largest level count (said in
     the error); with it, the epoch trains every row once, each step at its own count."""
     from omnibal.cli import main
-    from omnibal.data.hbp import HBPConfig, LevelCostModel, balance_hbp
+    from omnibal.hbp.balance import balance_hbp
+    from omnibal.hbp.levels import HBPConfig, LevelCostModel
     from omnibal.stats.io import load_stats
     from test_trainloop import _stats_file
 

@@ -120,8 +120,9 @@ def test_the_planners_stage_model_agrees_with_the_simulator(bandwidth, mask):
 
 
 def test_plan_job_under_zero3():
+    from omnibal.jobs.plan_config import PlanJobConfig
+    from omnibal.jobs.plan_job import run_plan_job
     from omnibal.plan.exports import deepspeed_fields
-    from omnibal.plan.job import PlanJobConfig, run_plan_job
     from omnibal.plan.search import SearchConfig
 
     config = PlanJobConfig(num_gpus=128, dp_size=128, pp_size=1, zero_stage=3, num_microbatches=1,

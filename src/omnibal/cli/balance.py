@@ -57,7 +57,7 @@ def _load(path: str | None, synthetic_samples: int):
 
 
 def _model_cost(args: argparse.Namespace, stats):
-    """``(balancer cost, stats)``: with --model, the cost ``omnibal plan`` balances by (``omnibal.sim.predict``)
+    """``(balancer cost, stats)``: with --model, the cost ``omnibal plan`` balances by (``omnibal.jobs.predict``)
     and the stats in the model's units; without it the default cost and the stats as given."""
     from omnibal.data.balance.cost import DEFAULT_COST
 
@@ -66,8 +66,9 @@ def _model_cost(args: argparse.Namespace, stats):
             raise InputError("a profile describes one model: pass --model too", source="--profile", field="profile")
         return DEFAULT_COST, stats
     from omnibal.cost.presets import get_model_preset
+    from omnibal.cost.units import model_stats
+    from omnibal.jobs.predict import balance_cost, cost_table
     from omnibal.measure.hardware import hardware_by_name
-    from omnibal.sim.predict import balance_cost, cost_table, model_stats
 
     spec, hardware = get_model_preset(args.model), hardware_by_name(args.hardware)
     stats = model_stats(stats, spec, convert=args.convert_stats or args.stats is None)

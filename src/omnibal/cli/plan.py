@@ -10,8 +10,9 @@ from pathlib import Path
 from omnibal.cli.options import add_layout_options, add_option, check_layout_args
 from omnibal.cost.hardware import DEFAULT_MEMORY_HEADROOM
 from omnibal.cost.stack import DEFAULT_STACK
-from omnibal.data.hbp import LEVEL_MICROBATCHES
 from omnibal.errors import InputError
+from omnibal.hbp.levels import LEVEL_MICROBATCHES
+from omnibal.jobs.exports import write_engine_exports
 from omnibal.layout import (
     BASELINE_PADDINGS,
     PLAN_PADDINGS,
@@ -123,9 +124,9 @@ def _balance_samples(text: str) -> int | None:
 
 def job_config(args: argparse.Namespace):
     """The :class:`PlanJobConfig` the arguments describe (refusing bad ones, named by their flags)."""
+    from omnibal.jobs.plan_config import PlanJobConfig
     from omnibal.measure.hardware import hardware_by_name
     from omnibal.plan.engines import get_engine
-    from omnibal.plan.job import PlanJobConfig
     from omnibal.plan.search import SearchConfig
 
     check_layout_args(args)
@@ -179,9 +180,9 @@ def _check_hbp_args(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from omnibal.jobs.plan_job import run_plan_job
+    from omnibal.jobs.plan_report import PLAN_OUTPUTS
     from omnibal.outputs import check_replaceable_dir, staged_dir, write_text
-    from omnibal.plan.job import run_plan_job
-    from omnibal.plan.report import PLAN_OUTPUTS
 
     t0 = time.perf_counter()
     config = job_config(args)
@@ -229,7 +230,7 @@ def _check_verify(args: argparse.Namespace, config) -> None:
 
 def _write_outputs(result, out: str, *, timelines: bool, progress: bool) -> dict:
     """plan.json, ablation.json, report.md and the PNGs, with a progress bar over the pictures."""
-    from omnibal.plan.report import write_job_outputs
+    from omnibal.jobs.plan_report import write_job_outputs
 
     if not progress:
         return write_job_outputs(result, out, timelines=timelines)
@@ -269,9 +270,9 @@ def _budget_line(p) -> str:
 def _print_plan(result, exports: tuple[dict, dict]) -> None:
     """The data line, the ablation, the plan's stages, the engine exports (``write_engine_exports``'s answer)
     and the balance."""
+    from omnibal.jobs.plan_report import balance_rows, stage_rows
     from omnibal.plan.ablation import ablation_markdown
-    from omnibal.plan.report import balance_rows, stage_rows, text_table
-    from omnibal.tables import fixed
+    from omnibal.tables import fixed, text_table
 
     plan, p = result.plan, result.plan.inputs
     note = ""
@@ -322,21 +323,3 @@ def _verified(args, config, result):
     table = verify_markdown(measured, plan.search["verify"]["chosen"])
     print(f"Verified candidates ({args.verify_steps} timed steps each on {plan.search['verify']['device']}):\n{table}")
     return replace(result, plan=plan), table
-
-
-def write_engine_exports(plan, out_dir: Path) -> tuple[dict, dict]:
-    """The plan's engine files under ``out_dir`` (``--engine omnibal``: every engine that can express the plan).
-    Returns ({engine: [paths]}, {engine: why not written})."""
-    from omnibal.plan.exports import EXPORT_ENGINES
-
-    engines = EXPORT_ENGINES if plan.engine == "omnibal" else (plan.engine,)
-    written, skipped = {}, {}
-    for engine in engines:
-        module = __import__(f"omnibal.integrations.{engine}", fromlist=["write_exports"])
-        try:
-            written[engine] = module.write_exports(plan, out_dir)
-        except InputError as exc:
-            if plan.engine != "omnibal":
-                raise  # the engine's own plan must be expressible: a bug, not a user choice
-            skipped[engine] = str(exc)
-    return written, skipped

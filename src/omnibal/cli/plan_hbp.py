@@ -15,9 +15,9 @@ long-context mixture (``omnibal.stats.long_context``) of ``--samples`` rows."""
 
 def run_hbp(args: argparse.Namespace, config) -> int:
     """Choose the levels, print the per-level table and the comparison, write ``OUT/hbp.json``."""
+    from omnibal.jobs.hbp import hbp_markdown, hbp_plan_config, run_hbp_job
+    from omnibal.jobs.plan_report import PLAN_OUTPUTS
     from omnibal.outputs import check_replaceable_dir, staged_dir, write_text
-    from omnibal.plan.hbp_job import hbp_markdown, hbp_plan_config, run_hbp_job
-    from omnibal.plan.report import PLAN_OUTPUTS
 
     t0 = time.perf_counter()
     check_replaceable_dir(args.out, "--out", PLAN_OUTPUTS)
@@ -70,7 +70,7 @@ def search_estimate(num_samples: int, balance_samples: int | None) -> str:
 def _write_training_schedule(config, hbp, result, stats, out: Path):
     """``OUT/hbp_schedule.json``: the winning levels over every row, for a trainer; returns it (None: the
     plain plan's single level won, and there is none)."""
-    from omnibal.plan.hbp_job import training_schedule
+    from omnibal.jobs.hbp import training_schedule
 
     sched = training_schedule(config, hbp, result, stats)
     if sched is not None:

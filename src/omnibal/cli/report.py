@@ -28,8 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from omnibal.errors import InputError
+    from omnibal.jobs.plan_report import render_report
     from omnibal.outputs import check_dir
-    from omnibal.plan.report import render_report
 
     path = Path(args.plan)
     if path.is_dir():

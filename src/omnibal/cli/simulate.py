@@ -101,19 +101,20 @@ def resolve_hardware(name: str | None, plan=None):
     from omnibal.measure.hardware import hardware_by_name
 
     if name is None and plan is not None:
-        measured = re.fullmatch(r"cpu-(\d+)t", plan.hardware)
+        measured = re.fullmatch(r"cpu-(\d+)t", plan.inputs.hardware)
         if measured:
             return hardware_by_name("cpu", threads=int(measured.group(1)))
     return None if name is None else hardware_by_name(name)
 
 
 def job_config(args: argparse.Namespace, plan=None):
-    """The :class:`omnibal.sim.job.SimulateJobConfig` the arguments describe (``plan``: the
-    :class:`omnibal.sim.job.PlannedRun` of ``--plan``)."""
-    from omnibal.sim.job import SimulateJobConfig
+    """The :class:`omnibal.jobs.simulate.SimulateJobConfig` the arguments describe (``plan``: the
+    :class:`omnibal.plan.plan.Plan` of ``--plan``)."""
+    from omnibal.jobs.simulate import SimulateJobConfig
 
     return SimulateJobConfig(
-        model=args.model, hardware=resolve_hardware(args.hardware, plan), dp_size=args.dp_size, pp_size=args.pp_size,
+        plan=args.plan or None, model=args.model, hardware=resolve_hardware(args.hardware, plan), dp_size=args.dp_size,
+        pp_size=args.pp_size,
         tp_size=args.tp_size,
         num_microbatches=args.num_microbatches, zero_stage=args.zero_stage, schedule=args.schedule,
         num_chunks=args.chunks, memory_fraction=args.memory_fraction, step_overhead=args.step_overhead,
@@ -125,16 +126,12 @@ def job_config(args: argparse.Namespace, plan=None):
 
 
 def run(args: argparse.Namespace) -> int:
-    from omnibal.sim.job import PlannedRun, resolve_cluster, run_simulate_job
+    from omnibal.jobs.simulate import SimulateJobConfig, load_plan, resolve_cluster, run_simulate_job
     from omnibal.tables import text_table
 
     if args.online_vs_offline:
         return _online_vs_offline(args)
-    plan = None
-    if args.plan:
-        from omnibal.plan.plan import Plan
-
-        plan = PlannedRun.of(Plan.load(args.plan), source=args.plan)
+    plan = load_plan(SimulateJobConfig(plan=args.plan or None))
     config = job_config(args, plan)
     resolve_cluster(config, plan)  # nothing to simulate, or a bad cluster: said before anything else
     if config.out is not None:

@@ -55,7 +55,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_option(r, "on_error", default="raise")
     g.add_argument("--max-samples", type=int, help="seeded random subset of the statistics")
     g.add_argument("--stats-tokens-per-tile", type=int, default=256,
-                   help="image tokens per tile counted in the statistics (rescaled to the model's)")
+                   help="image tokens per tile counted in statistics without a recorded convention (rescaled to "
+                   "the model's)")
+    g.add_argument("--convert-stats", action="store_true",
+                   help="convert statistics made in another image layout (InternVL tiles, LLaVA single images) to "
+                   "the model's")
     g.add_argument("--steps", dest="num_steps", type=int, default=10, help="optimizer steps in total, counting resumed "
                    "ones (0: to the end of the epoch)")
     g.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate")
@@ -141,6 +145,7 @@ def config_from_args(args: argparse.Namespace):
         selective=selective,
         plan_path=args.plan, model=args.model, stats_path=args.stats, schedule_path=args.schedule_file,
         max_samples=args.max_samples, stats_tokens_per_tile=args.stats_tokens_per_tile,
+        convert_stats=args.convert_stats,
         annotations_path=args.annotations_path, image_root=args.image_root, tokenizer_path=args.tokenizer,
         hf_model=args.hf_model, save_dir=args.save_dir, max_tiles=args.max_tiles, on_error=args.on_error,
         baseline_batch_size=args.batch_size, num_steps=args.num_steps, lr=args.lr, seed=args.seed,

@@ -20,6 +20,7 @@ from collections import Counter
 from functools import partial
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from omnibal.cost.hf_spec import SUPPORTED as HF_ADAPTERS
@@ -96,6 +97,9 @@ class _OmnibalCallback(TrainerCallback):
     def on_save(self, args, state, control, **kwargs):
         self.trainer._save_sampler_state(state)
 
+    def on_train_end(self, args, state, control, **kwargs):
+        self.trainer._close_ledger()
+
 
 class OmnibalTrainer(Trainer):
     """``transformers.Trainer`` that trains on omnibal's balanced packs (see ``docs/hf.md``).
@@ -109,8 +113,9 @@ class OmnibalTrainer(Trainer):
     ``stats``          per-sample sizes (:class:`~omnibal.stats.table.SampleStats`), row i = ``train_dataset[i]``;
                        default ``train_dataset.stats``.
     ``balance_config`` :class:`~omnibal.data.balance.api.BalanceConfig` of the sampler (default: omnibal's).
-    ``ledger_path``    optional JSONL file (``{rank}`` in it is replaced by the process index): one line per trained
-                       micro-batch, ``{"rank", "epoch", "step", "micro", "indices"}``.
+    ``ledger_path``    optional ledger file (``{rank}`` in it is replaced by the process index), in the format of
+                       :mod:`omnibal.train.ledger`: a ``start`` event per run, then one ``step`` event per trained
+                       micro-batch with ``rank``, ``micro`` and ``epoch`` (``trained_counts`` counts it).
     """
 
     def __init__(self, model=None, args=None, data_collator=None, train_dataset=None, *more, stats=None,
@@ -164,6 +169,7 @@ class OmnibalTrainer(Trainer):
         self._resume_dir: str | None = None
         self._pending_skip = 0
         self._ledger_slot: tuple[int, int] = (-1, 0)
+        self._ledger = None
         self.skipped_checkpoints: list[str] = []
         """Checkpoint folders ``train(resume_from_checkpoint=True)`` skipped as incomplete, newest first."""
         self.add_callback(_OmnibalCallback(self))
@@ -333,10 +339,20 @@ class OmnibalTrainer(Trainer):
         step = self.state.global_step
         micro = self._ledger_slot[1] + 1 if self._ledger_slot[0] == step else 0
         self._ledger_slot = (step, micro)
-        line = {"rank": self.args.process_index, "epoch": self.omnibal_sampler.epoch, "step": step, "micro": micro,
-                "indices": [int(i) for i in indices.tolist()]}
-        with open(self.ledger_path, "a", encoding="utf-8") as fh:
-            fh.write(json.dumps(line) + "\n")
+        if self._ledger is None:  # this run's start: the step it trains first is the step it resumed at
+            from omnibal.train.ledger import LedgerWriter
+
+            self._ledger = LedgerWriter(self.ledger_path, {"resumed_at": step, "rank": self.args.process_index,
+                                                           "processes": self.args.world_size})
+        rows = [int(i) for i in indices.tolist()]
+        keys = [int(k) for k in np.asarray(self.stats.keys)[rows]]
+        self._ledger.step(step, keys, rows, rank=self.args.process_index, micro=micro,
+                          epoch=self.omnibal_sampler.epoch)
+
+    def _close_ledger(self) -> None:
+        if self._ledger is not None:
+            self._ledger.close()
+            self._ledger = None
 
     def _track_num_input_tokens(self, inputs):
         # a pack has no padding: every token counts ("all" and "non_padding" agree); Trainer's "non_padding" would

@@ -157,8 +157,8 @@ def recompute_sets(names, parts, mask) -> tuple[tuple[str, ...], ...]:
 
 def predicted_steps(result, parts, mask, num_steps: int) -> float:
     """The simulator's mean step over steps ``1..num_steps-1`` of the balanced schedule (step 0: warm-up)."""
+    from omnibal.jobs.predict import schedule_features
     from omnibal.sim.epoch import simulate_epoch
-    from omnibal.sim.predict import schedule_features
 
     sched, stats = result.balanced_schedule, result.stats
     padding = result.plan.data.settings.get("padding", "varlen")

@@ -57,7 +57,7 @@ class PlanInputs:
     omnibal_version: str = ""
     """Version of omnibal that made the plan."""
     stats_convention: str = ""
-    """Image convention the statistics were read in and what the model ran them as (``omnibal.sim.predict``),
+    """Image convention the statistics were read in and what the model ran them as (``omnibal.jobs.predict``),
     e.g. ``internvl/256 (not recorded: default) -> internvl/16``."""
     memory_headroom: float | None = None
     """What the budget left of the device memory (a share below 1, else GiB; None: a budget given outright,

@@ -105,18 +105,17 @@ def compare_online_offline(*, model: str = "internvl-chat-1.5", hardware="a100-8
     from omnibal.cost.analytic import analytic_cost_table
     from omnibal.cost.hardware import HardwareSpec, get_hardware
     from omnibal.cost.presets import get_model_preset
+    from omnibal.cost.units import model_stats
     from omnibal.data.balance import BalanceConfig, balance
     from omnibal.sim.costs import config_for_hardware, even_cuts
     from omnibal.sim.epoch import simulate_epoch
     from omnibal.stats.synthetic import synthetic_internvl_mixture
-    from omnibal.stats.table import SampleStats
 
     spec = get_model_preset(model)
     hw = hardware if isinstance(hardware, HardwareSpec) else get_hardware(hardware)
     table = analytic_cost_table(spec, hw)
     raw = synthetic_internvl_mixture(num_samples, seed=seed)
-    stats = SampleStats(tiles=raw.tiles, tokens=spec.sample_tokens(raw.tiles, raw.tokens, images=raw.images),
-                        images=raw.images, keys=raw.keys, source=raw.source)
+    stats = model_stats(raw, spec, convert=True)  # the mixture stands in for any model's data, as plan's
     cost = BalanceCost.from_cost_table(table)
     config = config_for_hardware(hw, dp_size=dp_size, pp_size=pp_size, memory_headroom=None)
     cuts = even_cuts(table.num_layers, pp_size)

@@ -20,7 +20,7 @@ What a "tile" is depends on the model family the statistics were made for (:clas
 tile of ``tokens_per_tile`` tokens; LLaVA-1.5: 336 px, 576 tokens). Stats files record it
 (:mod:`omnibal.stats.io`); a table without one (``convention=None``: files written before it existed, the
 public token-length files) is read as :data:`INTERNVL_CONVENTION`, and code that relies on that default
-says so (``omnibal.sim.predict.model_stats``).
+says so (``omnibal.cost.units.model_stats``).
 """
 
 from __future__ import annotations

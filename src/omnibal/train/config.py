@@ -88,8 +88,11 @@ class TrainConfig:
     max_samples: int | None = None
     """Train on a seeded random subset of this many rows of the statistics (None: all rows)."""
     stats_tokens_per_tile: int = 256
-    """Image tokens per tile the statistics counted (InternVL-1.5: 256); token counts are rescaled to the
-    model's own tokens per tile (``ModelSpec.sample_tokens``)."""
+    """Image tokens per tile statistics without a recorded convention counted (InternVL-1.5: 256); the
+    statistics are put in the model's units by ``omnibal.cost.units.model_stats`` (a recorded convention wins)."""
+    convert_stats: bool = False
+    """Convert statistics made in another image layout (InternVL tiles vs LLaVA single images) to the model's
+    (``--convert-stats``); without it they are an InputError naming both."""
     annotations_path: str | None = None
     """LLaVA / InternVL annotation file (.json or .jsonl) to train on: real images and text instead of the
     synthetic data (needs ``tokenizer_path``)."""

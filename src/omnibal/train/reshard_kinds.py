@@ -4,7 +4,7 @@
 trainer also runs multi-level (HBP) schedules and, in baseline and online mode, seeded random micro-batches;
 a resume on another DP size must finish their epochs exactly once too:
 
-``hbp``     the untrained rows are balanced again by :func:`omnibal.data.hbp.balance_hbp` at the old level
+``hbp``     the untrained rows are balanced again by :func:`omnibal.hbp.balance.balance_hbp` at the old level
             lengths, for the new world. A level keeps its SP degree where the new world can form it, else the
             largest degree below it that divides the new DP size and the attention heads (the run says so: a
             rank then holds more of each pack).
@@ -89,7 +89,8 @@ def hbp_params(old: Schedule) -> dict:
 def hbp_rest(params: dict, rows: np.ndarray, stats, *, dp_size: int, num_heads: int, source: str) -> Schedule:
     """``rows`` balanced again at the old levels (``params``: :func:`hbp_params`) for ``dp_size`` ranks (see the
     module docstring)."""
-    from omnibal.data.hbp import HBPConfig, LevelCostModel, balance_hbp
+    from omnibal.hbp.balance import balance_hbp
+    from omnibal.hbp.levels import HBPConfig, LevelCostModel
     from omnibal.train.reshard import _config_from_dict
 
     saved = params["config"]

@@ -19,13 +19,14 @@ import torch
 
 from omnibal.cost.hf_spec import load_hf_spec
 from omnibal.cost.presets import get_model_preset
+from omnibal.cost.units import model_stats
 from omnibal.data.balance import balance
 from omnibal.data.dataset import SyntheticSampleConfig, SyntheticVLMDataset
 from omnibal.data.realdata import RealDataset
 from omnibal.errors import InputError
 from omnibal.outputs import check_dir, check_file, write_text
 from omnibal.stats.io import load_stats
-from omnibal.stats.table import SampleStats
+from omnibal.stats.table import ImageConvention
 from omnibal.train.config import TrainConfig
 from omnibal.train.distributed import World, destroy_world, init_world, local_world
 from omnibal.train.feed import check_schedule_covers, load_schedule, random_microbatch_schedule, schedule_fingerprint
@@ -56,10 +57,11 @@ def _raw_training_stats(cfg: TrainConfig):
 
 
 def _in_model_units(stats, cfg: TrainConfig, spec):
-    tokens = spec.sample_tokens(stats.tiles, stats.tokens, images=stats.images,
-                                source_tokens_per_tile=cfg.stats_tokens_per_tile)
-    return SampleStats(tiles=stats.tiles, tokens=tokens.astype(np.int32), images=stats.images, keys=stats.keys,
-                       source=stats.source)
+    """``stats`` as the model runs them (``omnibal.cost.units.model_stats``, as ``omnibal plan`` and
+    ``balance``): a recorded convention is honoured; statistics without one counted ``--stats-tokens-per-tile``
+    InternVL tokens per tile."""
+    return model_stats(stats, spec, convert=cfg.convert_stats,
+                       unrecorded=ImageConvention("internvl", cfg.stats_tokens_per_tile))
 
 
 def load_training_stats(cfg: TrainConfig, spec):

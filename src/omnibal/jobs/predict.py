@@ -1,23 +1,16 @@
 """The one step-time prediction path: model + hardware (or a measured profile) + statistics -> the cost table,
 the statistics in the model's units, the balancer's cost and the micro-batch features the simulator runs.
 
-``omnibal plan`` (``plan.job``), ``omnibal simulate`` and ``omnibal balance`` all call these functions, so the
+``omnibal plan`` (``jobs.plan_job``), ``omnibal simulate`` and ``omnibal balance`` all call these functions, so the
 same inputs give the same prediction: two paths drift apart (one re-counting the LLM tokens of each tile
 for the model, the other taking the statistics' tokens per tile as they are), and the commands would then
 disagree by a multiple for the same job.
 
-Image conventions: a model expects the statistics in its own convention (:func:`model_convention`: LLaVA
-models - a projector without a LayerNorm - one image per tile, others InternVL tiles). Statistics recorded
-in the same layout, or InternVL statistics with one tile per image for a LLaVA model, are re-counted for the model's
-tokens per tile (exact); another layout is an
-InputError naming both unless ``convert=True`` (``--convert-stats``) asks for
-:func:`omnibal.stats.table.convert_convention`. Statistics with no recorded convention are read as
-InternVL-1.5's (448 px tiles, 256 tokens), and :func:`model_stats` says so in the table's ``source``.
+The statistics are put in the model's units by :func:`omnibal.cost.units.model_stats`, the one owner of
+that conversion (the trainer calls it too).
 """
 
 from __future__ import annotations
-
-from dataclasses import replace
 
 import numpy as np
 
@@ -25,51 +18,11 @@ from omnibal.cost.hardware import HardwareSpec
 from omnibal.cost.spec import ModelSpec
 from omnibal.cost.stack import DEFAULT_STACK
 from omnibal.cost.table import LayerCostTable
+from omnibal.cost.units import convention_label, model_stats
 from omnibal.data.balance.cost import BalanceCost
 from omnibal.errors import InputError
-from omnibal.stats.table import (
-    INTERNVL_CONVENTION,
-    ImageConvention,
-    SampleStats,
-    convert_convention,
-    one_tile_per_image,
-)
+from omnibal.stats.table import SampleStats
 from omnibal.validate import is_int
-
-
-def model_convention(spec: ModelSpec) -> ImageConvention:
-    """The image convention ``spec`` consumes: LLaVA (mlp2x_gelu projector, no LayerNorm: one image, one tile)
-    or InternVL tiles; tokens per tile from the spec."""
-    layout = "internvl" if spec.projector_norm else "llava"
-    return ImageConvention(layout, spec.llm_tokens_per_tile)
-
-
-def model_stats(stats: SampleStats, spec: ModelSpec, *, convert: bool = False,
-                flag: str = "--convert-stats") -> SampleStats:
-    """``stats`` with tiles and tokens as ``spec`` runs them (see the module docstring).
-
-    Raises InputError naming both conventions when the layouts differ and ``convert`` is False; ``flag`` is
-    the option that asks for the conversion (named in that message)."""
-    target = model_convention(spec)
-    recorded = stats.convention
-    source = recorded or INTERNVL_CONVENTION
-    if recorded == target:
-        return stats
-    if recorded is None and source == target:  # the default reading is already the model's convention
-        return replace(stats, convention=target)
-    exact = source.layout == "internvl" and one_tile_per_image(stats)  # InternVL -> LLaVA changes no tile
-    if source.layout != target.layout and not convert and not exact:
-        said = source.describe() if recorded is not None else (
-            f"no recorded convention, read as {INTERNVL_CONVENTION.describe()}")
-        raise InputError(f"statistics are {said}; model {spec.name} expects {target.describe()}: make the "
-                         f"statistics for this model (omnibal stats --convention {target}) or pass {flag} to convert "
-                         "them", source=stats.source, field="convention")
-    out = convert_convention(stats, target)
-    if recorded is None:
-        out = replace(out, source=f"{stats.source} (no recorded convention: read as {INTERNVL_CONVENTION}, "
-                                  f"converted to {target})")
-    return out
-
 
 SYNTHETIC_SAMPLES = 1_200_000
 """Rows of the synthetic InternVL-like mixture when no size is given (InternVL-1.2M's)."""
@@ -142,11 +95,3 @@ def schedule_features(schedule, stats: SampleStats, *, padding: str, p2p_padding
     if pp_size > 1 and p2p_padding is not None and p2p_padding != padding:
         return features, schedule.features(stats, padding=p2p_padding)
     return features, None
-
-
-def convention_label(raw: SampleStats, spec: ModelSpec) -> str:
-    """How ``raw``'s convention was read and what ``spec`` runs, for reports: ``internvl/256 (not recorded:
-    default) -> internvl/16``."""
-    read = str(raw.convention) if raw.convention is not None else f"{INTERNVL_CONVENTION} (not recorded: default)"
-    target = model_convention(spec)
-    return read if raw.convention == target else f"{read} -> {target}"

@@ -2,23 +2,22 @@
 
 Phases (each a call into the layer that owns it):
 
-1. the cluster: explicit settings win, a plan (:class:`PlannedRun`) fills the rest, then the defaults; with
+1. the cluster: explicit settings win, a plan (:class:`omnibal.plan.plan.Plan`) fills the rest, then the defaults; with
    neither a plan nor a model there is nothing to simulate (an InputError naming ``--plan`` and ``--model``);
 2. model spec (the plan's, else the preset) -> per-layer cost table (analytic, or a measured profile), per TP
    rank, and the simulator's config (the plan's memory budget);
 3. the partition and recompute set (the plan's, or ``even`` / stage starts and ``full`` / ``none`` / counts);
 4. per-sample stats (a file, or the synthetic InternVL-like mixture) in the model's units and, with a plan,
-   the uniform sample of them the plan balanced (``sim.predict.job_stats`` and ``balance_subset``, as
+   the uniform sample of them the plan balanced (``jobs.predict.job_stats`` and ``balance_subset``, as
    ``omnibal plan``);
-5. the balanced schedule (``data.balance`` with the plan's balancer settings, ``sim.planned``, by
-   ``sim.predict.balance_cost``, or a schedule file) and its micro-batch features
-   (``sim.predict.schedule_features``);
+5. the balanced schedule (``data.balance`` with the plan's balancer settings, ``jobs.simulate_plan``, by
+   ``jobs.predict.balance_cost``, or a schedule file) and its micro-batch features
+   (``jobs.predict.schedule_features``);
 6. ``sim.epoch``: the whole epoch (scaled from the balanced sample), then one step drawn for the timeline,
    and the report files.
 
-So ``simulate --plan`` reproduces the plan's own prediction (tests/test_simulate_plan.py). The plan arrives
-as a :class:`PlannedRun` (``sim.planned``, read from a ``Plan`` by duck typing) so that ``sim`` does not
-import ``plan`` (the layer above it).
+So ``simulate --plan`` reproduces the plan's own prediction (tests/test_simulate_plan.py); what it reads from
+the plan is ``jobs.simulate_plan``'s.
 """
 
 from __future__ import annotations
@@ -32,9 +31,10 @@ from omnibal.cost.hardware import DEFAULT_MEMORY_HEADROOM, HardwareSpec, get_har
 from omnibal.cost.stack import DEFAULT_STACK, check_stack_zero
 from omnibal.cost.table import RECOMPUTE_FULL, RECOMPUTE_NONE, RECOMPUTE_SELECTIVE
 from omnibal.errors import InputError
+from omnibal.jobs.predict import balance_cost, balance_subset, cost_table, job_stats, schedule_features
+from omnibal.jobs.simulate_plan import missing, planned_balance_config, planned_data, planned_spec
 from omnibal.layout import check_layout_fields
-from omnibal.sim.planned import PlannedRun, planned_balance_config, planned_data, planned_spec
-from omnibal.sim.predict import balance_cost, balance_subset, cost_table, job_stats, schedule_features
+from omnibal.plan.plan import Plan
 
 DEFAULTS = {"model": None, "hardware": "a100-80g", "dp_size": 1, "pp_size": 1, "tp_size": 1,
             "num_microbatches": 4, "zero_stage": 1, "stack": DEFAULT_STACK}
@@ -50,6 +50,9 @@ FLAGS = {"model": "--model", "dp_size": "--dp", "pp_size": "--pp", "tp_size": "-
 class SimulateJobConfig:
     """Everything ``omnibal simulate`` needs. A cluster setting left None is the plan's, else ``DEFAULTS``."""
 
+    plan: str | None = None
+    """A ``plan.json`` of ``omnibal plan`` to simulate (read here unless the caller hands the :class:`Plan`
+    over; errors name it)."""
     model: str | None = None
     """Model preset (``omnibal.cost.presets``); None: the plan's (without a plan: an InputError)."""
     hardware: str | HardwareSpec | None = None
@@ -90,7 +93,7 @@ class SimulateJobConfig:
     to this many."""
     convert_stats: bool = False
     """Convert statistics made in another image convention to the model's (``--convert-stats``); without it
-    they are an InputError naming both (``omnibal.sim.predict.model_stats``)."""
+    they are an InputError naming both (``omnibal.cost.units.model_stats``)."""
     schedule_file: str | None = None
     """A balanced schedule JSON instead of balancing here."""
     balance_method: str | None = None
@@ -152,22 +155,34 @@ class _Setup:
     profile: str | None
 
 
-def run_simulate_job(config: SimulateJobConfig, *, plan: PlannedRun | None = None, progress: bool = False,
+def plan_source(config: SimulateJobConfig) -> str:
+    """How errors name the plan: its file, else ``plan``."""
+    return config.plan or "plan"
+
+
+def load_plan(config: SimulateJobConfig) -> Plan | None:
+    """The plan ``config.plan`` names (None without one)."""
+    return None if config.plan is None else Plan.load(config.plan)
+
+
+def run_simulate_job(config: SimulateJobConfig, *, plan: Plan | None = None, progress: bool = False,
                      log: Callable[[str], None] | None = None) -> SimulateJobResult:
-    """Simulate one epoch (see the module docstring). ``progress``: a bar on stderr over the steps;
-    ``log(line)``: told what each phase is doing."""
+    """Simulate one epoch (see the module docstring). ``plan``: the plan already read (default: ``config.plan``
+    read here); ``progress``: a bar on stderr over the steps; ``log(line)``: told what each phase is doing."""
     from omnibal.sim.epoch import simulate_epoch
 
     log = log or (lambda line: None)
+    plan = plan if plan is not None else load_plan(config)
     setup = _setup(config, plan)
     cluster = setup.cluster
-    notes = [f"plan.json has no {', '.join(plan.missing())}: flags and defaults stand in"] if (
-        plan is not None and plan.missing()) else []
-    data = planned_data(plan, stats_path=config.stats_path, samples=config.samples, seed=config.seed,
-                        convert=config.convert_stats)
+    notes = [f"plan.json has no {', '.join(missing(plan))}: flags and defaults stand in"] if (
+        plan is not None and missing(plan)) else []
+    data = planned_data(plan, plan_source(config), stats_path=config.stats_path, samples=config.samples,
+                        seed=config.seed, convert=config.convert_stats)
     log(f"stats: {data['stats_path'] or 'synthetic mixture'} ...")
     stats, scale = _stats(config, setup.spec, data)
-    bconfig = planned_balance_config(plan, method=config.balance_method, batch_size=config.batch_size,
+    bconfig = planned_balance_config(plan, plan_source(config), method=config.balance_method,
+                                     batch_size=config.batch_size,
                                      cost=balance_cost(setup.table, setup.spec, setup.hardware, setup.profile))
     log(f"balancing {len(stats):,} samples ({config.schedule_file or bconfig.method}) for dp "
         f"{cluster['dp_size']} x {cluster['num_microbatches']} micro-batches ...")
@@ -188,35 +203,36 @@ def run_simulate_job(config: SimulateJobConfig, *, plan: PlannedRun | None = Non
                              stages=stage_table(epoch), files={k: str(v) for k, v in files.items()}, notes=notes)
 
 
-def _departures(plan: PlannedRun | None, stats, sched) -> list[str]:
+def _departures(plan: Plan | None, stats, sched) -> list[str]:
     """Where the balanced data differs from the plan's (other statistics, other caps): said, not refused, as
     simulating a plan on other data is a question one may ask."""
     if plan is None:
         return []
     notes = []
-    if plan.stats_fingerprint and stats.fingerprint() != plan.stats_fingerprint:
+    fingerprint = plan.inputs.stats_fingerprint
+    if fingerprint and stats.fingerprint() != fingerprint:
         notes.append(f"the statistics differ from the plan's (fingerprint {stats.fingerprint()}, the plan's "
-                     f"{plan.stats_fingerprint}): this is not the plan's prediction")
-    caps = {"tiles": int(sched.caps.tiles), "tokens": int(sched.caps.tokens)}
-    if plan.caps is not None and caps != plan.caps and sched.method == plan.balance_method:
+                     f"{fingerprint}): this is not the plan's prediction")
+    caps, planned = {"tiles": int(sched.caps.tiles), "tokens": int(sched.caps.tokens)}, plan.data.settings.get("caps")
+    if planned is not None and caps != planned and sched.method == plan.data.method:
         notes.append(f"balanced to caps {caps['tiles']} tiles / {caps['tokens']} tokens, the plan's are "
-                     f"{plan.caps['tiles']} / {plan.caps['tokens']}")
+                     f"{planned['tiles']} / {planned['tokens']}")
     return notes
 
 
-def resolve_cluster(config: SimulateJobConfig, plan: PlannedRun | None) -> dict:
+def resolve_cluster(config: SimulateJobConfig, plan: Plan | None) -> dict:
     """Cluster settings: explicit ones win; a plan fills the rest; then ``DEFAULTS``."""
     from_plan = {}
     if plan is not None:
-        from_plan = {"model": plan.model, "hardware": plan.hardware, **plan.layout.to_dict()}
-        if plan.stack is not None:
-            from_plan["stack"] = plan.stack
+        from_plan = {"model": plan.inputs.model, "hardware": plan.inputs.hardware, **plan.inputs.layout.to_dict()}
+        if plan.data.settings.get("stack") is not None:
+            from_plan["stack"] = plan.data.settings["stack"]
     out = {}
     for key, default in DEFAULTS.items():
         given = getattr(config, key)
         if given is not None and key in MUST_MATCH_PLAN and key in from_plan and given != from_plan[key]:
-            raise InputError(f"{FLAGS[key]} {given} contradicts the plan's {from_plan[key]}", source=plan.source,
-                             field=key.removesuffix("_size"))
+            raise InputError(f"{FLAGS[key]} {given} contradicts the plan's {from_plan[key]}",
+                             source=plan_source(config), field=key.removesuffix("_size"))
         out[key] = given if given is not None else from_plan.get(key, default)
     if out["model"] is None:
         raise InputError("nothing to simulate: give --plan FILE (a plan.json of omnibal plan) or --model NAME "
@@ -226,21 +242,21 @@ def resolve_cluster(config: SimulateJobConfig, plan: PlannedRun | None) -> dict:
     return out
 
 
-def _setup(config: SimulateJobConfig, plan: PlannedRun | None) -> _Setup:
+def _setup(config: SimulateJobConfig, plan: Plan | None) -> _Setup:
     from omnibal.sim.costs import config_for_hardware
 
     cluster = resolve_cluster(config, plan)
     check_stack_zero(cluster["stack"], cluster["zero_stage"])
-    spec = planned_spec(cluster["model"], plan)
+    spec = planned_spec(cluster["model"], plan, plan_source(config))
     hardware = cluster["hardware"]
     if not isinstance(hardware, HardwareSpec):  # ``cpu`` is measured: the caller passes its spec
         hardware = get_hardware(hardware)
-    profile = config.profile_path if config.profile_path is not None or plan is None else plan.profile
+    profile = config.profile_path if config.profile_path is not None or plan is None else plan.inputs.profile
     table = cost_table(spec, hardware, profile_path=profile, tp_size=cluster["tp_size"], dtype=config.dtype,
                        stack=cluster["stack"])
     if cluster["pp_size"] > table.num_layers:
         raise InputError(f"{cluster['pp_size']} stages for {table.num_layers} layers", source="--pp", field="pp")
-    schedule = config.schedule or (plan.schedule if plan is not None and plan.schedule else "1f1b")
+    schedule = config.schedule or (plan.search.get("schedule") if plan is not None else None) or "1f1b"
     chunks = config.num_chunks if config.num_chunks is not None else (2 if schedule == "interleaved" else 1)
     num_virtual = cluster["pp_size"] * chunks
     if num_virtual > table.num_layers:
@@ -250,19 +266,19 @@ def _setup(config: SimulateJobConfig, plan: PlannedRun | None) -> _Setup:
     if config.memory_fraction is not None and not 0 < config.memory_fraction <= 1:
         raise InputError(f"must be in (0, 1], got {config.memory_fraction}", source="--memory-fraction",
                          field="memory_fraction")
-    planned_budget = config.memory_fraction is None and plan is not None and plan.budget_recorded
+    planned_budget = config.memory_fraction is None and plan is not None
     sim_config = config_for_hardware(
         hardware, dp_size=cluster["dp_size"], pp_size=cluster["pp_size"], tp_size=cluster["tp_size"],
         schedule=schedule, num_chunks=chunks, zero_stage=cluster["zero_stage"],
         memory_headroom=DEFAULT_MEMORY_HEADROOM if config.memory_fraction is None else 1.0 - config.memory_fraction,
         step_overhead=config.step_overhead, compute_jitter=config.jitter)
     if planned_budget:  # the budget the plan fitted (``omnibal plan --memory-budget``, else less its headroom)
-        sim_config = replace(sim_config, memory_budget_bytes=plan.memory_budget_bytes)
+        sim_config = replace(sim_config, memory_budget_bytes=plan.inputs.memory_budget_bytes)
     return _Setup(cluster=cluster, spec=spec, hardware=hardware, table=table, cuts=cuts, recompute=rec,
                   sim_config=sim_config, num_chunks=chunks, schedule=schedule, profile=profile)
 
 
-def _partition(config: SimulateJobConfig, plan: PlannedRun | None, table, model: str, chunks: int,
+def _partition(config: SimulateJobConfig, plan: Plan | None, table, model: str, chunks: int,
                num_virtual: int):
     """Cut points and the per-layer recompute mask: the plan's, or parsed from the config."""
     if plan is None:
@@ -270,11 +286,12 @@ def _partition(config: SimulateJobConfig, plan: PlannedRun | None, table, model:
         return cuts, parse_recompute(config.recompute, cuts)
     if chunks != 1:
         raise InputError("a plan describes one layer range per stage; it cannot be run interleaved",
-                         source=plan.source, field="schedule")
+                         source=plan_source(config), field="schedule")
     if plan.num_layers != table.num_layers:
         raise InputError(f"plan has {plan.num_layers} layers, model {model} has {table.num_layers}",
-                         source=plan.source, field="stages")
-    codes = np.array([RECOMPUTE_FULL if n in plan.recompute else RECOMPUTE_SELECTIVE if n in plan.selective
+                         source=plan_source(config), field="stages")
+    full, selective = set(plan.recompute_modules()), set(plan.selective_modules())
+    codes = np.array([RECOMPUTE_FULL if n in full else RECOMPUTE_SELECTIVE if n in selective
                       else RECOMPUTE_NONE for n in table.names], dtype=np.int8)
     return np.asarray(plan.parts, dtype=np.int64), codes
 
@@ -315,7 +332,7 @@ def parse_recompute(text: str, cuts):
 
 def _stats(config: SimulateJobConfig, spec, data: dict):
     """``(stats the balancer sees, epoch scale)``: the data in the model's units
-    (``omnibal.sim.predict.job_stats``) and, with a plan, the uniform sample of them it balanced
+    (``omnibal.jobs.predict.job_stats``) and, with a plan, the uniform sample of them it balanced
     (``balance_subset``, as ``omnibal plan``: the epoch is scaled from it); a schedule file is its own epoch."""
     stats, _ = job_stats(spec, stats_path=data["stats_path"], num_samples=data["num_samples"], seed=data["seed"],
                          convert=data["convert"])
@@ -343,15 +360,15 @@ def _schedule(config: SimulateJobConfig, stats, cluster: dict, bconfig, seed: in
                    epoch=config.epoch, config=bconfig)
 
 
-def _features(config: SimulateJobConfig, plan: PlannedRun | None, sched, stats, pp_size: int):
+def _features(config: SimulateJobConfig, plan: Plan | None, sched, stats, pp_size: int):
     """(padding description, compute features, p2p buffer features or None). ``auto``: with a plan, the
     padding ``omnibal plan`` scored it with (so both predict the same step); else the schedule's own for
     compute and, with pp > 1, the fixed buffer (the caps) for p2p, as the reference trainer sends one buffer
     shape between stages."""
     if config.padding != "auto":
         padding, p2p = config.padding, None
-    elif plan is not None and sched.method != "random" and plan.padding is not None:
-        padding, p2p = plan.padding, None
+    elif plan is not None and sched.method != "random" and plan.data.settings.get("padding") is not None:
+        padding, p2p = plan.data.settings["padding"], None
     else:
         padding, p2p = sched.padding, "fixed_buffer"
     features, buffer = schedule_features(sched, stats, padding=padding, p2p_padding=p2p, pp_size=pp_size)
@@ -360,7 +377,7 @@ def _features(config: SimulateJobConfig, plan: PlannedRun | None, sched, stats, 
     return padding, features, buffer
 
 
-def _header(config: SimulateJobConfig, plan: PlannedRun | None, setup: _Setup, stats, sched, padding: str,
+def _header(config: SimulateJobConfig, plan: Plan | None, setup: _Setup, stats, sched, padding: str,
             scale: float) -> dict:
     c, chunks = setup.cluster, setup.num_chunks
     data = f"{stats.source}, {len(stats):,} samples"
@@ -373,7 +390,8 @@ def _header(config: SimulateJobConfig, plan: PlannedRun | None, setup: _Setup, s
         "schedule": setup.schedule + (f" ({chunks} chunks per stage)" if chunks > 1 else ""),
         "data": data, "balance": sched.method, "padding": padding,
         "caps (tiles, tokens)": f"{sched.caps.tiles}, {sched.caps.tokens}",
-        "plan": plan.source if plan is not None else f"partition {config.partition}, recompute {config.recompute}",
+        "plan": plan_source(config) if plan is not None else (
+            f"partition {config.partition}, recompute {config.recompute}"),
         "costs": f"profile {setup.profile}" if setup.profile else f"analytic ({config.dtype})",
     }
 

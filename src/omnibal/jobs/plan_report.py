@@ -22,7 +22,7 @@ from omnibal.plan.exports import export_all
 from omnibal.plan.plan import Plan
 from omnibal.sim.epoch import simulate_epoch, simulate_one_step
 from omnibal.sim.report import pick_ranks, plot_timeline
-from omnibal.tables import fixed, markdown_table, text_table  # noqa: F401 (text_table: what `omnibal plan` prints with)
+from omnibal.tables import fixed, markdown_table
 
 PLAN_OUTPUTS = ("plan.json", "ablation.json", "report.md", "verify.md", "*.png", "exports", "hbp.json",
                 "hbp_schedule.json")

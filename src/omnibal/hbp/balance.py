@@ -22,7 +22,7 @@ one level of length ``L`` with SP degree ``d`` over ``G = dp_size / d`` SP group
 
 minimised over the SP degrees ``d`` whose ``L / d`` fits ``max_tokens_per_rank`` (memory): a larger
 degree costs all-to-all time but needs less recompute. ``recompute``, ``a2a`` and the memory limit come
-from the planner (:mod:`omnibal.plan.hbp`).
+from the planner (:mod:`omnibal.hbp.planning`).
 ``cost`` is the balancer's vision + LLM cost (:class:`BalanceCost`, attention ``sum len^2`` included).
 The minimum over every subset of at most ``max_levels`` candidates (whose longest holds every sample) is
 found by dynamic programming over the sorted candidates, which gives the same optimum as trying every
@@ -49,22 +49,17 @@ import numpy as np
 
 from omnibal.data.balance.api import epoch_rng
 from omnibal.data.balance.schedule import Caps, Schedule
-from omnibal.data.hbp_levels import (
+from omnibal.errors import InputError
+from omnibal.hbp.levels import (
     CROWD_DEPTH,
     LEVEL_MICROBATCHES,
     HBPConfig,
-    LevelChoice,
     LevelCostModel,
-    candidate_lengths,
     choose_levels,
-    default_candidates,
-    exhaustive_levels,
     level_costs,
     level_degrees,
-    levels_cost,
 )
-from omnibal.data.hbp_pack import balance_level
-from omnibal.errors import InputError
+from omnibal.hbp.packing import balance_level
 
 INTERLEAVE_STREAM = 0x4B5
 """epoch_rng stream of the level interleaving (independent of the balancer's shuffles)."""
@@ -270,7 +265,3 @@ def level_lengths(schedule: Schedule) -> tuple[int, ...]:
     """The level lengths a multi-level schedule was built with (to rebuild or reshard it)."""
     return tuple(schedule.meta["hbp"]["level_lengths"])
 
-
-__all__ = ["HBPConfig", "LEVEL_MICROBATCHES", "LevelChoice", "LevelCostModel", "balance_hbp", "candidate_lengths",
-           "choose_levels", "default_candidates", "exhaustive_levels", "level_degrees", "level_lengths",
-           "level_microbatch_counts", "levels_cost", "untrained_rows"]

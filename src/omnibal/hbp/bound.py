@@ -37,9 +37,10 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from omnibal.data.balance.api import BalanceConfig
-from omnibal.data.hbp import HBPConfig, candidate_lengths
 from omnibal.errors import InputError
-from omnibal.plan.hbp import HBPContext, HBPPlanConfig, level_a2a, level_features, level_recompute_mask, sp_table
+from omnibal.hbp.levels import HBPConfig, candidate_lengths
+from omnibal.hbp.planning import HBPContext, HBPPlanConfig, level_a2a, level_features, level_recompute_mask
+from omnibal.hbp.sp_cost import sp_table
 from omnibal.plan.joint import JointPlanner
 from omnibal.plan.partition import min_max_partition
 from omnibal.plan.stages import layer_quantities
@@ -105,7 +106,7 @@ class HBPBound:
                 + ("" if self.same_microbatches else " with one micro-batch count for every level"))
         floor = (f"(c) the work alone (no pipeline idle, sync, recompute or all-to-all) takes "
                  f"{self.floor_gpu_days:.1f}: gain <= {self.gain_floor:.2f}x")
-        return [f"Bound on HBP's gain under this cost model (omnibal.plan.hbp_bound): {free}; {floor}; (b) samples "
+        return [f"Bound on HBP's gain under this cost model (omnibal.hbp.bound): {free}; {floor}; (b) samples "
                 f"over {self.long_length:,} tokens need the longest level and carry {self.long_share:.1%} of the "
                 f"cost: gain <= {self.gain_amdahl:.2f}x. HBP: {self.hbp_gain:.2f}x."]
 
@@ -172,7 +173,7 @@ def long_share(stats, cost, candidates) -> tuple[int, float]:
 
 
 def hbp_bound(ctx: HBPContext, hbp: HBPPlanConfig, stats, result, *, cache: dict | None = None) -> HBPBound:
-    """The bounds of ``result`` (an :class:`omnibal.plan.hbp.HBPPlanResult` of ``stats``)."""
+    """The bounds of ``result`` (an :class:`omnibal.hbp.planning.HBPPlanResult` of ``stats``)."""
     cands = candidate_lengths(np.asarray(stats.tokens), HBPConfig(candidate_lengths=hbp.candidate_lengths))
     trials = _free_trials(ctx, hbp, stats, result, cands[-1], cache)
     length, share = long_share(stats, result.model.cost, cands)

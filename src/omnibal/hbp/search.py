@@ -1,7 +1,7 @@
 """The simulator's searches of an HBP plan and the plan itself (:func:`plan_hbp`).
 
-The estimate (:func:`omnibal.data.hbp.choose_levels`) proposes one level set per level count; the simulator
-(:mod:`omnibal.plan.hbp`) then chooses
+The estimate (:func:`omnibal.hbp.balance.choose_levels`) proposes one level set per level count; the simulator
+(:mod:`omnibal.hbp.planning`) then chooses
 
 * each level's SP degree (:func:`refine_sp`), one level at a time, longest first, the others fixed;
 * the level lengths (:func:`refine_lengths`). The estimate ranks sets differently from the simulator (it has
@@ -22,9 +22,9 @@ import numpy as np
 from tqdm import tqdm
 
 from omnibal.data.balance.api import BalanceConfig
-from omnibal.data.hbp import HBPConfig, LevelCostModel, candidate_lengths
 from omnibal.errors import InputError
-from omnibal.plan.hbp import (
+from omnibal.hbp.levels import HBPConfig, LevelCostModel, candidate_lengths
+from omnibal.hbp.planning import (
     Candidate,
     HBPContext,
     HBPPlanConfig,
@@ -37,9 +37,9 @@ from omnibal.plan.hbp import (
     naive_row,
     simulate_levels,
     simulate_schedule,
-    sp_table,
     stats_level_cost_model,
 )
+from omnibal.hbp.sp_cost import sp_table
 from omnibal.plan.search import model_step_time, neighbour_parts
 
 
@@ -129,7 +129,7 @@ def refine_sp(ctx: HBPContext, hbp: HBPPlanConfig, stats, config: HBPConfig, sta
 def refine_partition(ctx: HBPContext, hbp: HBPPlanConfig, cand: Candidate) -> Candidate:
     """``cand`` on the fastest partition near its own, as the paper verifies a partition by simulating it.
 
-    :func:`omnibal.plan.hbp.choose_partition` is the min-max optimum for the mean micro-batch of all levels;
+    :func:`omnibal.hbp.planning.choose_partition` is the min-max optimum for the mean micro-batch of all levels;
     each level's own fill and drain (``M + P - 1`` stage slots at its own count) and its own recompute are
     not in that objective. So every neighbour (each boundary moved by up to ``radius`` layers of
     ``hbp.partition_search``, :func:`omnibal.plan.search.neighbour_parts`) is ranked by the levels'
@@ -202,7 +202,7 @@ def plan_hbp(ctx: HBPContext, hbp: HBPPlanConfig, stats, *, model: LevelCostMode
              step_tokens: int | None = None) -> HBPPlanResult:
     """Choose the levels, balance them, and simulate HBP against single-level packing and the baseline.
 
-    The estimate (:func:`omnibal.data.hbp.choose_levels`) proposes the best level set for each level count
+    The estimate (:func:`omnibal.hbp.balance.choose_levels`) proposes the best level set for each level count
     up to ``max_levels``; the simulator chooses each level's SP degree (:func:`refine_sp`), searches the level
     lengths from the fastest multi-level set (``length_search``) and keeps the fastest set; the single level
     and the fastest set then get the partition search (:func:`refine_partition`). The single-level

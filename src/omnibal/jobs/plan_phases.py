@@ -1,4 +1,4 @@
-"""The phases of :func:`omnibal.plan.job.run_plan_job`, one function each: model and cluster, statistics,
+"""The phases of :func:`omnibal.jobs.plan_job.run_plan_job`, one function each: model and cluster, statistics,
 balancing, the exact joint plan, the simulator-scored search, the pack-size search, and the ablation epochs.
 Each takes the job's config and what the earlier phases produced, and returns a frozen record."""
 
@@ -10,7 +10,10 @@ import numpy as np
 
 from omnibal.cost.analytic import zero3_gather_reserve, zero_sharded_bytes
 from omnibal.cost.hardware import HardwareSpec, get_hardware
+from omnibal.cost.units import convention_label, model_stats
 from omnibal.errors import InputError
+from omnibal.jobs.predict import balance_cost, cost_table, job_stats
+from omnibal.jobs.predict import balance_subset as predict_subset
 from omnibal.plan.ablation import AblationRow, with_speedups
 from omnibal.plan.engines import constraint_rows
 from omnibal.plan.joint import JointPlanner, StagePlanSet
@@ -19,8 +22,6 @@ from omnibal.plan.partition import check_num_stages, even_partition, min_max_par
 from omnibal.plan.search import Candidate, sample_steps, search
 from omnibal.plan.stages import StageModelConfig, layer_quantities
 from omnibal.sim.epoch import score_plan, simulate_epoch
-from omnibal.sim.predict import balance_cost, convention_label, cost_table, job_stats, model_stats
-from omnibal.sim.predict import balance_subset as predict_subset
 
 GiB = float(1 << 30)
 
@@ -132,7 +133,7 @@ def model_phase(config) -> Model:
 
 
 def _stats(config, spec):
-    """The statistics in the model's units (``omnibal.sim.predict.job_stats``, as ``omnibal simulate``)."""
+    """The statistics in the model's units (``omnibal.jobs.predict.job_stats``, as ``omnibal simulate``)."""
     stats, convention = job_stats(spec, stats_path=config.stats_path, seed=config.seed,
                                   num_samples=None if config.stats_path is not None else config.num_samples,
                                   convert=config.convert_stats)
@@ -164,7 +165,7 @@ def stats_phase(config, model: Model, stats, cache: dict | None) -> Data:
 
 
 def balance_subset(stats, config):
-    """The rows of ``stats`` the job balances (``omnibal.sim.predict.balance_subset`` with the job's
+    """The rows of ``stats`` the job balances (``omnibal.jobs.predict.balance_subset`` with the job's
     ``balance_samples`` and seed): ``omnibal plan``, ``--hbp`` and ``omnibal simulate --plan`` use the same."""
     return predict_subset(stats, config.balance_samples, config.seed)
 

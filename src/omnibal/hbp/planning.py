@@ -1,34 +1,26 @@
 """Per-level settings of an HBP schedule: SP degree, partition and recompute, priced by the simulator.
 
-:mod:`omnibal.data.hbp` chooses the levels from a :class:`LevelCostModel`; this module fills that model
+:mod:`omnibal.hbp.levels` chooses the levels from a :class:`LevelCostModel`; this module fills that model
 from the cost table and the hardware, and prices the result with the step-time simulator:
 
-* **Ulysses all-to-all** (:func:`ulysses_a2a_time`): an SP group of ``d`` DP ranks splits a pack along the
-  sequence; each LLM block exchanges q, k, v before attention and the attention output after it (four
-  all-to-alls forward, four backward), each moving a rank's ``(d-1)/d`` share of its ``tokens/d`` rows
-  (``2 hidden + 2 kv_dim`` values per token in all), over NVLink when ``d <= gpus_per_node`` (SP groups are
-  adjacent DP ranks, as Megatron orders context parallelism inside data parallelism). The time enters the
-  cost table's ``tp_comm_time`` (a per-layer collective the simulator and planner already charge; recompute
-  repeats the forward half). Vision tiles are split over the group without communication (a tile is its
-  own ViT sequence).
-* **Per-rank work**: a rank of an SP group runs ``1/d`` of the pack's tiles, tokens and attention
-  (``sum len^2``; Ulysses gives each rank ``heads/d`` over the full sequence) -- :func:`per_rank_features`.
-* **Memory** (:func:`max_tokens_per_rank`): the most LLM tokens per rank for which some partition fits the
-  budget with every layer checkpointed (the planner's exact minimum-memory partition).
+* **The SP terms** (:mod:`omnibal.hbp.sp_cost`): the Ulysses all-to-all of a level's SP degree (added to
+  the cost table's per-layer collectives), a rank's ``1/d`` share of the pack's work, the most LLM tokens per
+  rank that fit the memory budget, and the recompute price of a per-rank length.
 * **Partition and recompute**: one partition for the whole run (the joint min-max optimum over every
   level's micro-batches, sized for the largest), and per level the least recompute that fits its own
   micro-batches (:meth:`JointPlanner.evaluate` with ``adaptive``): short levels recompute less.
-* **SP degree** per level: the estimate (``omnibal.data.hbp``) proposes the levels and a degree per level
+* **SP degree** per level: the estimate (``omnibal.hbp.levels``) proposes the levels and a degree per level
   (a larger degree adds all-to-all time but shrinks a rank's share of the pack, so less recompute is
-  needed; the recompute price per per-rank length comes from the planner, :func:`recompute_ratio`). The
+  needed; the recompute price per per-rank length comes from the planner,
+  :func:`omnibal.hbp.sp_cost.recompute_ratio`). The
   estimate has no per-step costs (gradient reduction, optimizer, pipeline fill) and no small-kernel
   slowdown, so it overrates SP for short packs: a degree ``d`` makes ``d`` times more steps. The simulator
   therefore chooses each level's degree among the memory-feasible ones
-  (:func:`omnibal.plan.hbp_search.refine_sp`), one level at a time, longest first, the others fixed, and keeps
+  (:func:`omnibal.hbp.search.refine_sp`), one level at a time, longest first, the others fixed, and keeps
   the fastest; every degree tried is reported. It also searches the level lengths
-  (:func:`omnibal.plan.hbp_search.refine_lengths`).
+  (:func:`omnibal.hbp.search.refine_lengths`).
 * **Other single levels** (``extra``): a packing made elsewhere (the plain ``omnibal plan``: its own caps,
-  SP 1, adaptive recompute; ``omnibal.plan.hbp_job``) competes as a single level, so neither the single
+  SP 1, adaptive recompute; ``omnibal.jobs.hbp``) competes as a single level, so neither the single
   level nor HBP is predicted slower than it.
 """
 
@@ -41,8 +33,10 @@ import numpy as np
 from omnibal.cost.table import RECOMPUTE_FULL, RECOMPUTE_SELECTIVE, LayerCostTable, recompute_codes
 from omnibal.data.balance.api import BalanceConfig, balance
 from omnibal.data.balance.cost import BalanceCost
-from omnibal.data.hbp import LEVEL_MICROBATCHES, LevelCostModel, balance_hbp
 from omnibal.errors import InputError
+from omnibal.hbp.balance import balance_hbp
+from omnibal.hbp.levels import LEVEL_MICROBATCHES, LevelCostModel
+from omnibal.hbp.sp_cost import max_tokens_per_rank, per_rank_features, recompute_ratio, sp_table, ulysses_a2a_time
 from omnibal.plan.joint import JointPlanner
 from omnibal.plan.partition import even_partition
 from omnibal.plan.search import SearchConfig
@@ -50,7 +44,6 @@ from omnibal.plan.stages import StageModelConfig, layer_quantities
 from omnibal.sim.epoch import SECONDS_PER_DAY, simulate_epoch
 from omnibal.validate import is_int
 
-LLM_ATTENTION_KINDS = ("llm_block",)
 NAIVE = "single level, naive packing"
 """The row of :func:`naive_row`."""
 HIERARCHICAL = "levels, naive packing"
@@ -67,7 +60,7 @@ class HBPPlanConfig:
     """Most levels (the simulator keeps fewer when they are faster)."""
     candidate_lengths: tuple[int, ...] | None = None
     """Level lengths to choose from; None: powers of two and 1.5x midpoints from the median sample to the
-    longest (``omnibal.data.hbp.default_candidates``)."""
+    longest (``omnibal.hbp.balance.default_candidates``)."""
     oversize: str = "error"
     """A sample no level holds even at the largest SP degree: ``error`` or ``drop`` (listed)."""
     baseline_batch_size: int = 4
@@ -75,22 +68,22 @@ class HBPPlanConfig:
     dtype_bytes: int = 2
     """Bytes per activation value the all-to-alls move (bf16)."""
     sp_by_simulator: bool = True
-    """Choose each level's SP degree by the simulator (:func:`omnibal.plan.hbp_search.refine_sp`); False: the
+    """Choose each level's SP degree by the simulator (:func:`omnibal.hbp.search.refine_sp`); False: the
     estimate's degree."""
     length_search: bool = True
     """Search the level lengths by the simulator from the fastest of the estimate's multi-level sets
-    (:func:`omnibal.plan.hbp_search.refine_lengths`); False: only the estimate's sets."""
+    (:func:`omnibal.hbp.search.refine_lengths`); False: only the estimate's sets."""
     length_search_rounds: int = 10
     """Most faster level sets that search moves to (each round simulates the moves of one set; it stops earlier
     when no move is faster; later rounds gain less for the CPU time they cost)."""
     progress: bool = False
     """Count the level sets simulated on stderr (a tqdm counter: the searches run for a minute or two)."""
     microbatches: str = "tokens"
-    """Micro-batches per step of each level (``omnibal.data.hbp.HBPConfig.microbatches``): ``tokens`` (a
+    """Micro-batches per step of each level (``omnibal.hbp.balance.HBPConfig.microbatches``): ``tokens`` (a
     short level's step holds as many tokens per rank as the longest level's, in more micro-batches) or
     ``same`` (the job's count on every level)."""
     partition_search: SearchConfig = field(default_factory=SearchConfig)
-    """The partition search around the joint optimum (:func:`omnibal.plan.hbp_search.refine_partition`;
+    """The partition search around the joint optimum (:func:`omnibal.hbp.search.refine_partition`;
     ``radius`` 0 keeps the joint optimum)."""
 
     def __post_init__(self) -> None:
@@ -130,7 +123,7 @@ class LevelResult:
     """Steps over the memory budget."""
     sp_trials: tuple[tuple[int, float], ...] = ()
     """``(SP degree, simulated seconds of this level)`` for every degree the simulator tried on this level,
-    the other levels fixed (:func:`omnibal.plan.hbp_search.refine_sp`); empty when the degree was not searched."""
+    the other levels fixed (:func:`omnibal.hbp.search.refine_sp`); empty when the degree was not searched."""
 
     def to_dict(self) -> dict:
         out = {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -183,7 +176,7 @@ class Candidate:
 
 @dataclass(frozen=True, kw_only=True)
 class HBPContext:
-    """Model, cluster and data of one HBP plan (what :func:`omnibal.plan.hbp_search.plan_hbp` needs besides the
+    """Model, cluster and data of one HBP plan (what :func:`omnibal.hbp.search.plan_hbp` needs besides the
     HBP settings)."""
 
     table: LayerCostTable
@@ -213,63 +206,10 @@ class HBPContext:
         return self.sim_config.dp_size * self.stage_config.num_stages * self.sim_config.tp_size
 
     def balance(self, stats, config, cache: dict | None = None):
-        """``stats`` balanced into levels by ``config`` (:func:`omnibal.data.hbp.balance_hbp`) on this job's DP
+        """``stats`` balanced into levels by ``config`` (:func:`omnibal.hbp.balance.balance_hbp`) on this job's DP
         ranks, micro-batches and seed."""
         return balance_hbp(stats, dp_size=self.dp_size, num_microbatches=self.num_microbatches, seed=self.seed,
                            config=config, cache=cache)
-
-
-# -- the cost model's SP terms -----------------------------------------------------------------------
-def ulysses_a2a_time(table: LayerCostTable, spec, hardware, degree: int, *, tp_size: int = 1,
-                     dtype_bytes: int = 2) -> np.ndarray:
-    """``[L, 4]`` all-to-all seconds (forward + backward) per layer of one rank in an SP group of ``degree``."""
-    out = np.zeros((table.num_layers, 4))
-    if degree <= 1:
-        return out
-    llm = spec.llm
-    kv_dim = llm.num_kv_heads * (llm.hidden // llm.num_heads)
-    values = (2 * llm.hidden + 2 * kv_dim) / tp_size  # q, k, v in; attention output back
-    bandwidth, latency = hardware.link(inter_node=degree * tp_size > hardware.gpus_per_node)
-    per_token = values * dtype_bytes * (degree - 1) / degree / bandwidth
-    rows = np.isin(np.asarray(table.kinds), LLM_ATTENTION_KINDS)
-    out[rows, 2] = 2.0 * per_token  # forward and backward
-    out[rows, 0] = 2.0 * 4 * (degree - 1) * latency
-    return out
-
-
-def sp_table(table: LayerCostTable, a2a: np.ndarray) -> LayerCostTable:
-    """The table with the all-to-all time added to its per-layer collectives."""
-    base = np.zeros_like(a2a) if table.tp_comm_time is None else table.tp_comm_time
-    return replace(table, tp_comm_time=base + a2a)
-
-
-def per_rank_features(features: np.ndarray, degree: int) -> np.ndarray:
-    """Features of one rank's share of micro-batches split over an SP group of ``degree``."""
-    out = np.array(features, dtype=np.float64, copy=True)
-    out[..., 1:] /= degree
-    return out
-
-
-def max_tokens_per_rank(table: LayerCostTable, stage_config: StageModelConfig, tiles_per_token: float) -> int:
-    """Most LLM tokens per rank's micro-batch (with ``tiles_per_token`` tiles each) that some partition fits
-    in the budget with every layer checkpointed; 2**30 without a budget."""
-    budget = stage_config.memory_budget_bytes
-    if budget is None:
-        return 1 << 30
-
-    def fits(tokens: int) -> bool:
-        feats = np.array([[1.0, tokens * tiles_per_token, tokens, float(tokens) ** 2]])
-        planner = JointPlanner(layer_quantities(table, feats, stage_config), stage_config)
-        return planner.min_memory_partition().bottleneck <= budget
-
-    if not fits(1):
-        raise InputError("not even a one-token micro-batch fits the memory budget", source="--memory-budget",
-                         field="memory_budget_gib")
-    lo, hi = 1, 1 << 30
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo
 
 
 def stats_level_cost_model(ctx: HBPContext, hbp: HBPPlanConfig, stats) -> LevelCostModel:
@@ -292,15 +232,6 @@ def level_cost_model(ctx: HBPContext, hbp: HBPPlanConfig, tiles_per_token: float
     ratios = tuple(recompute_ratio(ctx.table, ctx.stage_config, t, tiles_per_token) for t in grid)
     return LevelCostModel(cost=cost, sp_degrees=degrees, a2a_per_token=tuple(a2a), max_tokens_per_rank=most,
                           recompute_tokens=tuple(grid), recompute_ratio=ratios)
-
-
-def recompute_ratio(table: LayerCostTable, stage_config: StageModelConfig, tokens: int,
-                    tiles_per_token: float) -> float:
-    """Extra time share of the least recompute that fits micro-batches of ``tokens`` per rank: the joint
-    optimum's bottleneck over the min-max bottleneck without recompute, less one."""
-    feats = np.array([[1.0, tokens * tiles_per_token, tokens, float(tokens) ** 2]])
-    planner = JointPlanner(layer_quantities(table, feats, stage_config), stage_config)
-    return max(planner.plan().bottleneck / planner.plan_fixed_recompute("none").bottleneck - 1.0, 0.0)
 
 
 # -- simulation --------------------------------------------------------------------------------------
@@ -391,7 +322,7 @@ class HBPPlanResult:
     single: Candidate | None = None
     """The single-level row's candidate (the bound re-runs its features)."""
     bound: object = None
-    """An ``omnibal.plan.hbp_bound.HBPBound`` when computed (``omnibal.plan.hbp_job``)."""
+    """An ``omnibal.hbp.bound.HBPBound`` when computed (``omnibal.jobs.hbp``)."""
     notes: tuple[str, ...] = ()
     """Why a candidate was not tried (e.g. the plain plan on data one rank cannot hold)."""
 
@@ -450,9 +381,9 @@ def naive_row(ctx: HBPContext, hbp: HBPPlanConfig, stats, model: LevelCostModel,
     the reference ISF packs (random packs filled to the length under no cost, dealt to ranks in contiguous
     blocks; ``BalanceConfig(method="isf")``), and the fewest checkpointed layers that fit memory. Every SP
     degree whose share of ``length`` fits a rank is tried, each step holding the tokens per rank of
-    ``config``'s micro-batch rule (:func:`omnibal.data.hbp.level_microbatch_counts`); the fastest that fits
+    ``config``'s micro-batch rule (:func:`omnibal.hbp.balance.level_microbatch_counts`); the fastest that fits
     is kept (the degree a user would tune)."""
-    from omnibal.data.hbp import level_microbatch_counts
+    from omnibal.hbp.balance import level_microbatch_counts
 
     best = None
     for d in model.feasible_sp(length) or model.sp_degrees[-1:]:  # the model's degrees divide dp_size

@@ -1,14 +1,14 @@
 """``omnibal plan --hbp`` as a library call: the plan job's model, cluster and data planned with HBP
-(:mod:`omnibal.plan.hbp`), the plain ``omnibal plan`` packing as one more single-level candidate, and the
-bound on what HBP can gain (:mod:`omnibal.plan.hbp_bound`). With a micro-batch count per level, the levels'
+(:mod:`omnibal.hbp.planning`), the plain ``omnibal plan`` packing as one more single-level candidate, and the
+bound on what HBP can gain (:mod:`omnibal.hbp.bound`). With a micro-batch count per level, the levels'
 steps then hold the plain plan's tokens per rank (its token cap x its micro-batches), so a gain is not a
 larger batch.
 
-The plain candidate is the plan job itself (:func:`omnibal.plan.job.run_plan_job` on the same job and data:
+The plain candidate is the plan job itself (:func:`omnibal.jobs.plan_job.run_plan_job` on the same job and data:
 the balancer's own caps, SP 1, its partition search and adaptive recompute), re-simulated here with the plan's
 partition and recompute mask. It is tried only when every sample fits one rank (SP 1), and kept only when
 the job balanced the same rows (the HBP levels see the statistics as given; the job converts them to the
-model's convention first, ``omnibal.sim.predict.model_stats``).
+model's convention first, ``omnibal.cost.units.model_stats``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from omnibal.errors import InputError
-from omnibal.plan.hbp import (
+from omnibal.hbp.bound import hbp_bound
+from omnibal.hbp.planning import (
     Candidate,
     HBPContext,
     HBPPlanConfig,
@@ -24,8 +25,7 @@ from omnibal.plan.hbp import (
     simulate_levels,
     stats_level_cost_model,
 )
-from omnibal.plan.hbp_bound import hbp_bound
-from omnibal.plan.hbp_search import plan_hbp
+from omnibal.hbp.search import plan_hbp
 from omnibal.tables import markdown_table
 
 PLAIN = "omnibal plan"
@@ -33,8 +33,8 @@ PLAIN = "omnibal plan"
 
 
 def hbp_context(config, *, num_samples: int, balanced_samples: int, cost=None) -> HBPContext:
-    """The :class:`HBPContext` of an ``omnibal plan`` job (:class:`omnibal.plan.job.PlanJobConfig`)."""
-    from omnibal.plan.job_phases import model_phase  # the job's cost table, hardware, simulator and stages
+    """The :class:`HBPContext` of an ``omnibal plan`` job (:class:`omnibal.jobs.plan_config.PlanJobConfig`)."""
+    from omnibal.jobs.plan_phases import model_phase  # the job's cost table, hardware, simulator and stages
 
     config.validate()
     model = model_phase(config)
@@ -47,7 +47,7 @@ def plain_candidate(config, ctx: HBPContext, hbp: HBPPlanConfig, stats, balanced
     """The plain ``omnibal plan`` of ``config`` on ``stats`` (all rows; the job subsamples them as
     ``balanced``) as a single-level candidate: its schedule, partition and recompute mask, simulated here.
     InputError when the job fails or balanced other rows than ``balanced``."""
-    from omnibal.plan.job import run_plan_job
+    from omnibal.jobs.plan_job import run_plan_job
 
     job = run_plan_job(config, stats=stats)
     if job.stats.fingerprint() != balanced.fingerprint():
@@ -75,7 +75,7 @@ def run_hbp_job(config, hbp: HBPPlanConfig, stats, *, plain: bool = True, bound:
     """``omnibal plan --hbp``: the job's model and cluster, ``stats`` subsampled as the job does; with
     ``plain`` the plain plan as a single-level candidate (when SP 1 holds every sample), with ``bound`` the
     bound on HBP's gain."""
-    from omnibal.plan.job_phases import balance_subset
+    from omnibal.jobs.plan_phases import balance_subset
 
     full, stats = stats, balance_subset(stats, config)
     ctx = hbp_context(config, num_samples=len(full), balanced_samples=len(stats))
@@ -103,7 +103,7 @@ def training_schedule(config, hbp: HBPPlanConfig, result: HBPPlanResult, stats):
     trainer runs (``Schedule`` with ``levels``). None when the plain plan's single level won (its training
     schedule is ``omnibal balance`` with its caps)."""
     from omnibal.data.balance.api import BalanceConfig
-    from omnibal.data.hbp import HBPConfig
+    from omnibal.hbp.levels import HBPConfig
 
     sched = result.schedule
     if sched.levels is None or "hbp" not in sched.meta:

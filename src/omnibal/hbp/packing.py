@@ -1,4 +1,4 @@
-"""One HBP level packed under its length by the existing balancer (:mod:`omnibal.data.hbp`).
+"""One HBP level packed under its length by the existing balancer (:mod:`omnibal.hbp.balance`).
 
 A level fixes the token cap (its length) and the pack count. Left free, the balancer's tile cap is the mean
 tiles per pack plus under 1%, so its packer must hit the tile count and stay under the token cap at once,

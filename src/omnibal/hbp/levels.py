@@ -1,7 +1,7 @@
-"""HBP's settings (:class:`HBPConfig`) and its level estimate (:mod:`omnibal.data.hbp`): what a level of one
+"""HBP's settings (:class:`HBPConfig`) and its level estimate (:mod:`omnibal.hbp.balance`): what a level of one
 pack length and SP degree costs, and the set of levels of least estimated time (``choose_levels``, a dynamic
-programme equal to trying every subset: ``exhaustive_levels``). The formulas are in :mod:`omnibal.data.hbp`'s
-docstring; the planner (:mod:`omnibal.plan.hbp`) fills the :class:`LevelCostModel` and lets the simulator
+programme equal to trying every subset: ``exhaustive_levels``). The formulas are in :mod:`omnibal.hbp.balance`'s
+docstring; the planner (:mod:`omnibal.hbp.planning`) fills the :class:`LevelCostModel` and lets the simulator
 choose among the proposals.
 """
 
@@ -80,7 +80,7 @@ class HBPConfig:
     """How to build a multi-level schedule."""
 
     model: LevelCostModel = field(default_factory=LevelCostModel)
-    """Level cost model (memory, SP degrees, communication; filled in by ``omnibal.plan.hbp``)."""
+    """Level cost model (memory, SP degrees, communication; filled in by ``omnibal.hbp.planning``)."""
     pack_lengths: tuple[int, ...] | None = None
     """Fixed level lengths (ascending; e.g. a resumed run's); None: chosen by :func:`choose_levels`."""
     level_sp: tuple[int, ...] | None = None

@@ -1,0 +1,163 @@
+"""What ``omnibal plan`` is asked: the model, the cluster, the data and the planner's settings
+(:class:`PlanJobConfig`, checked by its ``validate``). :func:`omnibal.jobs.plan_job.run_plan_job` runs it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from omnibal.cost.hardware import DEFAULT_MEMORY_HEADROOM, HardwareSpec
+from omnibal.errors import InputError
+from omnibal.layout import (
+    BASELINE_PADDINGS,
+    PLAN_PADDINGS,
+    PLANNER_SCHEDULES,
+    BalanceMethod,
+    BaselinePartition,
+    BaselineSampler,
+    Engine,
+    Layout,
+    OversizePolicy,
+    check_choice,
+    default_layout,
+    holds_layout,
+)
+from omnibal.plan.packsize import PackSearchConfig
+from omnibal.plan.search import SearchConfig
+from omnibal.validate import is_int
+
+
+@holds_layout
+@dataclass(frozen=True, kw_only=True)
+class PlanJobConfig:
+    """Everything ``omnibal plan`` needs. Defaults: the README's main job (see docs/plan.md for why)."""
+
+    preset: str = "internvl-chat-1.5"
+    """Model preset (``omnibal.cost.presets``)."""
+    hf_model: str | None = None
+    """Plan a local Hugging Face checkpoint (Llava / InternVL; only its ``config.json`` is read) instead of
+    ``preset``: the plan then names the chain ``omnibal train --hf-model`` builds from that checkpoint."""
+    hardware: str | HardwareSpec = "a100-80g"
+    """Hardware preset (``omnibal.cost.hardware``) or a :class:`HardwareSpec` (``--hardware cpu``: the CLI
+    measures this machine with ``omnibal.measure.hardware.hardware_by_name`` and passes the spec)."""
+    num_gpus: int | None = None
+    """Devices in the job; None: dp_size * pp_size * tp_size. Must equal that product."""
+    layout: Layout = default_layout(dp_size=32, pp_size=4, tp_size=1, zero_stage=1, num_microbatches=8)
+    """DP x PP x TP, ZeRO stage and micro-batches per step per DP rank (default DP 32 x PP 4, ZeRO-1, 8
+    micro-batches: 8 x 4 samples x DP 32 = global batch 1024). Its fields also read and construct flat:
+    ``PlanJobConfig(pp_size=2).pp_size``."""
+    baseline_batch_size: int = 4
+    """Samples per micro-batch of the baseline (random, fixed size, padded to the longest sample)."""
+    memory_budget_gib: float | None = None
+    """Per-device budget in GiB; None: the device memory less ``memory_headroom``."""
+    memory_headroom: float = DEFAULT_MEMORY_HEADROOM
+    """What the budget leaves of the device memory for what the memory model does not count (allocator
+    reserve, CUDA context, communication buffers): a share when below 1, else GiB
+    (:func:`omnibal.cost.hardware.memory_budget`). Ignored with ``memory_budget_gib``."""
+    stats_path: str | None = None
+    """Per-sample stats file; None: the synthetic InternVL-like mixture."""
+    num_samples: int = 1_200_000
+    """Size of the synthetic mixture."""
+    balance_samples: int | None = 200_000
+    """Balance a uniform random subset of this many samples and scale the epoch to the full dataset
+    (None: balance every sample). A subset this size predicts the default job's epoch close to balancing
+    every sample, at a fraction of the CPU time (benchmarks/results: bench_plan_default)."""
+    seed: int = 0
+    """Seed of the synthetic data, the shuffles and the step sample of the search."""
+    profile_path: str | None = None
+    """Measured profile to use instead of the analytic cost model."""
+    balance_method: str = "omnibal"
+    """Balancer of the planned job."""
+    max_tiles: int | None = None
+    """Fixed Q_v of the planned job's packs (None: the balancer's cap search). Fixed caps set the pack, so
+    they turn the pack-size search off."""
+    max_tokens: int | None = None
+    """Fixed Q_t of the planned job's packs (None: the balancer's cap search)."""
+    oversize: str = "error"
+    """Samples over a fixed cap: ``error``, ``own_pack`` or ``drop`` (``BalanceConfig.oversize``); with ``--hbp``,
+    samples no level holds: ``error`` or ``drop``."""
+    padding: str = "varlen"
+    """How balanced packs run: ``varlen`` (variable-length micro-batches, Megatron's variable_seq_lengths)
+    or ``fixed_buffer`` (padded to the caps: static shapes, e.g. torch.distributed.pipelining)."""
+    baseline_sampler: str = "length-grouped"
+    """The baseline's sampler: ``length-grouped`` (InternVL-Chat's ``--group_by_length``, on in its official
+    InternVL-1.5 fine-tuning scripts: one mega-batch per step sorted by length and split into micro-batches of
+    balanced total length, ``omnibal.data.balance.baselines``) or ``random`` (a plain shuffle)."""
+    baseline_padding: str = "pad_to_longest"
+    """How the baseline's micro-batches run: ``pad_to_longest`` (InternVL-Chat's collator pads every sample
+    to the micro-batch's longest) or ``varlen`` (a trainer that concatenates them with variable-length
+    attention, so the baseline keeps only its imbalance, not its padding)."""
+    baseline_partition: str = "vision-first"
+    """The baseline's layer split: ``vision-first`` (the vision encoder and projector on stage 0, LLM layers
+    split evenly over the rest, as Megatron-core's LLaVA and torchtitan do; the paper's baseline most
+    likely, docs/plan.md) or ``even`` (equal layer counts)."""
+    stack: str = "megatron-deepspeed"
+    """Software stack whose weight/gradient/optimizer bytes the memory model counts (``omnibal.cost.stack``:
+    ``megatron-deepspeed``, the paper's, ``fsdp`` or ``omnibal``)."""
+    pack_search: PackSearchConfig = field(default_factory=lambda: PackSearchConfig(microbatches=()))
+    """Pack sizes (micro-batches per step, samples per pack) searched with partition and recompute; the job's
+    own ``num_microbatches`` is always a candidate. Off here (a library caller's M stays M); ``omnibal plan``
+    turns it on (``--pack-microbatches``, default 8,12,16,24,32)."""
+    schedule: str = "1f1b"
+    """Pipeline schedule the simulator runs."""
+    search: SearchConfig = field(default_factory=SearchConfig)
+    """Neighbour search around the exact optimum."""
+    convert_stats: bool = False
+    """Convert statistics made in another image convention (InternVL tiles vs LLaVA single image) to the
+    model's (``--convert-stats``); without it such statistics are an InputError naming both
+    (``omnibal.cost.units.model_stats``). The synthetic InternVL-like mixture is always converted."""
+    engine: str = "omnibal"
+    """Engine the plan is for (``omnibal.plan.engines``): its constraints are inputs to the planner, and the
+    ablation gets one row per constraint (and one with all of them: the plan)."""
+    selective: bool | None = None
+    """Let adaptive recompute run transformer blocks selectively (``omnibal.train.recompute``); None: where
+    the engine expresses it per layer (``omnibal``, the reference trainer and the HF adapter)."""
+
+    @property
+    def selective_recompute(self) -> bool:
+        """Whether the plan may recompute selectively (``selective``, or the engine's default)."""
+        from omnibal.plan.engines import get_engine
+
+        return get_engine(self.engine).selective if self.selective is None else self.selective
+
+    @property
+    def hardware_name(self) -> str:
+        """The hardware's name, a preset's or a measured spec's (``cpu-1t``)."""
+        return self.hardware.name if isinstance(self.hardware, HardwareSpec) else str(self.hardware)
+
+    def validate(self) -> None:
+        from omnibal.cost.stack import check_stack_zero
+        from omnibal.plan.engines import check_job
+
+        check_choice(self.engine, Engine, source="--engine", field="engine")
+        check_choice(self.schedule, PLANNER_SCHEDULES, source="--schedule", field="schedule")
+        check_job(self.engine, schedule=self.schedule, zero_stage=self.zero_stage, selective=self.selective)
+        check_stack_zero(self.stack, self.zero_stage)
+        for name in ("baseline_batch_size", "num_samples"):
+            value = getattr(self, name)
+            if not is_int(value) or value < 1:
+                raise InputError(f"must be a positive integer, got {value!r}", source=f"--{name.replace('_', '-')}",
+                                 field=name)
+        self.layout.check_devices(self.num_gpus)
+        if self.memory_budget_gib is not None and not self.memory_budget_gib > 0:
+            raise InputError(f"must be positive, got {self.memory_budget_gib}", source="--memory-budget",
+                             field="memory_budget_gib")
+        check_choice(self.baseline_sampler, BaselineSampler, source="--baseline-sampler", field="baseline_sampler")
+        check_choice(self.baseline_partition, BaselinePartition, source="--baseline-partition",
+                     field="baseline_partition")
+        check_choice(self.padding, PLAN_PADDINGS, source="--padding", field="padding")
+        check_choice(self.baseline_padding, BASELINE_PADDINGS, source="--baseline-padding", field="baseline_padding")
+        check_choice(self.balance_method, BalanceMethod, source="--balance-method", field="balance_method")
+        check_choice(self.oversize, OversizePolicy, source="--oversize", field="oversize")
+        for name in ("max_tiles", "max_tokens"):
+            value = getattr(self, name)
+            if value is not None and (not is_int(value) or value < 1):
+                raise InputError(f"must be a positive integer, got {value!r}", source=f"--{name.replace('_', '-')}",
+                                 field=name)
+            if value is not None and self.balance_method in (BalanceMethod.RANDOM, BalanceMethod.LENGTH_GROUPED):
+                raise InputError(f"the {self.balance_method} sampler packs a fixed number of samples, no buffer "
+                                 "to cap; use --balance-method omnibal, isf or isf+assign",
+                                 source=f"--{name.replace('_', '-')}", field=name)
+        if self.balance_samples is not None and self.balance_samples < self.dp_size * self.num_microbatches:
+            raise InputError(f"needs at least dp_size x num_microbatches = {self.dp_size * self.num_microbatches} "
+                             f"samples, got {self.balance_samples}", source="--balance-samples",
+                             field="balance_samples")
