@@ -62,6 +62,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         f"{DEFAULT_MEMORY_HEADROOM:g}; docs/gpu.md has the measurement it rests on)")
     add_option(g, "profile", help="measured layer profile (omnibal profile) to use instead of the analytic cost model")
     add_option(g, "schedule", default="1f1b", choices=PLANNER_SCHEDULES)
+    g.add_argument("--chunks", default="1,2", metavar="V[,V...]",
+                   help="model chunks per pipeline device the planner may choose: 1 is --schedule itself, more is "
+                        "interleaved 1F1B (kept only where the simulator finds it faster and the engine runs it; "
+                        "default: 1,2)")
     d = parser.add_argument_group("data")
     add_option(d, "stats", help="per-sample statistics (omnibal stats); default: synthetic InternVL-like mixture")
     add_option(d, "convert_stats", help="convert --stats made in another image convention (InternVL tiles / LLaVA "
@@ -145,10 +149,21 @@ def job_config(args: argparse.Namespace):
         max_tiles=args.max_tiles, max_tokens=args.max_tokens, oversize=args.oversize,
         baseline_partition=args.baseline_partition, baseline_sampler=args.baseline_sampler,
         baseline_padding=args.baseline_padding,
-        schedule=args.schedule, stack=args.stack,
+        schedule=args.schedule, chunks=_chunks(args.chunks), stack=args.stack,
         pack_search=pack_search_config(args.pack_microbatches),
         search=SearchConfig(radius=args.radius, top_k=args.top_k, sample_steps=args.search_steps, seed=args.seed),
         engine=args.engine, convert_stats=args.convert_stats, selective=args.selective_recompute)
+
+
+def _chunks(text: str) -> tuple[int, ...]:
+    """``--chunks`` as a tuple of chunk counts."""
+    from omnibal.plan.interleaved import check_chunks
+
+    try:
+        return check_chunks(int(x) for x in text.split(","))
+    except ValueError:
+        raise InputError(f"must be comma-separated integers, got {text!r}", source="--chunks",
+                         field="chunks") from None
 
 
 def pack_search_config(text: str):

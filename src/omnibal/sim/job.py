@@ -241,7 +241,8 @@ def _setup(config: SimulateJobConfig, plan: PlannedRun | None) -> _Setup:
     if cluster["pp_size"] > table.num_layers:
         raise InputError(f"{cluster['pp_size']} stages for {table.num_layers} layers", source="--pp", field="pp")
     schedule = config.schedule or (plan.schedule if plan is not None and plan.schedule else "1f1b")
-    chunks = config.num_chunks if config.num_chunks is not None else (2 if schedule == "interleaved" else 1)
+    chunks = config.num_chunks if config.num_chunks is not None else (
+        plan.num_chunks if plan is not None and schedule == plan.schedule else 2 if schedule == "interleaved" else 1)
     num_virtual = cluster["pp_size"] * chunks
     if num_virtual > table.num_layers:
         raise InputError(f"{num_virtual} virtual stages for {table.num_layers} layers", source="--chunks",
@@ -268,9 +269,9 @@ def _partition(config: SimulateJobConfig, plan: PlannedRun | None, table, model:
     if plan is None:
         cuts = parse_partition(config.partition, table.num_layers, num_virtual)
         return cuts, parse_recompute(config.recompute, cuts)
-    if chunks != 1:
-        raise InputError("a plan describes one layer range per stage; it cannot be run interleaved",
-                         source=plan.source, field="schedule")
+    if chunks != plan.num_chunks:
+        raise InputError(f"the plan describes {plan.num_chunks} layer range(s) per pipeline stage; it cannot be run "
+                         f"with {chunks}", source=plan.source, field="inputs.num_chunks")
     if plan.num_layers != table.num_layers:
         raise InputError(f"plan has {plan.num_layers} layers, model {model} has {table.num_layers}",
                          source=plan.source, field="stages")

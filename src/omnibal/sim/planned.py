@@ -64,6 +64,8 @@ class PlannedRun:
     """Bytes per device the plan fits (None with ``budget_recorded``: unlimited)."""
     schedule: str | None = None
     """Pipeline schedule the plan was scored with."""
+    num_chunks: int = 1
+    """Model chunks per pipeline device (interleaved 1F1B: > 1; its cut points describe P x chunks stages)."""
     balance_method: str | None = None
     """Balancer of the plan's schedule."""
     balance: dict | None = None
@@ -95,6 +97,7 @@ class PlannedRun:
                    num_layers=plan.num_layers, stack=settings.get("stack"), padding=settings.get("padding"),
                    model_spec=i.model_spec or None, profile=i.profile, budget_recorded=True,
                    memory_budget_bytes=i.memory_budget_bytes, schedule=plan.search.get("schedule"),
+                   num_chunks=getattr(i, "num_chunks", 1),
                    balance_method=plan.data.method, balance=settings.get("config"), seed=settings.get("seed"),
                    balance_samples=settings.get("balanced_samples"), num_samples=i.num_samples,
                    synthetic_stats=settings.get("synthetic_stats"), stats_path=settings.get("stats_path"),
