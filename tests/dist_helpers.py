@@ -225,3 +225,48 @@ def rank_schedule_mismatch(odd_rank: int):
         out["sampler"] = (type(exc).__name__, exc.ranks, str(exc))
     destroy_world()
     return out
+
+
+def rank_interleaved_forward_backward(num_chunks: int = 2, num_microbatches: int = 4):
+    """One step of interleaved 1F1B over pp 2 x ``num_chunks`` virtual stages (the tiny model's chain split
+    evenly; rank ``d`` runs chunks ``d``, ``d + 2``, ...) through ``StageRunner``: this rank's loss part, its
+    chunks' gradients, and whether the runner reused its cached schedule on a second step of the same count."""
+    torch.set_num_threads(1)
+    from torch import nn
+
+    from omnibal.data.collate import collate
+    from omnibal.train.distributed import destroy_world, init_world
+    from omnibal.train.feed import fixed_buffer
+    from omnibal.train.model import VLM
+    from omnibal.train.pipeline import StageRunner, even_split
+    from omnibal.train.stage import build_stage, example_carry
+
+    pp = 2
+    world = init_world(dp_size=1, pp_size=pp, timeout_s=TIMEOUT_S)
+    spec, stats = tiny_spec(), tiny_stats()
+    dataset = tiny_dataset(spec, stats)
+    schedule = pack_schedule(stats, dp_size=1, num_microbatches=num_microbatches, num_steps=NUM_STEPS)
+    model = VLM(spec, seed=0)
+    ranges = even_split(len(model.chain()), pp * num_chunks)
+    mine = [ranges[c * pp + world.pp_rank] for c in range(num_chunks)]
+    chunks = nn.ModuleList([build_stage(model, a, b) for a, b in mine])
+    buffer = fixed_buffer(schedule, stats, mode="omnibal")
+    kw = dict(num_tiles=buffer.tiles, num_tokens=buffer.tokens, device=world.device)
+    runner = StageRunner(chunks, stage_index=world.pp_rank, num_stages=pp, device=world.device,
+                         num_microbatches=num_microbatches, schedule="interleaved", pp_group=world.pp_group,
+                         example_inputs=[example_carry(model, a, **kw) for a, _ in mine],
+                         example_outputs=[example_carry(model, b, **kw) for _, b in mine], num_chunks=num_chunks)
+    base = model.collate_config(num_tiles=buffer.tiles, num_tokens=buffer.tokens)
+    batches = [collate([dataset[int(i)] for i in schedule.microbatch(0, 0, k)], base)
+               for k in range(num_microbatches)]
+    total = sum(b.num_targets for b in batches)
+    result = runner.run_step([b.carry() for b in batches] if world.pp_rank == 0 else None, global_targets=total)
+    own = {id(p) for p in chunks.parameters()}
+    grads = {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)).numpy()
+             for n, p in model.named_parameters() if id(p) in own}
+    first = runner._pipes[num_microbatches]
+    runner.run_step([b.carry() for b in batches] if world.pp_rank == 0 else None, global_targets=total)
+    reused = runner._pipes[num_microbatches] is first and len(runner._pipes) == 1
+    destroy_world()
+    return {"rank": world.rank, "loss_part": result.loss_sum, "grads": grads, "reused": reused,
+            "stage_indices": [s.stage_index for s in first[0]]}
