@@ -74,7 +74,7 @@ def pack_schedule(stats: SampleStats, *, dp_size: int, num_microbatches: int, nu
 
 def make_trainer(world, *, mode="omnibal", num_microbatches=4, num_steps=NUM_STEPS, pipeline_schedule="1f1b",
                  stage_layers=None, checkpoint_dir=None, checkpoint_every=0, lr=1e-3, recompute=None, log_path=None,
-                 dp_sync="flat", precision="fp32", selective=None, schedule_seed=0):
+                 dp_sync="flat", precision="fp32", selective=None, schedule_seed=0, plan_path=None):
     from omnibal.train.loop import Trainer, fixed_buffer
     from omnibal.train.model import VLM
     from omnibal.train.pipeline import resolve_layout
@@ -87,7 +87,8 @@ def make_trainer(world, *, mode="omnibal", num_microbatches=4, num_steps=NUM_STE
     model = VLM(spec, seed=0)
     names = [s.name for s, _ in model.chain()]
     layout = resolve_layout(names, pp_size=world.pp_size, mode=mode, stage_layers=stage_layers, recompute=recompute,
-                            selective=selective)
+                            selective=selective, plan_path=plan_path,
+                            model_name=None if plan_path is None else spec.name)
     buffer = fixed_buffer(schedule, stats, mode=mode) if world.pp_size > 1 else None
     return Trainer(world=world, model=model, layout=layout, schedule=schedule, dataset=dataset, mode=mode,
                    num_microbatches=num_microbatches, pipeline_schedule=pipeline_schedule, lr=lr, buffer=buffer,
@@ -270,3 +271,37 @@ def rank_interleaved_forward_backward(num_chunks: int = 2, num_microbatches: int
     destroy_world()
     return {"rank": world.rank, "loss_part": result.loss_sum, "grads": grads, "reused": reused,
             "stage_indices": [s.stage_index for s in first[0]]}
+
+
+def interleaved_tiny_plan(path, *, pp: int = 2, chunks: int = 2, recompute=None):
+    """A real plan file for the tiny model with ``pp x chunks`` virtual stages (even split), written to
+    ``path``: what ``omnibal plan`` writes for an interleaved plan, as the trainer reads it."""
+    import dataclasses
+
+    from omnibal.train.pipeline import even_split
+
+    names = [layer.name for layer in tiny_spec().layers()]
+    plan = tiny_plan(list(even_split(len(names), pp * chunks)), recompute)
+    inputs = dataclasses.replace(plan.inputs, pp_size=pp, num_gpus=pp, num_chunks=chunks)
+    plan = dataclasses.replace(plan, inputs=inputs, search={"schedule": "interleaved", "num_chunks": chunks})
+    plan.save(path)
+    return path
+
+
+def rank_interleaved_trainer(plan_path: str, num_steps: int = 2):
+    """The Trainer on an interleaved plan file (pp 2): its schedule, the first step's loss part and chunk
+    gradients (model names), and the losses of ``num_steps`` optimizer steps."""
+    torch.set_num_threads(1)
+    from omnibal.train.distributed import destroy_world, init_world
+
+    world = init_world(dp_size=1, pp_size=2, timeout_s=TIMEOUT_S)
+    trainer = make_trainer(world, plan_path=plan_path)
+    result = trainer.forward_backward()
+    grads = {n.split(".", 1)[1]: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)).numpy()
+             for n, p in trainer.stage_module.named_parameters()}
+    trainer.optimizer.zero_grad(set_to_none=True)
+    trainer.step = 0
+    losses = [trainer.train_step() for _ in range(num_steps)]
+    destroy_world()
+    return {"rank": world.rank, "schedule": trainer.pipeline_schedule, "loss_part": result.loss_sum, "grads": grads,
+            "records": [None if r is None else r.loss for r in losses]}

@@ -7,7 +7,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dist_helpers import rank_interleaved_forward_backward, single_process_reference
+from dist_helpers import (
+    interleaved_tiny_plan,
+    rank_interleaved_forward_backward,
+    rank_interleaved_trainer,
+    single_process_reference,
+)
 from omnibal.errors import InputError
 from omnibal.train.distributed import spawn_local
 
@@ -46,3 +51,23 @@ def test_runner_refuses_chunks_it_cannot_run():
         StageRunner(nn.Linear(2, 2), schedule="interleaved", num_chunks=2, **kw)
     with pytest.raises(InputError, match="flat all-reduce"):
         StageRunner(two, schedule="interleaved", num_chunks=2, dp_sync="ddp", dp_size=2, **kw)
+
+
+def test_the_trainer_runs_an_interleaved_plan_file(tmp_path):
+    """``omnibal train --plan`` on a plan of 2 ranks x 2 chunks: the trainer switches to interleaved 1F1B, and
+    its step gives the single-process loss and gradients; further steps train."""
+    path = interleaved_tiny_plan(tmp_path / "plan.json")
+    results = spawn_local(rank_interleaved_trainer, 2, args=(str(path),), deadline_s=120, start_method="fork")
+    errors = [r.error for r in results if r.error]
+    assert not errors, "\n".join(errors)
+    values = sorted((r.value for r in results), key=lambda v: v["rank"])
+    assert all(v["schedule"] == "interleaved" for v in values)
+    ref_loss, ref_grads = single_process_reference(dp_size=1, num_microbatches=4)
+    assert abs(sum(v["loss_part"] for v in values) - ref_loss) <= 1e-5 * abs(ref_loss)
+    assert {n for v in values for n in v["grads"]} == set(ref_grads)
+    for v in values:
+        for name, grad in v["grads"].items():
+            ref = ref_grads[name]
+            assert np.linalg.norm(grad - ref) <= 1e-5 * max(np.linalg.norm(ref), 1e-30), (v["rank"], name)
+    losses = values[0]["records"]
+    assert len(losses) == 2 and all(np.isfinite(x) for x in losses)

@@ -108,6 +108,9 @@ class StageLayout:
     selective: tuple[tuple[str, ...], ...] = ()
     """Per stage, the names of the layers under selective recompute (:mod:`omnibal.train.recompute`;
     empty: none)."""
+    num_chunks: int = 1
+    """Model chunks per pipeline rank (an interleaved plan's: ``ranges`` are then its ``pp x num_chunks``
+    virtual stages, virtual stage ``c * pp + d`` on rank ``d``)."""
 
     def __post_init__(self) -> None:
         if not self.selective:
@@ -135,14 +138,14 @@ def load_plan_layout(path: str | Path, layer_names: Sequence[str], *, pp_size: i
         raise InputError(f"plan was made for model {plan.inputs.model!r}, this run trains {model_name!r}",
                          source=src, field="inputs.model")
     checked = validate_stage_layers([list(st.layers) for st in plan.stages], len(layer_names), source=src,
-                                    num_stages=pp_size)
+                                    num_stages=pp_size * plan.inputs.num_chunks)
     for s, ((start, end), stage) in enumerate(zip(checked, plan.stages)):
         own = tuple(layer_names[start:end])
         if stage.modules != own:
             raise InputError(f"plan names modules {list(stage.modules)} for layers [{start}, {end}) but the model "
                              f"has {list(own)}", source=src, record=f"stages[{s}]", field="modules")
     return StageLayout(checked, tuple(tuple(st.recompute) for st in plan.stages),
-                       tuple(tuple(st.selective) for st in plan.stages))
+                       tuple(tuple(st.selective) for st in plan.stages), num_chunks=plan.inputs.num_chunks)
 
 
 def resolve_layout(layer_names: Sequence[str], *, pp_size: int, mode: str,
@@ -181,7 +184,19 @@ def resolve_layout(layer_names: Sequence[str], *, pp_size: int, mode: str,
         if both:
             raise InputError(f"layers both recomputed whole and selectively: {both}", source="--selective",
                              record=f"stage {s}")
-    return StageLayout(tuple(ranges), sets, sel)
+    chunks = plan.num_chunks if plan is not None and stage_layers is None else 1  # the plan's virtual stages
+    return StageLayout(tuple(ranges), sets, sel, num_chunks=chunks)
+
+
+def layout_schedule(layout: StageLayout, schedule: str) -> str:
+    """The pipeline schedule a layout runs: ``interleaved`` for several chunks per rank (what a ``1f1b`` run
+    of an interleaved plan becomes), else ``schedule``; GPipe with chunks is refused."""
+    if layout.num_chunks == 1:
+        return schedule
+    if schedule == "gpipe":
+        raise InputError(f"the plan runs {layout.num_chunks} model chunks per stage (interleaved 1F1B); it cannot run "
+                         "under GPipe", source="--schedule", field="schedule")
+    return "interleaved"
 
 
 def _explicit_sets(given, layer_names: Sequence[str], ranges, flag: str) -> tuple[tuple[str, ...], ...]:
