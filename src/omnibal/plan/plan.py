@@ -236,8 +236,6 @@ class Plan:
             "tp_size": int, "zero_stage": int, "num_microbatches": int, "memory_budget_bytes": (float, None),
             "stats_source": str, "stats_fingerprint": str, "num_samples": int, "profile": (str, None),
             "omnibal_version": str, "stats_convention": str, "memory_headroom": (float, None), "num_chunks": int})
-        if inputs.num_chunks < 1:
-            raise InputError(f"must be >= 1, got {inputs.num_chunks}", source=source, field="inputs.num_chunks")
         if inputs.num_gpus != inputs.dp_size * inputs.pp_size * inputs.tp_size:
             raise InputError(f"num_gpus {inputs.num_gpus} != dp_size * pp_size * tp_size "
                              f"({inputs.dp_size} * {inputs.pp_size} * {inputs.tp_size})", source=source,
@@ -248,12 +246,7 @@ class Plan:
             "step_time_s": float, "epoch_time_s": float, "gpu_days": float, "bubble": float, "num_steps": int,
             "oom": bool})
         stages_raw = r.get(raw, "stages", list, "")
-        if not stages_raw:
-            raise InputError("a plan needs at least one stage", source=source, field="stages")
-        if len(stages_raw) != inputs.pp_size * inputs.num_chunks:
-            chunks = f" x {inputs.num_chunks} chunks" if inputs.num_chunks > 1 else ""
-            raise InputError(f"{len(stages_raw)} stages but pp_size is {inputs.pp_size}{chunks}", source=source,
-                             field="stages")
+        _check_stage_count(stages_raw, inputs, source)
         stages = []
         expected_start = 0
         for s, st in enumerate(stages_raw):
@@ -304,6 +297,18 @@ class Plan:
         _check_values(plan, source)
         _refuse_unknown_keys(raw, source)
         return plan
+
+
+def _check_stage_count(stages_raw: list, inputs: PlanInputs, source: str) -> None:
+    """One stage per pipeline stage (per virtual stage: ``pp_size x num_chunks``), at least one."""
+    if inputs.num_chunks < 1:
+        raise InputError(f"must be >= 1, got {inputs.num_chunks}", source=source, field="inputs.num_chunks")
+    if not stages_raw:
+        raise InputError("a plan needs at least one stage", source=source, field="stages")
+    if len(stages_raw) != inputs.pp_size * inputs.num_chunks:
+        chunks = f" x {inputs.num_chunks} chunks" if inputs.num_chunks > 1 else ""
+        raise InputError(f"{len(stages_raw)} stages but pp_size is {inputs.pp_size}{chunks}", source=source,
+                         field="stages")
 
 
 def _refuse_unknown_keys(raw: dict, source: str) -> None:
