@@ -31,7 +31,7 @@ from omnibal.plan.joint import JointPlanner, StagePlanSet
 from omnibal.plan.search import Candidate, model_step_time
 from omnibal.plan.stages import StageModelConfig, layer_quantities
 
-REFIT_ROUNDS = 3
+REFIT_ROUNDS = 2
 """Times each device's budget shares are refitted to its simulated peak (each one planned and scored)."""
 DEFAULT_CHUNKS = (1, 2, 3, 4)
 """Model chunks per device ``omnibal plan`` considers (1: plain 1F1B)."""
