@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from omnibal.cli.options import add_layout_options, add_option, check_layout_args
@@ -214,6 +215,8 @@ def run(args: argparse.Namespace) -> int:
           f"({config.layout.describe()}, engine {config.engine})", flush=True)
     if args.verify:  # fail in a second, not after planning
         _check_verify(args, config)
+        # the measured candidates run one layer range per stage (--stage-layers): no interleaving to verify
+        config = replace(config, chunks=(1,))
     result = run_plan_job(config, progress=progress)
     verify_table = None
     if args.verify:
