@@ -74,7 +74,7 @@ def pack_schedule(stats: SampleStats, *, dp_size: int, num_microbatches: int, nu
 
 def make_trainer(world, *, mode="omnibal", num_microbatches=4, num_steps=NUM_STEPS, pipeline_schedule="1f1b",
                  stage_layers=None, checkpoint_dir=None, checkpoint_every=0, lr=1e-3, recompute=None, log_path=None,
-                 dp_sync="flat", precision="fp32", selective=None, schedule_seed=0):
+                 dp_sync="flat", precision="fp32", selective=None, schedule_seed=0, plan_path=None):
     from omnibal.train.loop import Trainer, fixed_buffer
     from omnibal.train.model import VLM
     from omnibal.train.pipeline import resolve_layout
@@ -87,7 +87,8 @@ def make_trainer(world, *, mode="omnibal", num_microbatches=4, num_steps=NUM_STE
     model = VLM(spec, seed=0)
     names = [s.name for s, _ in model.chain()]
     layout = resolve_layout(names, pp_size=world.pp_size, mode=mode, stage_layers=stage_layers, recompute=recompute,
-                            selective=selective)
+                            selective=selective, plan_path=plan_path,
+                            model_name=None if plan_path is None else spec.name)
     buffer = fixed_buffer(schedule, stats, mode=mode) if world.pp_size > 1 else None
     return Trainer(world=world, model=model, layout=layout, schedule=schedule, dataset=dataset, mode=mode,
                    num_microbatches=num_microbatches, pipeline_schedule=pipeline_schedule, lr=lr, buffer=buffer,
@@ -225,3 +226,82 @@ def rank_schedule_mismatch(odd_rank: int):
         out["sampler"] = (type(exc).__name__, exc.ranks, str(exc))
     destroy_world()
     return out
+
+
+def rank_interleaved_forward_backward(num_chunks: int = 2, num_microbatches: int = 4):
+    """One step of interleaved 1F1B over pp 2 x ``num_chunks`` virtual stages (the tiny model's chain split
+    evenly; rank ``d`` runs chunks ``d``, ``d + 2``, ...) through ``StageRunner``: this rank's loss part, its
+    chunks' gradients, and whether the runner reused its cached schedule on a second step of the same count."""
+    torch.set_num_threads(1)
+    from torch import nn
+
+    from omnibal.data.collate import collate
+    from omnibal.train.distributed import destroy_world, init_world
+    from omnibal.train.feed import fixed_buffer
+    from omnibal.train.model import VLM
+    from omnibal.train.pipeline import StageRunner, even_split
+    from omnibal.train.stage import build_stage, example_carry
+
+    pp = 2
+    world = init_world(dp_size=1, pp_size=pp, timeout_s=TIMEOUT_S)
+    spec, stats = tiny_spec(), tiny_stats()
+    dataset = tiny_dataset(spec, stats)
+    schedule = pack_schedule(stats, dp_size=1, num_microbatches=num_microbatches, num_steps=NUM_STEPS)
+    model = VLM(spec, seed=0)
+    ranges = even_split(len(model.chain()), pp * num_chunks)
+    mine = [ranges[c * pp + world.pp_rank] for c in range(num_chunks)]
+    chunks = nn.ModuleList([build_stage(model, a, b) for a, b in mine])
+    buffer = fixed_buffer(schedule, stats, mode="omnibal")
+    kw = dict(num_tiles=buffer.tiles, num_tokens=buffer.tokens, device=world.device)
+    runner = StageRunner(chunks, stage_index=world.pp_rank, num_stages=pp, device=world.device,
+                         num_microbatches=num_microbatches, schedule="interleaved", pp_group=world.pp_group,
+                         example_inputs=[example_carry(model, a, **kw) for a, _ in mine],
+                         example_outputs=[example_carry(model, b, **kw) for _, b in mine], num_chunks=num_chunks)
+    base = model.collate_config(num_tiles=buffer.tiles, num_tokens=buffer.tokens)
+    batches = [collate([dataset[int(i)] for i in schedule.microbatch(0, 0, k)], base)
+               for k in range(num_microbatches)]
+    total = sum(b.num_targets for b in batches)
+    result = runner.run_step([b.carry() for b in batches] if world.pp_rank == 0 else None, global_targets=total)
+    own = {id(p) for p in chunks.parameters()}
+    grads = {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)).numpy()
+             for n, p in model.named_parameters() if id(p) in own}
+    first = runner._pipes[num_microbatches]
+    runner.run_step([b.carry() for b in batches] if world.pp_rank == 0 else None, global_targets=total)
+    reused = runner._pipes[num_microbatches] is first and len(runner._pipes) == 1
+    destroy_world()
+    return {"rank": world.rank, "loss_part": result.loss_sum, "grads": grads, "reused": reused,
+            "stage_indices": [s.stage_index for s in first[0]]}
+
+
+def interleaved_tiny_plan(path, *, pp: int = 2, chunks: int = 2, recompute=None):
+    """A real plan file for the tiny model with ``pp x chunks`` virtual stages (even split), written to
+    ``path``: what ``omnibal plan`` writes for an interleaved plan, as the trainer reads it."""
+    import dataclasses
+
+    from omnibal.train.pipeline import even_split
+
+    names = [layer.name for layer in tiny_spec().layers()]
+    plan = tiny_plan(list(even_split(len(names), pp * chunks)), recompute)
+    inputs = dataclasses.replace(plan.inputs, pp_size=pp, num_gpus=pp, num_chunks=chunks)
+    plan = dataclasses.replace(plan, inputs=inputs, search={"schedule": "interleaved", "num_chunks": chunks})
+    plan.save(path)
+    return path
+
+
+def rank_interleaved_trainer(plan_path: str, num_steps: int = 2):
+    """The Trainer on an interleaved plan file (pp 2): its schedule, the first step's loss part and chunk
+    gradients (model names), and the losses of ``num_steps`` optimizer steps."""
+    torch.set_num_threads(1)
+    from omnibal.train.distributed import destroy_world, init_world
+
+    world = init_world(dp_size=1, pp_size=2, timeout_s=TIMEOUT_S)
+    trainer = make_trainer(world, plan_path=plan_path)
+    result = trainer.forward_backward()
+    grads = {n.split(".", 1)[1]: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)).numpy()
+             for n, p in trainer.stage_module.named_parameters()}
+    trainer.optimizer.zero_grad(set_to_none=True)
+    trainer.step = 0
+    losses = [trainer.train_step() for _ in range(num_steps)]
+    destroy_world()
+    return {"rank": world.rank, "schedule": trainer.pipeline_schedule, "loss_part": result.loss_sum, "grads": grads,
+            "records": [None if r is None else r.loss for r in losses]}

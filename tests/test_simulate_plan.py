@@ -39,8 +39,9 @@ def _assert_same_prediction(plan: Plan, sim: dict) -> None:
     assert sim["num_steps"] == pytest.approx(pred.num_steps, rel=0.01)
     assert sim["step_time_mean_s"] == pytest.approx(pred.step_time_s, rel=0.01)
     assert sim["gpu_days"] == pytest.approx(pred.gpu_days, rel=0.01)
+    # per device (an interleaved plan's stages are its virtual stages; device d holds stages d, d + P, ...)
     assert [st["peak_memory_bytes"] for st in sim["stages"]] == pytest.approx(
-        [st.simulated_peak_memory_bytes for st in plan.stages], rel=0.01)
+        [st.simulated_peak_memory_bytes for st in plan.stages[:plan.inputs.pp_size]], rel=0.01)
     assert sim["cuts"] == list(plan.parts) and not sim["oom_steps"]
     assert sim["inputs"]["micro-batches per step"] == plan.inputs.num_microbatches
     caps = plan.data.settings["caps"]
@@ -82,10 +83,12 @@ def test_timelines_and_balance_table_are_each_rows_own_schedule(cheap_plan):
     plan = Plan.load(out / "plan.json")
     rows = json.loads((out / "ablation.json").read_text())
     names = [r["name"] for r in rows["rows"]]
-    assert names[-1] == "+ pack size" and len(drawn) == len(names)
+    # the cheap job interleaves (the default --chunks 1,2) after its pack-size row
+    assert names[-2:] == ["+ pack size", "+ interleaved schedule"] and len(drawn) == len(names)
+    assert plan.inputs.num_chunks == 2 and plan.schedule == "interleaved"
     for name, (title, mbs) in zip(names, drawn):
         assert title.startswith(f"{name}:")
-        assert mbs == (plan.inputs.num_microbatches if name == "+ pack size" else 8), name
+        assert mbs == (plan.inputs.num_microbatches if name in names[-2:] else 8), name
     metrics = rows["balance_metrics"]
     assert list(metrics) == ["baseline", "balanced before pack search", "balanced"]
     assert metrics["balanced"]["num_microbatches"] == plan.inputs.num_microbatches

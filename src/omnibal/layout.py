@@ -41,11 +41,13 @@ class PipelineSchedule(StrEnum):
     ONE_F_ONE_B = "1f1b"
     GPIPE = "gpipe"
     INTERLEAVED = "interleaved"
-    """Megatron's interleaved 1F1B (several model chunks per device); the simulator only."""
+    """Megatron's interleaved 1F1B (several model chunks per device): simulated, chosen by the planner
+    (``omnibal plan --chunks``), never asked for with ``--schedule``."""
 
 
 PLANNER_SCHEDULES = (PipelineSchedule.ONE_F_ONE_B, PipelineSchedule.GPIPE)
-"""Schedules the planner's stage model and the reference trainer run (one layer range per stage)."""
+"""Schedules ``--schedule`` asks the planner and the reference trainer for (one layer range per stage; an
+interleaved plan's chunks come from ``omnibal plan --chunks`` and its plan file)."""
 
 
 class Engine(StrEnum):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from omnibal.cli.options import add_layout_options, add_option, check_layout_args
@@ -63,6 +64,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         f"{DEFAULT_MEMORY_HEADROOM:g}; docs/gpu.md has the measurement it rests on)")
     add_option(g, "profile", help="measured layer profile (omnibal profile) to use instead of the analytic cost model")
     add_option(g, "schedule", default="1f1b", choices=PLANNER_SCHEDULES)
+    g.add_argument("--chunks", default="1,2", metavar="V[,V...]",
+                   help="model chunks per pipeline device the planner may choose: 1 is --schedule itself, more is "
+                        "interleaved 1F1B (kept only where the simulator finds it faster and the engine runs it; "
+                        "default: 1,2)")
     d = parser.add_argument_group("data")
     add_option(d, "stats", help="per-sample statistics (omnibal stats); default: synthetic InternVL-like mixture")
     add_option(d, "convert_stats", help="convert --stats made in another image convention (InternVL tiles / LLaVA "
@@ -146,10 +151,21 @@ def job_config(args: argparse.Namespace):
         max_tiles=args.max_tiles, max_tokens=args.max_tokens, oversize=args.oversize,
         baseline_partition=args.baseline_partition, baseline_sampler=args.baseline_sampler,
         baseline_padding=args.baseline_padding,
-        schedule=args.schedule, stack=args.stack,
+        schedule=args.schedule, chunks=_chunks(args.chunks), stack=args.stack,
         pack_search=pack_search_config(args.pack_microbatches),
         search=SearchConfig(radius=args.radius, top_k=args.top_k, sample_steps=args.search_steps, seed=args.seed),
         engine=args.engine, convert_stats=args.convert_stats, selective=args.selective_recompute)
+
+
+def _chunks(text: str) -> tuple[int, ...]:
+    """``--chunks`` as a tuple of chunk counts."""
+    from omnibal.plan.interleaved import check_chunks
+
+    try:
+        return check_chunks(int(x) for x in text.split(","))
+    except ValueError:
+        raise InputError(f"must be comma-separated integers, got {text!r}", source="--chunks",
+                         field="chunks") from None
 
 
 def pack_search_config(text: str):
@@ -200,6 +216,8 @@ def run(args: argparse.Namespace) -> int:
           f"({config.layout.describe()}, engine {config.engine})", flush=True)
     if args.verify:  # fail in a second, not after planning
         _check_verify(args, config)
+        # the measured candidates run one layer range per stage (--stage-layers): no interleaving to verify
+        config = replace(config, chunks=(1,))
     result = run_plan_job(config, progress=progress)
     verify_table = None
     if args.verify:
@@ -297,9 +315,15 @@ def _print_plan(result, exports: tuple[dict, dict]) -> None:
               f"same samples per step")
     print(f"\nPlan: {fixed(plan.prediction.step_time_s, 2)} s per step, {fixed(plan.prediction.gpu_days, 1)} GPU days "
           f"per epoch, bubble {plan.prediction.bubble:.1%}")
+    if p.num_chunks > 1:
+        print(f"schedule: interleaved 1F1B, {p.num_chunks} model chunks per device (stage s runs on device "
+              f"s mod {p.pp_size}; planned GiB: the chunk's share of its device, simulated peak: the device's; the "
+              f"reference trainer runs it with omnibal train --plan)")
+    elif (result.plan.search.get("interleaved") or {}).get("candidates"):
+        print("schedule: 1F1B (interleaved 1F1B was tried and is not faster here)")
     print(text_table(stage_rows(plan)))
     written, skipped = exports
-    if plan.engine == "omnibal":
+    if plan.engine == "omnibal" and p.num_chunks == 1:
         print(f"\nDeepSpeed parts: {list(plan.parts)}")
     for engine, paths in written.items():
         print(f"{engine} export: " + ", ".join(str(p) for p in paths))

@@ -94,12 +94,20 @@ def transformer_configs(export: dict, **overrides):
 
 
 def stage_layer_counts(language_config) -> list[int]:
-    """Decoder layers megatron-core builds on each pipeline rank under the config's layout."""
+    """Decoder layers megatron-core builds on each (virtual) pipeline stage under the config's layout, in
+    virtual stage order (chunk ``c`` of rank ``r`` at ``c * pp + r``; one chunk per rank without interleaving)."""
     layout = language_config.pipeline_model_parallel_layout
     pp = language_config.pipeline_model_parallel_size
     if layout is None:
         raise InputError("no pipeline_model_parallel_layout", source="megatron", field="pipeline_model_parallel_layout")
-    return [layout.get_num_layers_to_build(pp_rank=r) for r in range(pp)]
+    if layout.virtual_pipeline_model_parallel_size == 1:
+        return [layout.get_num_layers_to_build(pp_rank=r) for r in range(pp)]
+    # its getters read the virtual stage only under an initialised virtual pipeline (parallel_state): read the
+    # parsed layout itself, ``layout[rank][chunk]``
+    from megatron.core.transformer.enums import LayerType
+
+    return [layout.layout[r][c].count(LayerType.decoder)
+            for c in range(layout.virtual_pipeline_model_parallel_size) for r in range(pp)]
 
 
 def check_model(export: dict, *, num_layers: int, num_vision_layers: int | None = None) -> None:

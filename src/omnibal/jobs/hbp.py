@@ -49,7 +49,7 @@ def plain_candidate(config, ctx: HBPContext, hbp: HBPPlanConfig, stats, balanced
     InputError when the job fails or balanced other rows than ``balanced``."""
     from omnibal.jobs.plan_job import run_plan_job
 
-    job = run_plan_job(config, stats=stats)
+    job = run_plan_job(replace(config, chunks=(1,)), stats=stats)  # HBP levels run plain 1F1B
     if job.stats.fingerprint() != balanced.fingerprint():
         raise InputError("the plan job balanced other statistics (converted to the model's convention)",
                          source=stats.source, field="convention")

@@ -99,6 +99,10 @@ class PlanJobConfig:
     turns it on (``--pack-microbatches``, default 8,12,16,24,32)."""
     schedule: str = "1f1b"
     """Pipeline schedule the simulator runs."""
+    chunks: tuple[int, ...] = (1,)
+    """Model chunks per pipeline device the planner may choose (``omnibal.plan.interleaved``): 1 is the
+    ``schedule`` itself; more is interleaved 1F1B, kept only when the simulator finds it faster. Off here (a
+    library caller's schedule stays as given); ``omnibal plan`` turns it on (``--chunks``)."""
     search: SearchConfig = field(default_factory=SearchConfig)
     """Neighbour search around the exact optimum."""
     convert_stats: bool = False
@@ -130,6 +134,9 @@ class PlanJobConfig:
 
         check_choice(self.engine, Engine, source="--engine", field="engine")
         check_choice(self.schedule, PLANNER_SCHEDULES, source="--schedule", field="schedule")
+        from omnibal.plan.interleaved import check_chunks
+
+        check_chunks(self.chunks)
         check_job(self.engine, schedule=self.schedule, zero_stage=self.zero_stage, selective=self.selective)
         check_stack_zero(self.stack, self.zero_stage)
         for name in ("baseline_batch_size", "num_samples"):

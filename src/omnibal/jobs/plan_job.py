@@ -15,7 +15,7 @@ Flow (each phase is a pure call into the layer that owns it):
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
@@ -26,6 +26,7 @@ from omnibal.jobs.plan_phases import (
     Model,
     ablation_phase,
     balance_phase,
+    interleave_phase,
     model_phase,
     pack_phase,
     plan_phase,
@@ -70,6 +71,12 @@ class PlanJobResult:
     """The ``SampleStats`` it balanced, in the model's units (the subset when ``balance_samples`` subsampled)."""
     row_data: dict = field(default_factory=dict)
     """Row name -> key of its micro-batch features in ``features``."""
+    row_sim_configs: dict = field(default_factory=dict)
+    """Row name -> the ``SimConfig`` its epoch ran with (the interleaved row's differs from the others')."""
+
+    def row_sim_config(self, name: str):
+        """The simulator config ablation row ``name`` ran with (default: the plan's)."""
+        return self.row_sim_configs.get(name, self.sim_config)
 
     def row_features(self, name: str):
         """``[S, D, M, 4]`` micro-batch features ablation row ``name`` ran (its own pack and caps)."""
@@ -123,7 +130,8 @@ def run_plan_job(config: PlanJobConfig, *, progress: bool = False, stats=None,
     that memoises the synthetic stats and the balanced schedules by their inputs.
     """
     config.validate()
-    phases = _Phases(progress, {"model": 1, "stats": 2, "balance": 8, "plan": 3, "search": 3, "ablation": 5})
+    phases = _Phases(progress, {"model": 1, "stats": 2, "balance": 8, "plan": 3, "search": 3, "interleave": 2,
+                                "ablation": 5})
     try:
         phases.start("model", "cost model")
         model = model_phase(config)
@@ -136,16 +144,20 @@ def run_plan_job(config: PlanJobConfig, *, progress: bool = False, stats=None,
         phases.start("search", "simulator-scored search")
         found = search_phase(config, model, data, found)
         data, found = pack_phase(config, model, data, found, cache)
+        phases.start("interleave", "interleaved 1F1B")
+        found = interleave_phase(config, model, data, found)
         phases.start("ablation", "simulating the ablation epochs")
         rows, row_plans, row_results, row_data, found = ablation_phase(config, model, data, found)
     finally:
         phases.close()
+    model = replace(model, sim_config=found.sim_config or model.sim_config)
     plan = _assemble_plan(config, model, data, found, rows[-1], row_results[rows[-1].name])
     return PlanJobResult(plan=plan, ablation=rows, balance_metrics=_jsonable(_balance_columns(data.metrics)),
                          timings=phases.timings, table=model.table, sim_config=model.sim_config,
                          features=data.features, row_plans=row_plans, scored=found.scored,
                          epoch_scale=data.epoch_scale, row_step_times={k: v.step_time for k, v in row_results.items()},
-                         balanced_schedule=data.bal_sched, stats=data.stats, row_data=row_data)
+                         balanced_schedule=data.bal_sched, stats=data.stats, row_data=row_data,
+                         row_sim_configs={k: v.config for k, v in row_results.items()})
 
 
 def _balance_columns(metrics: dict) -> dict:
@@ -171,14 +183,15 @@ def _assemble_plan(config: PlanJobConfig, model: Model, data: Data, found: Found
             memory_headroom=None if config.memory_budget_gib is not None or model.budget is None
             else float(config.memory_headroom),
             num_samples=data.full_samples, profile=config.profile_path, omnibal_version=__version__,
-            stats_convention=data.convention),
+            stats_convention=data.convention, num_chunks=found.num_chunks),
         data=DataPlan(method=bal_sched.method, settings={"caps": bal_sched.caps.to_dict(), "padding": data.padding_bal,
                                                          "config": data.bal_config.to_dict(),
                                                          "balanced_samples": len(stats),
                                                          "pack_search": data.pack_report, "stack": config.stack,
                                                          **_data_recipe(config, data)},
                       num_steps=final.num_steps, metrics=_jsonable(data.metrics[data.final_key])),
-        stages=plan_stages(table.names, found.best_joint.plan, final_res.peak_memory.max(axis=(0, 1))),
+        stages=plan_stages(table.names, found.best_joint.plan,
+                           np.tile(final_res.peak_memory.max(axis=(0, 1)), found.num_chunks)),
         prediction=Prediction(step_time_s=final.step_time_s, epoch_time_s=final.epoch_time_s,
                               gpu_days=final.gpu_days, bubble=final.bubble, num_steps=final.num_steps,
                               oom=final.oom),
@@ -189,7 +202,8 @@ def _assemble_plan(config: PlanJobConfig, model: Model, data: Data, found: Found
                 "candidates": [{"parts": list(c.plan.parts), "model_step_time_s": c.model_step_time,
                                 "sim_step_time_s": c.sim_step_time, "oom": c.oom} for c in found.scored],
                 "chosen_parts": list(found.best_joint.plan.parts), "epoch_scale": data.epoch_scale,
-                "schedule": config.schedule, "baseline_partition": config.baseline_partition,
+                "schedule": model.sim_config.schedule, "num_chunks": found.num_chunks,
+                "interleaved": found.interleave_report, "baseline_partition": config.baseline_partition,
                 "baseline_sampler": config.baseline_sampler,
                 "baseline_padding": config.baseline_padding,
                 "sim_config": asdict(model.sim_config), **found.engine_info})

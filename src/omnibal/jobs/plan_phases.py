@@ -24,6 +24,8 @@ from omnibal.plan.stages import StageModelConfig, layer_quantities
 from omnibal.sim.epoch import score_plan, simulate_epoch
 
 GiB = float(1 << 30)
+INTERLEAVED_ROW = "+ interleaved schedule"
+"""The ablation row of an interleaved plan (after the plain plan's rows)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -91,6 +93,14 @@ class Found:
     scored: list = field(default_factory=list)
     num_enumerated: int = 0
     engine_info: dict = field(default_factory=dict)
+    best_plain: Candidate | None = None
+    """The plan before interleaving (the ``+ pack size`` or last plain row), when an interleaved one replaced it."""
+    num_chunks: int = 1
+    """Model chunks per device of the plan (> 1: ``best_joint`` is over the interleaved virtual stages)."""
+    sim_config: object = None
+    """The simulator's config of the plan when it differs from the job's (interleaved); None: the job's."""
+    interleave_report: dict | None = None
+    """The interleaved candidates scored and the plain plan they were weighed against (None: not searched)."""
 
 
 def resolve_hardware(hardware) -> HardwareSpec:
@@ -282,6 +292,42 @@ def pack_phase(config, model: Model, data: Data, found: Found, cache: dict | Non
     return data, found
 
 
+def interleave_phase(config, model: Model, data: Data, found: Found) -> Found:
+    """Interleaved 1F1B (``plan.interleaved``) over the plan's own micro-batches, for the chunk counts the
+    job allows; the plan becomes the fastest interleaved candidate that fits when it beats the plain one on
+    the same sampled steps. Only for an engine without constraint rows that runs interleaved 1F1B."""
+    from omnibal.plan.engines import get_engine
+    from omnibal.plan.interleaved import best_interleaved, interleaved_candidates
+
+    chunks = tuple(v for v in config.chunks if v > 1)
+    if not chunks or config.schedule != "1f1b" or config.pp_size < 2 or constraint_rows(config.engine) \
+            or "interleaved" not in get_engine(config.engine).schedules:
+        return found
+    feats = data.features[data.final_key]
+    sample = sample_steps(feats, config.search.sample_steps, config.search.seed)
+
+    def score(sp: StagePlanSet, v: int) -> tuple[float, bool, tuple[float, ...]]:
+        s = score_plan(model.table, sp.parts, sp.recompute_mask(model.table.num_layers), sample,
+                       replace(model.sim_config, schedule="interleaved", num_chunks=v))
+        return s.step_time_mean, s.oom, s.peak_memory
+
+    stage_config = replace(model.stage_config, num_microbatches=data.num_microbatches)
+    cands = interleaved_candidates(model.table, feats, stage_config, score, chunks)
+    best = best_interleaved(cands)
+    plain = found.best_joint.sim_step_time
+    report = {"plain_step_time_s": plain, "chunks": list(config.chunks), "chosen_chunks": 1,
+              "candidates": [{"num_chunks": c.num_chunks, "share_slack": list(c.slack),
+                              "parts": list(c.candidate.plan.parts), "sim_step_time_s": c.candidate.sim_step_time,
+                              "oom": c.candidate.oom} for c in cands]}
+    if best is None or plain is None or best.candidate.sim_step_time >= plain:
+        return replace(found, interleave_report=report)
+    report["chosen_chunks"] = best.num_chunks
+    return replace(found, best_joint=best.candidate, best_plain=found.best_joint, num_chunks=best.num_chunks,
+                   interleave_report=report,
+                   scored=[c.candidate for c in cands if c.num_chunks == best.num_chunks],
+                   sim_config=replace(model.sim_config, schedule="interleaved", num_chunks=best.num_chunks))
+
+
 def ablation_phase(config, model: Model, data: Data, found: Found):
     """Every ablation row simulated over its whole epoch: (rows, row plans, row results, row data keys,
     found), ``found`` replaced by the engine's constrained plan where the engine has constraints; a row's
@@ -295,9 +341,9 @@ def ablation_phase(config, model: Model, data: Data, found: Found):
     if data.pack_desc is not None:
         data_desc["packed"] = data.pack_desc
     rows, row_plans, row_results, row_data = [], {}, {}, {}
-    for name, data_key, part_desc, rec_desc, sp in specs:
+    for name, data_key, part_desc, rec_desc, sp, *sim_config in specs:
         mask = sp.recompute_mask(table.num_layers)
-        res = simulate_epoch(table, sp.parts, mask, data.features[data_key], model.sim_config,
+        res = simulate_epoch(table, sp.parts, mask, data.features[data_key], (sim_config or [model.sim_config])[0],
                              epoch_scale=data.epoch_scale)
         summary = res.summary()
         rows.append(AblationRow(
@@ -338,7 +384,8 @@ def _ablation_specs(config, model: Model, data: Data, found: Found):
                       found.best_selective.plan))
     if data.final_key == "packed":
         pack_recompute = "adaptive, selective" if found.best_selective is not None else "adaptive"
-        specs.append(("+ pack size", "packed", "joint min-max + search", pack_recompute, found.best_joint.plan))
+        specs.append(("+ pack size", "packed", "joint min-max + search", pack_recompute,
+                      (found.best_plain or found.best_joint).plan))
     if constraint_rows(config.engine):  # deepspeed and omnibal express every plan: no extra rows
         from omnibal.plan.engine_plan import engine_row_specs
 
@@ -347,6 +394,9 @@ def _ablation_specs(config, model: Model, data: Data, found: Found):
         anchor_joint, best_joint, scored, num_enumerated, engine_info = engine_final
         found = replace(found, anchor_joint=anchor_joint, best_joint=best_joint, scored=scored,
                         num_enumerated=num_enumerated, engine_info=engine_info)
+    if found.num_chunks > 1:
+        specs.append((INTERLEAVED_ROW, data.final_key, f"joint min-max over {found.num_chunks} chunks per device",
+                      specs[-1][3], found.best_joint.plan, found.sim_config))
     return specs, found
 
 

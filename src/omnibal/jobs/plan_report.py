@@ -272,9 +272,9 @@ def write_job_outputs(result, out_dir: str | Path, *, timelines: bool = True, pr
             feats = result.row_features(row.name)  # the row's own pack: its micro-batch count and caps
             steps = result.row_step_times.get(row.name)
             if steps is None:
-                steps = simulate_epoch(result.table, parts, mask, feats, result.sim_config).step_time
+                steps = simulate_epoch(result.table, parts, mask, feats, result.row_sim_config(row.name)).step_time
             median = int(np.argsort(steps)[len(steps) // 2])
-            costs, step = simulate_one_step(result.table, parts, mask, feats[median], result.sim_config)
+            costs, step = simulate_one_step(result.table, parts, mask, feats[median], result.row_sim_config(row.name))
             name = timeline_name(i, row.name)
             # the slowest and the fastest DP rank of the step: the imbalance, at half the drawing time of four
             plot_timeline(costs, step, out / name, ranks=pick_ranks(step.pipeline.busy[0], max_ranks=2),

@@ -256,8 +256,11 @@ def _setup(config: SimulateJobConfig, plan: Plan | None) -> _Setup:
                        stack=cluster["stack"])
     if cluster["pp_size"] > table.num_layers:
         raise InputError(f"{cluster['pp_size']} stages for {table.num_layers} layers", source="--pp", field="pp")
-    schedule = config.schedule or (plan.search.get("schedule") if plan is not None else None) or "1f1b"
-    chunks = config.num_chunks if config.num_chunks is not None else (2 if schedule == "interleaved" else 1)
+    planned_schedule = plan.search.get("schedule") if plan is not None else None
+    schedule = config.schedule or planned_schedule or "1f1b"
+    chunks = config.num_chunks if config.num_chunks is not None else (
+        plan.inputs.num_chunks if plan is not None and schedule == planned_schedule
+        else 2 if schedule == "interleaved" else 1)
     num_virtual = cluster["pp_size"] * chunks
     if num_virtual > table.num_layers:
         raise InputError(f"{num_virtual} virtual stages for {table.num_layers} layers", source="--chunks",
@@ -284,9 +287,9 @@ def _partition(config: SimulateJobConfig, plan: Plan | None, table, model: str, 
     if plan is None:
         cuts = parse_partition(config.partition, table.num_layers, num_virtual)
         return cuts, parse_recompute(config.recompute, cuts)
-    if chunks != 1:
-        raise InputError("a plan describes one layer range per stage; it cannot be run interleaved",
-                         source=plan_source(config), field="schedule")
+    if chunks != plan.inputs.num_chunks:
+        raise InputError(f"the plan describes {plan.inputs.num_chunks} layer range(s) per pipeline stage; it cannot "
+                         f"be run with {chunks}", source=plan_source(config), field="inputs.num_chunks")
     if plan.num_layers != table.num_layers:
         raise InputError(f"plan has {plan.num_layers} layers, model {model} has {table.num_layers}",
                          source=plan_source(config), field="stages")

@@ -18,7 +18,11 @@ Megatron-DeepSpeed: 61.8 -> 51.9 -> 29.0 -> 21.3 GPU days):
    of transformer blocks as a third choice per layer (``omnibal.train.recompute``);
 5. **+ pack size** (omnibal's, not in the paper; only when the pack-size search, ``plan.packsize``, picks
    another pack than rows 2-4's): micro-batches per step and samples per pack searched together with the
-   partition and recompute at the same samples per step. The paper's columns stay empty on it.
+   partition and recompute at the same samples per step. The paper's columns stay empty on it;
+6. **+ interleaved schedule** (omnibal's, not in the paper; only when the planner's interleaved 1F1B,
+   ``plan.interleaved``, is faster than the plain plan on the same micro-batches): the joint partition +
+   recompute over ``P x chunks`` virtual stages, run by Megatron's interleaved 1F1B, which shrinks the
+   pipeline's fill and drain at the price of more activations in flight.
 
 Every row is simulated over the whole epoch with its own data, so step counts may differ between rows
 (the balancer packs a different number of samples per step); GPU days compare whole epochs.

@@ -4,16 +4,18 @@ the adapters that use the installed engines).
 * ``deepspeed``: ``parts`` (stage ``s`` owns chain layers ``parts[s]:parts[s+1]``) and the chain layers to
   checkpoint per stage, which :func:`omnibal.integrations.deepspeed.pipeline_module` applies, plus a
   ``ds_config`` (gradient accumulation = micro-batches per step, ZeRO stage). Any plan is expressible as long
-  as the schedule is 1F1B and ZeRO <= 1.
+  as the schedule is 1F1B (no interleaving) and ZeRO <= 1.
 * ``megatron``: ``TransformerConfig`` fields of the language model (``pipeline_model_parallel_layout`` in
-  Megatron's letters ``E``/``t``/``L``, one ``recompute_num_layers`` for every stage) and of the vision
-  encoder (its own ``recompute_num_layers``). Expressible only when stage 0 holds the whole vision encoder,
-  projector and embedding, and every stage checkpoints its first N LLM blocks for one N (and the first
-  N_vision vision blocks): what ``omnibal plan --engine megatron`` plans.
+  Megatron's letters ``E``/``t``/``L``, one segment per (virtual) stage, with
+  ``virtual_pipeline_model_parallel_size`` for an interleaved plan; one ``recompute_num_layers`` for every
+  stage) and of the vision encoder (its own ``recompute_num_layers``). Expressible only when stage 0 holds
+  the whole vision encoder, projector and embedding, and every stage checkpoints its first N LLM blocks for
+  one N (and the first N_vision vision blocks): what ``omnibal plan --engine megatron`` plans.
 * ``torchtitan``: ``ParallelismConfig`` fields with ``module_fqns_per_model_part`` in torchtitan's module
   names (``vision_encoder``, ``tok_embeddings``, ``layers.N``, ``norm``, ``lm_head``) and one activation
-  checkpointing mode. Expressible only with the vision encoder on stage 0 and no block or every block
-  checkpointed: what ``omnibal plan --engine torchtitan`` plans.
+  checkpointing mode (an interleaved plan: ``Interleaved1F1B`` over its virtual stages). Expressible only
+  with the vision encoder on stage 0 and no block or every block checkpointed: what ``omnibal plan --engine
+  torchtitan`` plans.
 
 A plan an engine cannot express raises ``InputError`` naming the engine (``source``) and the field.
 """
@@ -108,8 +110,11 @@ def _check_blocks_only(plan: Plan, engine: str, field: str) -> None:
 
 def deepspeed_fields(plan: Plan) -> dict:
     i = plan.inputs
-    if plan.search.get("schedule", "1f1b") != "1f1b":
-        raise InputError("DeepSpeed's PipelineEngine runs 1F1B only", source="deepspeed", field="schedule")
+    schedule = plan.search.get("schedule", "1f1b")
+    if schedule != "1f1b":
+        why = (" and has no interleaved schedule (one layer range per stage; re-plan with omnibal plan --chunks 1)"
+               if schedule == "interleaved" else "")
+        raise InputError(f"DeepSpeed's PipelineEngine runs 1F1B only{why}", source="deepspeed", field="schedule")
     if i.zero_stage > 1:
         why = ("DeepSpeed refuses ZeRO-2/3 with pipeline parallelism" if i.pp_size > 1 else
                "this export builds DeepSpeed's PipelineEngine, which refuses ZeRO-2/3; a ZeRO-3 job without "
@@ -143,8 +148,8 @@ def megatron_fields(plan: Plan) -> dict:
     if i.zero_stage > 1:
         raise InputError("Megatron's distributed optimizer is ZeRO-1", source="megatron",
                          field="use_distributed_optimizer")
-    if plan.search.get("schedule", "1f1b") != "1f1b":
-        raise InputError("Megatron-core pipelines with 1F1B", source="megatron", field="schedule")
+    if plan.search.get("schedule", "1f1b") not in ("1f1b", "interleaved"):
+        raise InputError("Megatron-core pipelines with 1F1B or interleaved 1F1B", source="megatron", field="schedule")
     n_llm = block_counts(plan, "llm_block", "megatron", "recompute_num_layers")
     n_vision = block_counts(plan, "vision_block", "megatron", "vision.recompute_num_layers")
     spec = i.model_spec
@@ -156,6 +161,9 @@ def megatron_fields(plan: Plan) -> dict:
     language.update(tensor_model_parallel_size=i.tp_size, pipeline_model_parallel_size=i.pp_size,
                     pipeline_dtype="bfloat16", pipeline_model_parallel_layout=megatron_layout(plan),
                     **_recompute(n_llm))
+    chunks = getattr(i, "num_chunks", 1)
+    if chunks > 1:  # the layout has P * chunks segments, chunk c of rank d at c * P + d (Megatron's order too)
+        language["virtual_pipeline_model_parallel_size"] = chunks
     vis = {"num_layers": sum(kind_of(m) == "vision_block" for m in plan.stages[0].modules)}
     if vision:
         vis.update(hidden_size=vision["hidden"], num_attention_heads=vision["num_heads"],
@@ -207,7 +215,9 @@ def torchtitan_fields(plan: Plan) -> dict:
         raise InputError("optimizer-only sharding (ZeRO-1) does not exist in torchtitan; plan with ZeRO 0 "
                          "(replicate), 2 (FSDP, reshard_after_forward never) or 3 (FSDP, reshard_after_forward "
                          "always)", source="torchtitan", field="data_parallel_shard_degree")
-    schedule = {"1f1b": "1F1B", "gpipe": "GPipe"}[plan.search.get("schedule", "1f1b")]
+    # interleaved: module_fqns_per_model_part has P x chunks parts, torchtitan's "loop" style puts part
+    # c * P + d on rank d, as omnibal's virtual stages
+    schedule = {"1f1b": "1F1B", "gpipe": "GPipe", "interleaved": "Interleaved1F1B"}[plan.search.get("schedule", "1f1b")]
     parallelism = {"pipeline_parallel_degree": i.pp_size, "pipeline_parallel_schedule": schedule,
                    "pipeline_parallel_microbatch_size": 1, "module_fqns_per_model_part": torchtitan_fqns(plan),
                    "tensor_parallel_degree": i.tp_size}

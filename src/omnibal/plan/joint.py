@@ -131,7 +131,7 @@ class JointPlanner:
         compute = float(q.compute_time[start:stop].sum())
         boundary = stage_boundary_time(q, start, stop)
         if recompute == "adaptive":
-            choice = self.solver.solve(start, stop, k, self.config.memory_budget_bytes)
+            choice = self.solver.solve(start, stop, k, self.config.stage_budget(stage))
             if choice is None:
                 return None
             ckpt, sel, rtime, mem = choice.checkpointed, choice.selective, choice.recompute_time, choice.memory_bytes
@@ -170,8 +170,11 @@ class JointPlanner:
 
     def min_memory_partition(self):
         """The partition whose largest stage memory (every layer checkpointed) is smallest: decides whether
-        any plan fits and, if not, the smallest budget that would."""
-        return min_max_partition_matrices([self.min_memory_matrix(s) for s in range(self.config.num_stages)])
+        any plan fits and, if not, the smallest budget that would (with budget shares: memory over each
+        stage's share, so the bottleneck is the budget that fits, the shares kept)."""
+        shares = self.config.budget_shares or (1.0,) * self.config.num_stages
+        return min_max_partition_matrices([self.min_memory_matrix(s) / shares[s]
+                                           for s in range(self.config.num_stages)])
 
     def check_budget(self) -> None:
         budget = self.config.memory_budget_bytes
@@ -197,7 +200,7 @@ class JointPlanner:
         feasible plan's bottleneck) they are inf; where even full recompute stays within ``lower_bound``
         (a bound the optimum cannot beat) the full-recompute time stands in (it is at most the bound, so
         no partition's value, and hence neither the optimum's value nor its feasibility, changes)."""
-        budget = self.config.memory_budget_bytes
+        budget = self.config.stage_budget(stage)
         base = self.base_time.copy()
         if budget is None:
             return base
@@ -229,13 +232,13 @@ class JointPlanner:
         # recompute only adds time, so the optimum is at least the min-max without it
         lower = min_max_partition_matrices([self.base_time] * self.config.num_stages).bottleneck
         self.num_solved = 0
-        cache: dict[int, np.ndarray] = {}
+        cache: dict[tuple, np.ndarray] = {}
         mats = []
         for s in range(self.config.num_stages):
-            k = self.in_flight[s]
-            if k not in cache:
-                cache[k] = self.time_matrix(s, upper * (1 + 1e-9), lower * (1 - 1e-9))
-            mats.append(cache[k])
+            key = (self.in_flight[s], self.config.stage_budget(s))
+            if key not in cache:
+                cache[key] = self.time_matrix(s, upper * (1 + 1e-9), lower * (1 - 1e-9))
+            mats.append(cache[key])
         part = min_max_partition_matrices(mats)
         result = self.evaluate(part.parts, "adaptive")
         assert result is not None

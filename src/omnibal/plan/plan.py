@@ -62,6 +62,10 @@ class PlanInputs:
     memory_headroom: float | None = None
     """What the budget left of the device memory (a share below 1, else GiB; None: a budget given outright,
     or an older plan)."""
+    num_chunks: int = 1
+    """Model chunks per pipeline device: 1 for one layer range per device; more for interleaved 1F1B, whose
+    ``stages`` are then the ``pp_size * num_chunks`` virtual stages in layer order (virtual stage ``c * P + d``
+    is chunk ``c`` of device ``d``)."""
 
     @property
     def layout(self) -> Layout:
@@ -156,6 +160,15 @@ class Plan:
     def num_layers(self) -> int:
         return self.stages[-1].layers[1]
 
+    @property
+    def schedule(self) -> str:
+        """The pipeline schedule the plan runs (``interleaved`` when it has several chunks per device)."""
+        return self.search.get("schedule", "1f1b")
+
+    def device_of(self, stage: int) -> int:
+        """Pipeline device (rank) of (virtual) stage ``stage``."""
+        return stage % self.inputs.pp_size
+
     def recompute_modules(self) -> tuple[str, ...]:
         return tuple(m for st in self.stages for m in st.recompute)
 
@@ -222,7 +235,7 @@ class Plan:
             "model": str, "model_spec": dict, "hardware": str, "num_gpus": int, "dp_size": int, "pp_size": int,
             "tp_size": int, "zero_stage": int, "num_microbatches": int, "memory_budget_bytes": (float, None),
             "stats_source": str, "stats_fingerprint": str, "num_samples": int, "profile": (str, None),
-            "omnibal_version": str, "stats_convention": str, "memory_headroom": (float, None)})
+            "omnibal_version": str, "stats_convention": str, "memory_headroom": (float, None), "num_chunks": int})
         if inputs.num_gpus != inputs.dp_size * inputs.pp_size * inputs.tp_size:
             raise InputError(f"num_gpus {inputs.num_gpus} != dp_size * pp_size * tp_size "
                              f"({inputs.dp_size} * {inputs.pp_size} * {inputs.tp_size})", source=source,
@@ -233,11 +246,7 @@ class Plan:
             "step_time_s": float, "epoch_time_s": float, "gpu_days": float, "bubble": float, "num_steps": int,
             "oom": bool})
         stages_raw = r.get(raw, "stages", list, "")
-        if not stages_raw:
-            raise InputError("a plan needs at least one stage", source=source, field="stages")
-        if len(stages_raw) != inputs.pp_size:
-            raise InputError(f"{len(stages_raw)} stages but pp_size is {inputs.pp_size}", source=source,
-                             field="stages")
+        _check_stage_count(stages_raw, inputs, source)
         stages = []
         expected_start = 0
         for s, st in enumerate(stages_raw):
@@ -288,6 +297,18 @@ class Plan:
         _check_values(plan, source)
         _refuse_unknown_keys(raw, source)
         return plan
+
+
+def _check_stage_count(stages_raw: list, inputs: PlanInputs, source: str) -> None:
+    """One stage per pipeline stage (per virtual stage: ``pp_size x num_chunks``), at least one."""
+    if inputs.num_chunks < 1:
+        raise InputError(f"must be >= 1, got {inputs.num_chunks}", source=source, field="inputs.num_chunks")
+    if not stages_raw:
+        raise InputError("a plan needs at least one stage", source=source, field="stages")
+    if len(stages_raw) != inputs.pp_size * inputs.num_chunks:
+        chunks = f" x {inputs.num_chunks} chunks" if inputs.num_chunks > 1 else ""
+        raise InputError(f"{len(stages_raw)} stages but pp_size is {inputs.pp_size}{chunks}", source=source,
+                         field="stages")
 
 
 def _refuse_unknown_keys(raw: dict, source: str) -> None:

@@ -17,6 +17,7 @@ The planner reduces the epoch's micro-batches to two feature vectors:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -29,7 +30,7 @@ from omnibal.cost.table import (
     recompute_codes,
 )
 from omnibal.errors import InputError
-from omnibal.layout import PLANNER_SCHEDULES, check_choice, check_layout_fields
+from omnibal.layout import PLANNER_SCHEDULES, PipelineSchedule, check_choice, check_layout_fields
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,7 +60,14 @@ class StageModelConfig:
     memory_quantile: float = 1.0
     """Per-feature quantile of the micro-batches used to size activation memory (1.0: the maximum)."""
     schedule: str = "1f1b"
-    """Pipeline schedule: ``1f1b`` (stage s holds min(P - s, M) micro-batches) or ``gpipe`` (all M)."""
+    """Pipeline schedule: ``1f1b`` (stage s holds min(P - s, M) micro-batches), ``gpipe`` (all M) or
+    ``interleaved`` (Megatron's interleaved 1F1B; ``num_stages`` then counts virtual stages)."""
+    num_chunks: int = 1
+    """Model chunks per device (``interleaved`` only, >= 2): the ``num_stages`` virtual stages are
+    ``num_chunks`` per device, virtual stage ``c * P + d`` being chunk ``c`` of device ``d``."""
+    budget_shares: tuple[float, ...] | None = None
+    """Per (virtual) stage, the share of ``memory_budget_bytes`` it may use (None: all of it). Interleaved
+    chunks share one device's memory: shares that sum to at most 1 per device keep the device within it."""
     selective_recompute: bool = False
     """Whether adaptive recompute may run transformer blocks selectively (keep the matrix products' and
     attention's outputs, recompute the element-wise ops) besides whole layers; False: whole layers only, as
@@ -77,16 +85,57 @@ class StageModelConfig:
         if not self.p2p_bandwidth > 0 or not self.p2p_latency >= 0:
             raise InputError("p2p bandwidth must be positive and latency non-negative", source="hardware",
                              field="p2p_bandwidth")
-        check_choice(self.schedule, PLANNER_SCHEDULES, source="schedule", field="schedule")
+        check_choice(self.schedule, (*PLANNER_SCHEDULES, PipelineSchedule.INTERLEAVED), source="schedule",
+                     field="schedule")
+        if (self.schedule == PipelineSchedule.INTERLEAVED) != (self.num_chunks > 1) \
+                or self.num_stages % self.num_chunks:
+            raise InputError(f"{self.num_stages} stages in {self.num_chunks} chunks per device with schedule "
+                             f"{self.schedule!r}: only interleaved runs (and needs) several chunks, and the virtual "
+                             "stages must split evenly over the devices", source="num_chunks", field="num_chunks")
+        if self.budget_shares is not None and (len(self.budget_shares) != self.num_stages
+                                               or not all(0 < w <= 1 for w in self.budget_shares)):
+            raise InputError(f"need one share in (0, 1] per stage, got {self.budget_shares!r}",
+                             source="budget_shares", field="budget_shares")
         if not 0.0 < self.memory_quantile <= 1.0:
             raise InputError(f"must be in (0, 1], got {self.memory_quantile!r}", source="memory_quantile",
                              field="memory_quantile")
 
+    @property
+    def num_devices(self) -> int:
+        """Pipeline devices (``num_stages`` over the chunks per device)."""
+        return self.num_stages // self.num_chunks
+
     def in_flight(self, stage: int) -> int:
-        """Micro-batches whose activations stage ``stage`` holds at its peak (1F1B: min(P - s, M); GPipe: M)."""
+        """Micro-batches whose activations stage ``stage`` holds at its peak (1F1B: min(P - s, M); GPipe: M;
+        interleaved: the most the schedule's op order ever holds of that chunk, ``chunk_in_flight``)."""
         if self.schedule == "gpipe":
             return self.num_microbatches
+        if self.schedule == PipelineSchedule.INTERLEAVED:
+            return chunk_in_flight(self.num_devices, self.num_microbatches, self.num_chunks)[stage]
         return min(self.num_stages - stage, self.num_microbatches)
+
+    def stage_budget(self, stage: int) -> float | None:
+        """Bytes stage ``stage`` may use: the budget, times its share when shares are set."""
+        if self.memory_budget_bytes is None or self.budget_shares is None:
+            return self.memory_budget_bytes
+        return self.memory_budget_bytes * self.budget_shares[stage]
+
+
+@lru_cache(maxsize=64)
+def chunk_in_flight(num_devices: int, num_microbatches: int, num_chunks: int) -> tuple[int, ...]:
+    """Per virtual stage ``c * P + d`` of interleaved 1F1B, the most micro-batches whose activations chunk
+    ``c`` of device ``d`` holds at once, read off the schedule's own op order
+    (:func:`omnibal.sim.schedule.inflight_masks`). Summed over a device's chunks it bounds the device's
+    peak from above (the chunks' peaks need not coincide)."""
+    from omnibal.sim.schedule import inflight_masks
+
+    masks = inflight_masks("interleaved", num_devices, num_microbatches, num_chunks)
+    out = [0] * (num_devices * num_chunks)
+    for d, mask in enumerate(masks):
+        per_chunk = mask.reshape(len(mask), num_microbatches, num_chunks).sum(axis=1).max(axis=0)
+        for c in range(num_chunks):
+            out[c * num_devices + d] = int(per_chunk[c])
+    return tuple(out)
 
 
 @dataclass(frozen=True, eq=False)

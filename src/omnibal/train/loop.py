@@ -44,11 +44,11 @@ from omnibal.train.feed import (  # noqa: F401 (re-exported)
 )
 from omnibal.train.metrics_log import MetricsLog, RankTimes, StepRecord, StepReporter, process_memory, summarize
 from omnibal.train.online import online_forward_backward
-from omnibal.train.pipeline import GradSync, StageLayout, StageRunner
+from omnibal.train.pipeline import GradSync, StageLayout, StageRunner, layout_schedule
 from omnibal.train.resume import CheckpointResume
 from omnibal.train.samples import SampleReader, placeholder_sample, real_indices
 from omnibal.train.sp import SequenceParallel, check_sp_run, sp_schedule
-from omnibal.train.stage import apply_checkpointing, build_stage, example_carry
+from omnibal.train.stage import build_rank_stages, example_carry
 
 _COUNT_FIELDS = ("targets", "samples", "tokens", "tiles", "buffer_tokens", "buffer_tiles")
 
@@ -79,8 +79,8 @@ class Trainer(CheckpointResume):
         self.dataset = dataset
         self.mode = mode
         self.num_microbatches = num_microbatches
-        self.pipeline_schedule = pipeline_schedule
-        """``1f1b`` or ``gpipe`` (pp > 1)."""
+        self.pipeline_schedule = pipeline_schedule = layout_schedule(layout, pipeline_schedule)
+        """``1f1b`` or ``gpipe`` (pp > 1); ``interleaved`` for a layout of several chunks per rank."""
         self._init_reporting(quiet=quiet, notify=notify, say=say, print_every=print_every, on_error=on_error,
                              warn=warn)
         self.checkpoint_dir = checkpoint_dir
@@ -100,7 +100,7 @@ class Trainer(CheckpointResume):
         """Whether :meth:`maybe_resume` replaced the schedule by the re-balanced rest of another world's epoch."""
 
         layer_names = [spec.name for spec, _ in model.chain()]
-        if layout.ranges[-1][1] != len(layer_names) or len(layout.ranges) != world.pp_size:
+        if layout.ranges[-1][1] != len(layer_names) or len(layout.ranges) != world.pp_size * layout.num_chunks:
             raise InputError(f"stage layout {layout.ranges} does not split the {len(layer_names)}-layer model into "
                              f"{world.pp_size} stages", source="stage_layers")
         self.schedule = schedule = self._sp_schedule(schedule, sp_degree, level_curriculum, level_warmup)
@@ -178,7 +178,7 @@ class Trainer(CheckpointResume):
                              field="level_microbatches")
         check_schedule(schedule, dp_size=self.world.dp_size, num_microbatches=num_microbatches or self.num_microbatches,
                        num_samples=None if self.dataset is None else len(self.dataset), source=source,
-                       pp_size=self.world.pp_size if self.pipeline_schedule == "1f1b" else 1)
+                       pp_size=self.world.pp_size if self.pipeline_schedule != "gpipe" else 1)
         self.step_mbs = step_microbatches(schedule)
         """Micro-batches per rank of every step (``num_microbatches`` unless the levels have their own)."""
 
@@ -187,7 +187,7 @@ class Trainer(CheckpointResume):
         """This rank's stage module (checkpointed as the layout says), its pipeline runner, optimizer and
         gradient sync."""
         world, num_microbatches = self.world, self.num_microbatches
-        start, end = self._build_stage(model, dp_sync)
+        ranges = self._build_stage(model, dp_sync)
 
         if world.pp_size > 1 and buffer is None:
             raise InputError("a pipeline needs one fixed micro-batch buffer (tiles, tokens)", source="buffer")
@@ -196,14 +196,15 @@ class Trainer(CheckpointResume):
         if world.pp_size > 1:
             kw = dict(num_tiles=buffer.tiles, num_tokens=buffer.tokens, device=world.device,
                       dtype=self.autocast or torch.float32)  # activations cross stages in the forward dtype
-            example_in = example_carry(model, start, **kw)
-            example_out = example_carry(model, end, **kw)
+            example_in, example_out = ([example_carry(model, r[k], **kw) for r in ranges] for k in (0, 1))
+            if self.layout.num_chunks == 1:
+                example_in, example_out = example_in[0], example_out[0]
         self.runner = StageRunner(self.stage_module, stage_index=world.pp_rank, num_stages=world.pp_size,
                                   device=world.device, num_microbatches=num_microbatches,
                                   schedule=pipeline_schedule, pp_group=world.pp_group,
                                   example_inputs=example_in, example_outputs=example_out,
                                   dp_group=world.dp_group, dp_size=world.dp_size, dp_sync=dp_sync,
-                                  autocast=self.autocast)
+                                  autocast=self.autocast, num_chunks=self.layout.num_chunks)
         params = [p for p in self.stage_module.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay) if params else None
         # with DDP the runner's wrapped module reduces the gradients inside the backward
@@ -219,21 +220,18 @@ class Trainer(CheckpointResume):
         """SP degree of every step (1: plain data parallel)."""
         return schedule
 
-    def _build_stage(self, model, dp_sync: str) -> tuple[int, int]:
-        """This rank's stage (its layer range of ``model``, recompute set, device) and, when a step runs with
-        an SP degree > 1, ``self.sp`` (:class:`omnibal.train.sp.SequenceParallel`; else None). Returns the
-        stage's layer range."""
-        start, end = self.layout.ranges[self.world.pp_rank]
-        self.stage_module = build_stage(model, start, end)
-        apply_checkpointing(self.stage_module, self.layout.recompute[self.world.pp_rank],
-                            self.layout.selective[self.world.pp_rank])
+    def _build_stage(self, model, dp_sync: str) -> list[tuple[int, int]]:
+        """This rank's stage (its layer range(s) of ``model``, recompute sets, device) and, when a step runs
+        with an SP degree > 1, ``self.sp`` (:class:`omnibal.train.sp.SequenceParallel`; else None). Returns the
+        stage's layer ranges (one per chunk: :func:`omnibal.train.stage.build_rank_stages`)."""
+        self.stage_module, ranges = build_rank_stages(model, self.layout, self.world.pp_rank, self.world.pp_size)
         self.stage_module.to(self.world.device)
         self.sp = None
         if self.step_sp.max(initial=1) > 1:
             check_sp_run(self.stage_module, pp_size=self.world.pp_size, mode=self.mode, dp_sync=dp_sync)
             self.sp = SequenceParallel(self.stage_module, world=self.world, degrees=set(self.step_sp.tolist()),
                                        num_heads=self.spec.llm.num_heads)
-        return start, end
+        return ranges
 
     def _sp_leader(self, step: int) -> bool:
         """Whether this rank counts its micro-batches for ``step`` (the first rank of its SP group: the

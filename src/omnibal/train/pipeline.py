@@ -108,6 +108,9 @@ class StageLayout:
     selective: tuple[tuple[str, ...], ...] = ()
     """Per stage, the names of the layers under selective recompute (:mod:`omnibal.train.recompute`;
     empty: none)."""
+    num_chunks: int = 1
+    """Model chunks per pipeline rank (an interleaved plan's: ``ranges`` are then its ``pp x num_chunks``
+    virtual stages, virtual stage ``c * pp + d`` on rank ``d``)."""
 
     def __post_init__(self) -> None:
         if not self.selective:
@@ -135,14 +138,14 @@ def load_plan_layout(path: str | Path, layer_names: Sequence[str], *, pp_size: i
         raise InputError(f"plan was made for model {plan.inputs.model!r}, this run trains {model_name!r}",
                          source=src, field="inputs.model")
     checked = validate_stage_layers([list(st.layers) for st in plan.stages], len(layer_names), source=src,
-                                    num_stages=pp_size)
+                                    num_stages=pp_size * plan.inputs.num_chunks)
     for s, ((start, end), stage) in enumerate(zip(checked, plan.stages)):
         own = tuple(layer_names[start:end])
         if stage.modules != own:
             raise InputError(f"plan names modules {list(stage.modules)} for layers [{start}, {end}) but the model "
                              f"has {list(own)}", source=src, record=f"stages[{s}]", field="modules")
     return StageLayout(checked, tuple(tuple(st.recompute) for st in plan.stages),
-                       tuple(tuple(st.selective) for st in plan.stages))
+                       tuple(tuple(st.selective) for st in plan.stages), num_chunks=plan.inputs.num_chunks)
 
 
 def resolve_layout(layer_names: Sequence[str], *, pp_size: int, mode: str,
@@ -181,7 +184,19 @@ def resolve_layout(layer_names: Sequence[str], *, pp_size: int, mode: str,
         if both:
             raise InputError(f"layers both recomputed whole and selectively: {both}", source="--selective",
                              record=f"stage {s}")
-    return StageLayout(tuple(ranges), sets, sel)
+    chunks = plan.num_chunks if plan is not None and stage_layers is None else 1  # the plan's virtual stages
+    return StageLayout(tuple(ranges), sets, sel, num_chunks=chunks)
+
+
+def layout_schedule(layout: StageLayout, schedule: str) -> str:
+    """The pipeline schedule a layout runs: ``interleaved`` for several chunks per rank (what a ``1f1b`` run
+    of an interleaved plan becomes), else ``schedule``; GPipe with chunks is refused."""
+    if layout.num_chunks == 1:
+        return schedule
+    if schedule == "gpipe":
+        raise InputError(f"the plan runs {layout.num_chunks} model chunks per stage (interleaved 1F1B); it cannot run "
+                         "under GPipe", source="--schedule", field="schedule")
+    return "interleaved"
 
 
 def _explicit_sets(given, layer_names: Sequence[str], ranges, flag: str) -> tuple[tuple[str, ...], ...]:
@@ -276,10 +291,14 @@ class StageRunner:
                  num_microbatches: int, schedule: str = "1f1b", pp_group=None,
                  example_inputs: Sequence[torch.Tensor] | None = None,
                  example_outputs: Sequence[torch.Tensor] | None = None,
-                 dp_group=None, dp_size: int = 1, dp_sync: str = "flat", autocast: torch.dtype | None = None):
+                 dp_group=None, dp_size: int = 1, dp_sync: str = "flat", autocast: torch.dtype | None = None,
+                 num_chunks: int = 1):
         if dp_sync not in DP_SYNCS:
             raise InputError(f"dp_sync must be one of {', '.join(DP_SYNCS)}, got {dp_sync!r}", source="dp_sync",
                              field="dp_sync")
+        self.num_chunks = _check_chunks(stage_module, num_chunks, schedule, num_stages, dp_sync, dp_size)
+        """Model chunks of this rank (``interleaved``: ``stage_module`` is an ``nn.ModuleList`` of them, chunk
+        ``c`` being virtual stage ``c * num_stages + stage_index``, and the examples are per chunk)."""
         # DDP averages gradients over the DP group; the loss is normalised by the *global* target count, so
         # its gradients must be summed: the loss is multiplied by dp_size to cancel DDP's division
         self.ddp = dp_sync == "ddp" and dp_size > 1
@@ -293,7 +312,8 @@ class StageRunner:
         self.num_microbatches = num_microbatches
         """Micro-batches of a step that does not say (a multi-level schedule's steps pass their own count)."""
         self._scale = 1.0
-        self._input_shapes = None if example_inputs is None else [(tuple(t.shape), t.dtype) for t in example_inputs]
+        first_inputs = example_inputs if self.num_chunks == 1 or example_inputs is None else example_inputs[0]
+        self._input_shapes = None if first_inputs is None else [(tuple(t.shape), t.dtype) for t in first_inputs]
         self._pipes: dict[int, tuple] = {}
         """Micro-batch count -> (PipelineStage, pipeline schedule), built at the first step of that count."""
         if num_stages == 1:
@@ -302,32 +322,41 @@ class StageRunner:
             return
         if example_inputs is None or example_outputs is None:
             raise ValueError("a pipeline stage needs example inputs and outputs (fixed shapes)")
-        guarded = ShapeGuard(stage_module, stage_index, None if stage_index == num_stages - 1 else example_outputs)
-        self._guarded = guarded
-        # a DDP-wrapped stage: torch.distributed.pipelining skips the gradient all-reduce (no_sync) on every
-        # backward but the last micro-batch's, where DDP's buckets reduce while the backward still runs
-        self._submod = _wrap_ddp(guarded, dp_group, device) if self.ddp else guarded
-        self._pipe_args = dict(examples=(tuple(example_inputs), tuple(example_outputs)), group=pp_group,
-                               kind=schedule)
+        if self.num_chunks > 1:
+            last = self.num_chunks * num_stages - 1
+            self._submods = [ShapeGuard(chunk, c * num_stages + stage_index,
+                                        None if c * num_stages + stage_index == last else example_outputs[c])
+                             for c, chunk in enumerate(stage_module)]
+            self._examples = [(tuple(example_inputs[c]), tuple(example_outputs[c])) for c in range(self.num_chunks)]
+        else:
+            guarded = ShapeGuard(stage_module, stage_index,
+                                 None if stage_index == num_stages - 1 else example_outputs)
+            # a DDP-wrapped stage: torch.distributed.pipelining skips the gradient all-reduce (no_sync) on every
+            # backward but the last micro-batch's, where DDP's buckets reduce while the backward still runs
+            self._submods = [_wrap_ddp(guarded, dp_group, device) if self.ddp else guarded]
+            self._examples = [(tuple(example_inputs), tuple(example_outputs))]
+        self._pipe_args = dict(group=pp_group, kind=schedule)
         self._pipe(num_microbatches)  # the common count now: its construction errors surface at start
 
     def _pipe(self, count: int) -> tuple:
-        """The (PipelineStage, schedule) of ``count`` micro-batches, built on first use (see the module
-        docstring: one stage cannot serve two counts)."""
+        """The (PipelineStages of this rank, schedule) of ``count`` micro-batches, built on first use (see the
+        module docstring: one stage cannot serve two counts)."""
         if count not in self._pipes:
             # torch's pipelining (tracer, export machinery): only pipeline stages need it
-            from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+            from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-            inputs, outputs = self._pipe_args["examples"]
-            stage = _make_timed_stage_class()(self._submod, self.stage_index, self.num_stages, self.device,
-                                              input_args=inputs, output_args=outputs, group=self._pipe_args["group"])
-            cls = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[self._pipe_args["kind"]]
+            timed, p, v = _make_timed_stage_class(), self.num_stages, self.num_chunks
+            stages = [timed(submod, c * p + self.stage_index, p * v, self.device, input_args=inputs,
+                            output_args=outputs, group=self._pipe_args["group"])
+                      for c, (submod, (inputs, outputs)) in enumerate(zip(self._submods, self._examples))]
+            cls = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe,
+                   "interleaved": ScheduleInterleaved1F1B}[self._pipe_args["kind"]]
             try:
-                schedule = cls(stage, count, loss_fn=self._loss_fn, scale_grads=False)
+                schedule = cls(stages if v > 1 else stages[0], count, loss_fn=self._loss_fn, scale_grads=False)
             except ValueError as exc:  # 1F1B: fewer micro-batches than stages
                 raise InputError(f"{count} micro-batches in a step: {exc}", source="schedule",
                                  field="num_microbatches") from None
-            self._pipes[count] = (stage, schedule)
+            self._pipes[count] = (stages, schedule)
         return self._pipes[count]
 
     def _loss_fn(self, output, target):
@@ -365,8 +394,9 @@ class StageRunner:
         if self.num_stages == 1:
             return self._accumulate(microbatches, self.module if module is None else module, count)
         assert module is None, "a pipeline stage runs its own module"
-        stage, schedule = self._pipe(count)
-        stage.compute_s = 0.0
+        stages, schedule = self._pipe(count)
+        for stage in stages:
+            stage.compute_s = 0.0
         args = ()
         if self.stage_index == 0:
             assert microbatches is not None
@@ -381,7 +411,7 @@ class StageRunner:
             else:
                 schedule.step(*args, return_outputs=False)
         loss_sum = float(sum(loss.detach().float().item() for loss in losses)) if losses else 0.0
-        return StepResult(loss_sum=loss_sum / self._grad_multiplier, compute_s=stage.compute_s)
+        return StepResult(loss_sum=loss_sum / self._grad_multiplier, compute_s=sum(s.compute_s for s in stages))
 
     def precision(self):
         """The context every forward of this stage runs in: ``torch.autocast`` to :attr:`autocast`, or none."""
@@ -407,6 +437,25 @@ class StageRunner:
             compute += time.perf_counter() - t0
             loss_sum += float(loss.detach().item())
         return StepResult(loss_sum=loss_sum / self._grad_multiplier, compute_s=compute)
+
+
+def _check_chunks(stage_module: nn.Module, num_chunks: int, schedule: str, num_stages: int, dp_sync: str,
+                  dp_size: int) -> int:
+    """``num_chunks`` checked against the schedule and the module (an ``nn.ModuleList`` of that many chunks
+    when > 1, interleaved only, across pipeline stages, with the flat gradient sync)."""
+    if not is_int(num_chunks) or num_chunks < 1:
+        raise InputError(f"must be a positive integer, got {num_chunks!r}", source="num_chunks", field="num_chunks")
+    if (schedule == "interleaved") != (num_chunks > 1):
+        raise InputError(f"schedule {schedule!r} with {num_chunks} model chunks per stage: only 'interleaved' runs "
+                         "(and needs) more than one", source="num_chunks", field="num_chunks")
+    if num_chunks > 1:
+        if num_stages < 2 or not isinstance(stage_module, nn.ModuleList) or len(stage_module) != num_chunks:
+            raise InputError(f"interleaved 1F1B needs pipeline stages and one module per chunk ({num_chunks})",
+                             source="num_chunks", field="num_chunks")
+        if dp_sync == "ddp" and dp_size > 1:
+            raise InputError("interleaved 1F1B runs several stages per rank; sum their gradients with the flat "
+                             "all-reduce (--dp-sync flat)", source="dp_sync", field="dp_sync")
+    return int(num_chunks)
 
 
 def _wrap_ddp(module: nn.Module, dp_group, device: torch.device) -> nn.Module:

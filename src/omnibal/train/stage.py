@@ -157,3 +157,18 @@ def apply_checkpointing(stage: Stage, layer_names: Iterable[str], selective: Ite
                          field="selective")
     stage.recompute, stage.selective = names, sel
     return stage
+
+
+def build_rank_stages(model, layout, pp_rank: int, pp_size: int) -> tuple[nn.Module, list[tuple[int, int]]]:
+    """Pipeline rank ``pp_rank``'s stage module (checkpointed as ``layout`` says) and its layer ranges: one
+    :class:`Stage`, or, for an interleaved layout (``layout.num_chunks`` > 1, ``layout.ranges`` per virtual
+    stage), an ``nn.ModuleList`` of its chunks, chunk ``c`` being virtual stage ``c * pp_size + pp_rank``."""
+    chunks = getattr(layout, "num_chunks", 1)
+    owned = [c * pp_size + pp_rank for c in range(chunks)]
+    stages = []
+    for s in owned:
+        start, end = layout.ranges[s]
+        stage = build_stage(model, start, end)
+        apply_checkpointing(stage, layout.recompute[s], layout.selective[s])
+        stages.append(stage)
+    return (stages[0] if chunks == 1 else nn.ModuleList(stages)), [layout.ranges[s] for s in owned]
