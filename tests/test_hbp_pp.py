@@ -121,3 +121,27 @@ def _three_levels():
 
     sched = hbp_schedule(tiny_stats())
     return replace(sched, level_sp=(1, 2, 2), level_microbatches=(4, 2, 2))
+
+
+def test_the_schedules_level_sets_reach_the_layout_of_their_model_only():
+    """``omnibal plan --hbp`` records each level's sets in the schedule's ``meta.hbp``; the run applies them
+    when it trains the model they were planned for, and says so when it does not."""
+    from dataclasses import replace
+
+    from dist_helpers import tiny_spec
+    from omnibal.train.level_recompute import schedule_level_layout
+    from omnibal.train.pipeline import resolve_layout
+
+    names = [layer.name for layer in tiny_spec().layers()]
+    layout = resolve_layout(names, pp_size=2, mode="omnibal", stage_layers=SPLITS["inside llm"])
+    sched = hbp_schedule(tiny_stats())
+    assert schedule_level_layout(layout, sched, names, model_name="dist-test-tiny") is layout  # none recorded
+    recorded = {"model": "dist-test-tiny", "level_recompute": [list(s) for s in LEVEL_RECOMPUTE],
+                "level_selective": [list(s) for s in LEVEL_SELECTIVE]}
+    planned = replace(sched, meta={"hbp": recorded})
+    got = schedule_level_layout(layout, planned, names, model_name="dist-test-tiny")
+    assert got.level_recompute == ((("vision.blocks.0",), ()), (("vision.blocks.1", "llm.blocks.0"), ()))
+    assert got.level_selective == (((), ()), ((), ("llm.blocks.1",)))
+    told = []
+    assert schedule_level_layout(layout, planned, names, model_name="other", notify=told.append) is layout
+    assert told and "dist-test-tiny" in told[0]

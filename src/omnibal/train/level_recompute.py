@@ -82,3 +82,19 @@ class LevelRecompute:
             apply_checkpointing(stage, self.whole[level], self.part[level])
             self.current = level
         return level
+
+
+def schedule_level_layout(layout, schedule, layer_names: Sequence[str], *, model_name: str, notify=None):
+    """``layout`` with the per-level recompute sets a multi-level schedule records (``meta.hbp``, written by
+    ``omnibal plan --hbp`` for its model): unchanged when it records none, or when they were chosen for
+    another model (``notify(line)`` is told: every level then runs the layout's sets)."""
+    meta = (getattr(schedule, "meta", None) or {}).get("hbp") or {}
+    if meta.get("level_recompute") is None or getattr(schedule, "levels", None) is None:
+        return layout
+    if meta.get("model") != model_name:
+        if notify is not None:
+            notify(f"the schedule's per-level recompute sets were planned for model {meta.get('model')!r}; this run "
+                   f"trains {model_name!r}: every level runs the stage layout's recompute sets")
+        return layout
+    return level_layout(layout, layer_names, level_recompute=meta["level_recompute"],
+                        level_selective=meta.get("level_selective"), source=getattr(schedule, "source", "schedule"))
