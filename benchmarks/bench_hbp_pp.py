@@ -1,6 +1,6 @@
 """Measured throughput of HBP levels inside a pipeline (SP x PP x DP) in the reference trainer, on CPU.
 
-    PYTHONPATH=src python benchmarks/bench_hbp_pp.py [--mixture-samples 96] [--repeats 1]
+    PYTHONPATH=src python -m benchmarks.bench_hbp_pp [--mixture-samples 96] [--repeats 1]
 
 Four gloo ranks (dp 2 x pp 2, one torch thread each; this host has 2 cores, so the ranks share them), the
 ``tiny`` preset (4 LLM heads) split evenly into 2 stages, 1F1B, synthetic pixels/tokens shaped like the data
@@ -81,8 +81,16 @@ def rank_run(schedule, stats):
     return {"records": records}
 
 
+def max_rank_tokens(schedule, step_sp, stats) -> int:
+    """The most LLM tokens one rank holds in one micro-batch (its pack / its step's SP degree)."""
+    from omnibal.train.feed import step_microbatches
+
+    tokens, counts = stats.tokens, step_microbatches(schedule)
+    return max(-(-int(tokens[schedule.microbatch(s, r, k)].sum()) // int(step_sp[s]))
+               for s in range(schedule.num_steps) for r in range(schedule.dp_size) for k in range(int(counts[s])))
+
+
 def measure(name: str, schedule, stats) -> dict:
-    from benchmarks.bench_sp import max_rank_tokens
     from omnibal.train.distributed import spawn_local
     from omnibal.train.sp import step_degrees
 
@@ -112,10 +120,15 @@ def render(doc: dict) -> str:
 
     rows = doc["rows"]
     base = next(r for r in rows if r["config"] == "one level pp2")
-    head = ["config", "SP per level", "micro-batches per level", "steps", "samples/s", "samples/CPU-s",
-            "samples/compute-s", "vs one level (CPU-s)", "max tokens/rank"]
-    body = [[r["config"], r["level_sp"], r["level_microbatches"], r["steps"], f"{r['samples_per_s']:.3f}",
-             f"{r['samples_per_cpu_s']:.3f}", f"{r['samples_per_compute_s']:.3f}",
+    head = ["config", "SP per level", "micro-batches per level", "steps", "samples/s (range)",
+            "samples/CPU-s (range)", "samples/compute-s", "vs one level (CPU-s)", "max tokens/rank"]
+
+    def spread(r, key):
+        got = [g[key] for g in doc["repeat_rows"][r["config"]]]
+        return f"{r[key]:.3f} ({min(got):.2f}-{max(got):.2f})"
+
+    body = [[r["config"], r["level_sp"], r["level_microbatches"], r["steps"], spread(r, "samples_per_s"),
+             spread(r, "samples_per_cpu_s"), f"{r['samples_per_compute_s']:.3f}",
              f"{r['samples_per_cpu_s'] / base['samples_per_cpu_s']:.2f}x", r["max_rank_tokens"]] for r in rows]
     return "\n".join([
         "# HBP inside a pipeline on CPU (dp 2 x pp 2, 4 gloo ranks on 2 cores)", "",
