@@ -29,6 +29,7 @@ ALL=(
   bench_online_hf         # online vs offline on the HF checkpoint
   bench_hbp               # HBP vs single-level packing, predicted (long-context mixture)
   bench_sp                # Ulysses SP and HBP levels on the CPU trainer
+  bench_hbp_pp            # HBP levels inside a pipeline (dp 2 x pp 2) on the CPU trainer
 )
 names=("${@:-${ALL[@]}}")
 for name in "${names[@]}"; do

@@ -83,4 +83,4 @@ def rank_ragged_epoch(dp: int, pp: int, level_sp: tuple, checkpoint_dir, ledger_
                for r in trainer.log.records] if world.rank == 0 else None
     destroy_world()
     return {"rank": world.rank, "steps": steps, "records": records, "start": start,
-            "pipes": sorted(trainer.runner._pipes)}
+            "pipes": sorted(count for count, _ in trainer.runner._pipes)}

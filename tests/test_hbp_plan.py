@@ -168,6 +168,14 @@ def test_training_schedule_covers_every_row_or_is_none_for_a_plain_winner(small_
     sched = training_schedule(config, hbp, result, stats)
     assert np.all(sched.sample_counts() == 1) and sched.level_sp == result.schedule.level_sp
     assert sched.level_microbatches == result.schedule.level_microbatches
+    # each level's recompute choice travels to the trainer by layer name (partition-free)
+    meta, hbp_row = sched.meta["hbp"], result.row("hbp")
+    from omnibal.cost.presets import get_model_preset
+
+    assert meta["model"] == get_model_preset("internvl2-8b").name
+    assert [len(names) for names in meta["level_recompute"]] == [lv.checkpointed for lv in hbp_row.levels]
+    assert [len(names) for names in meta["level_selective"]] == [lv.selective for lv in hbp_row.levels]
+    assert meta["stage_cuts"] == list(hbp_row.parts)
     plain = balance(stats, dp_size=SMALL_JOB["dp_size"], num_microbatches=2)
     assert training_schedule(config, hbp, replace(result, schedule=plain), stats) is None
 

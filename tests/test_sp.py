@@ -220,8 +220,8 @@ def test_config_and_cli_refuse_what_sp_does_not_run():
     from omnibal.train.config import TrainConfig
 
     assert TrainConfig(dp_size=4, sp_degree=2).sp_degree == 2
+    assert TrainConfig(dp_size=2, pp_size=2, num_microbatches=4, sp_degree=2).world_size == 4  # SP inside stages
     for kwargs, match in (({"dp_size": 3, "sp_degree": 2}, "does not divide the 3"),
-                          ({"dp_size": 2, "pp_size": 2, "num_microbatches": 4, "sp_degree": 2}, "pp = 1"),
                           ({"dp_size": 2, "sp_degree": 2, "dp_sync": "ddp"}, "dp_sync flat"),
                           ({"dp_size": 2, "sp_degree": 0}, "positive integer")):
         with pytest.raises(InputError, match=match) as err:

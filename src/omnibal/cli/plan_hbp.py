@@ -86,4 +86,5 @@ def _say_training_schedule(sched, path: Path, stats) -> None:
     counts = "" if sched.level_microbatches is None else f", micro-batches per level {list(sched.level_microbatches)}"
     print(f"wrote {path}: {sched.num_steps:,} steps over every row of {stats.source} (levels "
           f"{sched.meta['hbp']['level_lengths']}, SP {list(sched.level_sp)}{counts}); the reference trainer runs it "
-          f"with --schedule-file and --microbatches {sched.num_microbatches} (SP levels at pp 1)")
+          f"with --schedule-file and --microbatches {sched.num_microbatches} (each SP level inside every pipeline "
+          f"stage, with its own recompute sets)")

@@ -101,7 +101,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                "--microbatches x this many samples per rank per step")
     s = parser.add_argument_group("sequence parallelism")
     s.add_argument("--sp-degree", type=int, default=1, help="Ulysses SP degree: each group of N consecutive DP ranks "
-                   "splits every pack (data balanced for dp/N groups; pp 1). A multi-level schedule sets its own")
+                   "splits every pack (data balanced for dp/N groups; with --pp, inside each stage). A multi-level "
+                   "schedule sets its own")
     s.add_argument("--level-curriculum", type=int, default=0, metavar="EPOCHS",
                    help="multi-level schedule of one of the first EPOCHS epochs: short levels first (default 0)")
     s.add_argument("--level-warmup", type=int, default=0, metavar="STEPS",

@@ -55,7 +55,7 @@ class HBPPlanConfig:
     """HBP settings of a plan."""
 
     sp_degrees: tuple[int, ...] = (1, 2, 4, 8)
-    """SP degrees a level may use (each divides dp_size; 8 = one node of A100s)."""
+    """SP degrees a level may use (those dividing dp_size and the LLM's attention heads; 8 = one node of A100s)."""
     max_levels: int = 5
     """Most levels (the simulator keeps fewer when they are faster)."""
     candidate_lengths: tuple[int, ...] | None = None
@@ -124,10 +124,14 @@ class LevelResult:
     sp_trials: tuple[tuple[int, float], ...] = ()
     """``(SP degree, simulated seconds of this level)`` for every degree the simulator tried on this level,
     the other levels fixed (:func:`omnibal.hbp.search.refine_sp`); empty when the degree was not searched."""
+    recompute_mask: tuple[int, ...] = ()
+    """The level's recompute code of every layer of the chain (``omnibal.cost.table`` codes: none, full,
+    selective): what the trainer runs on the level's steps (:func:`omnibal.jobs.hbp.level_recompute_names`)."""
 
     def to_dict(self) -> dict:
         out = {k: getattr(self, k) for k in self.__dataclass_fields__}
         out["sp_trials"] = [[int(d), float(t)] for d, t in self.sp_trials]
+        out["recompute_mask"] = [int(c) for c in self.recompute_mask]
         return out
 
 
@@ -219,10 +223,11 @@ def stats_level_cost_model(ctx: HBPContext, hbp: HBPPlanConfig, stats) -> LevelC
 
 def level_cost_model(ctx: HBPContext, hbp: HBPPlanConfig, tiles_per_token: float) -> LevelCostModel:
     """The :class:`LevelCostModel` of this model, cluster and memory budget (seconds per sample)."""
-    degrees = tuple(d for d in hbp.sp_degrees if ctx.dp_size % d == 0)
+    heads = int(ctx.spec.llm.num_heads)  # Ulysses gives each rank of a group heads/d of them
+    degrees = tuple(d for d in hbp.sp_degrees if ctx.dp_size % d == 0 and heads % d == 0)
     if not degrees:
-        raise InputError(f"no SP degree of {hbp.sp_degrees} divides dp_size {ctx.dp_size}", field="sp_degrees",
-                         source="--hbp")
+        raise InputError(f"no SP degree of {hbp.sp_degrees} divides both dp_size {ctx.dp_size} and the LLM's {heads} "
+                         "attention heads", field="sp_degrees", source="--hbp")
     a2a = [float(ulysses_a2a_time(ctx.table, ctx.spec, ctx.hardware, d, tp_size=ctx.sim_config.tp_size,
                                   dtype_bytes=hbp.dtype_bytes)[:, 2].sum()) for d in degrees]
     # the estimate works in whole-model seconds, the pipeline spreads them over its stages
@@ -300,7 +305,8 @@ def simulate_levels(ctx: HBPContext, hbp: HBPPlanConfig, level_feats, lengths, *
             length=int(length), sp=int(d), steps=int(len(feats)), microbatches=int(feats.shape[2]), samples=samples,
             checkpointed=int((mask == RECOMPUTE_FULL).sum()), selective=int((mask == RECOMPUTE_SELECTIVE).sum()),
             time_s=res.total_time * ctx.epoch_scale, a2a_share=comm / busy if busy > 0 else 0.0,
-            oom_steps=int(res.oom.any(axis=(1, 2)).sum()) if res.oom is not None else 0))
+            oom_steps=int(res.oom.any(axis=(1, 2)).sum()) if res.oom is not None else 0,
+            recompute_mask=tuple(int(c) for c in mask)))
     total = sum(r.time_s for r in results)
     return HBPRow(name=name, levels=tuple(results), epoch_time_s=total,
                   gpu_days=total * ctx.num_gpus / SECONDS_PER_DAY, parts=parts,

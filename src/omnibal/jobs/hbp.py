@@ -114,7 +114,25 @@ def training_schedule(config, hbp: HBPPlanConfig, result: HBPPlanResult, stats):
                       microbatches=meta["config"]["microbatches"], step_tokens=meta["config"]["step_tokens"],
                       min_microbatches=meta["config"].get("min_microbatches", 1))
     ctx = hbp_context(config, num_samples=len(stats), balanced_samples=len(stats))
-    return ctx.balance(stats, level)
+    sched = ctx.balance(stats, level)
+    row = result.row("hbp")
+    if len(row.levels) == len(sched.level_sp) and all(r.recompute_mask for r in row.levels):
+        sched.meta["hbp"].update(model=ctx.spec.name, **level_recompute_names(row, ctx.table.names))
+    return sched
+
+
+def level_recompute_names(row, names) -> dict:
+    """Per level of ``row`` (an :class:`omnibal.hbp.planning.HBPRow`), the chain layers (``names``) recomputed whole
+    and selectively, and the row's stage cuts, as the training schedule records them (``meta.hbp``;
+    :mod:`omnibal.train.level_recompute` applies them)."""
+    from omnibal.cost.table import RECOMPUTE_FULL, RECOMPUTE_SELECTIVE
+
+    def chosen(mask, code):
+        return [str(n) for n, c in zip(names, mask) if int(c) == code]
+
+    return {"level_recompute": [chosen(r.recompute_mask, RECOMPUTE_FULL) for r in row.levels],
+            "level_selective": [chosen(r.recompute_mask, RECOMPUTE_SELECTIVE) for r in row.levels],
+            "stage_cuts": [int(c) for c in row.parts]}
 
 
 def _hours(seconds: float) -> str:

@@ -48,7 +48,8 @@ class TrainConfig:
     """Sequence-parallel degree of a single-level run (:mod:`omnibal.train.sp`): every ``sp_degree``
     consecutive DP ranks form one group that splits each pack's tokens (Ulysses) and tiles, so the data is
     balanced for ``dp_size / sp_degree`` groups. A multi-level (HBP) schedule sets its own degrees per level
-    (leave this at 1). Needs pp = 1, dp_sync flat, the reference VLM."""
+    (leave this at 1). Needs dp_sync flat and the reference VLM; with pp > 1 each pipeline stage's group is
+    the ranks of that stage (:mod:`omnibal.train.sp_pipe`)."""
     level_curriculum: int = 0
     """HBP's curriculum: in a multi-level schedule of one of the first ``level_curriculum`` epochs (its
     ``epoch`` field), the short levels' steps (smaller SP degree) run first. 0: the schedule's order."""
@@ -241,7 +242,7 @@ class TrainConfig:
         if self.dp_size % self.sp_degree:
             raise InputError(f"SP degree {self.sp_degree} does not divide the {self.dp_size} data-parallel ranks "
                              f"(an SP group is {self.sp_degree} consecutive ranks)", source=src, field="sp_degree")
-        for bad, why in ((self.pp_size != 1, "pp = 1"), (self.mode == "online", "baseline or omnibal mode"),
+        for bad, why in ((self.mode == "online", "baseline or omnibal mode"),
                          (self.dp_sync != "flat", "dp_sync flat"), (self.hf_model is not None, "the reference VLM"),
                          (self.reshard, "no reshard")):
             if bad:

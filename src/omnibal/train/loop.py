@@ -42,12 +42,14 @@ from omnibal.train.feed import (  # noqa: F401 (re-exported)
     schedule_fingerprint,
     step_microbatches,
 )
+from omnibal.train.level_recompute import LevelRecompute
 from omnibal.train.metrics_log import MetricsLog, RankTimes, StepRecord, StepReporter, process_memory, summarize
 from omnibal.train.online import online_forward_backward
 from omnibal.train.pipeline import GradSync, StageLayout, StageRunner, layout_schedule
 from omnibal.train.resume import CheckpointResume
 from omnibal.train.samples import SampleReader, placeholder_sample, real_indices
-from omnibal.train.sp import SequenceParallel, check_sp_run, sp_schedule
+from omnibal.train.sp import sp_schedule
+from omnibal.train.sp_pipe import build_sp
 from omnibal.train.stage import build_rank_stages, example_carry
 
 _COUNT_FIELDS = ("targets", "samples", "tokens", "tiles", "buffer_tokens", "buffer_tiles")
@@ -209,6 +211,9 @@ class Trainer(CheckpointResume):
         self.optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay) if params else None
         # with DDP the runner's wrapped module reduces the gradients inside the backward
         self.grad_sync = GradSync(params, world.dp_group, 1 if self.runner.ddp else world.dp_size)
+        self.sp = build_sp(model, self.stage_module, world=world, runner=self.runner, step_sp=self.step_sp.tolist(),
+                           mode=self.mode, dp_sync=dp_sync, buffer=buffer, dtype=self.autocast or torch.float32)
+        """The run's sequence parallelism (:class:`omnibal.train.sp.SequenceParallel`; None: no step uses SP)."""
 
     # ---------------------------------------------------------------------------------------------- SP
 
@@ -221,16 +226,15 @@ class Trainer(CheckpointResume):
         return schedule
 
     def _build_stage(self, model, dp_sync: str) -> list[tuple[int, int]]:
-        """This rank's stage (its layer range(s) of ``model``, recompute sets, device) and, when a step runs
-        with an SP degree > 1, ``self.sp`` (:class:`omnibal.train.sp.SequenceParallel`; else None). Returns the
-        stage's layer ranges (one per chunk: :func:`omnibal.train.stage.build_rank_stages`)."""
-        self.stage_module, ranges = build_rank_stages(model, self.layout, self.world.pp_rank, self.world.pp_size)
-        self.stage_module.to(self.world.device)
-        self.sp = None
-        if self.step_sp.max(initial=1) > 1:
-            check_sp_run(self.stage_module, pp_size=self.world.pp_size, mode=self.mode, dp_sync=dp_sync)
-            self.sp = SequenceParallel(self.stage_module, world=self.world, degrees=set(self.step_sp.tolist()),
-                                       num_heads=self.spec.llm.num_heads)
+        """This rank's stage (its layer range(s) of ``model``, recompute sets, device; with per-level sets,
+        ``self.level_recompute`` puts each step's level's sets on it). Returns the stage's layer ranges (one
+        per chunk: :func:`omnibal.train.stage.build_rank_stages`)."""
+        w = self.world
+        self.stage_module, ranges = build_rank_stages(model, self.layout, w.pp_rank, w.pp_size)
+        self.stage_module.to(w.device)
+        owned = [c * w.pp_size + w.pp_rank for c in range(self.layout.num_chunks)]
+        self.level_recompute = LevelRecompute(self.layout, self.schedule, stage_indices=owned) \
+            if self.layout.level_recompute else None
         return ranges
 
     def _sp_leader(self, step: int) -> bool:
@@ -307,7 +311,10 @@ class Trainer(CheckpointResume):
         self._cpu_start = time.process_time()
         counts = torch.zeros(len(_COUNT_FIELDS), dtype=torch.float64)
         carries = None
-        module = self.sp.activate(int(self.step_sp[step])) if self.sp is not None else None
+        degree = int(self.step_sp[step])
+        module = self.sp.activate(degree) if self.sp is not None else None
+        if self.level_recompute is not None:
+            self.level_recompute.apply(self.stage_module, self.schedule, step)
         self._fed = []
         if w.is_first_stage:
             batches = self._step_batches(step)
@@ -326,7 +333,7 @@ class Trainer(CheckpointResume):
             self._all_reduce(counts)
             self._counts = dict(zip(_COUNT_FIELDS, counts.tolist()))
             result = self.runner.run_step(carries, global_targets=self._counts["targets"], module=module,
-                                          num_microbatches=int(self.step_mbs[step]))
+                                          variant=degree, num_microbatches=int(self.step_mbs[step]))
             t_sync = time.perf_counter()
             self.grad_sync()
             times.dp_sync_s = time.perf_counter() - t_sync

@@ -14,7 +14,8 @@ has one ``n_microbatches``, and one ``PipelineStage`` cannot serve schedules of 
 sizes the stage's receive buffers and chunk count (``_prepare_forward_infra`` / ``_setup_backward_recv_info``)
 once, at its first step, so after a 2-micro-batch schedule has run, a 4-micro-batch one on the same stage
 fails with "Chunk id 2 is out of range [0, 2)" (torch 2.13, gloo, checked). The runner therefore keeps one
-(stage, schedule) pair per distinct count, built at the first step of that count -- every rank of the
+(stage, schedule) pair per distinct count (and variant: a sequence-parallel degree has boundary shapes of
+its own, :mod:`omnibal.train.sp_pipe`), built at the first step of that count -- every rank of the
 pipeline reaches it at the same step, as the count is a function of the step -- all around the one stage
 module (and its one DDP wrapper). Each pair holds its own receive buffers (count x the fixed buffer).
 
@@ -111,6 +112,12 @@ class StageLayout:
     num_chunks: int = 1
     """Model chunks per pipeline rank (an interleaved plan's: ``ranges`` are then its ``pp x num_chunks``
     virtual stages, virtual stage ``c * pp + d`` on rank ``d``)."""
+    level_recompute: tuple[tuple[tuple[str, ...], ...], ...] = ()
+    """Per level of a multi-level (HBP) schedule, per stage (per virtual stage when interleaved), the layers
+    recomputed whole on that level's steps (empty: every step uses ``recompute``;
+    :mod:`omnibal.train.level_recompute`)."""
+    level_selective: tuple[tuple[tuple[str, ...], ...], ...] = ()
+    """As ``level_recompute``, the layers under selective recompute."""
 
     def __post_init__(self) -> None:
         if not self.selective:
@@ -314,8 +321,13 @@ class StageRunner:
         self._scale = 1.0
         first_inputs = example_inputs if self.num_chunks == 1 or example_inputs is None else example_inputs[0]
         self._input_shapes = None if first_inputs is None else [(tuple(t.shape), t.dtype) for t in first_inputs]
-        self._pipes: dict[int, tuple] = {}
-        """Micro-batch count -> (PipelineStage, pipeline schedule), built at the first step of that count."""
+        self._pipes: dict[tuple[int, int], tuple] = {}
+        """(micro-batch count, variant) -> (PipelineStages of this rank, pipeline schedule), built at the first
+        step of that count and variant."""
+        self._variants: dict[int, tuple] = {}
+        """Variant -> (modules the pipeline stages run, one per chunk; their (example inputs, example
+        outputs)): 1 is the stage itself, others e.g. its sequence-parallel wrapper of that degree
+        (:meth:`add_variant`)."""
         if num_stages == 1:
             if self.ddp:
                 self.module = _wrap_ddp(stage_module, dp_group, device)
@@ -324,31 +336,43 @@ class StageRunner:
             raise ValueError("a pipeline stage needs example inputs and outputs (fixed shapes)")
         if self.num_chunks > 1:
             last = self.num_chunks * num_stages - 1
-            self._submods = [ShapeGuard(chunk, c * num_stages + stage_index,
-                                        None if c * num_stages + stage_index == last else example_outputs[c])
-                             for c, chunk in enumerate(stage_module)]
-            self._examples = [(tuple(example_inputs[c]), tuple(example_outputs[c])) for c in range(self.num_chunks)]
+            submods = [ShapeGuard(chunk, c * num_stages + stage_index,
+                                  None if c * num_stages + stage_index == last else example_outputs[c])
+                       for c, chunk in enumerate(stage_module)]
+            examples = [(tuple(example_inputs[c]), tuple(example_outputs[c])) for c in range(self.num_chunks)]
         else:
             guarded = ShapeGuard(stage_module, stage_index,
                                  None if stage_index == num_stages - 1 else example_outputs)
             # a DDP-wrapped stage: torch.distributed.pipelining skips the gradient all-reduce (no_sync) on every
             # backward but the last micro-batch's, where DDP's buckets reduce while the backward still runs
-            self._submods = [_wrap_ddp(guarded, dp_group, device) if self.ddp else guarded]
-            self._examples = [(tuple(example_inputs), tuple(example_outputs))]
+            submods = [_wrap_ddp(guarded, dp_group, device) if self.ddp else guarded]
+            examples = [(tuple(example_inputs), tuple(example_outputs))]
         self._pipe_args = dict(group=pp_group, kind=schedule)
+        self._variants[1] = (submods, examples)
         self._pipe(num_microbatches)  # the common count now: its construction errors surface at start
 
-    def _pipe(self, count: int) -> tuple:
-        """The (PipelineStages of this rank, schedule) of ``count`` micro-batches, built on first use (see the
-        module docstring: one stage cannot serve two counts)."""
-        if count not in self._pipes:
+    def add_variant(self, key: int, module: nn.Module, example_inputs: Sequence[torch.Tensor],
+                    example_outputs: Sequence[torch.Tensor]) -> None:
+        """Let steps of ``variant=key`` run ``module`` (wrapping the same parameters, e.g. a sequence-parallel
+        wrapper of the stage) with its own boundary shapes: its own pipeline stages and receive buffers."""
+        assert self.num_stages > 1 and not self.ddp and self.num_chunks == 1, \
+            "variants are one-chunk pipeline stages with the flat gradient sum"
+        last = self.stage_index == self.num_stages - 1
+        self._variants[key] = ([ShapeGuard(module, self.stage_index, None if last else example_outputs)],
+                               [(tuple(example_inputs), tuple(example_outputs))])
+
+    def _pipe(self, count: int, variant: int = 1) -> tuple:
+        """The (PipelineStages of this rank, schedule) of ``count`` micro-batches of ``variant``, built on
+        first use (see the module docstring: one stage cannot serve two counts)."""
+        if (count, variant) not in self._pipes:
             # torch's pipelining (tracer, export machinery): only pipeline stages need it
             from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
             timed, p, v = _make_timed_stage_class(), self.num_stages, self.num_chunks
+            submods, examples = self._variants[variant]
             stages = [timed(submod, c * p + self.stage_index, p * v, self.device, input_args=inputs,
                             output_args=outputs, group=self._pipe_args["group"])
-                      for c, (submod, (inputs, outputs)) in enumerate(zip(self._submods, self._examples))]
+                      for c, (submod, (inputs, outputs)) in enumerate(zip(submods, examples))]
             cls = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe,
                    "interleaved": ScheduleInterleaved1F1B}[self._pipe_args["kind"]]
             try:
@@ -356,8 +380,8 @@ class StageRunner:
             except ValueError as exc:  # 1F1B: fewer micro-batches than stages
                 raise InputError(f"{count} micro-batches in a step: {exc}", source="schedule",
                                  field="num_microbatches") from None
-            self._pipes[count] = (stages, schedule)
-        return self._pipes[count]
+            self._pipes[count, variant] = (stages, schedule)
+        return self._pipes[count, variant]
 
     def _loss_fn(self, output, target):
         return output[0] * self._scale
@@ -378,13 +402,16 @@ class StageRunner:
                                  f"{self._input_shapes}", source="collate", record=f"micro-batch {k}")
 
     def run_step(self, microbatches: Sequence[Sequence[torch.Tensor]] | None, *, global_targets: float,
-                 module: nn.Module | None = None, num_microbatches: int | None = None) -> StepResult:
+                 module: nn.Module | None = None, num_microbatches: int | None = None,
+                 variant: int = 1) -> StepResult:
         """Forward + backward of this step's micro-batches; gradients accumulate in the module's params.
 
         ``microbatches`` is needed on the first stage only (stage inputs); other stages pass None.
-        ``module`` (pp = 1 only): run this instead of the stage, e.g. its sequence-parallel wrapper
-        (:mod:`omnibal.train.sp`) for this step's SP degree. ``num_microbatches``: this step's count (every
-        stage of the pipeline passes the same; default: the runner's common count).
+        ``module`` (pp = 1; a pipeline runs its ``variant``'s): run this instead of the stage, e.g. its
+        sequence-parallel wrapper (:mod:`omnibal.train.sp`) for this step's SP degree. ``num_microbatches``:
+        this step's count (every stage of the pipeline passes the same; default: the runner's common count).
+        ``variant`` (pipelines): the :meth:`add_variant` this step runs, the same on every stage (the step's
+        SP degree; one without a variant runs the stage itself).
         """
         if global_targets <= 0:
             raise InputError("the global batch has no target tokens (every label is ignored)", source="data",
@@ -393,8 +420,7 @@ class StageRunner:
         self._scale = self._grad_multiplier / float(global_targets)
         if self.num_stages == 1:
             return self._accumulate(microbatches, self.module if module is None else module, count)
-        assert module is None, "a pipeline stage runs its own module"
-        stages, schedule = self._pipe(count)
+        stages, schedule = self._pipe(count, variant if variant in self._variants else 1)
         for stage in stages:
             stage.compute_s = 0.0
         args = ()

@@ -214,6 +214,8 @@ class CheckpointResume:
                 raise InputError(f"the re-balanced rest of the epoch needs a ({need.tiles}, {need.tokens}) micro-batch "
                                  f"buffer, the pipeline was built for ({self.buffer.tiles}, {self.buffer.tokens})",
                                  source=schedule.source, field="buffer")
+        if getattr(self, "level_recompute", None) is not None:
+            self.level_recompute.check(schedule)
         self.schedule = schedule
         # step_sp follows the schedule: the remainder is numbered from the checkpoint's next_step and can be
         # longer than the fresh epoch step_sp was built for (dp 1 -> 2); a reshard runs plain DP (degree 1)

@@ -32,6 +32,7 @@ from omnibal.train.distributed import World, destroy_world, init_world, local_wo
 from omnibal.train.feed import check_schedule_covers, load_schedule, random_microbatch_schedule, schedule_fingerprint
 from omnibal.train.hf_run import export_hf, load_hf_chain, real_data_config, real_stats
 from omnibal.train.hf_weights import check_weights
+from omnibal.train.level_recompute import schedule_level_layout
 from omnibal.train.loop import Trainer, fixed_buffer
 from omnibal.train.model import VLM
 from omnibal.train.pipeline import resolve_layout
@@ -179,6 +180,8 @@ def build_trainer(cfg: TrainConfig, world: World, notify=None, say=None):
                             recompute=cfg.recompute, selective=cfg.selective, plan_path=cfg.plan_path,
                             model_name=spec.name,
                             recomputable=recomputable)
+    if cfg.mode == "omnibal" and cfg.recompute is None and cfg.selective is None:  # explicit sets win
+        layout = schedule_level_layout(layout, schedule, names, model_name=spec.name, notify=tell)
     buffer = fixed_buffer(schedule, stats, mode=cfg.mode) if world.pp_size > 1 else None
     info = {"config": cfg.to_dict(), "num_samples": len(stats), "schedule_steps": schedule.num_steps,
             "buffer": None if buffer is None else [buffer.tiles, buffer.tokens]}
@@ -264,6 +267,14 @@ def check_fresh_outputs(cfg: TrainConfig) -> None:
                              source=cfg.ledger_path, field="--ledger")
 
 
+def _level_sets(layout) -> list | None:
+    """Per level, per stage, ``{"recompute": [...], "selective": [...]}`` (None: one set for every step)."""
+    if not layout.level_recompute:
+        return None
+    return [[{"recompute": list(w), "selective": list(p)} for w, p in zip(whole, part)]
+            for whole, part in zip(layout.level_recompute, layout.level_selective)]
+
+
 def train_rank(cfg: TrainConfig, notify=None, say=None) -> dict:
     """Everything one rank does: join the world, build, resume, train; returns the summary on rank 0.
     ``notify(line)``: told what the run decided about its data (resumed, records, samples or checkpoints
@@ -288,6 +299,7 @@ def train_rank(cfg: TrainConfig, notify=None, say=None) -> dict:
                                                       "stage_layers": [list(r) for r in trainer.layout.ranges],
                                                       "recompute": [list(r) for r in trainer.layout.recompute],
                                                       "selective": [list(r) for r in trainer.layout.selective],
+                                                      "level_recompute": _level_sets(trainer.layout),
                                                       "buffer": None if trainer.buffer is None else
                                                       [trainer.buffer.tiles, trainer.buffer.tokens]}, indent=1))
 

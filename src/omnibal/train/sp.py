@@ -69,6 +69,14 @@ def _exchange(x: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
+def gather_ids(ids: torch.Tensor, group, degree: int) -> torch.Tensor:
+    """The group's equal-length integer shards concatenated in group-rank order (no gradient)."""
+    ids = ids.contiguous()
+    parts = [torch.empty_like(ids) for _ in range(degree)]
+    dist.all_gather(parts, ids, group=group)
+    return torch.cat(parts)
+
+
 class _AllToAll(torch.autograd.Function):
     """The exchange with autograd: the gradient of chunk i sent to rank i comes back from it by the same
     exchange (equal chunks make it its own transpose)."""
@@ -106,12 +114,17 @@ class _GatherChunks(torch.autograd.Function):
 class UlyssesAttention:
     """The exchange the LLM blocks call (``Options.sequence_parallel``) for one SP group."""
 
-    def __init__(self, group, degree: int) -> None:
+    def __init__(self, group, degree: int, *, gather_segments: bool = False) -> None:
         self.group = group
         self.degree = degree
+        self.gather_segments = gather_segments
+        """Gather the pack's segment ids from the group's shards at every call (inside a pipeline: the
+        schedule runs other micro-batches' forwards before a recomputed block re-runs in a backward, so no
+        per-micro-batch state can be kept here); False: :attr:`segment_ids`."""
         self.segment_ids: torch.Tensor | None = None
         """Segment ids of the whole padded pack of the current micro-batch (set by the wrapper's forward;
-        still valid when a recomputed block re-runs in that micro-batch's backward)."""
+        still valid when a recomputed block re-runs in that micro-batch's backward: pp = 1 runs each
+        micro-batch's forward and backward together)."""
 
     def attention(self, q, k, v, segment_ids, impl: str):
         """q [H, n/d, hd], k/v [Hkv, n/d, hd] of this rank's tokens -> attention output [H, n/d, hd]."""
@@ -131,7 +144,8 @@ class UlyssesAttention:
         qf = full_sequence(got[:, :heads // d])
         kf = full_sequence(got[:, heads // d:heads // d + kv // d])
         vf = full_sequence(got[:, heads // d + kv // d:])
-        out = packed_causal_attention(qf, kf, vf, self.segment_ids, impl)  # [H/d, n, hd]
+        segments = gather_ids(segment_ids, self.group, d) if self.gather_segments else self.segment_ids
+        out = packed_causal_attention(qf, kf, vf, segments, impl)  # [H/d, n, hd]
         back = _AllToAll.apply(out.reshape(heads // d, d, n_local, hd).permute(1, 0, 2, 3), self.group)
         return back.reshape(heads, n_local, hd)
 
@@ -187,32 +201,41 @@ def pad_tokens(token_meta: torch.Tensor, length: int) -> torch.Tensor:
 class SequenceParallel:
     """Per SP degree: this rank's group and wrapper around one shared stage. Builds the process groups of
     every degree on every rank in the same order (``dist.new_group`` is collective), so construct it on all
-    ranks with the same ``degrees``."""
+    ranks with the same ``degrees``. With a pipeline (``world.pp_size > 1``) the group of a degree is the
+    ranks of this pipeline stage in this rank's group of consecutive DP ranks, and ``wrap(stage, group=,
+    degree=, index=)`` makes the wrapper (:func:`omnibal.train.sp_pipe.build_sp`; default
+    :class:`SequenceParallelStage`, the whole chain at pp = 1)."""
 
-    def __init__(self, stage: nn.Module, *, world, degrees, num_heads: int) -> None:
-        assert world.pp_size == 1, "check_sp_run refuses SP with a pipeline"
+    def __init__(self, stage: nn.Module, *, world, degrees, num_heads: int, wrap=None) -> None:
         self.stage = stage
         self.modules: dict[int, nn.Module] = {1: stage}
         for d in sorted({int(x) for x in degrees}):
             check_sp_degree(d, dp_size=world.dp_size, num_heads=num_heads)
-            if d == 1:
-                continue
-            timeout = datetime.timedelta(seconds=world.timeout_s)
-            mine = None
-            for first in range(0, world.world_size, d):
-                group = dist.new_group(list(range(first, first + d)), timeout=timeout)
-                if first <= world.rank < first + d:
-                    mine = group
-            self.modules[d] = SequenceParallelStage(stage, group=mine, degree=d, index=world.rank % d)
+            if d > 1:
+                self.modules[d] = (wrap or SequenceParallelStage)(stage, group=_sp_groups(world, d), degree=d,
+                                                                  index=world.dp_rank % d)
         self._options = [m.opts for m in stage.modules() if hasattr(m, "opts")]
 
     def activate(self, degree: int) -> nn.Module:
         """Switch the layers to ``degree`` (until the next call) and return the module to run."""
         module = self.modules[degree]
-        exchange = module.exchange if isinstance(module, SequenceParallelStage) else None
+        exchange = getattr(module, "exchange", None) if degree > 1 else None
         for opts in self._options:
             opts.sequence_parallel = exchange
         return module
+
+
+def _sp_groups(world, degree: int):
+    """Every SP group of ``degree`` (per pipeline stage, per ``degree`` consecutive DP ranks: global ranks
+    ``(dp * pp_size + stage)``), created on every rank in one order; returns this rank's."""
+    timeout = datetime.timedelta(seconds=world.timeout_s)
+    mine = None
+    for stage in range(world.pp_size):
+        for first in range(0, world.dp_size, degree):
+            group = dist.new_group([(first + j) * world.pp_size + stage for j in range(degree)], timeout=timeout)
+            if world.pp_rank == stage and first <= world.dp_rank < first + degree:
+                mine = group
+    return mine
 
 
 # ------------------------------------------------------------------------------------------- schedules
@@ -262,16 +285,14 @@ def sp_schedule(schedule, *, sp_degree: int, curriculum_epochs: int, dp_size: in
     return schedule, step_degrees(schedule, sp_degree)
 
 
-def check_sp_run(stage: nn.Module, *, pp_size: int, mode: str, dp_sync: str) -> None:
-    """Refuse the combinations sequence parallelism does not run in (InputError naming the flag)."""
+def check_sp_run(layer_names, *, mode: str, dp_sync: str) -> None:
+    """Refuse the combinations sequence parallelism does not run in (InputError naming the flag):
+    ``layer_names`` are the whole model chain's."""
     source = "--sp-degree"
-    if pp_size != 1:
-        raise InputError("sequence parallelism runs with pp = 1 (each SP rank holds the whole chain)",
-                         source=source, field="pp_size")
     if mode == "online" or dp_sync != "flat":
         raise InputError("sequence parallelism runs in baseline / omnibal mode with the flat gradient "
                          "all-reduce (dp_sync flat)", source=source, field="mode/dp_sync")
-    if "llm.embed" not in getattr(stage, "layer_names", ()):
+    if "llm.embed" not in tuple(layer_names):
         raise InputError("sequence parallelism needs the reference VLM's layer chain", source=source,
                          field="model")
 
