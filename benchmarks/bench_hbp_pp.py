@@ -60,9 +60,10 @@ def rank_run(schedule, stats):
     from omnibal.cost.presets import get_model_preset
     from omnibal.data.dataset import SyntheticSampleConfig, SyntheticVLMDataset
     from omnibal.train.distributed import destroy_world, init_world
-    from omnibal.train.loop import Trainer, fixed_buffer
+    from omnibal.train.feed import fixed_buffer
+    from omnibal.train.loop import Trainer
     from omnibal.train.model import VLM
-    from omnibal.train.pipeline import resolve_layout
+    from omnibal.train.stage_layout import resolve_layout
 
     world = init_world(dp_size=DP, pp_size=PP, timeout_s=600)
     spec = get_model_preset("tiny")

@@ -36,8 +36,8 @@ from omnibal.plan.joint import JointPlanner
 from omnibal.plan.search import SearchConfig, search
 from omnibal.plan.stages import StageModelConfig, layer_quantities
 from omnibal.sim import SimConfig, simulate_epoch
-from omnibal.train.loop import fixed_buffer
-from omnibal.train.pipeline import even_split
+from omnibal.train.feed import fixed_buffer
+from omnibal.train.stage_layout import even_split
 
 
 def main() -> None:

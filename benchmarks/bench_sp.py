@@ -103,7 +103,7 @@ def rank_run(schedule, stats, sp_degree: int):
     from omnibal.train.distributed import destroy_world, init_world
     from omnibal.train.loop import Trainer
     from omnibal.train.model import VLM
-    from omnibal.train.pipeline import resolve_layout
+    from omnibal.train.stage_layout import resolve_layout
 
     world = init_world(dp_size=DP, pp_size=1, timeout_s=600)
     spec = get_model_preset("tiny")

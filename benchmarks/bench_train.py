@@ -46,8 +46,7 @@ from omnibal.plan.partition import min_max_partition
 from omnibal.plan.plan import measured_plan
 from omnibal.sim import SimConfig, simulate_epoch
 from omnibal.stats.io import save_stats
-from omnibal.train.feed import random_microbatch_schedule
-from omnibal.train.loop import fixed_buffer
+from omnibal.train.feed import fixed_buffer, random_microbatch_schedule
 from omnibal.train.model import VLM
 
 MODES = ("baseline", "omnibal")

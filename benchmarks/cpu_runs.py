@@ -26,10 +26,10 @@ from omnibal.sim.calibrate import CalibrationRun, calibrate, design_matrix, rank
 from omnibal.stats.io import load_stats as read_stats
 from omnibal.stats.table import SampleStats
 from omnibal.train.distributed import destroy_world, init_world, spawn_local
-from omnibal.train.feed import random_microbatch_schedule
-from omnibal.train.loop import Buffer, Trainer, fixed_buffer
+from omnibal.train.feed import Buffer, fixed_buffer, random_microbatch_schedule
+from omnibal.train.loop import Trainer
 from omnibal.train.model import VLM
-from omnibal.train.pipeline import even_split, resolve_layout
+from omnibal.train.stage_layout import even_split, resolve_layout
 
 MODEL = "tiny"
 NUM_MB = 4

@@ -75,9 +75,10 @@ def pack_schedule(stats: SampleStats, *, dp_size: int, num_microbatches: int, nu
 def make_trainer(world, *, mode="omnibal", num_microbatches=4, num_steps=NUM_STEPS, pipeline_schedule="1f1b",
                  stage_layers=None, checkpoint_dir=None, checkpoint_every=0, lr=1e-3, recompute=None, log_path=None,
                  dp_sync="flat", precision="fp32", selective=None, schedule_seed=0, plan_path=None):
-    from omnibal.train.loop import Trainer, fixed_buffer
+    from omnibal.train.feed import fixed_buffer
+    from omnibal.train.loop import Trainer
     from omnibal.train.model import VLM
-    from omnibal.train.pipeline import resolve_layout
+    from omnibal.train.stage_layout import resolve_layout
 
     spec = tiny_spec()
     stats = tiny_stats()
@@ -239,8 +240,9 @@ def rank_interleaved_forward_backward(num_chunks: int = 2, num_microbatches: int
     from omnibal.train.distributed import destroy_world, init_world
     from omnibal.train.feed import fixed_buffer
     from omnibal.train.model import VLM
-    from omnibal.train.pipeline import StageRunner, even_split
+    from omnibal.train.pipeline import StageRunner
     from omnibal.train.stage import build_stage, example_carry
+    from omnibal.train.stage_layout import even_split
 
     pp = 2
     world = init_world(dp_size=1, pp_size=pp, timeout_s=TIMEOUT_S)
@@ -265,9 +267,9 @@ def rank_interleaved_forward_backward(num_chunks: int = 2, num_microbatches: int
     own = {id(p) for p in chunks.parameters()}
     grads = {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)).numpy()
              for n, p in model.named_parameters() if id(p) in own}
-    first = runner._pipes[num_microbatches]
+    first = runner._pipes[num_microbatches, 1]
     runner.run_step([b.carry() for b in batches] if world.pp_rank == 0 else None, global_targets=total)
-    reused = runner._pipes[num_microbatches] is first and len(runner._pipes) == 1
+    reused = runner._pipes[num_microbatches, 1] is first and len(runner._pipes) == 1
     destroy_world()
     return {"rank": world.rank, "loss_part": result.loss_sum, "grads": grads, "reused": reused,
             "stage_indices": [s.stage_index for s in first[0]]}
@@ -278,7 +280,7 @@ def interleaved_tiny_plan(path, *, pp: int = 2, chunks: int = 2, recompute=None)
     ``path``: what ``omnibal plan`` writes for an interleaved plan, as the trainer reads it."""
     import dataclasses
 
-    from omnibal.train.pipeline import even_split
+    from omnibal.train.stage_layout import even_split
 
     names = [layer.name for layer in tiny_spec().layers()]
     plan = tiny_plan(list(even_split(len(names), pp * chunks)), recompute)

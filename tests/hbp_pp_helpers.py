@@ -51,10 +51,11 @@ def hbp_schedule(stats, *, dp_size: int = 2, seed: int = 0):
 
 
 def make_hbp_trainer(world, ranges, *, checkpoint_dir=None, checkpoint_every=0, ledger_path=None, lr=1e-3):
+    from omnibal.train.feed import fixed_buffer
     from omnibal.train.level_recompute import level_layout
-    from omnibal.train.loop import Trainer, fixed_buffer
+    from omnibal.train.loop import Trainer
     from omnibal.train.model import VLM
-    from omnibal.train.pipeline import resolve_layout
+    from omnibal.train.stage_layout import resolve_layout
 
     spec, stats = tiny_spec(), tiny_stats()
     model = VLM(spec, seed=0)

@@ -33,9 +33,10 @@ def ragged_schedule(dp_size: int, level_sp: tuple[int, int], *, stats=None, reve
 
 def make_ragged_trainer(world, schedule, *, pipeline_schedule="1f1b", checkpoint_dir=None, ledger_path=None,
                         lr: float = 1e-3):
-    from omnibal.train.loop import Trainer, fixed_buffer
+    from omnibal.train.feed import fixed_buffer
+    from omnibal.train.loop import Trainer
     from omnibal.train.model import VLM
-    from omnibal.train.pipeline import resolve_layout
+    from omnibal.train.stage_layout import resolve_layout
 
     spec, stats = tiny_spec(), tiny_stats()
     model = VLM(spec, seed=0)

@@ -20,7 +20,7 @@ def make_online_trainer(world, *, checkpoint_dir=None, lr=1e-3, num_samples=160,
                         checkpoint_every=0, precision="fp32", node_size=0, online_balance=True):
     from omnibal.train.loop import Trainer
     from omnibal.train.model import VLM
-    from omnibal.train.pipeline import resolve_layout
+    from omnibal.train.stage_layout import resolve_layout
 
     spec = tiny_spec()
     stats = tiny_stats(num_samples)

@@ -91,9 +91,10 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     from omnibal.data.dataset import SyntheticSampleConfig, SyntheticVLMDataset
     from omnibal.train.distributed import destroy_world, init_world
-    from omnibal.train.loop import Trainer, fixed_buffer
+    from omnibal.train.feed import fixed_buffer
+    from omnibal.train.loop import Trainer
     from omnibal.train.model import VLM
-    from omnibal.train.pipeline import resolve_layout
+    from omnibal.train.stage_layout import resolve_layout
 
     attempt = args.attempt if args.attempt is not None else int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     rank = int(os.environ["RANK"])

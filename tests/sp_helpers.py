@@ -63,7 +63,7 @@ def make_sp_trainer(world, schedule, *, sp_degree: int = 1, recompute=None, ledg
                     lr: float = 1e-3):
     from omnibal.train.loop import Trainer
     from omnibal.train.model import VLM
-    from omnibal.train.pipeline import resolve_layout
+    from omnibal.train.stage_layout import resolve_layout
 
     spec, stats = tiny_spec(), tiny_stats()
     model = VLM(spec, seed=0)

@@ -11,7 +11,7 @@ from omnibal.cost.spec import even_cuts
 from omnibal.errors import InputError
 from omnibal.plan.partition import even_partition
 from omnibal.sim.costs import even_cuts as sim_even_cuts
-from omnibal.train.pipeline import even_split
+from omnibal.train.stage_layout import even_split
 
 
 def test_97_layers_in_4_stages_is_one_split_everywhere():

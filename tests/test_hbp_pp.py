@@ -98,7 +98,7 @@ def test_hbp_pipeline_epoch_exactly_once_across_a_resume(tmp_path):
 
 def test_level_recompute_sets_are_checked_by_name():
     from omnibal.train.level_recompute import LevelRecompute, level_layout
-    from omnibal.train.pipeline import StageLayout
+    from omnibal.train.stage_layout import StageLayout
 
     names = ["a", "b", "c", "d"]
     layout = StageLayout(((0, 2), (2, 4)), ((), ()))
@@ -130,7 +130,7 @@ def test_the_schedules_level_sets_reach_the_layout_of_their_model_only():
 
     from dist_helpers import tiny_spec
     from omnibal.train.level_recompute import schedule_level_layout
-    from omnibal.train.pipeline import resolve_layout
+    from omnibal.train.stage_layout import resolve_layout
 
     names = [layer.name for layer in tiny_spec().layers()]
     layout = resolve_layout(names, pp_size=2, mode="omnibal", stage_layers=SPLITS["inside llm"])
@@ -145,3 +145,47 @@ def test_the_schedules_level_sets_reach_the_layout_of_their_model_only():
     told = []
     assert schedule_level_layout(layout, planned, names, model_name="other", notify=told.append) is layout
     assert told and "dist-test-tiny" in told[0]
+
+
+def test_level_recompute_sets_reach_every_chunk_of_an_interleaved_rank():
+    """An interleaved rank (2 chunks of a 2-stage pipeline: virtual stages 0 and 2) gets each level's sets on
+    both of its chunks, each chunk its own virtual stage's share."""
+    from dataclasses import replace
+
+    from dist_helpers import tiny_spec
+    from omnibal.train.level_recompute import LevelRecompute, level_layout
+    from omnibal.train.model import VLM
+    from omnibal.train.stage import build_rank_stages
+    from omnibal.train.stage_layout import StageLayout, even_split
+
+    model = VLM(tiny_spec(), seed=0)
+    names = [layer.name for layer, _ in model.chain()]
+    ranges = even_split(len(names), 4)
+    layout = StageLayout(ranges, tuple(() for _ in ranges), num_chunks=2)
+    sched = replace(hbp_schedule(tiny_stats()), level_sp=(1, 1))
+    first, third = names[ranges[0][0]], names[ranges[2][0]]
+    split = level_layout(layout, names, level_recompute=[[first, third], []], level_selective=[[], [third]])
+    stages, _ = build_rank_stages(model, split, 0, 2)
+    levels = LevelRecompute(split, sched, stage_indices=[0, 2])
+    step = {level: int(np.flatnonzero(np.asarray(sched.levels) == level)[0]) for level in (0, 1)}
+    assert levels.apply(stages, sched, step[0]) == 0
+    assert (stages[0].recompute, stages[1].recompute) == ({first}, {third})
+    assert levels.apply(stages, sched, step[1]) == 1
+    assert (stages[0].recompute, stages[1].recompute, stages[1].selective) == (set(), set(), {third})
+
+
+def test_sequence_parallelism_refuses_interleaved_chunks():
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from dist_helpers import tiny_spec
+    from omnibal.train.model import VLM
+    from omnibal.train.sp_pipe import build_sp
+
+    model = VLM(tiny_spec(), seed=0)
+    world = SimpleNamespace(pp_size=2)
+    with pytest.raises(InputError) as err:
+        build_sp(model, nn.ModuleList([nn.Linear(1, 1)]), world=world, runner=None, step_sp=[1, 2], mode="omnibal",
+                 dp_sync="flat", buffer=None, dtype=None)
+    assert err.value.field == "num_chunks" and "--chunks 1" in str(err.value)

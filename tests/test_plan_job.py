@@ -66,7 +66,7 @@ def test_outputs_round_trip_and_the_trainer_accepts_the_plan(tiny_result, tmp_pa
     md = (tmp_path / "report.md").read_text()
     assert "## Ablation" in md and "61.8" not in md and "timeline_3" in md
     from omnibal.cost.presets import get_model_preset
-    from omnibal.train.pipeline import load_plan_layout
+    from omnibal.train.stage_layout import load_plan_layout
 
     names = [layer.name for layer in get_model_preset("tiny").layers()]
     layout = load_plan_layout(tmp_path / "plan.json", names, pp_size=2, model_name="tiny")

@@ -25,7 +25,7 @@ from omnibal.errors import InputError
 from omnibal.train import checkpoint as ckpt
 from omnibal.train.distributed import local_world
 from omnibal.train.ledger import final_steps, read_ledger, trained_counts
-from omnibal.train.pipeline import load_plan_layout
+from omnibal.train.stage_layout import load_plan_layout
 
 NAMES = [layer.name for layer in tiny_spec().layers()]
 FUZZ = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
@@ -101,7 +101,7 @@ def _balanced_trainer(dp_world, stats, ckdir, ledger):
     from omnibal.data.balance import balance
     from omnibal.train.loop import Trainer
     from omnibal.train.model import VLM
-    from omnibal.train.pipeline import resolve_layout
+    from omnibal.train.stage_layout import resolve_layout
 
     spec = tiny_spec()
     model = VLM(spec, seed=0)

@@ -153,7 +153,7 @@ def test_online_mode_refuses_a_ragged_schedule():
     from dist_helpers import tiny_dataset, tiny_spec
     from omnibal.train.loop import Trainer
     from omnibal.train.model import VLM
-    from omnibal.train.pipeline import resolve_layout
+    from omnibal.train.stage_layout import resolve_layout
 
     model = VLM(tiny_spec(), seed=0)
     layout = resolve_layout([s.name for s, _ in model.chain()], pp_size=1, mode="online")

@@ -18,7 +18,7 @@ from omnibal.train.config import TrainConfig
 from omnibal.train.distributed import local_world
 from omnibal.train.feed import IndexSchedule, buffer_shape, check_schedule, random_microbatch_schedule
 from omnibal.train.metrics_log import format_summary
-from omnibal.train.pipeline import (
+from omnibal.train.stage_layout import (
     even_split,
     load_plan_layout,
     parse_stage_layers,
@@ -167,7 +167,7 @@ def test_single_process_loop_logs_and_pads(tmp_path):
 
 
 def test_microbatch_that_does_not_fit_the_fixed_buffer_is_refused():
-    from omnibal.train.loop import Buffer
+    from omnibal.train.feed import Buffer
 
     trainer = make_trainer(local_world(), num_microbatches=2, num_steps=2)
     trainer.buffer = Buffer(tiles=2, tokens=30)

@@ -133,7 +133,7 @@ def _add_output_arguments(o) -> None:
 
 def config_from_args(args: argparse.Namespace):
     from omnibal.train.config import TrainConfig
-    from omnibal.train.pipeline import parse_stage_layers
+    from omnibal.train.stage_layout import parse_stage_layers
 
     stage_layers = parse_stage_layers(args.stage_layers) if args.stage_layers else None
     recompute, selective = (None if text is None else

@@ -25,7 +25,7 @@ from omnibal.train.stage import apply_checkpointing
 
 def level_layout(layout, layer_names: Sequence[str], *, level_recompute: Sequence[Sequence[str]],
                  level_selective: Sequence[Sequence[str]] | None = None, source: str = "schedule"):
-    """``layout`` (a :class:`omnibal.train.pipeline.StageLayout`) with per-level, per-stage sets: each
+    """``layout`` (a :class:`omnibal.train.stage_layout.StageLayout`) with per-level, per-stage sets: each
     level's whole-chain names split by the layout's stage ranges. Names the model lacks, a layer both
     recomputed whole and selectively, or lists of different lengths are an InputError naming ``source``."""
     selective = [() for _ in level_recompute] if level_selective is None else level_selective

@@ -34,23 +34,17 @@ import torch.distributed as dist
 
 from omnibal.errors import InputError, ScheduleMismatch
 from omnibal.train.distributed import World, caused_by_comm_error, is_comm_error, peer_failure
-from omnibal.train.feed import (  # noqa: F401 (re-exported)
-    Buffer,
-    ScheduleLike,
-    check_schedule,
-    fixed_buffer,
-    schedule_fingerprint,
-    step_microbatches,
-)
+from omnibal.train.feed import Buffer, ScheduleLike, check_schedule, schedule_fingerprint, step_microbatches
 from omnibal.train.level_recompute import LevelRecompute
 from omnibal.train.metrics_log import MetricsLog, RankTimes, StepRecord, StepReporter, process_memory, summarize
 from omnibal.train.online import online_forward_backward
-from omnibal.train.pipeline import GradSync, StageLayout, StageRunner, layout_schedule
+from omnibal.train.pipeline import GradSync, StageRunner
 from omnibal.train.resume import CheckpointResume
 from omnibal.train.samples import SampleReader, placeholder_sample, real_indices
 from omnibal.train.sp import sp_schedule
 from omnibal.train.sp_pipe import build_sp
 from omnibal.train.stage import build_rank_stages, example_carry
+from omnibal.train.stage_layout import StageLayout, layout_schedule
 
 _COUNT_FIELDS = ("targets", "samples", "tokens", "tiles", "buffer_tokens", "buffer_tiles")
 

@@ -29,16 +29,22 @@ from omnibal.stats.io import load_stats
 from omnibal.stats.table import ImageConvention
 from omnibal.train.config import TrainConfig
 from omnibal.train.distributed import World, destroy_world, init_world, local_world
-from omnibal.train.feed import check_schedule_covers, load_schedule, random_microbatch_schedule, schedule_fingerprint
+from omnibal.train.feed import (
+    check_schedule_covers,
+    fixed_buffer,
+    load_schedule,
+    random_microbatch_schedule,
+    schedule_fingerprint,
+)
 from omnibal.train.hf_run import export_hf, load_hf_chain, real_data_config, real_stats
 from omnibal.train.hf_weights import check_weights
 from omnibal.train.level_recompute import schedule_level_layout
-from omnibal.train.loop import Trainer, fixed_buffer
+from omnibal.train.loop import Trainer
 from omnibal.train.model import VLM
-from omnibal.train.pipeline import resolve_layout
 from omnibal.train.reshard import balance_record, reshard_schedule
 from omnibal.train.reshard_kinds import hbp_of, hbp_params, hbp_rest, untrained
 from omnibal.train.sp import level_order
+from omnibal.train.stage_layout import resolve_layout
 
 
 def max_samples_subset(stats, cfg: TrainConfig):
