@@ -17,16 +17,21 @@ def online_schedule(dp: int, num_samples: int = 160):
 
 
 def make_online_trainer(world, *, checkpoint_dir=None, lr=1e-3, num_samples=160, ledger_path=None,
-                        checkpoint_every=0, precision="fp32", node_size=0, online_balance=True):
-    from omnibal.train.loop import Trainer
+                        checkpoint_every=0, precision="fp32", node_size=0, online_balance=True, stage_layers=None,
+                        pipeline_schedule="1f1b"):
+    from omnibal.train.loop import Trainer, fixed_buffer
     from omnibal.train.model import VLM
     from omnibal.train.pipeline import resolve_layout
 
     spec = tiny_spec()
     stats = tiny_stats(num_samples)
     model = VLM(spec, seed=0)
-    layout = resolve_layout([s.name for s, _ in model.chain()], pp_size=1, mode="online")
-    return Trainer(world=world, model=model, layout=layout, schedule=online_schedule(world.dp_size, num_samples),
+    layout = resolve_layout([s.name for s, _ in model.chain()], pp_size=world.pp_size, mode="online",
+                            stage_layers=stage_layers)
+    schedule = online_schedule(world.dp_size, num_samples)
+    buffer = fixed_buffer(schedule, stats, mode="online") if world.pp_size > 1 else None
+    return Trainer(world=world, model=model, layout=layout, schedule=schedule, buffer=buffer,
+                   pipeline_schedule=pipeline_schedule,
                    dataset=tiny_dataset(spec, stats), mode="online", num_microbatches=MICRO, lr=lr,
                    checkpoint_dir=checkpoint_dir, ledger_path=ledger_path,
                    checkpoint_every=checkpoint_every, precision=precision, node_size=node_size,
@@ -58,21 +63,26 @@ def single_process_step(dp: int, step: int = 0):
     return float(loss.detach()), grads, sorted(rows)
 
 
-def rank_online_forward_backward(dp: int, node_size: int = 0, online_balance: bool = True):
+def rank_online_forward_backward(dp: int, node_size: int = 0, online_balance: bool = True, pp: int = 1,
+                                 stage_layers=None, pipeline_schedule: str = "1f1b"):
     torch.set_num_threads(1)
     from omnibal.train.distributed import destroy_world, init_world
 
-    world = init_world(dp_size=dp, pp_size=1, timeout_s=TIMEOUT_S)
-    trainer = make_online_trainer(world, node_size=node_size, online_balance=online_balance)
+    world = init_world(dp_size=dp, pp_size=pp, timeout_s=TIMEOUT_S)
+    trainer = make_online_trainer(world, node_size=node_size, online_balance=online_balance,
+                                  stage_layers=stage_layers, pipeline_schedule=pipeline_schedule)
     result = trainer.forward_backward()
     grads = {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)).numpy()
              for n, p in trainer.stage_module.named_parameters()}
-    info = trainer.online_info[-1]
+    info = trainer.online_info[-1] if trainer.online_info else None
+    shapes = sorted((s.tiles, s.tokens) for s in getattr(trainer, "_online_pipes", None)._pipes) if pp > 1 else []
     destroy_world()
     local = [int(i) for k in range(MICRO) for i in trainer.schedule.microbatch(0, world.dp_rank, k)]
-    return {"rank": world.rank, "loss_part": result.loss_sum, "grads": grads, "fed": trainer._fed, "local": local,
-            "info": (info.vision_max_mean, info.llm_max_mean, info.local_vision_max_mean, info.local_llm_max_mean),
-            "split_samples": info.split_samples}
+    return {"rank": world.rank, "pp_rank": world.pp_rank, "loss_part": result.loss_sum, "grads": grads,
+            "fed": trainer._fed, "local": local, "shapes": shapes,
+            "info": None if info is None else (info.vision_max_mean, info.llm_max_mean, info.local_vision_max_mean,
+                                               info.local_llm_max_mean),
+            "split_samples": None if info is None else info.split_samples}
 
 
 def rank_online_train(dp: int, checkpoint_dir: str, num_steps: int, resume: bool, every: int, num_samples: int,

@@ -55,6 +55,37 @@ def test_online_step_matches_single_process(dp, node_size, balance):
         assert all(sorted(v["fed"]) == sorted(v["local"]) for v in values)
 
 
+@pytest.mark.parametrize(("balance", "stage_layers", "kind"), [(True, None, "1f1b"), (True, ((0, 6), (6, 8)), "gpipe"),
+                                                               (False, None, "1f1b")])
+def test_online_pipeline_step_matches_single_process(balance, stage_layers, kind):
+    """dp 2 x pp 2: the vision phase runs on stage 0's ranks (re-dealt among them), the LLM phase through each
+    replica's pipeline in fixed-shape padded packs; the loss and every gradient (each parameter on the stage
+    that holds it) equal one process on the whole global batch within 1e-5, and each sample is trained by
+    exactly one replica. Stage 0 holds the vision phase alone (the even split: the features cross the
+    boundary) or also LLM layers; 1F1B and GPipe; the control too."""
+    values = _values(spawn_local(rank_online_forward_backward, 4, args=(2, 0, balance, 2, stage_layers, kind),
+                                 deadline_s=180, start_method="fork"))
+    ref_loss, ref_grads, rows = single_process_step(2)
+    loss = sum(v["loss_part"] for v in values)
+    assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
+    assert all(v["loss_part"] == 0.0 for v in values if v["pp_rank"] == 0)  # the loss is the last stage's
+    for dp_rank in range(2):
+        mine = [v for v in values if v["rank"] // 2 == dp_rank]
+        assert sorted(n for v in mine for n in v["grads"]) == sorted(ref_grads)  # the stages split the model
+        assert mine[0]["shapes"] == mine[1]["shapes"] and len(mine[0]["shapes"]) == 1
+    for v in values:
+        for name, grad in v["grads"].items():
+            ref = ref_grads[name]
+            err = np.linalg.norm(grad - ref) / max(np.linalg.norm(ref), 1e-30)
+            assert err <= 1e-5, (v["rank"], name, err)
+    first = [v for v in values if v["pp_rank"] == 0]
+    assert sorted(i for v in first for i in v["fed"]) == rows
+    assert all(v["fed"] == [] for v in values if v["pp_rank"] == 1)
+    assert first[0]["info"] == first[1]["info"]
+    if not balance:
+        assert all(sorted(v["fed"]) == sorted(v["local"]) for v in first)
+
+
 def test_online_epoch_exactly_once_and_resume_continues_the_draws(tmp_path):
     """Counted from the trainer's ledger: a whole epoch at dp 2 trains every sample once (60 samples = 5
     whole steps of 2 ranks x 2 x 3); a run stopped after its checkpoint at step 2 and resumed, appending to the
@@ -94,8 +125,7 @@ def test_online_mode_config_is_checked():
     from omnibal.errors import InputError
     from omnibal.train.config import TrainConfig
 
-    with pytest.raises(InputError, match="pp = 1"):
-        TrainConfig(mode="online", dp_size=1, pp_size=2)
+    TrainConfig(mode="online", dp_size=2, pp_size=2)  # the vision phase on stage 0's ranks
     with pytest.raises(InputError, match="flat"):
         TrainConfig(mode="online", dp_size=2, dp_sync="ddp")
     TrainConfig(mode="online", dp_size=2)
