@@ -170,3 +170,42 @@ def test_train_cli_passes_node_size_and_the_control_flag():
     assert (cfg.node_size, cfg.online_balance) == (2, False)
     cfg = config_from_args(parser.parse_args(["--mode", "online", "--dp", "4"]))
     assert (cfg.node_size, cfg.online_balance) == (0, True)
+
+
+def test_online_pp2_layout_checks():
+    """An online run's default layout keeps the vision phase on stage 0; a given layout that splits it is
+    refused before any collective, naming stage_layers."""
+    from types import SimpleNamespace
+
+    from omnibal.errors import InputError
+    from omnibal.train.online_pipeline import bucket, check_online_layout, online_stage_layers
+
+    assert online_stage_layers(8, 4, 2) == ((0, 4), (4, 8))  # the even split already does
+    assert online_stage_layers(30, 12, 3) == ((0, 12), (12, 21), (21, 30))  # vision alone, the LLM split evenly
+    assert online_stage_layers(30, 6, 3) == ((0, 10), (10, 20), (20, 30))
+    with pytest.raises(InputError, match="stage 0 holds") as err:
+        check_online_layout(SimpleNamespace(layout=SimpleNamespace(ranges=((0, 3), (3, 8)))), 4)
+    assert err.value.field == "stage_layers"
+    assert [bucket(n) for n in (0, 1, 7, 8, 9, 17, 100, 257)] == [1, 1, 7, 8, 10, 20, 112, 320]
+    assert all(n <= bucket(n) <= 1.25 * n for n in range(8, 5000))
+
+
+def test_train_cli_online_with_a_pipeline(tmp_path):
+    """``omnibal train --mode online --pp 2`` end to end on the tiny preset: steps run, the loss is finite, the
+    per-stage checkpoint is written, and the default layout put the vision phase on stage 0."""
+    import json
+    import math
+
+    from omnibal.cli import main
+    from omnibal.cost.presets import get_model_preset
+    from test_trainloop import _stats_file
+
+    stats = _stats_file(tmp_path)
+    rc = main(["train", "--mode", "online", "--stats", str(stats), "--dp", "1", "--pp", "2", "--model", "tiny",
+               "--steps", "2", "--microbatches", "2", "--batch-size", "2", "--summary-json", str(tmp_path / "s.json"),
+               "--checkpoint-dir", str(tmp_path / "ck"), "--quiet"])
+    assert rc == 0
+    doc = json.loads((tmp_path / "s.json").read_text())
+    assert doc["summary"]["steps"] == 1 and math.isfinite(doc["summary"]["final_loss"])
+    assert doc["stage_layers"][0][1] >= get_model_preset("tiny").vision.num_layers + 2
+    assert (tmp_path / "ck" / "step_00000002" / "manifest.json").is_file()
