@@ -1,4 +1,4 @@
-"""``--mode online``: OrchMLLM-style online batch post-balancing with per-modality dispatch (DP, pp = 1).
+"""``--mode online``: OrchMLLM-style online batch post-balancing with per-modality dispatch.
 
 Each DP rank draws its local batch as the baseline does (a seeded permutation slice:
 :func:`omnibal.train.feed.random_microbatch_schedule`, so every sample is drawn once per epoch and a resume
@@ -23,6 +23,9 @@ at step S continues the same draws). One step on every rank:
 6. the loss is ``loss_sum / global_target_tokens`` (the count comes from the all-gather), backward runs
    through the reverse all-to-all into the vision encoder, and the trainer sums gradients over DP as in
    the other modes: the update equals the single-process gradient of the global-token-mean loss.
+
+With pp > 1 steps 1-5 run among stage 0's ranks (which hold the vision phase) and the LLM phase runs
+through each DP replica's pipeline: :mod:`omnibal.train.online_pipeline`.
 
 Every all-to-all is flat, or node-wise with ``node_size`` (:mod:`omnibal.train.alltoall`). Model code stays
 free of torch.distributed: this module calls the stage's layers by their chain position.
@@ -186,9 +189,10 @@ def _online_step(trainer):
         loss = loss_sum / max(global_targets, 1.0)
         loss.backward()
         loss_value = float(loss.detach())
-    else:
-        loss_value, global_targets = _llm_pipeline(trainer, d, img, tok_flat)
-    compute_s = time.perf_counter() - t_compute
+        wait_s = 0.0
+    else:  # the schedule's time outside its stage's forward/backward is waiting on the pipeline
+        loss_value, global_targets, wait_s = _llm_pipeline(trainer, d, img, tok_flat)
+    compute_s = time.perf_counter() - t_compute - wait_s
 
     t_sync = time.perf_counter()
     trainer.grad_sync()
@@ -360,11 +364,12 @@ def _llm_phase(trainer, d: _Dispatch, img: torch.Tensor, tok_flat: torch.Tensor)
     return loss_sum, float(d.targets.sum())
 
 
-def _llm_pipeline(trainer, d: _Dispatch, img: torch.Tensor, tok_flat: torch.Tensor) -> tuple[float, float]:
+def _llm_pipeline(trainer, d: _Dispatch, img: torch.Tensor, tok_flat: torch.Tensor) -> tuple[float, float, float]:
     """The LLM phase through this replica's pipeline (stage 0, pp > 1): exactly ``num_microbatches`` packs
     (empty ones a placeholder sample) padded to the step's bucketed shape, the features as a leaf tensor;
     after the schedule its gradient goes back once through the feature all-to-all into the encoder.
-    Returns ``(loss on this rank: 0 unless it is also the last stage; global target tokens)``."""
+    Returns ``(loss on this rank: 0 unless it is also the last stage; global target tokens; seconds the
+    schedule spent outside this stage's compute)``."""
     cfg_base, device, count = trainer._collate_base, trainer.world.device, trainer.num_microbatches
     tpt, width = cfg_base.tokens_per_tile, img.shape[-1]
     samples_of, img_start = _llm_samples(trainer, d, tok_flat)
@@ -385,6 +390,8 @@ def _llm_pipeline(trainer, d: _Dispatch, img: torch.Tensor, tok_flat: torch.Tens
     packed = torch.stack(feats)
     leaf = packed.detach().requires_grad_(True)
     args = (leaf, torch.cat(metas).to(device), torch.cat(sizes).to(device))
-    loss, _ = pipes_of(trainer, _llm_start(trainer)).run(shape, global_targets, args)
+    t0 = time.perf_counter()
+    loss, compute_s = pipes_of(trainer, _llm_start(trainer)).run(shape, global_targets, args)
+    wait_s = max(0.0, time.perf_counter() - t0 - compute_s)
     packed.backward(leaf.grad if leaf.grad is not None else torch.zeros_like(leaf))
-    return loss, global_targets
+    return loss, global_targets, wait_s
