@@ -86,12 +86,12 @@ def rank_online_forward_backward(dp: int, node_size: int = 0, online_balance: bo
 
 
 def rank_online_train(dp: int, checkpoint_dir: str, num_steps: int, resume: bool, every: int, num_samples: int,
-                      ledger_path: str | None = None):
+                      ledger_path: str | None = None, pp: int = 1):
     """``Trainer.run`` in online mode (checkpoints every ``every`` steps and at the end, the ledger written)."""
     torch.set_num_threads(1)
     from omnibal.train.distributed import destroy_world, init_world
 
-    world = init_world(dp_size=dp, pp_size=1, timeout_s=TIMEOUT_S)
+    world = init_world(dp_size=dp, pp_size=pp, timeout_s=TIMEOUT_S)
     trainer = make_online_trainer(world, checkpoint_dir=checkpoint_dir, num_samples=num_samples,
                                   ledger_path=ledger_path, checkpoint_every=every)
     if resume:
@@ -101,9 +101,10 @@ def rank_online_train(dp: int, checkpoint_dir: str, num_steps: int, resume: bool
     losses = [r.loss for r in trainer.log.records]
     params = {n: p.detach().clone().numpy() for n, p in trainer.stage_module.named_parameters()}
     keys = [int(k) for k in trainer.dataset.stats.keys]
+    shapes = len(trainer._online_pipes._pipes) if pp > 1 else 0
     destroy_world()
     return {"rank": world.rank, "start": start, "losses": losses, "consumed": trainer.consumed, "params": params,
-            "steps": trainer.schedule.num_steps, "keys": keys}
+            "steps": trainer.schedule.num_steps, "keys": keys, "shapes": shapes}
 
 
 def rank_online_dies(dp: int, victim: int):
