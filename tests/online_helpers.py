@@ -129,7 +129,7 @@ def rank_online_dies(dp: int, victim: int):
     return timed_failing_step(trainer)
 
 
-def rank_online_bf16_step(dp: int):
+def rank_online_bf16_step(dp: int, pp: int = 1, stage_layers=None):
     """One ``bf16-mixed`` online step; records the dtype of every all-to-all payload."""
     torch.set_num_threads(1)
     import omnibal.train.alltoall as online
@@ -143,14 +143,15 @@ def rank_online_bf16_step(dp: int):
         return real(x, send, recv, group)
 
     online._a2a = spy
-    world = init_world(dp_size=dp, pp_size=1, timeout_s=TIMEOUT_S)
-    trainer = make_online_trainer(world, precision="bf16-mixed")
+    world = init_world(dp_size=dp, pp_size=pp, timeout_s=TIMEOUT_S)
+    trainer = make_online_trainer(world, precision="bf16-mixed", stage_layers=stage_layers)
     result = trainer.forward_backward()
     grads = {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)).float().numpy()
              for n, p in trainer.stage_module.named_parameters()}
     destroy_world()
     online._a2a = real
-    return {"rank": world.rank, "loss_part": result.loss_sum, "dtypes": sent, "grads": grads}
+    return {"rank": world.rank, "pp_rank": world.pp_rank, "loss_part": result.loss_sum, "dtypes": sent,
+            "grads": grads}
 
 
 def rank_two_level_matches_flat(dp: int, node_sizes: tuple[int, ...], seed: int):

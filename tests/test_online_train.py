@@ -179,6 +179,25 @@ def test_online_bf16_moves_pixels_and_features_in_bf16():
             assert err <= 0.1, (name, err)
 
 
+def test_online_pipeline_bf16():
+    """dp 2 x pp 2 under ``bf16-mixed`` with a boundary inside the LLM (its fp32 residual stream crosses in
+    bf16, the pipeline's fixed buffer dtype): stage 0's ranks move pixels and features in bf16, the later
+    stage moves none, and the step matches the fp32 single process to bf16's precision."""
+    values = _values(spawn_local(rank_online_bf16_step, 4, args=(2, 2, ((0, 6), (6, 8))), deadline_s=180,
+                                 start_method="fork"))
+    ref_loss, ref_grads, _ = single_process_step(2)
+    for v in values:
+        want = ["torch.bfloat16", "torch.int64", "torch.bfloat16", "torch.bfloat16"] if v["pp_rank"] == 0 else []
+        assert v["dtypes"] == want, v["dtypes"]
+    loss = sum(v["loss_part"] for v in values)
+    assert abs(loss - ref_loss) <= 2e-2 * abs(ref_loss)
+    for v in values:
+        for name, grad in v["grads"].items():
+            ref = ref_grads[name]
+            err = np.linalg.norm(grad - ref) / max(np.linalg.norm(ref), 1e-30)
+            assert err <= 0.1, (name, err)
+
+
 def test_train_cli_passes_node_size_and_the_control_flag():
     import argparse
 

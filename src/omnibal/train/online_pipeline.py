@@ -81,14 +81,19 @@ class PackShape:
 
 class _LlmPart(nn.Module):
     """The stage's layers from ``first`` on (stage 0: its LLM layers; none when it ends at the projector, and
-    the features then cross the boundary as they came)."""
+    the features then cross the boundary as they came). ``send_dtype``: the dtype the activation crosses the
+    next boundary in (the forward dtype under ``bf16-mixed``, where the LLM's residual stream is fp32 under
+    autocast; None: as computed)."""
 
-    def __init__(self, stage: nn.Module, first: int):
+    def __init__(self, stage: nn.Module, first: int, send_dtype: torch.dtype | None):
         super().__init__()
-        self.stage, self.first = stage, first
+        self.stage, self.first, self.send_dtype = stage, first, send_dtype
 
     def forward(self, *carry):
-        return self.stage.run_layers(self.first, len(self.stage.layer_names), *carry)
+        out = self.stage.run_layers(self.first, len(self.stage.layer_names), *carry)
+        if self.send_dtype is None:
+            return out
+        return (out[0].to(self.send_dtype), *out[1:])
 
 
 class OnlinePipes:
@@ -100,7 +105,8 @@ class OnlinePipes:
         self.spec = trainer.spec
         stage = trainer.stage_module
         self.start, self.end = (llm_start if w.is_first_stage else stage.start), stage.end
-        self.module = _LlmPart(stage, llm_start - stage.start if w.is_first_stage else 0)
+        send = trainer.autocast if w.pp_rank < w.pp_size - 1 else None
+        self.module = _LlmPart(stage, llm_start - stage.start if w.is_first_stage else 0, send)
         self.count = trainer.num_microbatches
         self._pipes: OrderedDict[PackShape, tuple] = OrderedDict()
         self._scale = 1.0
