@@ -17,7 +17,9 @@ def online_schedule(dp: int, num_samples: int = 160):
 
 
 def make_online_trainer(world, *, checkpoint_dir=None, lr=1e-3, num_samples=160, ledger_path=None,
-                        checkpoint_every=0, precision="fp32", node_size=0, online_balance=True):
+                        checkpoint_every=0, precision="fp32", node_size=0, online_balance=True, stage_layers=None,
+                        pipeline_schedule="1f1b"):
+    from omnibal.train.feed import fixed_buffer
     from omnibal.train.loop import Trainer
     from omnibal.train.model import VLM
     from omnibal.train.stage_layout import resolve_layout
@@ -25,8 +27,12 @@ def make_online_trainer(world, *, checkpoint_dir=None, lr=1e-3, num_samples=160,
     spec = tiny_spec()
     stats = tiny_stats(num_samples)
     model = VLM(spec, seed=0)
-    layout = resolve_layout([s.name for s, _ in model.chain()], pp_size=1, mode="online")
-    return Trainer(world=world, model=model, layout=layout, schedule=online_schedule(world.dp_size, num_samples),
+    layout = resolve_layout([s.name for s, _ in model.chain()], pp_size=world.pp_size, mode="online",
+                            stage_layers=stage_layers)
+    schedule = online_schedule(world.dp_size, num_samples)
+    buffer = fixed_buffer(schedule, stats, mode="online") if world.pp_size > 1 else None
+    return Trainer(world=world, model=model, layout=layout, schedule=schedule, buffer=buffer,
+                   pipeline_schedule=pipeline_schedule,
                    dataset=tiny_dataset(spec, stats), mode="online", num_microbatches=MICRO, lr=lr,
                    checkpoint_dir=checkpoint_dir, ledger_path=ledger_path,
                    checkpoint_every=checkpoint_every, precision=precision, node_size=node_size,
@@ -58,32 +64,37 @@ def single_process_step(dp: int, step: int = 0):
     return float(loss.detach()), grads, sorted(rows)
 
 
-def rank_online_forward_backward(dp: int, node_size: int = 0, online_balance: bool = True, step: int = 0):
+def rank_online_forward_backward(dp: int, node_size: int = 0, online_balance: bool = True, pp: int = 1,
+                                 stage_layers=None, pipeline_schedule: str = "1f1b", step: int = 0):
     """Forward + backward of schedule step ``step`` (the trainer is placed at it, nothing trained before)."""
     torch.set_num_threads(1)
     from omnibal.train.distributed import destroy_world, init_world
 
-    world = init_world(dp_size=dp, pp_size=1, timeout_s=TIMEOUT_S)
-    trainer = make_online_trainer(world, node_size=node_size, online_balance=online_balance)
+    world = init_world(dp_size=dp, pp_size=pp, timeout_s=TIMEOUT_S)
+    trainer = make_online_trainer(world, node_size=node_size, online_balance=online_balance,
+                                  stage_layers=stage_layers, pipeline_schedule=pipeline_schedule)
     trainer.step = step
     result = trainer.forward_backward()
     grads = {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)).numpy()
              for n, p in trainer.stage_module.named_parameters()}
-    info = trainer.online_info[-1]
+    info = trainer.online_info[-1] if trainer.online_info else None
+    shapes = sorted((s.tiles, s.tokens) for s in getattr(trainer, "_online_pipes", None)._pipes) if pp > 1 else []
     destroy_world()
     local = [int(i) for k in range(MICRO) for i in trainer.schedule.microbatch(step, world.dp_rank, k)]
-    return {"rank": world.rank, "loss_part": result.loss_sum, "grads": grads, "fed": trainer._fed, "local": local,
-            "info": (info.vision_max_mean, info.llm_max_mean, info.local_vision_max_mean, info.local_llm_max_mean),
-            "split_samples": info.split_samples}
+    return {"rank": world.rank, "pp_rank": world.pp_rank, "loss_part": result.loss_sum, "grads": grads,
+            "fed": trainer._fed, "local": local, "shapes": shapes,
+            "info": None if info is None else (info.vision_max_mean, info.llm_max_mean, info.local_vision_max_mean,
+                                               info.local_llm_max_mean),
+            "split_samples": None if info is None else info.split_samples}
 
 
 def rank_online_train(dp: int, checkpoint_dir: str, num_steps: int, resume: bool, every: int, num_samples: int,
-                      ledger_path: str | None = None):
+                      ledger_path: str | None = None, pp: int = 1):
     """``Trainer.run`` in online mode (checkpoints every ``every`` steps and at the end, the ledger written)."""
     torch.set_num_threads(1)
     from omnibal.train.distributed import destroy_world, init_world
 
-    world = init_world(dp_size=dp, pp_size=1, timeout_s=TIMEOUT_S)
+    world = init_world(dp_size=dp, pp_size=pp, timeout_s=TIMEOUT_S)
     trainer = make_online_trainer(world, checkpoint_dir=checkpoint_dir, num_samples=num_samples,
                                   ledger_path=ledger_path, checkpoint_every=every)
     if resume:
@@ -93,9 +104,10 @@ def rank_online_train(dp: int, checkpoint_dir: str, num_steps: int, resume: bool
     losses = [r.loss for r in trainer.log.records]
     params = {n: p.detach().clone().numpy() for n, p in trainer.stage_module.named_parameters()}
     keys = [int(k) for k in trainer.dataset.stats.keys]
+    shapes = len(trainer._online_pipes._pipes) if pp > 1 else 0
     destroy_world()
     return {"rank": world.rank, "start": start, "losses": losses, "consumed": trainer.consumed, "params": params,
-            "steps": trainer.schedule.num_steps, "keys": keys}
+            "steps": trainer.schedule.num_steps, "keys": keys, "shapes": shapes}
 
 
 def rank_online_dies(dp: int, victim: int):
@@ -120,7 +132,7 @@ def rank_online_dies(dp: int, victim: int):
     return timed_failing_step(trainer)
 
 
-def rank_online_bf16_step(dp: int):
+def rank_online_bf16_step(dp: int, pp: int = 1, stage_layers=None):
     """One ``bf16-mixed`` online step; records the dtype of every all-to-all payload."""
     torch.set_num_threads(1)
     import omnibal.train.alltoall as online
@@ -134,14 +146,15 @@ def rank_online_bf16_step(dp: int):
         return real(x, send, recv, group)
 
     online._a2a = spy
-    world = init_world(dp_size=dp, pp_size=1, timeout_s=TIMEOUT_S)
-    trainer = make_online_trainer(world, precision="bf16-mixed")
+    world = init_world(dp_size=dp, pp_size=pp, timeout_s=TIMEOUT_S)
+    trainer = make_online_trainer(world, precision="bf16-mixed", stage_layers=stage_layers)
     result = trainer.forward_backward()
     grads = {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)).float().numpy()
              for n, p in trainer.stage_module.named_parameters()}
     destroy_world()
     online._a2a = real
-    return {"rank": world.rank, "loss_part": result.loss_sum, "dtypes": sent, "grads": grads}
+    return {"rank": world.rank, "pp_rank": world.pp_rank, "loss_part": result.loss_sum, "dtypes": sent,
+            "grads": grads}
 
 
 def rank_two_level_matches_flat(dp: int, node_sizes: tuple[int, ...], seed: int):

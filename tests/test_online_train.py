@@ -33,8 +33,8 @@ def test_online_step_matches_single_process(dp, node_size, balance):
     re-deal of step 1 encodes a sample's tiles on two ranks (the vision phase is dealt by tile) and the
     gradients still agree."""
     step = 1
-    values = _values(spawn_local(rank_online_forward_backward, dp, args=(dp, node_size, balance, step),
-                                 deadline_s=120, start_method="fork"))
+    values = _values(spawn_local(rank_online_forward_backward, dp, deadline_s=120, start_method="fork",
+                                 args=(dp, node_size, balance, 1, None, "1f1b", step)))
     ref_loss, ref_grads, rows = single_process_step(dp, step)
     loss = sum(v["loss_part"] for v in values)
     assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
@@ -54,6 +54,37 @@ def test_online_step_matches_single_process(dp, node_size, balance):
     if not balance:
         assert (vis, llm) == (local_vis, local_llm)
         assert all(sorted(v["fed"]) == sorted(v["local"]) for v in values)
+
+
+@pytest.mark.parametrize(("balance", "stage_layers", "kind"), [(True, None, "1f1b"), (True, ((0, 6), (6, 8)), "gpipe"),
+                                                               (False, None, "1f1b")])
+def test_online_pipeline_step_matches_single_process(balance, stage_layers, kind):
+    """dp 2 x pp 2: the vision phase runs on stage 0's ranks (re-dealt among them), the LLM phase through each
+    replica's pipeline in fixed-shape padded packs; the loss and every gradient (each parameter on the stage
+    that holds it) equal one process on the whole global batch within 1e-5, and each sample is trained by
+    exactly one replica. Stage 0 holds the vision phase alone (the even split: the features cross the
+    boundary) or also LLM layers; 1F1B and GPipe; the control too."""
+    values = _values(spawn_local(rank_online_forward_backward, 4, args=(2, 0, balance, 2, stage_layers, kind),
+                                 deadline_s=180, start_method="fork"))
+    ref_loss, ref_grads, rows = single_process_step(2)
+    loss = sum(v["loss_part"] for v in values)
+    assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
+    assert all(v["loss_part"] == 0.0 for v in values if v["pp_rank"] == 0)  # the loss is the last stage's
+    for dp_rank in range(2):
+        mine = [v for v in values if v["rank"] // 2 == dp_rank]
+        assert sorted(n for v in mine for n in v["grads"]) == sorted(ref_grads)  # the stages split the model
+        assert mine[0]["shapes"] == mine[1]["shapes"] and len(mine[0]["shapes"]) == 1
+    for v in values:
+        for name, grad in v["grads"].items():
+            ref = ref_grads[name]
+            err = np.linalg.norm(grad - ref) / max(np.linalg.norm(ref), 1e-30)
+            assert err <= 1e-5, (v["rank"], name, err)
+    first = [v for v in values if v["pp_rank"] == 0]
+    assert sorted(i for v in first for i in v["fed"]) == rows
+    assert all(v["fed"] == [] for v in values if v["pp_rank"] == 1)
+    assert first[0]["info"] == first[1]["info"]
+    if not balance:
+        assert all(sorted(v["fed"]) == sorted(v["local"]) for v in first)
 
 
 def test_online_epoch_exactly_once_and_resume_continues_the_draws(tmp_path):
@@ -83,6 +114,27 @@ def test_online_epoch_exactly_once_and_resume_continues_the_draws(tmp_path):
     assert trained_counts(ledger) == {k: 1 for k in keys}
 
 
+def test_online_pipeline_epoch_matches_data_parallel(tmp_path):
+    """A whole epoch (5 steps, AdamW updates between them) at dp 2 x pp 2 trains every sample once (the ledger)
+    and follows the dp 2, pp 1 run: the same losses and, stage by stage, the same weights within 1e-5; the
+    steps' pack shapes differ, so several pipeline shapes ran."""
+    from omnibal.train.ledger import trained_counts
+
+    n = 60
+    flat = _values(spawn_local(rank_online_train, 2, args=(2, str(tmp_path / "a"), 0, False, 0, n),
+                               deadline_s=180, start_method="fork"))
+    piped = _values(spawn_local(rank_online_train, 4, args=(2, str(tmp_path / "b"), 0, False, 0, n,
+                                                            str(tmp_path / "b.jsonl"), 2),
+                                deadline_s=240, start_method="fork"))
+    assert trained_counts(tmp_path / "b.jsonl") == {k: 1 for k in flat[0]["keys"]}
+    assert piped[0]["losses"] == pytest.approx(flat[0]["losses"], rel=1e-5)
+    assert piped[0]["shapes"] >= 2
+    for v in piped:
+        for name, p in v["params"].items():
+            ref = flat[v["rank"] // 2]["params"][name]
+            assert np.linalg.norm(p - ref) <= 1e-5 * max(np.linalg.norm(ref), 1e-30), (v["rank"], name)
+
+
 def test_online_dead_rank_fails_fast():
     results = spawn_local(rank_online_dies, 2, args=(2, 1), deadline_s=90, start_method="fork")
     survivor = results[0].value
@@ -95,8 +147,7 @@ def test_online_mode_config_is_checked():
     from omnibal.errors import InputError
     from omnibal.train.config import TrainConfig
 
-    with pytest.raises(InputError, match="pp = 1"):
-        TrainConfig(mode="online", dp_size=1, pp_size=2)
+    TrainConfig(mode="online", dp_size=2, pp_size=2)  # the vision phase on stage 0's ranks
     with pytest.raises(InputError, match="flat"):
         TrainConfig(mode="online", dp_size=2, dp_sync="ddp")
     TrainConfig(mode="online", dp_size=2)
@@ -129,6 +180,25 @@ def test_online_bf16_moves_pixels_and_features_in_bf16():
             assert err <= 0.1, (name, err)
 
 
+def test_online_pipeline_bf16():
+    """dp 2 x pp 2 under ``bf16-mixed`` with a boundary inside the LLM (its fp32 residual stream crosses in
+    bf16, the pipeline's fixed buffer dtype): stage 0's ranks move pixels and features in bf16, the later
+    stage moves none, and the step matches the fp32 single process to bf16's precision."""
+    values = _values(spawn_local(rank_online_bf16_step, 4, args=(2, 2, ((0, 6), (6, 8))), deadline_s=180,
+                                 start_method="fork"))
+    ref_loss, ref_grads, _ = single_process_step(2)
+    for v in values:
+        want = ["torch.bfloat16", "torch.int64", "torch.bfloat16", "torch.bfloat16"] if v["pp_rank"] == 0 else []
+        assert v["dtypes"] == want, v["dtypes"]
+    loss = sum(v["loss_part"] for v in values)
+    assert abs(loss - ref_loss) <= 2e-2 * abs(ref_loss)
+    for v in values:
+        for name, grad in v["grads"].items():
+            ref = ref_grads[name]
+            err = np.linalg.norm(grad - ref) / max(np.linalg.norm(ref), 1e-30)
+            assert err <= 0.1, (name, err)
+
+
 def test_train_cli_passes_node_size_and_the_control_flag():
     import argparse
 
@@ -141,3 +211,46 @@ def test_train_cli_passes_node_size_and_the_control_flag():
     assert (cfg.node_size, cfg.online_balance) == (2, False)
     cfg = config_from_args(parser.parse_args(["--mode", "online", "--dp", "4"]))
     assert (cfg.node_size, cfg.online_balance) == (0, True)
+
+
+def test_online_pp2_layout_checks():
+    """An online run's default layout keeps the vision phase on stage 0; a given layout that splits it is
+    refused before any collective, naming stage_layers."""
+    from types import SimpleNamespace
+
+    from omnibal.errors import InputError
+    from omnibal.train.online_pipeline import bucket, check_online_layout, online_stage_layers
+
+    assert online_stage_layers(8, 4, 2) == ((0, 4), (4, 8))  # the even split already does
+    assert online_stage_layers(30, 12, 3) == ((0, 12), (12, 21), (21, 30))  # vision alone, the LLM split evenly
+    assert online_stage_layers(30, 6, 3) == ((0, 10), (10, 20), (20, 30))
+    with pytest.raises(InputError, match="stage 0 holds") as err:
+        check_online_layout(SimpleNamespace(layout=SimpleNamespace(ranges=((0, 3), (3, 8)), num_chunks=1)), 4)
+    assert err.value.field == "stage_layers"
+    interleaved = SimpleNamespace(ranges=((0, 4), (4, 5), (5, 6), (6, 8)), num_chunks=2)
+    with pytest.raises(InputError, match="--chunks 1") as err:
+        check_online_layout(SimpleNamespace(layout=interleaved), 4)
+    assert err.value.field == "num_chunks"
+    assert [bucket(n) for n in (0, 1, 7, 8, 9, 17, 100, 257)] == [1, 1, 7, 8, 10, 20, 112, 320]
+    assert all(n <= bucket(n) <= 1.25 * n for n in range(8, 5000))
+
+
+def test_train_cli_online_with_a_pipeline(tmp_path):
+    """``omnibal train --mode online --pp 2`` end to end on the tiny preset: steps run, the loss is finite, the
+    per-stage checkpoint is written, and the default layout put the vision phase on stage 0."""
+    import json
+    import math
+
+    from omnibal.cli import main
+    from omnibal.cost.presets import get_model_preset
+    from test_trainloop import _stats_file
+
+    stats = _stats_file(tmp_path)
+    rc = main(["train", "--mode", "online", "--stats", str(stats), "--dp", "1", "--pp", "2", "--model", "tiny",
+               "--steps", "2", "--microbatches", "2", "--batch-size", "2", "--summary-json", str(tmp_path / "s.json"),
+               "--checkpoint-dir", str(tmp_path / "ck"), "--quiet"])
+    assert rc == 0
+    doc = json.loads((tmp_path / "s.json").read_text())
+    assert doc["summary"]["steps"] == 1 and math.isfinite(doc["summary"]["final_loss"])
+    assert doc["stage_layers"][0][1] >= get_model_preset("tiny").vision.num_layers + 2
+    assert (tmp_path / "ck" / "step_00000002" / "manifest.json").is_file()

@@ -34,8 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("run")
     g.add_argument("--mode", choices=tuple(TrainMode), default="omnibal",
                    help="baseline: random padded micro-batches, even split, full recompute; omnibal: balanced "
-                        "packs, planned partition and recompute; online (pp 1): the baseline's random draws "
-                        "re-dealt every step, vision and LLM phases balanced separately (OrchMLLM)")
+                        "packs, planned partition and recompute; online: the baseline's random draws "
+                        "re-dealt every step, vision and LLM phases balanced separately (OrchMLLM; with --pp > 1 "
+                        "the vision phase runs on stage 0)")
     add_option(g, "model", default="tiny")
     add_option(g, "stats", help="per-sample statistics: the synthetic data follows them, or with --annotations the "
                "rows to train (omnibal stats of that file with the model's settings; default: computed from the "

@@ -36,10 +36,11 @@ class TrainConfig:
     mode: Literal["baseline", "omnibal", "online"] = "omnibal"
     """`baseline`: random fixed micro-batches of `baseline_batch_size` samples padded to their longest
     sample, even layer split, every block recomputed. `omnibal`: the balanced schedule's packs, the
-    plan's (or the given) partition and recompute sets. `online` (OrchMLLM-style, pp = 1): the baseline's
-    random local draws of `num_microbatches x baseline_batch_size` samples per rank, re-dealt every step by
-    an all-gather of sizes and all-to-alls, the vision phase dealt by tile and the LLM phase balanced by
-    LLM cost (:mod:`omnibal.train.online`)."""
+    plan's (or the given) partition and recompute sets. `online` (OrchMLLM-style; with pp > 1 the vision
+    phase runs on stage 0's ranks, :mod:`omnibal.train.online_pipeline`): the baseline's random local draws
+    of `num_microbatches x baseline_batch_size` samples per rank, re-dealt every step by an all-gather of
+    sizes and all-to-alls, the vision phase dealt by tile and the LLM phase balanced by LLM cost
+    (:mod:`omnibal.train.online`)."""
     layout: Layout = default_layout(zero_stage=0, num_microbatches=4)
     """DP x PP (world size = dp_size * pp_size) and micro-batches per DP rank per step (must match the
     schedule file when one is given); no TP and no ZeRO (tp_size 1, zero_stage 0). Its fields also read and
@@ -198,9 +199,6 @@ class TrainConfig:
         if self.mode == "online" and self.dp_sync != "flat":
             raise InputError("online mode sums gradients with the flat all-reduce (its layers run outside DDP): "
                              "use dp_sync 'flat'", source=src, field="dp_sync")
-        if self.mode == "online" and self.pp_size != 1:
-            raise InputError("online mode runs data parallel only (pp = 1): the vision encoder and the LLM of a "
-                             "sample run on different DP ranks", source=src, field="pp_size")
         self._check_sp()
         if self.node_size < 0 or (self.node_size and self.dp_size % self.node_size):
             raise InputError(f"node_size {self.node_size} must be 0 (flat all-to-all) or divide dp_size "

@@ -298,7 +298,7 @@ class Trainer(CheckpointResume):
                              source=getattr(self.schedule, "source", "schedule"), field="steps")
         if self._agreed_id != self.schedule_id:
             self.check_schedule_agrees()
-        if self.mode == "online":  # OrchMLLM-style post-balancing with per-modality dispatch (pp = 1)
+        if self.mode == "online":  # OrchMLLM-style post-balancing with per-modality dispatch
             return online_forward_backward(self)
         times = RankTimes()
         self._t_start = t_start = time.perf_counter()

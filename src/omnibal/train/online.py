@@ -1,4 +1,4 @@
-"""``--mode online``: OrchMLLM-style online batch post-balancing with per-modality dispatch (DP, pp = 1).
+"""``--mode online``: OrchMLLM-style online batch post-balancing with per-modality dispatch.
 
 Each DP rank draws its local batch as the baseline does (a seeded permutation slice:
 :func:`omnibal.train.feed.random_microbatch_schedule`, so every sample is drawn once per epoch and a resume
@@ -24,6 +24,9 @@ at step S continues the same draws). One step on every rank:
    through the reverse all-to-all into the vision encoder, and the trainer sums gradients over DP as in
    the other modes: the update equals the single-process gradient of the global-token-mean loss.
 
+With pp > 1 steps 1-5 run among stage 0's ranks (which hold the vision phase) and the LLM phase runs
+through each DP replica's pipeline: :mod:`omnibal.train.online_pipeline`.
+
 Every all-to-all is flat, or node-wise with ``node_size`` (:mod:`omnibal.train.alltoall`). Model code stays
 free of torch.distributed: this module calls the stage's layers by their chain position.
 """
@@ -45,7 +48,9 @@ from omnibal.errors import InputError
 from omnibal.train.alltoall import AllToAllGroups, Exchange, all_to_all_groups, exchange_raw
 from omnibal.train.distributed import caused_by_comm_error, is_comm_error, peer_failure
 from omnibal.train.metrics_log import RankTimes
+from omnibal.train.online_pipeline import PackShape, bucket, check_online_layout, later_stage_step, pipes_of, share_step
 from omnibal.train.pipeline import StepResult
+from omnibal.train.samples import placeholder_sample
 
 _COLS = 4  # gathered per sample: tiles, tokens, target tokens, dataset index
 
@@ -145,15 +150,21 @@ class _Dispatch:
 
 
 def _online_step(trainer):
-    """One ``--mode online`` step of ``trainer`` (an :class:`omnibal.train.loop.Trainer` with pp = 1):
-    leaves this rank's gradients (of the global-token-mean loss) in the model for the trainer's DP sum, sets
-    the trainer's step bookkeeping (``_times``, ``_result``, ``_counts``, ``_fed``) and returns the result."""
+    """One ``--mode online`` step of ``trainer`` (an :class:`omnibal.train.loop.Trainer`): leaves this rank's
+    gradients (of the global-token-mean loss) in the model for the trainer's DP sum, sets the trainer's step
+    bookkeeping (``_times``, ``_result``, ``_counts``, ``_fed``) and returns the result. With pp > 1 the
+    stage-0 ranks run the vision phase and the LLM phase runs through each replica's pipeline
+    (:mod:`omnibal.train.online_pipeline`)."""
     w = trainer.world
-    if w.pp_size != 1 or trainer.runner.ddp:
-        raise InputError("online mode runs data parallel only (pp = 1) with the flat gradient sum (dp_sync 'flat'): "
-                         "its layers are called outside a pipeline or DDP wrapper", source="mode", field="mode")
+    if trainer.runner.ddp:
+        raise InputError("online mode sums gradients with the flat all-reduce (dp_sync 'flat'): its layers are "
+                         "called outside a DDP wrapper", source="dp_sync", field="dp_sync")
+    if w.pp_size > 1:
+        check_online_layout(trainer, _llm_start(trainer))
+    comm = _groups(trainer) if w.dp_size > 1 else None  # every rank: node-wise groups are made collectively
+    if not w.is_first_stage:
+        return later_stage_step(trainer, _llm_start(trainer))
     group = w.dp_group if w.dp_size > 1 else None
-    comm = _groups(trainer) if w.dp_size > 1 else None
     times = RankTimes()
     trainer._t_start = t0 = time.perf_counter()
     trainer._cpu_start = time.process_time()
@@ -172,10 +183,16 @@ def _online_step(trainer):
     with trainer.runner.precision():
         feats = _vision_phase(trainer, d, pix_flat)
         img = _features_to_llm_owners(trainer, d, feats, comm)
-        loss_sum, global_targets = _llm_phase(trainer, d, img, tok_flat)
-    loss = loss_sum / max(global_targets, 1.0)
-    loss.backward()
-    compute_s = time.perf_counter() - t_compute
+        if w.pp_size == 1:
+            loss_sum, global_targets = _llm_phase(trainer, d, img, tok_flat)
+    if w.pp_size == 1:
+        loss = loss_sum / max(global_targets, 1.0)
+        loss.backward()
+        loss_value = float(loss.detach())
+        wait_s = 0.0
+    else:  # the schedule's time outside its stage's forward/backward is waiting on the pipeline
+        loss_value, global_targets, wait_s = _llm_pipeline(trainer, d, img, tok_flat)
+    compute_s = time.perf_counter() - t_compute - wait_s
 
     t_sync = time.perf_counter()
     trainer.grad_sync()
@@ -186,7 +203,7 @@ def _online_step(trainer):
                        "tiles": tiles_all, "buffer_tokens": tokens_all, "buffer_tiles": tiles_all}
     trainer._fed = [int(d.index[p]) for p in d.l_mine]  # the samples whose loss this rank computed
     trainer.online_info.append(replace(d.info, comm_s=comm_s))
-    result = StepResult(loss_sum=float(loss.detach()), compute_s=compute_s)
+    result = StepResult(loss_sum=loss_value, compute_s=compute_s)
     trainer._times, trainer._result = times, result
     return result
 
@@ -300,15 +317,11 @@ def _features_to_llm_owners(trainer, d: _Dispatch, feats: torch.Tensor, comm) ->
     return recv.reshape(len(mine), tpt, width)[torch.as_tensor(order, dtype=torch.long, device=recv.device)]
 
 
-def _llm_phase(trainer, d: _Dispatch, img: torch.Tensor, tok_flat: torch.Tensor) -> tuple[torch.Tensor, float]:
-    """The LLM phase: ``(loss sum over this rank's packs, global target tokens)``.
-
-    Token ids and labels arrived ordered by (data owner, position) = ascending position; the rank's samples
-    form up to ``num_microbatches`` varlen packs of similar LLM cost (attention kernels that cost the square
-    of the pack length, such as the HF path's block mask, pay per pack, not per rank)."""
-    cfg_base, stage, device = trainer._collate_base, trainer.stage_module, trainer.world.device
-    tpt, side, width = cfg_base.tokens_per_tile, cfg_base.image_size, img.shape[-1]
-    tiles, tokens, l_mine = d.tiles, d.tokens, d.l_mine
+def _llm_samples(trainer, d: _Dispatch, tok_flat: torch.Tensor) -> tuple[dict, dict]:
+    """This rank's LLM samples by position (ids and labels arrived ordered by (data owner, position) =
+    ascending position; pixels are placeholders: the features replace them) and each one's first feature
+    row."""
+    side, tiles, tokens, l_mine = trainer._collate_base.image_size, d.tiles, d.tokens, d.l_mine
     samples_of, at = {}, 0
     for p in l_mine:
         n = int(tokens[p])
@@ -317,10 +330,27 @@ def _llm_phase(trainer, d: _Dispatch, img: torch.Tensor, tok_flat: torch.Tensor)
                               "pixel_values": torch.zeros(1, 3, side, side).expand(int(tiles[p]), 3, side, side)}
         at += 2 * n
     img_start = dict(zip(l_mine.tolist(), np.concatenate([[0], np.cumsum(tiles[l_mine])])[:-1].tolist()))
+    return samples_of, img_start
+
+
+def _pack_rows(d: _Dispatch, group, img_start: dict) -> list[int]:
+    """The feature rows (tiles) of a pack's samples, in order."""
+    return [row for p in group for row in range(int(img_start[p]), int(img_start[p]) + int(d.tiles[p]))]
+
+
+def _llm_phase(trainer, d: _Dispatch, img: torch.Tensor, tok_flat: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """The LLM phase (pp = 1): ``(loss sum over this rank's packs, global target tokens)``.
+
+    The rank's samples form up to ``num_microbatches`` varlen packs of similar LLM cost (attention kernels
+    that cost the square of the pack length, such as the HF path's block mask, pay per pack, not per rank)."""
+    cfg_base, stage, device = trainer._collate_base, trainer.stage_module, trainer.world.device
+    tpt, width = cfg_base.tokens_per_tile, img.shape[-1]
+    tiles, tokens = d.tiles, d.tokens
+    samples_of, img_start = _llm_samples(trainer, d, tok_flat)
     llm_cost = DEFAULT_COST.sample_costs(tiles, tokens)[1]
     loss_sum = img.new_zeros(())
-    for group in llm_packs(l_mine, llm_cost, trainer.num_microbatches):
-        rows = [row for p in group for row in range(int(img_start[p]), int(img_start[p]) + int(tiles[p]))]
+    for group in llm_packs(d.l_mine, llm_cost, trainer.num_microbatches):
+        rows = _pack_rows(d, group, img_start)
         feats_g = img[torch.as_tensor(rows, dtype=torch.long, device=img.device)]
         n_tiles = int(tiles[group].sum())
         if n_tiles == 0:  # a text-only pack: one zero tile slot (nothing reads it)
@@ -332,3 +362,36 @@ def _llm_phase(trainer, d: _Dispatch, img: torch.Tensor, tok_flat: torch.Tensor)
                               (feats_g.unsqueeze(0), mb.token_meta, mb.sizes))
         loss_sum = loss_sum + part.sum()
     return loss_sum, float(d.targets.sum())
+
+
+def _llm_pipeline(trainer, d: _Dispatch, img: torch.Tensor, tok_flat: torch.Tensor) -> tuple[float, float, float]:
+    """The LLM phase through this replica's pipeline (stage 0, pp > 1): exactly ``num_microbatches`` packs
+    (empty ones a placeholder sample) padded to the step's bucketed shape, the features as a leaf tensor;
+    after the schedule its gradient goes back once through the feature all-to-all into the encoder.
+    Returns ``(loss on this rank: 0 unless it is also the last stage; global target tokens; seconds the
+    schedule spent outside this stage's compute)``."""
+    cfg_base, device, count = trainer._collate_base, trainer.world.device, trainer.num_microbatches
+    tpt, width = cfg_base.tokens_per_tile, img.shape[-1]
+    samples_of, img_start = _llm_samples(trainer, d, tok_flat)
+    groups = llm_packs(d.l_mine, DEFAULT_COST.sample_costs(d.tiles, d.tokens)[1], count)
+    groups += [np.zeros(0, np.int64)] * (count - len(groups))
+    shape = PackShape(bucket(max(max(int(d.tiles[g].sum()), 1) for g in groups)),
+                      bucket(max(max(int(d.tokens[g].sum()), 1) for g in groups)))
+    shape, global_targets = share_step(trainer, shape, float(d.targets.sum()))
+    cfg = replace(cfg_base, num_tiles=shape.tiles, num_tokens=shape.tokens, mode="pack",
+                  source=getattr(trainer.schedule, "source", "schedule"))
+    feats, metas, sizes = [], [], []
+    for group in groups:
+        rows = torch.as_tensor(_pack_rows(d, group, img_start), dtype=torch.long, device=img.device)
+        feats.append(torch.cat([img[rows], img.new_zeros(shape.tiles - len(rows), tpt, width)]))
+        mb = collate([samples_of[int(p)] for p in group] or [placeholder_sample(cfg.image_size)], cfg)
+        metas.append(mb.token_meta)
+        sizes.append(mb.sizes)
+    packed = torch.stack(feats)
+    leaf = packed.detach().requires_grad_(True)
+    args = (leaf, torch.cat(metas).to(device), torch.cat(sizes).to(device))
+    t0 = time.perf_counter()
+    loss, compute_s = pipes_of(trainer, _llm_start(trainer)).run(shape, global_targets, args)
+    wait_s = max(0.0, time.perf_counter() - t0 - compute_s)
+    packed.backward(leaf.grad if leaf.grad is not None else torch.zeros_like(leaf))
+    return loss, global_targets, wait_s

@@ -41,6 +41,7 @@ from omnibal.train.hf_weights import check_weights
 from omnibal.train.level_recompute import schedule_level_layout
 from omnibal.train.loop import Trainer
 from omnibal.train.model import VLM
+from omnibal.train.online_pipeline import online_stage_layers
 from omnibal.train.reshard import balance_record, reshard_schedule
 from omnibal.train.reshard_kinds import hbp_of, hbp_params, hbp_rest, untrained
 from omnibal.train.sp import level_order
@@ -182,7 +183,10 @@ def build_trainer(cfg: TrainConfig, world: World, notify=None, say=None):
                  f"they are not trained this epoch")
     names = [layer.name for layer, _ in model.chain()]
     recomputable = [layer.name for layer, _ in model.chain() if layer.kind in ("vision_block", "llm_block")]
-    layout = resolve_layout(names, pp_size=cfg.pp_size, mode=cfg.mode, stage_layers=cfg.stage_layers,
+    stage_layers = cfg.stage_layers
+    if cfg.mode == "online" and cfg.pp_size > 1 and stage_layers is None and cfg.plan_path is None:
+        stage_layers = online_stage_layers(len(names), spec.vision.num_layers + 2, cfg.pp_size)  # vision on stage 0
+    layout = resolve_layout(names, pp_size=cfg.pp_size, mode=cfg.mode, stage_layers=stage_layers,
                             recompute=cfg.recompute, selective=cfg.selective, plan_path=cfg.plan_path,
                             model_name=spec.name,
                             recomputable=recomputable)
