@@ -215,7 +215,7 @@ def test_train_cli_passes_node_size_and_the_control_flag():
 
 def test_online_pp2_layout_checks():
     """An online run's default layout keeps the vision phase on stage 0; a given layout that splits it is
-    refused before any collective, naming stage_layers."""
+    refused before any collective, naming stage_layers; so is an interleaved layout (one range per stage)."""
     from types import SimpleNamespace
 
     from omnibal.errors import InputError
