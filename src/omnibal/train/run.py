@@ -12,6 +12,7 @@ Same model, same data, same world for both modes; they differ only in what the m
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -291,7 +292,7 @@ def train_rank(cfg: TrainConfig, notify=None, say=None) -> dict:
     skipped, samples left untrained), quiet or not; ``say(line)``: the run's own lines, unless quiet
     (:func:`build_trainer`). Both must pickle when the rank is spawned (module-level functions)."""
     torch.set_num_threads(cfg.torch_threads)
-    if cfg.world_size == 1 and "RANK" not in __import__("os").environ:
+    if cfg.world_size == 1 and "RANK" not in os.environ:
         world = local_world(cfg.device, cfg.timeout_s)
     else:
         world = init_world(dp_size=cfg.dp_size, pp_size=cfg.pp_size, device=cfg.device, timeout_s=cfg.timeout_s)
