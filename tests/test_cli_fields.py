@@ -18,8 +18,8 @@ class Colour(enum.StrEnum):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Inner:
-    dp_size: int = 1
-    """Data-parallel size."""
+    width: int = 1
+    """Width."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -47,13 +47,13 @@ def _parser():
 
 def test_flags_help_and_types_come_from_the_fields():
     p, flags = _parser()
-    assert flags == {"dp_size": "--dp-size", "max_tiles": "--max-tiles", "colour": "--colour",
+    assert flags == {"width": "--width", "max_tiles": "--max-tiles", "colour": "--colour",
                      "chunks": "--chunks", "prefetch": "--prefetch", "num_steps": "--steps"}
     text = p.format_help()
     assert "Tile cap per image (100% of them)." in text and "{red,blue}" in text and "-n" in text
     args = p.parse_args(["--max-tiles", "6", "--colour", "blue", "--chunks", "2,3", "--prefetch", "-n", "4",
-                         "--dp-size", "2"])
-    assert (args.max_tiles, args.colour, args.chunks, args.prefetch, args.num_steps, args.dp_size) == (
+                         "--width", "2"])
+    assert (args.max_tiles, args.colour, args.chunks, args.prefetch, args.num_steps, args.width) == (
         6, "blue", (2, 3), True, 4, 2)
     with pytest.raises(SystemExit):
         p.parse_args(["--colour", "green"])
@@ -69,3 +69,33 @@ def test_unset_flags_keep_the_dataclass_defaults():
 def test_field_docs_reads_the_docstring_under_each_field():
     assert field_docs(Toy)["colour"] == "Which colour."
     assert field_docs(Toy)["hidden"] == "Not a flag."
+
+
+def test_every_train_config_field_has_one_flag_and_every_flag_one_field():
+    from omnibal.cli.fields import cli_fields, option_key
+    from omnibal.cli.options import DeprecatedAlias
+    from omnibal.cli.train import add_arguments
+    from omnibal.train.config import TrainConfig
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    dests = [a.dest for a in parser._actions if a.option_strings and not isinstance(a, (DeprecatedAlias,
+                                                                                         argparse._HelpAction))]
+    fields = [option_key(f) or f.name for f, _, _ in cli_fields(TrainConfig) if f.name not in ("tp_size",
+                                                                                                 "zero_stage")]
+    assert sorted(dests) == sorted([*fields, "nproc"])  # --nproc: the launcher's, not the run's
+    assert len(set(dests)) == len(dests)
+
+
+def test_train_flags_build_the_config_the_fields_describe():
+    from omnibal.cli.train import add_arguments, train_config
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    cfg = train_config(parser.parse_args(["--steps", "3", "--stage-layers", "0:4", "--recompute", "a,b",
+                                          "--schedule", "gpipe", "--batch-size", "2", "--log", "m.jsonl",
+                                          "--convert-stats", "--dp", "2", "--threads", "2"]))
+    assert (cfg.num_steps, cfg.stage_layers, cfg.recompute, cfg.pipeline_schedule, cfg.baseline_batch_size,
+            cfg.log_path, cfg.convert_stats, cfg.dp_size, cfg.torch_threads) == (
+        3, ((0, 4),), (("a", "b"),), "gpipe", 2, "m.jsonl", True, 2, 2)
+    assert train_config(parser.parse_args([])) == train_config(parser.parse_args([])).__class__()

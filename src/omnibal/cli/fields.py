@@ -3,9 +3,13 @@
 The flag is the field name in kebab case (``max_tiles`` -> ``--max-tiles``), the help is the docstring under
 the field, and the type and choices follow the annotation: a ``StrEnum`` or ``Literal`` gives choices, ``bool``
 a ``--x/--no-x`` pair, ``tuple[int, ...]`` a comma list, ``X | None`` a flag that may be left unset. A field's
-``metadata`` may give another spelling (``{"flag": "--steps"}``), a short flag (``{"short": "-n"}``), a metavar,
-or ``{"cli": False}`` to keep it off the command line. A nested dataclass field (``layout``) contributes its own
-fields flat, as the ``holds_layout`` configs construct them.
+``metadata`` may give another spelling (``{"flag": "--steps"}``), a short flag (``{"short": "-n"}``), more
+spellings (``{"also": ("--log",)}``), a metavar, a parser (``{"parse": fn}``), or ``{"cli": False}`` to keep
+it off the command line. A knob several subcommands share is spelled by its :data:`omnibal.cli.options.OPTIONS`
+entry (its flag, short flags and deprecated aliases): the entry of the field's name, or of its metadata's
+``option``; the argument's dest is then the entry's key, so every subcommand stores it under one name.
+A nested dataclass field (``layout``) contributes its own fields flat, as the ``holds_layout`` configs
+construct them.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import ast
 import dataclasses
 import enum
 import inspect
+import re
 import textwrap
 import types
 import typing
@@ -31,7 +36,8 @@ def field_docs(cls) -> dict[str, str]:
         for stmt, nxt in zip(body, body[1:]):
             if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and isinstance(nxt, ast.Expr)
                     and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
-                docs[stmt.target.id] = " ".join(nxt.value.value.split())
+                text = re.sub(r":\w+:`~?([^`]*)`", r"\1", " ".join(nxt.value.value.split()))
+                docs[stmt.target.id] = text.replace("``", "`")
     return docs
 
 
@@ -58,23 +64,25 @@ def _comma_list(item_type):
 def argument_kwargs(f: dataclasses.Field, tp, doc: str) -> dict:
     """``add_argument`` keywords of one field (no default: the dataclass's own default applies)."""
     tp, _ = _unwrap_optional(tp)
-    kw: dict = {"dest": f.name, "help": f.metadata.get("help", doc).replace("%", "%%"),
+    kw: dict = {"dest": option_key(f) or f.name, "help": f.metadata.get("help", doc).replace("%", "%%"),
                 "default": argparse.SUPPRESS}
     if "metavar" in f.metadata:
         kw["metavar"] = f.metadata["metavar"]
     origin = typing.get_origin(tp)
-    if tp is bool:
+    if "parse" in f.metadata:
+        kw["type"] = f.metadata["parse"]
+    elif tp is bool:
         kw["action"] = argparse.BooleanOptionalAction
     elif isinstance(tp, type) and issubclass(tp, enum.Enum):
         kw["choices"] = tuple(m.value for m in tp)
     elif origin is typing.Literal:
         kw["choices"] = typing.get_args(tp)
     elif origin is tuple and len(typing.get_args(tp)) == 2 and typing.get_args(tp)[1] is Ellipsis:
-        kw["type"] = f.metadata.get("parse", _comma_list(typing.get_args(tp)[0]))
+        kw["type"] = _comma_list(typing.get_args(tp)[0])
     elif tp in (int, float, str):
         kw["type"] = tp
-    elif "parse" in f.metadata:
-        kw["type"] = f.metadata["parse"]
+        if tp is int:
+            kw.setdefault("metavar", "N")
     else:
         raise TypeError(f"field {f.name}: no command-line form for {tp!r}; give metadata parse= or cli=False")
     return kw
@@ -95,19 +103,45 @@ def cli_fields(cls) -> list[tuple[dataclasses.Field, object, str]]:
     return out
 
 
+def option_key(f: dataclasses.Field) -> str | None:
+    """The shared option (:data:`omnibal.cli.options.OPTIONS` key) that spells the field, if any."""
+    from omnibal.cli.options import OPTIONS
+
+    key = f.metadata.get("option", f.name)
+    return key if key in OPTIONS else None
+
+
 def add_config_arguments(parser, cls, *, skip: tuple[str, ...] = ()) -> dict[str, str]:
-    """Add one argument per command-line field of ``cls``; returns {field name: long flag}."""
+    """Add one argument per command-line field of ``cls`` (but ``skip``); returns {field name: long flag}."""
+    from omnibal.cli.options import OPTIONS, add_option
+
     flags = {}
     for f, tp, doc in cli_fields(cls):
         if f.name in skip:
             continue
-        names = [flag_of(f)] + ([f.metadata["short"]] if "short" in f.metadata else [])
-        parser.add_argument(*names, **argument_kwargs(f, tp, doc))
+        kw = argument_kwargs(f, tp, doc)
+        key = option_key(f)
+        if key is not None:
+            opt = OPTIONS[key]
+            if "action" in opt.kwargs:  # the shared spelling's action (store_true) wins over the annotation's
+                kw = {k: v for k, v in kw.items() if k not in ("action", "type", "choices")}
+            elif "choices" in kw:  # the field's choices: this subcommand's subset of the shared list
+                kw.pop("type", None)
+            kw.pop("dest")
+            add_option(parser, key, **kw)
+            flags[f.name] = opt.flag
+            continue
+        names = [flag_of(f), *f.metadata.get("also", ()), *([f.metadata["short"]] if "short" in f.metadata else [])]
+        parser.add_argument(*names, **kw)
         flags[f.name] = names[0]
     return flags
 
 
 def config_from_args(cls, args: argparse.Namespace, **overrides):
     """``cls`` built from the parsed fields the user gave (the dataclass defaults the rest)."""
-    given = {f.name: getattr(args, f.name) for f, _, _ in cli_fields(cls) if hasattr(args, f.name)}
+    given = {}
+    for f, _, _ in cli_fields(cls):
+        dest = option_key(f) or f.name
+        if hasattr(args, dest):
+            given[f.name] = getattr(args, dest)
     return cls(**{**given, **overrides})
