@@ -69,7 +69,9 @@ def argument_kwargs(f: dataclasses.Field, tp, doc: str) -> dict:
     if "metavar" in f.metadata:
         kw["metavar"] = f.metadata["metavar"]
     origin = typing.get_origin(tp)
-    if "parse" in f.metadata:
+    if "choices" in f.metadata:  # a subset of the annotation's vocabulary
+        kw["choices"] = tuple(f.metadata["choices"])
+    elif "parse" in f.metadata:
         kw["type"] = f.metadata["parse"]
     elif tp is bool:
         kw["action"] = argparse.BooleanOptionalAction

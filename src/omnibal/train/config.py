@@ -7,7 +7,6 @@ Validation here covers what can be checked without the model or the world: range
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Literal
 
 from omnibal.errors import InputError
 from omnibal.layout import (
@@ -16,6 +15,7 @@ from omnibal.layout import (
     DpSync,
     Layout,
     OnError,
+    PipelineSchedule,
     Precision,
     TrainMode,
     check_choice,
@@ -24,9 +24,6 @@ from omnibal.layout import (
 )
 from omnibal.train.stage_layout import parse_stage_layers
 from omnibal.validate import check_positive_int, is_int
-
-MODES = tuple(TrainMode)
-SCHEDULES = PLANNER_SCHEDULES
 
 
 def parse_stage_sets(text: str) -> tuple[tuple[str, ...], ...]:
@@ -39,7 +36,7 @@ def parse_stage_sets(text: str) -> tuple[tuple[str, ...], ...]:
 class TrainConfig:
     """One training run of the reference DP x PP trainer."""
 
-    mode: Literal["baseline", "omnibal", "online"] = "omnibal"
+    mode: TrainMode = "omnibal"
     """`baseline`: random fixed micro-batches of `baseline_batch_size` samples padded to their longest
     sample, even layer split, every block recomputed. `omnibal`: the balanced schedule's packs, the
     plan's (or the given) partition and recompute sets. `online` (OrchMLLM-style; with pp > 1 the vision
@@ -71,9 +68,10 @@ class TrainConfig:
     """``--mode online``: re-deal each step's draws across DP ranks. False is the control run: every sample
     runs on the rank that drew it, in online's unpadded packs and without recompute, so that comparing it
     with online isolates the balance from the padding and recompute the baseline adds."""
-    pipeline_schedule: Literal["1f1b", "gpipe"] = field(default="1f1b", metadata={"option": "schedule"})
+    pipeline_schedule: PipelineSchedule = field(default="1f1b", metadata={"option": "schedule",
+                                                                      "choices": PLANNER_SCHEDULES})
     """Pipeline schedule (torch.distributed.pipelining Schedule1F1B or ScheduleGPipe)."""
-    dp_sync: Literal["flat", "ddp"] = "flat"
+    dp_sync: DpSync = "flat"
     """Gradient sum over DP: ``flat`` (one all-reduce after the step; the wait for the slowest rank is
     logged as ``dp_sync_s``) or ``ddp`` (DistributedDataParallel, overlapping the last backward)."""
     stage_layers: tuple[tuple[int, int], ...] | None = field(default=None, metadata={"parse": parse_stage_layers})
@@ -117,7 +115,7 @@ class TrainConfig:
     max_tiles: int | None = None
     """Dynamic-resolution tile cap per image for real data (InternVL-style models; a Llava image is 1 tile); None:
     the checkpoint's ``preprocessor_config.json`` ``max_patches``, else 12."""
-    on_error: Literal["raise", "skip"] = "raise"
+    on_error: OnError = "raise"
     """Bad annotation records: ``raise`` at the first, or ``skip`` them (counted and reported)."""
     baseline_batch_size: int = field(default=4, metadata={"option": "batch_size"})
     """Samples per micro-batch in baseline mode."""
@@ -130,9 +128,9 @@ class TrainConfig:
     """AdamW weight decay."""
     seed: int = 0
     """Seed of the model initialisation and of the baseline's random micro-batches."""
-    device: Literal["cpu", "cuda"] = "cpu"
+    device: Device = "cpu"
     """Device type; the backend follows from it (gloo on cpu, nccl on cuda)."""
-    precision: Literal["fp32", "bf16-mixed"] = "fp32"
+    precision: Precision = "fp32"
     """``fp32``, or ``bf16-mixed``: fp32 weights and AdamW state, matrix products and attention in bf16 under
     ``torch.autocast`` (what a GPU run uses; on a CPU it works too, slowly)."""
     prefetch: bool | None = None
@@ -171,7 +169,7 @@ class TrainConfig:
         src = "train config"
         check_choice(self.mode, TrainMode, source=src, field="mode")
         check_choice(self.dp_sync, DpSync, source=src, field="dp_sync")
-        check_choice(self.pipeline_schedule, SCHEDULES, source=src, field="pipeline_schedule")
+        check_choice(self.pipeline_schedule, PLANNER_SCHEDULES, source=src, field="pipeline_schedule")
         if self.layout.tp_size != 1 or self.layout.zero_stage != 0:
             raise InputError("the reference trainer has no tensor parallelism and no ZeRO: tp_size must be 1 "
                              f"and zero_stage 0, got {self.layout.tp_size} and {self.layout.zero_stage}",
