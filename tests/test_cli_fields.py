@@ -99,3 +99,28 @@ def test_train_flags_build_the_config_the_fields_describe():
             cfg.log_path, cfg.convert_stats, cfg.dp_size, cfg.torch_threads) == (
         3, ((0, 4),), (("a", "b"),), "gpipe", 2, "m.jsonl", True, 2, 2)
     assert train_config(parser.parse_args([])) == train_config(parser.parse_args([])).__class__()
+
+
+def test_no_choice_list_is_defined_twice():
+    """A StrEnum of omnibal.layout is the only spelling of its vocabulary: no string tuple/list/set literal
+    with the same values elsewhere in src, and no Literal[...] of config fields."""
+    import ast
+    import pathlib
+
+    import omnibal.layout as layout
+
+    enums = {frozenset(m.value for m in o): name for name, o in vars(layout).items()
+             if isinstance(o, type) and issubclass(o, enum.StrEnum) and o is not enum.StrEnum}
+    root = pathlib.Path(layout.__file__).parent
+    copies = []
+    for path in sorted(root.rglob("*.py")):
+        if path.name == "layout.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Tuple, ast.List, ast.Set)) and len(node.elts) > 1 and all(
+                    isinstance(e, ast.Constant) and isinstance(e.value, str) for e in node.elts):
+                values = frozenset(e.value for e in node.elts)
+                if values in enums:
+                    copies.append(f"{path.relative_to(root)}:{node.lineno} repeats {enums[values]}")
+    assert copies == []
+    assert "Literal" not in (root / "train" / "config.py").read_text()
