@@ -34,7 +34,7 @@ import torch
 
 from benchmarks.common import write_result
 from benchmarks.trainer_runs import MICROBATCHES, data_args, prepare, run_train
-from omnibal.cli.train import add_arguments, config_from_args
+from omnibal.cli.train import add_arguments, train_config
 from omnibal.data.collate import collate
 from omnibal.plan.partition import min_max_partition
 from omnibal.plan.plan import measured_plan
@@ -50,7 +50,7 @@ def profile_chain(root: Path, model: Path) -> tuple[list[str], np.ndarray, objec
     torch.set_num_threads(1)
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    cfg = config_from_args(parser.parse_args(data_args(root, model) + ["--microbatches", str(MICROBATCHES)]))
+    cfg = train_config(parser.parse_args(data_args(root, model) + ["--microbatches", str(MICROBATCHES)]))
     chain = run.build_model(cfg)
     stats, dataset = run.build_data(cfg, chain)
     schedule = run.build_schedule(cfg, stats)

@@ -202,14 +202,14 @@ def test_online_pipeline_bf16():
 def test_train_cli_passes_node_size_and_the_control_flag():
     import argparse
 
-    from omnibal.cli.train import add_arguments, config_from_args
+    from omnibal.cli.train import add_arguments, train_config
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    cfg = config_from_args(parser.parse_args(["--mode", "online", "--dp", "4", "--node-size", "2",
-                                              "--no-online-balance"]))
+    cfg = train_config(parser.parse_args(["--mode", "online", "--dp", "4", "--node-size", "2",
+                                          "--no-online-balance"]))
     assert (cfg.node_size, cfg.online_balance) == (2, False)
-    cfg = config_from_args(parser.parse_args(["--mode", "online", "--dp", "4"]))
+    cfg = train_config(parser.parse_args(["--mode", "online", "--dp", "4"]))
     assert (cfg.node_size, cfg.online_balance) == (0, True)
 
 

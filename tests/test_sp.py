@@ -118,13 +118,13 @@ def test_warmup_is_a_train_option_checked_by_name():
 
     import pytest
 
-    from omnibal.cli.train import add_arguments, config_from_args
+    from omnibal.cli.train import add_arguments, train_config
     from omnibal.errors import InputError
     from omnibal.train.config import TrainConfig
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    assert config_from_args(parser.parse_args(["--level-warmup", "500"])).level_warmup == 500
+    assert train_config(parser.parse_args(["--level-warmup", "500"])).level_warmup == 500
     with pytest.raises(InputError, match="level_warmup"):
         TrainConfig(level_warmup=-1).validate()
 

@@ -26,7 +26,7 @@ import torch
 from benchmarks.cpu_runs import step_features
 from benchmarks.gpu.shapes import CheckShapes, EndToEndConfig
 from benchmarks.trainer_runs import run_train
-from omnibal.cli.train import add_arguments, config_from_args
+from omnibal.cli.train import add_arguments, train_config
 from omnibal.cost.profile import FORMAT, cost_table_from_profile, fit_profile, grid_points
 from omnibal.cost.spec import LAYER_KINDS
 from omnibal.cost.table import RECOMPUTE_FULL, RECOMPUTE_SELECTIVE
@@ -97,7 +97,7 @@ def predict(paths: dict, cfg: EndToEndConfig, shapes: CheckShapes, measured: dic
     """The simulator's samples/s of each mode over the steps the summary counts (all but the first)."""
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    tcfg = config_from_args(parser.parse_args(train_args(paths, cfg, shapes, "omnibal")))
+    tcfg = train_config(parser.parse_args(train_args(paths, cfg, shapes, "omnibal")))
     chain = train_run.build_model(tcfg)
     stats, _ = train_run.build_data(tcfg, chain)
     profile = _chain_profile(chain, cfg, shapes)

@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from omnibal.cost.stack import STACKS
 from omnibal.layout import (
     LAYOUT_FLAGS,
-    PLANNER_SCHEDULES,
     ZERO_STAGES,
     BalanceMethod,
     Device,
@@ -140,24 +139,6 @@ class DeprecatedAlias(argparse.Action):
 def warn_deprecated(parser: argparse.ArgumentParser, old: str, new: str) -> None:
     print(f"{parser.prog}: warning: {old} is deprecated and will be removed in the next release; use {new}",
           file=sys.stderr)
-
-
-class ScheduleOrFile(argparse.Action):
-    """``omnibal train --schedule``: a pipeline schedule as everywhere else; a value that names no schedule
-    is read as the schedule file the flag used to mean (deprecated: ``--schedule-file``)."""
-
-    alias_choices = PLANNER_SCHEDULES
-    """What its deprecated alias ``--pipeline-schedule`` accepts (never a file)."""
-
-    def __call__(self, parser, namespace, values, option_string=None) -> None:
-        if values in PLANNER_SCHEDULES:
-            setattr(namespace, self.dest, values)
-            return
-        if values in tuple(PipelineSchedule):
-            parser.error(f"argument {option_string}: the reference trainer runs "
-                         f"{' or '.join(PLANNER_SCHEDULES)}, not {values}")
-        warn_deprecated(parser, f"{option_string} FILE", OPTIONS["schedule_file"].flag)
-        namespace.schedule_file = values
 
 
 def check_layout_args(args: argparse.Namespace) -> None:

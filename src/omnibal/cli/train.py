@@ -12,9 +12,9 @@ import argparse
 import os
 import sys
 
-from omnibal.cli.options import ScheduleOrFile, add_layout_options, add_option, check_layout_args
+from omnibal.cli.fields import add_config_arguments, config_from_args
+from omnibal.cli.options import check_layout_args
 from omnibal.errors import InputError, OmnibalError
-from omnibal.layout import DpSync, Precision, TrainMode
 
 CUDA_ALLOC_CONF = "expandable_segments:True"
 """PyTorch's caching allocator setting of a CUDA run, unless the user set ``PYTORCH_CUDA_ALLOC_CONF``: on
@@ -31,138 +31,25 @@ DESCRIPTION = (HELP + ". Examples: `omnibal train --stats stats.json --dp 2 --mo
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("run")
-    g.add_argument("--mode", choices=tuple(TrainMode), default="omnibal",
-                   help="baseline: random padded micro-batches, even split, full recompute; omnibal: balanced "
-                        "packs, planned partition and recompute; online: the baseline's random draws "
-                        "re-dealt every step, vision and LLM phases balanced separately (OrchMLLM; with --pp > 1 "
-                        "the vision phase runs on stage 0)")
-    add_option(g, "model", default="tiny")
-    add_option(g, "stats", help="per-sample statistics: the synthetic data follows them, or with --annotations the "
-               "rows to train (omnibal stats of that file with the model's settings; default: computed from the "
-               "annotations)")
-    r = parser.add_argument_group("real data and Hugging Face models")
-    r.add_argument("--annotations", dest="annotations_path", metavar="FILE",
-                   help="LLaVA/InternVL annotation file (.json/.jsonl) to train on: real images and text")
-    add_option(r, "image_root", help="folder image paths are relative to (default: the annotation file's folder)")
-    add_option(r, "tokenizer")
-    add_option(r, "hf_model", help="local Hugging Face checkpoint (Llava or InternVL) to fine-tune instead of the "
-               "reference model")
-    r.add_argument("--save-dir", metavar="DIR", help="write the fine-tuned model here as an HF checkpoint at the end "
-                                                     "(and to DIR/checkpoint-STEP at every checkpoint)")
-    r.add_argument("--max-tiles", type=int,
-                   help="dynamic-resolution tiles per image, thumbnail not counted (InternVL-style models; a Llava "
-                        "image is one tile; default: the checkpoint's preprocessor max_patches, else 12)")
-    add_option(r, "on_error", default="raise")
-    g.add_argument("--max-samples", type=int, help="seeded random subset of the statistics")
-    g.add_argument("--stats-tokens-per-tile", type=int, default=256,
-                   help="image tokens per tile counted in statistics without a recorded convention (rescaled to "
-                   "the model's)")
-    g.add_argument("--convert-stats", action="store_true",
-                   help="convert statistics made in another image layout (InternVL tiles, LLaVA single images) to "
-                   "the model's")
-    g.add_argument("--steps", dest="num_steps", type=int, default=10, help="optimizer steps in total, counting resumed "
-                   "ones (0: to the end of the epoch)")
-    g.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate")
-    add_option(g, "seed", default=0, help="model init and baseline sampling seed")
-    w = parser.add_argument_group("world")
-    add_layout_options(w, defaults={"dp_size": 1, "pp_size": 1}, only=("dp_size", "pp_size"))
-    w.add_argument("--nproc", type=int, help="local processes to start (default dp x pp; not under torchrun)")
-    add_option(w, "device", default="cpu", help="gloo on cpu, NCCL on cuda")
-    w.add_argument("--timeout", dest="timeout_s", type=float, default=60.0,
-                   help="seconds a collective may block before the rank fails (dead or stuck peer)")
-    add_option(w, "threads", default=1, help="torch threads per rank")
-    w.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=None,
-                   help="load the next step's samples on a background thread while the step computes "
-                        "(default: on with --device cuda, off on cpu)")
-    w.add_argument("--precision", choices=[p.value for p in Precision], default="fp32",
-                   help="fp32, or bf16-mixed: fp32 weights and optimizer, forward under torch.autocast in bf16")
-    p = parser.add_argument_group("pipeline and data")
-    add_option(p, "num_microbatches", default=4, help="micro-batches per DP rank per step (omnibal balance's "
-               "default too; omnibal plan's 8 is its 128-GPU default job's)")
-    add_option(p, "schedule", default="1f1b", action=ScheduleOrFile, choices=None, metavar="{1f1b,gpipe}",
-               help="pipeline schedule (a file name here is the deprecated spelling of --schedule-file)")
-    p.add_argument("--dp-sync", choices=tuple(DpSync), default="flat",
-                   help="gradient sum over DP: one flat all-reduce after the step (its wait is logged) or "
-                        "DistributedDataParallel (overlaps the last backward)")
-    add_option(p, "plan", help="Plan JSON (stage ranges and recompute sets; omnibal mode)")
-    p.add_argument("--stage-layers", help='explicit half-open layer ranges per stage, e.g. "0:9,9:20"')
-    add_option(p, "recompute", help='per-stage layer names to recompute: stages split by ";", names by ",", '
-               'e.g. "vision.blocks.0,vision.blocks.1;" (empty stage: none)')
-    p.add_argument("--selective", help='per-stage layer names under selective recompute (keep matrix-product '
-                   'and attention outputs, recompute the rest), as --recompute: e.g. "llm.blocks.0,llm.blocks.1;"')
-    add_option(p, "schedule_file", help="balanced schedule JSON (omnibal mode; default: balance the statistics now)")
-    p.add_argument("--node-size", type=int, default=0, metavar="N",
-                   help="online mode: DP ranks per node; samples and features move intra-node first, then "
-                        "inter-node (must divide --dp; 0: one flat all-to-all)")
-    p.add_argument("--online-balance", action=argparse.BooleanOptionalAction, default=True,
-                   help="online mode: re-deal each step's draws across DP ranks; --no-online-balance is the "
-                        "control run (unpadded packs, no recompute, every sample where it was drawn)")
-    add_option(p, "batch_size", default=4, help="samples per micro-batch in baseline mode; online mode draws "
-               "--microbatches x this many samples per rank per step")
-    s = parser.add_argument_group("sequence parallelism")
-    s.add_argument("--sp-degree", type=int, default=1, help="Ulysses SP degree: each group of N consecutive DP ranks "
-                   "splits every pack (data balanced for dp/N groups; with --pp, inside each stage). A multi-level "
-                   "schedule sets its own")
-    s.add_argument("--level-curriculum", type=int, default=0, metavar="EPOCHS",
-                   help="multi-level schedule of one of the first EPOCHS epochs: short levels first (default 0)")
-    s.add_argument("--level-warmup", type=int, default=0, metavar="STEPS",
-                   help="multi-level schedule, epoch 0: up to STEPS steps of the shortest level first, then the "
-                   "levels alternate (HBP's warm-up; default 0)")
-    _add_output_arguments(parser.add_argument_group("output"))
-
-
-def _add_output_arguments(o) -> None:
-    o.add_argument("--metrics-log", "--log", dest="log_path", metavar="FILE",
-                   help="JSONL metrics log (one line per step); under torchrun spell it --metrics-log (torchrun's own "
-                        "--log-dir/--logs-specs make --log ambiguous to its parser)")
-    o.add_argument("--summary-json", dest="summary_path", help="write the end-of-run summary as JSON")
-    o.add_argument("--ledger", dest="ledger_path", metavar="FILE", help="append the sample keys every step trained "
-                   "(one JSON line per step; what exactly-once is checked from, omnibal.train.ledger)")
-    o.add_argument("--checkpoint-dir", help="folder of step checkpoints (shared by all ranks)")
-    o.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: at the end)")
-    o.add_argument("--resume", action="store_true", help="continue from the newest valid checkpoint")
-    o.add_argument("--reshard", action="store_true", help="with --resume: accept a checkpoint written with another "
-                   "dp size (same pp and stage layers) and re-balance the rest of its epoch for this one")
-    o.add_argument("--print-every", type=int, default=0, metavar="N",
-                   help="steps between the loss lines printed where stdout is not a terminal (a log file, a pipe); "
-                        "default: about 20 lines per run, and at least one a minute")
-    add_option(o, "quiet", help="no start line, progress bar, loss lines, summary table or saved-to line; notices "
-               "about the data (records, samples or checkpoints skipped, samples left untrained) still go to "
-               "stderr and --summary-json")
-
-
-def config_from_args(args: argparse.Namespace):
+    """The trainer's knobs, one per :class:`omnibal.train.config.TrainConfig` field (its docstring is the
+    help), plus ``--nproc``, which only says how many local processes to start."""
     from omnibal.train.config import TrainConfig
-    from omnibal.train.stage_layout import parse_stage_layers
 
-    stage_layers = parse_stage_layers(args.stage_layers) if args.stage_layers else None
-    recompute, selective = (None if text is None else
-                            tuple(tuple(n.strip() for n in part.split(",") if n.strip()) for part in text.split(";"))
-                            for text in (args.recompute, args.selective))
+    add_config_arguments(parser.add_argument_group("training run (omnibal.train.config.TrainConfig)"),
+                         TrainConfig, skip=("tp_size", "zero_stage"))
+    parser.add_argument("--nproc", type=int, help="local processes to start (default dp x pp; not under torchrun)")
+
+
+def train_config(args: argparse.Namespace):
+    """The :class:`omnibal.train.config.TrainConfig` of the parsed arguments."""
+    from omnibal.train.config import TrainConfig
+
     check_layout_args(args)
-    return TrainConfig(
-        mode=args.mode, dp_size=args.dp_size, pp_size=args.pp_size, num_microbatches=args.num_microbatches,
-        pipeline_schedule=args.schedule, dp_sync=args.dp_sync, stage_layers=stage_layers, recompute=recompute,
-        selective=selective,
-        plan_path=args.plan, model=args.model, stats_path=args.stats, schedule_path=args.schedule_file,
-        max_samples=args.max_samples, stats_tokens_per_tile=args.stats_tokens_per_tile,
-        convert_stats=args.convert_stats,
-        annotations_path=args.annotations_path, image_root=args.image_root, tokenizer_path=args.tokenizer,
-        hf_model=args.hf_model, save_dir=args.save_dir, max_tiles=args.max_tiles, on_error=args.on_error,
-        baseline_batch_size=args.batch_size, num_steps=args.num_steps, lr=args.lr, seed=args.seed,
-        device=args.device, precision=args.precision, prefetch=args.prefetch, timeout_s=args.timeout_s,
-        torch_threads=args.threads,
-        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, resume=args.resume,
-        reshard=args.reshard, log_path=args.log_path, summary_path=args.summary_path, ledger_path=args.ledger_path,
-        quiet=args.quiet, sp_degree=args.sp_degree, level_curriculum=args.level_curriculum,
-        level_warmup=args.level_warmup,
-        print_every=args.print_every, node_size=args.node_size,
-        online_balance=args.online_balance)
+    return config_from_args(TrainConfig, args)
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = config_from_args(args)
+    cfg = train_config(args)
     nproc = args.nproc or cfg.world_size
     if nproc != cfg.world_size:
         raise InputError(f"--nproc {nproc} but dp {cfg.dp_size} x pp {cfg.pp_size} = {cfg.world_size}",

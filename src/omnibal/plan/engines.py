@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from omnibal.errors import InputError
-from omnibal.layout import Engine
+from omnibal.layout import Engine, PipelineSchedule
 
 ENGINES = tuple(Engine)
 """``omnibal``: no engine constraint (the reference trainer, or any engine that can express any plan)."""
@@ -58,7 +58,7 @@ class EngineSpec:
 
 
 ENGINE_SPECS: dict[str, EngineSpec] = {
-    "omnibal": EngineSpec("omnibal", False, "per-layer", ("1f1b", "gpipe", "interleaved"), (0, 1, 2, 3), 1, True, {}),
+    "omnibal": EngineSpec("omnibal", False, "per-layer", tuple(PipelineSchedule), (0, 1, 2, 3), 1, True, {}),
     "deepspeed": EngineSpec(
         "deepspeed", False, "per-layer", ("1f1b",), (0, 1), 1, False,
         {"schedule": "DeepSpeed's PipelineEngine runs its own 1F1B TrainSchedule only",

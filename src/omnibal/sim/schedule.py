@@ -21,14 +21,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Literal
 
 import numpy as np
 
 from omnibal.errors import InputError
 from omnibal.layout import PipelineSchedule
 
-ScheduleKind = Literal["gpipe", "1f1b", "interleaved"]
 SCHEDULES: tuple[str, ...] = tuple(PipelineSchedule)
 
 FWD, BWD = 0, 1

@@ -39,6 +39,7 @@ import numpy as np
 from tqdm import tqdm
 
 from omnibal.errors import InputError
+from omnibal.layout import OnError
 from omnibal.stats.records import IMAGE_PLACEHOLDER, RecordError, check_inside, parse_json_line, parse_record
 from omnibal.stats.table import ImageConvention, SampleStats, index_keys
 from omnibal.stats.tiles import TileConfig, count_tiles, image_size
@@ -81,7 +82,7 @@ class AnnotationConfig:
     """Show a progress bar on stderr (only when it is a terminal)."""
 
     def __post_init__(self) -> None:
-        if self.on_error not in ("raise", "skip"):
+        if self.on_error not in tuple(OnError):
             raise InputError(f"must be raise or skip, got {self.on_error!r}", source="on_error")
         if not 1 <= self.workers <= 1024:
             raise InputError(f"must be in [1, 1024], got {self.workers}", source="workers")

@@ -6,8 +6,7 @@ Validation here covers what can be checked without the model or the world: range
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Literal
+from dataclasses import asdict, dataclass, field
 
 from omnibal.errors import InputError
 from omnibal.layout import (
@@ -16,16 +15,20 @@ from omnibal.layout import (
     DpSync,
     Layout,
     OnError,
+    PipelineSchedule,
     Precision,
     TrainMode,
     check_choice,
     default_layout,
     holds_layout,
 )
+from omnibal.train.stage_layout import parse_stage_layers
 from omnibal.validate import check_positive_int, is_int
 
-MODES = tuple(TrainMode)
-SCHEDULES = PLANNER_SCHEDULES
+
+def parse_stage_sets(text: str) -> tuple[tuple[str, ...], ...]:
+    """Per-stage layer names: stages split by ``;``, names by ``,`` (``"a,b;"``: stage 1 has none)."""
+    return tuple(tuple(n.strip() for n in part.split(",") if n.strip()) for part in text.split(";"))
 
 
 @holds_layout
@@ -33,7 +36,7 @@ SCHEDULES = PLANNER_SCHEDULES
 class TrainConfig:
     """One training run of the reference DP x PP trainer."""
 
-    mode: Literal["baseline", "omnibal", "online"] = "omnibal"
+    mode: TrainMode = "omnibal"
     """`baseline`: random fixed micro-batches of `baseline_batch_size` samples padded to their longest
     sample, even layer split, every block recomputed. `omnibal`: the balanced schedule's packs, the
     plan's (or the given) partition and recompute sets. `online` (OrchMLLM-style; with pp > 1 the vision
@@ -65,27 +68,28 @@ class TrainConfig:
     """``--mode online``: re-deal each step's draws across DP ranks. False is the control run: every sample
     runs on the rank that drew it, in online's unpadded packs and without recompute, so that comparing it
     with online isolates the balance from the padding and recompute the baseline adds."""
-    pipeline_schedule: Literal["1f1b", "gpipe"] = "1f1b"
+    pipeline_schedule: PipelineSchedule = field(default="1f1b", metadata={"option": "schedule",
+                                                                      "choices": PLANNER_SCHEDULES})
     """Pipeline schedule (torch.distributed.pipelining Schedule1F1B or ScheduleGPipe)."""
-    dp_sync: Literal["flat", "ddp"] = "flat"
+    dp_sync: DpSync = "flat"
     """Gradient sum over DP: ``flat`` (one all-reduce after the step; the wait for the slowest rank is
     logged as ``dp_sync_s``) or ``ddp`` (DistributedDataParallel, overlapping the last backward)."""
-    stage_layers: tuple[tuple[int, int], ...] | None = None
+    stage_layers: tuple[tuple[int, int], ...] | None = field(default=None, metadata={"parse": parse_stage_layers})
     """Explicit half-open layer ranges [start, end) per stage over ModelSpec.layers(); None: from the
     plan, else an even split of the chain."""
-    recompute: tuple[tuple[str, ...], ...] | None = None
+    recompute: tuple[tuple[str, ...], ...] | None = field(default=None, metadata={"parse": parse_stage_sets})
     """Per stage, the layer names whose activations are recomputed; None: the plan's sets in omnibal mode,
     every block in baseline mode."""
-    selective: tuple[tuple[str, ...], ...] | None = None
+    selective: tuple[tuple[str, ...], ...] | None = field(default=None, metadata={"parse": parse_stage_sets})
     """Per stage, the layer names under selective recompute (``omnibal.train.recompute``); None: the plan's
     sets in omnibal mode, else none. Given together with or instead of ``recompute``."""
-    plan_path: str | None = None
+    plan_path: str | None = field(default=None, metadata={"option": "plan"})
     """Plan JSON (from `omnibal plan`) giving the stage ranges and recompute sets."""
     model: str = "tiny"
     """Model preset name (omnibal.cost presets) the reference VLM is built from."""
-    stats_path: str | None = None
+    stats_path: str | None = field(default=None, metadata={"option": "stats"})
     """Per-sample statistics (a SampleStats file) the synthetic dataset reproduces the shapes of."""
-    schedule_path: str | None = None
+    schedule_path: str | None = field(default=None, metadata={"option": "schedule_file"})
     """Balanced schedule JSON (`omnibal balance`) for omnibal mode."""
     max_samples: int | None = None
     """Train on a seeded random subset of this many rows of the statistics (None: all rows)."""
@@ -95,27 +99,27 @@ class TrainConfig:
     convert_stats: bool = False
     """Convert statistics made in another image layout (InternVL tiles vs LLaVA single images) to the model's
     (``--convert-stats``); without it they are an InputError naming both."""
-    annotations_path: str | None = None
+    annotations_path: str | None = field(default=None, metadata={"flag": "--annotations", "metavar": "FILE"})
     """LLaVA / InternVL annotation file (.json or .jsonl) to train on: real images and text instead of the
     synthetic data (needs ``tokenizer_path``)."""
     image_root: str | None = None
     """Folder the annotations' image paths are relative to (None: the annotation file's folder)."""
-    tokenizer_path: str | None = None
+    tokenizer_path: str | None = field(default=None, metadata={"option": "tokenizer"})
     """Local tokenizer (tokenizer.json or a tokenizer folder), as for ``omnibal stats --tokenizer``."""
     hf_model: str | None = None
     """Local Hugging Face checkpoint folder (Llava or InternVL, transformers 5.x) to fine-tune instead of the
     reference VLM built from ``model``."""
-    save_dir: str | None = None
+    save_dir: str | None = field(default=None, metadata={"metavar": "DIR"})
     """Write the fine-tuned model here as an HF checkpoint (``from_pretrained`` loads it) at the end, and to
     ``save_dir/checkpoint-<step>`` at every checkpoint. Needs ``hf_model``."""
     max_tiles: int | None = None
     """Dynamic-resolution tile cap per image for real data (InternVL-style models; a Llava image is 1 tile); None:
     the checkpoint's ``preprocessor_config.json`` ``max_patches``, else 12."""
-    on_error: Literal["raise", "skip"] = "raise"
+    on_error: OnError = "raise"
     """Bad annotation records: ``raise`` at the first, or ``skip`` them (counted and reported)."""
-    baseline_batch_size: int = 4
+    baseline_batch_size: int = field(default=4, metadata={"option": "batch_size"})
     """Samples per micro-batch in baseline mode."""
-    num_steps: int = 10
+    num_steps: int = field(default=10, metadata={"flag": "--steps"})
     """Optimizer steps to run (in total, counting resumed ones); 0: to the end of the schedule's epoch (after a
     reshard: of the re-balanced rest of it)."""
     lr: float = 1e-4
@@ -124,21 +128,21 @@ class TrainConfig:
     """AdamW weight decay."""
     seed: int = 0
     """Seed of the model initialisation and of the baseline's random micro-batches."""
-    device: Literal["cpu", "cuda"] = "cpu"
+    device: Device = "cpu"
     """Device type; the backend follows from it (gloo on cpu, nccl on cuda)."""
-    precision: Literal["fp32", "bf16-mixed"] = "fp32"
+    precision: Precision = "fp32"
     """``fp32``, or ``bf16-mixed``: fp32 weights and AdamW state, matrix products and attention in bf16 under
     ``torch.autocast`` (what a GPU run uses; on a CPU it works too, slowly)."""
     prefetch: bool | None = None
     """Load the next step's micro-batches on a background thread while the step computes; None: on CUDA
     (the device would wait for the images to be decoded), off on CPU (the thread would take a core from the
     ranks)."""
-    timeout_s: float = 60.0
+    timeout_s: float = field(default=60.0, metadata={"flag": "--timeout"})
     """Seconds any collective or p2p operation may block before the rank fails with a clear error
     (a dead or stuck peer); also bounds the rendezvous."""
-    torch_threads: int = 1
+    torch_threads: int = field(default=1, metadata={"option": "threads"})
     """torch intra-op threads per rank (1 for honest timings with one rank per core)."""
-    checkpoint_dir: str | None = None
+    checkpoint_dir: str | None = field(default=None, metadata={"metavar": "DIR"})
     """Folder of step checkpoints (shared by all ranks); None: no checkpoints."""
     checkpoint_every: int = 0
     """Write a checkpoint every this many steps (0: only at the end when checkpoint_dir is set)."""
@@ -146,12 +150,14 @@ class TrainConfig:
     """Continue from the newest valid checkpoint in checkpoint_dir."""
     reshard: bool = False
     """With resume: accept a checkpoint of another dp size (same pp) and re-balance the rest of its epoch."""
-    log_path: str | None = None
+    log_path: str | None = field(default=None, metadata={"flag": "--metrics-log", "also": ("--log",),
+                                                          "metavar": "FILE"})
     """JSONL metrics log (one line per step, written by global rank 0)."""
-    ledger_path: str | None = None
+    ledger_path: str | None = field(default=None, metadata={"flag": "--ledger",
+                                                             "metavar": "FILE"})
     """Per-sample ledger (:mod:`omnibal.train.ledger`): the sample keys every step trained, one JSON line per
     step, appended by global rank 0 (several runs of one job share the file)."""
-    summary_path: str | None = None
+    summary_path: str | None = field(default=None, metadata={"flag": "--summary-json", "metavar": "FILE"})
     """Write the end-of-run summary (throughput, per-rank compute/wait, memory) as JSON here (rank 0)."""
     quiet: bool = False
     """No progress bar, no step lines and no summary table."""
@@ -163,7 +169,7 @@ class TrainConfig:
         src = "train config"
         check_choice(self.mode, TrainMode, source=src, field="mode")
         check_choice(self.dp_sync, DpSync, source=src, field="dp_sync")
-        check_choice(self.pipeline_schedule, SCHEDULES, source=src, field="pipeline_schedule")
+        check_choice(self.pipeline_schedule, PLANNER_SCHEDULES, source=src, field="pipeline_schedule")
         if self.layout.tp_size != 1 or self.layout.zero_stage != 0:
             raise InputError("the reference trainer has no tensor parallelism and no ZeRO: tp_size must be 1 "
                              f"and zero_stage 0, got {self.layout.tp_size} and {self.layout.zero_stage}",

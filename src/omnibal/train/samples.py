@@ -19,8 +19,9 @@ import torch
 
 from omnibal.data.collate import IGNORE_INDEX
 from omnibal.errors import InputError
+from omnibal.layout import OnError
 
-ON_ERROR = ("raise", "skip")
+ON_ERROR = tuple(OnError)
 PLACEHOLDER_INDEX = -1
 """The dataset index of the pack that stands in for a micro-batch whose every sample was skipped."""
 

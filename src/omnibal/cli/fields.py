@@ -1,0 +1,149 @@
+"""Argparse arguments generated from a config dataclass's fields: the field is the one declaration of a knob.
+
+The flag is the field name in kebab case (``max_tiles`` -> ``--max-tiles``), the help is the docstring under
+the field, and the type and choices follow the annotation: a ``StrEnum`` or ``Literal`` gives choices, ``bool``
+a ``--x/--no-x`` pair, ``tuple[int, ...]`` a comma list, ``X | None`` a flag that may be left unset. A field's
+``metadata`` may give another spelling (``{"flag": "--steps"}``), a short flag (``{"short": "-n"}``), more
+spellings (``{"also": ("--log",)}``), a metavar, a parser (``{"parse": fn}``), or ``{"cli": False}`` to keep
+it off the command line. A knob several subcommands share is spelled by its :data:`omnibal.cli.options.OPTIONS`
+entry (its flag, short flags and deprecated aliases): the entry of the field's name, or of its metadata's
+``option``; the argument's dest is then the entry's key, so every subcommand stores it under one name.
+A nested dataclass field (``layout``) contributes its own fields flat, as the ``holds_layout`` configs
+construct them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import enum
+import inspect
+import re
+import textwrap
+import types
+import typing
+
+
+def field_docs(cls) -> dict[str, str]:
+    """Each field's docstring (the string literal right under its annotation), whitespace collapsed."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        body = tree.body[0].body
+        for stmt, nxt in zip(body, body[1:]):
+            if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and isinstance(nxt, ast.Expr)
+                    and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
+                text = re.sub(r":\w+:`~?([^`]*)`", r"\1", " ".join(nxt.value.value.split()))
+                docs[stmt.target.id] = text.replace("``", "`")
+    return docs
+
+
+def flag_of(f: dataclasses.Field) -> str:
+    """The field's long flag: its metadata's ``flag``, else the name in kebab case."""
+    return f.metadata.get("flag", "--" + f.name.replace("_", "-"))
+
+
+def _unwrap_optional(tp):
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], True
+    return tp, False
+
+
+def _comma_list(item_type):
+    def parse(text: str) -> tuple:
+        return tuple(item_type(part.strip()) for part in text.split(",") if part.strip())
+    parse.__name__ = f"comma-separated {item_type.__name__}"
+    return parse
+
+
+def argument_kwargs(f: dataclasses.Field, tp, doc: str) -> dict:
+    """``add_argument`` keywords of one field (no default: the dataclass's own default applies)."""
+    tp, _ = _unwrap_optional(tp)
+    kw: dict = {"dest": option_key(f) or f.name, "help": f.metadata.get("help", doc).replace("%", "%%"),
+                "default": argparse.SUPPRESS}
+    if "metavar" in f.metadata:
+        kw["metavar"] = f.metadata["metavar"]
+    origin = typing.get_origin(tp)
+    if "choices" in f.metadata:  # a subset of the annotation's vocabulary
+        kw["choices"] = tuple(f.metadata["choices"])
+    elif "parse" in f.metadata:
+        kw["type"] = f.metadata["parse"]
+    elif tp is bool:
+        kw["action"] = argparse.BooleanOptionalAction
+    elif isinstance(tp, type) and issubclass(tp, enum.Enum):
+        kw["choices"] = tuple(m.value for m in tp)
+    elif origin is typing.Literal:
+        kw["choices"] = typing.get_args(tp)
+    elif origin is tuple and len(typing.get_args(tp)) == 2 and typing.get_args(tp)[1] is Ellipsis:
+        kw["type"] = _comma_list(typing.get_args(tp)[0])
+    elif tp in (int, float, str):
+        kw["type"] = tp
+        if tp is int:
+            kw.setdefault("metavar", "N")
+    else:
+        raise TypeError(f"field {f.name}: no command-line form for {tp!r}; give metadata parse= or cli=False")
+    return kw
+
+
+def cli_fields(cls) -> list[tuple[dataclasses.Field, object, str]]:
+    """(field, resolved annotation, docstring) of every field on the command line, nested dataclasses flat."""
+    hints = typing.get_type_hints(cls, include_extras=False)
+    docs = field_docs(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        if not f.metadata.get("cli", True):
+            continue
+        if dataclasses.is_dataclass(hints[f.name]):
+            out.extend(cli_fields(hints[f.name]))
+        else:
+            out.append((f, hints[f.name], docs.get(f.name, "")))
+    return out
+
+
+def option_key(f: dataclasses.Field) -> str | None:
+    """The shared option (:data:`omnibal.cli.options.OPTIONS` key) that spells the field, if any."""
+    from omnibal.cli.options import OPTIONS
+
+    key = f.metadata.get("option", f.name)
+    return key if key in OPTIONS else None
+
+
+def add_config_arguments(parser, cls, *, skip: tuple[str, ...] = ()) -> dict[str, str]:
+    """Add one argument per command-line field of ``cls`` (but ``skip``); returns {field name: long flag}."""
+    from omnibal.cli.options import OPTIONS, add_option
+
+    flags = {}
+    for f, tp, doc in cli_fields(cls):
+        if f.name in skip:
+            continue
+        kw = argument_kwargs(f, tp, doc)
+        key = option_key(f)
+        if key is not None:
+            opt = OPTIONS[key]
+            if "action" in opt.kwargs:  # the shared spelling's action (store_true) wins over the annotation's
+                kw = {k: v for k, v in kw.items() if k not in ("action", "type", "choices")}
+            elif "choices" in kw:  # the field's choices: this subcommand's subset of the shared list
+                kw.pop("type", None)
+            kw.pop("dest")
+            add_option(parser, key, **kw)
+            flags[f.name] = opt.flag
+            continue
+        names = [flag_of(f), *f.metadata.get("also", ()), *([f.metadata["short"]] if "short" in f.metadata else [])]
+        parser.add_argument(*names, **kw)
+        flags[f.name] = names[0]
+    return flags
+
+
+def config_from_args(cls, args: argparse.Namespace, **overrides):
+    """``cls`` built from the parsed fields the user gave (the dataclass defaults the rest)."""
+    given = {}
+    for f, _, _ in cli_fields(cls):
+        dest = option_key(f) or f.name
+        if hasattr(args, dest):
+            given[f.name] = getattr(args, dest)
+    return cls(**{**given, **overrides})
