@@ -57,7 +57,7 @@ def _rank_step(cfg: TrainConfig):
     grads = {names[n]: p.grad.detach().clone().numpy() for n, p in trainer.stage_module.named_parameters()
              if p.grad is not None}
     destroy_world()
-    return {"loss_part": result.loss_sum, "grads": grads, "samples": [int(i) for i in getattr(trainer, "_fed", [])]}
+    return {"loss_part": result.loss_sum, "grads": grads, "samples": [int(i) for i in result.fed]}
 
 
 def _hf_reference(cfg: TrainConfig, samples: list[int]):
