@@ -5,6 +5,7 @@ Each takes the job's config and what the earlier phases produced, and returns a 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -23,6 +24,17 @@ from omnibal.plan.search import Candidate, sample_steps, search
 from omnibal.plan.stages import StageModelConfig, layer_quantities
 from omnibal.sim.epoch import score_plan, simulate_epoch
 
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from omnibal.cost.spec import ModelSpec
+    from omnibal.cost.table import LayerCostTable
+    from omnibal.data.balance.api import BalanceConfig
+    from omnibal.data.balance.cost import BalanceCost
+    from omnibal.data.balance.schedule import Schedule
+    from omnibal.sim.costs import SimConfig
+    from omnibal.stats.table import SampleStats
+
 GiB = float(1 << 30)
 INTERLEAVED_ROW = "+ interleaved schedule"
 """The ablation row of an interleaved plan (after the plain plan's rows)."""
@@ -32,10 +44,10 @@ INTERLEAVED_ROW = "+ interleaved schedule"
 class Model:
     """Phase 1: the model, the hardware and how the cluster runs it."""
 
-    spec: object
-    hw: object
-    table: object
-    sim_config: object
+    spec: ModelSpec
+    hw: HardwareSpec
+    table: LayerCostTable
+    sim_config: SimConfig
     budget: float | None
     stage_config: StageModelConfig
 
@@ -45,16 +57,16 @@ class Data:
     """Phases 2-3 (and the pack-size search): the statistics (subsampled), the schedules, their features and
     metrics."""
 
-    stats: object
+    stats: SampleStats
     stats_source: str
     convention: str
     full_samples: int
     epoch_scale: float
     synthetic: bool = False
     """Whether the statistics are the synthetic mixture (drawn again from the plan's seed and size)."""
-    cost: object = None
-    bal_sched: object = None
-    bal_config: object = None
+    cost: BalanceCost | None = None
+    bal_sched: Schedule | None = None
+    bal_config: BalanceConfig | None = None
     padding_bal: str = ""
     features: dict = field(default_factory=dict)
     metrics: dict = field(default_factory=dict)
@@ -78,8 +90,10 @@ class Found:
     planner: JointPlanner
     anchor_joint: StagePlanSet
     anchor_full: StagePlanSet
-    score: object
-    sample: object = None
+    score: Callable[[StagePlanSet], tuple[float, bool]]
+    """The search's score of a plan: simulated mean step time of ``sample``, and whether a step runs out of memory."""
+    sample: np.ndarray | None = None
+    """The steps' micro-batch features ``[S, D, M, 4]`` the search scores on."""
     best_full: Candidate | None = None
     best_joint: Candidate | None = None
     best_adaptive: Candidate | None = None
@@ -97,7 +111,7 @@ class Found:
     """The plan before interleaving (the ``+ pack size`` or last plain row), when an interleaved one replaced it."""
     num_chunks: int = 1
     """Model chunks per device of the plan (> 1: ``best_joint`` is over the interleaved virtual stages)."""
-    sim_config: object = None
+    sim_config: SimConfig | None = None
     """The simulator's config of the plan when it differs from the job's (interleaved); None: the job's."""
     interleave_report: dict | None = None
     """The interleaved candidates scored and the plain plan they were weighed against (None: not searched)."""
