@@ -18,15 +18,15 @@ from omnibal.layout import (
     Layout,
     OversizePolicy,
     check_choice,
-    default_layout,
-    holds_layout,
 )
 from omnibal.plan.packsize import PackSearchConfig
 from omnibal.plan.search import SearchConfig
 from omnibal.validate import is_int
 
+PLAN_LAYOUT = Layout(dp_size=32, pp_size=4, tp_size=1, zero_stage=1, num_microbatches=8)
+"""The README's main job: DP 32 x PP 4, ZeRO-1, 8 micro-batches (8 x 4 samples x DP 32 = global batch 1024)."""
 
-@holds_layout
+
 @dataclass(frozen=True, kw_only=True)
 class PlanJobConfig:
     """Everything ``omnibal plan`` needs. Defaults: the README's main job (see docs/plan.md for why)."""
@@ -41,10 +41,9 @@ class PlanJobConfig:
     measures this machine with ``omnibal.measure.hardware.hardware_by_name`` and passes the spec)."""
     num_gpus: int | None = None
     """Devices in the job; None: dp_size * pp_size * tp_size. Must equal that product."""
-    layout: Layout = default_layout(dp_size=32, pp_size=4, tp_size=1, zero_stage=1, num_microbatches=8)
-    """DP x PP x TP, ZeRO stage and micro-batches per step per DP rank (default DP 32 x PP 4, ZeRO-1, 8
-    micro-batches: 8 x 4 samples x DP 32 = global batch 1024). Its fields also read and construct flat:
-    ``PlanJobConfig(pp_size=2).pp_size``."""
+    layout: Layout = PLAN_LAYOUT
+    """DP x PP x TP, ZeRO stage and micro-batches per step per DP rank. Another layout:
+    ``replace(PLAN_LAYOUT, pp_size=2)``."""
     baseline_batch_size: int = 4
     """Samples per micro-batch of the baseline (random, fixed size, padded to the longest sample)."""
     memory_budget_gib: float | None = None
@@ -137,8 +136,8 @@ class PlanJobConfig:
         from omnibal.plan.interleaved import check_chunks
 
         check_chunks(self.chunks)
-        check_job(self.engine, schedule=self.schedule, zero_stage=self.zero_stage, selective=self.selective)
-        check_stack_zero(self.stack, self.zero_stage)
+        check_job(self.engine, schedule=self.schedule, zero_stage=self.layout.zero_stage, selective=self.selective)
+        check_stack_zero(self.stack, self.layout.zero_stage)
         for name in ("baseline_batch_size", "num_samples"):
             value = getattr(self, name)
             if not is_int(value) or value < 1:
@@ -164,7 +163,8 @@ class PlanJobConfig:
                 raise InputError(f"the {self.balance_method} sampler packs a fixed number of samples, no buffer "
                                  "to cap; use --balance-method omnibal, isf or isf+assign",
                                  source=f"--{name.replace('_', '-')}", field=name)
-        if self.balance_samples is not None and self.balance_samples < self.dp_size * self.num_microbatches:
-            raise InputError(f"needs at least dp_size x num_microbatches = {self.dp_size * self.num_microbatches} "
+        slots = self.layout.dp_size * self.layout.num_microbatches
+        if self.balance_samples is not None and self.balance_samples < slots:
+            raise InputError(f"needs at least dp_size x num_microbatches = {slots} "
                              f"samples, got {self.balance_samples}", source="--balance-samples",
                              field="balance_samples")

@@ -184,8 +184,7 @@ def _assemble_plan(config: PlanJobConfig, model: Model, data: Data, found: Found
     return Plan(
         inputs=PlanInputs(
             model=model.spec.name, model_spec=asdict(model.spec), hardware=model.hw.name,
-            num_gpus=config.layout.num_gpus, dp_size=config.dp_size, pp_size=config.pp_size, tp_size=config.tp_size,
-            zero_stage=config.zero_stage, num_microbatches=data.num_microbatches,
+            layout=replace(config.layout, num_microbatches=data.num_microbatches),
             memory_budget_bytes=model.budget, stats_source=data.stats_source, stats_fingerprint=stats.fingerprint(),
             memory_headroom=None if config.memory_budget_gib is not None or model.budget is None
             else float(config.memory_headroom),
