@@ -54,7 +54,8 @@ PAD_KEYS = ["buffer_pad_tiles", "buffer_pad_tokens", "buffer_pad_compute", "visi
             "caps_tiles", "caps_tokens", "num_steps", "microbatches_over_caps", "coverage_ok", "cost_model"]
 GOAL_CELLS = [(8, 1), (32, 1), (128, 1), (1024, 1), (32, 4), (8, 8), (128, 8)]
 """(DP, micro-batches per step) of the goals table: DP 8-1024, M 1-8."""
-PHASES = ["cap_search", "deal", "tile_repair", "token_levelling", "llm_levelling", "tail", "assign", "schedule"]
+PHASES = ["cap_search", "deal", "tile_repair", "token_levelling", "llm_levelling", "tail", "squeeze", "assign",
+          "schedule"]
 KEYS = ["vision_max_mean_ranks", "llm_max_mean_ranks", "llm_attention_max_mean_ranks", "total_max_mean_ranks",
         "vision_max_mean_ranks_worst", "buffer_pad_compute", "cost_model",
         "llm_max_mean_ranks_worst", "total_max_mean_microbatches", "buffer_pad_tiles", "buffer_pad_tokens",

@@ -178,8 +178,10 @@ def _pack_regular(stats, regular, pack_of, llm, *, per_step, max_total, num_alon
     With derived caps, when the chosen count needed the tail rule (new steps, or a tile cap grown over the
     searched one: what the search's subsample did not show), the runners-up are packed too, one after the
     other while the best so far needed it (at most ``FALLBACKS``), and the one that pads less is kept -- up to
-    ``FALLBACK_ROWS`` rows (each packing is the whole cost again). The search then measures one count more,
-    so that two runners-up are there: the subsample can miss that the first runner-up needs it too."""
+    ``FALLBACK_ROWS`` rows (each packing is the whole cost again), where the packer also squeezes the token
+    buffer (a few more levellings: on larger inputs their cost outgrows the packing's). The search then
+    measures one count more, so that two runners-up are there: the subsample can miss that the first
+    runner-up needs it too."""
     tiles, tokens = stats.tiles[regular], stats.tokens[regular]
     fallback = not _caps_fixed(config) and len(tiles) <= FALLBACK_ROWS
     with phase("cap_search"):
@@ -189,7 +191,7 @@ def _pack_regular(stats, regular, pack_of, llm, *, per_step, max_total, num_alon
                              token_multiple=config.token_multiple, rng=rng, num_steps=config.num_steps,
                              min_measured=1 + FALLBACKS if fallback else 2)
     args = dict(tiles=tiles, tokens=tokens, llm=llm, per_step=per_step, max_total=max_total, num_alone=num_alone,
-                config=config, rng=rng)
+                config=config, rng=rng, squeeze=fallback)
     best = _pack_at(choice.num_steps, choice.max_tiles, choice.max_tokens, **args)
     for caps in choice.runners_up[:FALLBACKS] if fallback else ():
         if not best[3]:
@@ -200,14 +202,15 @@ def _pack_regular(stats, regular, pack_of, llm, *, per_step, max_total, num_alon
     return len(packed.tiles), (q_v, q_t), packed.passes
 
 
-def _pack_at(steps, max_tiles, max_tokens, *, tiles, tokens, llm, per_step, max_total, num_alone, config, rng):
+def _pack_at(steps, max_tiles, max_tokens, *, tiles, tokens, llm, per_step, max_total, num_alone, config, rng,
+             squeeze=False):
     """Pack at one (steps, Q_v, Q_t): (packs, derived Q_v, derived Q_t, whether the tail rule changed the
-    count or the caps, pad score of the derived caps)."""
+    count or the caps, pad score of the derived caps); ``squeeze``: the packer's token squeeze."""
     # with the own packs, a whole number of steps
     num_packs = min(-(-(steps * per_step + num_alone) // per_step) * per_step, max_total) - num_alone
     packed = pack_balanced(tiles, tokens, llm, num_packs=num_packs, max_tiles=max_tiles,
                            max_tokens=max_tokens, rng=rng, llm_tol=config.llm_tol, pack_step=per_step,
-                           max_packs=max_total - num_alone, hard_caps=_caps_fixed(config))
+                           max_packs=max_total - num_alone, hard_caps=_caps_fixed(config), squeeze=squeeze)
     over = (packed.tiles > max_tiles) & (config.max_tiles is not None)
     over = int((over | (packed.tokens > max_tokens) & (config.max_tokens is not None)).sum())
     if over:  # the packer adds packs for what does not fit, unless more packs would leave some empty
