@@ -32,7 +32,7 @@ import numpy as np  # noqa: E402
 
 from balance_helpers import two_profile_mixture  # noqa: E402
 from omnibal.data.balance import DEFAULT_COST, BalanceConfig, balance  # noqa: E402
-from omnibal.data.balance.floor import pad_floor  # noqa: E402
+from omnibal.data.balance.floor import pad_floor, vision_balance_floor  # noqa: E402
 from omnibal.data.balance.isf import isf_pack, search_caps  # noqa: E402
 from omnibal.data.balance.phases import record_phases  # noqa: E402
 from omnibal.data.metrics import schedule_metrics  # noqa: E402
@@ -54,7 +54,8 @@ PAD_KEYS = ["buffer_pad_tiles", "buffer_pad_tokens", "buffer_pad_compute", "visi
             "caps_tiles", "caps_tokens", "num_steps", "microbatches_over_caps", "coverage_ok", "cost_model"]
 GOAL_CELLS = [(8, 1), (32, 1), (128, 1), (1024, 1), (32, 4), (8, 8), (128, 8)]
 """(DP, micro-batches per step) of the goals table: DP 8-1024, M 1-8."""
-PHASES = ["cap_search", "deal", "tile_repair", "token_levelling", "llm_levelling", "tail", "assign", "schedule"]
+PHASES = ["cap_search", "deal", "tile_repair", "token_levelling", "llm_levelling", "tail", "squeeze", "assign",
+          "schedule"]
 KEYS = ["vision_max_mean_ranks", "llm_max_mean_ranks", "llm_attention_max_mean_ranks", "total_max_mean_ranks",
         "vision_max_mean_ranks_worst", "buffer_pad_compute", "cost_model",
         "llm_max_mean_ranks_worst", "total_max_mean_microbatches", "buffer_pad_tiles", "buffer_pad_tokens",
@@ -184,8 +185,11 @@ def goal_row(name: str, stats, dp: int, micro: int) -> dict:
     m = schedule_metrics(sched, stats)
     fl = pad_floor(stats.tiles, stats.tokens, slots_per_step=dp * micro, cost=DEFAULT_COST)
     target = max(0.01, fl.compute + 0.002)
+    vision_floor = vision_balance_floor(stats.tiles, dp_size=dp, tile_pad=m["buffer_pad_tiles"])
     return {"subset": name, "rows": len(stats), "dp_size": dp, "num_microbatches": micro,
             "floor_tiles": fl.tiles, "floor_tokens": fl.tokens, "floor_both": fl.larger, "floor_compute": fl.compute,
+            "vision_floor": vision_floor, "vision_floor_pad_0_1": vision_balance_floor(stats.tiles, dp_size=dp,
+                                                                                         tile_pad=0.1),
             "target_compute": target, "pad_met": m["buffer_pad_compute"] <= target + 1e-12,
             "balance_met": max(m["vision_max_mean_ranks"], m["llm_max_mean_ranks"]) <= 1.002,
             "wall_s": wall, "cpu_s": cpu, "phases_cpu_s": dict(phases), **{k: m[k] for k in PAD_KEYS}}
@@ -317,10 +321,11 @@ def _md_goals(table: list[dict]) -> list[str]:
     ok = [r for r in table if "error" not in r]
     cols = ["subset", "rows", "dp_size", "num_microbatches", "buffer_pad_tiles", "buffer_pad_tokens",
             "buffer_pad_compute", "floor_compute", "target_compute", "pad_met", "vision_max_mean_ranks",
-            "llm_max_mean_ranks", "llm_attention_max_mean_ranks", "total_max_mean_ranks", "balance_met",
+            "vision_floor", "llm_max_mean_ranks", "llm_attention_max_mean_ranks", "total_max_mean_ranks", "balance_met",
             "samples_per_microbatch_mean", "caps_tiles", "caps_tokens", "coverage_ok", "cpu_s", "wall_s"]
     heads = ["data", "rows", "DP", "M", "tile pad", "token pad", "compute pad", "compute floor",
-             "target max(0.01, floor+0.002)", "pad met", "vision max/mean", "LLM (linear+attn) max/mean",
+             "target max(0.01, floor+0.002)", "pad met", "vision max/mean", "vision floor",
+             "LLM (linear+attn) max/mean",
              "LLM attention alone", "total max/mean", "<= 1.002", "samples/mb", "Q_v", "Q_t", "exactly once",
              "CPU s", "wall s"]
     note = ("Cost: the analytic training FLOPs of InternViT-6B + InternLM2-20B (`BalanceCost.internvl_6b_20b`): "
@@ -330,7 +335,10 @@ def _md_goals(table: list[dict]) -> list[str]:
             "to the (Q_v, Q_t) buffer`; its floor: `pad_floor(..., cost=)`, the lowest any packing reaches within the "
             "samples tolerance (0.15) with the text coupling. mixture-3/5: two synthetic subsets, wide charts (mostly "
             "3 tiles) and square documents (mostly 5), half and half; synthetic: the default InternVL-like mixture "
-            "at the merged stats' size.")
+            "at the merged stats' size. Vision floor: `vision_balance_floor` at the cell's tile pad, the lowest vision "
+            "max/mean any schedule with that tile pad reaches (a step whose tiles are not a multiple of DP has a "
+            "rank over the mean; the residues of the steps sum to at least (-V) mod DP): where it is over 1.002 the "
+            "balance goal is out of reach without a larger buffer.")
     lines = ["", "## Issue-35 goals: compute pad vs its floor, balance of each named cost (DP 8-1024, M 1-8)", "",
              note, ""] + _md_table(heads, [[row[c] for c in cols] for row in ok])
     errors = [r for r in table if "error" in r]
@@ -338,8 +346,12 @@ def _md_goals(table: list[dict]) -> list[str]:
         lines += ["", "Refused: " + "; ".join(f"{r['subset']} DP {r['dp_size']} x {r['num_microbatches']}: "
                                                f"{r['error'][:120]}" for r in errors)]
     met = sum(r["pad_met"] for r in ok), sum(r["balance_met"] for r in ok)
+    bound = [r for r in ok if not r["balance_met"] and r["vision_floor_pad_0_1"] > 1.002]
     lines += ["", f"Pad at or under its target in {met[0]} of {len(ok)} cells; vision and LLM max/mean both <= "
-              f"1.002 in {met[1]} of {len(ok)}.", "", "CPU seconds per phase, summed over the cells above:", ""]
+              f"1.002 in {met[1]} of {len(ok)}. Of the {len(ok) - met[1]} others, {len(bound)} cannot meet it "
+              "with any schedule whose tile pad is under 0.1 (vision floor at tile pad 0.1 over 1.002: "
+              + ", ".join(f"{r['subset']} {r['dp_size']}x{r['num_microbatches']} {r['vision_floor_pad_0_1']:.4f}"
+                          for r in bound) + ").", "", "CPU seconds per phase, summed over the cells above:", ""]
     totals = {ph: sum(r["phases_cpu_s"].get(ph, 0.0) for r in ok) for ph in PHASES}
     lines += _md_table(PHASES + ["all"], [[totals[ph] for ph in PHASES] + [sum(r["cpu_s"] for r in ok)]])
     return lines

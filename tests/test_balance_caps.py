@@ -83,8 +83,8 @@ def test_any_caps_isf_packs_ours_packs(n, seed, dp, m, max_v, text, cap_v, cap_t
 
 CHARTQA_DP8 = pytest.mark.xfail(reason="issue 35: chartqa at DP 8: at the counts where its 5-tile samples fill "
                                  "20-tile packs, packs holding its few 1- and 3-tile samples (3x the text) go over "
-                                 "Q_t; the tail adds steps and grows Q_t: tile pad 0.003, token 0.028 (compute "
-                                 "0.015; was 0.009 / 0.015)", strict=False)
+                                 "Q_t; the tail adds steps and grows Q_t: tile pad 0.003, token 0.029 (compute "
+                                 "0.016; was 0.009 / 0.015)", strict=False)
 
 
 @pytest.mark.parametrize(("which", "dp_size"), [("ai2d", 8), ("ai2d", 32),

@@ -54,15 +54,18 @@ CASES = {
 # and a token check, and the tail rule puts evicted samples into packs with room first and grows the buffer
 # unless new steps save more pad: every omnibal schedule changed on purpose (ISF packs with omnibal's
 # assignment did not). The older-CPU and reversed-ties tests below pass with them.
+# Re-pinned again (issue 35, the remaining goals): with derived caps on inputs up to FALLBACK_ROWS rows the
+# packer squeezes the token buffer (``squeeze.squeeze_tokens``) and the cap search measures a third count:
+# the derived-caps schedules here changed on purpose (the fixed-cap and ISF ones did not).
 PINNED = {
-    "synthetic-dp32": ("3a8e3f747dd298b4c2e62d21c3734645",
-                       "870930c59615b7506526561f72b7218ec6c3acfcbb00632dd2bede58146eef5c"),
+    "synthetic-dp32": ("d518ec9c752883dc8d4c84bf9c05efb9",
+                       "e0b3194a1b7a427ed2a2c08be4a72624b9bdc493ee0d08080d2e8839e9bfd166"),
     "tail-4x2": ("f465f5618ea24db69cb59babc037fcea",
                  "c4964e870cb9d9cac47c5641cf6264e77684478477f4658ce7f15083c44e7ace"),
     "isf+assign-dp8": ("9e137c3055c5924ec91a42b019612d4b",
                        "f781685dd9158450dbe2b4598ae5ba37203bd9a5dc6cf4eee95ad1555bad06c6"),
-    "ai2d-dp8": ("482f68238404c1feca4dad30cb5e3631",
-                 "75f8a13d065436f6e9eb501c4b79a563bd0d62a2c9568e3d4c69ec8ff4171868"),
+    "ai2d-dp8": ("7d7dd1d7cf5fdc08670957d550d644f4",
+                 "f8e316e71668e0e09ea267e4e9e6b63a7caefca8e29cced614a19823e405b09a"),
 }
 SYNTHETIC_STATS = "f71f1123aa05badd"
 """``SampleStats.fingerprint()`` of the synthetic mixture (its generator draws with np.exp, whose last bit may

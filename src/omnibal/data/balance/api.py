@@ -23,7 +23,9 @@ from omnibal.validate import is_int
 
 METHODS = tuple(BalanceMethod)
 FALLBACK_ROWS = 4 * 16384
-"""Rows up to which the packer packs the cap search's runner-up too when its choice needed the tail rule."""
+"""Rows up to which the packer packs the cap search's runners-up too when its choice needed the tail rule."""
+FALLBACKS = 2
+"""Runners-up packed at most (one after the other, while the best packing so far needed the tail rule)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -174,33 +176,41 @@ def _pack_regular(stats, regular, pack_of, llm, *, per_step, max_total, num_alon
     writes their pack labels into ``pack_of``. Returns (number of packs, (Q_v, Q_t), exchange passes).
 
     With derived caps, when the chosen count needed the tail rule (new steps, or a tile cap grown over the
-    searched one: what the search's subsample did not show), the runner-up count is packed too and the one
-    that pads less is kept -- up to ``FALLBACK_ROWS`` rows (a second packing is its whole cost again)."""
+    searched one: what the search's subsample did not show), the runners-up are packed too, one after the
+    other while the best so far needed it (at most ``FALLBACKS``), and the one that pads less is kept -- up to
+    ``FALLBACK_ROWS`` rows (each packing is the whole cost again), where the packer also squeezes the token
+    buffer (a few more levellings: on larger inputs their cost outgrows the packing's). The search then
+    measures one count more, so that two runners-up are there: the subsample can miss that the first
+    runner-up needs it too."""
     tiles, tokens = stats.tiles[regular], stats.tokens[regular]
+    fallback = not _caps_fixed(config) and len(tiles) <= FALLBACK_ROWS
     with phase("cap_search"):
         choice = choose_caps(tiles, tokens, slots_per_step=per_step, target_samples=config.target_samples,
                              samples_tolerance=config.samples_tolerance, max_tiles=config.max_tiles,
                              max_tokens=config.max_tokens, token_slack=config.token_slack,
-                             token_multiple=config.token_multiple, rng=rng, num_steps=config.num_steps)
+                             token_multiple=config.token_multiple, rng=rng, num_steps=config.num_steps,
+                             min_measured=1 + FALLBACKS if fallback else 2)
     args = dict(tiles=tiles, tokens=tokens, llm=llm, per_step=per_step, max_total=max_total, num_alone=num_alone,
-                config=config, rng=rng)
+                config=config, rng=rng, squeeze=fallback)
     best = _pack_at(choice.num_steps, choice.max_tiles, choice.max_tokens, **args)
-    if best[3] and choice.runners_up and not _caps_fixed(config) and len(tiles) <= FALLBACK_ROWS:
-        other = _pack_at(*choice.runners_up[0], **args)
-        best = min(best, other, key=lambda r: r[4])
+    for caps in choice.runners_up[:FALLBACKS] if fallback else ():
+        if not best[3]:
+            break
+        best = min(best, _pack_at(*caps, **args), key=lambda r: r[4])
     packed, q_v, q_t = best[:3]
     pack_of[regular] = packed.pack_of
     return len(packed.tiles), (q_v, q_t), packed.passes
 
 
-def _pack_at(steps, max_tiles, max_tokens, *, tiles, tokens, llm, per_step, max_total, num_alone, config, rng):
+def _pack_at(steps, max_tiles, max_tokens, *, tiles, tokens, llm, per_step, max_total, num_alone, config, rng,
+             squeeze=False):
     """Pack at one (steps, Q_v, Q_t): (packs, derived Q_v, derived Q_t, whether the tail rule changed the
-    count or the caps, pad score of the derived caps)."""
+    count or the caps, pad score of the derived caps); ``squeeze``: the packer's token squeeze."""
     # with the own packs, a whole number of steps
     num_packs = min(-(-(steps * per_step + num_alone) // per_step) * per_step, max_total) - num_alone
     packed = pack_balanced(tiles, tokens, llm, num_packs=num_packs, max_tiles=max_tiles,
                            max_tokens=max_tokens, rng=rng, llm_tol=config.llm_tol, pack_step=per_step,
-                           max_packs=max_total - num_alone, hard_caps=_caps_fixed(config))
+                           max_packs=max_total - num_alone, hard_caps=_caps_fixed(config), squeeze=squeeze)
     over = (packed.tiles > max_tiles) & (config.max_tiles is not None)
     over = int((over | (packed.tokens > max_tokens) & (config.max_tokens is not None)).sum())
     if over:  # the packer adds packs for what does not fit, unless more packs would leave some empty

@@ -221,10 +221,11 @@ class _Trials:
 
 
 def _search(model: CapModel, trials: _Trials | None, steps: np.ndarray, q_least: np.ndarray, qt: np.ndarray,
-            target_samples: float, max_trials: int) -> list[tuple[int, int, int]]:
+            target_samples: float, max_trials: int, min_measured: int = 2) -> list[tuple[int, int, int]]:
     """Branch and bound over the counts (module docstring): measure in the order of the bound until the best
     measured score is no higher than the next bound, or ``max_trials`` trials ran. Returns the measured
-    (steps, Q_v, Q_t), best first. A fixed tile cap is returned as it is (the trials only rank the counts)."""
+    (steps, Q_v, Q_t), best first. A fixed tile cap is returned as it is (the trials only rank the counts).
+    At least ``min_measured`` counts are measured (when there are as many): the packer's fall-backs."""
     if trials is None or len(steps) == 1:
         k = int(np.argmin(model.score(steps, target_samples, q_least, qt)))
         return [(int(steps[k]), int(q_least[k]), int(qt[k]))]
@@ -233,7 +234,7 @@ def _search(model: CapModel, trials: _Trials | None, steps: np.ndarray, q_least:
     measured = []
     for done, k in enumerate(order.tolist()):
         # (a second count is always measured: the packer's fall-back when the best needs the tail rule)
-        if done >= max_trials or (len(measured) >= 2 and bound[k] >= min(measured)[0]):
+        if done >= max_trials or (len(measured) >= min_measured and bound[k] >= min(measured)[0]):
             break
         score, cap_v, cap_t = trials.measure(int(steps[k]), int(q_least[k]), int(qt[k]))
         if model.max_tiles is not None:
@@ -257,9 +258,11 @@ def choose_caps(
     rng: np.random.Generator | None = None,
     max_trials: int = 8,
     num_steps: int | None = None,
+    min_measured: int = 2,
 ) -> CapChoice:
     """Pick the pack count and the caps (see the module docstring). ``slots_per_step = dp_size * M``;
-    ``rng`` None: no trials (the best closed-form score)."""
+    ``rng`` None: no trials (the best closed-form score); ``min_measured``: counts measured at least (the
+    best and ``min_measured - 1`` runners-up, for the packer to fall back on)."""
     n = len(tiles)
     if n < slots_per_step:
         raise InputError(f"dp_size x num_microbatches = {slots_per_step} micro-batches per step, but only {n} "
@@ -274,12 +277,12 @@ def choose_caps(
             found = _candidates(model, steps, token_slack)
             if len(found[0]):
                 steps, qv, qt = found
-        return _choice(_search(model, trials, steps, qv, qt, target_samples, max_trials), slots_per_step)
+        return _choice(_search(model, trials, steps, qv, qt, target_samples, max_trials, min_measured), slots_per_step)
     lo_s, hi_s = window(model, target_samples, samples_tolerance)
     steps, qv, qt = _candidates(model, np.arange(lo_s, hi_s + 1), token_slack)
     if not len(steps):  # no count of the window leaves room with 2 more tiles: the least caps that do
         steps, qv, qt = _least_caps(model, np.arange(lo_s, hi_s + 1))
-    return _choice(_search(model, trials, steps, qv, qt, target_samples, max_trials), slots_per_step)
+    return _choice(_search(model, trials, steps, qv, qt, target_samples, max_trials, min_measured), slots_per_step)
 
 
 def _choice(ranked: list[tuple[int, int, int]], slots_per_step: int) -> CapChoice:

@@ -205,3 +205,18 @@ def pad_floor(tiles, tokens, *, slots_per_step: int, target_samples: float = 4.5
                     tokens=_lowest(quick[:, 1], lambda k: floors.pads(k)[1])[0], larger=larger,
                     num_steps=int(steps[at]), samples_per_microbatch=model.n / int(packs[at]), compute=compute,
                     cost_name=name)
+
+
+def vision_balance_floor(tiles, *, dp_size: int, tile_pad: float = 0.0) -> float:
+    """The lowest vision max/mean over ranks (per step, averaged over the steps) that any schedule of
+    ``tiles`` on ``dp_size`` ranks with a tile pad of at most ``tile_pad`` reaches, when the vision cost is
+    proportional to the tiles (every sample exactly once, every step full). A bound, not a prediction.
+
+    A step whose ``T`` tiles are not a multiple of ``dp_size`` has a rank with ``ceil(T / dp_size)``, so its
+    max/mean is at least ``1 + x / T`` with ``x = (-T) mod dp_size``; the ``x`` of all steps sum to at least
+    ``r = (-V) mod dp_size`` (``V`` the total tiles), and no step holds more than ``dp_size M Q_v`` tiles, so
+    the mean over ``S`` steps is at least ``1 + r / (S dp_size M Q_v) = 1 + r (1 - tile pad) / V``. It does
+    not fall with more steps or micro-batches: only a larger buffer (more pad) lowers it."""
+    total = int(np.asarray(tiles, np.int64).sum())
+    residue = (-total) % int(dp_size)
+    return 1.0 + residue * (1.0 - float(tile_pad)) / max(total, 1)

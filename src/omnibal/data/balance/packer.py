@@ -37,6 +37,7 @@ from omnibal.data.balance.cost import to_grid
 from omnibal.data.balance.exchange import Packs, Targets, level_llm, repair_tiles
 from omnibal.data.balance.layers import level_tokens
 from omnibal.data.balance.phases import phase
+from omnibal.data.balance.squeeze import squeeze_tokens
 from omnibal.data.balance.tail import enforce_caps
 
 DEFAULT_LLM_TOL = 0.01
@@ -142,6 +143,7 @@ def pack_balanced(
     pack_step: int = 1,
     max_packs: int | None = None,
     hard_caps: bool = True,
+    squeeze: bool = False,
 ) -> PackResult:
     """Split samples into at least ``num_packs`` packs under the (``max_tiles``, ``max_tokens``) buffer with
     tile counts in ``[floor(V/P), max_tiles]`` and LLM costs levelled (see the module docstring).
@@ -151,7 +153,8 @@ def pack_balanced(
     (at most ``max_packs`` in all); only when that bound stops it are packs left over the caps, for the
     caller to detect. ``hard_caps`` False (caps derived by the cap search, not a budget): packs a little
     over are kept when growing the buffer to them pads less (see ``enforce_caps``). Every sample must
-    fit a pack alone. The LLM costs are put on an integer grid (``cost.to_grid``: costs already on one
+    fit a pack alone. ``squeeze`` (with ``hard_caps`` False): phase 6, which costs up to six more LLM
+    levellings. The LLM costs are put on an integer grid (``cost.to_grid``: costs already on one
     are only scaled by a power of two), so that the packs' sums, and every decision on them, are exact.
     """
     n, p = len(tiles), int(num_packs)
@@ -174,5 +177,8 @@ def pack_balanced(
         packs, passes_rescue = enforce_caps(packs, v, t, lc, max_tiles=max_tiles, max_tokens=max_tokens,
                                             hard_caps=hard_caps, pack_step=pack_step, max_packs=max_packs,
                                             llm_tol=llm_tol, rng=rng, max_passes=max_passes)
+    if squeeze and not hard_caps:
+        with phase("squeeze"):
+            squeeze_tokens(packs, v, t, lc, max_tiles=max_tiles, llm_tol=llm_tol, rng=rng, max_passes=max_passes)
     return PackResult(pack_of=packs.pack_of(), tiles=packs.pv, tokens=packs.pt, llm=packs.pl,
                       passes=(passes_tiles, passes_llm, passes_rescue))
