@@ -4,8 +4,10 @@ The flag is the field name in kebab case (``max_tiles`` -> ``--max-tiles``), the
 the field, and the type and choices follow the annotation: a ``StrEnum`` or ``Literal`` gives choices, ``bool``
 a ``--x/--no-x`` pair, ``tuple[int, ...]`` a comma list, ``X | None`` a flag that may be left unset. A field's
 ``metadata`` may give another spelling (``{"flag": "--steps"}``), a short flag (``{"short": "-n"}``), more
-spellings (``{"also": ("--log",)}``), a metavar, a parser (``{"parse": fn}``), or ``{"cli": False}`` to keep
-it off the command line. A knob several subcommands share is spelled by its :data:`omnibal.cli.options.OPTIONS`
+spellings (``{"also": ("--log",)}``), a metavar, a parser (``{"parse": fn}``; a nested dataclass field with
+one is one argument, not flat), a default of the command line's own (``{"cli_default": value}``: what the
+subcommand runs when the flag is not given, where it differs from a library caller's default; a string is
+parsed as the flag's value is), or ``{"cli": False}`` to keep it off the command line. A knob several subcommands share is spelled by its :data:`omnibal.cli.options.OPTIONS`
 entry (its flag, short flags and deprecated aliases): the entry of the field's name, or of its metadata's
 ``option``; the argument's dest is then the entry's key, so every subcommand stores it under one name.
 A nested dataclass field (``layout``) contributes its own fields flat, as the ``holds_layout`` configs
@@ -62,10 +64,11 @@ def _comma_list(item_type):
 
 
 def argument_kwargs(f: dataclasses.Field, tp, doc: str) -> dict:
-    """``add_argument`` keywords of one field (no default: the dataclass's own default applies)."""
+    """``add_argument`` keywords of one field (no default, so the dataclass's own applies, unless the field
+    declares a ``cli_default``)."""
     tp, _ = _unwrap_optional(tp)
     kw: dict = {"dest": option_key(f) or f.name, "help": f.metadata.get("help", doc).replace("%", "%%"),
-                "default": argparse.SUPPRESS}
+                "default": f.metadata.get("cli_default", argparse.SUPPRESS)}
     if "metavar" in f.metadata:
         kw["metavar"] = f.metadata["metavar"]
     origin = typing.get_origin(tp)
@@ -98,7 +101,7 @@ def cli_fields(cls) -> list[tuple[dataclasses.Field, object, str]]:
     for f in dataclasses.fields(cls):
         if not f.metadata.get("cli", True):
             continue
-        if dataclasses.is_dataclass(hints[f.name]):
+        if dataclasses.is_dataclass(hints[f.name]) and "parse" not in f.metadata:
             out.extend(cli_fields(hints[f.name]))
         else:
             out.append((f, hints[f.name], docs.get(f.name, "")))

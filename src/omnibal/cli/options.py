@@ -69,6 +69,9 @@ OPTIONS: dict[str, Option] = {
     # pipeline
     "schedule": Option("--schedule", "pipeline schedule", ("--pipeline-schedule",),
                        {"choices": tuple(PipelineSchedule)}),
+    "chunks": Option("--chunks", "model chunks per pipeline device"),
+    "selective_recompute": Option("--selective-recompute", "let adaptive recompute run blocks selectively (stored "
+                                  "apart from the trainer's per-stage --selective sets)"),
     "plan": Option("--plan", "plan JSON (omnibal plan)", (), {"metavar": "FILE"}),
     "recompute": Option("--recompute", "activation recompute per stage"),
     # data
