@@ -4,10 +4,11 @@ The flag is the field name in kebab case (``max_tiles`` -> ``--max-tiles``), the
 the field, and the type and choices follow the annotation: a ``StrEnum`` or ``Literal`` gives choices, ``bool``
 a ``--x/--no-x`` pair, ``tuple[int, ...]`` a comma list, ``X | None`` a flag that may be left unset. A field's
 ``metadata`` may give another spelling (``{"flag": "--steps"}``), a short flag (``{"short": "-n"}``), more
-spellings (``{"also": ("--log",)}``), a metavar, a parser (``{"parse": fn}``; a nested dataclass field with
-one is one argument, not flat), a default of the command line's own (``{"cli_default": value}``: what the
-subcommand runs when the flag is not given, where it differs from a library caller's default; a string is
-parsed as the flag's value is), or ``{"cli": False}`` to keep it off the command line. A knob several subcommands share is spelled by its :data:`omnibal.cli.options.OPTIONS`
+spellings (``{"also": ("--log",)}``), a metavar, a parser (``{"parse": fn}``: a nested dataclass field with
+one is one argument, not flat), a default of the command line's own (``{"cli_default": value}``, where the
+subcommand runs another than a library caller's; a string is parsed as the flag's value is), or
+``{"cli": False}`` to keep it off the command line.
+A knob several subcommands share is spelled by its :data:`omnibal.cli.options.OPTIONS`
 entry (its flag, short flags and deprecated aliases): the entry of the field's name, or of its metadata's
 ``option``; the argument's dest is then the entry's key, so every subcommand stores it under one name.
 A nested dataclass field (``layout``) contributes its own fields flat, as the ``holds_layout`` configs

@@ -251,8 +251,6 @@ def _verified(args, config, result):
     """``--verify K``: the result with the plan chosen by measuring its top K candidates, and the table of
     predicted vs measured per candidate (printed here, written to OUT/verify.md by the caller); the plan
     JSON holds them under search.verify."""
-    from dataclasses import fields, replace
-
     from omnibal.measure.verify import VerifyConfig, verify_markdown, verify_plan
 
     say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if not args.quiet else None

@@ -116,9 +116,8 @@ def _say(line: str) -> None:
 
 def _online_vs_offline(args: argparse.Namespace) -> int:
     """``--online-vs-offline``: baseline, online and offline balancing of one cluster, as a table."""
-    from omnibal.sim.online import compare_online_offline, comparison_markdown
-
     from omnibal.jobs.simulate import SimulateJobConfig
+    from omnibal.sim.online import compare_online_offline, comparison_markdown
 
     cfg = config_from_args(SimulateJobConfig, args)
     samples = cfg.samples or 20_000

@@ -97,8 +97,9 @@ class PlanJobConfig:
     """Size of the synthetic mixture."""
     balance_samples: int | None = field(default=200_000, metadata={"parse": parse_balance_samples, "metavar": "N"})
     """Balance a uniform random subset of this many samples and scale the epoch to the full dataset
-    (None, on the command line ``all``: balance every sample). A subset this size predicts the default job's epoch close to balancing
-    every sample, at a fraction of the CPU time (benchmarks/results: bench_plan_default)."""
+    (None, on the command line ``all``: balance every sample). A subset this size predicts the default job's
+    epoch close to balancing every sample, at a fraction of the CPU time (benchmarks/results:
+    bench_plan_default)."""
     seed: int = 0
     """Seed of the synthetic data, the shuffles and the step sample of the search."""
     profile_path: str | None = field(default=None, metadata={"option": "profile"})
