@@ -22,7 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_option(parser, "stats", help="per-sample statistics file (json/jsonl/parquet/OmniBal token-length)")
     add_option(parser, "samples", default=1_200_000,
                help="rows of the synthetic default mixture used when --stats is not given")
-    # required, but checked in run: argparse's required= would refuse the deprecated --dp-size spelling
+    # required, but checked in run, so the error names --dp as every other input error does
     add_option(parser, "dp_size", help="data-parallel ranks (required)")
     add_option(parser, "num_microbatches", default=4, help="micro-batches per DP rank per step (omnibal train's "
                "default too, so the schedule runs there as written)")

@@ -9,7 +9,7 @@ one is one argument, not flat), a default of the command line's own (``{"cli_def
 subcommand runs another than a library caller's; a string is parsed as the flag's value is), or
 ``{"cli": False}`` to keep it off the command line.
 A knob several subcommands share is spelled by its :data:`omnibal.cli.options.OPTIONS`
-entry (its flag, short flags and deprecated aliases): the entry of the field's name, or of its metadata's
+entry (its flag and short flags): the entry of the field's name, or of its metadata's
 ``option``; the argument's dest is then the entry's key, so every subcommand stores it under one name.
 A nested dataclass field (``layout``) contributes its own fields flat, as the ``holds_layout`` configs
 construct them.
