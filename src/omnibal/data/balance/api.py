@@ -11,17 +11,16 @@ from omnibal.data.balance.assign import assign_sorted
 from omnibal.data.balance.baselines import balance_length_grouped, balance_random
 from omnibal.data.balance.capmodel import abs_log
 from omnibal.data.balance.caps import choose_caps
-from omnibal.data.balance.common import OVERSIZE_POLICIES, epoch_rng, split_oversize
+from omnibal.data.balance.common import epoch_rng, split_oversize
 from omnibal.data.balance.cost import DEFAULT_COST, BalanceCost
 from omnibal.data.balance.isf import balance_isf
 from omnibal.data.balance.packer import DEFAULT_LLM_TOL, pack_balanced
 from omnibal.data.balance.phases import phase
 from omnibal.data.balance.schedule import Caps, Schedule, build_schedule
 from omnibal.errors import InputError
-from omnibal.layout import BalanceMethod
+from omnibal.layout import BalanceMethod, OversizePolicy, check_choice
 from omnibal.validate import is_int
 
-METHODS = tuple(BalanceMethod)
 FALLBACK_ROWS = 4 * 16384
 """Rows up to which the packer packs the cap search's runner-up too when its choice needed the tail rule."""
 
@@ -72,12 +71,8 @@ class BalanceConfig:
     """Show a progress bar (stderr) for long work (the ISF argument search)."""
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise InputError(f"unknown method {self.method!r}; choose one of {METHODS}", source="method",
-                             field="method")
-        if self.oversize not in OVERSIZE_POLICIES:
-            raise InputError(f"unknown policy {self.oversize!r}; choose one of {OVERSIZE_POLICIES}",
-                             source="oversize", field="oversize")
+        check_choice(self.method, BalanceMethod, source="method", field="method")
+        check_choice(self.oversize, OversizePolicy, source="oversize", field="oversize")
         for name in ("max_tiles", "max_tokens"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, (int, np.integer)) or value < 1):
