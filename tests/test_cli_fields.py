@@ -74,6 +74,7 @@ def test_field_docs_reads_the_docstring_under_each_field():
 def _generated():
     """subcommand -> ((config class, fields of it that are not flags), ...): the configs its parser is generated
     from. A field left out is named here with the reason."""
+    from omnibal.data.balance import BalanceConfig
     from omnibal.hbp.planning import HBPPlanConfig
     from omnibal.jobs.plan_config import PlanJobConfig
     from omnibal.jobs.simulate import SimulateJobConfig
@@ -88,7 +89,8 @@ def _generated():
                      (SearchConfig, ("seed",)),  # the job's --seed
                      # --hbp takes these from the plan job (batch size, oversize, --quiet) or keeps their defaults
                      (HBPPlanConfig, hbp_from_job)),
-            "simulate": ((SimulateJobConfig, ()),)}
+            "simulate": ((SimulateJobConfig, ()),),
+            "balance": ((BalanceConfig, ()),)}
 
 
 CLI_ONLY = {
@@ -99,6 +101,10 @@ CLI_ONLY = {
     "plan": ("hbp", "verify", "verify_steps", "out", "no_timelines", "quiet"),
     # --online-vs-offline: another comparison instead of the simulation; --no-report: out=None
     "simulate": ("online_vs_offline", "no_report", "quiet"),
+    # the data, the layout, the seed and the epoch are balance()'s arguments and the cost model is built from
+    # --model/--hardware/--profile: no config holds them (yet); the rest are outputs
+    "balance": ("stats", "samples", "dp_size", "num_microbatches", "seed", "epoch", "model", "hardware", "profile",
+                "convert_stats", "out", "metrics_json", "plot", "quiet"),
 }
 """The flags of a generated subcommand that are no config field: purely command-line matters."""
 
