@@ -71,14 +71,15 @@ REMOVED = ("--preset", "--dp-size", "--num-microbatches", "--balance", "--method
 """Spellings deprecated for one release and then removed (CHANGELOG.md)."""
 
 
-@pytest.mark.parametrize("name", list(PARSERS))
+@pytest.mark.parametrize("name", list(COMMANDS))
 def test_the_removed_spellings_are_refused(name, capsys):
     parser = PARSERS[name]
     taken = {flag for flags in _spellings(parser).values() for flag in flags}
     assert taken.isdisjoint(REMOVED)
-    with pytest.raises(SystemExit):
-        parser.parse_args(["--dp-size", "2"])
-    assert "unrecognized arguments: --dp-size" in capsys.readouterr().err
+    for flag in ("--dp-size", "--balance"):  # --balance: a prefix of --balance-method, no abbreviation either
+        with pytest.raises(SystemExit):
+            parser.parse_args([flag, "2"])
+        assert f"unrecognized arguments: {flag}" in capsys.readouterr().err
 
 
 def test_train_schedule_is_the_pipeline_schedule_and_a_file_is_refused(capsys):
