@@ -59,6 +59,15 @@ def test_flags_help_and_types_come_from_the_fields():
         p.parse_args(["--colour", "green"])
 
 
+def test_help_names_a_plain_default_of_the_config_itself():
+    p, _ = _parser()
+    text = " ".join(p.format_help().split())
+    assert "Optimizer steps. (default: 10)" in text and "Which colour. (default: red)" in text
+    assert "Chunks per stage. (default: 1)" in text
+    assert "Width. (default" not in text  # a nested config's default need not be the outer one's
+    assert "Load ahead. (default" not in text  # a flag's bool
+
+
 def test_unset_flags_keep_the_dataclass_defaults():
     p, _ = _parser()
     args = p.parse_args(["--no-prefetch"])

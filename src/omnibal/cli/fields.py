@@ -117,15 +117,29 @@ def option_key(f: dataclasses.Field) -> str | None:
     return key if key in OPTIONS else None
 
 
+def default_note(f: dataclasses.Field, help: str) -> str:
+    """`` (default: X)`` for the help of a field with a plain default (not None, a flag's bool, a factory's
+    object or one the help already names), as the subcommands' formatter shows a hand-written option's."""
+    default = f.default
+    if (default is dataclasses.MISSING or default is None or isinstance(default, bool) or "cli_default" in f.metadata
+            or "default" in help.lower()):
+        return ""
+    text = ",".join(map(str, default)) if isinstance(default, tuple) else str(default)
+    return f" (default: {text})"
+
+
 def add_config_arguments(parser, cls, *, skip: tuple[str, ...] = ()) -> dict[str, str]:
     """Add one argument per command-line field of ``cls`` (but ``skip``); returns {field name: long flag}."""
     from omnibal.cli.options import OPTIONS, add_option
 
     flags = {}
+    own = set(dataclasses.fields(cls))  # a nested dataclass's defaults are not the outer config's
     for f, tp, doc in cli_fields(cls):
         if f.name in skip:
             continue
         kw = argument_kwargs(f, tp, doc)
+        if f in own:
+            kw["help"] += default_note(f, kw["help"])
         key = option_key(f)
         if key is not None:
             opt = OPTIONS[key]
