@@ -68,6 +68,15 @@ def test_help_names_a_plain_default_of_the_config_itself():
     assert "Load ahead. (default" not in text  # a flag's bool
 
 
+def test_a_parsers_input_error_is_a_usage_error_with_its_own_message(capsys):
+    from omnibal.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", "--chunks", "1,x"])
+    assert exc.value.code == 2
+    assert "argument --chunks: must be comma-separated integers, got '1,x'" in capsys.readouterr().err
+
+
 def test_unset_flags_keep_the_dataclass_defaults():
     p, _ = _parser()
     args = p.parse_args(["--no-prefetch"])

@@ -64,6 +64,20 @@ def _comma_list(item_type):
     return parse
 
 
+def _usage_errors(parse):
+    """``parse`` whose InputError argparse reports as its own message (``argument --chunks: must be ...``),
+    not as ``invalid parse_chunks value``."""
+    from omnibal.errors import InputError
+
+    def checked(text: str):
+        try:
+            return parse(text)
+        except InputError as exc:
+            raise argparse.ArgumentTypeError(exc.message) from None
+    checked.__name__ = parse.__name__
+    return checked
+
+
 def argument_kwargs(f: dataclasses.Field, tp, doc: str) -> dict:
     """``add_argument`` keywords of one field (no default, so the dataclass's own applies, unless the field
     declares a ``cli_default``)."""
@@ -76,7 +90,7 @@ def argument_kwargs(f: dataclasses.Field, tp, doc: str) -> dict:
     if "choices" in f.metadata:  # a subset of the annotation's vocabulary
         kw["choices"] = tuple(f.metadata["choices"])
     elif "parse" in f.metadata:
-        kw["type"] = f.metadata["parse"]
+        kw["type"] = _usage_errors(f.metadata["parse"])
     elif tp is bool:
         kw["action"] = argparse.BooleanOptionalAction
     elif isinstance(tp, type) and issubclass(tp, enum.Enum):
