@@ -78,8 +78,8 @@ def run_case(name: str, config: PlanJobConfig, stats) -> dict:
     breakdown = {label: time_breakdown(ctx, cfg, res.row(row), sched, balanced) for label, cfg, res, row, sched in (
         ("hbp", hbp, result, "hbp", result.schedule), ("hbp, one micro-batch count", one, same, "hbp", same.schedule),
         ("single level", hbp, result, "single level", result.single.schedule))}
-    return {"case": name, "model": config.preset, "layout": f"DP {config.dp_size} x PP {config.pp_size}",
-            "microbatches": config.num_microbatches, "data": stats.source, **result.to_dict(),
+    return {"case": name, "model": config.preset, "layout": f"DP {config.layout.dp_size} x PP {config.layout.pp_size}",
+            "microbatches": config.layout.num_microbatches, "data": stats.source, **result.to_dict(),
             "hbp_one_count": same_hbp, "breakdown": breakdown, "sp_trials_lines": sp_trials_lines(result),
             "wall_s": round(wall, 2), "cpu_s": round(cpu, 2)}
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +32,7 @@ from benchmarks.common import RESULTS, logger, write_result
 from benchmarks.trainer_runs import run_train
 from omnibal.data.online import balance_phases, phase_loads
 from omnibal.stats.io import save_stats
-from omnibal.train.config import TrainConfig
+from omnibal.train.config import TRAIN_LAYOUT, TrainConfig
 from omnibal.train.feed import random_microbatch_schedule
 from omnibal.train.run import build_schedule
 
@@ -75,8 +76,9 @@ def main(argv=None) -> int:
     layouts = []
     for dp in (int(x) for x in args.layouts.split(",")):
         # what `omnibal train --mode omnibal` balances itself from the statistics (no --schedule-file)
-        omni = build_schedule(TrainConfig(mode="omnibal", dp_size=dp, num_microbatches=args.microbatches,
-                                          seed=args.seed, stats_path=str(stats_path)), stats)
+        cfg = TrainConfig(mode="omnibal", layout=replace(TRAIN_LAYOUT, dp_size=dp, num_microbatches=args.microbatches),
+                          seed=args.seed, stats_path=str(stats_path))
+        omni = build_schedule(cfg, stats)
         rand = random_microbatch_schedule(len(stats), dp_size=dp, num_microbatches=args.microbatches,
                                           batch_size=args.batch_size, seed=args.seed)
         common = ["--model", "tiny", "--stats", str(stats_path), "--dp", str(dp), "--microbatches",

@@ -22,6 +22,7 @@ import numpy as np
 from omnibal.errors import InputError
 from omnibal.jobs.plan_config import PlanJobConfig
 from omnibal.jobs.plan_job import run_plan_job
+from omnibal.layout import Layout
 from omnibal.plan.packsize import PackSearchConfig
 from omnibal.stats.io import load_stats, save_stats
 from omnibal.stats.synthetic import SyntheticConfig, synthetic_internvl_mixture
@@ -74,11 +75,12 @@ def main() -> None:
             ("no memory limit (recompute-free bound)", replace(base, memory_budget_gib=1e6), None),
             ("balanced packs padded to the caps (static shapes)", replace(base, padding="fixed_buffer"), None),
             ("InternVL-1.5's 12-tile rule in the synthetic data", base, twelve),
-            ("DP 64 x PP 2 x TP 1", replace(base, dp_size=64, pp_size=2, num_microbatches=4), None),
-            ("DP 16 x PP 8 x TP 1", replace(base, dp_size=16, pp_size=8, num_microbatches=16), None),
+            ("DP 64 x PP 2 x TP 1", replace(base, layout=Layout(dp_size=64, pp_size=2, num_microbatches=4)), None),
+            ("DP 16 x PP 8 x TP 1", replace(base, layout=Layout(dp_size=16, pp_size=8, num_microbatches=16)), None),
             ("DP 128 x PP 1, ZeRO-3 (the paper's DeepSpeed backend: 38.9 -> 25.3 measured)",
-             replace(base, dp_size=128, pp_size=1, zero_stage=3, num_microbatches=1), None),
-            ("DP 16 x PP 4 x TP 2", replace(base, dp_size=16, pp_size=4, tp_size=2, num_microbatches=16), None),
+             replace(base, layout=Layout(dp_size=128, pp_size=1, zero_stage=3, num_microbatches=1)), None),
+            ("DP 16 x PP 4 x TP 2",
+             replace(base, layout=Layout(dp_size=16, pp_size=4, tp_size=2, num_microbatches=16)), None),
             ("pre-issue-17 default (12 tiles, even split, bf16 gradients, no pack search; "
              "InternViT activations as now)",
              replace(base, baseline_partition="even", baseline_sampler="random", stack="omnibal",
@@ -93,18 +95,20 @@ def main() -> None:
         for label, config, stats in variants:
             t0 = time.perf_counter()
             load = os.getloadavg()[0]
+            lay = config.layout
             try:
                 res = run_plan_job(config, cache=cache, stats=stats)
             except InputError as exc:  # a layout that does not fit is a result too
-                out.append({"variant": label, "dp": config.dp_size, "pp": config.pp_size, "tp": config.tp_size,
-                            "num_microbatches": config.num_microbatches, "seconds": time.perf_counter() - t0,
+                out.append({"variant": label, "dp": lay.dp_size, "pp": lay.pp_size, "tp": lay.tp_size,
+                            "num_microbatches": lay.num_microbatches, "seconds": time.perf_counter() - t0,
                             "load_1min": load, "rows": [], "plan_parts": [], "plan_peak_gib": [],
                             "infeasible": str(exc)})
                 print(f"{label}: infeasible: {exc}", flush=True)
                 continue
             rows = [r.to_dict() for r in res.ablation]
-            out.append({"variant": label, "dp": config.dp_size, "pp": config.pp_size, "tp": config.tp_size,
-                        "num_microbatches": res.plan.inputs.num_microbatches, "seconds": time.perf_counter() - t0,
+            out.append({"variant": label, "dp": lay.dp_size, "pp": lay.pp_size, "tp": lay.tp_size,
+                        "num_microbatches": res.plan.inputs.layout.num_microbatches,
+                        "seconds": time.perf_counter() - t0,
                         "load_1min": load, "rows": rows,
                         "plan_parts": list(res.plan.parts),
                         "plan_peak_gib": [round(s.memory_bytes / 2**30, 1) for s in res.plan.stages]})

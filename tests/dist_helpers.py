@@ -284,7 +284,8 @@ def interleaved_tiny_plan(path, *, pp: int = 2, chunks: int = 2, recompute=None)
 
     names = [layer.name for layer in tiny_spec().layers()]
     plan = tiny_plan(list(even_split(len(names), pp * chunks)), recompute)
-    inputs = dataclasses.replace(plan.inputs, pp_size=pp, num_gpus=pp, num_chunks=chunks)
+    inputs = dataclasses.replace(plan.inputs, layout=dataclasses.replace(plan.inputs.layout, pp_size=pp),
+                                 num_chunks=chunks)
     plan = dataclasses.replace(plan, inputs=inputs, search={"schedule": "interleaved", "num_chunks": chunks})
     plan.save(path)
     return path

@@ -30,12 +30,13 @@ def write_tiny_exports(engine: str, folder: Path) -> list[Path]:
 
     from omnibal.jobs.plan_config import PlanJobConfig
     from omnibal.jobs.plan_job import run_plan_job
+    from omnibal.layout import Layout
     from omnibal.plan.search import SearchConfig
 
-    extra = {"zero_stage": 0} if engine == "torchtitan" else {}
-    plan = run_plan_job(PlanJobConfig(preset="tiny", engine=engine, num_gpus=2, dp_size=1, pp_size=2,
-                                      num_microbatches=4, num_samples=2000,
-                                      search=SearchConfig(radius=1, top_k=2, sample_steps=8), **extra)).plan
+    zero_stage = 0 if engine == "torchtitan" else 1
+    plan = run_plan_job(PlanJobConfig(preset="tiny", engine=engine, num_gpus=2,
+                                      layout=Layout(dp_size=1, pp_size=2, zero_stage=zero_stage, num_microbatches=4),
+                                      num_samples=2000, search=SearchConfig(radius=1, top_k=2, sample_steps=8))).plan
     module = importlib.import_module(f"omnibal.integrations.{engine}")
     return module.write_exports(plan, Path(folder) / "omnibal-out" / "exports")
 

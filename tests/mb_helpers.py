@@ -72,7 +72,7 @@ def rank_ragged_epoch(dp: int, pp: int, level_sp: tuple, checkpoint_dir, ledger_
             result = trainer.forward_backward()
             steps.append({"loss_part": result.loss_sum, "grads": _grads(trainer.stage_module),
                           "count": int(trainer.step_mbs[trainer.step]),
-                          "fed": len(trainer._fed), "targets": trainer._counts["targets"]})
+                          "fed": len(result.fed), "targets": result.counts["targets"]})
             trainer.optimizer.zero_grad(set_to_none=True)
             trainer.step += 1
         trainer.step = 0

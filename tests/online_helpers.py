@@ -78,11 +78,11 @@ def rank_online_forward_backward(dp: int, node_size: int = 0, online_balance: bo
     grads = {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)).numpy()
              for n, p in trainer.stage_module.named_parameters()}
     info = trainer.online_info[-1] if trainer.online_info else None
-    shapes = sorted((s.tiles, s.tokens) for s in getattr(trainer, "_online_pipes", None)._pipes) if pp > 1 else []
+    shapes = sorted((s.tiles, s.tokens) for s in trainer.online_state.pipes._pipes) if pp > 1 else []
     destroy_world()
     local = [int(i) for k in range(MICRO) for i in trainer.schedule.microbatch(step, world.dp_rank, k)]
     return {"rank": world.rank, "pp_rank": world.pp_rank, "loss_part": result.loss_sum, "grads": grads,
-            "fed": trainer._fed, "local": local, "shapes": shapes,
+            "fed": result.fed, "local": local, "shapes": shapes,
             "info": None if info is None else (info.vision_max_mean, info.llm_max_mean, info.local_vision_max_mean,
                                                info.local_llm_max_mean),
             "split_samples": None if info is None else info.split_samples}
@@ -104,7 +104,7 @@ def rank_online_train(dp: int, checkpoint_dir: str, num_steps: int, resume: bool
     losses = [r.loss for r in trainer.log.records]
     params = {n: p.detach().clone().numpy() for n, p in trainer.stage_module.named_parameters()}
     keys = [int(k) for k in trainer.dataset.stats.keys]
-    shapes = len(trainer._online_pipes._pipes) if pp > 1 else 0
+    shapes = len(trainer.online_state.pipes._pipes) if pp > 1 else 0
     destroy_world()
     return {"rank": world.rank, "start": start, "losses": losses, "consumed": trainer.consumed, "params": params,
             "steps": trainer.schedule.num_steps, "keys": keys, "shapes": shapes}

@@ -90,7 +90,7 @@ def rank_sp_step(dp: int, sp: int, recompute: bool):
     trainer = make_sp_trainer(world, schedule, sp_degree=sp, recompute=[names] if recompute else None)
     result = trainer.forward_backward()
     out = {"rank": world.rank, "loss_part": result.loss_sum, "grads": _grads(trainer.stage_module),
-           "targets": trainer._counts["targets"]}
+           "targets": result.counts["targets"]}
     destroy_world()
     return out
 
@@ -108,7 +108,7 @@ def rank_level_grads(dp: int, level_sp: tuple, levels: tuple, curriculum: bool):
     while trainer.step < trainer.schedule.num_steps:
         result = trainer.forward_backward()
         steps.append({"loss_part": result.loss_sum, "grads": _grads(trainer.stage_module),
-                      "degree": int(trainer.step_sp[trainer.step]), "targets": trainer._counts["targets"]})
+                      "degree": int(trainer.step_sp[trainer.step]), "targets": result.counts["targets"]})
         trainer.optimizer.zero_grad(set_to_none=True)
         trainer.step += 1
     order = trainer.schedule.pack_ids.tolist()

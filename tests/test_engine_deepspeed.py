@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 
 import pytest
 import torch
 
 from omnibal.errors import InputError
-from omnibal.jobs.plan_config import PlanJobConfig
+from omnibal.jobs.plan_config import PLAN_LAYOUT, PlanJobConfig
 from omnibal.jobs.plan_job import run_plan_job
+from omnibal.layout import Layout
 from omnibal.plan.search import SearchConfig
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (CI installs it: .ci/run; "
@@ -22,7 +24,7 @@ NUM_MB, NUM_TILES, NUM_TOKENS, STEPS, LR = 4, 8, 256, 2, 0.05
 
 
 def _tiny_plan(**kw):
-    base = dict(preset="tiny", num_gpus=2, dp_size=1, pp_size=2, tp_size=1, num_microbatches=NUM_MB,
+    base = dict(preset="tiny", num_gpus=2, layout=Layout(dp_size=1, pp_size=2, num_microbatches=NUM_MB),
                 num_samples=3000, search=SearchConfig(radius=1, top_k=3, sample_steps=16), engine="deepspeed")
     base.update(kw)
     free = run_plan_job(PlanJobConfig(**base)).plan
@@ -160,7 +162,8 @@ def test_deepspeed_builds_the_planned_stages_of_the_default_job_and_llava(preset
 def test_a_chain_of_another_model_is_refused(tmp_path):
     from omnibal.integrations.deepspeed import load_export, stage_specs, write_exports
 
-    plan = run_plan_job(PlanJobConfig(preset="tiny", num_gpus=2, dp_size=1, pp_size=2, num_microbatches=NUM_MB,
+    plan = run_plan_job(PlanJobConfig(preset="tiny", num_gpus=2,
+                                      layout=Layout(dp_size=1, pp_size=2, num_microbatches=NUM_MB),
                                       num_samples=2000, search=SearchConfig(radius=1, top_k=2, sample_steps=8),
                                       engine="deepspeed")).plan
     export = load_export(write_exports(plan, tmp_path)[0])
@@ -219,7 +222,8 @@ def test_the_docs_snippet_runs_as_written_on_two_ranks(tmp_path):
 
 
 def test_engine_refuses_what_deepspeed_cannot_run():
-    for kw, field in (({"schedule": "gpipe"}, "schedule"), ({"zero_stage": 2}, "zero_stage")):
+    for kw, field in (({"schedule": "gpipe"}, "schedule"),
+                      ({"layout": replace(PLAN_LAYOUT, zero_stage=2)}, "zero_stage")):
         with pytest.raises(InputError, match=rf"^deepspeed: field '{field}'"):
             PlanJobConfig(engine="deepspeed", **kw).validate()
     assert os.environ.get("DS_BUILD_OPS") in (None, "0", "")

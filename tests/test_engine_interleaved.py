@@ -29,7 +29,7 @@ def interleaved(plan, chunks: int = CHUNKS):
     recompute (what the engines take from an interleaved plan is the layout)."""
     names = [m for st in plan.stages for m in st.modules]
     blocks = [k for k, m in enumerate(names) if kind_of(m) == "llm_block"]
-    num_virtual = plan.inputs.pp_size * chunks
+    num_virtual = plan.inputs.layout.pp_size * chunks
     inner = list(even_cuts(len(blocks), num_virtual)[1:-1])
     inner[0] += 1  # uneven, so that a stage read in the wrong order shows
     cuts = [0] + [blocks[c] for c in inner] + [len(names)]
@@ -50,16 +50,16 @@ def test_megatron_builds_every_virtual_stage_of_an_interleaved_plan(tmp_path):
     plan = interleaved(engine_plan("llava-1.5-7b", "megatron").plan)
     export = load_export(write_exports(plan, tmp_path)[0])
     layout_text = export["language"]["pipeline_model_parallel_layout"]
-    assert layout_text.count("|") == len(plan.stages) - 1 == plan.inputs.pp_size * CHUNKS - 1
+    assert layout_text.count("|") == len(plan.stages) - 1 == plan.inputs.layout.pp_size * CHUNKS - 1
     language, _ = transformer_configs(export)
     assert language.virtual_pipeline_model_parallel_size == CHUNKS
     planned = [sum(kind_of(m) == "llm_block" for m in st.modules) for st in plan.stages]
     assert stage_layer_counts(language) == planned
-    layout = PipelineParallelLayerLayout.from_str(layout_text, plan.inputs.pp_size)
+    layout = PipelineParallelLayerLayout.from_str(layout_text, plan.inputs.layout.pp_size)
     assert layout.virtual_pipeline_model_parallel_size == CHUNKS
     assert len(set(planned)) > 1
     for s in range(len(plan.stages)):  # Megatron's chunk c of rank d is the plan's virtual stage c*P+d
-        c, d = divmod(s, plan.inputs.pp_size)
+        c, d = divmod(s, plan.inputs.layout.pp_size)
         assert sum(kind == LayerType.decoder for kind in layout.layout[d][c]) == planned[s]
 
 
@@ -75,7 +75,7 @@ def test_torchtitan_runs_an_interleaved_plan_part_by_part(tmp_path):
     fragment = load_fragment(write_exports(plan, tmp_path)[0])
     par = parallelism_config(fragment)
     pp, parts = par.pipeline_parallel_degree, par.module_fqns_per_model_part
-    assert pp == plan.inputs.pp_size and len(parts) == pp * CHUNKS
+    assert pp == plan.inputs.layout.pp_size and len(parts) == pp * CHUNKS
     assert issubclass(get_schedule_class(par.pipeline_parallel_schedule), PipelineScheduleMulti)
     for d in range(pp):
         assert _get_pp_rank_to_stage_indices_mapping(d, pp, par.pipeline_parallel_schedule, len(parts)) == \

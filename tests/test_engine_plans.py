@@ -7,13 +7,14 @@ from __future__ import annotations
 import functools
 import itertools
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from omnibal.cli import main
 from omnibal.errors import InputError
-from omnibal.jobs.plan_config import PlanJobConfig
+from omnibal.jobs.plan_config import PLAN_LAYOUT, PlanJobConfig
 from omnibal.jobs.plan_job import run_plan_job
 from omnibal.plan.constrained import ConstrainedPlanner
 from omnibal.plan.engines import Constraints, constraint_rows, engine_constraints
@@ -31,7 +32,7 @@ docs/engines/megatron.md); its tests plan it with 77 GiB."""
 @functools.cache
 def engine_plan(preset: str, engine: str):
     """``run_plan_job`` of the default job (or ``--model``) for ``engine``, as ``omnibal plan`` runs it."""
-    kw = {"zero_stage": 2} if engine == "torchtitan" else {}
+    kw = {"layout": replace(PLAN_LAYOUT, zero_stage=2)} if engine == "torchtitan" else {}
     if engine == "megatron" and preset == "internvl-chat-1.5":
         kw["memory_budget_gib"] = MEGATRON_DEFAULT_BUDGET
     return run_plan_job(PlanJobConfig(preset=preset, engine=engine, **kw), cache=_CACHE)

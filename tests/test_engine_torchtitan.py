@@ -54,7 +54,7 @@ def test_torchtitan_accepts_the_fragment_and_splits_every_parameter_onto_its_sta
     fragment = load_fragment(write_exports(plan, tmp_path)[0])
     par = parallelism_config(fragment)
     assert isinstance(par, ParallelismConfig) and par.pipeline_parallel_degree == len(plan.stages)
-    assert TrainingConfig(**fragment["training"]).local_batch_size == plan.inputs.num_microbatches
+    assert TrainingConfig(**fragment["training"]).local_batch_size == plan.inputs.layout.num_microbatches
     ac = activation_checkpoint_config(fragment)
     assert (ac is None) == (not plan.recompute_modules()) and (ac is None or isinstance(ac, FullAC.Config))
     num_layers = sum(kind_of(m) == "llm_block" for st in plan.stages for m in st.modules)
@@ -133,10 +133,12 @@ def test_a_zero3_plan_becomes_fsdp_resharding_after_every_forward(tmp_path):
     from omnibal.integrations.torchtitan import load_fragment, parallelism_config, write_exports
     from omnibal.jobs.plan_config import PlanJobConfig
     from omnibal.jobs.plan_job import run_plan_job
+    from omnibal.layout import Layout
     from omnibal.plan.search import SearchConfig
 
-    plan = run_plan_job(PlanJobConfig(engine="torchtitan", num_gpus=64, dp_size=64, pp_size=1, zero_stage=3,
-                                      num_microbatches=1, num_samples=20_000, balance_samples=None,
+    plan = run_plan_job(PlanJobConfig(engine="torchtitan", num_gpus=64,
+                                      layout=Layout(dp_size=64, pp_size=1, zero_stage=3, num_microbatches=1),
+                                      num_samples=20_000, balance_samples=None,
                                       search=SearchConfig(radius=1, top_k=2, sample_steps=16))).plan
     par = parallelism_config(load_fragment(write_exports(plan, tmp_path)[0]))
     assert isinstance(par, ParallelismConfig)

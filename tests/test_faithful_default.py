@@ -14,6 +14,7 @@ from omnibal.data.balance.api import BalanceConfig
 from omnibal.data.balance.cost import BalanceCost
 from omnibal.jobs.plan_config import PlanJobConfig
 from omnibal.jobs.plan_job import run_plan_job
+from omnibal.layout import Layout
 from omnibal.plan.ablation import PAPER_GPU_DAYS, AblationRow, with_speedups
 from omnibal.plan.packsize import PackSearchConfig, search_pack_size
 from omnibal.plan.search import SearchConfig
@@ -72,7 +73,7 @@ def test_default_job_is_the_papers_setting():
     cfg = PlanJobConfig()
     assert cfg.baseline_partition == "vision-first" and cfg.stack == "megatron-deepspeed"
     assert cfg.baseline_sampler == "length-grouped"  # InternVL-1.5's fine-tuning scripts pass --group_by_length
-    assert ((cfg.preset, cfg.hardware, cfg.dp_size, cfg.pp_size, cfg.tp_size)
+    assert ((cfg.preset, cfg.hardware, cfg.layout.dp_size, cfg.layout.pp_size, cfg.layout.tp_size)
             == ("internvl-chat-1.5", "a100-80g", 32, 4, 1))
     assert cfg.pack_search.microbatches == ()  # library callers keep their M
     from omnibal.cli.plan import add_arguments, job_config
@@ -128,7 +129,8 @@ def test_pack_search_never_chooses_a_pack_that_does_not_fit():
 
 
 def test_pack_row_is_the_plan_and_records_the_search():
-    cfg = PlanJobConfig(preset="tiny", num_gpus=4, dp_size=2, pp_size=2, num_microbatches=4, num_samples=3000,
+    cfg = PlanJobConfig(preset="tiny", num_gpus=4, layout=Layout(dp_size=2, pp_size=2, num_microbatches=4),
+                        num_samples=3000,
                         search=SearchConfig(radius=1, top_k=3, sample_steps=16),
                         pack_search=PackSearchConfig(microbatches=(2, 8)))
     res = run_plan_job(cfg)
@@ -142,7 +144,7 @@ def test_pack_row_is_the_plan_and_records_the_search():
         assert extra == []
     else:
         assert extra == ["+ pack size"] and res.ablation[-1].paper_gpu_days is None
-        assert res.plan.inputs.num_microbatches == chosen
+        assert res.plan.inputs.layout.num_microbatches == chosen
         assert res.plan.data.settings["config"]["target_samples"] == pytest.approx(pack["chosen"]["target_samples"])
     assert res.plan.prediction.gpu_days == pytest.approx(res.ablation[-1].gpu_days)
 

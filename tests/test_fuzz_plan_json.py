@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from omnibal.errors import InputError
+from omnibal.layout import Layout
 from omnibal.plan.joint import JointPlanner
 from omnibal.plan.plan import DataPlan, Plan, PlanInputs, Prediction, plan_stages
 from omnibal.plan.stages import StageModelConfig, layer_quantities
@@ -35,8 +36,8 @@ def _plan(num_stages: int = 3) -> Plan:
     cfg = StageModelConfig(num_stages=num_stages, num_microbatches=6, dp_size=2, memory_budget_bytes=lo * 1.1)
     sp = JointPlanner(q, cfg).plan()
     inputs = PlanInputs(model="tiny-vlm", model_spec={"name": "tiny-vlm"}, hardware="a100-80g",
-                        num_gpus=2 * num_stages, dp_size=2, pp_size=num_stages, tp_size=1, zero_stage=1,
-                        num_microbatches=6, memory_budget_bytes=cfg.memory_budget_bytes,
+                        layout=Layout(dp_size=2, pp_size=num_stages, num_microbatches=6),
+                        memory_budget_bytes=cfg.memory_budget_bytes,
                         stats_source="synthetic(seed=0)", stats_fingerprint="abc", num_samples=100)
     return Plan(inputs=inputs, data=DataPlan(method="omnibal", settings={"max_tiles": 9}, num_steps=10),
                 stages=plan_stages(NAMES, sp),
@@ -51,9 +52,10 @@ GOOD_RAW = json.loads(GOOD_TEXT)
 def check_runnable(plan: Plan) -> None:
     """What a trainer relies on in a loaded plan."""
     i = plan.inputs
-    for name in ("dp_size", "pp_size", "tp_size", "num_microbatches", "num_gpus", "num_samples"):
-        assert getattr(i, name) >= 1, f"inputs.{name} = {getattr(i, name)} accepted"
-    assert i.zero_stage in (0, 1, 2), i.zero_stage
+    for name in ("dp_size", "pp_size", "tp_size", "num_microbatches", "num_gpus"):
+        assert getattr(i.layout, name) >= 1, f"inputs.{name} = {getattr(i.layout, name)} accepted"
+    assert i.num_samples >= 1, i.num_samples
+    assert i.layout.zero_stage in (0, 1, 2), i.layout.zero_stage
     assert i.memory_budget_bytes is None or (math.isfinite(i.memory_budget_bytes) and i.memory_budget_bytes > 0)
     assert plan.data.num_steps >= 0
     assert plan.stages[0].layers[0] == 0

@@ -16,11 +16,12 @@ from omnibal.hbp.planning import HBPPlanConfig
 from omnibal.hbp.sp_cost import max_tokens_per_rank, per_rank_features, ulysses_a2a_time
 from omnibal.jobs.hbp import hbp_markdown, run_hbp_job
 from omnibal.jobs.plan_config import PlanJobConfig
+from omnibal.layout import Layout
 from omnibal.plan.joint import JointPlanner
 from omnibal.plan.stages import StageModelConfig, layer_quantities
 from omnibal.stats.long_context import long_context_mixture
 
-SMALL_JOB = dict(preset="internvl2-8b", dp_size=8, pp_size=2, num_microbatches=2, balance_samples=None)
+SMALL_JOB = dict(preset="internvl2-8b", layout=Layout(dp_size=8, pp_size=2, num_microbatches=2), balance_samples=None)
 
 
 @pytest.fixture(scope="module")
@@ -126,12 +127,12 @@ def test_one_count_for_every_level_is_slower_and_under_the_free_single_level_bou
     b = same.bound
     assert b.same_microbatches and b.gain_limit == b.gain_free
     assert b.gain_free >= b.gain_amdahl >= b.hbp_gain >= 1.0
-    assert all(lv.microbatches == SMALL_JOB["num_microbatches"] for lv in same.row("hbp").levels)
+    assert all(lv.microbatches == SMALL_JOB["layout"].num_microbatches for lv in same.row("hbp").levels)
     counts = [lv.microbatches for lv in tokens.row("hbp").levels]
-    assert max(counts) > SMALL_JOB["num_microbatches"] <= min(counts)
+    assert max(counts) > SMALL_JOB["layout"].num_microbatches <= min(counts)
     # no level's step holds more tokens per rank than the single level's (up to one micro-batch's rounding)
     single = tokens.row("single level").levels[0]
-    budget = SMALL_JOB["num_microbatches"] * single.length / single.sp
+    budget = SMALL_JOB["layout"].num_microbatches * single.length / single.sp
     for lv in tokens.row("hbp").levels:
         assert lv.microbatches * lv.length / lv.sp <= budget + lv.length / lv.sp / 2 or lv.microbatches == 2
     assert tokens.row("hbp").gpu_days < same.row("hbp").gpu_days
@@ -176,7 +177,7 @@ def test_training_schedule_covers_every_row_or_is_none_for_a_plain_winner(small_
     assert [len(names) for names in meta["level_recompute"]] == [lv.checkpointed for lv in hbp_row.levels]
     assert [len(names) for names in meta["level_selective"]] == [lv.selective for lv in hbp_row.levels]
     assert meta["stage_cuts"] == list(hbp_row.parts)
-    plain = balance(stats, dp_size=SMALL_JOB["dp_size"], num_microbatches=2)
+    plain = balance(stats, dp_size=SMALL_JOB["layout"].dp_size, num_microbatches=2)
     assert training_schedule(config, hbp, replace(result, schedule=plain), stats) is None
 
 

@@ -14,6 +14,7 @@ from omnibal.hbp.planning import HBPPlanConfig, simulate_levels, simulate_schedu
 from omnibal.hbp.search import length_moves, level_lengths_of, refine_lengths, refine_partition
 from omnibal.jobs.hbp import hbp_context
 from omnibal.jobs.plan_config import PlanJobConfig
+from omnibal.layout import Layout
 from omnibal.plan.search import SearchConfig
 from omnibal.stats.long_context import long_context_mixture
 
@@ -36,7 +37,8 @@ def test_length_moves_remove_shift_or_add_one_level_and_keep_the_longest():
 
 @pytest.fixture(scope="module")
 def small():
-    job = PlanJobConfig(preset="internvl2-8b", dp_size=8, pp_size=2, num_microbatches=2, balance_samples=None)
+    job = PlanJobConfig(preset="internvl2-8b", layout=Layout(dp_size=8, pp_size=2, num_microbatches=2),
+                        balance_samples=None)
     stats = long_context_mixture(3000, seed=4)
     ctx = hbp_context(job, num_samples=len(stats), balanced_samples=len(stats))
     hbp = HBPPlanConfig()

@@ -10,12 +10,14 @@ from omnibal.hbp.planning import HBPPlanConfig
 from omnibal.jobs.hbp import PLAIN, run_hbp_job
 from omnibal.jobs.plan_config import PlanJobConfig
 from omnibal.jobs.plan_job import run_plan_job
+from omnibal.layout import Layout
 from omnibal.stats.synthetic import synthetic_internvl_mixture
 from omnibal.stats.table import SampleStats
 
 # the case in small: on short InternVL-like data the estimate gives the single level SP 2, slower in the
 # simulator than SP 1 (twice the steps, each with its gradient reduction and optimizer step)
-JOB = PlanJobConfig(preset="internvl2-8b", dp_size=16, pp_size=1, num_microbatches=4, balance_samples=None)
+JOB = PlanJobConfig(preset="internvl2-8b", layout=Layout(dp_size=16, pp_size=1, num_microbatches=4),
+                    balance_samples=None)
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +41,7 @@ def test_sp_chosen_by_the_simulator_is_never_slower_than_the_estimates(short):
         for length, kept, trials in zip(t["lengths"], t["sp"], t["sp_trials"]):
             degrees = [d for d, _ in trials]
             assert kept in degrees and degrees == sorted(set(degrees))
-            assert all(JOB.dp_size % d == 0 and -(-length // d) <= model.max_tokens_per_rank for d in degrees)
+            assert all(JOB.layout.dp_size % d == 0 and -(-length // d) <= model.max_tokens_per_rank for d in degrees)
     assert 2 in dict(by_simulator.tried[0]["sp_trials"][0])  # the estimate's degree was simulated too
 
 

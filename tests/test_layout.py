@@ -9,9 +9,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from omnibal.errors import InputError
-from omnibal.jobs.plan_config import PlanJobConfig
+from omnibal.jobs.plan_config import PLAN_LAYOUT, PlanJobConfig
 from omnibal.layout import BalanceMethod, Layout, PipelineSchedule, check_layout_fields
-from omnibal.train.config import TrainConfig
+from omnibal.plan.plan import PlanInputs
+from omnibal.train.config import TRAIN_LAYOUT, TrainConfig
 
 
 @given(dp=st.integers(-2, 64), pp=st.integers(-2, 16), tp=st.integers(-2, 8), zero=st.integers(-1, 4),
@@ -42,22 +43,22 @@ def test_for_devices_fills_dp_or_refuses_a_product_that_is_not_the_device_count(
         Layout.for_devices(0)
 
 
-def test_configs_hold_a_layout_and_still_take_and_show_flat_fields():
-    config = PlanJobConfig(dp_size=2, pp_size=2, num_microbatches=4)
-    assert config.layout == Layout(dp_size=2, pp_size=2, tp_size=1, zero_stage=1, num_microbatches=4)
-    assert (config.dp_size, config.pp_size, config.num_microbatches) == (2, 2, 4)
-    assert PlanJobConfig().layout.num_gpus == 128  # the README's job
-    assert dataclasses.replace(config, dp_size=8).layout.dp_size == 8
-    assert dataclasses.replace(config, dp_size=8).pp_size == 2
-    given = PlanJobConfig(layout=Layout(dp_size=3), pp_size=5)  # flat values merge into the layout given
-    assert (given.dp_size, given.pp_size) == (3, 5)
-    train = TrainConfig(dp_size=2, pp_size=2)
+def test_configs_hold_one_layout_and_no_flat_copy_of_it():
+    names = {f.name for f in dataclasses.fields(Layout)}
+    for cls in (PlanJobConfig, TrainConfig, PlanInputs):
+        own = {f.name for f in dataclasses.fields(cls)}
+        assert "layout" in own and not own & names and not any(hasattr(cls, n) for n in names), cls
+    with pytest.raises(TypeError):
+        TrainConfig(dp_size=2)  # the flat keyword is gone
+    assert PlanJobConfig().layout == PLAN_LAYOUT and PLAN_LAYOUT.num_gpus == 128  # the README's job
+    assert TrainConfig().layout == TRAIN_LAYOUT and TRAIN_LAYOUT.zero_stage == 0
+    train = TrainConfig(layout=dataclasses.replace(TRAIN_LAYOUT, dp_size=2, pp_size=2))
     assert train.world_size == 4 and train.layout.num_microbatches == 4
     with pytest.raises(InputError, match="dp_size"):
-        TrainConfig(dp_size=0)
+        dataclasses.replace(TRAIN_LAYOUT, dp_size=0)
     with pytest.raises(InputError, match="tensor parallelism"):
-        TrainConfig(tp_size=2)
-    assert {"dp_size", "pp_size", "num_microbatches", "mode"} <= set(train.to_dict())  # still flat
+        TrainConfig(layout=dataclasses.replace(TRAIN_LAYOUT, tp_size=2))
+    assert {"dp_size", "pp_size", "num_microbatches", "mode"} <= set(train.to_dict())  # the summary stays flat
 
 
 def test_check_layout_fields_names_the_source_and_field():

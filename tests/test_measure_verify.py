@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -13,8 +14,9 @@ import pytest
 
 from omnibal.cli import main
 from omnibal.errors import InputError
-from omnibal.jobs.plan_config import PlanJobConfig
+from omnibal.jobs.plan_config import PLAN_LAYOUT, PlanJobConfig
 from omnibal.jobs.plan_job import run_plan_job
+from omnibal.layout import Layout
 from omnibal.measure.hardware import hardware_by_name
 from omnibal.measure.verify import VerifyConfig, check_verifiable, top_candidates, verify_plan
 from omnibal.plan.plan import Plan
@@ -27,9 +29,11 @@ TINY_PROFILE = ROOT / "benchmarks" / "results" / "profile_tiny_cpu.json"
 
 @pytest.mark.parametrize("change, field", [
     (dict(preset="internvl-chat-1.5"), "preset"), (dict(hardware="a100-80g"), "hardware"),
-    (dict(tp_size=2), "tp_size"), (dict(hf_model="/some/checkpoint"), "verify")])
+    (dict(layout=replace(PLAN_LAYOUT, dp_size=1, pp_size=2, tp_size=2)), "tp_size"),
+    (dict(hf_model="/some/checkpoint"), "verify")])
 def test_verify_is_refused_where_the_trainer_cannot_measure_the_plan(change, field):
-    config = PlanJobConfig(**{"preset": "tiny", "hardware": "cpu", "dp_size": 1, "pp_size": 2, **change})
+    config = PlanJobConfig(**{"preset": "tiny", "hardware": "cpu", "layout": replace(PLAN_LAYOUT, dp_size=1, pp_size=2),
+                              **change})
     with pytest.raises(InputError) as exc:
         check_verifiable(config, device="cpu")
     assert exc.value.field == field
@@ -59,7 +63,7 @@ def test_verify_never_starts_more_local_ranks_than_cores(monkeypatch, capsys, tm
     assert "the plan's 128 ranks" in err and f"this machine has {cores}" in err and "--gpus" in err, err
     assert "--preset" not in err
     monkeypatch.setattr(verify, "usable_cpus", lambda: 1)
-    config = PlanJobConfig(preset="tiny", hardware="cpu", dp_size=1, pp_size=2)
+    config = PlanJobConfig(preset="tiny", hardware="cpu", layout=replace(PLAN_LAYOUT, dp_size=1, pp_size=2))
     with pytest.raises(InputError) as exc:
         check_verifiable(config, device="cpu")
     assert exc.value.field == "num_gpus" and "2 ranks" in exc.value.message
@@ -75,8 +79,8 @@ def _stats(n: int = 240) -> SampleStats:
 @pytest.mark.skipif(not TINY_PROFILE.is_file(), reason="no committed CPU profile of the tiny preset")
 def test_verify_measures_top_k_candidates_and_chooses_the_fastest(tmp_path):
     # the caller resolves --hardware cpu (a measurement of this machine), as omnibal plan does
-    config = PlanJobConfig(preset="tiny", hardware=hardware_by_name("cpu"), profile_path=str(TINY_PROFILE), dp_size=1,
-                           pp_size=2, num_microbatches=2, balance_samples=None,
+    config = PlanJobConfig(preset="tiny", hardware=hardware_by_name("cpu"), profile_path=str(TINY_PROFILE),
+                           layout=Layout(dp_size=1, pp_size=2, num_microbatches=2), balance_samples=None,
                            search=SearchConfig(radius=2, top_k=4, sample_steps=8))
     result = run_plan_job(config, stats=_stats())
     assert len(top_candidates(result.scored, 2)) == 2

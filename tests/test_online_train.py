@@ -144,22 +144,24 @@ def test_online_dead_rank_fails_fast():
 
 
 def test_online_mode_config_is_checked():
-    from omnibal.errors import InputError
-    from omnibal.train.config import TrainConfig
+    from dataclasses import replace
 
-    TrainConfig(mode="online", dp_size=2, pp_size=2)  # the vision phase on stage 0's ranks
+    from omnibal.errors import InputError
+    from omnibal.train.config import TRAIN_LAYOUT, TrainConfig
+
+    TrainConfig(mode="online", layout=replace(TRAIN_LAYOUT, dp_size=2, pp_size=2))  # vision on stage 0's ranks
     with pytest.raises(InputError, match="flat"):
-        TrainConfig(mode="online", dp_size=2, dp_sync="ddp")
-    TrainConfig(mode="online", dp_size=2)
-    TrainConfig(mode="online", dp_size=4, node_size=2)
-    for bad in ({"dp_size": 4, "node_size": 3}, {"dp_size": 4, "node_size": -1}):
+        TrainConfig(mode="online", layout=replace(TRAIN_LAYOUT, dp_size=2), dp_sync="ddp")
+    TrainConfig(mode="online", layout=replace(TRAIN_LAYOUT, dp_size=2))
+    TrainConfig(mode="online", layout=replace(TRAIN_LAYOUT, dp_size=4), node_size=2)
+    for node_size in (3, -1):
         with pytest.raises(InputError, match="node_size"):
-            TrainConfig(mode="online", **bad)
+            TrainConfig(mode="online", layout=replace(TRAIN_LAYOUT, dp_size=4), node_size=node_size)
     with pytest.raises(InputError, match="node_size"):
-        TrainConfig(mode="baseline", dp_size=4, node_size=2)
-    TrainConfig(mode="online", dp_size=2, online_balance=False)
+        TrainConfig(mode="baseline", layout=replace(TRAIN_LAYOUT, dp_size=4), node_size=2)
+    TrainConfig(mode="online", layout=replace(TRAIN_LAYOUT, dp_size=2), online_balance=False)
     with pytest.raises(InputError, match="online_balance"):
-        TrainConfig(mode="baseline", dp_size=2, online_balance=False)
+        TrainConfig(mode="baseline", layout=replace(TRAIN_LAYOUT, dp_size=2), online_balance=False)
 
 
 def test_online_bf16_moves_pixels_and_features_in_bf16():

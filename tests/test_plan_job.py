@@ -11,6 +11,7 @@ from omnibal.errors import InputError
 from omnibal.jobs.plan_config import PlanJobConfig
 from omnibal.jobs.plan_job import run_plan_job
 from omnibal.jobs.plan_report import render_report, write_job_outputs
+from omnibal.layout import Layout
 from omnibal.plan.ablation import ROW_NAMES
 from omnibal.plan.partition import vision_first_partition
 from omnibal.plan.plan import Plan
@@ -21,7 +22,7 @@ TINY = ["--model", "tiny", "--gpus", "4", "--pp", "2", "--microbatches", "4", "-
 
 
 def tiny_config(**kw) -> PlanJobConfig:
-    base = dict(preset="tiny", num_gpus=4, dp_size=2, pp_size=2, tp_size=1, num_microbatches=4, num_samples=3000,
+    base = dict(preset="tiny", num_gpus=4, layout=Layout(dp_size=2, pp_size=2, num_microbatches=4), num_samples=3000,
                 search=SearchConfig(radius=1, top_k=3, sample_steps=16))
     base.update(kw)
     return PlanJobConfig(**base)
@@ -45,7 +46,7 @@ def test_job_produces_the_four_ablation_rows_and_a_fitting_plan(tiny_result):
     budget = res.plan.inputs.memory_budget_bytes
     for st in res.plan.stages:
         assert st.memory_bytes <= budget and st.simulated_peak_memory_bytes <= budget
-    assert res.plan.inputs.num_gpus == 4 and res.plan.data.settings["caps"]["tiles"] >= 1
+    assert res.plan.inputs.layout.num_gpus == 4 and res.plan.data.settings["caps"]["tiles"] >= 1
     assert res.balance_metrics["balanced"]["coverage_ok"]
     # the scored candidates include the exact joint optimum and the plan is the fastest scored one
     scored = res.plan.search["candidates"]

@@ -3,6 +3,7 @@ import json
 import pytest
 
 from omnibal.errors import InputError
+from omnibal.layout import Layout
 from omnibal.plan.exports import export_all, megatron_layout
 from omnibal.plan.joint import JointPlanner
 from omnibal.plan.plan import DataPlan, Plan, PlanInputs, Prediction, plan_stages
@@ -21,8 +22,8 @@ def small_plan(budget_scale=None) -> Plan:
         lo = JointPlanner(q, cfg).min_memory_partition().bottleneck
         cfg = StageModelConfig(num_stages=3, num_microbatches=6, dp_size=2, memory_budget_bytes=lo * budget_scale)
     sp = JointPlanner(q, cfg).plan()
-    inputs = PlanInputs(model="tiny-vlm", model_spec={"name": "tiny-vlm"}, hardware="a100-80g", num_gpus=6,
-                        dp_size=2, pp_size=3, tp_size=1, zero_stage=1, num_microbatches=6,
+    inputs = PlanInputs(model="tiny-vlm", model_spec={"name": "tiny-vlm"}, hardware="a100-80g",
+                        layout=Layout(dp_size=2, pp_size=3, num_microbatches=6),
                         memory_budget_bytes=cfg.memory_budget_bytes, stats_source="synthetic(seed=0)",
                         stats_fingerprint="abc", num_samples=100, omnibal_version="0.1.0")
     return Plan(inputs=inputs, data=DataPlan(method="omnibal", settings={"max_tiles": 9}, num_steps=10,
@@ -38,6 +39,8 @@ def test_round_trip_is_exact(tmp_path):
     again = Plan.load(path)
     assert again == plan
     assert again.to_json() == plan.to_json()
+    keys = list(json.loads(plan.to_json())["inputs"])  # the layout flat in the file, after its device count
+    assert keys[3:9] == ["num_gpus", "dp_size", "pp_size", "tp_size", "zero_stage", "num_microbatches"]
     assert any(st.recompute for st in again.stages)  # the tight budget forced some checkpoints
 
 

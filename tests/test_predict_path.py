@@ -19,6 +19,7 @@ from omnibal.cost.units import model_convention, model_stats
 from omnibal.errors import InputError
 from omnibal.jobs.plan_config import PlanJobConfig
 from omnibal.jobs.plan_job import run_plan_job
+from omnibal.layout import Layout
 from omnibal.measure.hardware import hardware_by_name
 from omnibal.plan.plan import Plan
 from omnibal.plan.search import SearchConfig
@@ -47,7 +48,8 @@ def _simulated_step(argv: list[str]) -> float:
 
 def _plan_then_simulate(tmp_path: Path, preset: str, hardware: str, profile: str | None) -> tuple[float, float]:
     # the plan's caller resolves --hardware (cpu: measured here), as omnibal plan does
-    config = PlanJobConfig(preset=preset, hardware=hardware_by_name(hardware), dp_size=2, pp_size=2, num_microbatches=2,
+    config = PlanJobConfig(preset=preset, hardware=hardware_by_name(hardware),
+                           layout=Layout(dp_size=2, pp_size=2, num_microbatches=2),
                            num_samples=SAMPLES, balance_samples=None, memory_budget_gib=1e5, profile_path=profile,
                            search=SearchConfig(radius=1, top_k=2, sample_steps=8))
     plan = run_plan_job(config).plan
@@ -139,7 +141,8 @@ def test_formats_that_cannot_record_a_convention_refuse_a_non_default_one(tmp_pa
 
 def test_plan_refuses_internvl_stats_for_llava(tmp_path):
     path = save_stats(_internvl_stats(400), tmp_path / "s.jsonl")
-    config = PlanJobConfig(preset="llava-1.5-7b", dp_size=2, pp_size=2, num_microbatches=2, stats_path=str(path),
+    config = PlanJobConfig(preset="llava-1.5-7b", layout=Layout(dp_size=2, pp_size=2, num_microbatches=2),
+                           stats_path=str(path),
                            balance_samples=None, memory_budget_gib=1e5)
     with pytest.raises(InputError, match="LLaVA single image"):
         run_plan_job(config)
@@ -181,7 +184,7 @@ def test_internvl_stats_with_one_tile_per_image_fit_a_llava_model_without_a_flag
 
 def test_plan_records_how_the_stats_convention_was_read(tmp_path):
     path = save_stats(_internvl_stats(400), tmp_path / "s.jsonl")
-    config = PlanJobConfig(preset="tiny", dp_size=2, pp_size=2, num_microbatches=2, stats_path=str(path),
+    config = PlanJobConfig(preset="tiny", layout=Layout(dp_size=2, pp_size=2, num_microbatches=2), stats_path=str(path),
                            balance_samples=None, memory_budget_gib=1e5, search=SearchConfig(radius=1, top_k=2,
                                                                                               sample_steps=8))
     plan = run_plan_job(config).plan

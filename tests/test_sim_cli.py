@@ -42,6 +42,7 @@ def test_explicit_partition_and_interleaved(tmp_path, capsys):
 
 def test_plan_file_sets_partition_and_recompute(tmp_path, capsys):
     from omnibal.cost.presets import get_model_preset
+    from omnibal.layout import Layout
     from omnibal.plan.plan import DataPlan, Plan, PlanInputs, PlanStage, Prediction
 
     spec = get_model_preset("tiny")
@@ -50,8 +51,9 @@ def test_plan_file_sets_partition_and_recompute(tmp_path, capsys):
                              in_flight=2 - s, compute_time_s=1.0, boundary_time_s=0.0, recompute_time_s=0.0,
                              memory_bytes=1.0) for s, (a, b) in enumerate(((0, 9), (9, len(names)))))
     plan = Plan(
-        inputs=PlanInputs(model="tiny", model_spec={}, hardware="a100-80g", num_gpus=2, dp_size=1, pp_size=2,
-                          tp_size=1, zero_stage=1, num_microbatches=4, memory_budget_bytes=None, stats_source="x",
+        inputs=PlanInputs(model="tiny", model_spec={}, hardware="a100-80g",
+                          layout=Layout(dp_size=1, pp_size=2, num_microbatches=4), memory_budget_bytes=None,
+                          stats_source="x",
                           stats_fingerprint="", num_samples=3000, profile=None, omnibal_version="0"),
         data=DataPlan(method="omnibal", settings={}, num_steps=1), stages=stages,
         prediction=Prediction(step_time_s=1.0, epoch_time_s=1.0, gpu_days=0.0, bubble=0.0, num_steps=1))

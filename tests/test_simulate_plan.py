@@ -41,9 +41,9 @@ def _assert_same_prediction(plan: Plan, sim: dict) -> None:
     assert sim["gpu_days"] == pytest.approx(pred.gpu_days, rel=0.01)
     # per device (an interleaved plan's stages are its virtual stages; device d holds stages d, d + P, ...)
     assert [st["peak_memory_bytes"] for st in sim["stages"]] == pytest.approx(
-        [st.simulated_peak_memory_bytes for st in plan.stages[:plan.inputs.pp_size]], rel=0.01)
+        [st.simulated_peak_memory_bytes for st in plan.stages[:plan.inputs.layout.pp_size]], rel=0.01)
     assert sim["cuts"] == list(plan.parts) and not sim["oom_steps"]
-    assert sim["inputs"]["micro-batches per step"] == plan.inputs.num_microbatches
+    assert sim["inputs"]["micro-batches per step"] == plan.inputs.layout.num_microbatches
     caps = plan.data.settings["caps"]
     assert sim["inputs"]["caps (tiles, tokens)"] == f"{caps['tiles']}, {caps['tokens']}"
 
@@ -72,7 +72,7 @@ def cheap_plan(tmp_path_factory):
 def test_simulate_reproduces_the_plans_prediction_with_a_searched_pack(cheap_plan, tmp_path):
     out, _ = cheap_plan
     plan = Plan.load(out / "plan.json")
-    assert plan.inputs.num_microbatches != 8  # the pack-size search chose another pack than the job's own
+    assert plan.inputs.layout.num_microbatches != 8  # the pack-size search chose another pack than the job's own
     sim, err = _simulated(out / "plan.json", tmp_path)
     _assert_same_prediction(plan, sim)
     assert "warning" not in err  # nothing departs from the plan
@@ -88,15 +88,15 @@ def test_timelines_and_balance_table_are_each_rows_own_schedule(cheap_plan):
     assert plan.inputs.num_chunks == 2 and plan.schedule == "interleaved"
     for name, (title, mbs) in zip(names, drawn):
         assert title.startswith(f"{name}:")
-        assert mbs == (plan.inputs.num_microbatches if name in names[-2:] else 8), name
+        assert mbs == (plan.inputs.layout.num_microbatches if name in names[-2:] else 8), name
     metrics = rows["balance_metrics"]
     assert list(metrics) == ["baseline", "balanced before pack search", "balanced"]
-    assert metrics["balanced"]["num_microbatches"] == plan.inputs.num_microbatches
+    assert metrics["balanced"]["num_microbatches"] == plan.inputs.layout.num_microbatches
     caps = plan.data.settings["caps"]
     assert (metrics["balanced"]["caps_tiles"], metrics["balanced"]["caps_tokens"]) == (caps["tiles"], caps["tokens"])
     assert metrics["balanced"] == plan.data.metrics
     report = (out / "report.md").read_text()
-    assert f"| micro-batches per step | 8 | 8 | {plan.inputs.num_microbatches} |" in report
+    assert f"| micro-batches per step | 8 | 8 | {plan.inputs.layout.num_microbatches} |" in report
 
 
 def test_an_older_plan_still_simulates_and_names_what_it_lacks(cheap_plan, tmp_path):

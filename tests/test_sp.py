@@ -216,16 +216,19 @@ def test_levels_exactly_once_in_the_ledger(tmp_path):
 
 
 def test_config_and_cli_refuse_what_sp_does_not_run():
-    from omnibal.cli import main
-    from omnibal.train.config import TrainConfig
+    from dataclasses import replace
 
-    assert TrainConfig(dp_size=4, sp_degree=2).sp_degree == 2
-    assert TrainConfig(dp_size=2, pp_size=2, num_microbatches=4, sp_degree=2).world_size == 4  # SP inside stages
-    for kwargs, match in (({"dp_size": 3, "sp_degree": 2}, "does not divide the 3"),
-                          ({"dp_size": 2, "sp_degree": 2, "dp_sync": "ddp"}, "dp_sync flat"),
-                          ({"dp_size": 2, "sp_degree": 0}, "positive integer")):
+    from omnibal.cli import main
+    from omnibal.train.config import TRAIN_LAYOUT, TrainConfig
+
+    assert TrainConfig(layout=replace(TRAIN_LAYOUT, dp_size=4), sp_degree=2).sp_degree == 2
+    pipe = replace(TRAIN_LAYOUT, dp_size=2, pp_size=2, num_microbatches=4)
+    assert TrainConfig(layout=pipe, sp_degree=2).world_size == 4  # SP inside stages
+    for dp, kwargs, match in ((3, {"sp_degree": 2}, "does not divide the 3"),
+                              (2, {"sp_degree": 2, "dp_sync": "ddp"}, "dp_sync flat"),
+                              (2, {"sp_degree": 0}, "positive integer")):
         with pytest.raises(InputError, match=match) as err:
-            TrainConfig(**kwargs)
+            TrainConfig(layout=replace(TRAIN_LAYOUT, dp_size=dp), **kwargs)
         assert err.value.field == "sp_degree"
     assert main(["train", "--dp", "3", "--sp-degree", "2", "--steps", "1", "--quiet"]) == 2
 

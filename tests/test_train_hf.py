@@ -16,7 +16,7 @@ pytest.importorskip("transformers")
 
 from omnibal.cli import main  # noqa: E402
 from omnibal.errors import InputError  # noqa: E402
-from omnibal.train.config import TrainConfig  # noqa: E402
+from omnibal.train.config import TRAIN_LAYOUT, TrainConfig  # noqa: E402
 from omnibal.train.distributed import spawn_local  # noqa: E402
 
 TIMEOUT_S = 60.0
@@ -31,10 +31,12 @@ def example(tmp_path_factory):
     return root
 
 
-def _config(root: Path, kind: str, *, hf_model: str | None = None, **kw) -> TrainConfig:
+def _config(root: Path, kind: str, *, hf_model: str | None = None, dp_size: int = 1, pp_size: int = 1,
+            **kw) -> TrainConfig:
     return TrainConfig(annotations_path=str(root / "annotations.jsonl"), image_root=str(root / "images"),
                        tokenizer_path=str(root / "tokenizer"), hf_model=hf_model or str(root / kind), max_tiles=6,
-                       num_microbatches=4, timeout_s=TIMEOUT_S, quiet=True, lr=1e-3, **kw)
+                       layout=replace(TRAIN_LAYOUT, dp_size=dp_size, pp_size=pp_size, num_microbatches=4),
+                       timeout_s=TIMEOUT_S, quiet=True, lr=1e-3, **kw)
 
 
 def _hf_names(trainer, chain) -> dict[str, str]:
@@ -48,7 +50,7 @@ def _rank_step(cfg: TrainConfig):
     from omnibal.train import run
     from omnibal.train.distributed import destroy_world, init_world
 
-    world = init_world(dp_size=cfg.dp_size, pp_size=cfg.pp_size, timeout_s=TIMEOUT_S)
+    world = init_world(dp_size=cfg.layout.dp_size, pp_size=cfg.layout.pp_size, timeout_s=TIMEOUT_S)
     model = run.build_model(cfg)
     run.build_model = lambda _cfg: model  # the trainer wraps this very chain: map its parameters to HF names
     trainer = run.build_trainer(cfg, world)
@@ -57,7 +59,7 @@ def _rank_step(cfg: TrainConfig):
     grads = {names[n]: p.grad.detach().clone().numpy() for n, p in trainer.stage_module.named_parameters()
              if p.grad is not None}
     destroy_world()
-    return {"loss_part": result.loss_sum, "grads": grads, "samples": [int(i) for i in getattr(trainer, "_fed", [])]}
+    return {"loss_part": result.loss_sum, "grads": grads, "samples": [int(i) for i in result.fed]}
 
 
 def _hf_reference(cfg: TrainConfig, samples: list[int]):
@@ -105,7 +107,8 @@ def test_a_dp_pp_step_equals_the_hf_models_own_unpacked_loss(example, kind, dp, 
     assert not errors, "\n".join(errors)
     values = [r.value for r in results]
     fed = sorted(i for v in values for i in v["samples"])
-    ref_loss, ref_grads = _hf_reference(replace(cfg, dp_size=1, pp_size=1, plan_path=None), fed)
+    single = replace(cfg, layout=replace(cfg.layout, dp_size=1, pp_size=1), plan_path=None)
+    ref_loss, ref_grads = _hf_reference(single, fed)
     loss = sum(v["loss_part"] for v in values)
     assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
     got: dict[str, np.ndarray] = {}

@@ -139,7 +139,7 @@ def test_one_process_runs_each_steps_count_and_matches_the_reference(one_thread)
     for step, count in enumerate(COUNTS_11):
         result = trainer.forward_backward()
         rows = [int(i) for k in range(count) for i in sched.microbatch(step, 0, k)]
-        assert trainer._fed == rows  # the run slots in order, nothing from the filler
+        assert result.fed == rows  # the run slots in order, nothing from the filler
         _assert_close(result.loss_sum, reference_step(sched, step)[0], step)
         trainer.optimizer.zero_grad(set_to_none=True)
         trainer.step += 1

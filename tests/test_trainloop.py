@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +15,7 @@ import torch
 
 from dist_helpers import make_trainer, pack_schedule, tiny_plan, tiny_spec, tiny_stats
 from omnibal.errors import InputError
-from omnibal.train.config import TrainConfig
+from omnibal.train.config import TRAIN_LAYOUT, TrainConfig
 from omnibal.train.distributed import local_world
 from omnibal.train.feed import IndexSchedule, buffer_shape, check_schedule, random_microbatch_schedule
 from omnibal.train.metrics_log import format_summary
@@ -133,9 +134,9 @@ def test_buffer_shape_pays_for_the_worst_padded_microbatch():
 
 
 def test_config_validation():
-    assert TrainConfig(dp_size=2, pp_size=2).world_size == 4
+    assert TrainConfig(layout=replace(TRAIN_LAYOUT, dp_size=2, pp_size=2)).world_size == 4
     with pytest.raises(InputError, match="cannot fill 4 pipeline stages"):
-        TrainConfig(pp_size=4, num_microbatches=2)
+        TrainConfig(layout=replace(TRAIN_LAYOUT, pp_size=4, num_microbatches=2))
     with pytest.raises(InputError) as err:
         TrainConfig(mode="fast")
     assert err.value.field == "mode"

@@ -122,17 +122,18 @@ def test_the_planners_stage_model_agrees_with_the_simulator(bandwidth, mask):
 def test_plan_job_under_zero3():
     from omnibal.jobs.plan_config import PlanJobConfig
     from omnibal.jobs.plan_job import run_plan_job
+    from omnibal.layout import Layout
     from omnibal.plan.exports import deepspeed_fields
     from omnibal.plan.search import SearchConfig
 
-    config = PlanJobConfig(num_gpus=128, dp_size=128, pp_size=1, zero_stage=3, num_microbatches=1,
+    config = PlanJobConfig(num_gpus=128, layout=Layout(dp_size=128, pp_size=1, zero_stage=3, num_microbatches=1),
                            num_samples=20_000, balance_samples=None, search=SearchConfig(radius=1, top_k=2,
                                                                                          sample_steps=16))
     res = run_plan_job(config)
-    assert res.plan.inputs.zero_stage == 3
+    assert res.plan.inputs.layout.zero_stage == 3
     assert all(r.paper_gpu_days is None for r in res.ablation)  # the paper's rows are a PP ablation
     assert res.ablation[-1].gpu_days < res.ablation[0].gpu_days
-    zero1 = run_plan_job(replace(config, zero_stage=1, memory_budget_gib=1e4))
+    zero1 = run_plan_job(replace(config, layout=replace(config.layout, zero_stage=1), memory_budget_gib=1e4))
     # weights, gradients and optimizer state sharded 128 ways: a fraction of ZeRO-1's memory
     assert max(res.ablation[0].peak_memory_bytes) < 0.25 * max(zero1.ablation[0].peak_memory_bytes)
     with pytest.raises(InputError, match="PipelineEngine"):

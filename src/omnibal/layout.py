@@ -1,9 +1,10 @@
 """The cluster layout of a job and the words omnibal's options take, each declared once.
 
 :class:`Layout` is how a job is laid out over devices (DP x PP x TP, the ZeRO stage, micro-batches per
-step); the job configs (``PlanJobConfig``, ``TrainConfig``) hold one, and the configs that keep flat fields
-for their serialised or hot-path form (``SimConfig``, ``StageModelConfig``, ``PlanInputs``) validate them
-with :func:`check_layout_fields`, so every layout value is checked by the same code with the same message.
+step); the job configs (``PlanJobConfig``, ``TrainConfig``) and a plan's ``PlanInputs`` hold one (read
+``config.layout.dp_size``). The planner's and simulator's inner configs (``SimConfig``, ``StageModelConfig``)
+keep the few layout values they use flat beside the partition and features that give the rest, and validate
+them with :func:`check_layout_fields`, so every layout value is checked by the same code with the same message.
 
 The ``StrEnum`` vocabularies are the one list of each choice: configs validate against them and the CLI
 offers them as ``choices``. A member equals its string (``BalanceMethod.OMNIBAL == "omnibal"``), so configs
@@ -17,8 +18,7 @@ This module sits at the bottom of the layer order (beside ``errors``): it import
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 from enum import StrEnum
 
 from omnibal.errors import InputError
@@ -232,32 +232,3 @@ def check_choice(value, vocabulary, *, source: str, field: str, choices=None) ->
     if value not in allowed:
         raise InputError(f"unknown {field.replace('_', ' ')} {value!r}; choose one of "
                          f"{', '.join(str(c) for c in allowed)}", source=source, field=field)
-
-
-
-
-def holds_layout(cls):
-    """Class decorator for a keyword-only dataclass with a ``layout: Layout`` field (declared with
-    :func:`default_layout`): its layout values also read as attributes (``config.dp_size``) and may be given
-    flat to the constructor and to ``dataclasses.replace`` (``Config(dp_size=2)``: merged into the class's
-    default layout, or into the ``layout`` given), so configs that held flat fields keep their callers."""
-    names = tuple(f.name for f in fields(Layout))
-    default = next(f for f in fields(cls) if f.name == "layout").default_factory
-    init = cls.__init__
-
-    @functools.wraps(init)
-    def __init__(self, **kwargs):
-        flat = {name: kwargs.pop(name) for name in names if name in kwargs}
-        if flat:
-            kwargs["layout"] = replace(kwargs["layout"] if "layout" in kwargs else default(), **flat)
-        init(self, **kwargs)
-
-    cls.__init__ = __init__
-    for name in names:
-        setattr(cls, name, property(lambda self, _n=name: getattr(self.layout, _n), doc=f"``layout.{name}``"))
-    return cls
-
-
-def default_layout(**values) -> Layout:
-    """A ``field(default_factory=...)`` for a config's layout with its own defaults."""
-    return field(default_factory=lambda: Layout(**values))

@@ -21,7 +21,7 @@ def format_cell(value: Any) -> str:
 
 def fixed(value: float, decimals: int) -> str:
     """``value`` with ``decimals`` decimals, or with two significant digits where those decimals would show
-    only zeros: a tiny model's 0.0043 s step or 0.006 GPU days must not read as 0.00 and 0.0."""
+    only zeros: a tiny model's 0.0043 s step must not read as 0.00."""
     text = f"{value:.{decimals}f}"
     if value == 0 or text.strip("-0.") or not value == value:  # a non-zero digit shows (or nan)
         return text

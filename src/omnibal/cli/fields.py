@@ -11,8 +11,8 @@ subcommand runs another than a library caller's; a string is parsed as the flag'
 A knob several subcommands share is spelled by its :data:`omnibal.cli.options.OPTIONS`
 entry (its flag and short flags): the entry of the field's name, or of its metadata's
 ``option``; the argument's dest is then the entry's key, so every subcommand stores it under one name.
-A nested dataclass field (``layout``) contributes its own fields flat, as the ``holds_layout`` configs
-construct them.
+A nested dataclass field (``layout``) contributes its own fields flat; :func:`config_from_args` builds the
+nested value from the field's default and the given ones.
 """
 
 from __future__ import annotations
@@ -172,10 +172,24 @@ def add_config_arguments(parser, cls, *, skip: tuple[str, ...] = ()) -> dict[str
 
 
 def config_from_args(cls, args: argparse.Namespace, **overrides):
-    """``cls`` built from the parsed fields the user gave (the dataclass defaults the rest)."""
+    """``cls`` built from the parsed fields the user gave (the dataclass defaults the rest); a nested dataclass
+    field (``layout``) is the field's default with the given values replaced."""
+    return cls(**{**_given_fields(cls, args), **overrides})
+
+
+def _given_fields(cls, args: argparse.Namespace) -> dict:
+    """{field name: value} of the command-line fields of ``cls`` the user gave, nested dataclasses built."""
+    hints = typing.get_type_hints(cls, include_extras=False)
     given = {}
-    for f, _, _ in cli_fields(cls):
-        dest = option_key(f) or f.name
-        if hasattr(args, dest):
-            given[f.name] = getattr(args, dest)
-    return cls(**{**given, **overrides})
+    for f in dataclasses.fields(cls):
+        if not f.metadata.get("cli", True):
+            continue
+        if dataclasses.is_dataclass(hints[f.name]) and "parse" not in f.metadata:  # as cli_fields
+            inner = _given_fields(hints[f.name], args)
+            if inner:
+                default = (f.default if f.default is not dataclasses.MISSING else
+                           f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+                given[f.name] = hints[f.name](**inner) if default is None else dataclasses.replace(default, **inner)
+        elif hasattr(args, option_key(f) or f.name):
+            given[f.name] = getattr(args, option_key(f) or f.name)
+    return given

@@ -157,7 +157,7 @@ def _check_verify(args: argparse.Namespace, config) -> None:
 
     if args.verify < 1 or args.verify_steps < 1:
         raise InputError("--verify and --verify-steps must be >= 1", source="--verify", field="verify")
-    check_verifiable(config, device=resolve_device("auto", config.dp_size * config.pp_size))
+    check_verifiable(config, device=resolve_device("auto", config.layout.dp_size * config.layout.pp_size))
 
 
 def _write_outputs(result, out: str, *, timelines: bool, progress: bool) -> dict:
@@ -224,15 +224,15 @@ def _print_plan(result, exports: tuple[dict, dict]) -> None:
         caps = plan.data.settings["caps"]
         mean = plan.data.metrics.get("samples_per_microbatch_mean", pack["chosen"]["target_samples"])
         searched = ", ".join(str(x["num_microbatches"]) for x in pack["candidates"])
-        print(f"pack size: {plan.inputs.num_microbatches} micro-batches per step of {mean:.2f} samples on average "
-              f"(caps {caps['tiles']} tiles / {caps['tokens']} tokens), searched over {searched} micro-batches at the "
-              f"same samples per step")
+        print(f"pack size: {plan.inputs.layout.num_microbatches} micro-batches per step of {mean:.2f} samples on "
+              f"average (caps {caps['tiles']} tiles / {caps['tokens']} tokens), searched over {searched} "
+              f"micro-batches at the same samples per step")
     print(f"\nPlan: {fixed(plan.prediction.step_time_s, 2)} s per step, {fixed(plan.prediction.gpu_days, 1)} GPU days "
           f"per epoch, bubble {plan.prediction.bubble:.1%}")
     if p.num_chunks > 1:
         print(f"schedule: interleaved 1F1B, {p.num_chunks} model chunks per device (stage s runs on device "
-              f"s mod {p.pp_size}; planned GiB: the chunk's share of its device, simulated peak: the device's; the "
-              f"reference trainer runs it with omnibal train --plan)")
+              f"s mod {p.layout.pp_size}; planned GiB: the chunk's share of its device, simulated peak: the "
+              f"device's; the reference trainer runs it with omnibal train --plan)")
     elif (result.plan.search.get("interleaved") or {}).get("candidates"):
         print("schedule: 1F1B (interleaved 1F1B was tried and is not faster here)")
     print(text_table(stage_rows(plan)))

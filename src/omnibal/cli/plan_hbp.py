@@ -35,9 +35,9 @@ def run_hbp(args: argparse.Namespace, config) -> int:
         stats = synthetic_internvl_mixture(config.num_samples, config.seed)
     hbp = hbp_plan_config(config, microbatches=getattr(args, "microbatches", None),
                           progress=sys.stderr.isatty() and not args.quiet)
-    gpus = config.dp_size * config.pp_size * config.tp_size
-    print(f"omnibal plan --hbp: {config.hf_model or config.preset} on {gpus} x {config.hardware_name} "
-          f"(DP {config.dp_size} x PP {config.pp_size} x TP {config.tp_size}), data {stats.source}", flush=True)
+    lay = config.layout
+    print(f"omnibal plan --hbp: {config.hf_model or config.preset} on {lay.num_gpus} x {config.hardware_name} "
+          f"(DP {lay.dp_size} x PP {lay.pp_size} x TP {lay.tp_size}), data {stats.source}", flush=True)
     if not args.quiet:
         print(search_estimate(len(stats), config.balance_samples), file=sys.stderr, flush=True)
     result = run_hbp_job(config, hbp, stats)

@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = train_config(args)
     nproc = args.nproc or cfg.world_size
     if nproc != cfg.world_size:
-        raise InputError(f"--nproc {nproc} but dp {cfg.dp_size} x pp {cfg.pp_size} = {cfg.world_size}",
+        raise InputError(f"--nproc {nproc} but dp {cfg.layout.dp_size} x pp {cfg.layout.pp_size} = {cfg.world_size}",
                          source="--nproc")
     torchrun = "RANK" in os.environ
     if not cfg.quiet and os.environ.get("RANK", "0") == "0":
@@ -90,8 +90,8 @@ def start_line(cfg, nproc: int, torchrun: bool) -> str:
     data = cfg.annotations_path or cfg.stats_path
     where = (f"torchrun's {os.environ.get('WORLD_SIZE', '?')} ranks" if torchrun else
              "one process" if nproc == 1 else f"{nproc} local processes")
-    return (f"omnibal train: {cfg.mode} mode, model {cfg.hf_model or cfg.model}, data {data}, dp {cfg.dp_size} x "
-            f"pp {cfg.pp_size} on {cfg.device} ({where}); loading")
+    return (f"omnibal train: {cfg.mode} mode, model {cfg.hf_model or cfg.model}, data {data}, "
+            f"dp {cfg.layout.dp_size} x pp {cfg.layout.pp_size} on {cfg.device} ({where}); loading")
 
 
 def report_failures(failed) -> None:
@@ -128,7 +128,7 @@ def _finish(cfg, summary: dict | None) -> None:
 
     if not summary or cfg.quiet:
         return
-    say(format_summary(summary, f"{cfg.mode} dp{cfg.dp_size} x pp{cfg.pp_size}"))
+    say(format_summary(summary, f"{cfg.mode} dp{cfg.layout.dp_size} x pp{cfg.layout.pp_size}"))
     say(saved_line(cfg))
 
 

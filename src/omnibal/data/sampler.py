@@ -74,7 +74,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
@@ -82,6 +82,9 @@ from omnibal.data.balance.api import BalanceConfig, balance
 from omnibal.errors import InputError, ScheduleMismatch
 from omnibal.layout import BalanceMethod
 from omnibal.validate import check_positive_int, is_int
+
+if TYPE_CHECKING:
+    from omnibal.data.balance.schedule import Schedule
 
 STATE_VERSION = 3
 """3: the state says whether the training loop reports trained micro-batches (``trained_reported``)."""
@@ -136,7 +139,7 @@ class CapPlan:
     """(Q_v tiles, Q_t tokens) per micro-batch, for the whole run."""
     config: BalanceConfig
     """The user's config with both caps fixed (and, for omnibal, ``token_slack`` set to epoch 0's room)."""
-    epoch0: object | None
+    epoch0: Schedule | None
     """Epoch 0's schedule the caps come from (None when the user's config fixes both caps)."""
 
 

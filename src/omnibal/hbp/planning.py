@@ -27,6 +27,7 @@ from the cost table and the hardware, and prices the result with the step-time s
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -43,6 +44,12 @@ from omnibal.plan.search import SearchConfig
 from omnibal.plan.stages import StageModelConfig, layer_quantities
 from omnibal.sim.epoch import SECONDS_PER_DAY, simulate_epoch
 from omnibal.validate import is_int
+
+if TYPE_CHECKING:
+    from omnibal.cost.hardware import HardwareSpec
+    from omnibal.cost.spec import ModelSpec
+    from omnibal.data.balance.schedule import Schedule
+    from omnibal.sim.costs import SimConfig
 
 NAIVE = "single level, naive packing"
 """The row of :func:`naive_row`."""
@@ -172,7 +179,7 @@ class Candidate:
     """A simulated packing with what produced it (the bound re-runs the single level's features)."""
 
     row: HBPRow
-    schedule: object
+    schedule: Schedule
     """Its Schedule (single- or multi-level)."""
     level_feats: tuple
     """``(SP degree, per-rank features [S_k, D, M, 4], samples)`` per level (:func:`level_features`)."""
@@ -184,12 +191,12 @@ class HBPContext:
     HBP settings)."""
 
     table: LayerCostTable
-    spec: object
+    spec: ModelSpec
     """The ModelSpec (width and heads size the all-to-alls)."""
-    hardware: object
+    hardware: HardwareSpec
     """The HardwareSpec (links)."""
     stage_config: StageModelConfig
-    sim_config: object
+    sim_config: SimConfig
     """The simulator's SimConfig (dp_size, budget, links)."""
     epoch_scale: float = 1.0
     """Whole dataset / balanced samples."""
@@ -320,7 +327,7 @@ class HBPPlanResult:
     rows: tuple[HBPRow, ...]
     model: LevelCostModel
     """The level cost model the levels were chosen with."""
-    schedule: object
+    schedule: Schedule
     """The HBP schedule (of the balanced samples): the winner's, single-level when a single level won."""
     tried: tuple[dict, ...] = ()
     """``{"lengths", "sp", "gpu_days", "origin", "sp_trials"}`` of every packing the simulator compared for the
@@ -328,7 +335,8 @@ class HBPPlanResult:
     single: Candidate | None = None
     """The single-level row's candidate (the bound re-runs its features)."""
     bound: object = None
-    """An ``omnibal.hbp.bound.HBPBound`` when computed (``omnibal.jobs.hbp``)."""
+    """An ``omnibal.hbp.bound.HBPBound`` when computed (``omnibal.jobs.hbp``; the bound module builds on this
+    one, so the type is not imported here)."""
     notes: tuple[str, ...] = ()
     """Why a candidate was not tried (e.g. the plain plan on data one rank cannot hold)."""
 

@@ -20,12 +20,13 @@ from omnibal.layout import (
     Padding,
     PipelineSchedule,
     check_choice,
-    default_layout,
-    holds_layout,
 )
 from omnibal.plan.packsize import PackSearchConfig
 from omnibal.plan.search import SearchConfig
 from omnibal.validate import is_int
+
+PLAN_LAYOUT = Layout(dp_size=32, pp_size=4, tp_size=1, zero_stage=1, num_microbatches=8)
+"""The README's main job: DP 32 x PP 4, ZeRO-1, 8 micro-batches (8 x 4 samples x DP 32 = global batch 1024)."""
 
 
 def parse_balance_samples(text: str) -> int | None:
@@ -61,7 +62,6 @@ def parse_pack_microbatches(text: str) -> PackSearchConfig:
                          field="pack_microbatches") from None
 
 
-@holds_layout
 @dataclass(frozen=True, kw_only=True)
 class PlanJobConfig:
     """Everything ``omnibal plan`` needs. Defaults: the README's main job (see docs/plan.md for why)."""
@@ -78,10 +78,9 @@ class PlanJobConfig:
     num_gpus: int | None = None
     """Devices in the job; None: dp_size * pp_size * tp_size. Must equal that product (``omnibal plan``: DP
     defaults to what the devices leave after PP x TP, and the devices to the default layout's 128)."""
-    layout: Layout = default_layout(dp_size=32, pp_size=4, tp_size=1, zero_stage=1, num_microbatches=8)
-    """DP x PP x TP, ZeRO stage and micro-batches per step per DP rank (default DP 32 x PP 4, ZeRO-1, 8
-    micro-batches: 8 x 4 samples x DP 32 = global batch 1024). Its fields also read and construct flat:
-    ``PlanJobConfig(pp_size=2).pp_size``."""
+    layout: Layout = PLAN_LAYOUT
+    """DP x PP x TP, ZeRO stage and micro-batches per step per DP rank. Another layout:
+    ``replace(PLAN_LAYOUT, pp_size=2)``."""
     baseline_batch_size: int = field(default=4, metadata={"option": "batch_size"})
     """Samples per micro-batch of the baseline (random, fixed size, padded to the longest sample)."""
     memory_budget_gib: float | None = field(default=None, metadata={"flag": "--memory-budget", "metavar": "GIB"})
@@ -182,8 +181,8 @@ class PlanJobConfig:
         from omnibal.plan.interleaved import check_chunks
 
         check_chunks(self.chunks)
-        check_job(self.engine, schedule=self.schedule, zero_stage=self.zero_stage, selective=self.selective)
-        check_stack_zero(self.stack, self.zero_stage)
+        check_job(self.engine, schedule=self.schedule, zero_stage=self.layout.zero_stage, selective=self.selective)
+        check_stack_zero(self.stack, self.layout.zero_stage)
         for name in ("baseline_batch_size", "num_samples"):
             value = getattr(self, name)
             if not is_int(value) or value < 1:
@@ -209,7 +208,8 @@ class PlanJobConfig:
                 raise InputError(f"the {self.balance_method} sampler packs a fixed number of samples, no buffer "
                                  "to cap; use --balance-method omnibal, isf or isf+assign",
                                  source=f"--{name.replace('_', '-')}", field=name)
-        if self.balance_samples is not None and self.balance_samples < self.dp_size * self.num_microbatches:
-            raise InputError(f"needs at least dp_size x num_microbatches = {self.dp_size * self.num_microbatches} "
+        slots = self.layout.dp_size * self.layout.num_microbatches
+        if self.balance_samples is not None and self.balance_samples < slots:
+            raise InputError(f"needs at least dp_size x num_microbatches = {slots} "
                              f"samples, got {self.balance_samples}", source="--balance-samples",
                              field="balance_samples")

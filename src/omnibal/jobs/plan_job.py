@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -37,6 +38,12 @@ from omnibal.plan.ablation import AblationRow
 from omnibal.plan.plan import DataPlan, Plan, PlanInputs, Prediction, plan_stages
 from omnibal.plan.search import Candidate
 
+if TYPE_CHECKING:
+    from omnibal.cost.table import LayerCostTable
+    from omnibal.data.balance.schedule import Schedule
+    from omnibal.sim.costs import SimConfig
+    from omnibal.stats.table import SampleStats
+
 
 @dataclass(frozen=True, eq=False)
 class PlanJobResult:
@@ -50,10 +57,10 @@ class PlanJobResult:
     job's own micro-batch count, the ``+ data balance`` .. ``+ adaptive recompute`` rows') sits between them."""
     timings: dict
     """Seconds per phase."""
-    table: object
-    """The LayerCostTable used."""
-    sim_config: object
-    """The SimConfig used."""
+    table: LayerCostTable
+    """The cost table used."""
+    sim_config: SimConfig
+    """The simulator's config used."""
     features: dict
     """``{"baseline": [S, D, M, 4], "balanced": [S, D, M, 4]}`` micro-batch features, and ``"packed"`` when
     the pack-size search chose another pack (``row_data`` says which a row ran)."""
@@ -65,10 +72,10 @@ class PlanJobResult:
     """Full dataset samples / balanced samples (1.0 unless ``balance_samples`` subsampled)."""
     row_step_times: dict
     """Row name -> ``[S]`` simulated step times of its epoch."""
-    balanced_schedule: object = None
-    """The planned job's balanced ``Schedule`` (``omnibal plan --verify`` runs its first steps)."""
-    stats: object = None
-    """The ``SampleStats`` it balanced, in the model's units (the subset when ``balance_samples`` subsampled)."""
+    balanced_schedule: Schedule | None = None
+    """The planned job's balanced schedule (``omnibal plan --verify`` runs its first steps)."""
+    stats: SampleStats | None = None
+    """The statistics it balanced, in the model's units (the subset when ``balance_samples`` subsampled)."""
     row_data: dict = field(default_factory=dict)
     """Row name -> key of its micro-batch features in ``features``."""
     row_sim_configs: dict = field(default_factory=dict)
@@ -177,8 +184,7 @@ def _assemble_plan(config: PlanJobConfig, model: Model, data: Data, found: Found
     return Plan(
         inputs=PlanInputs(
             model=model.spec.name, model_spec=asdict(model.spec), hardware=model.hw.name,
-            num_gpus=config.layout.num_gpus, dp_size=config.dp_size, pp_size=config.pp_size, tp_size=config.tp_size,
-            zero_stage=config.zero_stage, num_microbatches=data.num_microbatches,
+            layout=replace(config.layout, num_microbatches=data.num_microbatches),
             memory_budget_bytes=model.budget, stats_source=data.stats_source, stats_fingerprint=stats.fingerprint(),
             memory_headroom=None if config.memory_budget_gib is not None or model.budget is None
             else float(config.memory_headroom),

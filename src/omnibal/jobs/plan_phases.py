@@ -5,6 +5,7 @@ Each takes the job's config and what the earlier phases produced, and returns a 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -23,6 +24,17 @@ from omnibal.plan.search import Candidate, sample_steps, search
 from omnibal.plan.stages import StageModelConfig, layer_quantities
 from omnibal.sim.epoch import score_plan, simulate_epoch
 
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from omnibal.cost.spec import ModelSpec
+    from omnibal.cost.table import LayerCostTable
+    from omnibal.data.balance.api import BalanceConfig
+    from omnibal.data.balance.cost import BalanceCost
+    from omnibal.data.balance.schedule import Schedule
+    from omnibal.sim.costs import SimConfig
+    from omnibal.stats.table import SampleStats
+
 GiB = float(1 << 30)
 INTERLEAVED_ROW = "+ interleaved schedule"
 """The ablation row of an interleaved plan (after the plain plan's rows)."""
@@ -32,10 +44,10 @@ INTERLEAVED_ROW = "+ interleaved schedule"
 class Model:
     """Phase 1: the model, the hardware and how the cluster runs it."""
 
-    spec: object
-    hw: object
-    table: object
-    sim_config: object
+    spec: ModelSpec
+    hw: HardwareSpec
+    table: LayerCostTable
+    sim_config: SimConfig
     budget: float | None
     stage_config: StageModelConfig
 
@@ -45,16 +57,16 @@ class Data:
     """Phases 2-3 (and the pack-size search): the statistics (subsampled), the schedules, their features and
     metrics."""
 
-    stats: object
+    stats: SampleStats
     stats_source: str
     convention: str
     full_samples: int
     epoch_scale: float
     synthetic: bool = False
     """Whether the statistics are the synthetic mixture (drawn again from the plan's seed and size)."""
-    cost: object = None
-    bal_sched: object = None
-    bal_config: object = None
+    cost: BalanceCost | None = None
+    bal_sched: Schedule | None = None
+    bal_config: BalanceConfig | None = None
     padding_bal: str = ""
     features: dict = field(default_factory=dict)
     metrics: dict = field(default_factory=dict)
@@ -78,8 +90,10 @@ class Found:
     planner: JointPlanner
     anchor_joint: StagePlanSet
     anchor_full: StagePlanSet
-    score: object
-    sample: object = None
+    score: Callable[[StagePlanSet], tuple[float, bool]]
+    """The search's score of a plan: simulated mean step time of ``sample``, and whether a step runs out of memory."""
+    sample: np.ndarray | None = None
+    """The steps' micro-batch features ``[S, D, M, 4]`` the search scores on."""
     best_full: Candidate | None = None
     best_joint: Candidate | None = None
     best_adaptive: Candidate | None = None
@@ -97,7 +111,7 @@ class Found:
     """The plan before interleaving (the ``+ pack size`` or last plain row), when an interleaved one replaced it."""
     num_chunks: int = 1
     """Model chunks per device of the plan (> 1: ``best_joint`` is over the interleaved virtual stages)."""
-    sim_config: object = None
+    sim_config: SimConfig | None = None
     """The simulator's config of the plan when it differs from the job's (interleaved); None: the job's."""
     interleave_report: dict | None = None
     """The interleaved candidates scored and the plain plan they were weighed against (None: not searched)."""
@@ -122,18 +136,19 @@ def model_phase(config) -> Model:
 
         spec = get_model_preset(config.preset)
     hw = resolve_hardware(config.hardware)
-    table = cost_table(spec, hw, profile_path=config.profile_path, tp_size=config.tp_size, stack=config.stack)
-    check_num_stages(config.pp_size, table.num_layers)
+    lay = config.layout
+    table = cost_table(spec, hw, profile_path=config.profile_path, tp_size=lay.tp_size, stack=config.stack)
+    check_num_stages(lay.pp_size, table.num_layers)
     headroom = None if config.memory_budget_gib is not None else config.memory_headroom
-    sim_config = config_for_hardware(hw, dp_size=config.dp_size, pp_size=config.pp_size, tp_size=config.tp_size,
-                                     schedule=config.schedule, zero_stage=config.zero_stage,
+    sim_config = config_for_hardware(hw, dp_size=lay.dp_size, pp_size=lay.pp_size, tp_size=lay.tp_size,
+                                     schedule=config.schedule, zero_stage=lay.zero_stage,
                                      memory_headroom=headroom)
     if config.memory_budget_gib is not None:
         sim_config = replace(sim_config, memory_budget_bytes=config.memory_budget_gib * GiB)
     budget = sim_config.memory_budget_bytes
     _check_static_memory(table, config, budget)
-    stage_config = StageModelConfig(num_stages=config.pp_size, num_microbatches=config.num_microbatches,
-                                    dp_size=config.dp_size, zero_stage=config.zero_stage,
+    stage_config = StageModelConfig(num_stages=lay.pp_size, num_microbatches=lay.num_microbatches,
+                                    dp_size=lay.dp_size, zero_stage=lay.zero_stage,
                                     memory_budget_bytes=None if budget is None else budget - _gather_reserve(
                                         table, config),
                                     p2p_bandwidth=sim_config.p2p_bandwidth, p2p_latency=sim_config.p2p_latency,
@@ -170,7 +185,7 @@ def stats_phase(config, model: Model, stats, cache: dict | None) -> Data:
     full_samples = len(stats)
     stats = balance_subset(stats, config)
     return Data(stats=stats, stats_source=stats_source, convention=convention, full_samples=full_samples,
-                epoch_scale=full_samples / len(stats), num_microbatches=config.num_microbatches,
+                epoch_scale=full_samples / len(stats), num_microbatches=config.layout.num_microbatches,
                 synthetic=synthetic)
 
 
@@ -184,10 +199,11 @@ def _balanced(config, stats, cache: dict | None, bconfig, num_microbatches: int)
     """``stats`` balanced by ``bconfig`` for DP x ``num_microbatches`` slots (memoised in ``cache``)."""
     from omnibal.data.balance.api import balance
 
-    key = ("balance", stats.fingerprint(), config.dp_size, num_microbatches, config.seed, repr(bconfig.to_dict()))
+    key = ("balance", stats.fingerprint(), config.layout.dp_size, num_microbatches, config.seed,
+           repr(bconfig.to_dict()))
     if cache is not None and key in cache:
         return cache[key]
-    sched = balance(stats, dp_size=config.dp_size, num_microbatches=num_microbatches, seed=config.seed,
+    sched = balance(stats, dp_size=config.layout.dp_size, num_microbatches=num_microbatches, seed=config.seed,
                     config=bconfig)
     if cache is not None:
         cache[key] = sched
@@ -199,7 +215,7 @@ def balance_phase(config, model: Model, data: Data, cache: dict | None) -> Data:
     from omnibal.data.balance.api import BalanceConfig
     from omnibal.data.metrics import schedule_metrics
 
-    stats, m = data.stats, config.num_microbatches
+    stats, m = data.stats, config.layout.num_microbatches
     cost = balance_cost(model.table, model.spec, model.hw, config.profile_path)
     base_sched = _balanced(config, stats, cache,
                            BalanceConfig(method=config.baseline_sampler, batch_size=config.baseline_batch_size,
@@ -257,7 +273,7 @@ def search_phase(config, model: Model, data: Data, found: Found) -> Found:
 def pack_phase(config, model: Model, data: Data, found: Found, cache: dict | None) -> tuple[Data, Found]:
     """The pack-size search (``plan.packsize``) and, when it picks another pack than the job's, that pack's
     balanced schedule, joint plan and neighbour search: the ``+ pack size`` row and the plan."""
-    default_m, bal_config = config.num_microbatches, data.bal_config
+    default_m, bal_config = config.layout.num_microbatches, data.bal_config
     fixed_caps = config.max_tiles is not None or config.max_tokens is not None
     if not config.pack_search.microbatches or config.balance_method != "omnibal" or fixed_caps:
         return data, found
@@ -300,7 +316,7 @@ def interleave_phase(config, model: Model, data: Data, found: Found) -> Found:
     from omnibal.plan.interleaved import best_interleaved, interleaved_candidates
 
     chunks = tuple(v for v in config.chunks if v > 1)
-    if not chunks or config.schedule != "1f1b" or config.pp_size < 2 or constraint_rows(config.engine) \
+    if not chunks or config.schedule != "1f1b" or config.layout.pp_size < 2 or constraint_rows(config.engine) \
             or "interleaved" not in get_engine(config.engine).schedules:
         return found
     feats = data.features[data.final_key]
@@ -358,7 +374,7 @@ def ablation_phase(config, model: Model, data: Data, found: Found):
         row_results[name] = res
         row_data[name] = data_key
     # the paper's figures are a pipeline ablation (Megatron-DeepSpeed, PP 4): shown beside pipelined plans only
-    rows = with_speedups(rows, model.spec.name if config.pp_size > 1 else None)
+    rows = with_speedups(rows, model.spec.name if config.layout.pp_size > 1 else None)
     return rows, row_plans, row_results, row_data, found
 
 
@@ -369,9 +385,9 @@ def _ablation_specs(config, model: Model, data: Data, found: Found):
     base_planner = JointPlanner(layer_quantities(table, data.features["baseline"], model.stage_config),
                                 model.stage_config)
     if config.baseline_partition == "even":
-        base_parts = even_partition(table.num_layers, config.pp_size)
+        base_parts = even_partition(table.num_layers, config.layout.pp_size)
     else:
-        base_parts = vision_first_partition(table.kinds, config.pp_size)
+        base_parts = vision_first_partition(table.kinds, config.layout.pp_size)
     split_desc = "even layer count" if config.baseline_partition == "even" else "vision encoder on stage 0"
     specs = [
         ("baseline", "baseline", split_desc, "full", base_planner.evaluate(base_parts, "full")),
@@ -403,7 +419,7 @@ def _ablation_specs(config, model: Model, data: Data, found: Found):
 def _gather_reserve(table, config) -> float:
     """Bytes of gathered ZeRO-3 weights (and one layer's gradient) the stage model leaves out of its budget
     (the simulator counts them as static: ``omnibal.sim.costs``)."""
-    return zero3_gather_reserve(table, zero_stage=config.zero_stage, dp_size=config.dp_size)
+    return zero3_gather_reserve(table, zero_stage=config.layout.zero_stage, dp_size=config.layout.dp_size)
 
 
 def _check_static_memory(table, config, budget: float | None) -> None:
@@ -411,17 +427,17 @@ def _check_static_memory(table, config, budget: float | None) -> None:
     check, activations included, follows once the micro-batches are known)."""
     if budget is None:
         return
-    dp = config.dp_size
-    static = sum(zero_sharded_bytes(table, dp_size=dp, zero_stage=config.zero_stage))
+    lay = config.layout
+    static = sum(zero_sharded_bytes(table, dp_size=lay.dp_size, zero_stage=lay.zero_stage))
     reserve = _gather_reserve(table, config)
-    part = min_max_partition(static, config.pp_size)
+    part = min_max_partition(static, lay.pp_size)
     if part.bottleneck + reserve > budget:
         worst = int(np.argmax(part.stage_costs))
         gathered = f" + {reserve / GiB:.2f} GiB of layers gathered by ZeRO-3" if reserve else ""
         raise InputError(
             f"parameters, gradients and optimizer state alone need at least {part.bottleneck / GiB:.2f} GiB"
-            f"{gathered} on stage {worst} of the best split into {config.pp_size} stages (ZeRO-{config.zero_stage} "
-            f"over DP {dp}), more than the {budget / GiB:.2f} GiB budget; use more pipeline stages, tensor "
+            f"{gathered} on stage {worst} of the best split into {lay.pp_size} stages (ZeRO-{lay.zero_stage} "
+            f"over DP {lay.dp_size}), more than the {budget / GiB:.2f} GiB budget; use more pipeline stages, tensor "
             f"parallelism, a higher ZeRO stage or a larger budget", source="--memory-budget", record=f"stage {worst}",
             field="memory_budget_gib")
 

@@ -115,8 +115,9 @@ def plot_stages(plan: Plan, path: str | Path, ablation: list[AblationRow] | None
     axes[1].set_ylabel("GiB per device")
     axes[1].set_title("stage memory", fontsize=10)
     axes[1].legend(fontsize=8, loc="lower right")
-    fig.suptitle(f"{plan.inputs.model} on {plan.inputs.num_gpus} x {plan.inputs.hardware} "
-                 f"(DP {plan.inputs.dp_size} x PP {plan.inputs.pp_size} x TP {plan.inputs.tp_size})", fontsize=11)
+    lay = plan.inputs.layout
+    fig.suptitle(f"{plan.inputs.model} on {lay.num_gpus} x {plan.inputs.hardware} "
+                 f"(DP {lay.dp_size} x PP {lay.pp_size} x TP {lay.tp_size})", fontsize=11)
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=110)
@@ -174,11 +175,11 @@ def plan_markdown(plan: Plan, ablation: list[AblationRow] | None, *, images: dic
                   timings: dict | None = None) -> str:
     """The report as markdown (image paths relative to the report)."""
     images = images or {}
-    inp = plan.inputs
+    inp, lay = plan.inputs, plan.inputs.layout
     pred = plan.prediction
-    lines = [f"# omnibal plan: {inp.model} on {inp.num_gpus} x {inp.hardware}", "",
-             f"- parallelism: DP {inp.dp_size} x PP {inp.pp_size} x TP {inp.tp_size}, ZeRO-{inp.zero_stage}, "
-             f"{inp.num_microbatches} micro-batches per step and rank",
+    lines = [f"# omnibal plan: {inp.model} on {lay.num_gpus} x {inp.hardware}", "",
+             f"- parallelism: DP {lay.dp_size} x PP {lay.pp_size} x TP {lay.tp_size}, ZeRO-{lay.zero_stage}, "
+             f"{lay.num_microbatches} micro-batches per step and rank",
              f"- memory budget per device: {_gib(inp.memory_budget_bytes)} GiB",
              f"- data: {inp.stats_source} ({inp.num_samples:,} samples, fingerprint {inp.stats_fingerprint})",
              f"- cost model: {'profile ' + inp.profile if inp.profile else 'analytic'}; omnibal {inp.omnibal_version}",

@@ -23,7 +23,7 @@ the plan is ``jobs.simulate_plan``'s.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
@@ -35,6 +35,12 @@ from omnibal.jobs.predict import balance_cost, balance_subset, cost_table, job_s
 from omnibal.jobs.simulate_plan import missing, planned_balance_config, planned_data, planned_spec
 from omnibal.layout import BalanceMethod, Dtype, Padding, PipelineSchedule, check_layout_fields
 from omnibal.plan.plan import Plan
+
+if TYPE_CHECKING:
+    from omnibal.cost.hardware import HardwareSpec
+    from omnibal.cost.spec import ModelSpec
+    from omnibal.cost.table import LayerCostTable
+    from omnibal.sim.costs import SimConfig
 
 DEFAULTS = {"model": None, "hardware": "a100-80g", "dp_size": 1, "pp_size": 1, "tp_size": 1,
             "num_microbatches": 4, "zero_stage": 1, "stack": DEFAULT_STACK}
@@ -149,12 +155,12 @@ class _Setup:
     """The resolved inputs of one simulation (phases 1-3)."""
 
     cluster: dict
-    spec: object
-    hardware: object
-    table: object
+    spec: ModelSpec
+    hardware: HardwareSpec
+    table: LayerCostTable
     cuts: np.ndarray
     recompute: np.ndarray
-    sim_config: object
+    sim_config: SimConfig
     num_chunks: int
     schedule: str
     profile: str | None

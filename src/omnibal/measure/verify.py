@@ -88,9 +88,9 @@ def check_verifiable(config, *, device: str = "cpu") -> None:
     if config.hf_model is not None:
         raise InputError("--verify runs the reference trainer's own models; a Hugging Face checkpoint is not "
                          "verified (use omnibal train --hf-model to measure it)", source="--verify", field="verify")
-    if config.tp_size != 1:
+    if config.layout.tp_size != 1:
         raise InputError(f"the reference trainer has no tensor parallelism; --verify needs --tp 1, got "
-                         f"{config.tp_size}", source="--verify", field="tp_size")
+                         f"{config.layout.tp_size}", source="--verify", field="tp_size")
     if device == "cpu":
         if config.preset not in CPU_MODELS:
             raise InputError(f"--verify on CPU runs only {', '.join(CPU_MODELS)} (model {config.preset} would take "
@@ -101,7 +101,7 @@ def check_verifiable(config, *, device: str = "cpu") -> None:
             raise InputError(f"--verify measures on this machine's CPU but the plan predicts {hardware}: plan "
                              "with --hardware cpu (and a --profile measured here)", source="--hardware",
                              field="hardware")
-        _check_fits_cpus(config.dp_size * config.pp_size, config.pp_size)
+        _check_fits_cpus(config.layout.dp_size * config.layout.pp_size, config.layout.pp_size)
 
 
 def usable_cpus() -> int:
@@ -163,7 +163,7 @@ def predicted_steps(result, parts, mask, num_steps: int) -> float:
     sched, stats = result.balanced_schedule, result.stats
     padding = result.plan.data.settings.get("padding", "varlen")
     features, buffer = schedule_features(sched, stats, padding=padding, p2p_padding="fixed_buffer",
-                                         pp_size=result.plan.inputs.pp_size)
+                                         pp_size=result.plan.inputs.layout.pp_size)
     features = features[:num_steps]
     buffer = None if buffer is None else buffer[:num_steps]
     res = simulate_epoch(result.table, parts, mask, features, result.sim_config, buffer_features=buffer)
@@ -171,13 +171,14 @@ def predicted_steps(result, parts, mask, num_steps: int) -> float:
 
 
 def _train_config(result, cand_parts, rec_sets, files: dict, steps: int, device: str, timeout_s: float):
-    from omnibal.train.config import TrainConfig
+    from omnibal.train.config import TRAIN_LAYOUT, TrainConfig
 
     i = result.plan.inputs
     spec_tokens = int(result.stats.convention.tokens_per_tile) if result.stats.convention else 256
     # the schedule's count: its largest level's when the levels have their own (the trainer runs each step's)
-    return TrainConfig(mode="omnibal", dp_size=i.dp_size, pp_size=i.pp_size,
-                       num_microbatches=int(result.balanced_schedule.num_microbatches),
+    layout = replace(TRAIN_LAYOUT, dp_size=i.layout.dp_size, pp_size=i.layout.pp_size,
+                     num_microbatches=int(result.balanced_schedule.num_microbatches))
+    return TrainConfig(mode="omnibal", layout=layout,
                        stage_layers=tuple((int(a), int(b)) for a, b in zip(cand_parts[:-1], cand_parts[1:])),
                        recompute=rec_sets, model=i.model, stats_path=files["stats"], schedule_path=files["schedule"],
                        stats_tokens_per_tile=spec_tokens, num_steps=steps + 1, device=device, torch_threads=1,
@@ -211,7 +212,7 @@ def verify_plan(result, config: VerifyConfig, job_config, *, progress=None):
     from omnibal.stats.io import save_stats
 
     plan = result.plan
-    world = plan.inputs.dp_size * plan.inputs.pp_size
+    world = plan.inputs.layout.dp_size * plan.inputs.layout.pp_size
     device = resolve_device(config.device, world)
     check_verifiable(job_config, device=device)
     if config.top_k < 1 or config.steps < 1:

@@ -111,14 +111,14 @@ def _check_blocks_only(plan: Plan, engine: str, field: str) -> None:
 
 
 def deepspeed_fields(plan: Plan) -> dict:
-    i = plan.inputs
+    i, lay = plan.inputs, plan.inputs.layout
     schedule = plan.search.get("schedule", "1f1b")
     if schedule != "1f1b":
         why = (" and has no interleaved schedule (one layer range per stage; re-plan with omnibal plan --chunks 1)"
                if schedule == "interleaved" else "")
         raise InputError(f"DeepSpeed's PipelineEngine runs 1F1B only{why}", source="deepspeed", field="schedule")
-    if i.zero_stage > 1:
-        why = ("DeepSpeed refuses ZeRO-2/3 with pipeline parallelism" if i.pp_size > 1 else
+    if lay.zero_stage > 1:
+        why = ("DeepSpeed refuses ZeRO-2/3 with pipeline parallelism" if lay.pp_size > 1 else
                "this export builds DeepSpeed's PipelineEngine, which refuses ZeRO-2/3; a ZeRO-3 job without "
                "pipeline stages takes the plan's sampler (omnibal.data.sampler) and its recompute layers "
                "(plan.json stages[0].recompute) in its own engine")
@@ -126,10 +126,10 @@ def deepspeed_fields(plan: Plan) -> dict:
     _check_no_selective(plan, "deepspeed", "recompute_layers_per_stage")
     names = [m for st in plan.stages for m in st.modules]
     index = {m: k for k, m in enumerate(names)}
-    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": i.num_microbatches,
-              "train_batch_size": i.num_microbatches * i.dp_size, "zero_optimization": {"stage": i.zero_stage},
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": lay.num_microbatches,
+              "train_batch_size": lay.num_microbatches * lay.dp_size, "zero_optimization": {"stage": lay.zero_stage},
               "bf16": {"enabled": True}, "gradient_clipping": 1.0, "steps_per_print": 100}
-    return {"model": i.model, "num_stages": i.pp_size, "parts": list(plan.parts), "layer_names": names,
+    return {"model": i.model, "num_stages": lay.pp_size, "parts": list(plan.parts), "layer_names": names,
             "recompute_layers_per_stage": [[index[m] for m in st.recompute] for st in plan.stages],
             "ds_config": config}
 
@@ -146,8 +146,8 @@ def megatron_fields(plan: Plan) -> dict:
     _check_vision_first(plan, "megatron", "pipeline_model_parallel_layout")
     _check_blocks_only(plan, "megatron", "recompute_granularity")
     _check_no_selective(plan, "megatron", "recompute_granularity")
-    i = plan.inputs
-    if i.zero_stage > 1:
+    i, lay = plan.inputs, plan.inputs.layout
+    if lay.zero_stage > 1:
         raise InputError("Megatron's distributed optimizer is ZeRO-1", source="megatron",
                          field="use_distributed_optimizer")
     if plan.search.get("schedule", "1f1b") not in ("1f1b", "interleaved"):
@@ -160,7 +160,7 @@ def megatron_fields(plan: Plan) -> dict:
     if llm:
         language.update(hidden_size=llm["hidden"], num_attention_heads=llm["num_heads"],
                         num_query_groups=llm["num_kv_heads"], ffn_hidden_size=llm["mlp_hidden"])
-    language.update(tensor_model_parallel_size=i.tp_size, pipeline_model_parallel_size=i.pp_size,
+    language.update(tensor_model_parallel_size=lay.tp_size, pipeline_model_parallel_size=lay.pp_size,
                     pipeline_dtype="bfloat16", pipeline_model_parallel_layout=megatron_layout(plan),
                     **_recompute(n_llm))
     chunks = getattr(i, "num_chunks", 1)
@@ -171,8 +171,8 @@ def megatron_fields(plan: Plan) -> dict:
         vis.update(hidden_size=vision["hidden"], num_attention_heads=vision["num_heads"],
                    ffn_hidden_size=vision["mlp_hidden"])
     vis.update(**_recompute(n_vision))
-    return {"model": i.model, "language": language, "vision": vis, "use_distributed_optimizer": i.zero_stage == 1,
-            "micro_batches_per_step": i.num_microbatches, "data_parallel_size": i.dp_size}
+    return {"model": i.model, "language": language, "vision": vis, "use_distributed_optimizer": lay.zero_stage == 1,
+            "micro_batches_per_step": lay.num_microbatches, "data_parallel_size": lay.dp_size}
 
 
 def _recompute(n: int) -> dict:
@@ -212,25 +212,25 @@ def torchtitan_fields(plan: Plan) -> dict:
     if chosen and len(chosen) != len(blocks):
         raise InputError(f"the plan checkpoints {len(chosen)} of {len(blocks)} blocks; torchtitan's AC mode applies "
                          "to every block (full) or none", source="torchtitan", field="activation_checkpoint")
-    i = plan.inputs
-    if i.zero_stage == 1:
+    i, lay = plan.inputs, plan.inputs.layout
+    if lay.zero_stage == 1:
         raise InputError("optimizer-only sharding (ZeRO-1) does not exist in torchtitan; plan with ZeRO 0 "
                          "(replicate), 2 (FSDP, reshard_after_forward never) or 3 (FSDP, reshard_after_forward "
                          "always)", source="torchtitan", field="data_parallel_shard_degree")
     # interleaved: module_fqns_per_model_part has P x chunks parts, torchtitan's "loop" style puts part
     # c * P + d on rank d, as omnibal's virtual stages
     schedule = {"1f1b": "1F1B", "gpipe": "GPipe", "interleaved": "Interleaved1F1B"}[plan.search.get("schedule", "1f1b")]
-    parallelism = {"pipeline_parallel_degree": i.pp_size, "pipeline_parallel_schedule": schedule,
+    parallelism = {"pipeline_parallel_degree": lay.pp_size, "pipeline_parallel_schedule": schedule,
                    "pipeline_parallel_microbatch_size": 1, "module_fqns_per_model_part": torchtitan_fqns(plan),
-                   "tensor_parallel_degree": i.tp_size}
-    if i.zero_stage >= 2:  # FSDP2 keeps the gathered weights after the forward (ZeRO-2) or frees them (ZeRO-3)
-        parallelism.update(data_parallel_shard_degree=i.dp_size, data_parallel_replicate_degree=1,
-                           fsdp_reshard_after_forward="never" if i.zero_stage == 2 else "always")
+                   "tensor_parallel_degree": lay.tp_size}
+    if lay.zero_stage >= 2:  # FSDP2 keeps the gathered weights after the forward (ZeRO-2) or frees them (ZeRO-3)
+        parallelism.update(data_parallel_shard_degree=lay.dp_size, data_parallel_replicate_degree=1,
+                           fsdp_reshard_after_forward="never" if lay.zero_stage == 2 else "always")
     else:
-        parallelism.update(data_parallel_shard_degree=1, data_parallel_replicate_degree=i.dp_size)
+        parallelism.update(data_parallel_shard_degree=1, data_parallel_replicate_degree=lay.dp_size)
     return {"model": i.model, "parallelism": parallelism,
             "activation_checkpoint": {"mode": "full" if chosen else "none"},
-            "training": {"local_batch_size": i.num_microbatches}}
+            "training": {"local_batch_size": lay.num_microbatches}}
 
 
 FIELDS = {"deepspeed": deepspeed_fields, "megatron": megatron_fields, "torchtitan": torchtitan_fields}

@@ -31,18 +31,9 @@ class PlanInputs:
     """The model spec as a dict (``dataclasses.asdict(ModelSpec)``)."""
     hardware: str
     """Hardware preset name."""
-    num_gpus: int
-    """dp_size * pp_size * tp_size."""
-    dp_size: int
-    """Data-parallel size."""
-    pp_size: int
-    """Pipeline stages."""
-    tp_size: int
-    """Tensor-parallel size."""
-    zero_stage: int
-    """ZeRO stage over the DP group (1: optimizer state sharded)."""
-    num_microbatches: int
-    """Micro-batches per step per DP rank."""
+    layout: Layout
+    """DP x PP x TP, the ZeRO stage and micro-batches per step per DP rank the plan is for (flat in the plan
+    file, after ``num_gpus``, their product: :meth:`to_dict`)."""
     memory_budget_bytes: float | None
     """Bytes per device the plan must fit (None: unlimited)."""
     stats_source: str
@@ -66,11 +57,20 @@ class PlanInputs:
     ``stages`` are then the ``pp_size * num_chunks`` virtual stages in layer order (virtual stage ``c * P + d``
     is chunk ``c`` of device ``d``)."""
 
-    @property
-    def layout(self) -> Layout:
-        """The cluster layout (validated on the way)."""
-        return Layout(dp_size=self.dp_size, pp_size=self.pp_size, tp_size=self.tp_size,
-                      zero_stage=self.zero_stage, num_microbatches=self.num_microbatches)
+    def to_dict(self) -> dict:
+        """The plan file's ``inputs``: the layout flat, after ``num_gpus``."""
+        out = {}
+        for name, value in asdict(self).items():
+            if name == "layout":
+                out.update(num_gpus=self.layout.num_gpus, **value)
+            else:
+                out[name] = value
+        return out
+
+    @classmethod
+    def file_keys(cls) -> set[str]:
+        """The keys of a plan file's ``inputs``."""
+        return {f.name for f in fields(cls) if f.name != "layout"} | {"num_gpus", *(f.name for f in fields(Layout))}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -166,7 +166,7 @@ class Plan:
 
     def device_of(self, stage: int) -> int:
         """Pipeline device (rank) of (virtual) stage ``stage``."""
-        return stage % self.inputs.pp_size
+        return stage % self.inputs.layout.pp_size
 
     def recompute_modules(self) -> tuple[str, ...]:
         return tuple(m for st in self.stages for m in st.recompute)
@@ -177,7 +177,7 @@ class Plan:
     def to_dict(self) -> dict:
         # "model" at the top is what the reference trainer checks before applying a plan
         out = {"format": PLAN_FORMAT, "version": self.version, "model": self.inputs.model, "engine": self.engine,
-               "inputs": asdict(self.inputs),
+               "inputs": self.inputs.to_dict(),
                "data": asdict(self.data), "stages": [], "prediction": asdict(self.prediction),
                "search": self.search}
         for st in self.stages:
@@ -230,20 +230,12 @@ class Plan:
         if version != PLAN_VERSION:
             raise InputError(f"plan format version {version} is not supported (this omnibal reads version "
                              f"{PLAN_VERSION})", source=source, field="version")
-        inputs = _read_dataclass(r, raw, "inputs", PlanInputs, {
-            "model": str, "model_spec": dict, "hardware": str, "num_gpus": int, "dp_size": int, "pp_size": int,
-            "tp_size": int, "zero_stage": int, "num_microbatches": int, "memory_budget_bytes": (float, None),
-            "stats_source": str, "stats_fingerprint": str, "num_samples": int, "profile": (str, None),
-            "omnibal_version": str, "stats_convention": str, "memory_headroom": (float, None), "num_chunks": int})
-        if inputs.num_gpus != inputs.dp_size * inputs.pp_size * inputs.tp_size:
-            raise InputError(f"num_gpus {inputs.num_gpus} != dp_size * pp_size * tp_size "
-                             f"({inputs.dp_size} * {inputs.pp_size} * {inputs.tp_size})", source=source,
-                             field="inputs.num_gpus")
-        data = _read_dataclass(r, raw, "data", DataPlan, {"method": str, "settings": dict, "num_steps": int,
-                                                          "metrics": dict})
-        prediction = _read_dataclass(r, raw, "prediction", Prediction, {
+        inputs = _read_inputs(r, raw, source)
+        data = DataPlan(**_read_fields(r, raw, "data", DataPlan, {"method": str, "settings": dict, "num_steps": int,
+                                                                   "metrics": dict}))
+        prediction = Prediction(**_read_fields(r, raw, "prediction", Prediction, {
             "step_time_s": float, "epoch_time_s": float, "gpu_days": float, "bubble": float, "num_steps": int,
-            "oom": bool})
+            "oom": bool}))
         stages_raw = r.get(raw, "stages", list, "")
         _check_stage_count(stages_raw, inputs, source)
         stages = []
@@ -303,9 +295,9 @@ def _check_stage_count(stages_raw: list, inputs: PlanInputs, source: str) -> Non
         raise InputError(f"must be >= 1, got {inputs.num_chunks}", source=source, field="inputs.num_chunks")
     if not stages_raw:
         raise InputError("a plan needs at least one stage", source=source, field="stages")
-    if len(stages_raw) != inputs.pp_size * inputs.num_chunks:
+    if len(stages_raw) != inputs.layout.pp_size * inputs.num_chunks:
         chunks = f" x {inputs.num_chunks} chunks" if inputs.num_chunks > 1 else ""
-        raise InputError(f"{len(stages_raw)} stages but pp_size is {inputs.pp_size}{chunks}", source=source,
+        raise InputError(f"{len(stages_raw)} stages but pp_size is {inputs.layout.pp_size}{chunks}", source=source,
                          field="stages")
 
 
@@ -314,7 +306,8 @@ def _refuse_unknown_keys(raw: dict, source: str) -> None:
     ``recompute`` would otherwise silently mean no recompute, in the trainer, simulate and report alike)."""
     top = {"format", "version", "model", "engine", "inputs", "data", "stages", "prediction", "search", "exports"}
     sections = [("", raw, top)]
-    for key, cls in (("inputs", PlanInputs), ("data", DataPlan), ("prediction", Prediction)):
+    sections.append(("inputs", raw["inputs"], PlanInputs.file_keys()))
+    for key, cls in (("data", DataPlan), ("prediction", Prediction)):
         sections.append((key, raw[key], {f.name for f in fields(cls)}))
     stage_keys = {f.name for f in fields(PlanStage)}
     sections += [(f"stages[{s}]", st, stage_keys) for s, st in enumerate(raw["stages"])]
@@ -336,9 +329,6 @@ def _check_values(plan: Plan, source: str) -> None:
         return math.isfinite(v) and v >= 0
 
     i = plan.inputs
-    check_layout_fields({name: getattr(i, name) for name in ("num_gpus", "dp_size", "pp_size", "tp_size",
-                                                             "zero_stage", "num_microbatches")},
-                        source=source, field_prefix="inputs.")  # not via i.layout: the error names the file
     need(i.num_samples >= 1, f"must be >= 1, got {i.num_samples}", "inputs.num_samples")
     need(i.memory_budget_bytes is None or (math.isfinite(i.memory_budget_bytes) and i.memory_budget_bytes > 0),
          f"must be a positive number of bytes or null, got {i.memory_budget_bytes}", "inputs.memory_budget_bytes")
@@ -380,8 +370,8 @@ def measured_plan(*, model: str, layer_names, parts, stage_times_s, num_samples:
     pp = len(parts) - 1
     recompute = recompute or [[] for _ in range(pp)]
     names = list(layer_names)
-    inputs = PlanInputs(model=model, model_spec={}, hardware="measured", num_gpus=dp_size * pp, dp_size=dp_size,
-                        pp_size=pp, tp_size=1, zero_stage=0, num_microbatches=num_microbatches,
+    inputs = PlanInputs(model=model, model_spec={}, hardware="measured",
+                        layout=Layout(dp_size=dp_size, pp_size=pp, zero_stage=0, num_microbatches=num_microbatches),
                         memory_budget_bytes=None, stats_source=source, stats_fingerprint="",
                         num_samples=num_samples)
     stages = tuple(PlanStage(stage=s, layers=(a, b), modules=tuple(names[a:b]), recompute=tuple(recompute[s]),
@@ -444,7 +434,25 @@ class _Reader:
         return values
 
 
-def _read_dataclass(r: _Reader, raw: dict, key: str, cls, schema: dict):
+def _read_inputs(r: _Reader, raw: dict, source: str) -> PlanInputs:
+    """The ``inputs`` section, its flat layout checked (errors name the file's field) and nested."""
+    rest = _read_fields(r, raw, "inputs", PlanInputs, {
+        "model": str, "model_spec": dict, "hardware": str, "memory_budget_bytes": (float, None),
+        "stats_source": str, "stats_fingerprint": str, "num_samples": int, "profile": (str, None),
+        "omnibal_version": str, "stats_convention": str, "memory_headroom": (float, None), "num_chunks": int})
+    section = r.get(raw, "inputs", dict, "")
+    names = [f.name for f in fields(Layout)]
+    flat = {name: r.get(section, name, int, "inputs") for name in ("num_gpus", *names)}
+    if flat["num_gpus"] != flat["dp_size"] * flat["pp_size"] * flat["tp_size"]:
+        raise InputError(f"num_gpus {flat['num_gpus']} != dp_size * pp_size * tp_size "
+                         f"({flat['dp_size']} * {flat['pp_size']} * {flat['tp_size']})", source=source,
+                         field="inputs.num_gpus")
+    check_layout_fields(flat, source=source, field_prefix="inputs.")
+    return PlanInputs(layout=Layout(**{name: flat[name] for name in names}), **rest)
+
+
+def _read_fields(r: _Reader, raw: dict, key: str, cls, schema: dict) -> dict:
+    """The values of section ``key`` for ``cls``'s fields in ``schema`` (a field with a default may be absent)."""
     section = r.get(raw, key, dict, "")
     values = {}
     for name, kind in schema.items():
@@ -453,7 +461,7 @@ def _read_dataclass(r: _Reader, raw: dict, key: str, cls, schema: dict):
         if has_default and name not in section:
             continue
         values[name] = r.get(section, name, kind, key)
-    return cls(**values)
+    return values
 
 
 def _dataclass_missing():

@@ -21,7 +21,6 @@ its backward sends the gradients back along the transposed splits.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -38,13 +37,13 @@ class AllToAllGroups:
     """This rank's index in its DP group."""
     dp_size: int
     """Ranks in the DP group."""
-    group: Any
+    group: dist.ProcessGroup | None
     """The DP group itself (the flat exchange)."""
     node_size: int = 0
     """Consecutive DP ranks per node; 0: flat, no node level."""
-    intra: Any = None
+    intra: dist.ProcessGroup | None = None
     """Group of this rank's node (two-level only)."""
-    inter: Any = None
+    inter: dist.ProcessGroup | None = None
     """Group of the ranks with this rank's local index on every node (two-level only)."""
 
     @property

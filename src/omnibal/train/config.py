@@ -19,8 +19,6 @@ from omnibal.layout import (
     Precision,
     TrainMode,
     check_choice,
-    default_layout,
-    holds_layout,
 )
 from omnibal.train.stage_layout import parse_stage_layers
 from omnibal.validate import check_positive_int, is_int
@@ -31,7 +29,10 @@ def parse_stage_sets(text: str) -> tuple[tuple[str, ...], ...]:
     return tuple(tuple(n.strip() for n in part.split(",") if n.strip()) for part in text.split(";"))
 
 
-@holds_layout
+TRAIN_LAYOUT = Layout(zero_stage=0, num_microbatches=4)
+"""The trainer's default layout: one rank, no ZeRO (the reference trainer shards nothing), 4 micro-batches."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """One training run of the reference DP x PP trainer."""
@@ -44,10 +45,10 @@ class TrainConfig:
     of `num_microbatches x baseline_batch_size` samples per rank, re-dealt every step by an all-gather of
     sizes and all-to-alls, the vision phase dealt by tile and the LLM phase balanced by LLM cost
     (:mod:`omnibal.train.online`)."""
-    layout: Layout = default_layout(zero_stage=0, num_microbatches=4)
+    layout: Layout = TRAIN_LAYOUT
     """DP x PP (world size = dp_size * pp_size) and micro-batches per DP rank per step (must match the
-    schedule file when one is given); no TP and no ZeRO (tp_size 1, zero_stage 0). Its fields also read and
-    construct flat: ``TrainConfig(dp_size=2).dp_size``."""
+    schedule file when one is given); no TP and no ZeRO (tp_size 1, zero_stage 0). Another layout:
+    ``replace(TRAIN_LAYOUT, dp_size=2)``."""
     sp_degree: int = 1
     """Sequence-parallel degree of a single-level run (:mod:`omnibal.train.sp`): every ``sp_degree``
     consecutive DP ranks form one group that splits each pack's tokens (Ulysses) and tiles, so the data is
@@ -199,29 +200,30 @@ class TrainConfig:
             raise InputError(f"must be > 0, got {self.timeout_s}", source=src, field="timeout_s")
         if self.lr <= 0:
             raise InputError(f"must be > 0, got {self.lr}", source=src, field="lr")
-        if self.num_microbatches < self.pp_size:
-            raise InputError(f"{self.num_microbatches} micro-batches cannot fill {self.pp_size} pipeline stages",
-                             source=src, field="num_microbatches")
+        if self.layout.num_microbatches < self.layout.pp_size:
+            raise InputError(f"{self.layout.num_microbatches} micro-batches cannot fill {self.layout.pp_size} "
+                             "pipeline stages", source=src, field="num_microbatches")
         if self.mode == "online" and self.dp_sync != "flat":
             raise InputError("online mode sums gradients with the flat all-reduce (its layers run outside DDP): "
                              "use dp_sync 'flat'", source=src, field="dp_sync")
         self._check_sp()
-        if self.node_size < 0 or (self.node_size and self.dp_size % self.node_size):
+        if self.node_size < 0 or (self.node_size and self.layout.dp_size % self.node_size):
             raise InputError(f"node_size {self.node_size} must be 0 (flat all-to-all) or divide dp_size "
-                             f"{self.dp_size}", source=src, field="node_size")
+                             f"{self.layout.dp_size}", source=src, field="node_size")
         if not self.online_balance and self.mode != "online":
             raise InputError("online_balance False is online mode's control: pass mode 'online'", source=src,
                              field="online_balance")
         if self.node_size and self.mode != "online":
             raise InputError("node_size sets online mode's all-to-all: pass mode 'online'", source=src,
                              field="node_size")
-        if self.stage_layers is not None and len(self.stage_layers) != self.pp_size:
-            raise InputError(f"{len(self.stage_layers)} ranges given for {self.pp_size} stages", source=src,
-                             field="stage_layers")
+        if self.stage_layers is not None and len(self.stage_layers) != self.layout.pp_size:
+            raise InputError(f"{len(self.stage_layers)} ranges given for {self.layout.pp_size} stages",
+                             source=src, field="stage_layers")
         for name in ("recompute", "selective"):
             sets = getattr(self, name)
-            if sets is not None and len(sets) != self.pp_size:
-                raise InputError(f"{len(sets)} {name} sets given for {self.pp_size} stages", source=src, field=name)
+            if sets is not None and len(sets) != self.layout.pp_size:
+                raise InputError(f"{len(sets)} {name} sets given for {self.layout.pp_size} stages", source=src,
+                                 field=name)
         if self.max_samples is not None and self.max_samples < 1:
             raise InputError(f"must be >= 1, got {self.max_samples}", source=src, field="max_samples")
         if self.annotations_path is not None and self.tokenizer_path is None:
@@ -243,9 +245,10 @@ class TrainConfig:
         if self.sp_degree == 1:
             return
         src = "train config"
-        if self.dp_size % self.sp_degree:
-            raise InputError(f"SP degree {self.sp_degree} does not divide the {self.dp_size} data-parallel ranks "
-                             f"(an SP group is {self.sp_degree} consecutive ranks)", source=src, field="sp_degree")
+        if self.layout.dp_size % self.sp_degree:
+            raise InputError(f"SP degree {self.sp_degree} does not divide the {self.layout.dp_size} data-parallel "
+                             f"ranks (an SP group is {self.sp_degree} consecutive ranks)", source=src,
+                             field="sp_degree")
         for bad, why in ((self.mode == "online", "baseline or omnibal mode"),
                          (self.dp_sync != "flat", "dp_sync flat"), (self.hf_model is not None, "the reference VLM"),
                          (self.reshard, "no reshard")):
@@ -254,7 +257,7 @@ class TrainConfig:
 
     @property
     def world_size(self) -> int:
-        return self.dp_size * self.pp_size
+        return self.layout.dp_size * self.layout.pp_size
 
     def to_dict(self) -> dict:
         """Flat (the layout's fields beside the others), as the summary JSON has always been."""

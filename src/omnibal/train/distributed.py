@@ -25,7 +25,7 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,11 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from omnibal.errors import InputError, OmnibalError
 from omnibal.train.heartbeat import Heartbeat
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from omnibal.train.heartbeat import Heartbeat
 
 
 class PeerFailure(OmnibalError):
@@ -62,13 +67,13 @@ class World:
     device: torch.device
     backend: str
     timeout_s: float
-    mesh: Any
+    mesh: DeviceMesh | None
     """torch DeviceMesh with dims ("dp", "pp")."""
-    dp_group: Any
+    dp_group: dist.ProcessGroup | None
     """Process group of this stage's replicas (gradient all-reduce)."""
-    pp_group: Any
+    pp_group: dist.ProcessGroup | None
     """Process group of this DP rank's pipeline (activation p2p)."""
-    heartbeat: Any = None
+    heartbeat: Heartbeat | None = None
     """:class:`omnibal.train.heartbeat.Heartbeat` of a multi-process world (None: one process, or no store)."""
 
     @property

@@ -32,6 +32,7 @@ from omnibal.stats.annotations import annotation_convention, compute_stats
 from omnibal.stats.io import load_stats
 from omnibal.stats.tiles import TileConfig
 from omnibal.stats.tokens import make_counter
+from omnibal.train.collectives import barrier, gather_objects
 from omnibal.train.hf_adapter import from_hf
 from omnibal.train.hf_processor import load_tokenizer, save_processor
 from omnibal.train.hf_weights import check_weights
@@ -113,7 +114,7 @@ def export_hf(trainer, chain, out_dir: str | os.PathLike, *, tokenizer: str, mod
     :mod:`omnibal.train.hf_processor`, with ``max_tiles`` per image). Collective: every rank calls it; each
     stage's dp rank 0 contributes its tensors and global rank 0 writes the folder, atomically replacing what
     ``out_dir`` held."""
-    parts = trainer._gather_objects(_stage_state(trainer, chain), "saving the HF model")
+    parts = gather_objects(trainer.world, _stage_state(trainer, chain), "saving the HF model")
     written = None
     if trainer.world.rank == 0:
         hf = chain.hf_model
@@ -122,7 +123,7 @@ def export_hf(trainer, chain, out_dir: str | os.PathLike, *, tokenizer: str, mod
                 for name, tensor in (part or {}).items():
                     hf.get_parameter(name).copy_(tensor)
         written = _write_folder(hf, Path(out_dir), tokenizer=tokenizer, model_dir=model_dir, max_tiles=max_tiles)
-    trainer._barrier("saving the HF model")
+    barrier(trainer.world, "saving the HF model")
     return written
 
 

@@ -26,18 +26,28 @@ Any backend failure (a peer died, a timeout) becomes a PeerFailure naming this r
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from omnibal.errors import InputError, ScheduleMismatch
+from omnibal.train.collectives import all_reduce, gather_objects
 from omnibal.train.distributed import World, caused_by_comm_error, is_comm_error, peer_failure
 from omnibal.train.feed import Buffer, ScheduleLike, check_schedule, schedule_fingerprint, step_microbatches
 from omnibal.train.level_recompute import LevelRecompute
-from omnibal.train.metrics_log import MetricsLog, RankTimes, StepRecord, StepReporter, process_memory, summarize
+from omnibal.train.metrics_log import (
+    MetricsLog,
+    RankTimes,
+    StepRecord,
+    StepReporter,
+    StepWork,
+    process_memory,
+    summarize,
+)
 from omnibal.train.online import online_forward_backward
+from omnibal.train.online_pipeline import OnlineState
 from omnibal.train.pipeline import GradSync, StageRunner
 from omnibal.train.resume import CheckpointResume
 from omnibal.train.samples import SampleReader, placeholder_sample, real_indices
@@ -53,6 +63,15 @@ def model_identity(spec) -> str:
     """Name plus the spec's fingerprint (the one model hash, ``ModelSpec.fingerprint``): checkpoints refuse to
     load into another architecture."""
     return f"{spec.name}:{spec.fingerprint()}"
+
+
+def base_collate_config(model, dataset):
+    """The model's collate settings (image size, tokens per tile) with the dataset's image token where it has
+    one (real data: the tokenizer's); None for a model without them."""
+    if not hasattr(model, "collate_config"):
+        return None
+    image_id = getattr(dataset, "image_token_id", None)
+    return model.collate_config(num_tiles=1, num_tokens=1, **({} if image_id is None else {"image_token_id": image_id}))
 
 
 class Trainer(CheckpointResume):
@@ -113,9 +132,8 @@ class Trainer(CheckpointResume):
         """Forward dtype under ``torch.autocast`` (``precision`` bf16-mixed), None for plain fp32."""
         self._build_stage_runner(model, buffer, pipeline_schedule=pipeline_schedule, dp_sync=dp_sync, lr=lr,
                                  weight_decay=weight_decay)
-        image_id = getattr(dataset, "image_token_id", None)  # real data: the tokenizer's image token
-        self._collate_base = model.collate_config(num_tiles=1, num_tokens=1, **(
-            {} if image_id is None else {"image_token_id": image_id})) if hasattr(model, "collate_config") else None
+        self.collate_base = base_collate_config(model, dataset)
+        """The model's collate settings; a step's pack sizes replace its tile and token counts."""
         self.on_checkpoint = None
         """Called with the step after every checkpoint and with None at the end of a run (by whoever runs
         it), on every rank: e.g. export the model in another format (:func:`omnibal.train.hf_run.export_hf`)."""
@@ -132,6 +150,8 @@ class Trainer(CheckpointResume):
         self.ledger_path = ledger_path
         """Per-sample ledger (:mod:`omnibal.train.ledger`): every rank gathers its keys, global rank 0 writes."""
         self._ledger = None
+        self.online_state = OnlineState() if mode == "online" else None
+        """``--mode online``: the all-to-all groups and pipelines it makes on its first step."""
         self.online_info: list = []
         """``--mode online``: per step, the dispatch's per-phase balance
         (:class:`omnibal.train.online.OnlineStepInfo`)."""
@@ -251,7 +271,7 @@ class Trainer(CheckpointResume):
             tiles = max(1, max(int(stats.tiles[mb].sum()) for mb in mb_indices))
             tokens = max(int(len(mb) * stats.tokens[mb].max()) if self.pad_to_longest else int(stats.tokens[mb].sum())
                          for mb in mb_indices)
-        return replace(self._collate_base, num_tiles=tiles, num_tokens=tokens,
+        return replace(self.collate_base, num_tiles=tiles, num_tokens=tokens,
                        mode="pad_to_longest" if self.pad_to_longest else "pack",
                        source=getattr(self.schedule, "source", "schedule"))
 
@@ -285,10 +305,10 @@ class Trainer(CheckpointResume):
 
     # ---------------------------------------------------------------------------------------------- step
 
-    def forward_backward(self):
+    def forward_backward(self) -> StepWork:
         """Steps 1-4 of the next step (data, global count, pipeline forward/backward, DP gradient sum);
-        leaves the summed gradients in the stage's parameters. Returns the StepResult; the timings and
-        counts of this call are kept for :meth:`train_step`."""
+        leaves the summed gradients in the stage's parameters and returns what :meth:`train_step` needs to
+        finish the step."""
         from omnibal.data.collate import SIZE_TILES, SIZE_TOKENS
 
         w = self.world
@@ -301,32 +321,31 @@ class Trainer(CheckpointResume):
         if self.mode == "online":  # OrchMLLM-style post-balancing with per-modality dispatch
             return online_forward_backward(self)
         times = RankTimes()
-        self._t_start = t_start = time.perf_counter()
-        self._cpu_start = time.process_time()
+        t_start, cpu_start = time.perf_counter(), time.process_time()
         counts = torch.zeros(len(_COUNT_FIELDS), dtype=torch.float64)
         carries = None
         degree = int(self.step_sp[step])
         module = self.sp.activate(degree) if self.sp is not None else None
         if self.level_recompute is not None:
             self.level_recompute.apply(self.stage_module, self.schedule, step)
-        self._fed = []
+        fed: list[int] = []
         if w.is_first_stage:
             batches = self._step_batches(step)
             carries = [b.carry() for b in batches]
             tiles = sum(int(b.sizes[0, SIZE_TILES]) for b in batches)
-            self._fed = [i for b in batches for i in real_indices(b.sample_indices)]
+            fed = [i for b in batches for i in real_indices(b.sample_indices)]
             counts += torch.tensor([
-                sum(b.num_targets for b in batches), len(self._fed),
+                sum(b.num_targets for b in batches), len(fed),
                 sum(b.num_real_tokens for b in batches), tiles, sum(int(b.sizes[0, SIZE_TOKENS]) for b in batches),
                 tiles], dtype=torch.float64)
             if not self._sp_leader(step):
                 counts.zero_()
-                self._fed = []
+                fed = []
         times.data_s = time.perf_counter() - t_start
         try:
-            self._all_reduce(counts)
-            self._counts = dict(zip(_COUNT_FIELDS, counts.tolist()))
-            result = self.runner.run_step(carries, global_targets=self._counts["targets"], module=module,
+            all_reduce(w, counts, f"step {step}")
+            totals = dict(zip(_COUNT_FIELDS, counts.tolist()))
+            result = self.runner.run_step(carries, global_targets=totals["targets"], module=module,
                                           variant=degree, num_microbatches=int(self.step_mbs[step]))
             t_sync = time.perf_counter()
             self.grad_sync()
@@ -338,28 +357,28 @@ class Trainer(CheckpointResume):
                 raise peer_failure(w, f"step {step}", exc) from exc
             raise
         times.compute_s = result.compute_s
-        self._times, self._result = times, result
-        return result
+        return StepWork(loss_sum=result.loss_sum, times=times, counts=totals, fed=fed, t_start=t_start,
+                        cpu_start=cpu_start)
 
     def train_step(self) -> StepRecord | None:
         """Run the next step on this rank; global rank 0 returns the step's record, the others None."""
-        self.forward_backward()
-        times, result, step = self._times, self._result, self.step
+        work = self.forward_backward()
+        times, step = work.times, self.step
         t_opt = time.perf_counter()
         if self.optimizer is not None:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         times.optim_s = time.perf_counter() - t_opt
-        times.step_s = time.perf_counter() - self._t_start
-        times.cpu_s = time.process_time() - self._cpu_start
+        times.step_s = time.perf_counter() - work.t_start
+        times.cpu_s = time.process_time() - work.cpu_start
         times.wait_s = max(0.0, times.step_s - times.compute_s - times.dp_sync_s - times.optim_s - times.data_s)
         times.mem_bytes, times.peak_mem_bytes = process_memory(self.world.device.type)
         if self.world.is_first_stage:
-            self.consumed.append(self._fed)
+            self.consumed.append(work.fed)
         if self.ledger_path:
-            self._ledger_step(step)
+            self._ledger_step(step, work.fed)
         self.step += 1
-        return self._gather_record(step, times, result.loss_sum, self._counts)
+        return self._gather_record(step, times, work.loss_sum, work.counts)
 
     def _ledger_start(self) -> None:
         """Global rank 0: open the ledger with this run's start (what it resumed from)."""
@@ -370,20 +389,16 @@ class Trainer(CheckpointResume):
                 "resumed_at": self.step, "checkpoint": self.resumed_from, "resharded": self.resharded,
                 "world": self._world_doc(), "schedule_steps": self.schedule.num_steps, "model_id": self.model_id})
 
-    def _ledger_step(self, step: int) -> None:
+    def _ledger_step(self, step: int, fed: list[int]) -> None:
         """Gather every DP rank's sample keys of ``step`` to global rank 0, which appends them to the ledger
         (before the step's checkpoint can be written)."""
         from omnibal.train.ledger import sample_keys
 
-        mine = (sample_keys(self.dataset, self._fed), list(self._fed)) if self.world.is_first_stage else None
-        parts = [p for p in self._gather_objects(mine, f"step {step} (ledger)") if p]
+        mine = (sample_keys(self.dataset, fed), list(fed)) if self.world.is_first_stage else None
+        parts = [p for p in gather_objects(self.world, mine, f"step {step} (ledger)") if p]
         if self.world.rank == 0:
             self._ledger_start()
             self._ledger.step(step, [k for p in parts for k in p[0]], [i for p in parts for i in p[1]])
-
-    def _all_reduce(self, tensor: torch.Tensor) -> None:
-        if self.world.world_size > 1:
-            dist.all_reduce(tensor)
 
     def _gather_record(self, step: int, times: RankTimes, loss_sum: float, counts: dict) -> StepRecord | None:
         w = self.world
@@ -445,7 +460,7 @@ class Trainer(CheckpointResume):
             if self._ledger is not None:
                 self._ledger.close()
                 self._ledger = None
-        self.skipped_samples = [s for part in self._gather_objects(self.reader.skipped, "the skipped samples")
+        self.skipped_samples = [s for part in gather_objects(self.world, self.reader.skipped, "the skipped samples")
                                 for s in part or ()]
         if self.world.rank != 0:
             return {}
@@ -454,42 +469,7 @@ class Trainer(CheckpointResume):
     def check_schedule_agrees(self) -> None:
         """All-gather every rank's schedule fingerprint; raise :class:`~omnibal.errors.ScheduleMismatch` naming
         the ranks whose schedule differs (every rank raises the same). Runs before a schedule's first step."""
-        fingerprints = self._gather_objects(self.schedule_id, "the schedule check")
+        fingerprints = gather_objects(self.world, self.schedule_id, "the schedule check")
         ScheduleMismatch.check(fingerprints, source=getattr(self.schedule, "source", "schedule"),
                                describe=self.world.where_rank)
         self._agreed_id = self.schedule_id
-
-    def _gather_objects(self, obj: Any, what: str) -> list:
-        if self.world.world_size == 1:
-            return [obj]
-        out: list = [None] * self.world.world_size
-        try:
-            dist.all_gather_object(out, obj)
-        except Exception as exc:
-            if is_comm_error(exc):
-                raise peer_failure(self.world, what, exc) from exc
-            raise
-        return out
-
-    def _broadcast_object(self, obj: Any) -> Any:
-        if self.world.world_size == 1:
-            return obj
-        box = [obj]
-        try:
-            dist.broadcast_object_list(box, src=0)
-        except Exception as exc:
-            if is_comm_error(exc):
-                raise peer_failure(self.world, "resume", exc) from exc
-            raise
-        return box[0]
-
-    def _barrier(self, what: str) -> None:
-        if self.world.world_size == 1:
-            return
-        try:
-            dist.barrier()
-        except Exception as exc:
-            if is_comm_error(exc):
-                raise peer_failure(self.world, what, exc) from exc
-            raise
-

@@ -57,6 +57,25 @@ class RankTimes:
 
 
 @dataclass
+class StepWork:
+    """What one rank's forward + backward of a step did: what the trainer needs to finish the step
+    (optimizer, timings, ledger, record)."""
+
+    loss_sum: float
+    """Sum of the losses this rank computed (last stage only; 0 elsewhere), divided by the global target count."""
+    times: RankTimes
+    """The step's timings so far (data, compute, DP sync); the optimizer's and the total come later."""
+    counts: dict[str, float]
+    """The world's totals of the step (targets, samples, tokens, tiles, buffer tokens, buffer tiles)."""
+    fed: list[int]
+    """The sample indices whose loss this rank computed (empty off stage 0 and on SP followers)."""
+    t_start: float
+    """``time.perf_counter()`` when the step started."""
+    cpu_start: float
+    """``time.process_time()`` when the step started."""
+
+
+@dataclass
 class StepRecord:
     """One step of the whole world, as written to the JSONL log."""
 

@@ -47,9 +47,8 @@ from omnibal.data.online_owners import TransferBytes, tile_positions
 from omnibal.errors import InputError
 from omnibal.train.alltoall import AllToAllGroups, Exchange, all_to_all_groups, exchange_raw
 from omnibal.train.distributed import caused_by_comm_error, is_comm_error, peer_failure
-from omnibal.train.metrics_log import RankTimes
+from omnibal.train.metrics_log import RankTimes, StepWork
 from omnibal.train.online_pipeline import PackShape, bucket, check_online_layout, later_stage_step, pipes_of, share_step
-from omnibal.train.pipeline import StepResult
 from omnibal.train.samples import placeholder_sample
 
 _COLS = 4  # gathered per sample: tiles, tokens, target tokens, dataset index
@@ -67,12 +66,13 @@ def _splits(src: np.ndarray, dst: np.ndarray, units, dp: int) -> np.ndarray:
 def _groups(trainer) -> AllToAllGroups:
     """The communicators of this run's all-to-alls (flat, or node-wise for ``node_size``), made on the
     first online step: every rank reaches it together, and ``new_group`` needs every rank."""
-    if getattr(trainer, "_a2a_groups", None) is None:
+    state = trainer.online_state
+    if state.groups is None:
         w = trainer.world
         dp_groups = [[d * w.pp_size + p for d in range(w.dp_size)] for p in range(w.pp_size)]
-        trainer._a2a_groups = all_to_all_groups(dp_rank=w.dp_rank, dp_size=w.dp_size, dp_group=w.dp_group,
-                                                global_ranks=dp_groups, node_size=trainer.node_size)
-    return trainer._a2a_groups
+        state.groups = all_to_all_groups(dp_rank=w.dp_rank, dp_size=w.dp_size, dp_group=w.dp_group,
+                                         global_ranks=dp_groups, node_size=trainer.node_size)
+    return state.groups
 
 
 @dataclass
@@ -100,7 +100,7 @@ def _run_layers(stage, start: int, end: int, carry):
     return stage.run_layers(start, end, *carry)
 
 
-def online_forward_backward(trainer):
+def online_forward_backward(trainer) -> StepWork:
     """One ``--mode online`` step (see :func:`_online_step`); a failed collective becomes a PeerFailure naming
     this rank, the step and the silent peer, as in the other modes."""
     try:
@@ -149,10 +149,9 @@ class _Dispatch:
         return np.flatnonzero(self.l_own == self.me)
 
 
-def _online_step(trainer):
+def _online_step(trainer) -> StepWork:
     """One ``--mode online`` step of ``trainer`` (an :class:`omnibal.train.loop.Trainer`): leaves this rank's
-    gradients (of the global-token-mean loss) in the model for the trainer's DP sum, sets the trainer's step
-    bookkeeping (``_times``, ``_result``, ``_counts``, ``_fed``) and returns the result. With pp > 1 the
+    gradients (of the global-token-mean loss) in the model, summed over DP, and returns the step's work. With pp > 1 the
     stage-0 ranks run the vision phase and the LLM phase runs through each replica's pipeline
     (:mod:`omnibal.train.online_pipeline`)."""
     w = trainer.world
@@ -166,8 +165,7 @@ def _online_step(trainer):
         return later_stage_step(trainer, _llm_start(trainer))
     group = w.dp_group if w.dp_size > 1 else None
     times = RankTimes()
-    trainer._t_start = t0 = time.perf_counter()
-    trainer._cpu_start = time.process_time()
+    t0, cpu_start = time.perf_counter(), time.process_time()
     local = [int(i) for k in range(trainer.num_microbatches)
              for i in np.asarray(trainer.schedule.microbatch(trainer.step, w.dp_rank, k))]
     kept = [(i, s) for i in local for s in trainer.reader.read([i], step=trainer.step)]  # --on-error skip
@@ -199,20 +197,18 @@ def _online_step(trainer):
     times.dp_sync_s = time.perf_counter() - t_sync
     times.compute_s = compute_s
     tokens_all, tiles_all = float(d.tokens.sum()), float(d.tiles.sum())
-    trainer._counts = {"targets": global_targets, "samples": float(len(d.tiles)), "tokens": tokens_all,
-                       "tiles": tiles_all, "buffer_tokens": tokens_all, "buffer_tiles": tiles_all}
-    trainer._fed = [int(d.index[p]) for p in d.l_mine]  # the samples whose loss this rank computed
+    counts = {"targets": global_targets, "samples": float(len(d.tiles)), "tokens": tokens_all,
+              "tiles": tiles_all, "buffer_tokens": tokens_all, "buffer_tiles": tiles_all}
     trainer.online_info.append(replace(d.info, comm_s=comm_s))
-    result = StepResult(loss_sum=loss_value, compute_s=compute_s)
-    trainer._times, trainer._result = times, result
-    return result
+    fed = [int(d.index[p]) for p in d.l_mine]  # the samples whose loss this rank computed
+    return StepWork(loss_sum=loss_value, times=times, counts=counts, fed=fed, t_start=t0, cpu_start=cpu_start)
 
 
 def _gather_and_dispatch(trainer, samples: list[dict], local: list[int], group) -> _Dispatch:
     """Steps 1-2: all-gather every rank's sample sizes, then the per-phase dispatch (identical everywhere)."""
     w = trainer.world
     dp, me = w.dp_size, w.dp_rank
-    image_id = trainer._collate_base.image_token_id
+    image_id = trainer.collate_base.image_token_id
     mine = torch.tensor([[int(s["pixel_values"].shape[0]), int(s["input_ids"].shape[0]), _target_count(s, image_id),
                           i] for s, i in zip(samples, local)], dtype=torch.int64).reshape(-1, _COLS)
     if dp > 1:
@@ -252,7 +248,7 @@ def transfer_dtype(trainer) -> torch.dtype:
 def _transfer_bytes(trainer) -> TransferBytes:
     """What one tile's pixels, one token's id + label and one tile's features occupy on the wire."""
     elem = torch.empty((), dtype=transfer_dtype(trainer)).element_size()
-    base = trainer._collate_base
+    base = trainer.collate_base
     return TransferBytes.of(image_size=base.image_size, tokens_per_tile=base.tokens_per_tile,
                             hidden=trainer.spec.llm.hidden, element_bytes=elem)
 
@@ -262,7 +258,7 @@ def _send_samples(trainer, d: _Dispatch, samples: list[dict], comm) -> tuple[tor
     the LLM owner. Returns the pixels (device) and the ids/labels (host: the collator builds its tensors
     there) received."""
     w, me, n_local, dp = trainer.world, d.me, d.n_local, d.dp
-    side, dtype = trainer._collate_base.image_size, transfer_dtype(trainer)
+    side, dtype = trainer.collate_base.image_size, transfer_dtype(trainer)
     pos_mine = np.arange(me * n_local, (me + 1) * n_local)
     tile_pos, tile_first = d.tile_pos, int(d.tiles[:me * n_local].sum())
     my_tiles = np.arange(tile_first, tile_first + int(d.tiles[pos_mine].sum()))
@@ -290,7 +286,7 @@ def _llm_start(trainer) -> int:
 
 def _vision_phase(trainer, d: _Dispatch, pix_flat: torch.Tensor) -> torch.Tensor:
     """Step 4: the vision phase on every tile this rank owns (ascending tiles): ``[tiles, tpt, D]``."""
-    w, side = trainer.world, trainer._collate_base.image_size
+    w, side = trainer.world, trainer.collate_base.image_size
     num_tiles = len(d.v_mine)
     pixels = pix_flat.reshape(1, num_tiles, 3, side, side).to(w.device)
     if num_tiles == 0:  # no tile here: one zero tile keeps the encoder's graph (zero gradients), as InternVL's dummy
@@ -303,7 +299,7 @@ def _vision_phase(trainer, d: _Dispatch, pix_flat: torch.Tensor) -> torch.Tensor
 def _features_to_llm_owners(trainer, d: _Dispatch, feats: torch.Tensor, comm) -> torch.Tensor:
     """Step 5: visual features to the LLM owners (differentiable all-to-all); returns this rank's LLM samples'
     features ``[tiles, tpt, D]`` in ascending tile order (= position order)."""
-    tpt, width, dp = trainer._collate_base.tokens_per_tile, feats.shape[-1], d.dp
+    tpt, width, dp = trainer.collate_base.tokens_per_tile, feats.shape[-1], d.dp
     l_tile = d.l_own[d.tile_pos]
     v_mine = d.v_mine
     rows = np.argsort(l_tile[v_mine], kind="stable")  # by (destination, tile) on the way out
@@ -321,7 +317,7 @@ def _llm_samples(trainer, d: _Dispatch, tok_flat: torch.Tensor) -> tuple[dict, d
     """This rank's LLM samples by position (ids and labels arrived ordered by (data owner, position) =
     ascending position; pixels are placeholders: the features replace them) and each one's first feature
     row."""
-    side, tiles, tokens, l_mine = trainer._collate_base.image_size, d.tiles, d.tokens, d.l_mine
+    side, tiles, tokens, l_mine = trainer.collate_base.image_size, d.tiles, d.tokens, d.l_mine
     samples_of, at = {}, 0
     for p in l_mine:
         n = int(tokens[p])
@@ -343,7 +339,7 @@ def _llm_phase(trainer, d: _Dispatch, img: torch.Tensor, tok_flat: torch.Tensor)
 
     The rank's samples form up to ``num_microbatches`` varlen packs of similar LLM cost (attention kernels
     that cost the square of the pack length, such as the HF path's block mask, pay per pack, not per rank)."""
-    cfg_base, stage, device = trainer._collate_base, trainer.stage_module, trainer.world.device
+    cfg_base, stage, device = trainer.collate_base, trainer.stage_module, trainer.world.device
     tpt, width = cfg_base.tokens_per_tile, img.shape[-1]
     tiles, tokens = d.tiles, d.tokens
     samples_of, img_start = _llm_samples(trainer, d, tok_flat)
@@ -370,7 +366,7 @@ def _llm_pipeline(trainer, d: _Dispatch, img: torch.Tensor, tok_flat: torch.Tens
     after the schedule its gradient goes back once through the feature all-to-all into the encoder.
     Returns ``(loss on this rank: 0 unless it is also the last stage; global target tokens; seconds the
     schedule spent outside this stage's compute)``."""
-    cfg_base, device, count = trainer._collate_base, trainer.world.device, trainer.num_microbatches
+    cfg_base, device, count = trainer.collate_base, trainer.world.device, trainer.num_microbatches
     tpt, width = cfg_base.tokens_per_tile, img.shape[-1]
     samples_of, img_start = _llm_samples(trainer, d, tok_flat)
     groups = llm_packs(d.l_mine, DEFAULT_COST.sample_costs(d.tiles, d.tokens)[1], count)

@@ -36,6 +36,8 @@ from torch import nn
 from omnibal.cost.spec import even_cuts
 from omnibal.data.collate import NUM_META_ROWS
 from omnibal.errors import InputError
+from omnibal.train.alltoall import AllToAllGroups
+from omnibal.train.metrics_log import RankTimes, StepWork
 from omnibal.train.model import carry_activation_shape
 from omnibal.train.pipeline import ShapeGuard, _make_timed_stage_class
 
@@ -166,10 +168,22 @@ class OnlinePipes:
         return float(sum(float(x.detach().float()) for x in losses)), stage.compute_s
 
 
+@dataclass
+class OnlineState:
+    """What online mode makes once per run and keeps on the trainer (``Trainer.online_state``): made on the
+    first online step, which every rank reaches together (``new_group`` needs every rank)."""
+
+    groups: AllToAllGroups | None = None
+    """The communicators of the all-to-alls (flat, or node-wise for ``node_size``)."""
+    pipes: OnlinePipes | None = None
+    """pp > 1: the LLM phase's cached pipelines."""
+
+
 def pipes_of(trainer, llm_start: int) -> OnlinePipes:
-    if getattr(trainer, "_online_pipes", None) is None:
-        trainer._online_pipes = OnlinePipes(trainer, llm_start)
-    return trainer._online_pipes
+    state = trainer.online_state
+    if state.pipes is None:
+        state.pipes = OnlinePipes(trainer, llm_start)
+    return state.pipes
 
 
 def share_step(trainer, shape: PackShape | None = None, global_targets: float = 0.0) -> tuple[PackShape, float]:
@@ -185,24 +199,17 @@ def share_step(trainer, shape: PackShape | None = None, global_targets: float = 
     return PackShape(int(tiles), int(tokens)), float(targets)
 
 
-def later_stage_step(trainer, llm_start: int):
+def later_stage_step(trainer, llm_start: int) -> StepWork:
     """One online step on a stage after the first: the shape and count from stage 0, the pipeline step, the
-    DP gradient sum. Sets the trainer's step bookkeeping and returns the result."""
-    from omnibal.train.metrics_log import RankTimes
-    from omnibal.train.pipeline import StepResult
-
+    DP gradient sum."""
     times = RankTimes()
-    trainer._t_start = time.perf_counter()
-    trainer._cpu_start = time.process_time()
+    t_start, cpu_start = time.perf_counter(), time.process_time()
     shape, targets = share_step(trainer)
     loss, compute_s = pipes_of(trainer, llm_start).run(shape, targets)
     t_sync = time.perf_counter()
     trainer.grad_sync()
     times.dp_sync_s = time.perf_counter() - t_sync
     times.compute_s = compute_s
-    trainer._counts = {"targets": targets, "samples": 0.0, "tokens": 0.0, "tiles": 0.0, "buffer_tokens": 0.0,
-                       "buffer_tiles": 0.0}
-    trainer._fed = []
-    result = StepResult(loss_sum=loss, compute_s=compute_s)
-    trainer._times, trainer._result = times, result
-    return result
+    counts = {"targets": targets, "samples": 0.0, "tokens": 0.0, "tiles": 0.0, "buffer_tokens": 0.0,
+              "buffer_tiles": 0.0}
+    return StepWork(loss_sum=loss, times=times, counts=counts, fed=[], t_start=t_start, cpu_start=cpu_start)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import json
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -26,6 +27,9 @@ from omnibal.data.balance.schedule import Schedule
 from omnibal.data.sampler import BalancedBatchSampler
 from omnibal.errors import InputError
 from omnibal.validate import is_int
+
+if TYPE_CHECKING:
+    from omnibal.train.feed import ScheduleLike
 
 
 @dataclass(frozen=True, eq=False)
@@ -38,7 +42,7 @@ class ResumedSchedule:
     multi-level ``inner`` keeps its levels, SP degrees and micro-batch counts (:meth:`step_sp`,
     :meth:`step_microbatches`, numbered the same way)."""
 
-    inner: object
+    inner: ScheduleLike
     rows: np.ndarray | None
     step_offset: int
     source: str = "<resharded schedule>"

@@ -2,8 +2,8 @@
 newest valid one, also on another DP size (the rest of the epoch re-balanced, :mod:`omnibal.train.reshard`).
 
 A mixin of :class:`omnibal.train.loop.Trainer` (kept apart so each module stays readable); it uses the
-trainer's world, schedule, stage module, optimizer and its object collectives (``_gather_objects``,
-``_broadcast_object``, ``_barrier``).
+trainer's world, schedule, stage module and optimizer, and the world's collectives
+(:mod:`omnibal.train.collectives`).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any
 
 from omnibal.errors import InputError
 from omnibal.train import checkpoint as ckpt
+from omnibal.train.collectives import barrier, broadcast_object, gather_objects
 from omnibal.train.feed import fixed_buffer, schedule_fingerprint
 from omnibal.train.reshard import balance_record, reshard_schedule
 from omnibal.train.reshard_kinds import hbp_of, rebuild, rest_of_epoch
@@ -56,13 +57,13 @@ class CheckpointResume:
         if w.dp_rank == 0:
             record = ckpt.write_stage_file(self.checkpoint_dir, self.step, w.pp_rank, model=self.stage_module,
                                            optimizer=self.optimizer)
-        records = self._gather_objects(record, "checkpoint")
+        records = gather_objects(self.world, record, "checkpoint")
         if w.rank == 0:
             ckpt.write_manifest(self.checkpoint_dir, self.step, stage_records=[r for r in records if r is not None],
                                 world=self._world_doc(), model_id=self.model_id,
                                 stage_layers=[list(r) for r in self.layout.ranges], sampler=self.sampler_state(),
                                 extra={"mode": self.mode})
-        self._barrier("checkpoint")
+        barrier(self.world, "checkpoint")
         if self.on_checkpoint is not None:
             self.on_checkpoint(self.step)
 
@@ -86,7 +87,7 @@ class CheckpointResume:
                 decision = self._resume_decision(root, reshard)
             except InputError as exc:
                 decision = {"error": exc.message, "source": exc.source, "field": exc.field}
-        decision = self._broadcast_object(decision)
+        decision = broadcast_object(self.world, decision, "resume")
         if "error" in decision:
             raise InputError(decision["error"], source=decision["source"], field=decision["field"])
         self.skipped_checkpoints = decision["skipped"]

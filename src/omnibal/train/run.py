@@ -82,9 +82,9 @@ def build_schedule(cfg: TrainConfig, stats, stats_fingerprint: str | None = None
     """The run's schedule (the same on every rank: a pure function of the inputs). A ``--schedule`` file must
     have been balanced from these statistics (``stats_fingerprint``: of the rows as the stats file has them;
     default ``stats.fingerprint()``) and schedule each of their rows once."""
-    groups = cfg.dp_size // cfg.sp_degree  # data-parallel groups: the trainer deals each to its SP ranks
+    groups = cfg.layout.dp_size // cfg.sp_degree  # data-parallel groups: the trainer deals each to its SP ranks
     if cfg.mode in ("baseline", "online"):  # online: the same local draws, re-dealt every step
-        return random_microbatch_schedule(len(stats), dp_size=groups, num_microbatches=cfg.num_microbatches,
+        return random_microbatch_schedule(len(stats), dp_size=groups, num_microbatches=cfg.layout.num_microbatches,
                                           batch_size=cfg.baseline_batch_size, seed=cfg.seed)
     if cfg.schedule_path is not None:
         schedule = load_schedule(cfg.schedule_path)
@@ -93,7 +93,7 @@ def build_schedule(cfg: TrainConfig, stats, stats_fingerprint: str | None = None
                               stats_source=f"the statistics of this run ({stats.source})")
         return schedule
 
-    return balance(stats, dp_size=groups, num_microbatches=cfg.num_microbatches, seed=cfg.seed)
+    return balance(stats, dp_size=groups, num_microbatches=cfg.layout.num_microbatches, seed=cfg.seed)
 
 
 def schedule_for_world(old, stats, cfg: TrainConfig, spec):
@@ -103,7 +103,7 @@ def schedule_for_world(old, stats, cfg: TrainConfig, spec):
     again at its levels, the balancer's single level with its recorded config; a hand-made one cannot be."""
     source = getattr(old, "source", "schedule")
     ran = level_order(old, curriculum_epochs=cfg.level_curriculum, warmup_steps=cfg.level_warmup)
-    groups = cfg.dp_size // cfg.sp_degree
+    groups = cfg.layout.dp_size // cfg.sp_degree
     if hbp_of(old) is not None:
         return ran, hbp_rest(hbp_params(old), untrained(old, 0), stats, dp_size=groups,
                              num_heads=spec.llm.num_heads, source=source)
@@ -113,7 +113,7 @@ def schedule_for_world(old, stats, cfg: TrainConfig, spec):
                          "levels nor how it was balanced (a hand-made schedule): its epoch cannot be re-balanced "
                          f"for dp {groups}", source=source, field="dp_size")
     manifest = {"sampler": {"next_step": 0, "schedule_fingerprint": schedule_fingerprint(old), "balance": record}}
-    return ran, reshard_schedule(manifest, stats, dp_size=groups, num_microbatches=cfg.num_microbatches,
+    return ran, reshard_schedule(manifest, stats, dp_size=groups, num_microbatches=cfg.layout.num_microbatches,
                                  source=source, fingerprint=schedule_fingerprint)
 
 
@@ -173,21 +173,22 @@ def build_trainer(cfg: TrainConfig, world: World, notify=None, say=None):
     schedule = build_schedule(cfg, stats, raw.fingerprint())
     balanced_on = raw if cfg.schedule_path is not None and cfg.mode == "omnibal" else stats
     trained_on = None
-    if cfg.resume and cfg.reshard and schedule.dp_size != cfg.dp_size // cfg.sp_degree:
+    if cfg.resume and cfg.reshard and schedule.dp_size != cfg.layout.dp_size // cfg.sp_degree:
         trained_on, schedule = schedule_for_world(schedule, balanced_on, cfg, spec)
-    per_step = cfg.dp_size // cfg.sp_degree * cfg.num_microbatches * cfg.baseline_batch_size
+    per_step = cfg.layout.dp_size // cfg.sp_degree * cfg.layout.num_microbatches * cfg.baseline_batch_size
     if world.rank == 0 and cfg.mode != "omnibal":
         left = len(stats) - schedule.num_steps * per_step
         if left:
-            tell(f"{left} of {len(stats)} samples do not fill a whole step of {cfg.dp_size // cfg.sp_degree} x "
-                 f"{cfg.num_microbatches} x {cfg.baseline_batch_size} ({cfg.mode} mode's fixed micro-batches): "
-                 f"they are not trained this epoch")
+            tell(f"{left} of {len(stats)} samples do not fill a whole step of "
+                 f"{cfg.layout.dp_size // cfg.sp_degree} x {cfg.layout.num_microbatches} x {cfg.baseline_batch_size} "
+                 f"({cfg.mode} mode's fixed micro-batches): they are not trained this epoch")
     names = [layer.name for layer, _ in model.chain()]
     recomputable = [layer.name for layer, _ in model.chain() if layer.kind in ("vision_block", "llm_block")]
     stage_layers = cfg.stage_layers
-    if cfg.mode == "online" and cfg.pp_size > 1 and stage_layers is None and cfg.plan_path is None:
-        stage_layers = online_stage_layers(len(names), spec.vision.num_layers + 2, cfg.pp_size)  # vision on stage 0
-    layout = resolve_layout(names, pp_size=cfg.pp_size, mode=cfg.mode, stage_layers=stage_layers,
+    if cfg.mode == "online" and cfg.layout.pp_size > 1 and stage_layers is None and cfg.plan_path is None:
+        # vision on stage 0
+        stage_layers = online_stage_layers(len(names), spec.vision.num_layers + 2, cfg.layout.pp_size)
+    layout = resolve_layout(names, pp_size=cfg.layout.pp_size, mode=cfg.mode, stage_layers=stage_layers,
                             recompute=cfg.recompute, selective=cfg.selective, plan_path=cfg.plan_path,
                             model_name=spec.name,
                             recomputable=recomputable)
@@ -198,8 +199,9 @@ def build_trainer(cfg: TrainConfig, world: World, notify=None, say=None):
             "buffer": None if buffer is None else [buffer.tiles, buffer.tokens]}
     trainer = Trainer(world=world, model=model, layout=layout, schedule=schedule,
                       dataset=dataset if world.is_first_stage else None,  # the labels reach the last stage in the carry
-                      mode=cfg.mode, num_microbatches=cfg.num_microbatches, pipeline_schedule=cfg.pipeline_schedule,
-                      lr=cfg.lr, dp_sync=cfg.dp_sync, weight_decay=cfg.weight_decay, buffer=buffer,
+                      mode=cfg.mode, num_microbatches=cfg.layout.num_microbatches,
+                      pipeline_schedule=cfg.pipeline_schedule, lr=cfg.lr, dp_sync=cfg.dp_sync,
+                      weight_decay=cfg.weight_decay, buffer=buffer,
                       log_path=cfg.log_path, quiet=cfg.quiet, checkpoint_dir=cfg.checkpoint_dir,
                       checkpoint_every=cfg.checkpoint_every, run_info=info, ledger_path=cfg.ledger_path,
                       notify=notify, sp_degree=cfg.sp_degree, level_curriculum=cfg.level_curriculum,
@@ -246,8 +248,9 @@ def preflight(cfg: TrainConfig) -> None:
     else:
         spec = get_model_preset(cfg.model)
     layers = spec.layers()
-    resolve_layout([layer.name for layer in layers], pp_size=cfg.pp_size, mode=cfg.mode, stage_layers=cfg.stage_layers,
-                   recompute=cfg.recompute, selective=cfg.selective, plan_path=cfg.plan_path, model_name=spec.name,
+    resolve_layout([layer.name for layer in layers], pp_size=cfg.layout.pp_size, mode=cfg.mode,
+                   stage_layers=cfg.stage_layers, recompute=cfg.recompute, selective=cfg.selective,
+                   plan_path=cfg.plan_path, model_name=spec.name,
                    recomputable=[layer.name for layer in layers if layer.kind in ("vision_block", "llm_block")])
     if cfg.stats_path is None and cfg.annotations_path is None:
         raise InputError("no data given: pass --annotations FILE (with --tokenizer) for real data, or --stats FILE "
@@ -295,7 +298,8 @@ def train_rank(cfg: TrainConfig, notify=None, say=None) -> dict:
     if cfg.world_size == 1 and "RANK" not in os.environ:
         world = local_world(cfg.device, cfg.timeout_s)
     else:
-        world = init_world(dp_size=cfg.dp_size, pp_size=cfg.pp_size, device=cfg.device, timeout_s=cfg.timeout_s)
+        world = init_world(dp_size=cfg.layout.dp_size, pp_size=cfg.layout.pp_size, device=cfg.device,
+                           timeout_s=cfg.timeout_s)
     trainer = build_trainer(cfg, world, notify, say)
     if cfg.resume:
         trainer.maybe_resume(reshard=cfg.reshard)
