@@ -77,6 +77,23 @@ def test_a_parsers_input_error_is_a_usage_error_with_its_own_message(capsys):
     assert "argument --chunks: must be comma-separated integers, got '1,x'" in capsys.readouterr().err
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WithParsed:
+    inner: Inner = dataclasses.field(default_factory=Inner, metadata={"flag": "--inner-width",
+                                                                      "parse": lambda t: Inner(width=int(t))})
+    """A nested config given as one value."""
+    width: int = 0
+    """Another knob of the same name as the nested config's field."""
+
+
+def test_a_nested_config_with_a_parser_is_one_argument():
+    p = argparse.ArgumentParser()
+    assert add_config_arguments(p, WithParsed) == {"inner": "--inner-width", "width": "--width"}
+    assert config_from_args(WithParsed, p.parse_args(["--inner-width", "3", "--width", "5"])) == WithParsed(
+        inner=Inner(width=3), width=5)
+    assert config_from_args(WithParsed, p.parse_args(["--width", "5"])) == WithParsed(width=5)
+
+
 def test_unset_flags_keep_the_dataclass_defaults():
     p, _ = _parser()
     args = p.parse_args(["--no-prefetch"])
