@@ -8,11 +8,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from balance_helpers import assert_exactly_once, random_stats, real_stats
-from omnibal.data.balance import METHODS, BalanceConfig, balance
+from omnibal.data.balance import BalanceConfig, balance
 from omnibal.data.balance.baselines import grouping_lengths, length_grouped_order
 from omnibal.data.balance.isf import contiguous_blocks, isf_pack, next_fit
 from omnibal.data.metrics import schedule_metrics
 from omnibal.errors import InputError
+from omnibal.layout import BalanceMethod
 from omnibal.stats.table import SampleStats
 
 
@@ -121,8 +122,8 @@ _layouts = st.tuples(st.integers(1, 6), st.integers(1, 3))
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(n=st.integers(1, 300), seed=st.integers(0, 10_000), layout=_layouts, method=st.sampled_from(METHODS),
-       max_tiles=st.integers(1, 13), epoch=st.integers(0, 3))
+@given(n=st.integers(1, 300), seed=st.integers(0, 10_000), layout=_layouts,
+       method=st.sampled_from(tuple(BalanceMethod)), max_tiles=st.integers(1, 13), epoch=st.integers(0, 3))
 def test_every_method_schedules_each_sample_once(n, seed, layout, method, max_tiles, epoch):
     dp, m = layout
     stats = random_stats(n, seed=seed, max_tiles=max_tiles)

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from omnibal.cli import COMMANDS, build_parser, main
-from omnibal.cli.options import OPTIONS, DeprecatedAlias
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "omnibal"
 ROOT = SRC.parents[1]
@@ -35,29 +34,21 @@ def test_every_choice_is_a_plain_word_and_errors_list_the_words(capsys):
     assert "choose from 'omnibal', 'deepspeed', 'megatron', 'torchtitan'" in err and "<Engine" not in err, err
 
 
-def _deprecated_flags() -> set[str]:
-    flags = {a for opt in OPTIONS.values() for a in opt.aliases}
-    for parser in _subparsers().values():
-        flags |= {s for a in parser._actions if isinstance(a, DeprecatedAlias) for s in a.option_strings}
-    return flags
+def test_no_message_or_help_names_a_removed_spelling():
+    """A message that asked for ``--preset`` (then deprecated, now removed) made a new user type the old
+    spelling."""
+    from test_cli_flags import REMOVED
 
-
-def test_no_message_or_help_names_a_deprecated_spelling():
-    """A message that asked for ``--preset`` (deprecated) made a new user type the old spelling."""
-    pattern = re.compile(r"(?<![\w-])(" + "|".join(re.escape(f) for f in sorted(_deprecated_flags())) + r")(?![\w-])")
+    pattern = re.compile(r"(?<![\w-])(" + "|".join(re.escape(f) for f in sorted(REMOVED)) + r")(?![\w-])")
     hits = []
     for path in sorted(SRC.rglob("*.py")):
         rel = path.relative_to(SRC).as_posix()
-        if rel in ("cli/options.py", "layout.py"):  # where the aliases are declared
-            continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and pattern.search(node.value):
                 hits.append(f"{rel}:{node.lineno}: {pattern.search(node.value).group(0)}")
     for path in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
-        if path.name == "cli.md":  # the table of old and new spellings
-            continue
         for para in path.read_text().split("\n\n"):  # a paragraph that lists the old spellings as such
-            if pattern.search(para) and not re.search(r"deprecated|older spellings", para, re.I):
+            if pattern.search(para) and not re.search(r"removed", para, re.I):
                 hits.append(f"{path.relative_to(ROOT)}: {pattern.search(para).group(0)} in {para.strip()[:80]!r}")
     assert not hits, "\n".join(hits)
 

@@ -31,7 +31,7 @@ docs/engines/megatron.md); its tests plan it with 77 GiB."""
 
 @functools.cache
 def engine_plan(preset: str, engine: str):
-    """``run_plan_job`` of the default job (or ``--preset``) for ``engine``, as ``omnibal plan`` runs it."""
+    """``run_plan_job`` of the default job (or ``--model``) for ``engine``, as ``omnibal plan`` runs it."""
     kw = {"layout": replace(PLAN_LAYOUT, zero_stage=2)} if engine == "torchtitan" else {}
     if engine == "megatron" and preset == "internvl-chat-1.5":
         kw["memory_budget_gib"] = MEGATRON_DEFAULT_BUDGET

@@ -191,9 +191,9 @@ def test_plan_refuses_a_sample_no_level_can_hold():
 
 
 def test_cli_plan_hbp_writes_the_level_table(tmp_path, capsys):
-    code = main(["plan", "--hbp", "long-context", "--preset", "internvl2-8b", "--gpus", "16", "--pp", "2",
-                 "--num-microbatches", "2", "--samples", "2500", "--balance-samples", "1500",
-                 "--baseline-batch-size", "1", "--out", str(tmp_path)])
+    code = main(["plan", "--hbp", "long-context", "--model", "internvl2-8b", "--gpus", "16", "--pp", "2",
+                 "--microbatches", "2", "--samples", "2500", "--balance-samples", "1500",
+                 "--batch-size", "1", "--out", str(tmp_path)])
     assert code == 0
     out = capsys.readouterr().out
     assert "| level | pack length | SP | micro-batches |" in out and "| hbp |" in out

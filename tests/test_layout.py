@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from omnibal.errors import InputError
 from omnibal.jobs.plan_config import PLAN_LAYOUT, PlanJobConfig
-from omnibal.layout import BalanceMethod, Engine, Layout, OversizePolicy, Padding, PipelineSchedule, check_layout_fields
+from omnibal.layout import BalanceMethod, Layout, PipelineSchedule, check_layout_fields
 from omnibal.plan.plan import PlanInputs
 from omnibal.train.config import TRAIN_LAYOUT, TrainConfig
 
@@ -69,11 +69,21 @@ def test_check_layout_fields_names_the_source_and_field():
 
 
 def test_the_libraries_lists_are_the_vocabularies():
-    from omnibal.data.balance.api import METHODS, OVERSIZE_POLICIES
-    from omnibal.data.balance.schedule import PADDINGS
-    from omnibal.plan.engines import ENGINES
-    from omnibal.sim.schedule import SCHEDULES
+    """The libraries validate against the StrEnums themselves (no tuple copies), and name the words."""
+    import omnibal.data.balance as balance_pkg
+    import omnibal.sim as sim_pkg
+    from omnibal.data.balance.api import BalanceConfig
+    from omnibal.plan.engines import get_engine
+    from omnibal.sim.costs import SimConfig
 
-    assert METHODS == tuple(BalanceMethod) and OVERSIZE_POLICIES == tuple(OversizePolicy)
-    assert PADDINGS == tuple(Padding) and ENGINES == tuple(Engine) and SCHEDULES == tuple(PipelineSchedule)
+    for module, names in ((balance_pkg, ("METHODS", "OVERSIZE_POLICIES", "PADDINGS")), (sim_pkg, ("SCHEDULES",))):
+        assert not any(hasattr(module, name) for name in names)
+    with pytest.raises(InputError, match="choose one of omnibal, isf, isf\\+assign, random, length-grouped"):
+        BalanceConfig(method="nope")
+    with pytest.raises(InputError, match="choose one of error, own_pack, drop"):
+        BalanceConfig(oversize="nope")
+    with pytest.raises(InputError, match="choose one of omnibal, deepspeed, megatron, torchtitan"):
+        get_engine("nope")
+    with pytest.raises(InputError, match="choose one of 1f1b, gpipe, interleaved"):
+        SimConfig(schedule="nope").validate()
     assert BalanceMethod.ISF_ASSIGN == "isf+assign" and f"{PipelineSchedule.ONE_F_ONE_B}" == "1f1b"

@@ -42,7 +42,7 @@ def test_verify_is_refused_where_the_trainer_cannot_measure_the_plan(change, fie
 def test_cli_refuses_verify_for_a_large_model_before_planning(tmp_path):
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        assert main(["plan", "--preset", "llava-1.5-7b", "--verify", "2", "--quiet", "--out", str(tmp_path / "x")]) == 2
+        assert main(["plan", "--model", "llava-1.5-7b", "--verify", "2", "--quiet", "--out", str(tmp_path / "x")]) == 2
     assert "--verify" in err.getvalue() and "tiny" in err.getvalue()
 
 

@@ -166,7 +166,7 @@ def test_stats_cli_makes_llava_stats_one_tile_per_image_and_records_it(tmp_path)
 def test_balance_cli_takes_the_model_cost_and_refuses_a_convention_mismatch(tmp_path):
     stats = save_stats(_internvl_stats(400), tmp_path / "s.jsonl")
     err = io.StringIO()
-    common = ["balance", "--stats", str(stats), "--dp-size", "2", "--num-microbatches", "2", "--quiet"]
+    common = ["balance", "--stats", str(stats), "--dp", "2", "--microbatches", "2", "--quiet"]
     with contextlib.redirect_stderr(err):
         assert main([*common, "--model", "llava-1.5-7b"]) == 2
     assert "LLaVA single image" in err.getvalue()

@@ -133,7 +133,7 @@ def test_measured_saved_bytes_match_the_analytic_accounting(tmp_path):
 
 
 def test_cli_rejects_bad_input(tmp_path, capsys):
-    assert main(["profile", "--preset", "nope", "-o", str(tmp_path / "x.json"), "--quiet"]) == 2
+    assert main(["profile", "--model", "nope", "-o", str(tmp_path / "x.json"), "--quiet"]) == 2
     assert "unknown model preset" in capsys.readouterr().err
     assert main(["profile", "--spec", str(tmp_path / "missing.json"), "--quiet"]) == 2
 

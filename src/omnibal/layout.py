@@ -10,7 +10,7 @@ The ``StrEnum`` vocabularies are the one list of each choice: configs validate a
 offers them as ``choices``. A member equals its string (``BalanceMethod.OMNIBAL == "omnibal"``), so configs
 and JSON keep plain strings.
 
-Each :class:`Layout` field's command-line spelling (flag, deprecated aliases, help) is declared beside it in
+Each :class:`Layout` field's command-line spelling (flag, help) is declared beside it in
 :data:`LAYOUT_FLAGS`: ``omnibal.cli.options`` builds every subcommand's layout options from it.
 
 This module sits at the bottom of the layer order (beside ``errors``): it imports nothing of omnibal else.
@@ -140,8 +140,8 @@ class OnError(StrEnum):
 ZERO_STAGES = (0, 1, 2, 3)
 
 
-def _cli(flag: str, help: str, *aliases: str) -> dict:
-    return {"flag": flag, "aliases": aliases, "help": help}
+def _cli(flag: str, help: str) -> dict:
+    return {"flag": flag, "help": help}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -200,12 +200,12 @@ class Layout:
 
 # How each layout field is spelled on the command line: the CLI's layout options are built from this.
 LAYOUT_FLAGS = {
-    "dp_size": _cli("--dp", "data-parallel size", "--dp-size"),
+    "dp_size": _cli("--dp", "data-parallel size"),
     "pp_size": _cli("--pp", "pipeline stages"),
     "tp_size": _cli("--tp", "tensor-parallel size"),
     "zero_stage": _cli("--zero-stage", "ZeRO stage over DP (0: nothing sharded, 1: optimizer state, 2: and "
                        "gradients, 3: and weights, gathered layer by layer)"),
-    "num_microbatches": _cli("--microbatches", "micro-batches per DP rank per step", "--num-microbatches"),
+    "num_microbatches": _cli("--microbatches", "micro-batches per DP rank per step"),
 }
 
 _POSITIVE = ("dp_size", "pp_size", "tp_size", "num_microbatches", "num_gpus", "num_stages")

@@ -44,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
             help=mod.HELP,
             description=getattr(mod, "DESCRIPTION", mod.HELP),
             formatter_class=_HelpFormatter,
+            allow_abbrev=False,  # one spelling per knob: no prefix of it, nor of a removed spelling, works
         )
         mod.add_arguments(p)
         plain_choices(p)

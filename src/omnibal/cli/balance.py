@@ -8,6 +8,7 @@ import math
 import sys
 import time
 
+from omnibal.cli.fields import add_config_arguments, config_from_args
 from omnibal.cli.options import add_option
 from omnibal.errors import InputError
 
@@ -19,19 +20,19 @@ DESCRIPTION = (HELP + ". Reads per-sample statistics (any format `omnibal stats`
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The balancer's knobs, one per command-line field of :class:`omnibal.data.balance.BalanceConfig` (its
+    docstring is the help); the data, the layout, the seed and epoch (the arguments of ``balance``), the
+    cost model and the outputs are written here (no config holds them)."""
+    from omnibal.data.balance import BalanceConfig
+
     add_option(parser, "stats", help="per-sample statistics file (json/jsonl/parquet/OmniBal token-length)")
     add_option(parser, "samples", default=1_200_000,
                help="rows of the synthetic default mixture used when --stats is not given")
-    # required, but checked in run: argparse's required= would refuse the deprecated --dp-size spelling
+    # required, but checked in run, so the error names --dp as every other input error does
     add_option(parser, "dp_size", help="data-parallel ranks (required)")
     add_option(parser, "num_microbatches", default=4, help="micro-batches per DP rank per step (omnibal train's "
                "default too, so the schedule runs there as written)")
-    parser.add_argument("--target-samples", type=float, default=4.5, help="mean samples per micro-batch")
-    parser.add_argument("--max-tiles", type=int, default=None, help="fixed Q_v (default: cap search)")
-    add_option(parser, "max_tokens")
-    add_option(parser, "oversize", default="error")
-    add_option(parser, "balance_method", default="omnibal")
-    add_option(parser, "batch_size", default=4, help="samples per micro-batch (random, length-grouped)")
+    add_config_arguments(parser.add_argument_group("balancer (omnibal.data.balance.BalanceConfig)"), BalanceConfig)
     add_option(parser, "seed", default=0)
     add_option(parser, "epoch", default=0)
     add_option(parser, "out", help="write the schedule JSON here")
@@ -125,11 +126,9 @@ def run(args: argparse.Namespace) -> int:
         raise InputError("required: the number of data-parallel ranks", source="--dp", field="dp_size")
     stats = _load(args.stats, args.samples)
     cost, stats = _model_cost(args, stats)
-    check_target_samples(args.target_samples, slots=args.dp_size * args.num_microbatches)
-    config = BalanceConfig(cost=cost, method=args.balance_method, target_samples=args.target_samples,
-                           max_tiles=args.max_tiles,
-                           max_tokens=args.max_tokens, oversize=args.oversize, batch_size=args.batch_size,
-                           progress=sys.stderr.isatty() and not args.quiet)
+    check_target_samples(getattr(args, "target_samples", BalanceConfig.target_samples),
+                         slots=args.dp_size * args.num_microbatches)
+    config = config_from_args(BalanceConfig, args, cost=cost, progress=sys.stderr.isatty() and not args.quiet)
     t0 = time.perf_counter()
     schedule = balance(stats, dp_size=args.dp_size, num_microbatches=args.num_microbatches, seed=args.seed,
                        epoch=args.epoch, config=config)

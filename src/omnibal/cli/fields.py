@@ -4,9 +4,12 @@ The flag is the field name in kebab case (``max_tiles`` -> ``--max-tiles``), the
 the field, and the type and choices follow the annotation: a ``StrEnum`` or ``Literal`` gives choices, ``bool``
 a ``--x/--no-x`` pair, ``tuple[int, ...]`` a comma list, ``X | None`` a flag that may be left unset. A field's
 ``metadata`` may give another spelling (``{"flag": "--steps"}``), a short flag (``{"short": "-n"}``), more
-spellings (``{"also": ("--log",)}``), a metavar, a parser (``{"parse": fn}``), or ``{"cli": False}`` to keep
-it off the command line. A knob several subcommands share is spelled by its :data:`omnibal.cli.options.OPTIONS`
-entry (its flag, short flags and deprecated aliases): the entry of the field's name, or of its metadata's
+spellings (``{"also": ("--log",)}``), a metavar, a parser (``{"parse": fn}``: a nested dataclass field with
+one is one argument, not flat), a default of the command line's own (``{"cli_default": value}``, where the
+subcommand runs another than a library caller's; a string is parsed as the flag's value is), or
+``{"cli": False}`` to keep it off the command line.
+A knob several subcommands share is spelled by its :data:`omnibal.cli.options.OPTIONS`
+entry (its flag and short flags): the entry of the field's name, or of its metadata's
 ``option``; the argument's dest is then the entry's key, so every subcommand stores it under one name.
 A nested dataclass field (``layout``) contributes its own fields flat; :func:`config_from_args` builds the
 nested value from the field's default and the given ones.
@@ -61,18 +64,33 @@ def _comma_list(item_type):
     return parse
 
 
+def _usage_errors(parse):
+    """``parse`` whose InputError argparse reports as its own message (``argument --chunks: must be ...``),
+    not as ``invalid parse_chunks value``."""
+    from omnibal.errors import InputError
+
+    def checked(text: str):
+        try:
+            return parse(text)
+        except InputError as exc:
+            raise argparse.ArgumentTypeError(exc.message) from None
+    checked.__name__ = parse.__name__
+    return checked
+
+
 def argument_kwargs(f: dataclasses.Field, tp, doc: str) -> dict:
-    """``add_argument`` keywords of one field (no default: the dataclass's own default applies)."""
+    """``add_argument`` keywords of one field (no default, so the dataclass's own applies, unless the field
+    declares a ``cli_default``)."""
     tp, _ = _unwrap_optional(tp)
     kw: dict = {"dest": option_key(f) or f.name, "help": f.metadata.get("help", doc).replace("%", "%%"),
-                "default": argparse.SUPPRESS}
+                "default": f.metadata.get("cli_default", argparse.SUPPRESS)}
     if "metavar" in f.metadata:
         kw["metavar"] = f.metadata["metavar"]
     origin = typing.get_origin(tp)
     if "choices" in f.metadata:  # a subset of the annotation's vocabulary
         kw["choices"] = tuple(f.metadata["choices"])
     elif "parse" in f.metadata:
-        kw["type"] = f.metadata["parse"]
+        kw["type"] = _usage_errors(f.metadata["parse"])
     elif tp is bool:
         kw["action"] = argparse.BooleanOptionalAction
     elif isinstance(tp, type) and issubclass(tp, enum.Enum):
@@ -98,7 +116,7 @@ def cli_fields(cls) -> list[tuple[dataclasses.Field, object, str]]:
     for f in dataclasses.fields(cls):
         if not f.metadata.get("cli", True):
             continue
-        if dataclasses.is_dataclass(hints[f.name]):
+        if dataclasses.is_dataclass(hints[f.name]) and "parse" not in f.metadata:
             out.extend(cli_fields(hints[f.name]))
         else:
             out.append((f, hints[f.name], docs.get(f.name, "")))
@@ -113,15 +131,29 @@ def option_key(f: dataclasses.Field) -> str | None:
     return key if key in OPTIONS else None
 
 
+def default_note(f: dataclasses.Field, help: str) -> str:
+    """`` (default: X)`` for the help of a field with a plain default (not None, a flag's bool, a factory's
+    object or one the help already names), as the subcommands' formatter shows a hand-written option's."""
+    default = f.default
+    if (default is dataclasses.MISSING or default is None or isinstance(default, bool) or "cli_default" in f.metadata
+            or "default" in help.lower()):
+        return ""
+    text = ",".join(map(str, default)) if isinstance(default, tuple) else str(default)
+    return f" (default: {text})"
+
+
 def add_config_arguments(parser, cls, *, skip: tuple[str, ...] = ()) -> dict[str, str]:
     """Add one argument per command-line field of ``cls`` (but ``skip``); returns {field name: long flag}."""
     from omnibal.cli.options import OPTIONS, add_option
 
     flags = {}
+    own = set(dataclasses.fields(cls))  # a nested dataclass's defaults are not the outer config's
     for f, tp, doc in cli_fields(cls):
         if f.name in skip:
             continue
         kw = argument_kwargs(f, tp, doc)
+        if f in own:
+            kw["help"] += default_note(f, kw["help"])
         key = option_key(f)
         if key is not None:
             opt = OPTIONS[key]
@@ -152,7 +184,7 @@ def _given_fields(cls, args: argparse.Namespace) -> dict:
     for f in dataclasses.fields(cls):
         if not f.metadata.get("cli", True):
             continue
-        if dataclasses.is_dataclass(hints[f.name]):
+        if dataclasses.is_dataclass(hints[f.name]) and "parse" not in f.metadata:  # as cli_fields
             inner = _given_fields(hints[f.name], args)
             if inner:
                 default = (f.default if f.default is not dataclasses.MISSING else

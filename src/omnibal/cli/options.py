@@ -1,4 +1,4 @@
-"""Every option more than one subcommand takes, spelled once: flag, deprecated aliases, type, choices, help.
+"""Every option more than one subcommand takes, spelled once: flag, type, choices, help.
 
 A subcommand adds a shared option with :func:`add_option` (``add_option(group, "dp_size", default=1)``); it
 may give its own default and help, never its own spelling, so ``--dp`` is ``--dp`` in every subcommand
@@ -7,14 +7,14 @@ declared beside :class:`omnibal.layout.Layout`; choice lists are the ``StrEnum``
 :mod:`omnibal.layout`.
 
 To add a knob: one :class:`Option` entry in :data:`OPTIONS` (keyed by its ``dest``: the config field name
-where one exists), then ``add_option`` in each subcommand that takes it. To rename one: put the old
-spelling in ``aliases``; it keeps working for one release and prints a one-line deprecation warning.
+where one exists), then ``add_option`` in each subcommand that takes it, or the field's ``option`` metadata
+(:mod:`omnibal.cli.fields`). To rename one: change its flag here and say so in CHANGELOG.md; the old
+spelling is not kept.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import dataclass, field
 
 from omnibal.cost.stack import STACKS
@@ -40,105 +40,74 @@ class Option:
     """Its spelling, e.g. ``--dp``."""
     help: str
     """Default help (a subcommand may say more)."""
-    aliases: tuple[str, ...] = ()
-    """Old spellings: still accepted, with a one-line deprecation warning on stderr naming ``flag``."""
     kwargs: dict = field(default_factory=dict)
     """More ``add_argument`` keywords: type, choices, metavar, action."""
     short: tuple[str, ...] = ()
-    """Short spellings offered beside ``flag`` (not deprecated)."""
+    """Short spellings offered beside ``flag``."""
 
 
 OPTIONS: dict[str, Option] = {
     # cluster layout (omnibal.layout.Layout)
-    **{dest: Option(spec["flag"], spec["help"], spec["aliases"],
+    **{dest: Option(spec["flag"], spec["help"],
                     {"type": int, **({"choices": ZERO_STAGES} if dest == "zero_stage" else {"metavar": "N"})})
        for dest, spec in LAYOUT_FLAGS.items()},
-    "num_gpus": Option("--gpus", "devices in the job; DP x PP x TP must equal it", (), {"type": int, "metavar": "N"}),
+    "num_gpus": Option("--gpus", "devices in the job; DP x PP x TP must equal it", {"type": int, "metavar": "N"}),
     # model and hardware
-    "model": Option("--model", "model preset (omnibal.cost.presets)", ("--preset",)),
-    "hf_model": Option("--hf-model", "local Hugging Face checkpoint (Llava / InternVL)", (), {"metavar": "DIR"}),
+    "model": Option("--model", "model preset (omnibal.cost.presets)"),
+    "hf_model": Option("--hf-model", "local Hugging Face checkpoint (Llava / InternVL)", {"metavar": "DIR"}),
     "hardware": Option("--hardware", "hardware preset: a100-40g, a100-80g, h100, h200, cpu"),
     "profile": Option("--profile", "measured layer profile JSON (omnibal profile) instead of the analytic cost "
-                      "model", (), {"metavar": "FILE"}),
-    "stack": Option("--stack", "software stack whose weight/gradient/optimizer bytes the memory model counts", (),
+                      "model", {"metavar": "FILE"}),
+    "stack": Option("--stack", "software stack whose weight/gradient/optimizer bytes the memory model counts",
                     {"choices": tuple(STACKS)}),
-    "dtype": Option("--dtype", "training dtype", (), {"choices": tuple(Dtype)}),
-    "device": Option("--device", "device type", (), {"choices": tuple(Device)}),
-    "threads": Option("--threads", "torch CPU threads", (), {"type": int}),
-    "engine": Option("--engine", "engine that will run the plan", (), {"choices": tuple(Engine)}),
+    "dtype": Option("--dtype", "training dtype", {"choices": tuple(Dtype)}),
+    "device": Option("--device", "device type", {"choices": tuple(Device)}),
+    "threads": Option("--threads", "torch CPU threads", {"type": int}),
+    "engine": Option("--engine", "engine that will run the plan", {"choices": tuple(Engine)}),
     # pipeline
-    "schedule": Option("--schedule", "pipeline schedule", ("--pipeline-schedule",),
-                       {"choices": tuple(PipelineSchedule)}),
-    "plan": Option("--plan", "plan JSON (omnibal plan)", (), {"metavar": "FILE"}),
+    "schedule": Option("--schedule", "pipeline schedule", {"choices": tuple(PipelineSchedule)}),
+    "chunks": Option("--chunks", "model chunks per pipeline device"),
+    "selective_recompute": Option("--selective-recompute", "let adaptive recompute run blocks selectively (stored "
+                                  "apart from the trainer's per-stage --selective sets)"),
+    "plan": Option("--plan", "plan JSON (omnibal plan)", {"metavar": "FILE"}),
     "recompute": Option("--recompute", "activation recompute per stage"),
     # data
-    "stats": Option("--stats", "per-sample statistics file (omnibal stats)", (), {"metavar": "FILE"}),
+    "stats": Option("--stats", "per-sample statistics file (omnibal stats)", {"metavar": "FILE"}),
     "samples": Option("--samples", "size of the synthetic InternVL-like mixture used without --stats",
-                      ("--synthetic-samples",), {"type": int, "metavar": "N"}),
+                      {"type": int, "metavar": "N"}),
     "convert_stats": Option("--convert-stats", "convert statistics of another image convention (InternVL tiles / "
-                            "LLaVA single image) to the model's instead of refusing them", (),
+                            "LLaVA single image) to the model's instead of refusing them",
                             {"action": "store_true"}),
     "schedule_file": Option("--schedule-file", "balanced schedule JSON (omnibal balance) instead of balancing "
-                            "here", (), {"metavar": "FILE"}),
+                            "here", {"metavar": "FILE"}),
     "balance_method": Option("--balance-method", "balancer: how samples are packed into micro-batches",
-                             ("--balance", "--method"), {"choices": tuple(BalanceMethod)}),
+                             {"choices": tuple(BalanceMethod)}),
     "batch_size": Option("--batch-size", "samples per micro-batch of the random and length-grouped baselines",
-                         ("--baseline-batch-size",), {"type": int, "metavar": "N"}),
+                         {"type": int, "metavar": "N"}),
     "padding": Option("--padding", "how a micro-batch runs"),
-    "max_tokens": Option("--max-tokens", "fixed Q_t, the token buffer of a pack (default: cap search)", (),
+    "max_tokens": Option("--max-tokens", "fixed Q_t, the token buffer of a pack (default: cap search)",
                          {"type": int, "metavar": "N"}),
     "oversize": Option("--oversize", "samples over a fixed cap: an error, a pack of their own, or dropped "
-                       "(counted in the metrics)", (), {"choices": tuple(OversizePolicy)}),
-    "seed": Option("--seed", "seed of data, shuffles and sampling", (), {"type": int}),
-    "epoch": Option("--epoch", "epoch to balance", (), {"type": int}),
-    "image_root": Option("--image-root", "folder image paths are relative to", (), {"metavar": "DIR"}),
-    "tokenizer": Option("--tokenizer", "local tokenizer.json or tokenizer folder", (), {"metavar": "PATH"}),
-    "on_error": Option("--on-error", "bad input records: stop at the first, or skip and report them", (),
+                       "(counted in the metrics)", {"choices": tuple(OversizePolicy)}),
+    "seed": Option("--seed", "seed of data, shuffles and sampling", {"type": int}),
+    "epoch": Option("--epoch", "epoch to balance", {"type": int}),
+    "image_root": Option("--image-root", "folder image paths are relative to", {"metavar": "DIR"}),
+    "tokenizer": Option("--tokenizer", "local tokenizer.json or tokenizer folder", {"metavar": "PATH"}),
+    "on_error": Option("--on-error", "bad input records: stop at the first, or skip and report them",
                        {"choices": tuple(OnError)}),
     # output
-    "out": Option("--out", "output path", ("--output",), short=("-o",)),
-    "quiet": Option("--quiet", "no progress output", (), {"action": "store_true"}),
+    "out": Option("--out", "output path", short=("-o",)),
+    "quiet": Option("--quiet", "no progress output", {"action": "store_true"}),
 }
 
 
 def add_option(group, dest: str, *, help: str | None = None, **overrides) -> argparse.Action:
-    """Add the shared option ``dest`` to ``group`` (a parser, argument group or mutually exclusive group),
-    with its deprecated aliases. ``overrides``: ``add_argument`` keywords of this subcommand (default,
-    choices narrowed to what it supports, metavar)."""
+    """Add the shared option ``dest`` to ``group`` (a parser, argument group or mutually exclusive group).
+    ``overrides``: ``add_argument`` keywords of this subcommand (default, choices narrowed to what it
+    supports, metavar)."""
     opt = OPTIONS[dest]
     kwargs = {**opt.kwargs, **overrides}
-    action = group.add_argument(opt.flag, *opt.short, dest=dest, help=help or opt.help, **kwargs)
-    for alias in opt.aliases:
-        add_deprecated_alias(group, alias, action)
-    return action
-
-
-def add_deprecated_alias(group, alias: str, action: argparse.Action) -> None:
-    """``alias`` as a hidden spelling of ``action``'s option (its first spelling: the flag) that warns on
-    stderr and then stores like it."""
-    group.add_argument(alias, dest=action.dest, default=argparse.SUPPRESS, help=argparse.SUPPRESS,
-                       action=DeprecatedAlias, new_flag=action.option_strings[0], nargs=action.nargs,
-                       const=action.const, type=action.type, metavar=action.metavar,
-                       choices=getattr(action, "alias_choices", action.choices))
-
-
-class DeprecatedAlias(argparse.Action):
-    """An old spelling of an option: stores the value as the new one does, after one line on stderr."""
-
-    def __init__(self, option_strings, dest, *, new_flag: str, nargs=None, const=None, **kwargs) -> None:
-        if nargs is None and const is not None:  # a store_true / store_const option's alias takes no value
-            nargs = 0
-        super().__init__(option_strings, dest, nargs=nargs, const=const, **kwargs)
-        self.new_flag = new_flag
-
-    def __call__(self, parser, namespace, values, option_string=None) -> None:
-        warn_deprecated(parser, option_string, self.new_flag)
-        setattr(namespace, self.dest, self.const if self.nargs == 0 else values)
-
-
-def warn_deprecated(parser: argparse.ArgumentParser, old: str, new: str) -> None:
-    print(f"{parser.prog}: warning: {old} is deprecated and will be removed in the next release; use {new}",
-          file=sys.stderr)
+    return group.add_argument(opt.flag, *opt.short, dest=dest, help=help or opt.help, **kwargs)
 
 
 def check_layout_args(args: argparse.Namespace) -> None:

@@ -5,23 +5,15 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
-from omnibal.cli.options import add_layout_options, add_option, check_layout_args
-from omnibal.cost.hardware import DEFAULT_MEMORY_HEADROOM
-from omnibal.cost.stack import DEFAULT_STACK
+from omnibal.cli.fields import add_config_arguments, config_from_args
+from omnibal.cli.options import add_option, check_layout_args
+from omnibal.cli.plan_hbp import MIXTURES
 from omnibal.errors import InputError
-from omnibal.hbp.levels import LEVEL_MICROBATCHES
 from omnibal.jobs.exports import write_engine_exports
-from omnibal.layout import (
-    BASELINE_PADDINGS,
-    PLAN_PADDINGS,
-    PLANNER_SCHEDULES,
-    BaselinePartition,
-    BaselineSampler,
-    Layout,
-)
+from omnibal.layout import Layout
 
 HELP = "plan data caps, pipeline partition and per-stage recompute for a model on a cluster"
 DESCRIPTION = (
@@ -36,161 +28,83 @@ DESCRIPTION = (
 )
 
 
+HBP_CLI_FIELDS = ("microbatches",)
+"""The :class:`omnibal.hbp.planning.HBPPlanConfig` fields ``omnibal plan --hbp`` takes as flags; it takes the
+rest from the plan job (baseline batch size, oversize policy, partition search) or keeps their defaults."""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("model and cluster")
-    add_option(g, "model", default="internvl-chat-1.5")
-    add_option(g, "hf_model", help="plan a local Hugging Face checkpoint (Llava / InternVL; reads its config.json) "
-               "instead of --model")
-    add_option(g, "hardware", default="a100-80g")
-    add_option(g, "num_gpus", default=128)
-    add_layout_options(g, defaults={"pp_size": 4, "tp_size": 1, "num_microbatches": 8}, helps={
-        "dp_size": "data-parallel size (default: gpus / (pp x tp))",
-        "num_microbatches": "micro-batches per DP rank per step (default 8: the default 128-GPU job's, enough to "
-                            "fill its 4 pipeline stages; balance and train default to 4, a small run's)",
-        "zero_stage": "ZeRO stage over DP (default: 1; torchtitan: 2, FSDP with reshard_after_forward never)"})
-    g.add_argument("--selective-recompute", action=argparse.BooleanOptionalAction, default=None,
-                   help="let adaptive recompute run transformer blocks selectively (keep matrix-product and "
-                        "attention outputs, recompute the element-wise ops; omnibal.train.recompute); default: "
-                        "where the engine expresses it (--engine omnibal)")
-    add_option(g, "engine", default="omnibal",
-               help="engine that will run the plan: its constraints are planner inputs, the ablation prices each of "
-                    "them, and its ready-to-use files go to OUT/exports/ (docs/engines/)")
-    g.add_argument("--memory-budget", type=float, default=None, metavar="GIB",
-                   help="bytes per device the plan may use, in GiB (default: the device memory less "
-                        "--memory-headroom)")
-    g.add_argument("--memory-headroom", type=float, default=DEFAULT_MEMORY_HEADROOM, metavar="SHARE_OR_GIB",
-                   help="what the budget leaves of the device memory for the caching allocator's reserve, the "
-                        "CUDA context and communication buffers: a share below 1, else GiB (default: "
-                        f"{DEFAULT_MEMORY_HEADROOM:g}; docs/gpu.md has the measurement it rests on)")
-    add_option(g, "profile", help="measured layer profile (omnibal profile) to use instead of the analytic cost model")
-    add_option(g, "schedule", default="1f1b", choices=PLANNER_SCHEDULES)
-    g.add_argument("--chunks", default="1,2", metavar="V[,V...]",
-                   help="model chunks per pipeline device the planner may choose: 1 is --schedule itself, more is "
-                        "interleaved 1F1B (kept only where the simulator finds it faster and the engine runs it; "
-                        "default: 1,2)")
-    d = parser.add_argument_group("data")
-    add_option(d, "stats", help="per-sample statistics (omnibal stats); default: synthetic InternVL-like mixture")
-    add_option(d, "convert_stats", help="convert --stats made in another image convention (InternVL tiles / LLaVA "
-               "single image) to the model's instead of refusing them")
-    add_option(d, "samples", default=1_200_000, help="size of the synthetic mixture")
-    d.add_argument("--balance-samples", default="200000", metavar="N",
-                   help="balance a uniform random subset of N samples and scale the epoch to the whole "
-                        "dataset ('all': every sample, ~12 s more CPU on the default job's 1.2M)")
-    add_option(d, "balance_method", default="omnibal", help="balancer of the planned job")
-    d.add_argument("--max-tiles", type=int, default=None, metavar="N",
-                   help="fixed Q_v, the tile buffer of a pack (default: cap search; fixed caps set the pack, so the "
-                        "pack-size search is off)")
-    add_option(d, "max_tokens")
-    add_option(d, "oversize", default="error")
-    add_option(d, "padding", default="varlen", choices=PLAN_PADDINGS,
-               help="how balanced packs run: variable length, or padded to the caps (static shapes)")
-    add_option(d, "batch_size", default=4, help="samples per baseline micro-batch")
-    d.add_argument("--hbp", nargs="?", const="job", default=None, choices=("job", "long-context"),
+    """The plan job's knobs, one per :class:`omnibal.jobs.plan_config.PlanJobConfig` field (its docstring is
+    the help) and per :class:`omnibal.plan.search.SearchConfig` field (but its seed: the job's ``--seed``);
+    then the command line's own: ``--hbp`` (plan HBP instead), ``--verify`` (measure after planning) and the
+    output options."""
+    from omnibal.hbp.planning import HBPPlanConfig
+    from omnibal.jobs.plan_config import PlanJobConfig
+    from omnibal.plan.search import SearchConfig
+
+    add_config_arguments(parser.add_argument_group(
+        "plan job (omnibal.jobs.plan_config.PlanJobConfig; --dp defaults to what --gpus leaves after PP x TP, "
+        "--zero-stage to the engine's)"), PlanJobConfig)
+    add_config_arguments(parser.add_argument_group("search (omnibal.plan.search.SearchConfig)"), SearchConfig,
+                         skip=("seed",))
+    h = parser.add_argument_group("HBP (omnibal.hbp.planning.HBPPlanConfig)")
+    h.add_argument("--hbp", nargs="?", const="job", default=None, choices=MIXTURES,
                    help="plan HBP multi-level packing instead (docs/hbp.md): per-level pack length, SP degree and "
                         "recompute vs single-level packing, on the job's data or the long-context mixture")
-    d.add_argument("--hbp-microbatches", default=None, choices=LEVEL_MICROBATCHES,
-                   help="with --hbp: micro-batches per step of each level; tokens (default): a short level's step "
-                        "holds the longest level's tokens per rank in more micro-batches; same: the job's count")
-    s = parser.add_argument_group("search")
-    s.add_argument("--radius", type=int, default=2, help="move each stage boundary by up to this many layers")
-    s.add_argument("--top-k", type=int, default=8, help="candidates scored with the simulator")
-    s.add_argument("--search-steps", type=int, default=192, help="steps the simulator scores candidates on")
-    s.add_argument("--baseline-partition", default="vision-first", choices=tuple(BaselinePartition),
-                   help="the baseline's layer split (default: the vision encoder on stage 0, the paper's)")
-    s.add_argument("--baseline-sampler", default="length-grouped", choices=tuple(BaselineSampler),
-                   help="the baseline's sampler (default: length-grouped, as InternVL-Chat's fine-tuning scripts "
-                        "run it; random: a plain shuffle)")
-    s.add_argument("--baseline-padding", default="pad_to_longest", choices=BASELINE_PADDINGS,
-                   help="how the baseline's micro-batches run (default: padded to their longest sample, as "
-                        "InternVL-Chat's collator does; varlen: concatenated, for a baseline trainer that packs)")
-    add_option(s, "stack", default=DEFAULT_STACK)
-    s.add_argument("--pack-microbatches", default="8,12,16,24,32", metavar="M,M,...",
-                   help="micro-batch counts the pack-size search tries at the same samples per step ('none': "
-                        "keep --microbatches and 4.5 samples per pack)")
-    add_option(s, "seed", default=0, help="seed of data, shuffles and step sample")
-    s.add_argument("--verify", type=int, default=0, metavar="K", help="measure the top K candidates (partition x "
+    add_config_arguments(h, HBPPlanConfig, skip=tuple(f.name for f in fields(HBPPlanConfig)
+                                                      if f.name not in HBP_CLI_FIELDS))
+    v = parser.add_argument_group("verify (omnibal.measure.verify)")
+    v.add_argument("--verify", type=int, default=0, metavar="K", help="measure the top K candidates (partition x "
                    "recompute) in the reference trainer and choose by measurement (tiny / CPU profile, or CUDA)")
-    s.add_argument("--verify-steps", type=int, default=3, metavar="N", help="timed steps per --verify candidate")
+    v.add_argument("--verify-steps", type=int, default=3, metavar="N", help="timed steps per --verify candidate")
     o = parser.add_argument_group("output")
     add_option(o, "out", default="omnibal-out", metavar="DIR", help="folder for plan.json, report.md and PNGs")
     o.add_argument("--no-timelines", action="store_true", help="skip the per-row pipeline timeline PNGs")
     add_option(o, "quiet", help="no progress bar")
 
 
-def _balance_samples(text: str) -> int | None:
-    if str(text).lower() == "all":
-        return None
-    try:
-        return int(text)
-    except ValueError:
-        raise InputError(f"must be a number of samples or 'all', got {text!r}", source="--balance-samples",
-                         field="balance_samples") from None
+def _layout_args(args: argparse.Namespace, default) -> argparse.Namespace:
+    """``args`` with the whole layout: what is not given is the default job's (``default``), but DP, which is
+    what ``--gpus`` (default: the default layout's devices) leaves after PP x TP, and the ZeRO stage, which is
+    the engine's."""
+    from omnibal.plan.engines import get_engine
+
+    given = {name: getattr(args, name, None) for name in (*default.layout.to_dict(), "num_gpus", "engine")}
+    rest = {name: default.layout.to_dict()[name] if given[name] is None else given[name]
+            for name in ("pp_size", "tp_size", "num_microbatches")}
+    zero_stage = given["zero_stage"]
+    if zero_stage is None:
+        zero_stage = get_engine(given["engine"] or default.engine).default_zero_stage
+    gpus = default.layout.num_gpus if given["num_gpus"] is None else given["num_gpus"]
+    layout = Layout.for_devices(gpus, dp_size=given["dp_size"], zero_stage=zero_stage, **rest)
+    return argparse.Namespace(**{**vars(args), **layout.to_dict(), "num_gpus": gpus})
 
 
 def job_config(args: argparse.Namespace):
     """The :class:`PlanJobConfig` the arguments describe (refusing bad ones, named by their flags)."""
     from omnibal.jobs.plan_config import PlanJobConfig
     from omnibal.measure.hardware import hardware_by_name
-    from omnibal.plan.engines import get_engine
     from omnibal.plan.search import SearchConfig
 
     check_layout_args(args)
-    zero_stage = get_engine(args.engine).default_zero_stage if args.zero_stage is None else args.zero_stage
-    layout = Layout.for_devices(args.num_gpus, dp_size=args.dp_size, pp_size=args.pp_size, tp_size=args.tp_size,
-                                zero_stage=zero_stage, num_microbatches=args.num_microbatches)
-    if args.radius < 0 or args.top_k < 1 or args.search_steps < 1:
+    default = PlanJobConfig()
+    search = config_from_args(SearchConfig, args, seed=getattr(args, "seed", default.seed))
+    if search.radius < 0 or search.top_k < 1 or search.sample_steps < 1:
         raise InputError("--radius must be >= 0, --top-k and --search-steps >= 1", source="--radius",
                          field="radius")
-    return PlanJobConfig(
-        preset=args.model, hf_model=args.hf_model, hardware=hardware_by_name(args.hardware), num_gpus=args.num_gpus,
-        layout=layout,
-        baseline_batch_size=args.batch_size, memory_budget_gib=args.memory_budget,
-        memory_headroom=args.memory_headroom, stats_path=args.stats,
-        num_samples=args.samples, balance_samples=_balance_samples(args.balance_samples), seed=args.seed,
-        profile_path=args.profile, balance_method=args.balance_method, padding=args.padding,
-        max_tiles=args.max_tiles, max_tokens=args.max_tokens, oversize=args.oversize,
-        baseline_partition=args.baseline_partition, baseline_sampler=args.baseline_sampler,
-        baseline_padding=args.baseline_padding,
-        schedule=args.schedule, chunks=_chunks(args.chunks), stack=args.stack,
-        pack_search=pack_search_config(args.pack_microbatches),
-        search=SearchConfig(radius=args.radius, top_k=args.top_k, sample_steps=args.search_steps, seed=args.seed),
-        engine=args.engine, convert_stats=args.convert_stats, selective=args.selective_recompute)
+    config = config_from_args(PlanJobConfig, _layout_args(args, default), search=search)
+    return replace(config, hardware=hardware_by_name(config.hardware))
 
 
-def _chunks(text: str) -> tuple[int, ...]:
-    """``--chunks`` as a tuple of chunk counts."""
-    from omnibal.plan.interleaved import check_chunks
-
-    try:
-        return check_chunks(int(x) for x in text.split(","))
-    except ValueError:
-        raise InputError(f"must be comma-separated integers, got {text!r}", source="--chunks",
-                         field="chunks") from None
-
-
-def pack_search_config(text: str):
-    """``--pack-microbatches`` as a PackSearchConfig."""
-    from omnibal.errors import InputError
-    from omnibal.plan.packsize import PackSearchConfig
-
-    if text.strip().lower() == "none":
-        return PackSearchConfig(microbatches=())
-    try:
-        return PackSearchConfig(microbatches=tuple(int(x) for x in text.split(",")))
-    except ValueError:
-        raise InputError(f"must be comma-separated integers or 'none', got {text!r}", source="--pack-microbatches",
-                         field="pack_microbatches") from None
-
-
-def _check_hbp_args(args: argparse.Namespace) -> None:
+def _check_hbp_args(config) -> None:
     """``--hbp`` options that single-level planning takes and HBP does not: refused, never ignored."""
     for flag, dest in (("--max-tiles", "max_tiles"), ("--max-tokens", "max_tokens")):
-        if getattr(args, dest) is not None:
+        if getattr(config, dest) is not None:
             raise InputError(f"--hbp chooses each level's caps itself; drop {flag}", source=flag, field=dest)
-    if args.oversize == "own_pack":
+    if config.oversize == "own_pack":
         raise InputError("--hbp: a sample no level holds (at the largest SP degree) is an error or dropped; use "
                          "--oversize error or drop", source="--oversize", field="oversize")
-    if args.baseline_padding != "pad_to_longest":
+    if config.baseline_padding != "pad_to_longest":
         raise InputError("--hbp's baseline runs random micro-batches padded to their longest sample (docs/hbp.md); "
                          "drop --baseline-padding", source="--baseline-padding", field="baseline_padding")
 
@@ -202,13 +116,13 @@ def run(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     config = job_config(args)
-    if args.hbp_microbatches is not None and not args.hbp:
+    if hasattr(args, "microbatches") and not args.hbp:
         raise InputError("--hbp-microbatches sets the micro-batches of HBP's levels; add --hbp or drop it",
                          source="--hbp-microbatches", field="hbp_microbatches")
     if args.hbp:
         from omnibal.cli.plan_hbp import run_hbp
 
-        _check_hbp_args(args)
+        _check_hbp_args(config)
         return run_hbp(args, config)
     check_replaceable_dir(args.out, "--out", PLAN_OUTPUTS)  # before minutes of planning, not after
     progress = not args.quiet and sys.stderr.isatty()
@@ -337,8 +251,6 @@ def _verified(args, config, result):
     """``--verify K``: the result with the plan chosen by measuring its top K candidates, and the table of
     predicted vs measured per candidate (printed here, written to OUT/verify.md by the caller); the plan
     JSON holds them under search.verify."""
-    from dataclasses import replace
-
     from omnibal.measure.verify import VerifyConfig, verify_markdown, verify_plan
 
     say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if not args.quiet else None

@@ -33,7 +33,8 @@ def run_hbp(args: argparse.Namespace, config) -> int:
         from omnibal.stats.synthetic import synthetic_internvl_mixture
 
         stats = synthetic_internvl_mixture(config.num_samples, config.seed)
-    hbp = hbp_plan_config(config, microbatches=args.hbp_microbatches, progress=sys.stderr.isatty() and not args.quiet)
+    hbp = hbp_plan_config(config, microbatches=getattr(args, "microbatches", None),
+                          progress=sys.stderr.isatty() and not args.quiet)
     lay = config.layout
     print(f"omnibal plan --hbp: {config.hf_model or config.preset} on {lay.num_gpus} x {config.hardware_name} "
           f"(DP {lay.dp_size} x PP {lay.pp_size} x TP {lay.tp_size}), data {stats.source}", flush=True)

@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from dataclasses import replace
 from pathlib import Path
 
-from omnibal.cli.options import add_layout_options, add_option
-from omnibal.cost.stack import DEFAULT_STACK
+from omnibal.cli.fields import add_config_arguments, config_from_args
+from omnibal.cli.options import add_option
 from omnibal.errors import InputError, OmnibalError
-from omnibal.layout import Padding
 
 HELP = "simulate DP x PP training steps of a plan and report time, bubbles and memory"
 DESCRIPTION = (
@@ -22,62 +22,14 @@ DESCRIPTION = (
     "without one, --model and the cluster say what to simulate. Exit 1 when every step runs out of memory."
 )
 
-PADDINGS = ("auto", *Padding)
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("model and cluster (default: the plan's when --plan is given)")
-    add_option(g, "model", help="model preset (needed without --plan)")
-    add_option(g, "hardware", help="hardware preset: a100-40g, a100-80g, h100, h200, cpu (default a100-80g)")
-    add_layout_options(g, defaults={}, only=("dp_size", "pp_size", "tp_size", "num_microbatches"), helps={
-        "dp_size": "data-parallel size (default 1)", "pp_size": "pipeline stages (default 1)",
-        "tp_size": "tensor-parallel size (default 1)",
-        "num_microbatches": "micro-batches per DP rank per step (default 4)"})
-    add_option(g, "schedule", default=None,
-               help="pipeline schedule (default: the plan's, else 1f1b; interleaved: Megatron's interleaved 1F1B, "
-                    "with --chunks)")
-    g.add_argument("--chunks", type=int, default=None, help="model chunks per pipeline stage for "
-                   "--schedule interleaved (default 2); partition and recompute lists then name pp x chunks "
-                   "virtual stages")
-    add_option(g, "zero_stage", default=None, help="ZeRO stage over DP (default 1: optimizer state sharded)")
-    g.add_argument("--memory-fraction", type=float, default=None,
-                   help="share of the device memory a rank may use (OOM flags; default: the plan's budget, else "
-                        "0.95)")
-    g.add_argument("--step-overhead", type=float, default=0.0,
-                   help="fixed seconds per step outside the pipeline (optimizer, launch)")
-    g.add_argument("--jitter", type=float, default=0.0,
-                   help="relative standard deviation of a rank's unpredicted step-time variation (stragglers: "
-                        "the gradient sync waits for the expected slowest DP rank); 0 = none")
-    add_option(g, "dtype", default="bf16")
-    add_option(g, "stack", default=None, help="software stack whose weight/gradient/optimizer bytes the memory model "
-               f"counts and the gradient all-reduce moves (default: the plan's, else {DEFAULT_STACK}, as omnibal plan)")
-    add_option(g, "profile", help="measured layer profile JSON (omnibal profile) instead of the analytic cost model "
-               "(default: the plan's)")
+    """The simulation's knobs, one per :class:`omnibal.jobs.simulate.SimulateJobConfig` field (its docstring
+    is the help; a setting left unset is the plan's when ``--plan`` is given), then the command line's own:
+    ``--online-vs-offline`` (another comparison), ``--no-report`` (no report folder) and ``--quiet``."""
+    from omnibal.jobs.simulate import SimulateJobConfig
 
-    g = parser.add_argument_group("data")
-    add_option(g, "stats", help="per-sample stats file (default: the plan's, else the synthetic InternVL-1.2M-like "
-               "mixture)")
-    add_option(g, "samples", help="synthetic mixture size (default: the plan's, else 1,200,000); with --stats: "
-               "replicate the rows up to this many")
-    add_option(g, "convert_stats")
-    add_option(g, "schedule_file")
-    add_option(g, "balance_method", default=None, help="balancer (default: the plan's, with its pack size and caps; "
-               "else omnibal)")
-    add_option(g, "batch_size", default=None, help="samples per micro-batch of the random and length-grouped "
-               "baselines (default: the plan's, else 4)")
-    add_option(g, "padding", choices=PADDINGS, default="auto", help="how a micro-batch runs; auto: the "
-               "schedule's own for compute, and with pp > 1 the fixed buffer (the caps) for p2p transfers")
-    add_option(g, "seed", default=None, help="seed of the balancer, the balanced sample and the synthetic data "
-               "(default: the plan's, else 0)")
-    add_option(g, "epoch", default=0)
-
-    g = parser.add_argument_group("plan")
-    add_option(g, "plan", help="plan JSON (omnibal plan): partition, recompute and cluster")
-    g.add_argument("--partition", default="even", help="'even' or the first layer of each stage, e.g. "
-                   "'0,20,41,70'")
-    add_option(g, "recompute", default="full", help="'full', 'none' or per-stage counts of recomputed layers "
-               "(each stage's first layers), e.g. '20,10,4,0'")
-
+    add_config_arguments(parser.add_argument_group("simulation (omnibal.jobs.simulate.SimulateJobConfig; an unset "
+                                                   "setting is the plan's when --plan is given)"), SimulateJobConfig)
     g = parser.add_argument_group("online vs offline")
     g.add_argument("--online-vs-offline", action="store_true",
                    help="compare baseline (random micro-batches of --batch-size), online (OrchMLLM-style "
@@ -85,12 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "and omnibal (offline balance) on one cluster, even partition and full recompute, and exit; "
                         "defaults: the 128-GPU plan job (internvl-chat-1.5, a100-80g, --dp 32 --pp 4 "
                         "--microbatches 8), --samples 20000 synthetic rows scaled to a 1.2M epoch")
-
     g = parser.add_argument_group("output")
-    add_option(g, "out", default="simulate-report", help="report folder")
-    g.add_argument("--no-report", action="store_true", help="print the tables only")
-    g.add_argument("--timeline-step", type=int, default=None, help="step drawn in the timeline (default: "
-                   "the slowest)")
+    g.add_argument("--no-report", action="store_true", help="print the tables only (no --out folder)")
     add_option(g, "quiet")
 
 
@@ -107,32 +55,24 @@ def resolve_hardware(name: str | None, plan=None):
     return None if name is None else hardware_by_name(name)
 
 
-def job_config(args: argparse.Namespace, plan=None):
-    """The :class:`omnibal.jobs.simulate.SimulateJobConfig` the arguments describe (``plan``: the
-    :class:`omnibal.plan.plan.Plan` of ``--plan``)."""
-    from omnibal.jobs.simulate import SimulateJobConfig
+def job_config(args: argparse.Namespace):
+    """The :class:`omnibal.jobs.simulate.SimulateJobConfig` the arguments describe, and the
+    :class:`omnibal.plan.plan.Plan` of ``--plan`` (None without one)."""
+    from omnibal.jobs.simulate import SimulateJobConfig, load_plan
 
-    return SimulateJobConfig(
-        plan=args.plan or None, model=args.model, hardware=resolve_hardware(args.hardware, plan), dp_size=args.dp_size,
-        pp_size=args.pp_size,
-        tp_size=args.tp_size,
-        num_microbatches=args.num_microbatches, zero_stage=args.zero_stage, schedule=args.schedule,
-        num_chunks=args.chunks, memory_fraction=args.memory_fraction, step_overhead=args.step_overhead,
-        jitter=args.jitter, dtype=args.dtype, stack=args.stack, profile_path=args.profile, stats_path=args.stats,
-        samples=args.samples, convert_stats=args.convert_stats,
-        schedule_file=args.schedule_file, balance_method=args.balance_method, batch_size=args.batch_size,
-        padding=args.padding, seed=args.seed, epoch=args.epoch, partition=args.partition, recompute=args.recompute,
-        out=None if args.no_report else args.out, timeline_step=args.timeline_step)
+    config = config_from_args(SimulateJobConfig, args, **({"out": None} if args.no_report else {}))
+    config = replace(config, plan=config.plan or None)
+    plan = load_plan(config)
+    return replace(config, hardware=resolve_hardware(config.hardware, plan)), plan
 
 
 def run(args: argparse.Namespace) -> int:
-    from omnibal.jobs.simulate import SimulateJobConfig, load_plan, resolve_cluster, run_simulate_job
+    from omnibal.jobs.simulate import resolve_cluster, run_simulate_job
     from omnibal.tables import text_table
 
     if args.online_vs_offline:
         return _online_vs_offline(args)
-    plan = load_plan(SimulateJobConfig(plan=args.plan or None))
-    config = job_config(args, plan)
+    config, plan = job_config(args)
     resolve_cluster(config, plan)  # nothing to simulate, or a bad cluster: said before anything else
     if config.out is not None:
         from omnibal.outputs import check_dir
@@ -176,15 +116,16 @@ def _say(line: str) -> None:
 
 def _online_vs_offline(args: argparse.Namespace) -> int:
     """``--online-vs-offline``: baseline, online and offline balancing of one cluster, as a table."""
+    from omnibal.jobs.simulate import SimulateJobConfig
     from omnibal.sim.online import compare_online_offline, comparison_markdown
 
-    samples = args.samples or 20_000
+    cfg = config_from_args(SimulateJobConfig, args)
+    samples = cfg.samples or 20_000
     if samples < 1:
         raise InputError(f"must be a positive integer, got {samples!r}", source="--samples", field="samples")
     print(comparison_markdown(compare_online_offline(
-        model=args.model or "internvl-chat-1.5", hardware=resolve_hardware(args.hardware or "a100-80g"),
-        dp_size=args.dp_size or 32,
-        pp_size=args.pp_size or 4, num_microbatches=args.num_microbatches or 8,
-        batch_size=4 if args.batch_size is None else args.batch_size, num_samples=samples,
-        seed=0 if args.seed is None else args.seed)), end="")
+        model=cfg.model or "internvl-chat-1.5", hardware=resolve_hardware(cfg.hardware or "a100-80g"),
+        dp_size=cfg.dp_size or 32, pp_size=cfg.pp_size or 4, num_microbatches=cfg.num_microbatches or 8,
+        batch_size=4 if cfg.batch_size is None else cfg.batch_size, num_samples=samples,
+        seed=0 if cfg.seed is None else cfg.seed)), end="")
     return 0

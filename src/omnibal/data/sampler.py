@@ -80,6 +80,7 @@ import numpy as np
 
 from omnibal.data.balance.api import BalanceConfig, balance
 from omnibal.errors import InputError, ScheduleMismatch
+from omnibal.layout import BalanceMethod
 from omnibal.validate import check_positive_int, is_int
 
 if TYPE_CHECKING:
@@ -93,7 +94,7 @@ STATE_KEYS = ("version", "epoch", "consumed_microbatches", "trained_reported", "
 FIXED_CAP_TRIES = 8
 """Tries of one epoch under the fixed caps, each with ``SLACK_STEP`` more room than the last."""
 SLACK_STEP = 0.01
-CAP_METHODS = ("omnibal", "isf", "isf+assign")
+CAP_METHODS = (BalanceMethod.OMNIBAL, BalanceMethod.ISF, BalanceMethod.ISF_ASSIGN)
 """Balancer methods that pack under fixed caps (the others form micro-batches by sample count)."""
 
 
@@ -173,7 +174,7 @@ class BalancedBatchSampler:
         self.config = config or BalanceConfig()
         if self.config.method not in CAP_METHODS:
             raise InputError(f"the sampler keeps one micro-batch buffer for the whole run, and method "
-                             f"{self.config.method!r} does not pack under caps; use one of {CAP_METHODS}",
+                             f"{self.config.method!r} does not pack under caps; use one of {', '.join(CAP_METHODS)}",
                              source="config", field="method")
         self.stats = stats
         self.dp_rank = dp_rank

@@ -85,11 +85,11 @@ class HBPPlanConfig:
     when no move is faster; later rounds gain less for the CPU time they cost)."""
     progress: bool = False
     """Count the level sets simulated on stderr (a tqdm counter: the searches run for a minute or two)."""
-    microbatches: str = "tokens"
+    microbatches: str = field(default="tokens", metadata={"flag": "--hbp-microbatches", "choices": LEVEL_MICROBATCHES})
     """Micro-batches per step of each level (``omnibal.hbp.balance.HBPConfig.microbatches``): ``tokens`` (a
     short level's step holds as many tokens per rank as the longest level's, in more micro-batches) or
     ``same`` (the job's count on every level)."""
-    partition_search: SearchConfig = field(default_factory=SearchConfig)
+    partition_search: SearchConfig = field(default_factory=SearchConfig, metadata={"cli": False})
     """The partition search around the joint optimum (:func:`omnibal.hbp.search.refine_partition`;
     ``radius`` 0 keeps the joint optimum)."""
 

@@ -28,9 +28,9 @@ from omnibal.data.sampler import BalancedBatchSampler
 from omnibal.errors import InputError
 from omnibal.integrations.hf_checkpoints import STATE_FILE, STATE_FORMAT, checkpoint_problem, newest_complete
 from omnibal.integrations.hf_collate import (
-    ATTENTION_MODES,
     FLASH_KWARGS,
     SAMPLE_INDEX_KEY,
+    AttentionMode,
     HFPackCollator,
     block_causal_mask,
 )
@@ -44,7 +44,7 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("omnibal.integrations.hf needs transformers and accelerate: pip install 'omnibal[hf]'") from exc
 
-__all__ = ["ATTENTION_MODES", "FLASH_KWARGS", "SAMPLE_INDEX_KEY", "STATE_FILE", "HFPackCollator", "OmnibalTrainer",
+__all__ = ["AttentionMode", "FLASH_KWARGS", "SAMPLE_INDEX_KEY", "STATE_FILE", "HFPackCollator", "OmnibalTrainer",
            "block_causal_mask"]
 
 

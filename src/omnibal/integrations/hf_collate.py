@@ -25,6 +25,7 @@ attention         ``attention="mask"`` (default): ``attention_mask`` [1, 1, T, T
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Sequence
 
 import torch
@@ -33,11 +34,21 @@ from omnibal.data.collate import IGNORE_INDEX
 from omnibal.errors import InputError
 from omnibal.validate import check_positive_int
 
-__all__ = ["ATTENTION_MODES", "FLASH_KWARGS", "SAMPLE_INDEX_KEY", "HFPackCollator", "block_causal_mask"]
+__all__ = ["AttentionMode", "FLASH_KWARGS", "SAMPLE_INDEX_KEY", "HFPackCollator", "block_causal_mask"]
 
 SAMPLE_INDEX_KEY = "omnibal_sample_index"
 """Batch key holding the dataset indices of a pack (``HFPackCollator(sample_index=True)``)."""
-ATTENTION_MODES = ("mask", "flash")
+
+
+class AttentionMode(StrEnum):
+    """How a pack's sequences are kept apart in attention."""
+
+    MASK = "mask"
+    """A block-causal mask (:func:`block_causal_mask`)."""
+    FLASH = "flash"
+    """FlashAttention's variable-length kwargs (``FLASH_KWARGS``)."""
+
+
 FLASH_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 
@@ -77,9 +88,9 @@ class HFPackCollator:
     def __init__(self, *, image_token_id: int | None, attention: str = "mask",
                  mask_dtype: torch.dtype = torch.float32, tokens_per_tile: int | None = None,
                  sample_index: bool = False, source: str = "HFPackCollator") -> None:
-        if attention not in ATTENTION_MODES:
-            raise InputError(f"unknown attention {attention!r}; choose one of {ATTENTION_MODES}", source=source,
-                             field="attention")
+        if attention not in tuple(AttentionMode):
+            raise InputError(f"unknown attention {attention!r}; choose one of {', '.join(AttentionMode)}",
+                             source=source, field="attention")
         if mask_dtype != torch.bool and not mask_dtype.is_floating_point:
             raise InputError(f"mask_dtype must be torch.bool or a float dtype, got {mask_dtype}", source=source,
                              field="mask_dtype")

@@ -33,7 +33,7 @@ from omnibal.cost.table import RECOMPUTE_FULL, RECOMPUTE_NONE, RECOMPUTE_SELECTI
 from omnibal.errors import InputError
 from omnibal.jobs.predict import balance_cost, balance_subset, cost_table, job_stats, schedule_features
 from omnibal.jobs.simulate_plan import missing, planned_balance_config, planned_data, planned_spec
-from omnibal.layout import check_layout_fields
+from omnibal.layout import BalanceMethod, Dtype, Padding, PipelineSchedule, check_layout_fields
 from omnibal.plan.plan import Plan
 
 if TYPE_CHECKING:
@@ -45,6 +45,8 @@ if TYPE_CHECKING:
 DEFAULTS = {"model": None, "hardware": "a100-80g", "dp_size": 1, "pp_size": 1, "tp_size": 1,
             "num_microbatches": 4, "zero_stage": 1, "stack": DEFAULT_STACK}
 """What an unset cluster setting is when no plan gives it (the model has no default: it must be asked for)."""
+PADDINGS = ("auto", *Padding)
+"""How a simulated micro-batch may run: ``auto`` (see ``SimulateJobConfig.padding``) or a :class:`Padding`."""
 MUST_MATCH_PLAN = ("model", "pp_size")
 """Settings that, given explicitly, must agree with the plan's (the partition depends on them)."""
 FLAGS = {"model": "--model", "dp_size": "--dp", "pp_size": "--pp", "tp_size": "--tp",
@@ -61,23 +63,26 @@ class SimulateJobConfig:
     over; errors name it)."""
     model: str | None = None
     """Model preset (``omnibal.cost.presets``); None: the plan's (without a plan: an InputError)."""
-    hardware: str | HardwareSpec | None = None
-    """Hardware preset (``omnibal.cost.hardware``) or a :class:`HardwareSpec` (``--hardware cpu``: the CLI
-    measures this machine with ``omnibal.measure.hardware.hardware_by_name`` and passes the spec)."""
+    hardware: str | HardwareSpec | None = field(default=None, metadata={"parse": str})
+    """Hardware preset (``omnibal.cost.hardware``: a100-40g, a100-80g, h100, h200) or a :class:`HardwareSpec`
+    (``--hardware cpu``: the CLI measures this machine with ``omnibal.measure.hardware.hardware_by_name`` and
+    passes the spec); None: the plan's, else a100-80g."""
     dp_size: int | None = None
-    """Data-parallel size."""
+    """Data-parallel size; None: the plan's, else 1."""
     pp_size: int | None = None
-    """Pipeline stages."""
+    """Pipeline stages; None: the plan's, else 1."""
     tp_size: int | None = None
-    """Tensor-parallel size."""
+    """Tensor-parallel size; None: the plan's, else 1."""
     num_microbatches: int | None = None
-    """Micro-batches per DP rank per step."""
+    """Micro-batches per DP rank per step; None: the plan's, else 4."""
     zero_stage: int | None = None
-    """ZeRO stage over DP."""
-    schedule: str | None = None
-    """Pipeline schedule (``omnibal.layout.PipelineSchedule``); None: the plan's, else ``1f1b``."""
-    num_chunks: int | None = None
-    """Model chunks per stage for the interleaved schedule (None: 2 there, else 1)."""
+    """ZeRO stage over DP; None: the plan's, else 1 (optimizer state sharded)."""
+    schedule: PipelineSchedule | None = None
+    """Pipeline schedule; None: the plan's, else ``1f1b`` (``interleaved``: Megatron's interleaved 1F1B, with
+    ``num_chunks``)."""
+    num_chunks: int | None = field(default=None, metadata={"option": "chunks"})
+    """Model chunks per stage for the interleaved schedule (None: 2 there, else 1); partition and recompute
+    lists then name pp x chunks virtual stages."""
     memory_fraction: float | None = None
     """Share of the device memory a rank may use (OOM flags); None: the plan's budget, else the device less
     ``omnibal.cost.hardware.DEFAULT_MEMORY_HEADROOM``."""
@@ -85,14 +90,14 @@ class SimulateJobConfig:
     """Fixed seconds per step outside the pipeline."""
     jitter: float = 0.0
     """Relative standard deviation of a rank's unpredicted step-time variation."""
-    dtype: str = "bf16"
+    dtype: Dtype = "bf16"
     """Training dtype of the analytic cost model."""
     stack: str | None = None
     """Software stack whose weight/gradient/optimizer bytes the memory model counts and the gradient
     all-reduce moves (``omnibal.cost.stack``); None: the plan's, else ``DEFAULT_STACK`` (as ``omnibal plan``)."""
-    profile_path: str | None = None
+    profile_path: str | None = field(default=None, metadata={"option": "profile"})
     """Measured layer profile instead of the analytic cost model; None: the plan's (if it had one)."""
-    stats_path: str | None = None
+    stats_path: str | None = field(default=None, metadata={"option": "stats"})
     """Per-sample stats file; None: the plan's data, else the synthetic mixture."""
     samples: int | None = None
     """Synthetic mixture size (None: the plan's, else 1,200,000); with ``stats_path``: replicate its rows up
@@ -102,11 +107,11 @@ class SimulateJobConfig:
     they are an InputError naming both (``omnibal.cost.units.model_stats``)."""
     schedule_file: str | None = None
     """A balanced schedule JSON instead of balancing here."""
-    balance_method: str | None = None
+    balance_method: BalanceMethod | None = None
     """Balancer (``omnibal.layout.BalanceMethod``); None: the plan's, with its settings, else ``omnibal``."""
     batch_size: int | None = None
     """Samples per micro-batch of the random and length-grouped baselines (None: the plan's, else 4)."""
-    padding: str = "auto"
+    padding: str = field(default="auto", metadata={"choices": PADDINGS})
     """How a micro-batch runs; ``auto``: with a plan, the padding ``omnibal plan`` scored it with; else the
     schedule's own, and with pp > 1 the fixed buffer for p2p."""
     seed: int | None = None
@@ -118,7 +123,7 @@ class SimulateJobConfig:
     recompute: str = "full"
     """``full``, ``none`` or per-stage counts of recomputed layers (ignored with a plan)."""
     out: str | None = "simulate-report"
-    """Report folder; None: no report files."""
+    """Report folder; None (``--no-report``): no report files."""
     timeline_step: int | None = None
     """Step drawn in the timeline (None: the slowest)."""
 

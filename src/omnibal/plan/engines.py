@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from omnibal.errors import InputError
 from omnibal.layout import Engine, PipelineSchedule
 
-ENGINES = tuple(Engine)
 """``omnibal``: no engine constraint (the reference trainer, or any engine that can express any plan)."""
 
 RECOMPUTE_POLICIES = ("per-layer", "count", "all-or-none")
@@ -85,7 +84,7 @@ def get_engine(name: str) -> EngineSpec:
     try:
         return ENGINE_SPECS[name]
     except (KeyError, TypeError):
-        raise InputError(f"unknown engine {name!r}; choose one of {', '.join(ENGINES)}", source="--engine",
+        raise InputError(f"unknown engine {name!r}; choose one of {', '.join(Engine)}", source="--engine",
                          field="engine") from None
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import Any, Protocol, Sequence
 
 from omnibal.errors import InputError
+from omnibal.layout import Engine
 
 
 class Plan(Protocol):
@@ -40,7 +41,8 @@ class Plan(Protocol):
 
     def recompute_modules(self) -> tuple[str, ...]: ...
 
-EXPORT_ENGINES = ("deepspeed", "megatron", "torchtitan")
+EXPORT_ENGINES = (Engine.DEEPSPEED, Engine.MEGATRON, Engine.TORCHTITAN)
+"""Engines with ready-to-use files (``omnibal``'s own plan runs as it is)."""
 _KINDS = (("vision.embed", "vision_embed"), ("vision.blocks.", "vision_block"), ("projector", "projector"),
           ("llm.embed", "llm_embed"), ("llm.blocks.", "llm_block"), ("llm.head", "lm_head"))
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 
 import numpy as np
 
@@ -32,8 +33,16 @@ from omnibal.plan.partition import (
 from omnibal.plan.recompute import RecomputeSolver, fits, full_recompute
 from omnibal.plan.stages import LayerQuantities, StageModelConfig, stage_boundary_time, stage_memory
 
-RECOMPUTE_MODES = ("adaptive", "full", "none")
-"""adaptive: least recompute that fits; full: checkpoint every layer; none: checkpoint nothing."""
+
+class RecomputeMode(StrEnum):
+    """How a partition's checkpoints are chosen."""
+
+    ADAPTIVE = "adaptive"
+    """The least recompute that fits."""
+    FULL = "full"
+    """Checkpoint every layer."""
+    NONE = "none"
+    """Checkpoint nothing."""
 
 
 @dataclass(frozen=True)
@@ -70,7 +79,7 @@ class StagePlanSet:
     parts: tuple[int, ...]
     stages: tuple[StagePlan, ...]
     recompute: str
-    """How the checkpoints were chosen (one of RECOMPUTE_MODES)."""
+    """How the checkpoints were chosen (a :class:`RecomputeMode`)."""
 
     @property
     def bottleneck(self) -> float:
@@ -148,7 +157,7 @@ class JointPlanner:
 
     def evaluate(self, parts: Sequence[int], recompute: str = "adaptive") -> StagePlanSet | None:
         """Given cut points: per-stage plans (None when ``adaptive`` and some stage cannot fit)."""
-        assert recompute in RECOMPUTE_MODES, recompute
+        assert recompute in tuple(RecomputeMode), recompute
         parts = check_parts(parts, self.num_layers)
         if len(parts) - 1 != self.config.num_stages:
             raise InputError(f"{len(parts) - 1} stages in the cut points, config has {self.config.num_stages}",

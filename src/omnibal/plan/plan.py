@@ -12,9 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from omnibal.errors import InputError
-from omnibal.layout import Layout, check_layout_fields
+from omnibal.layout import Engine, Layout, check_choice, check_layout_fields
 from omnibal.outputs import write_text
-from omnibal.plan.engines import ENGINES
 from omnibal.plan.exports import export_all
 from omnibal.validate import is_int
 
@@ -282,8 +281,7 @@ class Plan:
                                                   default=None)))
         search = r.get(raw, "search", dict, "", default={})
         engine = r.get(raw, "engine", str, "", default="omnibal")
-        if engine not in ENGINES:
-            raise InputError(f"unknown engine {engine!r}; one of {', '.join(ENGINES)}", source=source, field="engine")
+        check_choice(engine, Engine, source=source, field="engine")
         plan = cls(inputs=inputs, data=data, stages=tuple(stages), prediction=prediction, search=search,
                    version=version, engine=engine)
         _check_values(plan, source)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -30,7 +30,7 @@ class SearchConfig:
     """Candidates scored with the simulator (ranked first by the stage model)."""
     max_candidates: int = 20_000
     """Above this many neighbours (many stages), only moves of one or two boundaries are enumerated."""
-    sample_steps: int | None = 192
+    sample_steps: int | None = field(default=192, metadata={"flag": "--search-steps"})
     """Steps of the epoch the simulator scores candidates on (the same steps for every candidate);
     None: all steps."""
     seed: int = 0

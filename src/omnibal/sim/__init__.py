@@ -23,11 +23,11 @@ from omnibal.sim.costs import (
     validate_cuts,
 )
 from omnibal.sim.epoch import EpochResult, PlanScore, score_plan, simulate_epoch, simulate_one_step
-from omnibal.sim.schedule import SCHEDULES, PipelineTimes, peak_inflight, simulate_pipeline
+from omnibal.sim.schedule import PipelineTimes, peak_inflight, simulate_pipeline
 from omnibal.sim.step import StepTimes, ring_allreduce_time, simulate_steps
 
 __all__ = [
-    "SCHEDULES", "Calibration", "CalibrationRun", "EpochResult", "PipelineTimes", "PlanScore", "SimConfig",
+    "Calibration", "CalibrationRun", "EpochResult", "PipelineTimes", "PlanScore", "SimConfig",
     "StageCosts", "StepTimes", "config_for_hardware", "calibrate", "rank_jitter", "cuts_from_starts", "even_cuts",
     "peak_inflight", "recompute_mask_from_counts", "ring_allreduce_time",
     "score_plan", "simulate_epoch", "simulate_one_step", "simulate_pipeline", "simulate_steps", "stage_costs",

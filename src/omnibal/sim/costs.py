@@ -17,8 +17,7 @@ from omnibal.cost.hardware import DEFAULT_MEMORY_HEADROOM, memory_budget
 from omnibal.cost.spec import even_cuts as _even_cuts
 from omnibal.cost.table import NUM_FEATURES, RECOMPUTE_FULL, RECOMPUTE_SELECTIVE, LayerCostTable, recompute_codes
 from omnibal.errors import InputError
-from omnibal.layout import check_layout_fields
-from omnibal.sim.schedule import SCHEDULES
+from omnibal.layout import PipelineSchedule, check_choice, check_layout_fields
 from omnibal.validate import is_int
 
 
@@ -59,9 +58,7 @@ class SimConfig:
     sync waits for the slowest DP rank, so with jitter more DP ranks mean longer waits (stragglers)."""
 
     def validate(self) -> None:
-        if self.schedule not in SCHEDULES:
-            raise InputError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}",
-                             source="schedule", field="schedule")
+        check_choice(self.schedule, PipelineSchedule, source="schedule", field="schedule")
         check_layout_fields({"dp_size": self.dp_size, "tp_size": self.tp_size, "zero_stage": self.zero_stage})
         if not is_int(self.num_chunks) \
                 or self.num_chunks < 1:

@@ -27,19 +27,17 @@ import numpy as np
 from omnibal.errors import InputError
 from omnibal.layout import PipelineSchedule
 
-SCHEDULES: tuple[str, ...] = tuple(PipelineSchedule)
-
 FWD, BWD = 0, 1
 
 
 def _unknown(schedule: str) -> InputError:
-    return InputError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}",
+    return InputError(f"unknown schedule {schedule!r}; choose one of {', '.join(PipelineSchedule)}",
                       source="schedule", field="schedule")
 
 
 def check_layout(schedule: str, num_stages: int, num_microbatches: int, num_chunks: int) -> None:
     """Refuse a (schedule, P, M, chunks) combination the schedule cannot run."""
-    if schedule not in SCHEDULES:
+    if schedule not in tuple(PipelineSchedule):
         raise _unknown(schedule)
     if schedule == "interleaved":
         if num_chunks < 2:

@@ -7,10 +7,10 @@
 See ``docs/balance.md`` for the algorithm, the schedule JSON and the metrics.
 """
 
-from omnibal.data.balance.api import METHODS, BalanceConfig, balance
-from omnibal.data.balance.common import OVERSIZE_POLICIES, epoch_rng
+from omnibal.data.balance.api import BalanceConfig, balance
+from omnibal.data.balance.common import epoch_rng
 from omnibal.data.balance.cost import DEFAULT_COST, BalanceCost
-from omnibal.data.balance.schedule import FORMAT, PADDINGS, Caps, Schedule
+from omnibal.data.balance.schedule import FORMAT, Caps, Schedule
 
-__all__ = ["balance", "BalanceConfig", "BalanceCost", "DEFAULT_COST", "Schedule", "Caps", "METHODS",
-           "OVERSIZE_POLICIES", "PADDINGS", "FORMAT", "epoch_rng"]
+__all__ = ["balance", "BalanceConfig", "BalanceCost", "DEFAULT_COST", "Schedule", "Caps", "FORMAT",
+           "epoch_rng"]

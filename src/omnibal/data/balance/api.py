@@ -11,17 +11,16 @@ from omnibal.data.balance.assign import assign_sorted
 from omnibal.data.balance.baselines import balance_length_grouped, balance_random
 from omnibal.data.balance.capmodel import abs_log
 from omnibal.data.balance.caps import choose_caps
-from omnibal.data.balance.common import OVERSIZE_POLICIES, epoch_rng, split_oversize
+from omnibal.data.balance.common import epoch_rng, split_oversize
 from omnibal.data.balance.cost import DEFAULT_COST, BalanceCost
 from omnibal.data.balance.isf import balance_isf
 from omnibal.data.balance.packer import DEFAULT_LLM_TOL, pack_balanced
 from omnibal.data.balance.phases import phase
 from omnibal.data.balance.schedule import Caps, Schedule, build_schedule
 from omnibal.errors import InputError
-from omnibal.layout import BalanceMethod
+from omnibal.layout import BalanceMethod, OversizePolicy, check_choice
 from omnibal.validate import is_int
 
-METHODS = tuple(BalanceMethod)
 FALLBACK_ROWS = 4 * 16384
 """Rows up to which the packer packs the cap search's runners-up too when its choice needed the tail rule."""
 FALLBACKS = 2
@@ -30,56 +29,54 @@ FALLBACKS = 2
 
 @dataclass(frozen=True, kw_only=True)
 class BalanceConfig:
-    """How to balance one epoch (everything but the world layout, seed and epoch)."""
+    """How to balance one epoch (everything but the world layout, seed and epoch). ``omnibal balance`` takes
+    the fields a user chooses as flags (:mod:`omnibal.cli.fields`); those marked ``cli: False`` are the
+    library's tuning (or, for ``cost`` and ``progress``, set from other flags)."""
 
-    method: str = "omnibal"
+    method: BalanceMethod = field(default="omnibal", metadata={"option": "balance_method"})
     """``omnibal`` (cost-aware packs + per-step assignment), ``isf`` (faithful ISF, contiguous rank blocks
     like the reference sampler), ``isf+assign`` (ISF packs, omnibal's assignment), ``random`` (random
     fixed micro-batches of ``batch_size``), ``length-grouped`` (LLaVA's length-grouped sampler)."""
     target_samples: float = 4.5
     """Mean samples per micro-batch the cap search aims at (the paper's setting is 4-5)."""
-    samples_tolerance: float = 0.15
+    samples_tolerance: float = field(default=0.15, metadata={"cli": False})
     """How far (relative) the mean samples per micro-batch may move from ``target_samples`` when the cap
     search looks for a pack count with a low pad (0.15: 3.825-5.175 for 4.5). Wider lets the token buffer
     fill where the largest sample sets it (a tail of long samples); narrower keeps the packs the target's
     size. Ignored with fixed caps."""
-    max_tiles: int | None = None
+    max_tiles: int | None = field(default=None, metadata={"metavar": "N"})
     """Fixed Q_v (tiles per micro-batch); None: chosen by the cap search."""
     max_tokens: int | None = None
     """Fixed Q_t (tokens per micro-batch, e.g. a memory budget); None: chosen by the cap search."""
-    num_steps: int | None = None
+    num_steps: int | None = field(default=None, metadata={"cli": False})
     """With fixed caps: exactly this many optimizer steps per epoch when they fit (e.g. a run's first
     epoch's count, so every epoch has the same length); None: the fewest that fit."""
-    oversize: str = "error"
+    oversize: OversizePolicy = "error"
     """Samples larger than a fixed cap: ``error`` (InputError listing them), ``own_pack`` (each runs alone
     as a micro-batch over the buffer), ``drop`` (left out, listed in ``Schedule.dropped``)."""
-    cost: BalanceCost = field(default_factory=lambda: DEFAULT_COST)
+    cost: BalanceCost = field(default_factory=lambda: DEFAULT_COST, metadata={"cli": False})
     """Per-sample vision and LLM cost coefficients."""
-    token_slack: float = 0.015
+    token_slack: float = field(default=0.015, metadata={"cli": False})
     """Room left in the derived token cap over the mean pack (the packer needs some to fill both buffers)."""
-    token_multiple: int = 8
+    token_multiple: int = field(default=8, metadata={"cli": False})
     """Derived Q_t is rounded up to a multiple of this (kernel-friendly shapes)."""
-    llm_tol: float | None = DEFAULT_LLM_TOL
+    llm_tol: float | None = field(default=DEFAULT_LLM_TOL, metadata={"cli": False})
     """LLM levelling: the packer pulls every pack's LLM cost into this band around the mean (relative);
     None: only the token cap is enforced."""
     batch_size: int = 4
     """Samples per micro-batch of the ``random`` and ``length-grouped`` baselines."""
-    isf_iterations: int = 50
+    isf_iterations: int = field(default=50, metadata={"cli": False})
     """ISF: sampling-and-filtering iterations T."""
-    isf_threshold: int = 128
+    isf_threshold: int = field(default=128, metadata={"cli": False})
     """ISF: a pack is full when its tokens reach Q_t - isf_threshold (the paper's Q_t')."""
-    isf_search: bool = True
+    isf_search: bool = field(default=True, metadata={"cli": False})
     """ISF without fixed caps: run its own argument search over (Q_v, Q_t)."""
-    progress: bool = False
+    progress: bool = field(default=False, metadata={"cli": False})
     """Show a progress bar (stderr) for long work (the ISF argument search)."""
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise InputError(f"unknown method {self.method!r}; choose one of {METHODS}", source="method",
-                             field="method")
-        if self.oversize not in OVERSIZE_POLICIES:
-            raise InputError(f"unknown policy {self.oversize!r}; choose one of {OVERSIZE_POLICIES}",
-                             source="oversize", field="oversize")
+        check_choice(self.method, BalanceMethod, source="method", field="method")
+        check_choice(self.oversize, OversizePolicy, source="oversize", field="oversize")
         for name in ("max_tiles", "max_tokens"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, (int, np.integer)) or value < 1):

@@ -19,9 +19,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from omnibal.errors import InputError
-from omnibal.layout import OversizePolicy
-
-OVERSIZE_POLICIES = tuple(OversizePolicy)
 
 
 def epoch_rng(seed: int, epoch: int, stream: int = 0) -> np.random.Generator:

@@ -41,7 +41,6 @@ from omnibal.layout import Padding
 from omnibal.validate import is_int
 
 FORMAT = "omnibal.schedule/1"
-PADDINGS = tuple(Padding)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,7 +105,7 @@ class Schedule:
         assert offsets.ndim == 1 and offsets[0] == 0 and offsets[-1] == len(samples), "bad CSR offsets"
         assert np.all(np.diff(offsets) >= 0), "offsets must not decrease"
         assert ids.ndim == 3 and ids.shape[1:] == (self.dp_size, self.num_microbatches), ids.shape
-        assert self.padding in PADDINGS, self.padding
+        assert self.padding in tuple(Padding), self.padding
         for name, arr in (("pack_samples", samples), ("pack_offsets", offsets), ("pack_ids", ids),
                           ("dropped", dropped)):
             arr.setflags(write=False)
@@ -224,7 +223,7 @@ class Schedule:
             per_pack[:, 2] = per_pack[:, 2] + pad
             per_pack[:, 3] = per_pack[:, 3] + pad * pad
         else:
-            raise InputError(f"unknown padding {padding!r}; choose one of {PADDINGS}", field="padding")
+            raise InputError(f"unknown padding {padding!r}; choose one of {', '.join(Padding)}", field="padding")
         if self.num_packs == 0:
             per_pack = np.zeros((0, NUM_FEATURES))
         feats = per_pack[self.pack_ids]
@@ -308,8 +307,8 @@ class Schedule:
         if (len(arr) and arr.max() >= num_samples) or (dropped and max(dropped) >= num_samples):
             raise InputError(f"sample index out of range [0, {num_samples})", source=source, field="steps")
         padding = d.get("padding", "varlen")
-        if padding not in PADDINGS:
-            raise InputError(f"must be one of {PADDINGS}", source=source, field="padding")
+        if padding not in tuple(Padding):
+            raise InputError(f"must be one of {', '.join(Padding)}", source=source, field="padding")
         for key, kind in (("method", str), ("stats_fingerprint", str), ("meta", dict)):
             if key in d and not isinstance(d[key], kind):
                 raise InputError(f"must be a {kind.__name__}", source=source, field=key)
@@ -492,4 +491,4 @@ def build_schedule(*, pack_of: np.ndarray, num_packs: int, pack_ids: np.ndarray,
     return Schedule(pack_samples=order, pack_offsets=offsets, pack_ids=pack_ids, **kwargs)
 
 
-__all__ = ["Caps", "Schedule", "FORMAT", "PADDINGS", "build_schedule", "csr_fingerprint", "microbatch_features"]
+__all__ = ["Caps", "Schedule", "FORMAT", "build_schedule", "csr_fingerprint", "microbatch_features"]
