@@ -18,6 +18,15 @@ def all_reduce(world: World, tensor: torch.Tensor, what: str) -> None:
         _call(world, what, dist.all_reduce, tensor)
 
 
+def all_gather(world: World, tensor: torch.Tensor, what: str) -> list[torch.Tensor]:
+    """Every rank's ``tensor`` (same shape on every rank), in rank order, on every rank."""
+    if world.world_size == 1:
+        return [tensor]
+    out = [torch.zeros_like(tensor) for _ in range(world.world_size)]
+    _call(world, what, dist.all_gather, out, tensor)
+    return out
+
+
 def gather_objects(world: World, obj: Any, what: str) -> list:
     """Every rank's ``obj``, in rank order, on every rank."""
     if world.world_size == 1:

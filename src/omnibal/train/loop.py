@@ -30,10 +30,9 @@ from typing import Callable, Sequence
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from omnibal.errors import InputError, ScheduleMismatch
-from omnibal.train.collectives import all_reduce, gather_objects
+from omnibal.train.collectives import all_gather, all_reduce, gather_objects
 from omnibal.train.distributed import World, caused_by_comm_error, is_comm_error, peer_failure
 from omnibal.train.feed import Buffer, ScheduleLike, check_schedule, schedule_fingerprint, step_microbatches
 from omnibal.train.level_recompute import LevelRecompute
@@ -403,16 +402,7 @@ class Trainer(CheckpointResume):
     def _gather_record(self, step: int, times: RankTimes, loss_sum: float, counts: dict) -> StepRecord | None:
         w = self.world
         mine = torch.tensor(times.as_list() + [loss_sum], dtype=torch.float64)
-        if w.world_size > 1:
-            gathered = [torch.zeros_like(mine) for _ in range(w.world_size)]
-            try:
-                dist.all_gather(gathered, mine)
-            except Exception as exc:
-                if is_comm_error(exc):
-                    raise peer_failure(w, f"step {step} (metrics)", exc) from exc
-                raise
-        else:
-            gathered = [mine]
+        gathered = all_gather(w, mine, f"step {step} (metrics)")
         if w.rank != 0:
             return None
         if self._log_path is not None and self.log.path is None:

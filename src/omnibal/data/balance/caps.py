@@ -233,7 +233,7 @@ def _search(model: CapModel, trials: _Trials | None, steps: np.ndarray, q_least:
     order = np.lexsort((steps, bound))  # exact keys, ties by the count: the same order on every machine
     measured = []
     for done, k in enumerate(order.tolist()):
-        # (a second count is always measured: the packer's fall-back when the best needs the tail rule)
+        # (min_measured counts are always measured: the packer's fall-backs when the best needs the tail rule)
         if done >= max_trials or (len(measured) >= min_measured and bound[k] >= min(measured)[0]):
             break
         score, cap_v, cap_t = trials.measure(int(steps[k]), int(q_least[k]), int(qt[k]))
