@@ -21,6 +21,36 @@ pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (CI installs
                                         "docs/engines/deepspeed.md)")
 
 NUM_MB, NUM_TILES, NUM_TOKENS, STEPS, LR = 4, 8, 256, 2, 0.05
+DS_OP_BUILD_TIMEOUT_S = 1800
+
+_BUILD_COMM_OP = """
+from deepspeed.accelerator import get_accelerator
+builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+if builder is not None:
+    builder.load()
+"""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _deepspeed_comm_op_built():
+    """DeepSpeed JIT-compiles its CPU shared-memory comm op when the first rank initialises, under a file lock
+    in the torch extensions folder. Compiled inside a rank, it spends the rank's deadline (minutes on a cold
+    cache and two slow cores), and a rank killed mid-build leaves the lock behind, so every later rank waits on
+    it forever. Build it once here, in its own process and without a rank deadline; ranks then only load it."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    try:
+        done = subprocess.run([sys.executable, "-c", _BUILD_COMM_OP], env=env, capture_output=True, text=True,
+                              timeout=DS_OP_BUILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        from torch.utils.cpp_extension import get_default_build_root
+
+        pytest.fail(f"building DeepSpeed's CPU comm op took over {DS_OP_BUILD_TIMEOUT_S} s; a 'lock' file left "
+                    f"by a killed build under {get_default_build_root()}/*/deepspeed_shm_comm/ makes it wait "
+                    "forever: remove it and rerun")
+    assert done.returncode == 0, f"building DeepSpeed's CPU comm op failed:\n{done.stderr[-4000:]}"
 
 
 def _tiny_plan(**kw):
