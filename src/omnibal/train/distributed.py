@@ -180,7 +180,11 @@ def _culprits(world: World) -> str:
 
 
 def is_comm_error(exc: BaseException) -> bool:
-    """Whether an exception comes from the communication backend rather than from user code."""
+    """Whether an exception comes from the communication backend rather than from user code.
+
+    A ``DistError`` is one by type. Gloo raises a plain ``RuntimeError`` when a peer dies (``Connection reset by
+    peer``) or a collective times out (``Timed out waiting ...``), so those are told by the backend's words in
+    the message (tests/test_distributed_errors.py pins both on the installed torch)."""
     if isinstance(exc, getattr(dist, "DistError", ())):
         return True
     text = str(exc)
