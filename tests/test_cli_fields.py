@@ -109,6 +109,7 @@ def test_field_docs_reads_the_docstring_under_each_field():
 def _generated():
     """subcommand -> ((config class, fields of it that are not flags), ...): the configs its parser is generated
     from. A field left out is named here with the reason."""
+    from omnibal.cost.profile import ProfileConfig
     from omnibal.data.balance import BalanceConfig
     from omnibal.hbp.planning import HBPPlanConfig
     from omnibal.jobs.plan_config import PlanJobConfig
@@ -125,7 +126,8 @@ def _generated():
                      # --hbp takes these from the plan job (batch size, oversize, --quiet) or keeps their defaults
                      (HBPPlanConfig, hbp_from_job)),
             "simulate": ((SimulateJobConfig, ()),),
-            "balance": ((BalanceConfig, ()),)}
+            "balance": ((BalanceConfig, ()),),
+            "profile": ((ProfileConfig, ()),)}
 
 
 CLI_ONLY = {
@@ -140,6 +142,8 @@ CLI_ONLY = {
     # --model/--hardware/--profile: no config holds them (yet); the rest are outputs
     "balance": ("stats", "samples", "dp_size", "num_microbatches", "seed", "epoch", "model", "hardware", "profile",
                 "convert_stats", "out", "metrics_json", "plot", "quiet"),
+    # the model measured (a preset or a spec file) is measure()'s argument, not a setting; the rest are outputs
+    "profile": ("model", "spec", "out", "quiet"),
 }
 """The flags of a generated subcommand that are no config field: purely command-line matters."""
 
