@@ -115,6 +115,7 @@ def _generated():
     from omnibal.jobs.plan_config import PlanJobConfig
     from omnibal.jobs.simulate import SimulateJobConfig
     from omnibal.plan.search import SearchConfig
+    from omnibal.stats.annotations import AnnotationConfig
     from omnibal.train.config import TrainConfig
 
     train = ((TrainConfig, ("tp_size", "zero_stage")),)  # the reference trainer has no TP and no ZeRO
@@ -127,7 +128,8 @@ def _generated():
                      (HBPPlanConfig, hbp_from_job)),
             "simulate": ((SimulateJobConfig, ()),),
             "balance": ((BalanceConfig, ()),),
-            "profile": ((ProfileConfig, ()),)}
+            "profile": ((ProfileConfig, ()),),
+            "stats": ((AnnotationConfig, ()),)}
 
 
 CLI_ONLY = {
@@ -144,6 +146,11 @@ CLI_ONLY = {
                 "convert_stats", "out", "metrics_json", "plot", "quiet"),
     # the model measured (a preset or a spec file) is measure()'s argument, not a setting; the rest are outputs
     "profile": ("model", "spec", "out", "quiet"),
+    # --summary/--convert/--synthetic (with its --seed): other modes than counting annotations; --hf-model: the
+    # checkpoint whose image settings replace the config's; --convention: a preset of the tile settings (and
+    # the target of --convert); the rest: where the outputs go, in which format, how loudly
+    "stats": ("summary", "convert", "synthetic", "seed", "hf_model", "convention", "out", "format", "input_format",
+              "report", "plot", "quiet"),
 }
 """The flags of a generated subcommand that are no config field: purely command-line matters."""
 
