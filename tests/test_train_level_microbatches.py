@@ -157,7 +157,7 @@ def test_online_mode_refuses_a_ragged_schedule():
 
     model = VLM(tiny_spec(), seed=0)
     layout = resolve_layout([s.name for s, _ in model.chain()], pp_size=1, mode="online")
-    with pytest.raises(InputError, match="own micro-batch counts is for omnibal mode") as err:
+    with pytest.raises(InputError, match="own micro-batch counts is for offline mode") as err:
         Trainer(world=local_world(), model=model, layout=layout, schedule=ragged_schedule(1, (1, 1)),
                 dataset=tiny_dataset(tiny_spec(), tiny_stats()), mode="online", num_microbatches=8)
     assert err.value.field == "level_microbatches"

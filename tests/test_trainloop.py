@@ -85,12 +85,12 @@ def test_resolve_layout_modes(tmp_path):
     base = resolve_layout(NAMES, pp_size=2, mode="baseline")
     assert base.ranges == ((0, 4), (4, 8))
     assert base.recompute == (tuple(NAMES[0:4]), tuple(NAMES[4:8]))  # full recompute
-    assert resolve_layout(NAMES, pp_size=2, mode="omnibal").recompute == ((), ())
-    explicit = resolve_layout(NAMES, pp_size=2, mode="omnibal", stage_layers=[(0, 3), (3, 8)],
+    assert resolve_layout(NAMES, pp_size=2, mode="offline").recompute == ((), ())
+    explicit = resolve_layout(NAMES, pp_size=2, mode="offline", stage_layers=[(0, 3), (3, 8)],
                               recompute=[["vision.blocks.1"], []])
     assert explicit.ranges == ((0, 3), (3, 8)) and explicit.recompute == (("vision.blocks.1",), ())
     with pytest.raises(InputError, match="not in stage 1"):
-        resolve_layout(NAMES, pp_size=2, mode="omnibal", stage_layers=[(0, 3), (3, 8)],
+        resolve_layout(NAMES, pp_size=2, mode="offline", stage_layers=[(0, 3), (3, 8)],
                        recompute=[[], ["vision.blocks.1"]])
 
 
@@ -237,7 +237,7 @@ def test_cli_bad_input_exits_2(tmp_path, capsys):
     assert "--nproc 3" in capsys.readouterr().err
     assert main(["train", "--mode", "baseline", "--stats", str(stats), "--pp", "2", "--stage-layers", "0:4,5:15"]) == 2
     assert "expected 4" in capsys.readouterr().err
-    assert main(["train", "--mode", "omnibal", "--stats", str(tmp_path / "none.json")]) == 2
+    assert main(["train", "--mode", "offline", "--stats", str(tmp_path / "none.json")]) == 2
     assert "none.json" in capsys.readouterr().err
 
 
@@ -306,7 +306,7 @@ def test_cli_omnibal_mode_trains_a_schedule_file(tmp_path, with_caps):
     sched_path.write_text(json.dumps(doc))
     loaded = load_schedule(sched_path)
     assert type(loaded).__name__ == ("Schedule" if with_caps else "IndexSchedule")
-    rc = main(["train", "--mode", "omnibal", "--stats", str(stats_path), "--schedule-file", str(sched_path),
+    rc = main(["train", "--mode", "offline", "--stats", str(stats_path), "--schedule-file", str(sched_path),
                "--steps", "2", "--microbatches", "2", "--summary-json", str(tmp_path / "sum.json"), "--quiet"])
     assert rc == 0
     doc = json.loads((tmp_path / "sum.json").read_text())

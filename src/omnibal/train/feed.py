@@ -2,7 +2,7 @@
 
 A *schedule* says, for every step, DP rank and micro-batch, which dataset samples form that micro-batch.
 It is the balancer's output (``omnibal.data.balance.Schedule``; JSON
-``{"dp_size", "num_microbatches", "caps": {"tiles", "tokens"}, "steps": [[[[i, ...]]]]}``) in omnibal mode,
+``{"dp_size", "num_microbatches", "caps": {"tiles", "tokens"}, "steps": [[[[i, ...]]]]}``) in offline mode,
 or :func:`random_microbatch_schedule` (fixed B random samples per micro-batch) in baseline mode. Anything
 with ``dp_size``, ``num_microbatches``, ``num_steps`` and ``microbatch(step, dp_rank, micro)`` works.
 
@@ -394,11 +394,11 @@ class Buffer:
 
 
 def fixed_buffer(schedule: ScheduleLike, stats, *, mode: str) -> Buffer:
-    """The pipeline's fixed micro-batch buffer: the balancer's caps in omnibal mode (every pack fits them by
+    """The pipeline's fixed micro-batch buffer: the balancer's caps in offline mode (every pack fits them by
     construction; one that does not is refused by the collator), else the tightest buffer that holds every
     micro-batch of the schedule (the baseline pays for its worst padded micro-batch)."""
     caps = getattr(schedule, "caps", None)
-    if mode == "omnibal" and caps is not None:
+    if mode == "offline" and caps is not None:
         tiles = caps["tiles"] if isinstance(caps, dict) else caps.tiles
         tokens = caps["tokens"] if isinstance(caps, dict) else caps.tokens
         if tiles and tokens:
