@@ -72,6 +72,13 @@ def pack_schedule(stats: SampleStats, *, dp_size: int, num_microbatches: int, nu
     return IndexSchedule(dp_size, num_microbatches, steps, None, "test packs")
 
 
+def plain_schedule_doc(schedule) -> dict:
+    """The hand-made single-level JSON form of a schedule: no caps, its steps as nested lists of rows."""
+    return {"dp_size": schedule.dp_size, "num_microbatches": schedule.num_microbatches,
+            "steps": [[[schedule.microbatch(s, r, k).tolist() for k in range(schedule.num_microbatches)]
+                       for r in range(schedule.dp_size)] for s in range(schedule.num_steps)]}
+
+
 def make_trainer(world, *, mode="offline", num_microbatches=4, num_steps=NUM_STEPS, pipeline_schedule="1f1b",
                  stage_layers=None, checkpoint_dir=None, checkpoint_every=0, lr=1e-3, recompute=None, log_path=None,
                  dp_sync="flat", precision="fp32", selective=None, schedule_seed=0, plan_path=None):
