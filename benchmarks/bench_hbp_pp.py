@@ -70,11 +70,11 @@ def rank_run(schedule, stats):
     model = VLM(spec, seed=0)
     cfg = SyntheticSampleConfig(image_size=spec.vision.image_size, tokens_per_tile=spec.llm_tokens_per_tile,
                                 vocab_size=spec.llm.vocab_size, image_token_id=spec.llm.vocab_size - 1, seed=0)
-    layout = resolve_layout([s.name for s, _ in model.chain()], pp_size=PP, mode="omnibal")
+    layout = resolve_layout([s.name for s, _ in model.chain()], pp_size=PP, mode="offline")
     trainer = Trainer(world=world, model=model, layout=layout, schedule=schedule,
-                      dataset=SyntheticVLMDataset(stats, cfg), mode="omnibal",
+                      dataset=SyntheticVLMDataset(stats, cfg), mode="offline",
                       num_microbatches=schedule.num_microbatches,
-                      buffer=fixed_buffer(schedule, stats, mode="omnibal"))
+                      buffer=fixed_buffer(schedule, stats, mode="offline"))
     trainer.run(0)
     records = [{"samples": r.samples, "step_s": r.step_s, "cpu_s": sum(rk["cpu_s"] for rk in r.ranks),
                 "compute_s": sum(rk["compute_s"] for rk in r.ranks), "loss": r.loss}

@@ -1,4 +1,4 @@
-"""baseline vs control vs online (OrchMLLM-style post-balancing) vs omnibal (offline) on the CPU trainer.
+"""baseline vs control vs online (OrchMLLM-style post-balancing) vs offline (omnibal's packs) on the CPU trainer.
 
 Same world, same data (a random subset of the real InternVL-1.2M statistics in ../shared/data, synthetic
 pixels/tokens of exactly those sizes), the `tiny` preset, one torch thread per rank, each mode over its whole
@@ -36,7 +36,7 @@ from omnibal.train.config import TRAIN_LAYOUT, TrainConfig
 from omnibal.train.feed import random_microbatch_schedule
 from omnibal.train.run import build_schedule
 
-MODES = ("baseline", "control", "online", "omnibal")
+MODES = ("baseline", "control", "online", "offline")
 
 
 def phase_balance(schedule, stats, dp: int, mode: str) -> tuple[float, float]:
@@ -75,8 +75,8 @@ def main(argv=None) -> int:
     log = logger("bench_online")
     layouts = []
     for dp in (int(x) for x in args.layouts.split(",")):
-        # what `omnibal train --mode omnibal` balances itself from the statistics (no --schedule-file)
-        cfg = TrainConfig(mode="omnibal", layout=replace(TRAIN_LAYOUT, dp_size=dp, num_microbatches=args.microbatches),
+        # what `omnibal train --mode offline` balances itself from the statistics (no --schedule-file)
+        cfg = TrainConfig(mode="offline", layout=replace(TRAIN_LAYOUT, dp_size=dp, num_microbatches=args.microbatches),
                           seed=args.seed, stats_path=str(stats_path))
         omni = build_schedule(cfg, stats)
         rand = random_microbatch_schedule(len(stats), dp_size=dp, num_microbatches=args.microbatches,
@@ -85,10 +85,10 @@ def main(argv=None) -> int:
                   str(args.microbatches), "--seed", str(args.seed), "--threads", "1", "--timeout", "300",
                   "--steps", "0"]
         online = common + ["--mode", "online", "--batch-size", str(args.batch_size)]
-        layouts.append({"dp": dp, "schedule_of": {"baseline": rand, "control": rand, "online": rand, "omnibal": omni},
+        layouts.append({"dp": dp, "schedule_of": {"baseline": rand, "control": rand, "online": rand, "offline": omni},
                         "args_of": {"baseline": common + ["--mode", "baseline", "--batch-size", str(args.batch_size)],
                                     "control": online + ["--no-online-balance"], "online": online,
-                                    "omnibal": common + ["--mode", "omnibal"]},
+                                    "offline": common + ["--mode", "offline"]},
                         "runs_of": {m: [] for m in MODES}})
     for rep in range(args.repeats):
         for lay in layouts:
@@ -125,7 +125,7 @@ def main(argv=None) -> int:
 
 
 def render(res: dict) -> str:
-    lines = ["# baseline vs control vs online (OrchMLLM-style) vs omnibal (offline), CPU trainer", "",
+    lines = ["# baseline vs control vs online (OrchMLLM-style) vs offline (omnibal's packs), CPU trainer", "",
              f"`python -m benchmarks.bench_online`: `tiny` preset, {res['num_samples']} samples of {res['stats']}, "
              f"each mode over its whole epoch, local draws of {res['num_microbatches']} x {res['batch_size']} samples "
              f"per rank (baseline, control and online), median of {res['repeats']} interleaved rounds, "

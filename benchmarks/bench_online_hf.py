@@ -1,4 +1,4 @@
-"""baseline vs online vs omnibal through `omnibal train --hf-model` at DP2 (the HF InternVL checkpoint and the
+"""baseline vs online vs offline through `omnibal train --hf-model` at DP2 (the HF InternVL checkpoint and the
 real example of bench_train_hf: rendered charts/pages, vision encoder ~half the time).
 
 Each mode over its whole epoch (`--steps 0`), modes interleaved in rounds, one torch thread per rank; real
@@ -17,7 +17,7 @@ from pathlib import Path
 from benchmarks.common import write_result
 from benchmarks.trainer_runs import MICROBATCHES, data_args, prepare, run_train
 
-MODES = ("baseline", "online", "omnibal")
+MODES = ("baseline", "online", "offline")
 
 
 def main(argv=None) -> int:
@@ -41,7 +41,7 @@ def main(argv=None) -> int:
                              "token_pad_ratio": docs[0]["summary"]["token_pad_ratio"],
                              "load": [d["load"] for d in docs]}
     base = res["runs"]["baseline"]
-    lines = ["# baseline vs online vs omnibal, `omnibal train --hf-model` (HF InternVL, real example), DP2", "",
+    lines = ["# baseline vs online vs offline, `omnibal train --hf-model` (HF InternVL, real example), DP2", "",
              f"`python -m benchmarks.bench_online_hf`: {args.records} example records, whole epoch per run, median of "
              f"{args.repeats} interleaved rounds, one torch thread per rank.", "",
              "| mode | steps | samples/s | vs baseline | samples per CPU-s | vs baseline | token pad "

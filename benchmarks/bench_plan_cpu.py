@@ -73,9 +73,9 @@ def main() -> None:
     links = links["wall_clock"]
 
     # the plan: balanced packs of the validation data, as the trainer will run them
-    _, sched, feats = sv.make_run("plan", dp=1, pp=2, mode="omnibal", ranges=None, recompute="none",
+    _, sched, feats = sv.make_run("plan", dp=1, pp=2, mode="offline", ranges=None, recompute="none",
                                   seed=sv.VAL_SEED, stats=val_stats, **common)
-    buf = fixed_buffer(sched, val_stats, mode="omnibal")
+    buf = fixed_buffer(sched, val_stats, mode="offline")
     buffer = np.broadcast_to(microbatch_features(buf.tiles, buf.tokens, buf.tokens * buf.tokens), feats.shape)
     sim_cfg = SimConfig(dp_size=1, p2p_bandwidth=links["p2p_bandwidth"], p2p_latency=links["p2p_latency"],
                         dp_bandwidth=links["dp_bandwidth"], dp_latency=links["dp_latency"],
@@ -119,7 +119,7 @@ def main() -> None:
                (f"D: omnibal plan under a {budget / 2**20:.0f} MiB budget", tight_ranges, tight_rec)]
     prepared = []
     for name, ranges, rec in configs:
-        run, sched_r, feats_r = sv.make_run(name, dp=1, pp=2, mode="omnibal", ranges=[tuple(r) for r in ranges],
+        run, sched_r, feats_r = sv.make_run(name, dp=1, pp=2, mode="offline", ranges=[tuple(r) for r in ranges],
                                             recompute="full" if rec == "full" else "none", seed=sv.VAL_SEED,
                                             stats=val_stats, **common)
         if isinstance(rec, tuple):

@@ -56,18 +56,18 @@ from omnibal.measure.profile import measure
 CAL_SPECS = (
     # the held-out protocol of docs/sim.md: whole-model layouts at 4 micro-batches only
     ("C1 1x1 M4 baseline, full recompute", dict(dp=1, pp=1, mb=4, mode="baseline", ranges=None, recompute="full")),
-    ("C2 1x1 M4 balanced, no recompute", dict(dp=1, pp=1, mb=4, mode="omnibal", ranges=None, recompute="none")),
+    ("C2 1x1 M4 balanced, no recompute", dict(dp=1, pp=1, mb=4, mode="offline", ranges=None, recompute="none")),
     # a rank of a multi-rank run computes slower than a rank alone: the DP runs fit the shared-core factor
     # and give the stragglers' jitter
-    ("C3 2x1 M4 balanced, no recompute", dict(dp=2, pp=1, mb=4, mode="omnibal", ranges=None, recompute="none")),
+    ("C3 2x1 M4 balanced, no recompute", dict(dp=2, pp=1, mb=4, mode="offline", ranges=None, recompute="none")),
     ("C4 2x1 M4 baseline, full recompute", dict(dp=2, pp=1, mb=4, mode="baseline", ranges=None, recompute="full")),
 )
 """Calibration runs (name, make_run arguments), run on the calibration data (``CAL_SEED``)."""
 
 VAL_SPECS = (
-    ("V1 1x1 M8 balanced, vision recompute", dict(dp=1, pp=1, mb=8, mode="omnibal", ranges=None, recompute="vision")),
+    ("V1 1x1 M8 balanced, vision recompute", dict(dp=1, pp=1, mb=8, mode="offline", ranges=None, recompute="vision")),
     ("V2 1x1 M6 baseline, no recompute", dict(dp=1, pp=1, mb=6, mode="baseline", ranges=None, recompute="none")),
-    ("V3 2x1 M6 balanced, full recompute", dict(dp=2, pp=1, mb=6, mode="omnibal", ranges=None, recompute="full")),
+    ("V3 2x1 M6 balanced, full recompute", dict(dp=2, pp=1, mb=6, mode="offline", ranges=None, recompute="full")),
     ("V4 1x2 M6 baseline, cut at 8 (even), full recompute",
      dict(dp=1, pp=2, mb=6, mode="baseline", ranges=((0, 8), (8, 15)), recompute="full")),
 )

@@ -110,9 +110,9 @@ def rank_run(schedule, stats, sp_degree: int):
     model = VLM(spec, seed=0)
     cfg = SyntheticSampleConfig(image_size=spec.vision.image_size, tokens_per_tile=spec.llm_tokens_per_tile,
                                 vocab_size=spec.llm.vocab_size, image_token_id=spec.llm.vocab_size - 1, seed=0)
-    layout = resolve_layout([s.name for s, _ in model.chain()], pp_size=1, mode="omnibal")
+    layout = resolve_layout([s.name for s, _ in model.chain()], pp_size=1, mode="offline")
     trainer = Trainer(world=world, model=model, layout=layout, schedule=schedule,
-                      dataset=SyntheticVLMDataset(stats, cfg), mode="omnibal",
+                      dataset=SyntheticVLMDataset(stats, cfg), mode="offline",
                       num_microbatches=schedule.num_microbatches, sp_degree=sp_degree)
     trainer.run(0)
     records = [{"samples": r.samples, "step_s": r.step_s, "cpu_s": sum(rk["cpu_s"] for rk in r.ranks),

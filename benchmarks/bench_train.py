@@ -1,4 +1,5 @@
-"""Measured throughput of the reference trainer: omnibal vs baseline mode, DP2xPP1 and DP1xPP2, on CPU.
+"""Measured throughput of the reference trainer: offline (omnibal's packs) vs baseline mode, DP2xPP1 and DP1xPP2,
+on CPU.
 
     python -m benchmarks.bench_train [--samples 3000] [--steps 8] [--repeats 3]
 
@@ -6,7 +7,7 @@ Same model (the ``tiny`` preset), same data (a seeded subset of the real InternV
 ../shared/data, synthetic pixels/tokens of exactly those sizes), same world, one torch thread per rank:
 
 - baseline: random micro-batches of 4 samples padded to their longest, even layer split, full recompute;
-- omnibal: the balancer's packs (``omnibal.data.balance``), the min-max partition of *measured* per-layer
+- offline: the balancer's packs (``omnibal.data.balance``), the min-max partition of *measured* per-layer
   forward+backward times (``omnibal.plan.partition``), no recompute (memory is not binding on this host).
 
 Each configuration runs ``--repeats`` times through the real CLI (``omnibal train``, local gloo ranks);
@@ -49,7 +50,7 @@ from omnibal.stats.io import save_stats
 from omnibal.train.feed import fixed_buffer, random_microbatch_schedule
 from omnibal.train.model import VLM
 
-MODES = ("baseline", "omnibal")
+MODES = ("baseline", "offline")
 
 
 def parse_layouts(text: str) -> list[tuple[int, int]]:
@@ -173,12 +174,12 @@ def main(argv=None) -> int:
             layer_times = profile_layers(spec, sched_omni, stats)
             plan_path = work / f"plan_pp{pp}.json"
             write_plan(plan_path, spec, min_max_partition(layer_times, pp).parts, layer_times, len(stats))
-        schedule_of = {"baseline": sched_base, "omnibal": sched_omni}
+        schedule_of = {"baseline": sched_base, "offline": sched_omni}
         common = ["--model", "tiny", "--stats", str(stats_path), "--dp", str(dp), "--pp", str(pp),
                   "--microbatches", str(args.microbatches), "--seed", str(args.seed), "--threads", "1",
                   "--timeout", "300"]
         extra_of = {"baseline": ["--batch-size", str(args.batch_size)],
-                    "omnibal": ["--schedule-file", str(omni_path)] + (["--plan", str(plan_path)] if plan_path else [])}
+                    "offline": ["--schedule-file", str(omni_path)] + (["--plan", str(plan_path)] if plan_path else [])}
         steps_of = {m: schedule_of[m].num_steps if args.epoch else args.steps for m in MODES}
         layouts.append({"dp": dp, "pp": pp, "schedule_of": schedule_of, "steps_of": steps_of,
                         "layer_times": layer_times,
@@ -231,11 +232,11 @@ def main(argv=None) -> int:
                 "buffer": median_run["buffer"], "per_rank": median_run["summary"]["per_rank"],
                 "load": [[r["load_before"], r["load_after"]] for r in runs],
             }
-            if lay["layer_times"] is not None and mode == "omnibal":
+            if lay["layer_times"] is not None and mode == "offline":
                 entry["layer_fwd_bwd_s"] = lay["layer_times"].tolist()
             results["runs"][f"{mode}_dp{dp}_pp{pp}"] = entry
         base = results["runs"][f"baseline_dp{dp}_pp{pp}"]["samples_per_s_median"]
-        omni = results["runs"][f"omnibal_dp{dp}_pp{pp}"]["samples_per_s_median"]
+        omni = results["runs"][f"offline_dp{dp}_pp{pp}"]["samples_per_s_median"]
         results["table"].append({"layout": f"DP{dp}xPP{pp}", "baseline_sps": base, "omnibal_sps": omni,
                                  "speedup": omni / base})
     write_result("train", results, render_markdown(results), out=Path(args.out))

@@ -1,5 +1,5 @@
 """Measured throughput of `omnibal train` on a Hugging Face InternVL checkpoint and real images + text:
-baseline vs omnibal mode, DP2xPP1 and DP1xPP2, on CPU.
+baseline vs offline mode (omnibal's balanced packs), DP2xPP1 and DP1xPP2, on CPU.
 
     python -m benchmarks.bench_train_hf [--records 400] [--repeats 3]
 
@@ -11,7 +11,7 @@ by `omnibal train --hf-model`. Same model, data and world for both modes, one to
 
 - baseline: random micro-batches of 4 samples padded to their longest, even layer split, every block
   recomputed (InternVL's defaults);
-- omnibal: the balancer's packs, the min-max partition of this CPU's measured per-layer forward+backward
+- offline: the balancer's packs, the min-max partition of this CPU's measured per-layer forward+backward
   times of the chain, no recompute.
 
 Each mode trains its whole epoch (every sample once); the runs go through the real CLI (local gloo ranks),
@@ -41,7 +41,7 @@ from omnibal.plan.plan import measured_plan
 from omnibal.train import run
 
 LAYOUTS = ((2, 1), (1, 2))
-MODES = ("baseline", "omnibal")
+MODES = ("baseline", "offline")
 
 
 def profile_chain(root: Path, model: Path) -> tuple[list[str], np.ndarray, object, object]:
@@ -101,7 +101,7 @@ def main(argv=None) -> int:
                 tag = f"{mode}_dp{dp}_pp{pp}"
                 extra = ["--mode", mode, "--dp", str(dp), "--pp", str(pp), "--microbatches", str(MICROBATCHES),
                          "--steps", "0"]  # the whole epoch of each mode
-                if mode == "omnibal" and pp > 1:
+                if mode == "offline" and pp > 1:
                     extra += ["--plan", str(plan)]
                 doc = run_train(data_args(work, model) + extra, work, f"{tag}_{r}")
                 runs.setdefault(tag, []).append(doc)
@@ -123,10 +123,10 @@ def main(argv=None) -> int:
                                "load": [d["load"] for d in docs]}
     for dp, pp in LAYOUTS:
         base = result["runs"][f"baseline_dp{dp}_pp{pp}"]["samples_per_s_median"]
-        omni = result["runs"][f"omnibal_dp{dp}_pp{pp}"]["samples_per_s_median"]
+        omni = result["runs"][f"offline_dp{dp}_pp{pp}"]["samples_per_s_median"]
         result[f"speedup_dp{dp}_pp{pp}"] = omni / base
         runs = result["runs"]
-        result[f"cpu_work_ratio_dp{dp}_pp{pp}"] = (runs[f"omnibal_dp{dp}_pp{pp}"]["samples_per_cpu_s_median"]
+        result[f"cpu_work_ratio_dp{dp}_pp{pp}"] = (runs[f"offline_dp{dp}_pp{pp}"]["samples_per_cpu_s_median"]
                                                    / runs[f"baseline_dp{dp}_pp{pp}"]["samples_per_cpu_s_median"])
     write_result("train_hf", result, render_markdown(result), out=Path(args.out))
     print(render_markdown(result))
@@ -144,7 +144,7 @@ def render_markdown(res: dict) -> str:
              "| --- | --- | --- | --- | --- |"]
     for key in [k for k in res if k.startswith("speedup_")]:
         lay = key.removeprefix("speedup_")
-        b, o = res["runs"][f"baseline_{lay}"], res["runs"][f"omnibal_{lay}"]
+        b, o = res["runs"][f"baseline_{lay}"], res["runs"][f"offline_{lay}"]
         lines.append(f"| {lay.upper().replace('_', 'x')} | {b['samples_per_s_median']:.2f} | "
                      f"{o['samples_per_s_median']:.2f} | **{res[key]:.2f}x** | {b['samples_per_cpu_s_median']:.1f} / "
                      f"{o['samples_per_cpu_s_median']:.1f} ({res['cpu_work_ratio_' + lay]:.2f}x) |")

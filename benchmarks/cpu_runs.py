@@ -201,7 +201,7 @@ def simulate_run(run, feats, table, links, overhead, jitter=0.0):
 
 RANK_SPECS = tuple(
     (f"R{i + 1} 1x2 M6 balanced, cut at {k}, {rec} recompute",
-     dict(dp=1, pp=2, mb=6, mode="omnibal", ranges=((0, k), (k, 15)), recompute=rec))
+     dict(dp=1, pp=2, mb=6, mode="offline", ranges=((0, k), (k, 15)), recompute=rec))
     for i, (k, rec) in enumerate(((4, "none"), (8, "none"), (11, "none"), (8, "full"))))
 """The candidate plans (partition x recompute) of one job the simulator must rank as measured (docs/sim.md's
 protocol; bench_sim_validation measures them beside its other runs, bench_sim_ranking alone)."""
@@ -209,13 +209,13 @@ protocol; bench_sim_validation measures them beside its other runs, bench_sim_ra
 
 CAL_SPECS = (
     ("cal: 1x1 baseline, full recompute", dict(dp=1, pp=1, mode="baseline", ranges=None, recompute="full")),
-    ("cal: 1x1 balanced, no recompute", dict(dp=1, pp=1, mode="omnibal", ranges=None, recompute="none")),
+    ("cal: 1x1 balanced, no recompute", dict(dp=1, pp=1, mode="offline", ranges=None, recompute="none")),
     # each rank's CPU time covers its stage's layers only: separates the vision from the LLM scale
     ("cal: 1x2 balanced, even split, no recompute (per-rank CPU)",
-     dict(dp=1, pp=2, mode="omnibal", ranges=None, recompute="none")),
+     dict(dp=1, pp=2, mode="offline", ranges=None, recompute="none")),
     # a rank of a multi-rank run computes slower than a rank alone (4-17% on this VM): DP runs of both kinds
     # and the pipeline run above fit the shared-core factor; the DP runs also give the stragglers' jitter
-    ("cal: 2x1 balanced, no recompute (per-rank CPU)", dict(dp=2, pp=1, mode="omnibal", ranges=None, recompute="none")),
+    ("cal: 2x1 balanced, no recompute (per-rank CPU)", dict(dp=2, pp=1, mode="offline", ranges=None, recompute="none")),
     ("cal: 2x1 baseline, full recompute (per-rank CPU)",
      dict(dp=2, pp=1, mode="baseline", ranges=None, recompute="full")),
 )

@@ -72,7 +72,14 @@ def pack_schedule(stats: SampleStats, *, dp_size: int, num_microbatches: int, nu
     return IndexSchedule(dp_size, num_microbatches, steps, None, "test packs")
 
 
-def make_trainer(world, *, mode="omnibal", num_microbatches=4, num_steps=NUM_STEPS, pipeline_schedule="1f1b",
+def plain_schedule_doc(schedule) -> dict:
+    """The hand-made single-level JSON form of a schedule: no caps, its steps as nested lists of rows."""
+    return {"dp_size": schedule.dp_size, "num_microbatches": schedule.num_microbatches,
+            "steps": [[[schedule.microbatch(s, r, k).tolist() for k in range(schedule.num_microbatches)]
+                       for r in range(schedule.dp_size)] for s in range(schedule.num_steps)]}
+
+
+def make_trainer(world, *, mode="offline", num_microbatches=4, num_steps=NUM_STEPS, pipeline_schedule="1f1b",
                  stage_layers=None, checkpoint_dir=None, checkpoint_every=0, lr=1e-3, recompute=None, log_path=None,
                  dp_sync="flat", precision="fp32", selective=None, schedule_seed=0, plan_path=None):
     from omnibal.train.feed import fixed_buffer
@@ -253,7 +260,7 @@ def rank_interleaved_forward_backward(num_chunks: int = 2, num_microbatches: int
     ranges = even_split(len(model.chain()), pp * num_chunks)
     mine = [ranges[c * pp + world.pp_rank] for c in range(num_chunks)]
     chunks = nn.ModuleList([build_stage(model, a, b) for a, b in mine])
-    buffer = fixed_buffer(schedule, stats, mode="omnibal")
+    buffer = fixed_buffer(schedule, stats, mode="offline")
     kw = dict(num_tiles=buffer.tiles, num_tokens=buffer.tokens, device=world.device)
     runner = StageRunner(chunks, stage_index=world.pp_rank, num_stages=pp, device=world.device,
                          num_microbatches=num_microbatches, schedule="interleaved", pp_group=world.pp_group,

@@ -61,11 +61,11 @@ def make_hbp_trainer(world, ranges, *, checkpoint_dir=None, checkpoint_every=0, 
     model = VLM(spec, seed=0)
     names = [s.name for s, _ in model.chain()]
     schedule = hbp_schedule(stats, dp_size=world.dp_size)
-    layout = resolve_layout(names, pp_size=world.pp_size, mode="omnibal", stage_layers=ranges)
+    layout = resolve_layout(names, pp_size=world.pp_size, mode="offline", stage_layers=ranges)
     layout = level_layout(layout, names, level_recompute=LEVEL_RECOMPUTE, level_selective=LEVEL_SELECTIVE)
-    buffer = fixed_buffer(schedule, stats, mode="omnibal") if world.pp_size > 1 else None
+    buffer = fixed_buffer(schedule, stats, mode="offline") if world.pp_size > 1 else None
     return Trainer(world=world, model=model, layout=layout, schedule=schedule, dataset=tiny_dataset(spec, stats),
-                   mode="omnibal", num_microbatches=schedule.num_microbatches, lr=lr, buffer=buffer,
+                   mode="offline", num_microbatches=schedule.num_microbatches, lr=lr, buffer=buffer,
                    checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, ledger_path=ledger_path)
 
 

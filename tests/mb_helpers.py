@@ -40,10 +40,10 @@ def make_ragged_trainer(world, schedule, *, pipeline_schedule="1f1b", checkpoint
 
     spec, stats = tiny_spec(), tiny_stats()
     model = VLM(spec, seed=0)
-    layout = resolve_layout([s.name for s, _ in model.chain()], pp_size=world.pp_size, mode="omnibal")
-    buffer = fixed_buffer(schedule, stats, mode="omnibal") if world.pp_size > 1 else None
+    layout = resolve_layout([s.name for s, _ in model.chain()], pp_size=world.pp_size, mode="offline")
+    buffer = fixed_buffer(schedule, stats, mode="offline") if world.pp_size > 1 else None
     return Trainer(world=world, model=model, layout=layout, schedule=schedule,
-                   dataset=tiny_dataset(spec, stats) if world.is_first_stage else None, mode="omnibal",
+                   dataset=tiny_dataset(spec, stats) if world.is_first_stage else None, mode="offline",
                    num_microbatches=schedule.num_microbatches, pipeline_schedule=pipeline_schedule, lr=lr,
                    buffer=buffer, checkpoint_dir=checkpoint_dir, checkpoint_every=1 if checkpoint_dir else 0,
                    ledger_path=ledger_path)

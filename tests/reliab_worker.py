@@ -108,9 +108,9 @@ def main(argv=None) -> int:
         image_size=spec.vision.image_size, tokens_per_tile=spec.llm_tokens_per_tile, vocab_size=spec.llm.vocab_size,
         image_token_id=spec.llm.vocab_size - 1, seed=0))
     model = VLM(spec, seed=0)
-    layout = resolve_layout([s.name for s, _ in model.chain()], pp_size=args.pp, mode="omnibal")
-    buffer = fixed_buffer(schedule, stats, mode="omnibal") if args.pp > 1 else None
-    trainer = Trainer(world=world, model=model, layout=layout, schedule=schedule, dataset=dataset, mode="omnibal",
+    layout = resolve_layout([s.name for s, _ in model.chain()], pp_size=args.pp, mode="offline")
+    buffer = fixed_buffer(schedule, stats, mode="offline") if args.pp > 1 else None
+    trainer = Trainer(world=world, model=model, layout=layout, schedule=schedule, dataset=dataset, mode="offline",
                       num_microbatches=args.microbatches, lr=1e-3, buffer=buffer,
                       checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.every,
                       ledger_path=str(Path(args.ledger) / "trainer.jsonl"))

@@ -68,9 +68,9 @@ def make_sp_trainer(world, schedule, *, sp_degree: int = 1, recompute=None, ledg
     spec, stats = tiny_spec(), tiny_stats()
     model = VLM(spec, seed=0)
     names = [s.name for s, _ in model.chain()]
-    layout = resolve_layout(names, pp_size=1, mode="omnibal", recompute=recompute)
+    layout = resolve_layout(names, pp_size=1, mode="offline", recompute=recompute)
     return Trainer(world=world, model=model, layout=layout, schedule=schedule, dataset=tiny_dataset(spec, stats),
-                   mode="omnibal", num_microbatches=schedule.num_microbatches, lr=lr, ledger_path=ledger_path,
+                   mode="offline", num_microbatches=schedule.num_microbatches, lr=lr, ledger_path=ledger_path,
                    sp_degree=sp_degree, level_curriculum=int(curriculum))
 
 

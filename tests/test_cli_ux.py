@@ -31,7 +31,7 @@ def test_every_choice_is_a_plain_word_and_errors_list_the_words(capsys):
     with pytest.raises(SystemExit):
         main(["plan", "--engine", "nope"])
     err = capsys.readouterr().err
-    assert "choose from 'omnibal', 'deepspeed', 'megatron', 'torchtitan'" in err and "<Engine" not in err, err
+    assert "choose from 'reference', 'deepspeed', 'megatron', 'torchtitan'" in err and "<Engine" not in err, err
 
 
 def test_no_message_or_help_names_a_removed_spelling():

@@ -139,7 +139,7 @@ def test_pack_row_is_the_plan_and_records_the_search():
     chosen = pack["chosen"]["num_microbatches"]
     names = [r.name for r in res.ablation]
     assert names[:4] == list(PAPER_GPU_DAYS)
-    extra = [n for n in names[4:] if n != "+ selective recompute"]  # omnibal's engine plans selective recompute
+    extra = [n for n in names[4:] if n != "+ selective recompute"]  # the reference engine plans selective recompute
     if chosen == 4:
         assert extra == []
     else:

@@ -43,11 +43,11 @@ def test_dry_run_measures_every_section(tmp_path):
     frag = doc["sections"]["fragmentation"]
     assert set(frag) >= {"default", "expandable_segments"} and len(frag["default"]["packs"]) == 4
     e2e = doc["sections"]["end_to_end"]
-    for mode in ("baseline", "omnibal"):
+    for mode in ("baseline", "offline"):
         assert e2e["measured"][mode]["samples_per_s"] > 0 and e2e["predicted"][mode]["samples_per_s"] > 0
-    assert e2e["measured"]["omnibal"]["token_pad_ratio"] == 0 < e2e["measured"]["baseline"]["token_pad_ratio"]
+    assert e2e["measured"]["offline"]["token_pad_ratio"] == 0 < e2e["measured"]["baseline"]["token_pad_ratio"]
     md = (tmp_path / "result.md").read_text()
-    assert "# GPU check (dry run, CPU)" in md and "omnibal over baseline" in md and "failed" not in md
+    assert "# GPU check (dry run, CPU)" in md and "offline (balanced) over baseline" in md and "failed" not in md
 
 
 def test_full_mode_refuses_a_machine_without_cuda(tmp_path):

@@ -133,7 +133,7 @@ def test_the_schedules_level_sets_reach_the_layout_of_their_model_only():
     from omnibal.train.stage_layout import resolve_layout
 
     names = [layer.name for layer in tiny_spec().layers()]
-    layout = resolve_layout(names, pp_size=2, mode="omnibal", stage_layers=SPLITS["inside llm"])
+    layout = resolve_layout(names, pp_size=2, mode="offline", stage_layers=SPLITS["inside llm"])
     sched = hbp_schedule(tiny_stats())
     assert schedule_level_layout(layout, sched, names, model_name="dist-test-tiny") is layout  # none recorded
     recorded = {"model": "dist-test-tiny", "level_recompute": [list(s) for s in LEVEL_RECOMPUTE],
@@ -186,6 +186,6 @@ def test_sequence_parallelism_refuses_interleaved_chunks():
     model = VLM(tiny_spec(), seed=0)
     world = SimpleNamespace(pp_size=2)
     with pytest.raises(InputError) as err:
-        build_sp(model, nn.ModuleList([nn.Linear(1, 1)]), world=world, runner=None, step_sp=[1, 2], mode="omnibal",
+        build_sp(model, nn.ModuleList([nn.Linear(1, 1)]), world=world, runner=None, step_sp=[1, 2], mode="offline",
                  dp_sync="flat", buffer=None, dtype=None)
     assert err.value.field == "num_chunks" and "--chunks 1" in str(err.value)

@@ -82,7 +82,7 @@ def test_the_libraries_lists_are_the_vocabularies():
         BalanceConfig(method="nope")
     with pytest.raises(InputError, match="choose one of error, own_pack, drop"):
         BalanceConfig(oversize="nope")
-    with pytest.raises(InputError, match="choose one of omnibal, deepspeed, megatron, torchtitan"):
+    with pytest.raises(InputError, match="choose one of reference, deepspeed, megatron, torchtitan"):
         get_engine("nope")
     with pytest.raises(InputError, match="choose one of 1f1b, gpipe, interleaved"):
         SimConfig(schedule="nope").validate()

@@ -44,6 +44,17 @@ def test_round_trip_is_exact(tmp_path):
     assert any(st.recompute for st in again.stages)  # the tight budget forced some checkpoints
 
 
+def test_earlier_engine_name_reads_as_reference():
+    """plan.json files of earlier versions named the reference trainer's engine "omnibal"."""
+    raw = json.loads(small_plan().to_json())
+    assert raw["engine"] == "reference"
+    raw["engine"] = "omnibal"
+    assert Plan.from_json(json.dumps(raw)).engine == "reference"
+    raw["engine"] = "nope"
+    with pytest.raises(InputError, match="nope"):
+        Plan.from_json(json.dumps(raw))
+
+
 def test_exports_match_the_stages():
     plan = small_plan()
     ex = export_all(plan)

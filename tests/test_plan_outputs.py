@@ -101,7 +101,7 @@ def test_report_reads_the_trainers_own_metrics_log(tmp_path, capsys):
     out = tmp_path / "plan"
     assert main([*PLAN, "--no-timelines", "--out", str(out)]) == 0
     log = tmp_path / "run.jsonl"
-    log.write_text(json.dumps({"run": {"mode": "omnibal"}}) + "\n" +
+    log.write_text(json.dumps({"run": {"mode": "offline"}}) + "\n" +
                    "".join(json.dumps({"step": i, "step_s": 0.5 + i}) + "\n" for i in range(3)))
     assert main(["report", str(out), "--train", str(log)]) == 0
     assert "3 steps, median 1.5000 s" in (out / "report.md").read_text()

@@ -105,10 +105,10 @@ def _balanced_trainer(dp_world, stats, ckdir, ledger):
 
     spec = tiny_spec()
     model = VLM(spec, seed=0)
-    layout = resolve_layout([s.name for s, _ in model.chain()], pp_size=1, mode="omnibal")
+    layout = resolve_layout([s.name for s, _ in model.chain()], pp_size=1, mode="offline")
     schedule = balance(stats, dp_size=dp_world.dp_size, num_microbatches=2)
     return Trainer(world=dp_world, model=model, layout=layout, schedule=schedule, dataset=tiny_dataset(spec, stats),
-                   mode="omnibal", num_microbatches=2, lr=1e-3, checkpoint_dir=str(ckdir), ledger_path=str(ledger))
+                   mode="offline", num_microbatches=2, lr=1e-3, checkpoint_dir=str(ckdir), ledger_path=str(ledger))
 
 
 def _dp2_checkpoint(tmp_path, stats, next_step: int):

@@ -109,6 +109,13 @@ def test_a_multi_level_schedule_is_refused_by_name(tmp_path, capsys):
                         str(path), "--no-report"]) == 2
     err = capsys.readouterr().err
     assert "levels" in err and "omnibal plan --hbp" in err and "hbp.json" in err
+    doc = json.loads(sched.to_json())
+    del doc["caps"]  # a hand-made schedule the trainer takes; the simulator prices the balancer's
+    path.write_text(json.dumps(doc))
+    assert main(BASE + ["--model", "internvl-chat-1.5", "--dp", "2", "--microbatches", "4", "--schedule-file",
+                        str(path), "--no-report"]) == 2
+    err = capsys.readouterr().err
+    assert "caps" in err and "omnibal balance" in err and "hbp.json" in err
 
 
 def test_profile_from_another_model_is_refused(tmp_path, capsys):

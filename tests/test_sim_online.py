@@ -39,7 +39,7 @@ def test_compare_online_offline_for_a_cluster():
     """The 128-GPU default shape (DP32 x PP4) on a small synthetic sample: online balances each phase of the
     baseline's own draws to <= 1.05, pays its collectives, and beats the baseline's step time."""
     r = compare_online_offline(num_samples=6000)
-    base, online, omni = (r["modes"][m] for m in ("baseline", "online", "omnibal"))
+    base, online, omni = (r["modes"][m] for m in ("baseline", "online", "offline"))
     assert online["vision_max_mean"] <= 1.05 and online["llm_max_mean"] <= 1.05
     assert base["vision_max_mean"] > 1.1 and base["llm_max_mean"] > 1.1
     assert online["comm_s"] > 0 and base["comm_s"] == omni["comm_s"] == 0
@@ -65,7 +65,7 @@ def test_simulate_cli_online_vs_offline(capsys):
     out = capsys.readouterr().out
     assert "DP8 x PP2" in out
     rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ")}
-    assert {"baseline", "online", "omnibal"} <= set(rows)
+    assert {"baseline", "online", "offline"} <= set(rows)
 
 
 def test_docs_copy_the_online_prediction_verbatim():

@@ -85,8 +85,8 @@ def _hf_reference(cfg: TrainConfig, samples: list[int]):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("kind,dp,pp,mode", [("llava", 2, 1, "omnibal"), ("internvl", 1, 2, "omnibal"),
-                                              ("llava", 1, 2, "omnibal"), ("internvl", 1, 2, "baseline"),
+@pytest.mark.parametrize("kind,dp,pp,mode", [("llava", 2, 1, "offline"), ("internvl", 1, 2, "offline"),
+                                              ("llava", 1, 2, "offline"), ("internvl", 1, 2, "baseline"),
                                               ("llava", 2, 1, "online"), ("internvl", 2, 1, "online")])
 def test_a_dp_pp_step_equals_the_hf_models_own_unpacked_loss(example, kind, dp, pp, mode):
     """Balanced packs (block-diagonal attention, positions restarting per sample) split over DP ranks and
@@ -94,7 +94,7 @@ def test_a_dp_pp_step_equals_the_hf_models_own_unpacked_loss(example, kind, dp, 
     padded rows (even split, every block recomputed); so does ``--mode online``, whose samples, visual features
     and feature gradients cross DP ranks by all-to-all."""
     plan = None
-    if pp > 1 and mode == "omnibal":  # the plan omnibal plan --hf-model makes for this checkpoint (config.json only)
+    if pp > 1 and mode == "offline":  # the plan omnibal plan --hf-model makes for this checkpoint (config.json only)
         out = example / f"plan-{kind}"
         assert main(["plan", "--hf-model", str(example / kind), "--gpus", str(pp), "--pp", str(pp), "--tp", "1",
                      "--microbatches", "4", "--stats", str(_stats_file(example, kind)), "--balance-samples",

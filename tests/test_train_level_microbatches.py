@@ -12,7 +12,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from dist_helpers import pack_schedule, tiny_stats
+from dist_helpers import pack_schedule, plain_schedule_doc, tiny_stats
 from mb_helpers import ROWS, make_ragged_trainer, ragged_schedule, rank_ragged_epoch
 from omnibal.data.balance.schedule import Schedule
 from omnibal.errors import InputError
@@ -91,13 +91,17 @@ def test_slots_that_disagree_with_the_counts_are_refused(tmp_path, counts, recor
     assert (err.value.source, err.value.record, err.value.field) == (str(path), record, field)
 
 
-def test_a_level_file_without_caps_goes_to_the_one_reader(tmp_path):
+@pytest.mark.parametrize("caps", ["absent", None])
+def test_a_level_file_without_caps_is_refused_naming_caps(tmp_path, caps):
+    """Only a single-level file may leave out its caps: a multi-level one was packed to them."""
     doc = ragged_schedule(1, (1, 1)).to_dict()
     del doc["caps"]
+    if caps is None:
+        doc["caps"] = None
     path = tmp_path / "nocaps.json"
     path.write_text(json.dumps(doc))
-    with pytest.raises(InputError, match="missing key 'caps'") as err:
-        load_schedule(path)  # the plain reader would have dropped the levels and failed on the ragged steps
+    with pytest.raises(InputError, match="caps") as err:
+        load_schedule(path)
     assert err.value.source == str(path) and err.value.field == "caps"
 
 
@@ -115,7 +119,7 @@ def test_fingerprint_follows_the_counts_and_keeps_single_level_ones(tmp_path):
 
 
 def _single_level_doc() -> dict:
-    doc = pack_schedule(tiny_stats(), dp_size=2, num_microbatches=2, num_steps=2).to_dict()
+    doc = plain_schedule_doc(pack_schedule(tiny_stats(), dp_size=2, num_microbatches=2, num_steps=2))
     return doc | {"caps": {"tiles": 64, "tokens": 512}}
 
 
@@ -157,7 +161,7 @@ def test_online_mode_refuses_a_ragged_schedule():
 
     model = VLM(tiny_spec(), seed=0)
     layout = resolve_layout([s.name for s, _ in model.chain()], pp_size=1, mode="online")
-    with pytest.raises(InputError, match="own micro-batch counts is for omnibal mode") as err:
+    with pytest.raises(InputError, match="own micro-batch counts is for offline mode") as err:
         Trainer(world=local_world(), model=model, layout=layout, schedule=ragged_schedule(1, (1, 1)),
                 dataset=tiny_dataset(tiny_spec(), tiny_stats()), mode="online", num_microbatches=8)
     assert err.value.field == "level_microbatches"

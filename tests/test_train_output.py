@@ -47,13 +47,13 @@ def test_a_run_says_what_it_trains_its_loss_what_it_saved_and_its_summary_on_std
     out, err = capsys.readouterr()
     lines = out.splitlines()
     assert err == "", err
-    assert lines[0].startswith(f"omnibal train: omnibal mode, model tiny, data {stats}, dp 1 x pp 1 on cpu")
+    assert lines[0].startswith(f"omnibal train: offline mode, model tiny, data {stats}, dp 1 x pp 1 on cpu")
     assert lines[1].startswith("omnibal train: training steps 1-5 of the ")
     steps = [int(x.split()[1].split("/")[0]) for x in lines if x.startswith("step ")]
     assert steps == [1, 2, 4, 5], lines  # the first, every 2nd, the last
     assert all(" loss " in x and "s/step" in x for x in lines if x.startswith("step "))
     assert f"omnibal train: checkpoint of step 4 saved to {ck / 'step_00000004'}" in lines
-    assert any(x.startswith("## omnibal dp1 x pp1") for x in lines)
+    assert any(x.startswith("## offline dp1 x pp1") for x in lines)
     assert lines[-1] == f"omnibal train: saved checkpoint {ck / 'step_00000005'}, metrics {log}"
     assert main(["train", "--stats", str(stats), "--steps", "2", "--microbatches", "1", "--quiet"]) == 0
     assert capsys.readouterr() == ("", "")

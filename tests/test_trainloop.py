@@ -13,11 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-from dist_helpers import make_trainer, pack_schedule, tiny_plan, tiny_spec, tiny_stats
+from dist_helpers import make_trainer, pack_schedule, plain_schedule_doc, tiny_plan, tiny_spec, tiny_stats
+from omnibal.data.balance.schedule import Schedule
 from omnibal.errors import InputError
 from omnibal.train.config import TRAIN_LAYOUT, TrainConfig
 from omnibal.train.distributed import local_world
-from omnibal.train.feed import IndexSchedule, buffer_shape, check_schedule, random_microbatch_schedule
+from omnibal.train.feed import IndexSchedule, buffer_shape, check_schedule, load_schedule, random_microbatch_schedule
 from omnibal.train.metrics_log import format_summary
 from omnibal.train.stage_layout import (
     even_split,
@@ -85,12 +86,12 @@ def test_resolve_layout_modes(tmp_path):
     base = resolve_layout(NAMES, pp_size=2, mode="baseline")
     assert base.ranges == ((0, 4), (4, 8))
     assert base.recompute == (tuple(NAMES[0:4]), tuple(NAMES[4:8]))  # full recompute
-    assert resolve_layout(NAMES, pp_size=2, mode="omnibal").recompute == ((), ())
-    explicit = resolve_layout(NAMES, pp_size=2, mode="omnibal", stage_layers=[(0, 3), (3, 8)],
+    assert resolve_layout(NAMES, pp_size=2, mode="offline").recompute == ((), ())
+    explicit = resolve_layout(NAMES, pp_size=2, mode="offline", stage_layers=[(0, 3), (3, 8)],
                               recompute=[["vision.blocks.1"], []])
     assert explicit.ranges == ((0, 3), (3, 8)) and explicit.recompute == (("vision.blocks.1",), ())
     with pytest.raises(InputError, match="not in stage 1"):
-        resolve_layout(NAMES, pp_size=2, mode="omnibal", stage_layers=[(0, 3), (3, 8)],
+        resolve_layout(NAMES, pp_size=2, mode="offline", stage_layers=[(0, 3), (3, 8)],
                        recompute=[[], ["vision.blocks.1"]])
 
 
@@ -101,19 +102,24 @@ def test_schedule_json_is_checked(tmp_path):
     stats = tiny_stats()
     sched = pack_schedule(stats, dp_size=2, num_microbatches=2, num_steps=3)
     path = tmp_path / "s.json"
-    path.write_text(json.dumps(sched.to_dict()))
-    back = IndexSchedule.from_json(path)
+    path.write_text(json.dumps(plain_schedule_doc(sched)))  # hand-made: no caps
+    back = load_schedule(path)
+    assert back.caps is None and Schedule.from_json(back.to_json()).equals(back)  # written back as caps null
     assert back.num_steps == 3 and np.array_equal(back.microbatch(2, 1, 1), sched.microbatch(2, 1, 1))
     with pytest.raises(InputError, match="dp_size 2, the run has 4"):
         check_schedule(back, dp_size=4, num_microbatches=2, num_samples=len(stats), source=str(path))
     with pytest.raises(InputError, match="outside the dataset") as err:
         check_schedule(back, dp_size=2, num_microbatches=2, num_samples=3, source=str(path))
     assert err.value.record.startswith("step 0")
-    doc = sched.to_dict()
+    doc = plain_schedule_doc(sched)
     doc["steps"][1][0] = doc["steps"][1][0][:1]
     with pytest.raises(InputError, match="needs 2 micro-batches") as err:
-        IndexSchedule.from_dict(doc, source="s.json")
+        Schedule.from_dict(doc, source="s.json")
     assert err.value.record == "step 1 rank 0"
+    doc["steps"][1] = doc["steps"][1][:1]
+    with pytest.raises(InputError, match="needs 2 ranks") as err:
+        Schedule.from_dict(doc, source="s.json")
+    assert err.value.record == "step 1"
 
 
 def test_random_baseline_schedule_is_deterministic_and_disjoint():
@@ -237,7 +243,7 @@ def test_cli_bad_input_exits_2(tmp_path, capsys):
     assert "--nproc 3" in capsys.readouterr().err
     assert main(["train", "--mode", "baseline", "--stats", str(stats), "--pp", "2", "--stage-layers", "0:4,5:15"]) == 2
     assert "expected 4" in capsys.readouterr().err
-    assert main(["train", "--mode", "omnibal", "--stats", str(tmp_path / "none.json")]) == 2
+    assert main(["train", "--mode", "offline", "--stats", str(tmp_path / "none.json")]) == 2
     assert "none.json" in capsys.readouterr().err
 
 
@@ -287,15 +293,17 @@ def test_csr_fast_paths_agree_with_the_generic_loops():
 
 
 @pytest.mark.parametrize("with_caps", [False, True])
-def test_cli_omnibal_mode_trains_a_schedule_file(tmp_path, with_caps):
-    """omnibal mode on a schedule JSON: the balancer's Schedule when it has caps, the plain reader without."""
+def test_cli_offline_mode_trains_a_schedule_file(tmp_path, with_caps):
+    """offline mode on a schedule JSON, with caps or hand-made without: the same micro-batches either way; a
+    pipeline's buffer is the caps when the file has them, else the tightest that holds its micro-batches."""
     from omnibal.cli import main
     from omnibal.stats.io import load_stats
-    from omnibal.train.feed import load_schedule
+    from omnibal.train.feed import Buffer, fixed_buffer, load_schedule
 
     stats_path = _stats_file(tmp_path)
     stats = load_stats(stats_path)
-    doc = pack_schedule(stats, dp_size=1, num_microbatches=2, num_steps=2).to_dict()
+    packs = pack_schedule(stats, dp_size=1, num_microbatches=2, num_steps=2)
+    doc = plain_schedule_doc(packs)
     # bound to the statistics it was made for; the rows it does not train are listed as left out on purpose
     doc["stats_fingerprint"] = stats.fingerprint()
     used = {i for step in doc["steps"] for rank in step for mb in rank for i in mb}
@@ -305,8 +313,12 @@ def test_cli_omnibal_mode_trains_a_schedule_file(tmp_path, with_caps):
     sched_path = tmp_path / "sched.json"
     sched_path.write_text(json.dumps(doc))
     loaded = load_schedule(sched_path)
-    assert type(loaded).__name__ == ("Schedule" if with_caps else "IndexSchedule")
-    rc = main(["train", "--mode", "omnibal", "--stats", str(stats_path), "--schedule-file", str(sched_path),
+    assert all(np.array_equal(loaded.microbatch(s, 0, k), packs.microbatch(s, 0, k))
+               for s in range(2) for k in range(2))
+    tight = buffer_shape(packs, stats.tiles, stats.tokens, pad_to_longest=False)
+    assert fixed_buffer(loaded, stats, mode="offline") == (Buffer(12, 4096) if with_caps else Buffer(*tight))
+    assert (loaded.caps is None) == (not with_caps)
+    rc = main(["train", "--mode", "offline", "--stats", str(stats_path), "--schedule-file", str(sched_path),
                "--steps", "2", "--microbatches", "2", "--summary-json", str(tmp_path / "sum.json"), "--quiet"])
     assert rc == 0
     doc = json.loads((tmp_path / "sum.json").read_text())

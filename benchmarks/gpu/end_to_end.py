@@ -1,9 +1,10 @@
 """Section 3 of the GPU check: one device trains a random-init InternVL-shaped Hugging Face model on the real
-example (rendered charts and pages, replicated), through the real command line, baseline vs omnibal:
+example (rendered charts and pages, replicated), through the real command line, baseline vs offline (omnibal's
+balanced packs):
 
 - baseline: ``omnibal train --mode baseline``: random micro-batches of ``batch_size`` samples padded to their
   longest, every block recomputed (InternVL's fine-tuning defaults);
-- omnibal: the balancer's packs, varlen attention, no recompute.
+- offline: ``omnibal train --mode offline``: the balancer's packs, varlen attention, no recompute.
 
 Each mode trains one whole epoch (every sample once) with ``--precision bf16-mixed`` on a GPU. Reported per
 mode: samples/s and tokens/s over the steps after the first, the token padding, and where the step's time
@@ -35,7 +36,7 @@ from omnibal.measure.profile import measure_points
 from omnibal.sim import SimConfig, simulate_epoch
 from omnibal.train import run as train_run
 
-MODES = ("baseline", "omnibal")
+MODES = ("baseline", "offline")
 
 
 def prepare(root: Path, cfg: EndToEndConfig, log) -> dict[str, Path]:
@@ -97,7 +98,7 @@ def predict(paths: dict, cfg: EndToEndConfig, shapes: CheckShapes, measured: dic
     """The simulator's samples/s of each mode over the steps the summary counts (all but the first)."""
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    tcfg = train_config(parser.parse_args(train_args(paths, cfg, shapes, "omnibal")))
+    tcfg = train_config(parser.parse_args(train_args(paths, cfg, shapes, "offline")))
     chain = train_run.build_model(tcfg)
     stats, _ = train_run.build_data(tcfg, chain)
     profile = _chain_profile(chain, cfg, shapes)
@@ -134,7 +135,7 @@ def run_end_to_end(shapes: CheckShapes, root: Path, log) -> dict[str, Any]:
     if shapes.device == "cuda":
         torch.cuda.empty_cache()
     predicted = predict(paths, cfg, shapes, measured, log)
-    speedup = measured["omnibal"]["samples_per_s"] / measured["baseline"]["samples_per_s"]
-    speedup_pred = predicted["omnibal"]["samples_per_s"] / predicted["baseline"]["samples_per_s"]
+    speedup = measured["offline"]["samples_per_s"] / measured["baseline"]["samples_per_s"]
+    speedup_pred = predicted["offline"]["samples_per_s"] / predicted["baseline"]["samples_per_s"]
     return {"params": paths["params"], "samples": cfg.records * cfg.replicas, "measured": measured,
             "predicted": predicted, "speedup": speedup, "speedup_predicted": speedup_pred}

@@ -53,7 +53,8 @@ interleaved plan's chunks come from ``omnibal plan --chunks`` and its plan file)
 class Engine(StrEnum):
     """Training engine a plan is made for (``omnibal.plan.engines``)."""
 
-    OMNIBAL = "omnibal"
+    REFERENCE = "reference"
+    """omnibal's own reference trainer (``omnibal train``): no engine constraint."""
     DEEPSPEED = "deepspeed"
     MEGATRON = "megatron"
     TORCHTITAN = "torchtitan"
@@ -86,7 +87,9 @@ class TrainMode(StrEnum):
     """How the reference trainer forms micro-batches (``omnibal.train.config``)."""
 
     BASELINE = "baseline"
-    OMNIBAL = "omnibal"
+    OFFLINE = "offline"
+    """Micro-batches balanced before training (the balancer's schedule), against ``online``'s per-step
+    post-balancing."""
     ONLINE = "online"
 
 

@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def plain_choices(parser: argparse.ArgumentParser) -> None:
     """Every ``choices`` of ``parser`` as plain strings: argparse's "invalid choice" error lists the choices
-    by ``repr``, which for a ``StrEnum`` member is ``<Engine.OMNIBAL: 'omnibal'>``, not the word to type."""
+    by ``repr``, which for a ``StrEnum`` member is ``<Engine.REFERENCE: 'reference'>``, not the word to type."""
     for action in parser._actions:
         if action.choices is not None and not isinstance(action.choices, dict):
             action.choices = [c.value if isinstance(c, enum.Enum) else c for c in action.choices]

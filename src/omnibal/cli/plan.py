@@ -237,7 +237,7 @@ def _print_plan(result, exports: tuple[dict, dict]) -> None:
         print("schedule: 1F1B (interleaved 1F1B was tried and is not faster here)")
     print(text_table(stage_rows(plan)))
     written, skipped = exports
-    if plan.engine == "omnibal" and p.num_chunks == 1:
+    if plan.engine == "reference" and p.num_chunks == 1:
         print(f"\nDeepSpeed parts: {list(plan.parts)}")
     for engine, paths in written.items():
         print(f"{engine} export: " + ", ".join(str(p) for p in paths))

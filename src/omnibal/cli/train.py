@@ -1,4 +1,4 @@
-"""``omnibal train``: run the reference DP x PP trainer (baseline or omnibal mode).
+"""``omnibal train``: run the reference DP x PP trainer (baseline or offline mode).
 
 One process (dp = pp = 1) runs in place; a larger world on one machine is started as local processes
 (``--nproc`` defaults to dp x pp); under ``torchrun`` every rank runs the same command:
@@ -25,8 +25,8 @@ CPP_LOG_LEVEL = "FATAL"
 its peers' backends log their broken connections with C++ stack frames (20-80 lines per rank) before the
 launcher can say the cause; every error still reaches the rank's Python code and its one-line report."""
 
-HELP = "run the reference DP x PP trainer (baseline or omnibal mode) on a plan"
-DESCRIPTION = (HELP + ". Examples: `omnibal train --stats stats.json --dp 2 --mode omnibal --steps 20`; "
+HELP = "run the reference DP x PP trainer (baseline or offline mode) on a plan"
+DESCRIPTION = (HELP + ". Examples: `omnibal train --stats stats.json --dp 2 --mode offline --steps 20`; "
                "`torchrun --nproc-per-node 4 -m omnibal train --stats stats.json --dp 2 --pp 2 --plan plan.json`.")
 
 

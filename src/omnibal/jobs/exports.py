@@ -26,15 +26,15 @@ def write_engine_export(engine: str, plan, out_dir: str | Path) -> list[Path]:
 
 
 def write_engine_exports(plan, out_dir: str | Path) -> tuple[dict, dict]:
-    """The plan's engine files under ``out_dir`` (a plan for ``omnibal``: every engine that can express it).
+    """The plan's engine files under ``out_dir`` (a plan for ``reference``: every engine that can express it).
     Returns ({engine: [paths]}, {engine: why not written})."""
-    engines = EXPORT_ENGINES if plan.engine == "omnibal" else (plan.engine,)
+    engines = EXPORT_ENGINES if plan.engine == "reference" else (plan.engine,)
     written, skipped = {}, {}
     for engine in engines:
         try:
             written[engine] = write_engine_export(engine, plan, out_dir)
         except InputError as exc:
-            if plan.engine != "omnibal":
+            if plan.engine != "reference":
                 raise  # the engine's own plan must be expressible: a bug, not a user choice
             skipped[engine] = str(exc)
     return written, skipped

@@ -152,13 +152,13 @@ class PlanJobConfig:
     """Convert statistics made in another image convention (InternVL tiles vs LLaVA single image) to the
     model's (``--convert-stats``); without it such statistics are an InputError naming both
     (``omnibal.cost.units.model_stats``). The synthetic InternVL-like mixture is always converted."""
-    engine: Engine = "omnibal"
+    engine: Engine = "reference"
     """Engine the plan is for (``omnibal.plan.engines``): its constraints are inputs to the planner, the
     ablation gets one row per constraint (and one with all of them: the plan), and its ready-to-use files go
     to ``OUT/exports/`` (docs/engines/)."""
     selective: bool | None = field(default=None, metadata={"option": "selective_recompute"})
     """Let adaptive recompute run transformer blocks selectively (``omnibal.train.recompute``); None: where
-    the engine expresses it per layer (``omnibal``, the reference trainer and the HF adapter)."""
+    the engine expresses it per layer (``reference``: the reference trainer and the HF adapter)."""
 
     @property
     def selective_recompute(self) -> bool:

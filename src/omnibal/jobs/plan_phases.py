@@ -402,7 +402,7 @@ def _ablation_specs(config, model: Model, data: Data, found: Found):
         pack_recompute = "adaptive, selective" if found.best_selective is not None else "adaptive"
         specs.append(("+ pack size", "packed", "joint min-max + search", pack_recompute,
                       (found.best_plain or found.best_joint).plan))
-    if constraint_rows(config.engine):  # deepspeed and omnibal express every plan: no extra rows
+    if constraint_rows(config.engine):  # deepspeed and reference express every plan: no extra rows
         from omnibal.plan.engine_plan import engine_row_specs
 
         engine_specs, engine_final = engine_row_specs(config.engine, found.planner, found.score, config.search)

@@ -361,6 +361,9 @@ def _schedule(config: SimulateJobConfig, stats, cluster: dict, bconfig, seed: in
 
     if config.schedule_file:
         sched = Schedule.from_json(config.schedule_file)
+        if sched.caps is None:  # the report and the plan comparison are in the balancer's caps
+            raise InputError("missing key 'caps': omnibal simulate takes the balancer's schedules (omnibal balance "
+                             "--out)", source=config.schedule_file, field="caps")
         if sched.levels is not None:  # one table and one micro-batch count would price it wrongly
             raise InputError("a multi-level (HBP) schedule runs each level with its own SP degree and micro-batch "
                              "count; omnibal simulate takes single-level schedules (omnibal plan --hbp simulates "

@@ -178,7 +178,7 @@ def _train_config(result, cand_parts, rec_sets, files: dict, steps: int, device:
     # the schedule's count: its largest level's when the levels have their own (the trainer runs each step's)
     layout = replace(TRAIN_LAYOUT, dp_size=i.layout.dp_size, pp_size=i.layout.pp_size,
                      num_microbatches=int(result.balanced_schedule.num_microbatches))
-    return TrainConfig(mode="omnibal", layout=layout,
+    return TrainConfig(mode="offline", layout=layout,
                        stage_layers=tuple((int(a), int(b)) for a, b in zip(cand_parts[:-1], cand_parts[1:])),
                        recompute=rec_sets, model=i.model, stats_path=files["stats"], schedule_path=files["schedule"],
                        stats_tokens_per_tile=spec_tokens, num_steps=steps + 1, device=device, torch_threads=1,

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from omnibal.errors import InputError
 from omnibal.layout import Engine, PipelineSchedule
 
-"""``omnibal``: no engine constraint (the reference trainer, or any engine that can express any plan)."""
+"""``reference``: no engine constraint (omnibal's reference trainer, or any engine that can express any plan)."""
 
 RECOMPUTE_POLICIES = ("per-layer", "count", "all-or-none")
 """per-layer: any layer of any stage; count: the first ``n_vision`` vision blocks and the first ``n_llm`` LLM
@@ -57,7 +57,7 @@ class EngineSpec:
 
 
 ENGINE_SPECS: dict[str, EngineSpec] = {
-    "omnibal": EngineSpec("omnibal", False, "per-layer", tuple(PipelineSchedule), (0, 1, 2, 3), 1, True, {}),
+    "reference": EngineSpec("reference", False, "per-layer", tuple(PipelineSchedule), (0, 1, 2, 3), 1, True, {}),
     "deepspeed": EngineSpec(
         "deepspeed", False, "per-layer", ("1f1b",), (0, 1), 1, False,
         {"schedule": "DeepSpeed's PipelineEngine runs its own 1F1B TrainSchedule only",

@@ -42,7 +42,7 @@ class Plan(Protocol):
     def recompute_modules(self) -> tuple[str, ...]: ...
 
 EXPORT_ENGINES = (Engine.DEEPSPEED, Engine.MEGATRON, Engine.TORCHTITAN)
-"""Engines with ready-to-use files (``omnibal``'s own plan runs as it is)."""
+"""Engines with ready-to-use files (the ``reference`` engine's plan runs as it is, in ``omnibal train``)."""
 _KINDS = (("vision.embed", "vision_embed"), ("vision.blocks.", "vision_block"), ("projector", "projector"),
           ("llm.embed", "llm_embed"), ("llm.blocks.", "llm_block"), ("llm.head", "lm_head"))
 

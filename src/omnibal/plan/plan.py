@@ -148,8 +148,8 @@ class Plan:
     search: dict = field(default_factory=dict)
     """How the partition was found: anchor cut points, candidates scored, the chosen candidate's rank."""
     version: int = PLAN_VERSION
-    engine: str = "omnibal"
-    """The engine whose constraints the plan respects (``omnibal plan --engine``; ``omnibal``: none)."""
+    engine: str = "reference"
+    """The engine whose constraints the plan respects (``omnibal plan --engine``; ``reference``: none)."""
 
     @property
     def parts(self) -> tuple[int, ...]:
@@ -280,7 +280,9 @@ class Plan:
                 simulated_peak_memory_bytes=r.get(st, "simulated_peak_memory_bytes", (float, None), where,
                                                   default=None)))
         search = r.get(raw, "search", dict, "", default={})
-        engine = r.get(raw, "engine", str, "", default="omnibal")
+        engine = r.get(raw, "engine", str, "", default="reference")
+        if engine == "omnibal":  # what earlier versions wrote for the reference trainer's engine
+            engine = "reference"
         check_choice(engine, Engine, source=source, field="engine")
         plan = cls(inputs=inputs, data=data, stages=tuple(stages), prediction=prediction, search=search,
                    version=version, engine=engine)

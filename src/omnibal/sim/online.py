@@ -97,7 +97,7 @@ def compare_online_offline(*, model: str = "internvl-chat-1.5", hardware="a100-8
     """On one cluster and the same random draws: ``baseline`` (padded rows), ``control`` (the draws packed
     varlen where they were drawn: no padding, no re-deal), ``online`` (the draws post-balanced per phase,
     placed to move the fewest bytes, plus its collectives), ``online (owner-blind)`` (the same balance
-    placed by bin index) and ``omnibal`` (the offline balancer's packs); even partition and full recompute
+    placed by bin index) and ``offline`` (the balancer's packs, made before training); even partition and full recompute
     for all, so only the data differs, and control vs online isolates the balance from the padding.
     ``num_samples`` of the synthetic InternVL-like mixture are simulated and the epoch is scaled to
     ``epoch_samples``. ``hardware``: a preset name or a ``HardwareSpec`` (``cpu`` is measured: the caller
@@ -155,7 +155,7 @@ def compare_online_offline(*, model: str = "internvl-chat-1.5", hardware="a100-8
         summarize(name, rand, feats, comm, vm, lm, moved, rand.num_steps / used)
     vm, lm = _local_balance(omni, rank_rows, stats, cost)
     zeros = np.zeros(omni.num_steps)
-    summarize("omnibal", omni, omni.features(stats), zeros, vm, lm, zeros, omni.num_steps / len(stats))
+    summarize("offline", omni, omni.features(stats), zeros, vm, lm, zeros, omni.num_steps / len(stats))
     return out
 
 

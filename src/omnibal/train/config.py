@@ -37,9 +37,9 @@ TRAIN_LAYOUT = Layout(zero_stage=0, num_microbatches=4)
 class TrainConfig:
     """One training run of the reference DP x PP trainer."""
 
-    mode: TrainMode = "omnibal"
+    mode: TrainMode = "offline"
     """`baseline`: random fixed micro-batches of `baseline_batch_size` samples padded to their longest
-    sample, even layer split, every block recomputed. `omnibal`: the balanced schedule's packs, the
+    sample, even layer split, every block recomputed. `offline`: the balanced schedule's packs, the
     plan's (or the given) partition and recompute sets. `online` (OrchMLLM-style; with pp > 1 the vision
     phase runs on stage 0's ranks, :mod:`omnibal.train.online_pipeline`): the baseline's random local draws
     of `num_microbatches x baseline_batch_size` samples per rank, re-dealt every step by an all-gather of
@@ -79,11 +79,11 @@ class TrainConfig:
     """Explicit half-open layer ranges [start, end) per stage over ModelSpec.layers(); None: from the
     plan, else an even split of the chain."""
     recompute: tuple[tuple[str, ...], ...] | None = field(default=None, metadata={"parse": parse_stage_sets})
-    """Per stage, the layer names whose activations are recomputed; None: the plan's sets in omnibal mode,
+    """Per stage, the layer names whose activations are recomputed; None: the plan's sets in offline mode,
     every block in baseline mode."""
     selective: tuple[tuple[str, ...], ...] | None = field(default=None, metadata={"parse": parse_stage_sets})
     """Per stage, the layer names under selective recompute (``omnibal.train.recompute``); None: the plan's
-    sets in omnibal mode, else none. Given together with or instead of ``recompute``."""
+    sets in offline mode, else none. Given together with or instead of ``recompute``."""
     plan_path: str | None = field(default=None, metadata={"option": "plan"})
     """Plan JSON (from `omnibal plan`) giving the stage ranges and recompute sets."""
     model: str = "tiny"
@@ -91,7 +91,7 @@ class TrainConfig:
     stats_path: str | None = field(default=None, metadata={"option": "stats"})
     """Per-sample statistics (a SampleStats file) the synthetic dataset reproduces the shapes of."""
     schedule_path: str | None = field(default=None, metadata={"option": "schedule_file"})
-    """Balanced schedule JSON (`omnibal balance`) for omnibal mode."""
+    """Balanced schedule JSON (`omnibal balance`) for offline mode."""
     max_samples: int | None = None
     """Train on a seeded random subset of this many rows of the statistics (None: all rows)."""
     stats_tokens_per_tile: int = 256
@@ -249,7 +249,7 @@ class TrainConfig:
             raise InputError(f"SP degree {self.sp_degree} does not divide the {self.layout.dp_size} data-parallel "
                              f"ranks (an SP group is {self.sp_degree} consecutive ranks)", source=src,
                              field="sp_degree")
-        for bad, why in ((self.mode == "online", "baseline or omnibal mode"),
+        for bad, why in ((self.mode == "online", "baseline or offline mode"),
                          (self.dp_sync != "flat", "dp_sync flat"), (self.hf_model is not None, "the reference VLM"),
                          (self.reshard, "no reshard")):
             if bad:

@@ -2,7 +2,8 @@
 
 A *schedule* says, for every step, DP rank and micro-batch, which dataset samples form that micro-batch.
 It is the balancer's output (``omnibal.data.balance.Schedule``; JSON
-``{"dp_size", "num_microbatches", "caps": {"tiles", "tokens"}, "steps": [[[[i, ...]]]]}``) in omnibal mode,
+``{"dp_size", "num_microbatches", "caps": {"tiles", "tokens"}, "steps": [[[[i, ...]]]]}``, the one reader of
+which also takes a hand-made file without ``caps``: :func:`load_schedule`) in offline mode,
 or :func:`random_microbatch_schedule` (fixed B random samples per micro-batch) in baseline mode. Anything
 with ``dp_size``, ``num_microbatches``, ``num_steps`` and ``microbatch(step, dp_rank, micro)`` works.
 
@@ -21,16 +22,14 @@ schedule's fingerprint: resuming continues the exact sample stream.
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, Sequence
+from typing import Protocol, Sequence
 
 import numpy as np
 
-from omnibal.data.balance.schedule import Schedule, check_keys, csr_fingerprint
+from omnibal.data.balance.schedule import Caps, Schedule, csr_fingerprint
 from omnibal.errors import InputError
-from omnibal.validate import is_int
 
 
 class ScheduleLike(Protocol):
@@ -45,12 +44,13 @@ class ScheduleLike(Protocol):
 
 @dataclass(frozen=True, eq=False)
 class IndexSchedule:
-    """A schedule held as nested index arrays (the JSON form, or the baseline's random micro-batches)."""
+    """A schedule held in memory as nested index arrays (the baseline's random micro-batches, a resharded
+    remainder's rows); files are read as the balancer's :class:`Schedule`."""
 
     dp_size: int
     num_microbatches: int
     steps: tuple  # steps[step][dp_rank][micro] -> np.ndarray of sample indices
-    caps: dict | None = None
+    caps: Caps | None = None
     source: str = "<schedule>"
     stats_fingerprint: str = ""
     """``SampleStats.fingerprint()`` of the statistics the schedule was made for ("" when it does not say)."""
@@ -66,94 +66,11 @@ class IndexSchedule:
     def microbatch(self, step: int, dp_rank: int, micro: int) -> np.ndarray:
         return self.steps[step][dp_rank][micro]
 
-    def to_dict(self) -> dict:
-        return {"dp_size": self.dp_size, "num_microbatches": self.num_microbatches, "caps": self.caps,
-                "steps": [[[mb.tolist() for mb in rank] for rank in step] for step in self.steps],
-                "stats_fingerprint": self.stats_fingerprint, "dropped": list(self.dropped)}
 
-    @classmethod
-    def from_dict(cls, doc: Any, *, source: str = "<schedule>") -> IndexSchedule:
-        if not isinstance(doc, dict):
-            raise InputError("a schedule is a JSON object", source=source)
-        for key in ("dp_size", "num_microbatches", "steps"):
-            if key not in doc:
-                raise InputError("missing field", source=source, field=key)
-
-        check_keys(doc, source)
-        dp, m = doc["dp_size"], doc["num_microbatches"]
-        if not (is_int(dp) and dp >= 1 and is_int(m) and m >= 1):
-            raise InputError(f"dp_size {dp!r:.40} and num_microbatches {m!r:.40} must be positive integers",
-                             source=source, field="dp_size")
-        if not isinstance(doc["steps"], list):
-            raise InputError("must be a list of steps", source=source, field="steps")
-        steps = []
-        for s, step in enumerate(doc["steps"]):
-            if not isinstance(step, list) or len(step) != dp:
-                raise InputError(f"needs {dp} ranks", source=source, record=f"step {s}", field="steps")
-            ranks = []
-            for r, rank in enumerate(step):
-                if not isinstance(rank, list) or len(rank) != m:
-                    raise InputError(f"needs {m} micro-batches", source=source, record=f"step {s} rank {r}",
-                                     field="steps")
-                mbs = []
-                for k, mb in enumerate(rank):
-                    if not isinstance(mb, list) or not mb or not all(is_int(i) and i >= 0 for i in mb):
-                        raise InputError("a micro-batch is a non-empty list of sample indices (integers >= 0)",
-                                         source=source, record=f"step {s} rank {r} micro-batch {k}", field="steps")
-                    mbs.append(np.asarray(mb, dtype=np.int64) if max(mb) < 2**62 else _too_large(source, s, r, k))
-                ranks.append(tuple(mbs))
-            steps.append(tuple(ranks))
-        fingerprint, dropped = doc.get("stats_fingerprint", ""), doc.get("dropped", [])
-        if not isinstance(fingerprint, str):
-            raise InputError("must be a string", source=source, field="stats_fingerprint")
-        if not isinstance(dropped, list) or not all(is_int(i) and i >= 0 for i in dropped):
-            raise InputError("must be a list of row indices", source=source, field="dropped")
-        caps = doc.get("caps")
-        return cls(dp, m, tuple(steps), caps if isinstance(caps, dict) else None, source, fingerprint,
-                   tuple(dropped))
-
-    @classmethod
-    def from_json(cls, path: str | Path) -> IndexSchedule:
-        return cls.from_dict(_read_json(path), source=str(path))
-
-
-
-def _too_large(source: str, s: int, r: int, k: int):
-    raise InputError("sample index too large", source=source, record=f"step {s} rank {r} micro-batch {k}",
-                     field="steps")
-
-
-def _read_json(path: str | Path) -> Any:
-    """A schedule file's JSON (any failure to read or parse it is an InputError naming the file)."""
-    try:
-        data = Path(path).read_bytes()
-    except OSError as exc:
-        raise InputError(f"cannot read schedule: {exc.strerror or exc}", source=str(path)) from None
-    try:
-        return json.loads(data.decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        raise InputError(f"not UTF-8 text (byte {exc.start})", source=str(path)) from None
-    except json.JSONDecodeError as exc:
-        raise InputError(f"not valid JSON: {exc.msg}", source=str(path), record=f"line {exc.lineno}") from None
-    except (ValueError, RecursionError) as exc:  # huge integers, deep nesting
-        raise InputError(f"not valid JSON: {type(exc).__name__}: {str(exc)[:120]}", source=str(path)) from None
-
-
-LEVEL_KEYS = ("levels", "level_sp", "level_microbatches")
-"""Keys only :meth:`Schedule.from_dict` reads (the plain reader has no levels)."""
-
-
-def load_schedule(path: str | Path) -> ScheduleLike:
-    """A schedule JSON: the balancer's ``Schedule`` when the file has caps or levels (one reader of the format:
-    it validates more, keeps its CSR arrays, and alone reads levels, SP degrees and per-level micro-batch
-    counts -- a multi-level file without caps is refused by it, naming ``caps``), else the plain reader (a
-    hand-made single-level schedule without caps)."""
-    doc = _read_json(path)
-    caps = doc.get("caps") if isinstance(doc, dict) else None
-    levels = isinstance(doc, dict) and any(key in doc for key in LEVEL_KEYS)
-    if levels or (isinstance(caps, dict) and "tiles" in caps and "tokens" in caps):
-        return Schedule.from_dict(doc, source=str(path))
-    return IndexSchedule.from_dict(doc, source=str(path))
+def load_schedule(path: str | Path) -> Schedule:
+    """A schedule JSON file (``omnibal balance --out``, or a hand-made single-level one that may leave out
+    ``caps``), read by the format's one reader, :meth:`Schedule.from_json`."""
+    return Schedule.from_json(Path(path))
 
 
 def step_microbatches(schedule: ScheduleLike) -> np.ndarray:
@@ -306,7 +223,7 @@ def _row_counts(schedule, num_samples: int, source: str) -> np.ndarray:
         samples, offsets, ids = csr
         sizes = np.diff(offsets)
         if len(samples) and (samples.min() < 0 or samples.max() >= num_samples):
-            raise InputError(f"sample index outside the dataset of {num_samples}", source=source, field="steps")
+            raise _outside(csr, num_samples, schedule.num_steps - len(ids), source)
         # an SP group's ranks hold the same packs: its leader's slots count (every slot without levels); the
         # slots past a step's count are empty (checked above), so they add nothing
         counted = ids[schedule.leader_mask()] if getattr(schedule, "levels", None) is not None else ids
@@ -322,6 +239,22 @@ def _row_counts(schedule, num_samples: int, source: str) -> np.ndarray:
                     raise bad(f"sample index {index} outside the dataset of {num_samples}", s, r, k)
                 np.add.at(counts, mb, 1)
     return counts
+
+
+def _outside(csr, num_samples: int, first_step: int, source: str) -> InputError:
+    """The first micro-batch slot (step, rank, micro-batch order) of CSR packs that holds a row outside the
+    dataset, named as the per-micro-batch path names it (``first_step``: the step of ``pack_ids[0]``)."""
+    samples, offsets, ids = csr
+    bad = np.flatnonzero((samples < 0) | (samples >= num_samples))
+    slots = np.argwhere(np.isin(ids, np.searchsorted(offsets, bad, side="right") - 1))
+    if not len(slots):  # only in a pack no slot runs
+        return InputError(f"sample index {int(samples[bad[0]])} outside the dataset of {num_samples}",
+                          source=source, field="steps")
+    s, r, k = (int(x) for x in slots[0])
+    mb = samples[offsets[ids[s, r, k]]:offsets[ids[s, r, k] + 1]]
+    index = int(mb.max() if mb.max() >= num_samples else mb.min())
+    return InputError(f"sample index {index} outside the dataset of {num_samples}", source=source,
+                      record=f"step {first_step + s} rank {r} micro-batch {k}", field="steps")
 
 
 def random_microbatch_schedule(num_samples: int, *, dp_size: int, num_microbatches: int, batch_size: int,
@@ -394,15 +327,12 @@ class Buffer:
 
 
 def fixed_buffer(schedule: ScheduleLike, stats, *, mode: str) -> Buffer:
-    """The pipeline's fixed micro-batch buffer: the balancer's caps in omnibal mode (every pack fits them by
+    """The pipeline's fixed micro-batch buffer: the balancer's caps in offline mode (every pack fits them by
     construction; one that does not is refused by the collator), else the tightest buffer that holds every
     micro-batch of the schedule (the baseline pays for its worst padded micro-batch)."""
     caps = getattr(schedule, "caps", None)
-    if mode == "omnibal" and caps is not None:
-        tiles = caps["tiles"] if isinstance(caps, dict) else caps.tiles
-        tokens = caps["tokens"] if isinstance(caps, dict) else caps.tokens
-        if tiles and tokens:
-            return Buffer(int(tiles), int(tokens))
+    if mode == "offline" and caps is not None:
+        return Buffer(int(caps.tiles), int(caps.tokens))
     tiles, tokens = buffer_shape(schedule, stats.tiles, stats.tokens, pad_to_longest=mode == "baseline")
     return Buffer(tiles, tokens)
 

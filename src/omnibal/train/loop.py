@@ -2,7 +2,7 @@
 
     world = init_world(dp_size=2, pp_size=2, device="cpu", timeout_s=60)
     trainer = Trainer(world=world, model=VLM(spec, seed=0), layout=layout, schedule=schedule,
-                      dataset=dataset, mode="omnibal", num_microbatches=4)
+                      dataset=dataset, mode="offline", num_microbatches=4)
     trainer.maybe_resume(checkpoint_dir)          # optional
     summary = trainer.run(num_steps)
 
@@ -189,7 +189,7 @@ class Trainer(CheckpointResume):
         source = getattr(schedule, "source", "schedule")
         if self.mode == "online" and getattr(schedule, "level_microbatches", None) is not None:
             raise InputError("online mode re-deals fixed draws of --microbatches x --batch-size samples; a schedule "
-                             "whose levels run their own micro-batch counts is for omnibal mode", source=source,
+                             "whose levels run their own micro-batch counts is for offline mode", source=source,
                              field="level_microbatches")
         check_schedule(schedule, dp_size=self.world.dp_size, num_microbatches=num_microbatches or self.num_microbatches,
                        num_samples=None if self.dataset is None else len(self.dataset), source=source,

@@ -5,7 +5,7 @@ Same model, same data, same world for both modes; they differ only in what the m
 
 ``baseline``  random fixed micro-batches of ``baseline_batch_size`` samples, each padded to its longest
               sample; even layer split; every layer recomputed (InternVL's defaults).
-``omnibal``   the balancer's packs (``--schedule`` file, else ``omnibal.data.balance.balance``), the plan's
+``offline``   the balancer's packs (``--schedule`` file, else ``omnibal.data.balance.balance``), the plan's
               (or ``--stage-layers``) partition and recompute sets.
 """
 
@@ -171,12 +171,12 @@ def build_trainer(cfg: TrainConfig, world: World, notify=None, say=None):
 
     stats, dataset, raw = build_inputs(cfg, model, tell if world.rank == 0 else None)
     schedule = build_schedule(cfg, stats, raw.fingerprint())
-    balanced_on = raw if cfg.schedule_path is not None and cfg.mode == "omnibal" else stats
+    balanced_on = raw if cfg.schedule_path is not None and cfg.mode == "offline" else stats
     trained_on = None
     if cfg.resume and cfg.reshard and schedule.dp_size != cfg.layout.dp_size // cfg.sp_degree:
         trained_on, schedule = schedule_for_world(schedule, balanced_on, cfg, spec)
     per_step = cfg.layout.dp_size // cfg.sp_degree * cfg.layout.num_microbatches * cfg.baseline_batch_size
-    if world.rank == 0 and cfg.mode != "omnibal":
+    if world.rank == 0 and cfg.mode != "offline":
         left = len(stats) - schedule.num_steps * per_step
         if left:
             tell(f"{left} of {len(stats)} samples do not fill a whole step of "
@@ -192,7 +192,7 @@ def build_trainer(cfg: TrainConfig, world: World, notify=None, say=None):
                             recompute=cfg.recompute, selective=cfg.selective, plan_path=cfg.plan_path,
                             model_name=spec.name,
                             recomputable=recomputable)
-    if cfg.mode == "omnibal" and cfg.recompute is None and cfg.selective is None:  # explicit sets win
+    if cfg.mode == "offline" and cfg.recompute is None and cfg.selective is None:  # explicit sets win
         layout = schedule_level_layout(layout, schedule, names, model_name=spec.name, notify=tell)
     buffer = fixed_buffer(schedule, stats, mode=cfg.mode) if world.pp_size > 1 else None
     info = {"config": cfg.to_dict(), "num_samples": len(stats), "schedule_steps": schedule.num_steps,

@@ -290,7 +290,7 @@ def check_sp_run(layer_names, *, mode: str, dp_sync: str) -> None:
     ``layer_names`` are the whole model chain's."""
     source = "--sp-degree"
     if mode == "online" or dp_sync != "flat":
-        raise InputError("sequence parallelism runs in baseline / omnibal mode with the flat gradient "
+        raise InputError("sequence parallelism runs in baseline / offline mode with the flat gradient "
                          "all-reduce (dp_sync flat)", source=source, field="mode/dp_sync")
     if "llm.embed" not in tuple(layer_names):
         raise InputError("sequence parallelism needs the reference VLM's layer chain", source=source,

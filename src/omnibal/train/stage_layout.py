@@ -126,14 +126,14 @@ def resolve_layout(layer_names: Sequence[str], *, pp_size: int, mode: str,
                    recompute: Sequence[Sequence[str]] | None = None, plan_path: str | None = None,
                    model_name: str | None = None, recomputable: Sequence[str] | None = None,
                    selective: Sequence[Sequence[str]] | None = None) -> StageLayout:
-    """The stage layout of a run. Precedence: explicit ranges > plan (omnibal mode) > even split.
+    """The stage layout of a run. Precedence: explicit ranges > plan (offline mode) > even split.
 
-    Recompute: explicit sets (whole layers ``recompute``, selective ``selective``) > plan sets (omnibal mode)
+    Recompute: explicit sets (whole layers ``recompute``, selective ``selective``) > plan sets (offline mode)
     > every recomputable layer recomputed whole (baseline: InternVL's default) > none.
     """
     num_layers = len(layer_names)
     plan = None
-    if plan_path is not None and mode == "omnibal":
+    if plan_path is not None and mode == "offline":
         plan = load_plan_layout(plan_path, layer_names, pp_size=pp_size, model_name=model_name)
     if stage_layers is not None:
         ranges = validate_stage_layers(stage_layers, num_layers, source="--stage-layers", num_stages=pp_size)

@@ -10,7 +10,8 @@ The stable JSON form (``to_json``) is the one the issue specifies, with metadata
     {"dp_size": N, "num_microbatches": M, "caps": {"tiles": Q_v, "tokens": Q_t},
      "steps": [ [ [ [i, ...] per micro-batch ] per rank ] per step ], ...metadata}
 
-where ``i`` is the row index of the sample in the stats file.
+where ``i`` is the row index of the sample in the stats file. A hand-made single-level schedule may leave out
+``caps`` (``Schedule.caps`` None); :mod:`omnibal.data.balance.schedule_json` is the one reader of the form.
 
 Multi-level (HBP) schedules add ``"levels": [l, ...]`` (the packing level of each step) and
 ``"level_sp": [d, ...]`` (the sequence-parallel degree of each level); both are absent for a single-level
@@ -36,9 +37,9 @@ import numpy as np
 
 from omnibal.cost.table import NUM_FEATURES, csr_features, microbatch_features, segment_max
 from omnibal.data.balance.common import stable_order
+from omnibal.data.balance.schedule_json import read_json, schedule_fields
 from omnibal.errors import InputError
 from omnibal.layout import Padding
-from omnibal.validate import is_int
 
 FORMAT = "omnibal.schedule/1"
 
@@ -64,8 +65,9 @@ class Schedule:
     """Data-parallel ranks."""
     num_microbatches: int
     """Micro-batches per rank per step (gradient accumulation / pipeline micro-batches)."""
-    caps: Caps
-    """The per-micro-batch buffer the packs respect (packs of ``own_pack`` oversize samples excepted)."""
+    caps: Caps | None
+    """The per-micro-batch buffer the packs respect (packs of ``own_pack`` oversize samples excepted); None:
+    a hand-made single-level schedule that names none (a pipeline sizes its buffer from the micro-batches)."""
     pack_samples: np.ndarray
     """Flat stats row indices of all packs (int64), pack after pack."""
     pack_offsets: np.ndarray
@@ -96,6 +98,8 @@ class Schedule:
     level_microbatches: tuple[int, ...] | None = None
     """Micro-batches per rank of each level's steps (the largest is ``num_microbatches``); ``None`` =
     ``num_microbatches`` on every step. Needs ``levels``."""
+    source: str = "schedule"
+    """Where it came from (the file it was read from), for the messages that name it."""
 
     def __post_init__(self) -> None:
         samples = np.ascontiguousarray(self.pack_samples, dtype=np.int64)
@@ -216,6 +220,8 @@ class Schedule:
             per_pack[:, 2] = sizes * t_max
             per_pack[:, 3] = sizes * t_max * t_max
         elif padding == "fixed_buffer":
+            if self.caps is None:
+                raise InputError("a schedule without caps has no fixed buffer", source=self.source, field="caps")
             per_pack = csr_features(tiles, tokens, self.pack_offsets)
             pad = np.clip(self.caps.tokens - per_pack[:, 2], 0, None)
             # Padding fills the token buffer as one extra masked segment; the ViT runs on Q_v tiles.
@@ -255,7 +261,7 @@ class Schedule:
         return {
             "dp_size": int(self.dp_size),
             "num_microbatches": int(self.num_microbatches),
-            "caps": self.caps.to_dict(),
+            "caps": None if self.caps is None else self.caps.to_dict(),
             "steps": self.steps_nested(),
             "format": FORMAT,
             "num_samples": int(self.num_samples),
@@ -279,70 +285,18 @@ class Schedule:
 
     @classmethod
     def from_dict(cls, d: dict, *, source: str = "<schedule>") -> Schedule:
-        """The JSON form back; every field is checked (an InputError names the file, record and field)."""
-        if not isinstance(d, dict):
-            raise InputError("a schedule is a JSON object", source=source)
-        for key in ("dp_size", "num_microbatches", "caps", "steps"):
-            if key not in d:
-                raise InputError(f"missing key {key!r}", source=source, field=key)
-        check_keys(d, source)
-        dp, m = _int_field(d, "dp_size", 1, source), _int_field(d, "num_microbatches", 1, source)
-        caps = d["caps"]
-        if not isinstance(caps, dict):
-            raise InputError("must be {\"tiles\": int, \"tokens\": int}", source=source, field="caps")
-        tiles, tokens = _int_field(caps, "tiles", 1, source, "caps."), _int_field(caps, "tokens", 1, source, "caps.")
-        if not isinstance(d["steps"], list):
-            raise InputError("must be a list of steps", source=source, field="steps")
-        num_steps = len(d["steps"])
-        levels, level_sp = _read_levels(d, num_steps, dp, source)
-        level_mbs = _read_level_microbatches(d, levels, level_sp, m, source)
-        step_mbs = [m] * num_steps if level_mbs is None else [level_mbs[lv] for lv in levels]
-        samples, offsets = _read_steps(d["steps"], dp, step_mbs, source)
-        arr = np.asarray(samples, dtype=np.int64)
-        dropped = d.get("dropped", [])
-        if not isinstance(dropped, list) or not all(is_int(i) and 0 <= i < 2**62 for i in dropped):
-            raise InputError("must be a list of rows (integers >= 0)", source=source, field="dropped")
-        num_samples = _int_field(d, "num_samples", 1, source) if "num_samples" in d else (
-            max(([int(arr.max())] if len(arr) else []) + dropped, default=-1) + 1)
-        if (len(arr) and arr.max() >= num_samples) or (dropped and max(dropped) >= num_samples):
-            raise InputError(f"sample index out of range [0, {num_samples})", source=source, field="steps")
-        padding = d.get("padding", "varlen")
-        if padding not in tuple(Padding):
-            raise InputError(f"must be one of {', '.join(Padding)}", source=source, field="padding")
-        for key, kind in (("method", str), ("stats_fingerprint", str), ("meta", dict)):
-            if key in d and not isinstance(d[key], kind):
-                raise InputError(f"must be a {kind.__name__}", source=source, field=key)
-        pack_ids = _slot_pack_ids(step_mbs, dp, m, offsets)
-        if levels is not None:
-            pack_ids = _share_sp_packs(pack_ids, levels, level_sp, d["steps"], source)
-        return cls(
-            dp_size=dp, num_microbatches=m, caps=Caps(tiles=tiles, tokens=tokens), pack_samples=arr,
-            pack_offsets=np.asarray(offsets, dtype=np.int64),
-            pack_ids=pack_ids, num_samples=num_samples, padding=padding, method=d.get("method", "unknown"),
-            seed=_int_field(d, "seed", 0, source) if "seed" in d else 0,
-            epoch=_int_field(d, "epoch", 0, source) if "epoch" in d else 0,
-            stats_fingerprint=d.get("stats_fingerprint", ""), dropped=np.asarray(dropped, dtype=np.int64),
-            meta=d.get("meta", {}), levels=levels, level_sp=level_sp, level_microbatches=level_mbs,
-        )
+        """The JSON form back: the format's one reader (:mod:`omnibal.data.balance.schedule_json`), for the
+        balancer's files and hand-made ones (a single-level file may leave out ``caps``); every field is
+        checked (an InputError names the file, record and field)."""
+        fields = schedule_fields(d, source)
+        caps = fields.pop("caps")
+        return cls(caps=None if caps is None else Caps(tiles=caps[0], tokens=caps[1]), source=source, **fields)
 
     @classmethod
     def from_json(cls, text_or_path: str | Path) -> Schedule:
-        source = "<json>"
-        text = str(text_or_path)
-        if isinstance(text_or_path, Path) or not text.lstrip().startswith("{"):
-            source = str(text_or_path)
-            try:
-                text = Path(text_or_path).read_text(encoding="utf-8")
-            except OSError as exc:
-                raise InputError(f"cannot read schedule: {exc}", source=source) from exc
-            except UnicodeDecodeError as exc:
-                raise InputError(f"not UTF-8 text (byte {exc.start})", source=source) from None
-        try:
-            d = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise InputError(f"not valid JSON: {exc.msg}", source=source, record=f"line {exc.lineno}") from exc
-        except (ValueError, RecursionError) as exc:  # huge integers, deep nesting
-            raise InputError(f"not valid JSON: {type(exc).__name__}", source=source) from None
+        """:meth:`from_dict` of a JSON text, or of the file at a path (a ``Path``, or a string that is not an
+        object's text)."""
+        d, source = read_json(text_or_path)
         return cls.from_dict(d, source=source)
 
     def fingerprint(self) -> str:
@@ -361,111 +315,6 @@ class Schedule:
         return (self.steps_nested() == other.steps_nested() and self.caps == other.caps
                 and self.levels == other.levels and self.level_sp == other.level_sp
                 and self.level_microbatches == other.level_microbatches)
-
-
-KEYS = ("dp_size", "num_microbatches", "caps", "steps", "format", "num_samples", "padding", "method", "seed",
-        "epoch", "stats_fingerprint", "dropped", "meta", "levels", "level_sp", "level_microbatches")
-"""Every key of the JSON form (extras go under ``meta``)."""
-
-
-def check_keys(d: dict, source: str) -> None:
-    """Refuse a key the schedule format does not have (a misspelt ``dropped`` would otherwise be ignored)."""
-    unknown = sorted(str(k) for k in d if k not in KEYS)
-    if unknown:
-        raise InputError(f"unknown key {unknown[0]!r} (a schedule has {', '.join(KEYS)}; extras go under 'meta')",
-                         source=source, field=unknown[0])
-
-
-def _int_field(d: dict, key: str, low: int, source: str, prefix: str = "") -> int:
-    value = d.get(key)
-    if not is_int(value) or not low <= value < 2**62:
-        raise InputError(f"must be an integer >= {low}, got {value!r:.40}", source=source, field=prefix + key)
-    return value
-
-
-def _read_levels(d: dict, num_steps: int, dp: int, source: str):
-    """``levels``/``level_sp`` of the JSON form checked (both or neither), or ``(None, None)``."""
-    if ("levels" in d) != ("level_sp" in d):
-        missing = "level_sp" if "levels" in d else "levels"
-        raise InputError("'levels' and 'level_sp' come together", source=source, field=missing)
-    if "levels" not in d:
-        return None, None
-    level_sp, levels = d["level_sp"], d["levels"]
-    if not isinstance(level_sp, list) or not level_sp or not all(
-            is_int(x) and 1 <= x <= dp and dp % x == 0 for x in level_sp):
-        raise InputError(f"must be a non-empty list of SP degrees that divide dp_size {dp}", source=source,
-                         field="level_sp")
-    if not isinstance(levels, list) or len(levels) != num_steps or not all(
-            is_int(x) and 0 <= x < len(level_sp) for x in levels):
-        raise InputError(f"must list one level in [0, {len(level_sp)}) per step ({num_steps} steps)",
-                         source=source, field="levels")
-    return tuple(levels), tuple(level_sp)
-
-
-def _read_level_microbatches(d: dict, levels, level_sp, m: int, source: str):
-    """``level_microbatches`` of the JSON form checked (one count per level, the largest ``num_microbatches``),
-    or None."""
-    if "level_microbatches" not in d:
-        return None
-    counts = d["level_microbatches"]
-    if levels is None:
-        raise InputError("'level_microbatches' needs 'levels' and 'level_sp'", source=source, field="levels")
-    if not isinstance(counts, list) or len(counts) != len(level_sp) or not all(
-            is_int(x) and 1 <= x <= m for x in counts) or max(counts) != m:
-        raise InputError(f"must list one micro-batch count in [1, {m}] per level ({len(level_sp)} levels), the "
-                         f"largest equal to num_microbatches {m}", source=source, field="level_microbatches")
-    return tuple(counts)
-
-
-def _slot_pack_ids(step_mbs: list[int], dp: int, m: int, offsets: list[int]) -> np.ndarray:
-    """``[num_steps, dp, m]`` pack ids of packs read step by step (``step_mbs[s]`` per rank); the slots a step
-    does not run point at one empty pack appended to ``offsets``."""
-    counts = np.asarray(step_mbs, np.int64)
-    ids = np.full((len(counts), dp, m), -1, np.int64)
-    used = np.broadcast_to((np.arange(m)[None, :] < counts[:, None])[:, None, :], ids.shape)
-    ids[used] = np.arange(int(used.sum()), dtype=np.int64)
-    if (ids < 0).any():
-        offsets.append(offsets[-1])
-        ids[ids < 0] = len(offsets) - 2
-    return ids
-
-
-def _share_sp_packs(pack_ids: np.ndarray, levels, level_sp, steps: list, source: str) -> np.ndarray:
-    """Point every rank of an SP group at its leader's packs; a rank whose lists differ is an InputError."""
-    pack_ids = pack_ids.copy()
-    for s, level in enumerate(levels):
-        d = level_sp[level]
-        for r in range(len(steps[s]) if d > 1 else 0):
-            lead = (r // d) * d
-            if r != lead:
-                if steps[s][r] != steps[s][lead]:
-                    raise InputError(f"rank {r} is in the SP group of rank {lead} (SP degree {d}) and must hold "
-                                     "the same micro-batches", source=source, record=f"step {s} rank {r}",
-                                     field="steps")
-                pack_ids[s, r] = pack_ids[s, lead]
-    return pack_ids
-
-
-def _read_steps(steps, dp: int, step_mbs: list[int], source: str) -> tuple[list[int], list[int]]:
-    """Flat sample rows and CSR offsets of ``steps[step][rank][micro] = [row, ...]`` (``step_mbs[s]``
-    micro-batches per rank in step ``s``)."""
-    if not isinstance(steps, list):
-        raise InputError("must be a list of steps", source=source, field="steps")
-    samples: list[int] = []
-    offsets = [0]
-    for s, step in enumerate(steps):
-        m = step_mbs[s]
-        if not isinstance(step, list) or len(step) != dp or any(not isinstance(r, list) or len(r) != m for r in step):
-            raise InputError(f"step must have {dp} ranks x {m} micro-batches", source=source,
-                             record=f"step {s}", field="steps")
-        for r, rank in enumerate(step):
-            for k, mb in enumerate(rank):
-                if not isinstance(mb, list) or not all(is_int(i) and 0 <= i < 2**62 for i in mb):
-                    raise InputError("a micro-batch is a list of sample rows (integers >= 0)", source=source,
-                                     record=f"step {s} rank {r} micro-batch {k}", field="steps")
-                samples.extend(mb)
-                offsets.append(len(samples))
-    return samples, offsets
 
 
 def csr_fingerprint(dp_size: int, num_microbatches: int, num_steps: int, arrays, counts=None) -> str:
