@@ -70,7 +70,7 @@ def main() -> None:
             ("data balance by faithful ISF at its code's default caps 9 tiles / 4,096 tokens (over-cap samples "
              "packed alone)", replace(base, balance_method="isf", max_tiles=9, max_tokens=4096, oversize="own_pack"),
              None),
-            ("stack omnibal (bf16 gradients)", replace(base, stack="omnibal"), None),
+            ("stack reference (bf16 gradients)", replace(base, stack="reference"), None),
             ("stack fsdp (FSDP2 under PP)", replace(base, stack="fsdp"), None),
             ("no memory limit (recompute-free bound)", replace(base, memory_budget_gib=1e6), None),
             ("balanced packs padded to the caps (static shapes)", replace(base, padding="fixed_buffer"), None),
@@ -83,7 +83,7 @@ def main() -> None:
              replace(base, layout=Layout(dp_size=16, pp_size=4, tp_size=2, num_microbatches=16)), None),
             ("pre-issue-17 default (12 tiles, even split, bf16 gradients, no pack search; "
              "InternViT activations as now)",
-             replace(base, baseline_partition="even", baseline_sampler="random", stack="omnibal",
+             replace(base, baseline_partition="even", baseline_sampler="random", stack="reference",
                      pack_search=no_pack), twelve),
         ]
         if real is not None:

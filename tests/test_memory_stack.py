@@ -27,7 +27,7 @@ assert LLM_BLOCK_PARAMS == 390_082_560
 
 @pytest.mark.parametrize("stack, weight, grad, state", [
     ("megatron-deepspeed", 2, 4, 12),  # bf16 weights, fp32 main_grad buffer, fp32 master + Adam m, v
-    ("omnibal", 2, 2, 12),             # bf16 weights and gradients
+    ("reference", 2, 2, 12),            # bf16 weights and gradients
     ("fsdp", 2, 4, 16),                # unsharded bf16 weights + fp32 accumulated grad; sharded fp32 p, g, m, v
 ])
 def test_bytes_per_parameter_of_each_stack(stack, weight, grad, state):
@@ -49,7 +49,7 @@ def test_fp32_gradient_buffer_costs_about_20_gb_per_llm_stage():
     head = D + 92_553 * D
     stage_params = 24 * LLM_BLOCK_PARAMS + head
     md = sum(layer_param_bytes(SPEC, stack="megatron-deepspeed"))[72:]
-    ob = sum(layer_param_bytes(SPEC, stack="omnibal"))[72:]
+    ob = sum(layer_param_bytes(SPEC, stack="reference"))[72:]
     assert md.sum() - ob.sum() == 2 * stage_params  # 4 - 2 bytes of gradient per parameter
     assert 19e9 < 2 * stage_params < 21e9
 

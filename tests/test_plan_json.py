@@ -44,12 +44,14 @@ def test_round_trip_is_exact(tmp_path):
     assert any(st.recompute for st in again.stages)  # the tight budget forced some checkpoints
 
 
-def test_earlier_engine_name_reads_as_reference():
-    """plan.json files of earlier versions named the reference trainer's engine "omnibal"."""
+def test_earlier_engine_and_stack_names_read_as_reference():
+    """plan.json files of earlier versions named the reference trainer's engine and stack "omnibal"."""
     raw = json.loads(small_plan().to_json())
     assert raw["engine"] == "reference"
     raw["engine"] = "omnibal"
-    assert Plan.from_json(json.dumps(raw)).engine == "reference"
+    raw["data"]["settings"]["stack"] = "omnibal"
+    old = Plan.from_json(json.dumps(raw))
+    assert old.engine == "reference" and old.data.settings["stack"] == "reference"
     raw["engine"] = "nope"
     with pytest.raises(InputError, match="nope"):
         Plan.from_json(json.dumps(raw))

@@ -250,7 +250,7 @@ def _llm_kinds(spec: ModelSpec, b: int, t: int) -> dict[str, dict]:
 
 
 def layer_param_bytes(spec: ModelSpec, *, tp_size: int = 1, dtype: str = "bf16", tp_vision: bool = True,
-                      stack: StackConfig | str = "omnibal") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                      stack: StackConfig | str = "reference") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(param, grad, optim)`` bytes per layer per device under ``stack`` (see the module docstring)."""
     stack = FP32_STACK if DTYPE_BYTES.get(dtype) == 4 else get_stack(stack)
     check_tp(spec, tp_size, tp_vision=tp_vision)
@@ -267,7 +267,7 @@ def layer_param_bytes(spec: ModelSpec, *, tp_size: int = 1, dtype: str = "bf16",
 
 
 def analytic_cost_table(spec: ModelSpec, hardware: HardwareSpec, *, tp_size: int = 1, dtype: str = "bf16",
-                        tp_vision: bool = True, stack: StackConfig | str = "omnibal") -> LayerCostTable:
+                        tp_vision: bool = True, stack: StackConfig | str = "reference") -> LayerCostTable:
     """The :class:`LayerCostTable` of ``spec`` on ``hardware`` with tensor parallelism ``tp_size``.
 
     ``tp_vision=False`` replicates the vision encoder on every tensor-parallel rank instead of splitting it

@@ -229,7 +229,7 @@ def check_profile_model(profile: dict[str, Any], spec: ModelSpec, *, source: str
 
 
 def cost_table_from_profile(spec: ModelSpec, profile: dict[str, Any], *, hardware: HardwareSpec | None = None,
-                            tp_size: int = 1, tp_vision: bool = True, stack="omnibal") -> LayerCostTable:
+                            tp_size: int = 1, tp_vision: bool = True, stack="reference") -> LayerCostTable:
     """A :class:`LayerCostTable` whose times and activation bytes are the profile's fits (per kind);
     checkpoint, boundary and parameter bytes come from the analytic model in the profile's dtype.
 

@@ -16,7 +16,7 @@ The stacks (``--stack``):
   DeepSpeed's ``BF16_Optimizer``, which allocates ``fp32_groups_gradients_flat`` as ``zeros_like`` the
   whole (unsharded) bf16 parameter group (``deepspeed/runtime/bf16_optimizer.py``); fp32 master weights and
   two Adam moments (12) sharded by the distributed optimizer / ZeRO-1: ``6 + 12 / DP``.
-* ``omnibal`` (omnibal's reference trainer): bf16 weights and bf16 gradients (2 + 2), fp32 master + Adam
+* ``reference`` (omnibal's reference trainer): bf16 weights and bf16 gradients (2 + 2), fp32 master + Adam
   (12) sharded: ``4 + 12 / DP``.
 * ``fsdp`` (FSDP2 as torchtitan configures it: bf16 compute, fp32 reduce): the sharded fp32 parameters, fp32
   gradients and Adam moments (4 + 4 + 8 = 16, ``state_bytes``) and unsharded working copies of the first
@@ -65,7 +65,7 @@ class StackConfig:
 
 STACKS: dict[str, StackConfig] = {
     "megatron-deepspeed": StackConfig(name="megatron-deepspeed", weight_bytes=2, grad_bytes=4, state_bytes=12),
-    "omnibal": StackConfig(name="omnibal", weight_bytes=2, grad_bytes=2, state_bytes=12),
+    "reference": StackConfig(name="reference", weight_bytes=2, grad_bytes=2, state_bytes=12),
     "fsdp": StackConfig(name="fsdp", weight_bytes=2, grad_bytes=4, state_bytes=16, working_copies=True,
                         zero_stages=(2, 3)),
 }

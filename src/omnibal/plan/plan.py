@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -233,6 +233,8 @@ class Plan:
         inputs = _read_inputs(r, raw, source)
         data = DataPlan(**_read_fields(r, raw, "data", DataPlan, {"method": str, "settings": dict, "num_steps": int,
                                                                    "metrics": dict}))
+        if data.settings.get("stack") == "omnibal":  # earlier versions' name of the reference trainer's stack
+            data = replace(data, settings={**data.settings, "stack": "reference"})
         prediction = Prediction(**_read_fields(r, raw, "prediction", Prediction, {
             "step_time_s": float, "epoch_time_s": float, "gpu_days": float, "bubble": float, "num_steps": int,
             "oom": bool}))
