@@ -108,6 +108,11 @@ def argument_kwargs(f: dataclasses.Field, tp, doc: str) -> dict:
     return kw
 
 
+def _is_flat(f: dataclasses.Field, tp) -> bool:
+    """Whether a field contributes its own fields flat: a nested dataclass without a parser of its own."""
+    return dataclasses.is_dataclass(tp) and "parse" not in f.metadata
+
+
 def cli_fields(cls) -> list[tuple[dataclasses.Field, object, str]]:
     """(field, resolved annotation, docstring) of every field on the command line, nested dataclasses flat."""
     hints = typing.get_type_hints(cls, include_extras=False)
@@ -116,7 +121,7 @@ def cli_fields(cls) -> list[tuple[dataclasses.Field, object, str]]:
     for f in dataclasses.fields(cls):
         if not f.metadata.get("cli", True):
             continue
-        if dataclasses.is_dataclass(hints[f.name]) and "parse" not in f.metadata:
+        if _is_flat(f, hints[f.name]):
             out.extend(cli_fields(hints[f.name]))
         else:
             out.append((f, hints[f.name], docs.get(f.name, "")))
@@ -184,7 +189,7 @@ def _given_fields(cls, args: argparse.Namespace) -> dict:
     for f in dataclasses.fields(cls):
         if not f.metadata.get("cli", True):
             continue
-        if dataclasses.is_dataclass(hints[f.name]) and "parse" not in f.metadata:  # as cli_fields
+        if _is_flat(f, hints[f.name]):
             inner = _given_fields(hints[f.name], args)
             if inner:
                 default = (f.default if f.default is not dataclasses.MISSING else
