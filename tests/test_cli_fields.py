@@ -94,6 +94,21 @@ def test_a_nested_config_with_a_parser_is_one_argument():
     assert config_from_args(WithParsed, p.parse_args(["--width", "5"])) == WithParsed(width=5)
 
 
+def test_an_error_about_a_field_is_named_by_its_flag():
+    from omnibal.cli.fields import errors_named_by_flags
+    from omnibal.errors import InputError
+
+    with pytest.raises(InputError, match="^--steps: field 'num_steps': too many$"):
+        with errors_named_by_flags(Toy):
+            raise InputError("too many", field="num_steps")
+    with pytest.raises(InputError, match="^--width: field 'width': too wide$"):  # a nested config's field
+        with errors_named_by_flags(Toy):
+            raise InputError("too wide", field="width")
+    with pytest.raises(InputError, match="^a.json: field 'num_steps': bad$"):  # a file it names stays named
+        with errors_named_by_flags(Toy):
+            raise InputError("bad", source="a.json", field="num_steps")
+
+
 def test_unset_flags_keep_the_dataclass_defaults():
     p, _ = _parser()
     args = p.parse_args(["--no-prefetch"])

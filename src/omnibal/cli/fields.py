@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import dataclasses
 import enum
 import inspect
@@ -174,6 +175,29 @@ def add_config_arguments(parser, cls, *, skip: tuple[str, ...] = ()) -> dict[str
         parser.add_argument(*names, **kw)
         flags[f.name] = names[0]
     return flags
+
+
+def config_flags(cls) -> dict[str, str]:
+    """{field name: long flag} of every command-line field of ``cls``, nested ones included."""
+    from omnibal.cli.options import OPTIONS
+
+    return {f.name: OPTIONS[key].flag if (key := option_key(f)) else flag_of(f) for f, _, _ in cli_fields(cls)}
+
+
+@contextlib.contextmanager
+def errors_named_by_flags(cls):
+    """An :class:`~omnibal.errors.InputError` a job raises about a field of ``cls`` (``field=`` its name, no
+    ``source``) is named by the field's flag: the job knows its config, the command line its spelling."""
+    from omnibal.errors import InputError
+
+    try:
+        yield
+    except InputError as exc:
+        flag = config_flags(cls).get(exc.field) if exc.source is None and exc.field else None
+        if flag is not None:
+            exc.source = flag
+            exc.args = (exc._format(),)
+        raise
 
 
 def config_from_args(cls, args: argparse.Namespace, **overrides):

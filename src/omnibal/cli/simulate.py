@@ -8,7 +8,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from omnibal.cli.fields import add_config_arguments, config_from_args
+from omnibal.cli.fields import add_config_arguments, config_from_args, errors_named_by_flags
 from omnibal.cli.options import add_option
 from omnibal.errors import InputError, OmnibalError
 
@@ -67,6 +67,13 @@ def job_config(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
+    from omnibal.jobs.simulate import SimulateJobConfig
+
+    with errors_named_by_flags(SimulateJobConfig):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     from omnibal.jobs.simulate import resolve_cluster, run_simulate_job
     from omnibal.tables import text_table
 

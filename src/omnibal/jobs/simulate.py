@@ -33,7 +33,7 @@ from omnibal.cost.table import RECOMPUTE_FULL, RECOMPUTE_NONE, RECOMPUTE_SELECTI
 from omnibal.errors import InputError
 from omnibal.jobs.predict import balance_cost, balance_subset, cost_table, job_stats, schedule_features
 from omnibal.jobs.simulate_plan import missing, planned_balance_config, planned_data, planned_spec
-from omnibal.layout import BalanceMethod, Dtype, Padding, PipelineSchedule, check_layout_fields
+from omnibal.layout import LAYOUT_FLAGS, BalanceMethod, Dtype, Padding, PipelineSchedule, check_layout_fields
 from omnibal.plan.plan import Plan
 
 if TYPE_CHECKING:
@@ -49,9 +49,6 @@ PADDINGS = ("auto", *Padding)
 """How a simulated micro-batch may run: ``auto`` (see ``SimulateJobConfig.padding``) or a :class:`Padding`."""
 MUST_MATCH_PLAN = ("model", "pp_size")
 """Settings that, given explicitly, must agree with the plan's (the partition depends on them)."""
-FLAGS = {"model": "--model", "dp_size": "--dp", "pp_size": "--pp", "tp_size": "--tp",
-         "num_microbatches": "--microbatches", "samples": "--samples"}
-"""How errors name a setting (the CLI's spelling)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -242,14 +239,15 @@ def resolve_cluster(config: SimulateJobConfig, plan: Plan | None) -> dict:
     for key, default in DEFAULTS.items():
         given = getattr(config, key)
         if given is not None and key in MUST_MATCH_PLAN and key in from_plan and given != from_plan[key]:
-            raise InputError(f"{FLAGS[key]} {given} contradicts the plan's {from_plan[key]}",
-                             source=plan_source(config), field=key.removesuffix("_size"))
+            # a layout setting is named by its flag; another by the field, which the CLI names by its flag
+            raise InputError(f"{given} contradicts the plan's {from_plan[key]} ({plan_source(config)})",
+                             source=LAYOUT_FLAGS[key]["flag"] if key in LAYOUT_FLAGS else None, field=key)
         out[key] = given if given is not None else from_plan.get(key, default)
     if out["model"] is None:
         raise InputError("nothing to simulate: give --plan FILE (a plan.json of omnibal plan) or --model NAME "
                          "(with --hardware, --dp, --pp and --microbatches)")
     for key in ("dp_size", "pp_size", "tp_size", "num_microbatches"):
-        check_layout_fields({key: out[key]}, source=FLAGS[key])
+        check_layout_fields({key: out[key]}, source=LAYOUT_FLAGS[key]["flag"])
     return out
 
 
@@ -266,7 +264,8 @@ def _setup(config: SimulateJobConfig, plan: Plan | None) -> _Setup:
     table = cost_table(spec, hardware, profile_path=profile, tp_size=cluster["tp_size"], dtype=config.dtype,
                        stack=cluster["stack"])
     if cluster["pp_size"] > table.num_layers:
-        raise InputError(f"{cluster['pp_size']} stages for {table.num_layers} layers", source="--pp", field="pp")
+        raise InputError(f"{cluster['pp_size']} stages for {table.num_layers} layers",
+                         source=LAYOUT_FLAGS["pp_size"]["flag"], field="pp_size")
     planned_schedule = plan.search.get("schedule") if plan is not None else None
     schedule = config.schedule or planned_schedule or "1f1b"
     chunks = config.num_chunks if config.num_chunks is not None else (
