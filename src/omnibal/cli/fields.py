@@ -12,7 +12,9 @@ A knob several subcommands share is spelled by its :data:`omnibal.cli.options.OP
 entry (its flag and short flags): the entry of the field's name, or of its metadata's
 ``option``; the argument's dest is then the entry's key, so every subcommand stores it under one name.
 A nested dataclass field (``layout``) contributes its own fields flat; :func:`config_from_args` builds the
-nested value from the field's default and the given ones.
+nested value from the field's default (or its ``cli_default``) and the given ones. Its metadata's ``fields``
+(``{"dp_size": help or None}``) offers only those of the nested fields, each with this command's help (None:
+the nested field's docstring).
 """
 
 from __future__ import annotations
@@ -123,7 +125,9 @@ def cli_fields(cls) -> list[tuple[dataclasses.Field, object, str]]:
         if not f.metadata.get("cli", True):
             continue
         if _is_flat(f, hints[f.name]):
-            out.extend(cli_fields(hints[f.name]))
+            offered = f.metadata.get("fields")
+            out.extend((inner, tp, doc if offered is None else offered[inner.name] or doc)
+                       for inner, tp, doc in cli_fields(hints[f.name]) if offered is None or inner.name in offered)
         else:
             out.append((f, hints[f.name], docs.get(f.name, "")))
     return out
@@ -148,12 +152,24 @@ def default_note(f: dataclasses.Field, help: str) -> str:
     return f" (default: {text})"
 
 
+def _own_defaults(cls) -> set[dataclasses.Field]:
+    """The fields whose own default is what the command line leaves unset: those of ``cls``, and of a nested
+    config whose default is its class's own (``default_factory=BalanceConfig``); another nested default
+    (``PLAN_LAYOUT``) need not be its fields' defaults."""
+    hints = typing.get_type_hints(cls, include_extras=False)
+    own = set(dataclasses.fields(cls))
+    for f in dataclasses.fields(cls):
+        if _is_flat(f, hints[f.name]) and f.default_factory is hints[f.name] and "cli_default" not in f.metadata:
+            own |= _own_defaults(hints[f.name])
+    return own
+
+
 def add_config_arguments(parser, cls, *, skip: tuple[str, ...] = ()) -> dict[str, str]:
     """Add one argument per command-line field of ``cls`` (but ``skip``); returns {field name: long flag}."""
     from omnibal.cli.options import OPTIONS, add_option
 
     flags = {}
-    own = set(dataclasses.fields(cls))  # a nested dataclass's defaults are not the outer config's
+    own = _own_defaults(cls)
     for f, tp, doc in cli_fields(cls):
         if f.name in skip:
             continue
@@ -186,14 +202,15 @@ def config_flags(cls) -> dict[str, str]:
 
 @contextlib.contextmanager
 def errors_named_by_flags(cls):
-    """An :class:`~omnibal.errors.InputError` a job raises about a field of ``cls`` (``field=`` its name, no
-    ``source``) is named by the field's flag: the job knows its config, the command line its spelling."""
+    """An :class:`~omnibal.errors.InputError` a job or config raises about a field of ``cls`` (``field=`` its
+    name, and no ``source`` or the field's name itself) is named by the field's flag: the job knows its config,
+    the command line its spelling."""
     from omnibal.errors import InputError
 
     try:
         yield
     except InputError as exc:
-        flag = config_flags(cls).get(exc.field) if exc.source is None and exc.field else None
+        flag = config_flags(cls).get(exc.field) if exc.field and exc.source in (None, exc.field) else None
         if flag is not None:
             exc.source = flag
             exc.args = (exc._format(),)
@@ -214,11 +231,15 @@ def _given_fields(cls, args: argparse.Namespace) -> dict:
         if not f.metadata.get("cli", True):
             continue
         if _is_flat(f, hints[f.name]):
-            inner = _given_fields(hints[f.name], args)
+            offered = f.metadata.get("fields")
+            inner = {k: v for k, v in _given_fields(hints[f.name], args).items() if offered is None or k in offered}
+            default = (f.metadata["cli_default"] if "cli_default" in f.metadata else
+                       f.default if f.default is not dataclasses.MISSING else
+                       f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
             if inner:
-                default = (f.default if f.default is not dataclasses.MISSING else
-                           f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
                 given[f.name] = hints[f.name](**inner) if default is None else dataclasses.replace(default, **inner)
+            elif "cli_default" in f.metadata:
+                given[f.name] = default
         elif hasattr(args, option_key(f) or f.name):
             given[f.name] = getattr(args, option_key(f) or f.name)
     return given
