@@ -37,7 +37,11 @@ def field_docs(cls) -> dict[str, str]:
     for klass in reversed(cls.__mro__):
         if not dataclasses.is_dataclass(klass):
             continue
-        tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        try:
+            source = inspect.getsource(klass)
+        except OSError:  # made at run time (``make_dataclass``): no docstrings to read
+            continue
+        tree = ast.parse(textwrap.dedent(source))
         body = tree.body[0].body
         for stmt, nxt in zip(body, body[1:]):
             if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and isinstance(nxt, ast.Expr)

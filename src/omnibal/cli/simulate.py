@@ -132,7 +132,8 @@ def _online_vs_offline(args: argparse.Namespace) -> int:
         raise InputError(f"must be a positive integer, got {samples!r}", source="--samples", field="samples")
     print(comparison_markdown(compare_online_offline(
         model=cfg.model or "internvl-chat-1.5", hardware=resolve_hardware(cfg.hardware or "a100-80g"),
-        dp_size=cfg.dp_size or 32, pp_size=cfg.pp_size or 4, num_microbatches=cfg.num_microbatches or 8,
+        dp_size=cfg.layout.dp_size or 32, pp_size=cfg.layout.pp_size or 4,
+        num_microbatches=cfg.layout.num_microbatches or 8,
         batch_size=4 if cfg.batch_size is None else cfg.batch_size, num_samples=samples,
         seed=0 if cfg.seed is None else cfg.seed)), end="")
     return 0
