@@ -27,7 +27,7 @@ from omnibal.cost.analytic import analytic_cost_table
 from omnibal.cost.calibrate import calibrate_hardware, prediction_errors
 from omnibal.cost.fit import relative_errors
 from omnibal.cost.presets import get_model_preset
-from omnibal.cost.profile import Point, cost_table_from_profile, fit_profile, load_profile, save_profile
+from omnibal.cost.profile import Point, ProfileConfig, cost_table_from_profile, fit_profile, load_profile, save_profile
 from omnibal.measure.hardware import measure_cpu
 from omnibal.measure.machine import load_average
 from omnibal.measure.profile import measure, measure_points
@@ -89,7 +89,7 @@ def evaluate(spec, profile_rows, validation_rows, packs, cpu, dtype) -> dict:
 
 def one_trial(spec, args, packs, progress, profile=None) -> tuple[dict, dict]:
     if profile is None:
-        profile = measure(spec, repeats=args.repeats, progress=progress, statistic=args.statistic)
+        profile = measure(spec, ProfileConfig(repeats=args.repeats, statistic=args.statistic), progress=progress)
     cpu = measure_cpu(threads=1)
     kinds = tuple(dict.fromkeys(layer.kind for layer in spec.layers()))
     points = [Point(kind, tiles, lengths) for tiles, lengths in packs for kind in kinds]

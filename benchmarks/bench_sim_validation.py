@@ -48,7 +48,7 @@ from benchmarks.cpu_runs import (
 )
 from omnibal.cost.analytic import analytic_cost_table
 from omnibal.cost.presets import get_model_preset
-from omnibal.cost.profile import cost_table_from_profile
+from omnibal.cost.profile import ProfileConfig, cost_table_from_profile
 from omnibal.measure.hardware import measure_cpu
 from omnibal.measure.links import measure_links
 from omnibal.measure.profile import measure
@@ -98,7 +98,7 @@ def base_table(spec, args, log):
     if args.table == "analytic":
         return analytic_cost_table(spec, measure_cpu(threads=1), dtype="fp32"), None
     log("profiling the layers (omnibal.measure.profile, CPU time per op)")
-    profile = measure(spec, threads=1, statistic="cpu", repeats=args.profile_repeats)
+    profile = measure(spec, ProfileConfig(threads=1, statistic="cpu", repeats=args.profile_repeats))
     return cost_table_from_profile(spec, profile), profile
 
 

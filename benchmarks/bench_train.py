@@ -35,7 +35,7 @@ from benchmarks import cpu_runs as sv
 from benchmarks.common import RESULTS, logger, write_result
 from benchmarks.trainer_runs import run_train
 from omnibal.cost.presets import get_model_preset
-from omnibal.cost.profile import cost_table_from_profile
+from omnibal.cost.profile import ProfileConfig, cost_table_from_profile
 from omnibal.cost.table import microbatch_features
 from omnibal.data.balance import balance
 from omnibal.data.collate import collate
@@ -150,7 +150,7 @@ def main(argv=None) -> int:
     stats_path = save_stats(raw, work / "stats.jsonl")
     log = logger("bench_train")
     # the simulator's layer costs: this CPU's measured layer profile, calibrated on separate runs (other data)
-    table = cost_table_from_profile(spec, measure_profile(spec, threads=1, statistic="cpu", repeats=3))
+    table = cost_table_from_profile(spec, measure_profile(spec, ProfileConfig(threads=1, statistic="cpu", repeats=3)))
     links = measure_links()["wall_clock"]
     calib = sv.CalibrationData(table, [layer.name for layer in spec.layers()],
                                sv.load_stats(args.samples, sv.CAL_SEED), steps=args.calibration_steps + 1)

@@ -154,11 +154,13 @@ def test_field_docs_reads_the_docstring_under_each_field():
 def _generated():
     """subcommand -> ((config class, fields of it that are not flags), ...): the configs its parser is generated
     from. A field left out is named here with the reason."""
+    from omnibal.cost.profile import ProfileConfig
     from omnibal.hbp.planning import HBPPlanConfig
     from omnibal.jobs.balance import BalanceJobConfig
     from omnibal.jobs.plan_config import PlanJobConfig
     from omnibal.jobs.simulate import SimulateJobConfig
     from omnibal.plan.search import SearchConfig
+    from omnibal.stats.annotations import AnnotationConfig
     from omnibal.train.config import TrainConfig
 
     train = ((TrainConfig, ("tp_size", "zero_stage")),)  # the reference trainer has no TP and no ZeRO
@@ -170,7 +172,9 @@ def _generated():
                      # --hbp takes these from the plan job (batch size, oversize, --quiet) or keeps their defaults
                      (HBPPlanConfig, hbp_from_job)),
             "simulate": ((SimulateJobConfig, ()),),
-            "balance": ((BalanceJobConfig, ()),)}
+            "balance": ((BalanceJobConfig, ()),),
+            "profile": ((ProfileConfig, ()),),
+            "stats": ((AnnotationConfig, ()),)}
 
 
 CLI_ONLY = {
@@ -183,6 +187,13 @@ CLI_ONLY = {
     "simulate": ("online_vs_offline", "no_report", "quiet"),
     # where and how loudly the outputs are written
     "balance": ("out", "metrics_json", "plot", "quiet"),
+    # the model measured (a preset or a spec file) is measure()'s argument, not a setting; the rest are outputs
+    "profile": ("model", "spec", "out", "quiet"),
+    # --summary/--convert/--synthetic (with its --seed): other modes than counting annotations; --hf-model: the
+    # checkpoint whose image settings replace the config's; --convention: a preset of the tile settings (and
+    # the target of --convert); the rest: where the outputs go, in which format, how loudly
+    "stats": ("summary", "convert", "synthetic", "seed", "hf_model", "convention", "out", "format", "input_format",
+              "report", "plot", "quiet"),
 }
 """The flags of a generated subcommand that are no config field: purely command-line matters."""
 

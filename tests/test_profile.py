@@ -10,6 +10,7 @@ from omnibal.cost.hardware import get_hardware
 from omnibal.cost.presets import get_model_preset
 from omnibal.cost.profile import (
     FORMAT,
+    ProfileConfig,
     ProfileGrid,
     check_profile_model,
     cost_table_from_profile,
@@ -132,6 +133,33 @@ def test_measured_saved_bytes_match_the_analytic_accounting(tmp_path):
     assert (table.fwd_time.sum(axis=1) > 0).all()
 
 
+def test_profile_flags_build_the_config_and_the_grid_defaults_to_the_devices():
+    import argparse
+
+    from omnibal.cli.fields import config_from_args
+    from omnibal.cli.profile import add_arguments
+    from omnibal.cost.profile import CPU_GRID, GPU_GRID
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    config = config_from_args(ProfileConfig, parser.parse_args(
+        ["--device", "cuda:1", "--tiles", "1,2,4", "--kinds", "llm_block,lm_head", "--statistic", "min"]))
+    assert config == ProfileConfig(device="cuda:1", tiles=(1, 2, 4), kinds=("llm_block", "lm_head"),
+                                   statistic="min")
+    assert config.grid() == ProfileGrid(tiles=(1, 2, 4), tokens=GPU_GRID.tokens, segments=GPU_GRID.segments)
+    assert config_from_args(ProfileConfig, parser.parse_args([])).grid() == CPU_GRID
+    with pytest.raises(InputError) as exc:
+        ProfileConfig(tokens=(0,))
+    assert exc.value.field == "tokens"
+
+
+def test_cli_refuses_an_unknown_device_as_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["profile", "--device", "gpu", "--quiet"])
+    assert exc.value.code == 2
+    assert "argument --device: must be cpu or cuda[:N], got 'gpu'" in capsys.readouterr().err
+
+
 def test_cli_rejects_bad_input(tmp_path, capsys):
     assert main(["profile", "--model", "nope", "-o", str(tmp_path / "x.json"), "--quiet"]) == 2
     assert "unknown model preset" in capsys.readouterr().err
@@ -144,8 +172,8 @@ def test_cuda_profile_uses_events_and_records_peak_memory():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     spec = small_spec()
-    profile = measure(spec, device="cuda", grid=ProfileGrid(tiles=(1, 2), tokens=(64, 128), segments=(32, 64)),
-                      repeats=2, warmup=1)
+    profile = measure(spec, ProfileConfig(device="cuda", tiles=(1, 2), tokens=(64, 128), segments=(32, 64), repeats=2,
+                                          warmup=1))
     assert profile["device"]["type"] == "cuda" and profile["dtype"] == "bf16"
     assert all(r["peak_bytes"] > 0 and r["fwd_s"] > 0 for r in profile["measurements"])
     assert cost_table_from_profile(spec, profile).fwd_time.shape == (spec.num_layers, 4)

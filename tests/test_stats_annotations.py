@@ -9,7 +9,7 @@ import pytest
 
 from omnibal.errors import InputError
 from omnibal.examples import IMAGES_DIR
-from omnibal.stats.annotations import AnnotationConfig, compute_stats
+from omnibal.stats.annotations import AnnotationConfig, available_cores, compute_stats
 
 CONV = [{"from": "human", "value": "<image>\nWhat is it?"}, {"from": "gpt", "value": "A square."}]
 TEXT = [{"from": "human", "value": "Hello there"}, {"from": "gpt", "value": "Hi."}]
@@ -136,6 +136,9 @@ def test_workers_give_the_same_table_and_first_error(root):
     assert exc.value.record == "line 138"
     _, report = compute_stats(path, AnnotationConfig(workers=2, chunk_size=16, on_error="skip"))
     assert report.num_skipped == 2 and [e.record for e in report.errors] == ["line 138", "line 202"]
+    table, report = compute_stats(path, AnnotationConfig(workers=0, chunk_size=16, on_error="skip"))
+    assert table.equals(compute_stats(path, AnnotationConfig(workers=1, on_error="skip"))[0])
+    assert report.workers == available_cores()  # 0: one per core this process may use
 
 
 def test_bad_tokenizer_path(root, tmp_path):

@@ -76,3 +76,40 @@ def test_annotations_skip_reports_on_stderr(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "skipped 1 invalid record" in err and "line 2" in err and "ESTIMATE" in err
     assert np.array_equal(load_stats(out).tiles, [1])
+
+
+def _counted(tmp_path, *flags) -> list[int]:
+    """Tiles of a text-only sample and of one 2:1 image (size given by the record) counted with ``flags``."""
+    ann = tmp_path / "a.jsonl"
+    ann.write_text(
+        '{"conversations": [{"from": "human", "value": "hello"}]}\n'
+        '{"image": "wide.png", "width": 896, "height": 448, "conversations": [{"from": "human", "value": "<image>"}]}\n'
+    )
+    out = tmp_path / "o.jsonl"
+    assert main(["stats", str(ann), "--workers", "1", "--out", str(out), "--quiet", *flags]) == 0
+    return load_stats(out).tiles.tolist()
+
+
+@pytest.mark.parametrize("flags,tiles", [
+    ((), [1, 3]),  # the dummy tile; a 2x1 grid and the thumbnail
+    (("--no-thumbnail",), [1, 2]),
+    (("--no-dummy-tile", "--thumbnail"), [0, 3]),
+    (("--max-tiles", "1"), [1, 1]),
+    (("--convention", "llava", "--thumbnail"), [1, 1]),  # llava: one tile per image, whatever else is given
+    (("--no-exif", "--no-split-max-tiles", "--workers", "0", "--chunk-size", "1"), [1, 3]),
+])
+def test_annotation_flags_are_the_config_fields(tmp_path, capsys, flags, tiles):
+    assert _counted(tmp_path, *flags) == tiles
+
+
+@pytest.mark.parametrize("flag", ["--no-thumbnail", "--thumbnail", "--tile-size", "--convention"])
+def test_hf_model_refuses_the_settings_it_sets_given_either_way(tmp_path, capsys, flag):
+    value = {"--tile-size": ["448"], "--convention": ["llava"]}.get(flag, [])
+    assert main(["stats", str(tmp_path / "a.jsonl"), "--hf-model", str(tmp_path), flag, *value]) == 2
+    assert f"omnibal stats: error: {flag}: set by --hf-model" in capsys.readouterr().err
+
+
+def test_the_old_exif_spelling_is_gone(capsys):
+    with pytest.raises(SystemExit):
+        main(["stats", "a.jsonl", "--ignore-exif"])
+    assert "unrecognized arguments: --ignore-exif" in capsys.readouterr().err

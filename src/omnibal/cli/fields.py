@@ -187,6 +187,8 @@ def add_config_arguments(parser, cls, *, skip: tuple[str, ...] = ()) -> dict[str
                 kw = {k: v for k, v in kw.items() if k not in ("action", "type", "choices")}
             elif "choices" in kw:  # the field's choices: this subcommand's subset of the shared list
                 kw.pop("type", None)
+            elif "parse" in f.metadata:  # the field's parser says what it takes (cuda:1 beside the shared list)
+                kw["choices"] = None
             kw.pop("dest")
             add_option(parser, key, **kw)
             flags[f.name] = opt.flag

@@ -7,8 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+from omnibal.cli.fields import add_config_arguments, config_from_args
 from omnibal.cli.options import add_option
-from omnibal.cost.profile import STATISTICS
 from omnibal.errors import InputError
 
 HELP = "time forward/backward of each layer kind on this device and fit the cost model"
@@ -20,44 +20,29 @@ DESCRIPTION = (
 )
 
 
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model (``--model`` or ``--spec``), one flag per :class:`omnibal.cost.profile.ProfileConfig` field
+    (its docstring is the help), then the outputs."""
+    from omnibal.cost.profile import ProfileConfig
+
     model = parser.add_mutually_exclusive_group()
     add_option(model, "model", default=None, help="model preset (default: tiny); see omnibal.cost.presets")
     model.add_argument("--spec", type=Path, default=None, help="model spec JSON (ModelSpec.to_dict())")
-    add_option(parser, "out", type=Path, default=None, help="profile JSON to write (default: "
+    add_config_arguments(parser.add_argument_group("measurement (omnibal.cost.profile.ProfileConfig)"),
+                         ProfileConfig)
+    g = parser.add_argument_group("output")
+    add_option(g, "out", type=Path, default=None, help="profile JSON to write (default: "
                "profile_<model>_<device>.json)")
-    add_option(parser, "device", default="cpu", choices=None, help="cpu or cuda[:N]")
-    add_option(parser, "dtype", default=None, help="training dtype (default: fp32 on cpu, bf16 on cuda)")
-    add_option(parser, "threads", default=1, help="torch CPU threads while measuring")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed runs per shape")
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs per shape")
-    parser.add_argument("--statistic", default="median", choices=STATISTICS,
-                        help="what to fit: median wall time; min: the least disturbed run; cpu: median process "
-                             "CPU time (CPU only; robust when other jobs share the cores); cpu_min: its minimum")
-    parser.add_argument("--tiles", type=_int_list, default=None, help="tiles grid, e.g. 1,2,4,8")
-    parser.add_argument("--tokens", type=_int_list, default=None, help="LLM tokens grid, e.g. 256,1024")
-    parser.add_argument("--segments", type=_int_list, default=None, help="attention segment lengths grid")
-    parser.add_argument("--kinds", default=None, help="comma-separated layer kinds (default: all six)")
-    add_option(parser, "seed", default=0, help="weight init seed")
-    add_option(parser, "quiet", help="no progress bar, no table")
+    add_option(g, "quiet", help="no progress bar, no table")
 
 
 def run(args: argparse.Namespace) -> int:
     from omnibal.cost.presets import get_model_preset
-    from omnibal.cost.profile import CPU_GRID, GPU_GRID, ProfileGrid, save_profile
-    from omnibal.cost.spec import LAYER_KINDS, ModelSpec
+    from omnibal.cost.profile import ProfileConfig, save_profile
+    from omnibal.cost.spec import ModelSpec
     from omnibal.measure.profile import measure
 
+    config = config_from_args(ProfileConfig, args)
     if args.spec is not None:
         try:
             spec = ModelSpec.from_dict(json.loads(args.spec.read_text()), source=str(args.spec))
@@ -67,15 +52,8 @@ def run(args: argparse.Namespace) -> int:
             raise InputError(f"not JSON: {exc}", source=str(args.spec), record=f"line {exc.lineno}") from None
     else:
         spec = get_model_preset(args.model or "tiny")
-    base = GPU_GRID if args.device.startswith("cuda") else CPU_GRID
-    grid = ProfileGrid(tiles=args.tiles or base.tiles, tokens=args.tokens or base.tokens,
-                       segments=args.segments or base.segments)
-    kinds = tuple(k.strip() for k in args.kinds.split(",")) if args.kinds else LAYER_KINDS
-    progress = not args.quiet and sys.stderr.isatty()
-    profile = measure(spec, device=args.device, dtype=args.dtype, threads=args.threads, grid=grid, kinds=kinds,
-                      warmup=args.warmup, repeats=args.repeats, progress=progress, seed=args.seed,
-                      statistic=args.statistic)
-    out = args.out or Path(f"profile_{spec.name}_{args.device.replace(':', '')}.json")
+    profile = measure(spec, config, progress=not args.quiet and sys.stderr.isatty())
+    out = args.out or Path(f"profile_{spec.name}_{config.device.replace(':', '')}.json")
     save_profile(profile, out)
     if not args.quiet:
         print(format_fit_table(profile))

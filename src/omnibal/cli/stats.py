@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
+from omnibal.cli import _HelpFormatter
+from omnibal.cli.fields import add_config_arguments, config_from_args
 from omnibal.cli.options import add_option
 from omnibal.errors import InputError
 from omnibal.stats.io import FORMATS
 
-MODEL_DEFAULTS = {"min_tiles": 1, "max_tiles": 12, "tile_size": 448, "tokens_per_tile": 256, "image_marker_tokens": 2}
-"""Image settings without ``--hf-model`` (InternVL-1.5's); with it, the checkpoint sets them."""
-HF_SET = ("min_tiles", "tile_size", "no_thumbnail", "tokens_per_tile", "image_marker_tokens", "convention")
-"""Flags ``--hf-model`` sets (refused beside it); ``--max-tiles`` may narrow an InternVL checkpoint's cap."""
+HF_SET = ("min_tiles", "tile_size", "use_thumbnail", "tokens_per_tile", "image_marker_tokens", "convention")
+"""Settings ``--hf-model`` sets (their flags are refused beside it); ``--max-tiles`` may narrow an InternVL
+checkpoint's cap."""
 
 HELP = "compute per-sample statistics (tiles, tokens, images) from annotations or convert stats files"
 DESCRIPTION = """\
@@ -39,8 +39,17 @@ Stats formats are chosen by extension (.jsonl, .json, .parquet) or --format; 'to
 public OmniBal format (a JSON list of {vit_num, token_num, image_flags})."""
 
 
+class _Formatter(argparse.RawDescriptionHelpFormatter, _HelpFormatter):
+    """The subcommands' help (defaults where they tell something), the description's layout kept."""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    """The modes, one flag per :class:`omnibal.stats.annotations.AnnotationConfig` field (its docstring is the
+    help; ``--on-error`` also applies to reading a stats file), ``--hf-model`` and ``--convention``, then the
+    outputs."""
+    from omnibal.stats.annotations import AnnotationConfig
+
+    parser.formatter_class = _Formatter
     parser.add_argument("annotations", nargs="*", metavar="ANNOTATION", help="annotation files (.json or .jsonl)")
     mode = parser.add_argument_group("other modes (instead of annotation files)")
     mode.add_argument("--summary", metavar="FILE", help="summarise an existing stats file")
@@ -49,45 +58,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="generate the synthetic InternVL-like mixture of N samples")
     add_option(mode, "seed", default=0, help="seed of --synthetic (default 0)")
 
-    ann = parser.add_argument_group("annotations")
-    add_option(ann, "image_root", help="folder image paths are relative to (default: each annotation file's folder)")
-    add_option(ann, "tokenizer", help="local tokenizer.json or tokenizer folder (default: the --hf-model "
-               "checkpoint's, else a labelled estimate)")
+    tiles, tokens = AnnotationConfig().tiles, AnnotationConfig().tokens
+    ann = parser.add_argument_group("annotations (omnibal.stats.annotations.AnnotationConfig)", (
+        f"Image settings without --hf-model (InternVL-1.5's):\n  --min-tiles {tiles.min_tiles} --max-tiles "
+        f"{tiles.max_tiles} --tile-size {tiles.tile_size} --{'' if tiles.use_thumbnail else 'no-'}thumbnail "
+        f"--tokens-per-tile {tokens.tokens_per_tile} --image-marker-tokens {tokens.image_marker_tokens}."))
+    add_config_arguments(ann, AnnotationConfig)
     add_option(ann, "hf_model", help="count as this Llava / InternVL checkpoint takes its samples (reads its "
-               "config.json and preprocessor_config.json): sets the tile size, tokens per tile, tile cap, thumbnail "
-               "and image markers")
-    ann.add_argument("--min-tiles", type=int, help=f"smallest tile grid (default {MODEL_DEFAULTS['min_tiles']})")
-    ann.add_argument("--max-tiles", type=int, help="largest tile grid, thumbnail not counted (default: the "
-                     f"--hf-model checkpoint's max_patches, else {MODEL_DEFAULTS['max_tiles']})")
-    ann.add_argument("--tile-size", type=int, help=f"tile side in pixels (default {MODEL_DEFAULTS['tile_size']})")
-    ann.add_argument("--no-thumbnail", action="store_true", help="no thumbnail tile for multi-tile images")
-    ann.add_argument("--tokens-per-tile", type=int,
-                     help=f"LLM tokens per tile (default {MODEL_DEFAULTS['tokens_per_tile']})")
-    ann.add_argument("--image-marker-tokens", type=int,
-                     help=f"tokens around each image, <img></img> (default {MODEL_DEFAULTS['image_marker_tokens']})")
-    ann.add_argument("--tokens-per-turn", type=int, default=0, help="chat-template tokens per turn (default 0)")
-    ann.add_argument("--tokens-per-sample", type=int, default=0,
-                     help="tokens once per sample, e.g. a system prompt (default 0)")
-    ann.add_argument("--no-dummy-tile", action="store_true",
-                     help="text-only samples get 0 tiles instead of InternVL's dummy tile")
-    ann.add_argument("--split-max-tiles", action="store_true",
-                     help="multi-image samples: max-tiles // images per image (InternVL2)")
-    ann.add_argument("--ignore-exif", action="store_true", help="do not swap sides for EXIF orientations 5-8")
-    ann.add_argument("--allow-outside-root", action="store_true",
-                     help="accept image paths leading outside the image root (../, absolute, symlinks)")
+               "config.json and preprocessor_config.json): sets the tile size, tokens per tile, tile cap (--max-tiles "
+               "may narrow it), thumbnail and image markers, and the tokenizer unless --tokenizer is given")
     ann.add_argument("--convention", metavar="LAYOUT[/N]", help="image convention the stats are made in and record: "
                      "internvl[/tokens per tile] (dynamic tiles, the default) or llava[/N] (one 336 px image = one "
-                     "tile of 576 tokens: sets --max-tiles 1 --tile-size 336 --tokens-per-tile 576, no thumbnail); "
+                     "tile of 576 tokens: sets --max-tiles 1 --tile-size 336 --tokens-per-tile 576 --no-thumbnail); "
                      "with --convert: convert the input to it")
-    ann.add_argument("--workers", type=int, default=0, help="worker processes (default 0: one per available core)")
-    ann.add_argument("--chunk-size", type=int, default=256, help="records per worker task (default 256)")
 
     out = parser.add_argument_group("output")
     add_option(out, "out", metavar="FILE", help="write the statistics here (.jsonl, .json, .parquet)")
     out.add_argument("--format", choices=FORMATS, help="format of --out (default: by extension)")
     out.add_argument("--input-format", choices=FORMATS, help="format of --summary/--convert input (default: detected)")
-    add_option(out, "on_error", default="raise",
-               help="stop at the first bad record, or skip bad records and report them (default raise)")
     out.add_argument("--report", metavar="FILE", help="write the summary (and the run report) as JSON")
     out.add_argument("--plot", metavar="PNG", help="write histograms of tiles and tokens as a PNG")
     add_option(out, "quiet", help="no progress bar and no summary table")
@@ -124,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
     extra: dict = {}
     if mode == "--summary" or mode == "--convert":
         path = args.summary or args.convert
-        stats, load_report = read_stats(path, format=args.input_format, on_error=args.on_error)
+        stats, load_report = read_stats(path, format=args.input_format, on_error=_on_error(args))
         if load_report.num_skipped:
             print(f"omnibal stats: warning: {load_report.summary()}", file=sys.stderr)
         extra["load"] = {"source": load_report.source, "format": load_report.format,
@@ -172,50 +160,48 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _on_error(args: argparse.Namespace) -> str:
+    """``--on-error``, else the annotation config's default."""
+    from omnibal.stats.annotations import AnnotationConfig
+
+    return getattr(args, "on_error", AnnotationConfig.on_error)
+
+
 def _from_annotations(args: argparse.Namespace):
     from omnibal.stats.annotations import AnnotationConfig, compute_stats
-    from omnibal.stats.tiles import TileConfig
-    from omnibal.stats.tokens import TokenConfig
 
-    workers = args.workers or _available_cores()
-    if workers < 1:
-        raise InputError(f"must be >= 0, got {args.workers}", source="--workers")
-    run = dict(workers=workers, chunk_size=args.chunk_size, on_error=args.on_error, progress=not args.quiet)
-    data = dict(tokens_per_turn=args.tokens_per_turn, tokens_per_sample=args.tokens_per_sample,
-                count_dummy_tile=not args.no_dummy_tile, split_max_tiles=args.split_max_tiles,
-                apply_exif=not args.ignore_exif, allow_outside_root=args.allow_outside_root)
-    if args.image_root and not Path(args.image_root).is_dir():
-        raise InputError("not a folder", source="--image-root")
     if args.hf_model:
-        return compute_stats(args.annotations, _hf_config(args, data, run))
-    _annotation_convention(args)
-    for name, value in MODEL_DEFAULTS.items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-    config = AnnotationConfig(
-        image_root=args.image_root,
-        tokenizer=args.tokenizer,
-        tiles=TileConfig(min_tiles=args.min_tiles, max_tiles=args.max_tiles, tile_size=args.tile_size,
-                         use_thumbnail=not args.no_thumbnail),
-        tokens=TokenConfig(tokens_per_tile=args.tokens_per_tile, image_marker_tokens=args.image_marker_tokens,
-                           tokens_per_turn=args.tokens_per_turn, tokens_per_sample=args.tokens_per_sample),
-        **{k: v for k, v in data.items() if k not in ("tokens_per_turn", "tokens_per_sample")},
-        **run,
-    )  # fmt: skip
+        config = _hf_config(args)
+    else:
+        _annotation_convention(args)
+        config = config_from_args(AnnotationConfig, args, progress=not args.quiet)
+    if config.image_root and not Path(config.image_root).is_dir():
+        raise InputError("not a folder", source="--image-root")
     return compute_stats(args.annotations, config)  # records the convention (stats.annotations)
 
 
-def _hf_config(args: argparse.Namespace, data: dict, run: dict):
-    """``--hf-model``: the checkpoint's own image settings (``RealDataConfig.from_hf``, as ``omnibal train``)."""
+def _hf_config(args: argparse.Namespace):
+    """``--hf-model``: the checkpoint's own image settings (``RealDataConfig.from_hf``, as ``omnibal train``);
+    the data's settings (template tokens, dummy tile, EXIF, ...) and the run's from the flags."""
+    from omnibal.cli.fields import cli_fields, flag_of
     from omnibal.data.realdata import RealDataConfig
+    from omnibal.stats.annotations import AnnotationConfig
 
+    flags = {f.name: flag_of(f) for f, _, _ in cli_fields(AnnotationConfig)} | {"convention": "--convention"}
     for name in HF_SET:
-        if getattr(args, name) not in (None, False):
-            flag = "--" + name.replace("_", "-")
+        value = getattr(args, name, None)  # generated flags are absent unless given
+        if value is not None:
+            flag = "--no-" + flags[name][2:] if value is False else flags[name]
             raise InputError("set by --hf-model (the checkpoint's own); leave it out", source=flag)
-    data_config = RealDataConfig.from_hf(args.hf_model, tokenizer=args.tokenizer, image_root=args.image_root,
-                                         max_tiles=args.max_tiles, **data)
-    return data_config.annotation_config(**run)
+    given = config_from_args(AnnotationConfig, args, progress=not args.quiet)  # checks the values given
+    data_config = RealDataConfig.from_hf(
+        args.hf_model, tokenizer=given.tokenizer, image_root=given.image_root,
+        max_tiles=getattr(args, "max_tiles", None), tokens_per_turn=given.tokens.tokens_per_turn,
+        tokens_per_sample=given.tokens.tokens_per_sample,
+        count_dummy_tile=given.count_dummy_tile, split_max_tiles=given.split_max_tiles, apply_exif=given.apply_exif,
+        allow_outside_root=given.allow_outside_root)  # fmt: skip
+    return data_config.annotation_config(workers=given.workers, chunk_size=given.chunk_size,
+                                         on_error=given.on_error, progress=given.progress)
 
 
 def _annotation_convention(args: argparse.Namespace) -> None:
@@ -226,12 +212,5 @@ def _annotation_convention(args: argparse.Namespace) -> None:
         return
     conv = ImageConvention.parse(args.convention, source="--convention")
     if conv.layout == "llava":
-        args.min_tiles, args.max_tiles, args.tile_size, args.no_thumbnail = 1, 1, 336, True
+        args.min_tiles, args.max_tiles, args.tile_size, args.use_thumbnail = 1, 1, 336, False
     args.tokens_per_tile = conv.tokens_per_tile
-
-
-def _available_cores() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:
-        return max(1, os.cpu_count() or 1)

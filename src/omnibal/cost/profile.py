@@ -24,7 +24,8 @@ Grid per kind (features that vary):
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ from omnibal.cost.hardware import HardwareSpec, get_hardware
 from omnibal.cost.spec import LAYER_KINDS, ModelSpec
 from omnibal.cost.table import FEATURES, LayerCostTable
 from omnibal.errors import InputError
+from omnibal.layout import Dtype
 from omnibal.outputs import write_text
 
 FORMAT = "omnibal-profile/1"
@@ -93,6 +95,54 @@ class ProfileGrid:
 CPU_GRID = ProfileGrid()
 GPU_GRID = ProfileGrid(tiles=(1, 2, 4, 8, 16, 24, 32), tokens=(1024, 2048, 4096, 8192, 16384),
                        segments=(256, 1024, 2048, 4096, 8192))
+
+
+def parse_device(text: str) -> str:
+    """A measuring device: ``cpu``, ``cuda`` or ``cuda:N`` (InputError naming ``--device`` otherwise)."""
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", text):
+        raise InputError(f"must be cpu or cuda[:N], got {text!r}", source="--device", field="device")
+    return text
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProfileConfig:
+    """What :func:`omnibal.measure.profile.measure` measures and how: the device, the grid of shapes, the
+    layer kinds and the timing protocol. ``omnibal profile`` takes one flag per field."""
+
+    device: str = field(default="cpu", metadata={"parse": parse_device, "metavar": "DEVICE"})
+    """Device to measure on: `cpu`, or `cuda` / `cuda:N` for a GPU (timed with CUDA events)."""
+    dtype: Dtype | None = None
+    """Training dtype the layers run in (default: fp32 on cpu, bf16 on cuda)."""
+    threads: int = 1
+    """Torch CPU threads while measuring (on a CPU the timings are per this many threads)."""
+    tiles: tuple[int, ...] | None = None
+    """Tiles per micro-batch measured for the vision layers and the projector, e.g. 1,2,4,8 (default: the
+    device's grid, `omnibal.cost.profile.CPU_GRID` or `GPU_GRID`)."""
+    tokens: tuple[int, ...] | None = None
+    """LLM tokens per micro-batch measured, e.g. 256,1024 (default: the device's grid)."""
+    segments: tuple[int, ...] | None = None
+    """Attention-segment lengths measured for `llm_block`, e.g. 64,256 (default: the device's grid)."""
+    kinds: tuple[str, ...] = field(default=LAYER_KINDS, metadata={"metavar": "KINDS"})
+    """Layer kinds to measure, comma-separated (default: all of them)."""
+    warmup: int = 2
+    """Untimed runs per shape before the timed ones."""
+    repeats: int = 5
+    """Timed runs per shape."""
+    statistic: str = field(default="median", metadata={"choices": STATISTICS})
+    """Which timing becomes the fitted one: `median` wall time; `min`: the least disturbed run; `cpu`: the
+    median process CPU time (CPU only; robust when other jobs share the cores); `cpu_min`: its minimum."""
+    seed: int = 0
+    """Seed of the layers' weight initialisation."""
+
+    def __post_init__(self) -> None:
+        self.grid()  # a bad tiles / tokens / segments list is refused here, naming the field (the device,
+        # dtype, kinds and statistic are checked where they are used: omnibal.measure.profile)
+
+    def grid(self) -> ProfileGrid:
+        """The shapes to measure: the given lists, the device's default grid for the others."""
+        base = GPU_GRID if self.device.startswith("cuda") else CPU_GRID
+        return ProfileGrid(tiles=self.tiles or base.tiles, tokens=self.tokens or base.tokens,
+                           segments=self.segments or base.segments)
 
 
 @dataclass(frozen=True)

@@ -2,10 +2,10 @@
 :class:`omnibal.measure.runner.LayerRunner`) over the grid of :mod:`omnibal.cost.profile`, time forward and
 backward, record the bytes autograd saves, and fit the result into the profile format that module reads.
 
-Timing: CUDA events on a GPU; on a CPU the wall clock with a fixed torch thread count. Each shape is run
-``warmup`` times untimed and ``repeats`` times timed; ``statistic`` picks which figure becomes ``fwd_s``/
-``bwd_s`` (see :data:`omnibal.cost.profile.STATISTICS`); all are recorded, with the load average before and
-after.
+What to measure and how is a :class:`omnibal.cost.profile.ProfileConfig`. Timing: CUDA events on a GPU; on a
+CPU the wall clock with a fixed torch thread count. Each shape is run ``warmup`` times untimed and ``repeats``
+times timed; ``statistic`` picks which figure becomes ``fwd_s``/``bwd_s`` (see
+:data:`omnibal.cost.profile.STATISTICS`); all are recorded, with the load average before and after.
 """
 
 from __future__ import annotations
@@ -19,14 +19,14 @@ import torch
 from tqdm import tqdm
 
 from omnibal.cost.analytic import DTYPE_BYTES
-from omnibal.cost.profile import CPU_GRID, FORMAT, GPU_GRID, STATISTICS, Point, ProfileGrid, fit_profile, grid_points
+from omnibal.cost.profile import FORMAT, STATISTICS, Point, ProfileConfig, fit_profile, grid_points
 from omnibal.cost.spec import LAYER_KINDS, ModelSpec
 from omnibal.errors import InputError
 from omnibal.measure.machine import cpu_name, load_average
 from omnibal.measure.runner import LayerRunner
 from omnibal.validate import check_positive_int
 
-__all__ = ["measure", "measure_points"]
+__all__ = ["ProfileConfig", "measure", "measure_points"]
 
 
 def device_info(device: str, threads: int) -> dict[str, Any]:
@@ -101,30 +101,30 @@ def _compress_lengths(lengths: tuple[int, ...]) -> list[list[int]]:
     return out
 
 
-def measure(spec: ModelSpec, *, device: str = "cpu", dtype: str | None = None, threads: int = 1,
-            grid: ProfileGrid | None = None, kinds: tuple[str, ...] = LAYER_KINDS, warmup: int = 2,
-            repeats: int = 5, progress: bool = False, seed: int = 0, statistic: str = "median") -> dict[str, Any]:
-    """Measure every kind over the grid and fit it; returns the profile (JSON-able dict, see
-    :func:`omnibal.cost.profile.save_profile` and docs/cost.md for the format)."""
-    dtype = _check_measure_args(device, dtype, kinds, repeats, threads)
-    grid = grid or (GPU_GRID if device.startswith("cuda") else CPU_GRID)
+def measure(spec: ModelSpec, config: ProfileConfig | None = None, *, progress: bool = False) -> dict[str, Any]:
+    """Measure every kind of ``config`` (default: :class:`ProfileConfig`'s defaults) over its grid and fit it;
+    returns the profile (JSON-able dict, see :func:`omnibal.cost.profile.save_profile` and docs/cost.md for
+    the format). ``progress``: a progress bar on stderr."""
+    c = config or ProfileConfig()
+    dtype = _check_measure_args(c.device, c.dtype, c.kinds, c.repeats, c.threads)
+    grid = c.grid()
     load_before = load_average()
     started = _dt.datetime.now(_dt.timezone.utc)
-    rows = measure_points(spec, grid_points(grid, spec, kinds), device=device, dtype=dtype, threads=threads,
-                          warmup=warmup, repeats=repeats, progress=progress, seed=seed, statistic=statistic)
+    rows = measure_points(spec, grid_points(grid, spec, c.kinds), device=c.device, dtype=dtype, threads=c.threads,
+                          warmup=c.warmup, repeats=c.repeats, progress=progress, seed=c.seed, statistic=c.statistic)
     profile = {
         "format": FORMAT,
         "model": {"name": spec.name, "fingerprint": spec.fingerprint(), "spec": spec.to_dict()},
-        "device": device_info(device, threads),
+        "device": device_info(c.device, c.threads),
         "dtype": dtype,
-        "threads": threads,
+        "threads": c.threads,
         "torch_version": torch.__version__,
         "created": started.isoformat(timespec="seconds"),
         "seconds": round((_dt.datetime.now(_dt.timezone.utc) - started).total_seconds(), 2),
         "load_average": {"before": load_before, "after": load_average()},
-        "warmup": warmup,
-        "repeats": repeats,
-        "statistic": statistic,
+        "warmup": c.warmup,
+        "repeats": c.repeats,
+        "statistic": c.statistic,
         "grid": grid.to_dict(),
         "measurements": rows,
     }

@@ -45,8 +45,8 @@ from omnibal.stats.table import ImageConvention, SampleStats, index_keys
 from omnibal.stats.tiles import TileConfig, count_tiles, image_size
 from omnibal.stats.tokens import ESTIMATE, TokenConfig, make_counter
 
-__all__ = ["AnnotationConfig", "AnnotationReport", "IMAGE_PLACEHOLDER", "compute_stats", "iter_records",
-           "record_keys"]
+__all__ = ["AnnotationConfig", "AnnotationReport", "IMAGE_PLACEHOLDER", "available_cores", "compute_stats",
+           "iter_records", "record_keys"]
 MAX_REPORTED_ERRORS = 20
 
 
@@ -55,37 +55,40 @@ class AnnotationConfig:
     """How annotation files become statistics."""
 
     image_root: str | None = None
-    """Folder that image paths are relative to (None: the annotation file's folder)."""
+    """Folder that image paths are relative to (unset: each annotation file's own folder)."""
     tokenizer: str | None = None
-    """Local tokenizer (tokenizer.json or a folder); None: the labelled character estimate."""
+    """Local tokenizer (tokenizer.json or a folder) that counts the text tokens; unset: a labelled estimate
+    from the characters (``omnibal stats --hf-model``: the checkpoint's own tokenizer)."""
     tiles: TileConfig = TileConfig()
     """InternVL dynamic-resolution settings."""
     tokens: TokenConfig = TokenConfig()
     """Image tokens per tile and template overhead."""
-    count_dummy_tile: bool = True
-    """Text-only samples count the one dummy tile InternVL feeds the vision encoder (as the real stats do)."""
+    count_dummy_tile: bool = field(default=True, metadata={"flag": "--dummy-tile"})
+    """Text-only samples count the one dummy tile InternVL feeds the vision encoder (as the published
+    statistics do); off: they count 0 tiles."""
     split_max_tiles: bool = False
     """Multi-image samples give each image ``max(1, max_tiles // num_images)`` tiles at most (InternVL2's
-    multi-image rule); False: every image may use ``max_tiles``."""
-    apply_exif: bool = True
-    """EXIF orientations 5-8 swap width and height (False: raw header size, as InternVL's loader sees it)."""
+    multi-image rule); off: every image may use ``max_tiles``."""
+    apply_exif: bool = field(default=True, metadata={"flag": "--exif"})
+    """Images with EXIF orientation 5-8 have width and height swapped, as they are displayed; off: the raw
+    header size, as InternVL's loader sees it."""
     allow_outside_root: bool = False
     """Accept image paths that lead outside the image root (``../``, absolute paths, symlinks pointing
     out). Refused by default: an annotation file from elsewhere should not make omnibal open any file."""
-    workers: int = 1
-    """Worker processes (1: in this process)."""
+    workers: int = field(default=1, metadata={"cli_default": 0})
+    """Worker processes: 1 counts in this process, 0 starts one per core this process may use."""
     chunk_size: int = 256
     """Records per task sent to a worker."""
-    on_error: str = "raise"
-    """``raise`` at the first bad record, or ``skip`` bad records (counted and reported)."""
-    progress: bool = False
+    on_error: OnError = "raise"
+    """Bad records: ``raise`` at the first, or ``skip`` them (counted and reported)."""
+    progress: bool = field(default=False, metadata={"cli": False})
     """Show a progress bar on stderr (only when it is a terminal)."""
 
     def __post_init__(self) -> None:
         if self.on_error not in tuple(OnError):
             raise InputError(f"must be raise or skip, got {self.on_error!r}", source="on_error")
-        if not 1 <= self.workers <= 1024:
-            raise InputError(f"must be in [1, 1024], got {self.workers}", source="workers")
+        if not 0 <= self.workers <= 1024:
+            raise InputError(f"must be in [0, 1024], got {self.workers}", source="workers")
         if not 1 <= self.chunk_size <= 1 << 20:
             raise InputError(f"must be >= 1, got {self.chunk_size}", source="chunk_size")
 
@@ -161,6 +164,8 @@ def compute_stats(paths, config: AnnotationConfig = AnnotationConfig()) -> tuple
             raise InputError("annotation file not found", source=str(p))
     if config.tokenizer is not None:
         make_counter(config.tokenizer)  # fail early, in this process, on a bad tokenizer path
+    if config.workers == 0:
+        config = replace(config, workers=available_cores())
     started = time.perf_counter()
     cpu_started = _cpu_time()
     parts, errors = [], []
@@ -203,6 +208,14 @@ def compute_stats(paths, config: AnnotationConfig = AnnotationConfig()) -> tuple
         cpu_seconds=None if cpu_started is None else _cpu_time() - cpu_started,
     )  # fmt: skip
     return stats, report
+
+
+def available_cores() -> int:
+    """Cores this process may run on (its affinity where the OS tells it, else the machine's)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:
+        return max(1, os.cpu_count() or 1)
 
 
 def _cpu_time() -> float | None:

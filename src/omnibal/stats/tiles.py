@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import os
 import stat
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from PIL import Image
@@ -39,12 +39,12 @@ class TileConfig:
     """InternVL dynamic-resolution settings (defaults: InternVL-1.5 chat models)."""
 
     min_tiles: int = 1
-    """Smallest grid (cols*rows) allowed."""
+    """Smallest tile grid (columns x rows) an image is cut into."""
     max_tiles: int = 12
-    """Largest grid allowed; the thumbnail is not counted in it."""
+    """Largest tile grid an image is cut into; the thumbnail is not counted in it."""
     tile_size: int = 448
     """Tile side in pixels (the vision encoder's input size)."""
-    use_thumbnail: bool = True
+    use_thumbnail: bool = field(default=True, metadata={"flag": "--thumbnail"})
     """Add one whole-image thumbnail tile when the grid has more than one tile."""
 
     def __post_init__(self) -> None:
