@@ -24,7 +24,7 @@ class Inner:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Toy:
-    inner: Inner = dataclasses.field(default_factory=Inner)
+    inner: Inner = dataclasses.field(default_factory=lambda: Inner(width=2))
     """Nested: its fields appear flat."""
     max_tiles: int | None = None
     """Tile cap per image (100% of them)."""
@@ -66,6 +66,36 @@ def test_help_names_a_plain_default_of_the_config_itself():
     assert "Chunks per stage. (default: 1)" in text
     assert "Width. (default" not in text  # a nested config's default need not be the outer one's
     assert "Load ahead. (default" not in text  # a flag's bool
+    p = argparse.ArgumentParser()
+    add_config_arguments(p, WithOwnDefaults)
+    assert "Width. (default: 1)" in " ".join(p.format_help().split())  # the nested class's own default stands
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WithOwnDefaults:
+    inner: Inner = dataclasses.field(default_factory=Inner)
+    """Nested, its class's own default: the nested defaults are the command line's."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WithSomeOf:
+    layout: Toy = dataclasses.field(metadata={"fields": {"max_tiles": None, "num_steps": "steps of this job"},
+                                              "cli_default": Toy(num_steps=3)})
+    """Only two of Toy's fields, from another base than Toy's defaults."""
+
+
+def test_a_nested_config_may_offer_some_of_its_fields_from_a_base_of_its_own():
+    from omnibal.cli.fields import cli_fields
+
+    p = argparse.ArgumentParser()
+    assert add_config_arguments(p, WithSomeOf) == {"max_tiles": "--max-tiles", "num_steps": "--steps"}
+    assert "steps of this job" in p.format_help()
+    assert [doc for _, _, doc in cli_fields(WithSomeOf)] == ["Tile cap per image (100% of them).", "steps of this job"]
+    assert config_from_args(WithSomeOf, p.parse_args([])) == WithSomeOf(layout=Toy(num_steps=3))
+    assert config_from_args(WithSomeOf, p.parse_args(["--max-tiles", "5"])) == WithSomeOf(
+        layout=Toy(num_steps=3, max_tiles=5))
+    with pytest.raises(SystemExit):
+        p.parse_args(["--colour", "blue"])
 
 
 def test_a_parsers_input_error_is_a_usage_error_with_its_own_message(capsys):
@@ -94,6 +124,21 @@ def test_a_nested_config_with_a_parser_is_one_argument():
     assert config_from_args(WithParsed, p.parse_args(["--width", "5"])) == WithParsed(width=5)
 
 
+def test_an_error_about_a_field_is_named_by_its_flag():
+    from omnibal.cli.fields import errors_named_by_flags
+    from omnibal.errors import InputError
+
+    with pytest.raises(InputError, match="^--steps: field 'num_steps': too many$"):
+        with errors_named_by_flags(Toy):
+            raise InputError("too many", field="num_steps")
+    with pytest.raises(InputError, match="^--width: field 'width': too wide$"):  # a nested config's field
+        with errors_named_by_flags(Toy):
+            raise InputError("too wide", field="width")
+    with pytest.raises(InputError, match="^a.json: field 'num_steps': bad$"):  # a file it names stays named
+        with errors_named_by_flags(Toy):
+            raise InputError("bad", source="a.json", field="num_steps")
+
+
 def test_unset_flags_keep_the_dataclass_defaults():
     p, _ = _parser()
     args = p.parse_args(["--no-prefetch"])
@@ -110,8 +155,8 @@ def _generated():
     """subcommand -> ((config class, fields of it that are not flags), ...): the configs its parser is generated
     from. A field left out is named here with the reason."""
     from omnibal.cost.profile import ProfileConfig
-    from omnibal.data.balance import BalanceConfig
     from omnibal.hbp.planning import HBPPlanConfig
+    from omnibal.jobs.balance import BalanceJobConfig
     from omnibal.jobs.plan_config import PlanJobConfig
     from omnibal.jobs.simulate import SimulateJobConfig
     from omnibal.plan.search import SearchConfig
@@ -127,7 +172,7 @@ def _generated():
                      # --hbp takes these from the plan job (batch size, oversize, --quiet) or keeps their defaults
                      (HBPPlanConfig, hbp_from_job)),
             "simulate": ((SimulateJobConfig, ()),),
-            "balance": ((BalanceConfig, ()),),
+            "balance": ((BalanceJobConfig, ()),),
             "profile": ((ProfileConfig, ()),),
             "stats": ((AnnotationConfig, ()),)}
 
@@ -140,10 +185,8 @@ CLI_ONLY = {
     "plan": ("hbp", "verify", "verify_steps", "out", "no_timelines", "quiet"),
     # --online-vs-offline: another comparison instead of the simulation; --no-report: out=None
     "simulate": ("online_vs_offline", "no_report", "quiet"),
-    # the data, the layout, the seed and the epoch are balance()'s arguments and the cost model is built from
-    # --model/--hardware/--profile: no config holds them (yet); the rest are outputs
-    "balance": ("stats", "samples", "dp_size", "num_microbatches", "seed", "epoch", "model", "hardware", "profile",
-                "convert_stats", "out", "metrics_json", "plot", "quiet"),
+    # where and how loudly the outputs are written
+    "balance": ("out", "metrics_json", "plot", "quiet"),
     # the model measured (a preset or a spec file) is measure()'s argument, not a setting; the rest are outputs
     "profile": ("model", "spec", "out", "quiet"),
     # --summary/--convert/--synthetic (with its --seed): other modes than counting annotations; --hf-model: the

@@ -9,8 +9,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from omnibal.errors import InputError
+from omnibal.jobs.balance import BalanceJobConfig
 from omnibal.jobs.plan_config import PLAN_LAYOUT, PlanJobConfig
-from omnibal.layout import BalanceMethod, Layout, PipelineSchedule, check_layout_fields
+from omnibal.jobs.simulate import SimulateJobConfig
+from omnibal.layout import BalanceMethod, Layout, PartialLayout, PipelineSchedule, check_layout_fields
 from omnibal.plan.plan import PlanInputs
 from omnibal.train.config import TRAIN_LAYOUT, TrainConfig
 
@@ -45,7 +47,7 @@ def test_for_devices_fills_dp_or_refuses_a_product_that_is_not_the_device_count(
 
 def test_configs_hold_one_layout_and_no_flat_copy_of_it():
     names = {f.name for f in dataclasses.fields(Layout)}
-    for cls in (PlanJobConfig, TrainConfig, PlanInputs):
+    for cls in (PlanJobConfig, TrainConfig, PlanInputs, BalanceJobConfig, SimulateJobConfig):
         own = {f.name for f in dataclasses.fields(cls)}
         assert "layout" in own and not own & names and not any(hasattr(cls, n) for n in names), cls
     with pytest.raises(TypeError):
@@ -59,6 +61,18 @@ def test_configs_hold_one_layout_and_no_flat_copy_of_it():
     with pytest.raises(InputError, match="tensor parallelism"):
         TrainConfig(layout=dataclasses.replace(TRAIN_LAYOUT, tp_size=2))
     assert {"dp_size", "pp_size", "num_microbatches", "mode"} <= set(train.to_dict())  # the summary stays flat
+
+
+def test_a_partial_layout_has_the_layouts_fields_each_unset_until_given():
+    assert [f.name for f in dataclasses.fields(PartialLayout)] == [f.name for f in dataclasses.fields(Layout)]
+    assert PartialLayout().given() == {} and PartialLayout().resolve(PLAN_LAYOUT) == PLAN_LAYOUT
+    partial = PartialLayout(pp_size=2, zero_stage=0)
+    assert partial.given() == {"pp_size": 2, "zero_stage": 0}  # 0 is a value, not unset
+    assert partial.resolve(PLAN_LAYOUT) == dataclasses.replace(PLAN_LAYOUT, pp_size=2, zero_stage=0)
+    with pytest.raises(InputError, match="tp_size"):
+        PartialLayout(tp_size=0).resolve(PLAN_LAYOUT)  # the layout it resolves to is validated
+    with pytest.raises(TypeError):
+        SimulateJobConfig(dp_size=2)  # the flat keyword is gone
 
 
 def test_check_layout_fields_names_the_source_and_field():

@@ -18,7 +18,8 @@ This module sits at the bottom of the layer order (beside ``errors``): it import
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+import typing
+from dataclasses import dataclass, field, fields, make_dataclass, replace
 from enum import StrEnum
 
 from omnibal.errors import InputError
@@ -199,6 +200,26 @@ class Layout:
             raise InputError(f"DP x PP x TP = {self.dp_size} x {self.pp_size} x {self.tp_size} = {self.num_gpus} "
                              f"does not match the {num_gpus} devices of the job; choose sizes whose product is "
                              f"{num_gpus}", source="--gpus", field="num_gpus")
+
+
+def _given(self) -> dict:
+    """{field: value} of the fields this partial layout sets (not None)."""
+    return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+
+def _resolve(self, base: Layout) -> Layout:
+    """``base`` with the fields this partial layout sets."""
+    return replace(base, **self.given())
+
+
+PartialLayout = make_dataclass(
+    "PartialLayout",
+    [(f.name, typing.get_type_hints(Layout)[f.name] | None, field(default=None)) for f in fields(Layout)],
+    frozen=True, kw_only=True, namespace={"given": _given, "resolve": _resolve, "__module__": __name__, "__doc__": (
+        "Some of a :class:`Layout`'s fields, the rest unset (None): what a job is told before it knows the "
+        "layout it completes (``omnibal simulate``'s, from a plan). Its fields are :class:`Layout`'s, each "
+        "optional; ``resolve(base)`` fills the unset ones from ``base``.")})
+"""Some of a :class:`Layout`'s fields (made from them, so a new layout field is one here too)."""
 
 
 # How each layout field is spelled on the command line: the CLI's layout options are built from this.

@@ -12,13 +12,16 @@ A knob several subcommands share is spelled by its :data:`omnibal.cli.options.OP
 entry (its flag and short flags): the entry of the field's name, or of its metadata's
 ``option``; the argument's dest is then the entry's key, so every subcommand stores it under one name.
 A nested dataclass field (``layout``) contributes its own fields flat; :func:`config_from_args` builds the
-nested value from the field's default and the given ones.
+nested value from the field's default (or its ``cli_default``) and the given ones. Its metadata's ``fields``
+(``{"dp_size": help or None}``) offers only those of the nested fields, each with this command's help (None:
+the nested field's docstring).
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import dataclasses
 import enum
 import inspect
@@ -34,7 +37,11 @@ def field_docs(cls) -> dict[str, str]:
     for klass in reversed(cls.__mro__):
         if not dataclasses.is_dataclass(klass):
             continue
-        tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        try:
+            source = inspect.getsource(klass)
+        except OSError:  # made at run time (``make_dataclass``): no docstrings to read
+            continue
+        tree = ast.parse(textwrap.dedent(source))
         body = tree.body[0].body
         for stmt, nxt in zip(body, body[1:]):
             if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and isinstance(nxt, ast.Expr)
@@ -108,6 +115,11 @@ def argument_kwargs(f: dataclasses.Field, tp, doc: str) -> dict:
     return kw
 
 
+def _is_flat(f: dataclasses.Field, tp) -> bool:
+    """Whether a field contributes its own fields flat: a nested dataclass without a parser of its own."""
+    return dataclasses.is_dataclass(tp) and "parse" not in f.metadata
+
+
 def cli_fields(cls) -> list[tuple[dataclasses.Field, object, str]]:
     """(field, resolved annotation, docstring) of every field on the command line, nested dataclasses flat."""
     hints = typing.get_type_hints(cls, include_extras=False)
@@ -116,8 +128,10 @@ def cli_fields(cls) -> list[tuple[dataclasses.Field, object, str]]:
     for f in dataclasses.fields(cls):
         if not f.metadata.get("cli", True):
             continue
-        if dataclasses.is_dataclass(hints[f.name]) and "parse" not in f.metadata:
-            out.extend(cli_fields(hints[f.name]))
+        if _is_flat(f, hints[f.name]):
+            offered = f.metadata.get("fields")
+            out.extend((inner, tp, doc if offered is None else offered[inner.name] or doc)
+                       for inner, tp, doc in cli_fields(hints[f.name]) if offered is None or inner.name in offered)
         else:
             out.append((f, hints[f.name], docs.get(f.name, "")))
     return out
@@ -142,12 +156,24 @@ def default_note(f: dataclasses.Field, help: str) -> str:
     return f" (default: {text})"
 
 
+def _own_defaults(cls) -> set[dataclasses.Field]:
+    """The fields whose own default is what the command line leaves unset: those of ``cls``, and of a nested
+    config whose default is its class's own (``default_factory=BalanceConfig``); another nested default
+    (``PLAN_LAYOUT``) need not be its fields' defaults."""
+    hints = typing.get_type_hints(cls, include_extras=False)
+    own = set(dataclasses.fields(cls))
+    for f in dataclasses.fields(cls):
+        if _is_flat(f, hints[f.name]) and f.default_factory is hints[f.name] and "cli_default" not in f.metadata:
+            own |= _own_defaults(hints[f.name])
+    return own
+
+
 def add_config_arguments(parser, cls, *, skip: tuple[str, ...] = ()) -> dict[str, str]:
     """Add one argument per command-line field of ``cls`` (but ``skip``); returns {field name: long flag}."""
     from omnibal.cli.options import OPTIONS, add_option
 
     flags = {}
-    own = set(dataclasses.fields(cls))  # a nested dataclass's defaults are not the outer config's
+    own = _own_defaults(cls)
     for f, tp, doc in cli_fields(cls):
         if f.name in skip:
             continue
@@ -173,6 +199,30 @@ def add_config_arguments(parser, cls, *, skip: tuple[str, ...] = ()) -> dict[str
     return flags
 
 
+def config_flags(cls) -> dict[str, str]:
+    """{field name: long flag} of every command-line field of ``cls``, nested ones included."""
+    from omnibal.cli.options import OPTIONS
+
+    return {f.name: OPTIONS[key].flag if (key := option_key(f)) else flag_of(f) for f, _, _ in cli_fields(cls)}
+
+
+@contextlib.contextmanager
+def errors_named_by_flags(cls):
+    """An :class:`~omnibal.errors.InputError` a job or config raises about a field of ``cls`` (``field=`` its
+    name, and no ``source`` or the field's name itself) is named by the field's flag: the job knows its config,
+    the command line its spelling."""
+    from omnibal.errors import InputError
+
+    try:
+        yield
+    except InputError as exc:
+        flag = config_flags(cls).get(exc.field) if exc.field and exc.source in (None, exc.field) else None
+        if flag is not None:
+            exc.source = flag
+            exc.args = (exc._format(),)
+        raise
+
+
 def config_from_args(cls, args: argparse.Namespace, **overrides):
     """``cls`` built from the parsed fields the user gave (the dataclass defaults the rest); a nested dataclass
     field (``layout``) is the field's default with the given values replaced."""
@@ -186,12 +236,16 @@ def _given_fields(cls, args: argparse.Namespace) -> dict:
     for f in dataclasses.fields(cls):
         if not f.metadata.get("cli", True):
             continue
-        if dataclasses.is_dataclass(hints[f.name]) and "parse" not in f.metadata:  # as cli_fields
-            inner = _given_fields(hints[f.name], args)
+        if _is_flat(f, hints[f.name]):
+            offered = f.metadata.get("fields")
+            inner = {k: v for k, v in _given_fields(hints[f.name], args).items() if offered is None or k in offered}
+            default = (f.metadata["cli_default"] if "cli_default" in f.metadata else
+                       f.default if f.default is not dataclasses.MISSING else
+                       f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
             if inner:
-                default = (f.default if f.default is not dataclasses.MISSING else
-                           f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
                 given[f.name] = hints[f.name](**inner) if default is None else dataclasses.replace(default, **inner)
+            elif "cli_default" in f.metadata:
+                given[f.name] = default
         elif hasattr(args, option_key(f) or f.name):
             given[f.name] = getattr(args, option_key(f) or f.name)
     return given

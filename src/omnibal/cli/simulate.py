@@ -8,7 +8,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from omnibal.cli.fields import add_config_arguments, config_from_args
+from omnibal.cli.fields import add_config_arguments, config_from_args, errors_named_by_flags
 from omnibal.cli.options import add_option
 from omnibal.errors import InputError, OmnibalError
 
@@ -67,6 +67,13 @@ def job_config(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
+    from omnibal.jobs.simulate import SimulateJobConfig
+
+    with errors_named_by_flags(SimulateJobConfig):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     from omnibal.jobs.simulate import resolve_cluster, run_simulate_job
     from omnibal.tables import text_table
 
@@ -125,7 +132,8 @@ def _online_vs_offline(args: argparse.Namespace) -> int:
         raise InputError(f"must be a positive integer, got {samples!r}", source="--samples", field="samples")
     print(comparison_markdown(compare_online_offline(
         model=cfg.model or "internvl-chat-1.5", hardware=resolve_hardware(cfg.hardware or "a100-80g"),
-        dp_size=cfg.dp_size or 32, pp_size=cfg.pp_size or 4, num_microbatches=cfg.num_microbatches or 8,
+        dp_size=cfg.layout.dp_size or 32, pp_size=cfg.layout.pp_size or 4,
+        num_microbatches=cfg.layout.num_microbatches or 8,
         batch_size=4 if cfg.batch_size is None else cfg.batch_size, num_samples=samples,
         seed=0 if cfg.seed is None else cfg.seed)), end="")
     return 0

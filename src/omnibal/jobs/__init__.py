@@ -8,4 +8,5 @@
 * :mod:`omnibal.jobs.plan_report` / :mod:`omnibal.jobs.exports`: a plan's report files; its engine exports.
 * :mod:`omnibal.jobs.simulate` / :mod:`omnibal.jobs.simulate_plan`: ``omnibal simulate``, and what it takes
   from a plan.
+* :mod:`omnibal.jobs.balance`: ``omnibal balance``.
 """

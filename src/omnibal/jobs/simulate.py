@@ -33,7 +33,16 @@ from omnibal.cost.table import RECOMPUTE_FULL, RECOMPUTE_NONE, RECOMPUTE_SELECTI
 from omnibal.errors import InputError
 from omnibal.jobs.predict import balance_cost, balance_subset, cost_table, job_stats, schedule_features
 from omnibal.jobs.simulate_plan import missing, planned_balance_config, planned_data, planned_spec
-from omnibal.layout import BalanceMethod, Dtype, Padding, PipelineSchedule, check_layout_fields
+from omnibal.layout import (
+    LAYOUT_FLAGS,
+    BalanceMethod,
+    Dtype,
+    Layout,
+    Padding,
+    PartialLayout,
+    PipelineSchedule,
+    check_layout_fields,
+)
 from omnibal.plan.plan import Plan
 
 if TYPE_CHECKING:
@@ -42,16 +51,17 @@ if TYPE_CHECKING:
     from omnibal.cost.table import LayerCostTable
     from omnibal.sim.costs import SimConfig
 
-DEFAULTS = {"model": None, "hardware": "a100-80g", "dp_size": 1, "pp_size": 1, "tp_size": 1,
-            "num_microbatches": 4, "zero_stage": 1, "stack": DEFAULT_STACK}
+DEFAULTS = {"model": None, "hardware": "a100-80g", "stack": DEFAULT_STACK}
 """What an unset cluster setting is when no plan gives it (the model has no default: it must be asked for)."""
+SIMULATE_LAYOUT = Layout(num_microbatches=4)
+"""The layout unset layout fields are when no plan gives them: DP 1 x PP 1 x TP 1, ZeRO-1, 4 micro-batches."""
+LAYOUT_HELP = {name: f"{spec['help'][0].upper()}{spec['help'][1:]}; None: the plan's, else "
+                     f"{getattr(SIMULATE_LAYOUT, name)}." for name, spec in LAYOUT_FLAGS.items()}
+"""Each layout flag's help here: the layout's help, and what the field is when left unset."""
 PADDINGS = ("auto", *Padding)
 """How a simulated micro-batch may run: ``auto`` (see ``SimulateJobConfig.padding``) or a :class:`Padding`."""
 MUST_MATCH_PLAN = ("model", "pp_size")
 """Settings that, given explicitly, must agree with the plan's (the partition depends on them)."""
-FLAGS = {"model": "--model", "dp_size": "--dp", "pp_size": "--pp", "tp_size": "--tp",
-         "num_microbatches": "--microbatches", "samples": "--samples"}
-"""How errors name a setting (the CLI's spelling)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,16 +77,9 @@ class SimulateJobConfig:
     """Hardware preset (``omnibal.cost.hardware``: a100-40g, a100-80g, h100, h200) or a :class:`HardwareSpec`
     (``--hardware cpu``: the CLI measures this machine with ``omnibal.measure.hardware.hardware_by_name`` and
     passes the spec); None: the plan's, else a100-80g."""
-    dp_size: int | None = None
-    """Data-parallel size; None: the plan's, else 1."""
-    pp_size: int | None = None
-    """Pipeline stages; None: the plan's, else 1."""
-    tp_size: int | None = None
-    """Tensor-parallel size; None: the plan's, else 1."""
-    num_microbatches: int | None = None
-    """Micro-batches per DP rank per step; None: the plan's, else 4."""
-    zero_stage: int | None = None
-    """ZeRO stage over DP; None: the plan's, else 1 (optimizer state sharded)."""
+    layout: PartialLayout = field(default_factory=PartialLayout, metadata={"fields": LAYOUT_HELP})
+    """DP x PP x TP, ZeRO stage and micro-batches per DP rank per step; a field left None is the plan's, else
+    ``SIMULATE_LAYOUT``'s."""
     schedule: PipelineSchedule | None = None
     """Pipeline schedule; None: the plan's, else ``1f1b`` (``interleaved``: Megatron's interleaved 1F1B, with
     ``num_chunks``)."""
@@ -232,25 +235,28 @@ def _departures(plan: Plan | None, stats, sched) -> list[str]:
 
 
 def resolve_cluster(config: SimulateJobConfig, plan: Plan | None) -> dict:
-    """Cluster settings: explicit ones win; a plan fills the rest; then ``DEFAULTS``."""
-    from_plan = {}
+    """Cluster settings (model, hardware, stack and the layout's fields): explicit ones win; a plan fills the
+    rest; then ``DEFAULTS`` and ``SIMULATE_LAYOUT``."""
+    planned, base = {}, SIMULATE_LAYOUT
     if plan is not None:
-        from_plan = {"model": plan.inputs.model, "hardware": plan.inputs.hardware, **plan.inputs.layout.to_dict()}
+        base = plan.inputs.layout
+        planned = {"model": plan.inputs.model, "hardware": plan.inputs.hardware, **base.to_dict()}
         if plan.data.settings.get("stack") is not None:
-            from_plan["stack"] = plan.data.settings["stack"]
-    out = {}
-    for key, default in DEFAULTS.items():
-        given = getattr(config, key)
-        if given is not None and key in MUST_MATCH_PLAN and key in from_plan and given != from_plan[key]:
-            raise InputError(f"{FLAGS[key]} {given} contradicts the plan's {from_plan[key]}",
-                             source=plan_source(config), field=key.removesuffix("_size"))
-        out[key] = given if given is not None else from_plan.get(key, default)
+            planned["stack"] = plan.data.settings["stack"]
+    for key, value in config.layout.given().items():
+        check_layout_fields({key: value}, source=LAYOUT_FLAGS[key]["flag"])
+    given = {**{key: getattr(config, key) for key in DEFAULTS if getattr(config, key) is not None},
+             **config.layout.given()}
+    for key in MUST_MATCH_PLAN:
+        if key in given and key in planned and given[key] != planned[key]:
+            # a layout setting is named by its flag; another by the field, which the CLI names by its flag
+            raise InputError(f"{given[key]} contradicts the plan's {planned[key]} ({plan_source(config)})",
+                             source=LAYOUT_FLAGS[key]["flag"] if key in LAYOUT_FLAGS else None, field=key)
+    out = {key: given.get(key, planned.get(key, default)) for key, default in DEFAULTS.items()}
     if out["model"] is None:
         raise InputError("nothing to simulate: give --plan FILE (a plan.json of omnibal plan) or --model NAME "
                          "(with --hardware, --dp, --pp and --microbatches)")
-    for key in ("dp_size", "pp_size", "tp_size", "num_microbatches"):
-        check_layout_fields({key: out[key]}, source=FLAGS[key])
-    return out
+    return {**out, **config.layout.resolve(base).to_dict()}
 
 
 def _setup(config: SimulateJobConfig, plan: Plan | None) -> _Setup:
@@ -266,7 +272,8 @@ def _setup(config: SimulateJobConfig, plan: Plan | None) -> _Setup:
     table = cost_table(spec, hardware, profile_path=profile, tp_size=cluster["tp_size"], dtype=config.dtype,
                        stack=cluster["stack"])
     if cluster["pp_size"] > table.num_layers:
-        raise InputError(f"{cluster['pp_size']} stages for {table.num_layers} layers", source="--pp", field="pp")
+        raise InputError(f"{cluster['pp_size']} stages for {table.num_layers} layers",
+                         source=LAYOUT_FLAGS["pp_size"]["flag"], field="pp_size")
     planned_schedule = plan.search.get("schedule") if plan is not None else None
     schedule = config.schedule or planned_schedule or "1f1b"
     chunks = config.num_chunks if config.num_chunks is not None else (
