@@ -55,7 +55,7 @@ def main() -> None:
     hw = get_hardware("a100-80g")
     table = analytic_cost_table(spec, hw, tp_size=1)
     stats = synthetic_internvl_mixture(NUM_SAMPLES, seed=0)
-    config = config_for_hardware(hw, dp_size=DP, pp_size=PP, schedule="1f1b")
+    config = config_for_hardware(hw, dp_size=DP, pp_size=PP, pp_schedule="1f1b")
     cuts = even_cuts(table.num_layers, PP)
     rec = np.ones(table.num_layers, bool)  # full recomputation, as the baseline recipe runs
 

@@ -140,14 +140,14 @@ def single_process_reference(*, dp_size: int, num_microbatches: int, step: int =
 # ------------------------------------------------------------------------------------------------ rank fns
 
 
-def rank_forward_backward(dp: int, pp: int, schedule: str, dp_sync: str = "flat", precision: str = "fp32",
+def rank_forward_backward(dp: int, pp: int, pp_schedule: str, dp_sync: str = "flat", precision: str = "fp32",
                           recompute=None, selective=None):
     """One step's forward/backward + DP sync (no optimizer): this rank's loss part and stage gradients."""
     torch.set_num_threads(1)
     from omnibal.train.distributed import destroy_world, init_world
 
     world = init_world(dp_size=dp, pp_size=pp, timeout_s=TIMEOUT_S)
-    trainer = make_trainer(world, pipeline_schedule=schedule, dp_sync=dp_sync, precision=precision,
+    trainer = make_trainer(world, pipeline_schedule=pp_schedule, dp_sync=dp_sync, precision=precision,
                            recompute=recompute, selective=selective)
     result = trainer.forward_backward()
     grads = {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)).numpy()
@@ -263,7 +263,7 @@ def rank_interleaved_forward_backward(num_chunks: int = 2, num_microbatches: int
     buffer = fixed_buffer(schedule, stats, mode="offline")
     kw = dict(num_tiles=buffer.tiles, num_tokens=buffer.tokens, device=world.device)
     runner = StageRunner(chunks, stage_index=world.pp_rank, num_stages=pp, device=world.device,
-                         num_microbatches=num_microbatches, schedule="interleaved", pp_group=world.pp_group,
+                         num_microbatches=num_microbatches, pp_schedule="interleaved", pp_group=world.pp_group,
                          example_inputs=[example_carry(model, a, **kw) for a, _ in mine],
                          example_outputs=[example_carry(model, b, **kw) for _, b in mine], num_chunks=num_chunks)
     base = model.collate_config(num_tiles=buffer.tiles, num_tokens=buffer.tokens)
@@ -293,7 +293,7 @@ def interleaved_tiny_plan(path, *, pp: int = 2, chunks: int = 2, recompute=None)
     plan = tiny_plan(list(even_split(len(names), pp * chunks)), recompute)
     inputs = dataclasses.replace(plan.inputs, layout=dataclasses.replace(plan.inputs.layout, pp_size=pp),
                                  num_chunks=chunks)
-    plan = dataclasses.replace(plan, inputs=inputs, search={"schedule": "interleaved", "num_chunks": chunks})
+    plan = dataclasses.replace(plan, inputs=inputs, search={"pp_schedule": "interleaved", "num_chunks": chunks})
     plan.save(path)
     return path
 
@@ -313,5 +313,5 @@ def rank_interleaved_trainer(plan_path: str, num_steps: int = 2):
     trainer.step = 0
     losses = [trainer.train_step() for _ in range(num_steps)]
     destroy_world()
-    return {"rank": world.rank, "schedule": trainer.pipeline_schedule, "loss_part": result.loss_sum, "grads": grads,
+    return {"rank": world.rank, "pp_schedule": trainer.pipeline_schedule, "loss_part": result.loss_sum, "grads": grads,
             "records": [None if r is None else r.loss for r in losses]}

@@ -246,9 +246,9 @@ def test_train_flags_build_the_config_the_fields_describe():
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     cfg = train_config(parser.parse_args(["--steps", "3", "--stage-layers", "0:4", "--recompute", "a,b",
-                                          "--schedule", "gpipe", "--batch-size", "2", "--log", "m.jsonl",
+                                          "--pp-schedule", "gpipe", "--batch-size", "2", "--log", "m.jsonl",
                                           "--convert-stats", "--dp", "2", "--threads", "2"]))
-    assert (cfg.num_steps, cfg.stage_layers, cfg.recompute, cfg.pipeline_schedule, cfg.baseline_batch_size,
+    assert (cfg.num_steps, cfg.stage_layers, cfg.recompute, cfg.pp_schedule, cfg.baseline_batch_size,
             cfg.log_path, cfg.convert_stats, cfg.layout.dp_size, cfg.torch_threads) == (
         3, ((0, 4),), (("a", "b"),), "gpipe", 2, "m.jsonl", True, 2, 2)
     assert train_config(parser.parse_args([])) == train_config(parser.parse_args([])).__class__()

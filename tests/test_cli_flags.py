@@ -82,10 +82,19 @@ def test_the_removed_spellings_are_refused(name, capsys):
         assert f"unrecognized arguments: {flag}" in capsys.readouterr().err
 
 
-def test_train_schedule_is_the_pipeline_schedule_and_a_file_is_refused(capsys):
+def test_train_pp_schedule_is_the_pipeline_schedule_and_a_file_is_refused(capsys):
     parser = PARSERS["torchrun -m omnibal train"]
-    args = parser.parse_args(["--schedule", "gpipe"])
-    assert (args.schedule, hasattr(args, "schedule_file"), capsys.readouterr().err) == ("gpipe", False, "")
+    args = parser.parse_args(["--pp-schedule", "gpipe"])
+    assert (args.pp_schedule, hasattr(args, "schedule_file"), capsys.readouterr().err) == ("gpipe", False, "")
     for value in ("sched.json", "interleaved"):  # a file is --schedule-file; a schedule the trainer does not run
         with pytest.raises(SystemExit):
-            parser.parse_args(["--schedule", value])
+            parser.parse_args(["--pp-schedule", value])
+
+
+@pytest.mark.parametrize("name", list(COMMANDS))
+def test_schedule_alone_is_no_pipeline_schedule_flag(name, capsys):
+    """``--schedule`` was the pipeline schedule's flag; "schedule" alone now means the balancer's output."""
+    parser = PARSERS[name]
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--schedule", "1f1b"])
+    assert "unrecognized arguments: --schedule" in capsys.readouterr().err

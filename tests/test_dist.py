@@ -45,12 +45,12 @@ def test_selective_and_full_recompute_in_a_pipeline_match_single_process():
             assert np.linalg.norm(grad - ref) <= 1e-5 * max(np.linalg.norm(ref), 1e-30), (v["rank"], name)
 
 
-@pytest.mark.parametrize("dp,pp,schedule", [(1, 2, "1f1b"), (2, 1, "1f1b")])
-def test_bf16_mixed_step_matches_single_process_under_autocast(dp, pp, schedule):
+@pytest.mark.parametrize("dp,pp,pp_schedule", [(1, 2, "1f1b"), (2, 1, "1f1b")])
+def test_bf16_mixed_step_matches_single_process_under_autocast(dp, pp, pp_schedule):
     """``precision="bf16-mixed"``: fp32 weights and gradients, the forward under bf16 autocast, activations
     crossing pipeline stages in bf16; loss and gradients equal one process running the same autocast forward
     (bf16 rounding of the same ops in the same order, so far inside bf16's own resolution)."""
-    values = _values(spawn_local(rank_forward_backward, dp * pp, args=(dp, pp, schedule, "flat", "bf16-mixed"),
+    values = _values(spawn_local(rank_forward_backward, dp * pp, args=(dp, pp, pp_schedule, "flat", "bf16-mixed"),
                                  deadline_s=120, start_method="fork"))
     import torch
 
@@ -69,14 +69,14 @@ def test_bf16_mixed_step_matches_single_process_under_autocast(dp, pp, schedule)
             assert rel(grad, ref_grads[name]) <= 1e-4, (v["rank"], name, rel(grad, ref_grads[name]))
 
 
-@pytest.mark.parametrize("dp,pp,schedule,dp_sync", [(1, 2, "gpipe", "flat"), (2, 1, "1f1b", "flat"),
+@pytest.mark.parametrize("dp,pp,pp_schedule,dp_sync", [(1, 2, "gpipe", "flat"), (2, 1, "1f1b", "flat"),
                                                     (2, 2, "1f1b", "flat"), (2, 1, "1f1b", "ddp"),
                                                     (2, 2, "1f1b", "ddp")])
-def test_step_matches_single_process(dp, pp, schedule, dp_sync):
+def test_step_matches_single_process(dp, pp, pp_schedule, dp_sync):
     """Loss and every parameter's gradient after one DP x PP step equal one process on the same global
     batch (uneven packs, so a per-micro-batch or per-rank mean would differ), with the flat all-reduce and
     with DistributedDataParallel (which averages: the loss is scaled to make its average a sum)."""
-    values = _values(spawn_local(rank_forward_backward, dp * pp, args=(dp, pp, schedule, dp_sync), deadline_s=120,
+    values = _values(spawn_local(rank_forward_backward, dp * pp, args=(dp, pp, pp_schedule, dp_sync), deadline_s=120,
                                  start_method="fork"))
     ref_loss, ref_grads = single_process_reference(dp_size=dp, num_microbatches=4)
     loss = sum(v["loss_part"] for v in values)

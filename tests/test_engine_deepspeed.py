@@ -252,7 +252,7 @@ def test_the_docs_snippet_runs_as_written_on_two_ranks(tmp_path):
 
 
 def test_engine_refuses_what_deepspeed_cannot_run():
-    for kw, field in (({"schedule": "gpipe"}, "schedule"),
+    for kw, field in (({"pp_schedule": "gpipe"}, "pp_schedule"),
                       ({"layout": replace(PLAN_LAYOUT, zero_stage=2)}, "zero_stage")):
         with pytest.raises(InputError, match=rf"^deepspeed: field '{field}'"):
             PlanJobConfig(engine="deepspeed", **kw).validate()

@@ -37,7 +37,7 @@ def interleaved(plan, chunks: int = CHUNKS):
                              compute_time_s=0.0, boundary_time_s=0.0, recompute_time_s=0.0, memory_bytes=0.0)
                    for s, (a, b) in enumerate(zip(cuts[:-1], cuts[1:])))
     return dataclasses.replace(plan, stages=stages, inputs=dataclasses.replace(plan.inputs, num_chunks=chunks),
-                               search={**plan.search, "schedule": "interleaved", "num_chunks": chunks})
+                               search={**plan.search, "pp_schedule": "interleaved", "num_chunks": chunks})
 
 
 def test_megatron_builds_every_virtual_stage_of_an_interleaved_plan(tmp_path):
@@ -98,7 +98,7 @@ def test_deepspeed_refuses_an_interleaved_plan_by_name(tmp_path):
     from omnibal.integrations.deepspeed import write_exports
 
     plan = interleaved(engine_plan("llava-1.5-7b", "megatron").plan)
-    with pytest.raises(InputError, match=r"^deepspeed: field 'schedule': DeepSpeed's PipelineEngine runs 1F1B only "
+    with pytest.raises(InputError, match=r"^deepspeed: field 'pp_schedule': DeepSpeed's PipelineEngine runs 1F1B only "
                                          r"and has no interleaved schedule") as err:
         write_exports(plan, tmp_path)
     assert "\n" not in str(err.value)

@@ -139,7 +139,7 @@ def test_unconstrained_plan_is_not_expressible_in_megatron_or_torchtitan():
 
 
 @pytest.mark.parametrize("argv,match", [
-    (["--engine", "megatron", "--schedule", "gpipe"], "megatron: field 'schedule'"),
+    (["--engine", "megatron", "--pp-schedule", "gpipe"], "megatron: field 'pp_schedule'"),
     (["--engine", "torchtitan", "--zero-stage", "1"], "torchtitan: field 'zero_stage'"),
     (["--engine", "deepspeed", "--zero-stage", "2"], "deepspeed: field 'zero_stage'"),
 ])

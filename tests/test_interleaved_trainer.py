@@ -46,11 +46,11 @@ def test_runner_refuses_chunks_it_cannot_run():
     two = nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)])
     kw = dict(stage_index=0, num_stages=2, device=torch.device("cpu"), num_microbatches=4)
     with pytest.raises(InputError, match="only 'interleaved' runs"):
-        StageRunner(two, schedule="1f1b", num_chunks=2, **kw)
+        StageRunner(two, pp_schedule="1f1b", num_chunks=2, **kw)
     with pytest.raises(InputError, match="one module per chunk"):
-        StageRunner(nn.Linear(2, 2), schedule="interleaved", num_chunks=2, **kw)
+        StageRunner(nn.Linear(2, 2), pp_schedule="interleaved", num_chunks=2, **kw)
     with pytest.raises(InputError, match="flat all-reduce"):
-        StageRunner(two, schedule="interleaved", num_chunks=2, dp_sync="ddp", dp_size=2, **kw)
+        StageRunner(two, pp_schedule="interleaved", num_chunks=2, dp_sync="ddp", dp_size=2, **kw)
 
 
 def test_the_trainer_runs_an_interleaved_plan_file(tmp_path):
@@ -61,7 +61,7 @@ def test_the_trainer_runs_an_interleaved_plan_file(tmp_path):
     errors = [r.error for r in results if r.error]
     assert not errors, "\n".join(errors)
     values = sorted((r.value for r in results), key=lambda v: v["rank"])
-    assert all(v["schedule"] == "interleaved" for v in values)
+    assert all(v["pp_schedule"] == "interleaved" for v in values)
     ref_loss, ref_grads = single_process_reference(dp_size=1, num_microbatches=4)
     assert abs(sum(v["loss_part"] for v in values) - ref_loss) <= 1e-5 * abs(ref_loss)
     assert {n for v in values for n in v["grads"]} == set(ref_grads)

@@ -99,5 +99,5 @@ def test_the_libraries_lists_are_the_vocabularies():
     with pytest.raises(InputError, match="choose one of reference, deepspeed, megatron, torchtitan"):
         get_engine("nope")
     with pytest.raises(InputError, match="choose one of 1f1b, gpipe, interleaved"):
-        SimConfig(schedule="nope").validate()
+        SimConfig(pp_schedule="nope").validate()
     assert BalanceMethod.ISF_ASSIGN == "isf+assign" and f"{PipelineSchedule.ONE_F_ONE_B}" == "1f1b"

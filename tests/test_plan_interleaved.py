@@ -18,7 +18,7 @@ from omnibal.plan.plan import Plan
 from omnibal.plan.stages import StageModelConfig, chunk_in_flight, layer_quantities
 from omnibal.sim.costs import SimConfig
 from omnibal.sim.epoch import score_plan
-from omnibal.sim.schedule import inflight_masks, peak_inflight
+from omnibal.sim.pipeline_order import inflight_masks, peak_inflight
 from plan_helpers import uniform_features, vlm_like_table
 
 
@@ -70,7 +70,7 @@ def test_candidates_are_scored_and_the_winner_fits_the_simulated_memory():
 
     def score(sp, v):
         s = score_plan(table, sp.parts, sp.recompute_mask(table.num_layers), steps,
-                       replace(sim, schedule="interleaved", num_chunks=v))
+                       replace(sim, pp_schedule="interleaved", num_chunks=v))
         return s.step_time_mean, s.oom, s.peak_memory
 
     cands = interleaved_candidates(table, feats, cfg, score, (1, 2))
@@ -84,7 +84,7 @@ def test_candidates_are_scored_and_the_winner_fits_the_simulated_memory():
 def test_an_interleaved_plan_round_trips_and_is_checked(tmp_path):
     path = interleaved_tiny_plan(tmp_path / "plan.json")
     plan = Plan.load(path)
-    assert plan.inputs.num_chunks == 2 and len(plan.stages) == 4 and plan.schedule == "interleaved"
+    assert plan.inputs.num_chunks == 2 and len(plan.stages) == 4 and plan.pp_schedule == "interleaved"
     assert [plan.device_of(s) for s in range(4)] == [0, 1, 0, 1]
     assert Plan.from_json(plan.to_json()).to_json() == plan.to_json()
     short = dataclasses.replace(plan, stages=plan.stages[:2])

@@ -134,7 +134,7 @@ def test_fixed_recompute_partition_balances_time_with_recompute_included():
 
 
 def test_gpipe_holds_every_microbatch_on_every_stage():
-    cfg = StageModelConfig(num_stages=4, num_microbatches=6, schedule="gpipe")
+    cfg = StageModelConfig(num_stages=4, num_microbatches=6, pp_schedule="gpipe")
     assert [cfg.in_flight(s) for s in range(4)] == [6, 6, 6, 6]
     one_f_one_b = StageModelConfig(num_stages=4, num_microbatches=3)
     assert [one_f_one_b.in_flight(s) for s in range(4)] == [3, 3, 2, 1]

@@ -57,6 +57,15 @@ def test_earlier_engine_and_stack_names_read_as_reference():
         Plan.from_json(json.dumps(raw))
 
 
+def test_earlier_search_schedule_reads_as_pp_schedule():
+    """plan.json files of earlier versions wrote the pipeline schedule as ``search.schedule``."""
+    raw = json.loads(small_plan().to_json())
+    raw["search"]["schedule"] = "gpipe"
+    old = Plan.from_json(json.dumps(raw))
+    assert old.pp_schedule == "gpipe" and "schedule" not in old.search
+    assert json.loads(old.to_json())["search"]["pp_schedule"] == "gpipe"
+    assert small_plan().pp_schedule == "1f1b"  # a plan that does not say runs 1F1B
+
 def test_exports_match_the_stages():
     plan = small_plan()
     ex = export_all(plan)

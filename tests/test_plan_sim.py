@@ -26,19 +26,19 @@ def random_features(rng, num_steps, dp, num_mb):
 def test_no_plan_exceeds_its_budget_in_the_simulator(seed, num_layers, data, num_mb, dp, frac):
     rng = np.random.default_rng(seed)
     num_stages = data.draw(st.integers(1, min(num_layers, 4)))
-    schedule = data.draw(st.sampled_from(["1f1b", "gpipe"]))
+    pp_schedule = data.draw(st.sampled_from(["1f1b", "gpipe"]))
     kinds = [f"k{int(x)}" for x in rng.integers(0, 3, num_layers)]
     table = kind_table(kinds, random_kind_coef(rng, kinds))
     feats = random_features(rng, 5, dp, num_mb)
-    base = StageModelConfig(num_stages=num_stages, num_microbatches=num_mb, dp_size=dp, schedule=schedule)
+    base = StageModelConfig(num_stages=num_stages, num_microbatches=num_mb, dp_size=dp, pp_schedule=pp_schedule)
     q = layer_quantities(table, feats, base)
     lo = JointPlanner(q, base).min_memory_partition().bottleneck
     hi = q.static_bytes.sum() + num_stages * q.act_bytes.sum()
     budget = lo + frac * max(hi - lo, 0.0)
     cfg = StageModelConfig(num_stages=num_stages, num_microbatches=num_mb, dp_size=dp, memory_budget_bytes=budget,
-                           schedule=schedule)
+                           pp_schedule=pp_schedule)
     plan = JointPlanner(q, cfg).plan()
-    sim = SimConfig(dp_size=dp, memory_budget_bytes=budget * (1 + 1e-9), schedule=schedule)
+    sim = SimConfig(dp_size=dp, memory_budget_bytes=budget * (1 + 1e-9), pp_schedule=pp_schedule)
     res = simulate_epoch(table, plan.parts, plan.recompute_mask(num_layers), feats, sim)
     peak = res.peak_memory.max(axis=(0, 1))
     planned = np.array([s.memory_bytes for s in plan.stages])

@@ -33,8 +33,8 @@ def test_explicit_partition_and_interleaved(tmp_path, capsys):
                         "--no-report"])
     assert code == 0
     assert " 0-5 " in capsys.readouterr().out
-    code = main(BASE + ["--dp", "1", "--pp", "2", "--microbatches", "4", "--schedule", "interleaved", "--chunks", "2",
-                        "--recompute", "none", "--out", str(tmp_path / "il")])
+    code = main(BASE + ["--dp", "1", "--pp", "2", "--microbatches", "4", "--pp-schedule", "interleaved",
+                        "--chunks", "2", "--recompute", "none", "--out", str(tmp_path / "il")])
     assert code == 0
     summary = json.loads((tmp_path / "il" / "simulate.json").read_text())
     assert summary["num_chunks"] == 2 and len(summary["stages"][0]["layers"]) == 2
@@ -70,7 +70,7 @@ def test_plan_file_sets_partition_and_recompute(tmp_path, capsys):
     (["--pp", "40"], "--pp"),
     (["--pp", "2", "--partition", "0,3,9"], "--partition"),
     (["--pp", "2", "--recompute", "1,99"], "--recompute"),
-    (["--pp", "2", "--microbatches", "3", "--schedule", "interleaved"], "num_microbatches"),
+    (["--pp", "2", "--microbatches", "3", "--pp-schedule", "interleaved"], "num_microbatches"),
     (["--dp", "0"], "--dp"),
 ])
 def test_bad_input_exits_2_naming_the_argument(extra, needle, capsys):

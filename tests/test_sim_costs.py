@@ -17,7 +17,7 @@ from omnibal.sim.costs import (
     validate_cuts,
 )
 from omnibal.sim.epoch import score_plan, simulate_epoch, simulate_one_step
-from omnibal.sim.schedule import simulate_pipeline
+from omnibal.sim.pipeline_order import simulate_pipeline
 from sim_helpers import random_features, random_table
 
 
@@ -98,10 +98,10 @@ def test_dp_allreduce_and_slowest_rank_set_step_time():
 
 @settings(max_examples=25, deadline=None)
 @given(st.integers(1, 9), st.integers(1, 5), st.sampled_from(["gpipe", "1f1b"]), st.integers(0, 10_000))
-def test_chunking_does_not_change_results(num_steps, num_mb, schedule, seed):
+def test_chunking_does_not_change_results(num_steps, num_mb, pp_schedule, seed):
     table = random_table(7, seed=seed % 5)
     feats = random_features(num_steps, 2, num_mb, seed=seed)
-    cfg = SimConfig(dp_size=2, schedule=schedule, memory_budget_bytes=5e9)
+    cfg = SimConfig(dp_size=2, pp_schedule=pp_schedule, memory_budget_bytes=5e9)
     rec = np.arange(7) % 2 == 0
     whole = simulate_epoch(table, [0, 2, 5, 7], rec, feats, cfg)
     chunked = simulate_epoch(table, [0, 2, 5, 7], rec, feats, cfg, max_chunk_microbatches=2 * num_mb)
@@ -213,7 +213,7 @@ def test_interleaved_epoch_counts_devices_and_chunk_memory():
     table = random_table(16)
     feats = random_features(3, 2, 4)
     cuts = even_cuts(16, 8)  # 4 devices x 2 chunks
-    cfg = SimConfig(dp_size=2, schedule="interleaved", num_chunks=2)
+    cfg = SimConfig(dp_size=2, pp_schedule="interleaved", num_chunks=2)
     res = simulate_epoch(table, cuts, None, feats, cfg)
     assert res.num_stages == 4 and res.num_gpus == 8
     assert res.busy.shape == (3, 2, 4) and res.peak_memory.shape == (3, 2, 4)
@@ -225,6 +225,6 @@ def test_interleaved_epoch_counts_devices_and_chunk_memory():
     plain = simulate_epoch(table, even_cuts(16, 4), None, feats, SimConfig(dp_size=2))
     assert res.bubble.mean() < plain.bubble.mean()
     with pytest.raises(InputError, match="num_chunks"):
-        SimConfig(schedule="interleaved").validate()
+        SimConfig(pp_schedule="interleaved").validate()
     with pytest.raises(InputError, match="chunks per pipeline"):
         simulate_epoch(table, even_cuts(16, 7), None, feats, cfg)

@@ -85,7 +85,7 @@ def test_timelines_and_balance_table_are_each_rows_own_schedule(cheap_plan):
     names = [r["name"] for r in rows["rows"]]
     # the cheap job interleaves (the default --chunks 1,2) after its pack-size row
     assert names[-2:] == ["+ pack size", "+ interleaved schedule"] and len(drawn) == len(names)
-    assert plan.inputs.num_chunks == 2 and plan.schedule == "interleaved"
+    assert plan.inputs.num_chunks == 2 and plan.pp_schedule == "interleaved"
     for name, (title, mbs) in zip(names, drawn):
         assert title.startswith(f"{name}:")
         assert mbs == (plan.inputs.layout.num_microbatches if name in names[-2:] else 8), name

@@ -234,7 +234,7 @@ def test_config_and_cli_refuse_what_sp_does_not_run():
 
 
 def test_exactly_once_check_counts_an_sp_group_once():
-    """``omnibal train --schedule`` checks a file schedules every row once: a level's SP group shares its
+    """``omnibal train --schedule-file`` checks a file schedules every row once: a level's SP group shares its
     packs and counts once (before, every rank of a group counted and a valid HBP schedule was refused)."""
     from dataclasses import replace
 

@@ -97,7 +97,7 @@ def test_memory_shards_the_weights_and_keeps_two_layers_gathered_and_no_step_end
     # interleaved: two model chunks per device hold the gathered layers once, not once per chunk
     cuts = [0, 24, 48, 72, L]
     two = simulate_epoch(TABLE, cuts, ALL, features[:, :, :1].repeat(2, axis=2),
-                         _config(25e9, schedule="interleaved", num_chunks=2))
+                         _config(25e9, pp_schedule="interleaved", num_chunks=2))
     layer = sum(zero_sharded_bytes(TABLE, dp_size=8, zero_stage=3))
     devices = [layer[0:24].sum() + layer[48:72].sum(), layer[24:48].sum() + layer[72:].sum()]  # chunk c*P + d
     np.testing.assert_allclose(two.static_bytes, np.array(devices) + zero3_gather_reserve(TABLE))

@@ -43,11 +43,11 @@ class PipelineSchedule(StrEnum):
     GPIPE = "gpipe"
     INTERLEAVED = "interleaved"
     """Megatron's interleaved 1F1B (several model chunks per device): simulated, chosen by the planner
-    (``omnibal plan --chunks``), never asked for with ``--schedule``."""
+    (``omnibal plan --chunks``), never asked for with ``--pp-schedule``."""
 
 
-PLANNER_SCHEDULES = (PipelineSchedule.ONE_F_ONE_B, PipelineSchedule.GPIPE)
-"""Schedules ``--schedule`` asks the planner and the reference trainer for (one layer range per stage; an
+PLANNER_PP_SCHEDULES = (PipelineSchedule.ONE_F_ONE_B, PipelineSchedule.GPIPE)
+"""Schedules ``--pp-schedule`` asks the planner and the reference trainer for (one layer range per stage; an
 interleaved plan's chunks come from ``omnibal plan --chunks`` and its plan file)."""
 
 

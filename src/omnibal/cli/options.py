@@ -65,7 +65,7 @@ OPTIONS: dict[str, Option] = {
     "threads": Option("--threads", "torch CPU threads", {"type": int}),
     "engine": Option("--engine", "engine that will run the plan", {"choices": tuple(Engine)}),
     # pipeline
-    "schedule": Option("--schedule", "pipeline schedule", {"choices": tuple(PipelineSchedule)}),
+    "pp_schedule": Option("--pp-schedule", "pipeline schedule", {"choices": tuple(PipelineSchedule)}),
     "chunks": Option("--chunks", "model chunks per pipeline device"),
     "selective_recompute": Option("--selective-recompute", "let adaptive recompute run blocks selectively (stored "
                                   "apart from the trainer's per-stage --selective sets)"),

@@ -10,7 +10,7 @@ from omnibal.errors import InputError
 from omnibal.layout import (
     BASELINE_PADDINGS,
     PLAN_PADDINGS,
-    PLANNER_SCHEDULES,
+    PLANNER_PP_SCHEDULES,
     BalanceMethod,
     BaselinePartition,
     BaselineSampler,
@@ -138,13 +138,13 @@ class PlanJobConfig:
     own ``num_microbatches`` is always a candidate. On the command line the micro-batch counts tried at the
     same samples per step (``none``: keep ``--microbatches`` and 4.5 samples per pack). Off here (a library
     caller's M stays M); ``omnibal plan`` turns it on (default 8,12,16,24,32)."""
-    schedule: PipelineSchedule = field(default="1f1b", metadata={"choices": PLANNER_SCHEDULES})
+    pp_schedule: PipelineSchedule = field(default="1f1b", metadata={"choices": PLANNER_PP_SCHEDULES})
     """Pipeline schedule the simulator runs."""
     chunks: tuple[int, ...] = field(default=(1,), metadata={"option": "chunks", "parse": parse_chunks,
                                                             "cli_default": "1,2", "metavar": "V[,V...]"})
     """Model chunks per pipeline device the planner may choose (``omnibal.plan.interleaved``): 1 is the
-    ``schedule`` itself; more is interleaved 1F1B, kept only when the simulator finds it faster. Off here (a
-    library caller's schedule stays as given); ``omnibal plan`` turns it on (default 1,2)."""
+    ``pp_schedule`` itself; more is interleaved 1F1B, kept only when the simulator finds it faster. Off here (a
+    library caller's pp_schedule stays as given); ``omnibal plan`` turns it on (default 1,2)."""
     search: SearchConfig = field(default_factory=SearchConfig, metadata={"cli": False})
     """Neighbour search around the exact optimum (``omnibal plan`` adds :class:`SearchConfig`'s own fields;
     its seed is the job's ``seed``)."""
@@ -177,11 +177,12 @@ class PlanJobConfig:
         from omnibal.plan.engines import check_job
 
         check_choice(self.engine, Engine, source="--engine", field="engine")
-        check_choice(self.schedule, PLANNER_SCHEDULES, source="--schedule", field="schedule")
+        check_choice(self.pp_schedule, PLANNER_PP_SCHEDULES, source="--pp-schedule", field="pp_schedule")
         from omnibal.plan.interleaved import check_chunks
 
         check_chunks(self.chunks)
-        check_job(self.engine, schedule=self.schedule, zero_stage=self.layout.zero_stage, selective=self.selective)
+        check_job(self.engine, pp_schedule=self.pp_schedule, zero_stage=self.layout.zero_stage,
+                  selective=self.selective)
         check_stack_zero(self.stack, self.layout.zero_stage)
         for name in ("baseline_batch_size", "num_samples"):
             value = getattr(self, name)

@@ -208,7 +208,7 @@ def _assemble_plan(config: PlanJobConfig, model: Model, data: Data, found: Found
                 "candidates": [{"parts": list(c.plan.parts), "model_step_time_s": c.model_step_time,
                                 "sim_step_time_s": c.sim_step_time, "oom": c.oom} for c in found.scored],
                 "chosen_parts": list(found.best_joint.plan.parts), "epoch_scale": data.epoch_scale,
-                "schedule": model.sim_config.schedule, "num_chunks": found.num_chunks,
+                "pp_schedule": model.sim_config.pp_schedule, "num_chunks": found.num_chunks,
                 "interleaved": found.interleave_report, "baseline_partition": config.baseline_partition,
                 "baseline_sampler": config.baseline_sampler,
                 "baseline_padding": config.baseline_padding,

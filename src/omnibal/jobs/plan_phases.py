@@ -141,7 +141,7 @@ def model_phase(config) -> Model:
     check_num_stages(lay.pp_size, table.num_layers)
     headroom = None if config.memory_budget_gib is not None else config.memory_headroom
     sim_config = config_for_hardware(hw, dp_size=lay.dp_size, pp_size=lay.pp_size, tp_size=lay.tp_size,
-                                     schedule=config.schedule, zero_stage=lay.zero_stage,
+                                     pp_schedule=config.pp_schedule, zero_stage=lay.zero_stage,
                                      memory_headroom=headroom)
     if config.memory_budget_gib is not None:
         sim_config = replace(sim_config, memory_budget_bytes=config.memory_budget_gib * GiB)
@@ -153,7 +153,7 @@ def model_phase(config) -> Model:
                                         table, config),
                                     p2p_bandwidth=sim_config.p2p_bandwidth, p2p_latency=sim_config.p2p_latency,
                                     dp_bandwidth=sim_config.dp_bandwidth, dp_latency=sim_config.dp_latency,
-                                    schedule=config.schedule, selective_recompute=config.selective_recompute)
+                                    pp_schedule=config.pp_schedule, selective_recompute=config.selective_recompute)
     return Model(spec=spec, hw=hw, table=table, sim_config=sim_config, budget=budget, stage_config=stage_config)
 
 
@@ -316,15 +316,15 @@ def interleave_phase(config, model: Model, data: Data, found: Found) -> Found:
     from omnibal.plan.interleaved import best_interleaved, interleaved_candidates
 
     chunks = tuple(v for v in config.chunks if v > 1)
-    if not chunks or config.schedule != "1f1b" or config.layout.pp_size < 2 or constraint_rows(config.engine) \
-            or "interleaved" not in get_engine(config.engine).schedules:
+    if not chunks or config.pp_schedule != "1f1b" or config.layout.pp_size < 2 or constraint_rows(config.engine) \
+            or "interleaved" not in get_engine(config.engine).pp_schedules:
         return found
     feats = data.features[data.final_key]
     sample = sample_steps(feats, config.search.sample_steps, config.search.seed)
 
     def score(sp: StagePlanSet, v: int) -> tuple[float, bool, tuple[float, ...]]:
         s = score_plan(model.table, sp.parts, sp.recompute_mask(model.table.num_layers), sample,
-                       replace(model.sim_config, schedule="interleaved", num_chunks=v))
+                       replace(model.sim_config, pp_schedule="interleaved", num_chunks=v))
         return s.step_time_mean, s.oom, s.peak_memory
 
     stage_config = replace(model.stage_config, num_microbatches=data.num_microbatches)
@@ -341,7 +341,7 @@ def interleave_phase(config, model: Model, data: Data, found: Found) -> Found:
     return replace(found, best_joint=best.candidate, best_plain=found.best_joint, num_chunks=best.num_chunks,
                    interleave_report=report,
                    scored=[c.candidate for c in cands if c.num_chunks == best.num_chunks],
-                   sim_config=replace(model.sim_config, schedule="interleaved", num_chunks=best.num_chunks))
+                   sim_config=replace(model.sim_config, pp_schedule="interleaved", num_chunks=best.num_chunks))
 
 
 def ablation_phase(config, model: Model, data: Data, found: Found):

@@ -80,7 +80,7 @@ class SimulateJobConfig:
     layout: PartialLayout = field(default_factory=PartialLayout, metadata={"fields": LAYOUT_HELP})
     """DP x PP x TP, ZeRO stage and micro-batches per DP rank per step; a field left None is the plan's, else
     ``SIMULATE_LAYOUT``'s."""
-    schedule: PipelineSchedule | None = None
+    pp_schedule: PipelineSchedule | None = None
     """Pipeline schedule; None: the plan's, else ``1f1b`` (``interleaved``: Megatron's interleaved 1F1B, with
     ``num_chunks``)."""
     num_chunks: int | None = field(default=None, metadata={"option": "chunks"})
@@ -136,7 +136,7 @@ class SimulateJobResult:
     """What ``omnibal simulate`` prints and wrote; every field is JSON-serialisable."""
 
     header: dict
-    """The report's header: model, cluster, schedule, data, balance, padding, caps, plan, costs."""
+    """The report's header: model, cluster, pp schedule, data, balance, padding, caps, plan, costs."""
     summary: dict
     """``EpochResult.summary()``: step times, bubbles, per-stage busy / memory, OOM, GPU days."""
     totals: list = field(default_factory=list)
@@ -165,7 +165,7 @@ class _Setup:
     recompute: np.ndarray
     sim_config: SimConfig
     num_chunks: int
-    schedule: str
+    pp_schedule: str
     profile: str | None
 
 
@@ -274,11 +274,11 @@ def _setup(config: SimulateJobConfig, plan: Plan | None) -> _Setup:
     if cluster["pp_size"] > table.num_layers:
         raise InputError(f"{cluster['pp_size']} stages for {table.num_layers} layers",
                          source=LAYOUT_FLAGS["pp_size"]["flag"], field="pp_size")
-    planned_schedule = plan.search.get("schedule") if plan is not None else None
-    schedule = config.schedule or planned_schedule or "1f1b"
+    planned_pp_schedule = plan.pp_schedule if plan is not None else None
+    pp_schedule = config.pp_schedule or planned_pp_schedule or "1f1b"
     chunks = config.num_chunks if config.num_chunks is not None else (
-        plan.inputs.num_chunks if plan is not None and schedule == planned_schedule
-        else 2 if schedule == "interleaved" else 1)
+        plan.inputs.num_chunks if plan is not None and pp_schedule == planned_pp_schedule
+        else 2 if pp_schedule == "interleaved" else 1)
     num_virtual = cluster["pp_size"] * chunks
     if num_virtual > table.num_layers:
         raise InputError(f"{num_virtual} virtual stages for {table.num_layers} layers", source="--chunks",
@@ -290,13 +290,13 @@ def _setup(config: SimulateJobConfig, plan: Plan | None) -> _Setup:
     planned_budget = config.memory_fraction is None and plan is not None
     sim_config = config_for_hardware(
         hardware, dp_size=cluster["dp_size"], pp_size=cluster["pp_size"], tp_size=cluster["tp_size"],
-        schedule=schedule, num_chunks=chunks, zero_stage=cluster["zero_stage"],
+        pp_schedule=pp_schedule, num_chunks=chunks, zero_stage=cluster["zero_stage"],
         memory_headroom=DEFAULT_MEMORY_HEADROOM if config.memory_fraction is None else 1.0 - config.memory_fraction,
         step_overhead=config.step_overhead, compute_jitter=config.jitter)
     if planned_budget:  # the budget the plan fitted (``omnibal plan --memory-budget``, else less its headroom)
         sim_config = replace(sim_config, memory_budget_bytes=plan.inputs.memory_budget_bytes)
     return _Setup(cluster=cluster, spec=spec, hardware=hardware, table=table, cuts=cuts, recompute=rec,
-                  sim_config=sim_config, num_chunks=chunks, schedule=schedule, profile=profile)
+                  sim_config=sim_config, num_chunks=chunks, pp_schedule=pp_schedule, profile=profile)
 
 
 def _partition(config: SimulateJobConfig, plan: Plan | None, table, model: str, chunks: int,
@@ -411,7 +411,7 @@ def _header(config: SimulateJobConfig, plan: Plan | None, setup: _Setup, stats, 
         "model": setup.spec.name, "hardware": setup.hardware.name,
         "dp x pp x tp": f"{c['dp_size']} x {c['pp_size']} x {c['tp_size']}",
         "micro-batches per step": c["num_microbatches"],
-        "schedule": setup.schedule + (f" ({chunks} chunks per stage)" if chunks > 1 else ""),
+        "pp schedule": setup.pp_schedule + (f" ({chunks} chunks per stage)" if chunks > 1 else ""),
         "data": data, "balance": sched.method, "padding": padding,
         "caps (tiles, tokens)": f"{sched.caps.tiles}, {sched.caps.tokens}",
         "plan": plan_source(config) if plan is not None else (

@@ -21,7 +21,7 @@ from omnibal.plan.plan import Plan
 
 RECORDED = {
     "inputs.model_spec": lambda plan: plan.inputs.model_spec or None,
-    "search.schedule": lambda plan: plan.search.get("schedule"),
+    "search.pp_schedule": lambda plan: plan.search.get("pp_schedule"),
     "data.settings.config": lambda plan: plan.data.settings.get("config"),
     "data.settings.seed": lambda plan: plan.data.settings.get("seed"),
     "data.settings.balanced_samples": lambda plan: plan.data.settings.get("balanced_samples"),

@@ -44,7 +44,7 @@ class EngineSpec:
     """Stage 0 must hold the vision encoder, the projector and the LLM embedding whole."""
     recompute: str
     """One of RECOMPUTE_POLICIES."""
-    schedules: tuple[str, ...]
+    pp_schedules: tuple[str, ...]
     """Pipeline schedules the engine runs (omnibal names: ``1f1b``, ``gpipe``)."""
     zero_stages: tuple[int, ...]
     """ZeRO stages over DP the engine offers with pipeline parallelism."""
@@ -60,7 +60,7 @@ ENGINE_SPECS: dict[str, EngineSpec] = {
     "reference": EngineSpec("reference", False, "per-layer", tuple(PipelineSchedule), (0, 1, 2, 3), 1, True, {}),
     "deepspeed": EngineSpec(
         "deepspeed", False, "per-layer", ("1f1b",), (0, 1), 1, False,
-        {"schedule": "DeepSpeed's PipelineEngine runs its own 1F1B TrainSchedule only",
+        {"pp_schedule": "DeepSpeed's PipelineEngine runs its own 1F1B TrainSchedule only",
          "selective": "DeepSpeed's activation checkpointing recomputes whole layers only",
          "zero_stage": "DeepSpeed refuses ZeRO-2/3 with pipeline parallelism"}),
     "megatron": EngineSpec(
@@ -68,7 +68,7 @@ ENGINE_SPECS: dict[str, EngineSpec] = {
         {"selective": "Megatron-core's selective recompute applies one module list (core_attn, layernorm, "
                       "mlp) to every layer and cannot keep the matrix-product outputs while recomputing the "
                       "MLP activation",
-         "schedule": "Megatron-core's pipeline schedule is 1F1B (forward_backward_pipelining_without_interleaving)",
+         "pp_schedule": "Megatron-core's pipeline schedule is 1F1B (forward_backward_pipelining_without_interleaving)",
          "zero_stage": "Megatron's distributed optimizer shards optimizer state only (ZeRO-1)"}),
     "torchtitan": EngineSpec(
         "torchtitan", True, "all-or-none", ("1f1b", "gpipe"), (0, 2, 3), 2, False,
@@ -88,15 +88,15 @@ def get_engine(name: str) -> EngineSpec:
                          field="engine") from None
 
 
-def check_job(engine: str, *, schedule: str, zero_stage: int, selective: bool | None = None) -> None:
+def check_job(engine: str, *, pp_schedule: str, zero_stage: int, selective: bool | None = None) -> None:
     """Refuse job settings the engine cannot run (one line naming the engine and the field)."""
     spec = get_engine(engine)
     if selective and not spec.selective:
         raise InputError(f"selective recompute cannot be expressed ({spec.notes.get('selective', '')}); plan "
                          "without --selective-recompute", source=engine, field="selective")
-    if schedule not in spec.schedules:
-        raise InputError(f"schedule {schedule!r} cannot be expressed ({spec.notes.get('schedule', '')}); use "
-                         f"--schedule {' or '.join(spec.schedules)}", source=engine, field="schedule")
+    if pp_schedule not in spec.pp_schedules:
+        raise InputError(f"pp schedule {pp_schedule!r} cannot be expressed ({spec.notes.get('pp_schedule', '')}); "
+                         f"use --pp-schedule {' or '.join(spec.pp_schedules)}", source=engine, field="pp_schedule")
     if zero_stage not in spec.zero_stages:
         raise InputError(f"ZeRO stage {zero_stage} cannot be expressed ({spec.notes.get('zero_stage', '')}); use "
                          f"--zero-stage {' or '.join(map(str, spec.zero_stages))}", source=engine,

@@ -112,11 +112,11 @@ def _check_blocks_only(plan: Plan, engine: str, field: str) -> None:
 
 def deepspeed_fields(plan: Plan) -> dict:
     i, lay = plan.inputs, plan.inputs.layout
-    schedule = plan.search.get("schedule", "1f1b")
-    if schedule != "1f1b":
+    pp_schedule = plan.pp_schedule
+    if pp_schedule != "1f1b":
         why = (" and has no interleaved schedule (one layer range per stage; re-plan with omnibal plan --chunks 1)"
-               if schedule == "interleaved" else "")
-        raise InputError(f"DeepSpeed's PipelineEngine runs 1F1B only{why}", source="deepspeed", field="schedule")
+               if pp_schedule == "interleaved" else "")
+        raise InputError(f"DeepSpeed's PipelineEngine runs 1F1B only{why}", source="deepspeed", field="pp_schedule")
     if lay.zero_stage > 1:
         why = ("DeepSpeed refuses ZeRO-2/3 with pipeline parallelism" if lay.pp_size > 1 else
                "this export builds DeepSpeed's PipelineEngine, which refuses ZeRO-2/3; a ZeRO-3 job without "
@@ -150,8 +150,9 @@ def megatron_fields(plan: Plan) -> dict:
     if lay.zero_stage > 1:
         raise InputError("Megatron's distributed optimizer is ZeRO-1", source="megatron",
                          field="use_distributed_optimizer")
-    if plan.search.get("schedule", "1f1b") not in ("1f1b", "interleaved"):
-        raise InputError("Megatron-core pipelines with 1F1B or interleaved 1F1B", source="megatron", field="schedule")
+    if plan.pp_schedule not in ("1f1b", "interleaved"):
+        raise InputError("Megatron-core pipelines with 1F1B or interleaved 1F1B", source="megatron",
+                         field="pp_schedule")
     n_llm = block_counts(plan, "llm_block", "megatron", "recompute_num_layers")
     n_vision = block_counts(plan, "vision_block", "megatron", "vision.recompute_num_layers")
     spec = i.model_spec
@@ -219,8 +220,8 @@ def torchtitan_fields(plan: Plan) -> dict:
                          "always)", source="torchtitan", field="data_parallel_shard_degree")
     # interleaved: module_fqns_per_model_part has P x chunks parts, torchtitan's "loop" style puts part
     # c * P + d on rank d, as omnibal's virtual stages
-    schedule = {"1f1b": "1F1B", "gpipe": "GPipe", "interleaved": "Interleaved1F1B"}[plan.search.get("schedule", "1f1b")]
-    parallelism = {"pipeline_parallel_degree": lay.pp_size, "pipeline_parallel_schedule": schedule,
+    pp_schedule = {"1f1b": "1F1B", "gpipe": "GPipe", "interleaved": "Interleaved1F1B"}[plan.pp_schedule]
+    parallelism = {"pipeline_parallel_degree": lay.pp_size, "pipeline_parallel_schedule": pp_schedule,
                    "pipeline_parallel_microbatch_size": 1, "module_fqns_per_model_part": torchtitan_fqns(plan),
                    "tensor_parallel_degree": lay.tp_size}
     if lay.zero_stage >= 2:  # FSDP2 keeps the gathered weights after the forward (ZeRO-2) or frees them (ZeRO-3)

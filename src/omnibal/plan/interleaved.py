@@ -60,7 +60,7 @@ def check_chunks(chunks, source: str = "--chunks") -> tuple[int, ...]:
 
 def interleaved_config(config: StageModelConfig, num_chunks: int) -> StageModelConfig:
     """``config`` (P devices, plain 1F1B) as ``P * num_chunks`` interleaved virtual stages."""
-    return replace(config, num_stages=config.num_stages * num_chunks, num_chunks=num_chunks, schedule="interleaved",
+    return replace(config, num_stages=config.num_stages * num_chunks, num_chunks=num_chunks, pp_schedule="interleaved",
                    budget_shares=None)
 
 

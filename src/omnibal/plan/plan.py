@@ -160,9 +160,9 @@ class Plan:
         return self.stages[-1].layers[1]
 
     @property
-    def schedule(self) -> str:
+    def pp_schedule(self) -> str:
         """The pipeline schedule the plan runs (``interleaved`` when it has several chunks per device)."""
-        return self.search.get("schedule", "1f1b")
+        return self.search.get("pp_schedule", "1f1b")
 
     def device_of(self, stage: int) -> int:
         """Pipeline device (rank) of (virtual) stage ``stage``."""
@@ -282,6 +282,8 @@ class Plan:
                 simulated_peak_memory_bytes=r.get(st, "simulated_peak_memory_bytes", (float, None), where,
                                                   default=None)))
         search = r.get(raw, "search", dict, "", default={})
+        if "schedule" in search and "pp_schedule" not in search:  # the key earlier versions wrote
+            search = {("pp_schedule" if k == "schedule" else k): v for k, v in search.items()}
         engine = r.get(raw, "engine", str, "", default="reference")
         if engine == "omnibal":  # what earlier versions wrote for the reference trainer's engine
             engine = "reference"

@@ -30,7 +30,7 @@ from omnibal.cost.table import (
     recompute_codes,
 )
 from omnibal.errors import InputError
-from omnibal.layout import PLANNER_SCHEDULES, PipelineSchedule, check_choice, check_layout_fields
+from omnibal.layout import PLANNER_PP_SCHEDULES, PipelineSchedule, check_choice, check_layout_fields
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,7 +59,7 @@ class StageModelConfig:
     """Seconds of latency per ring step."""
     memory_quantile: float = 1.0
     """Per-feature quantile of the micro-batches used to size activation memory (1.0: the maximum)."""
-    schedule: str = "1f1b"
+    pp_schedule: str = "1f1b"
     """Pipeline schedule: ``1f1b`` (stage s holds min(P - s, M) micro-batches), ``gpipe`` (all M) or
     ``interleaved`` (Megatron's interleaved 1F1B; ``num_stages`` then counts virtual stages)."""
     num_chunks: int = 1
@@ -85,12 +85,12 @@ class StageModelConfig:
         if not self.p2p_bandwidth > 0 or not self.p2p_latency >= 0:
             raise InputError("p2p bandwidth must be positive and latency non-negative", source="hardware",
                              field="p2p_bandwidth")
-        check_choice(self.schedule, (*PLANNER_SCHEDULES, PipelineSchedule.INTERLEAVED), source="schedule",
-                     field="schedule")
-        if (self.schedule == PipelineSchedule.INTERLEAVED) != (self.num_chunks > 1) \
+        check_choice(self.pp_schedule, (*PLANNER_PP_SCHEDULES, PipelineSchedule.INTERLEAVED), source="pp_schedule",
+                     field="pp_schedule")
+        if (self.pp_schedule == PipelineSchedule.INTERLEAVED) != (self.num_chunks > 1) \
                 or self.num_stages % self.num_chunks:
-            raise InputError(f"{self.num_stages} stages in {self.num_chunks} chunks per device with schedule "
-                             f"{self.schedule!r}: only interleaved runs (and needs) several chunks, and the virtual "
+            raise InputError(f"{self.num_stages} stages in {self.num_chunks} chunks per device with pp_schedule "
+                             f"{self.pp_schedule!r}: only interleaved runs (and needs) several chunks, and the virtual "
                              "stages must split evenly over the devices", source="num_chunks", field="num_chunks")
         if self.budget_shares is not None and (len(self.budget_shares) != self.num_stages
                                                or not all(0 < w <= 1 for w in self.budget_shares)):
@@ -108,9 +108,9 @@ class StageModelConfig:
     def in_flight(self, stage: int) -> int:
         """Micro-batches whose activations stage ``stage`` holds at its peak (1F1B: min(P - s, M); GPipe: M;
         interleaved: the most the schedule's op order ever holds of that chunk, ``chunk_in_flight``)."""
-        if self.schedule == "gpipe":
+        if self.pp_schedule == "gpipe":
             return self.num_microbatches
-        if self.schedule == PipelineSchedule.INTERLEAVED:
+        if self.pp_schedule == PipelineSchedule.INTERLEAVED:
             return chunk_in_flight(self.num_devices, self.num_microbatches, self.num_chunks)[stage]
         return min(self.num_stages - stage, self.num_microbatches)
 
@@ -125,9 +125,9 @@ class StageModelConfig:
 def chunk_in_flight(num_devices: int, num_microbatches: int, num_chunks: int) -> tuple[int, ...]:
     """Per virtual stage ``c * P + d`` of interleaved 1F1B, the most micro-batches whose activations chunk
     ``c`` of device ``d`` holds at once, read off the schedule's own op order
-    (:func:`omnibal.sim.schedule.inflight_masks`). Summed over a device's chunks it bounds the device's
+    (:func:`omnibal.sim.pipeline_order.inflight_masks`). Summed over a device's chunks it bounds the device's
     peak from above (the chunks' peaks need not coincide)."""
-    from omnibal.sim.schedule import inflight_masks
+    from omnibal.sim.pipeline_order import inflight_masks
 
     masks = inflight_masks("interleaved", num_devices, num_microbatches, num_chunks)
     out = [0] * (num_devices * num_chunks)

@@ -2,7 +2,7 @@
 
 Layers, cheapest first:
 
-* :mod:`omnibal.sim.schedule`: the pure pipeline engine (GPipe / 1F1B op times from per-op durations,
+* :mod:`omnibal.sim.pipeline_order`: the pure pipeline engine (GPipe / 1F1B op times from per-op durations,
   vectorised over any batch axes).
 * :mod:`omnibal.sim.step`: DP x PP steps (slowest rank per stage group, ring all-reduce, memory, OOM).
 * :mod:`omnibal.sim.costs`: a :class:`~omnibal.cost.table.LayerCostTable` + cut points + recompute mask +
@@ -23,7 +23,7 @@ from omnibal.sim.costs import (
     validate_cuts,
 )
 from omnibal.sim.epoch import EpochResult, PlanScore, score_plan, simulate_epoch, simulate_one_step
-from omnibal.sim.schedule import PipelineTimes, peak_inflight, simulate_pipeline
+from omnibal.sim.pipeline_order import PipelineTimes, peak_inflight, simulate_pipeline
 from omnibal.sim.step import StepTimes, ring_allreduce_time, simulate_steps
 
 __all__ = [

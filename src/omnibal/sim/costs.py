@@ -25,7 +25,7 @@ from omnibal.validate import is_int
 class SimConfig:
     """How the cluster runs a step (everything but the partition, the recompute set and the data)."""
 
-    schedule: str = "1f1b"
+    pp_schedule: str = "1f1b"
     """Pipeline schedule: ``gpipe``, ``1f1b`` or ``interleaved`` (Megatron's interleaved 1F1B)."""
     num_chunks: int = 1
     """Model chunks per pipeline device (``interleaved`` only, >= 2): the cut points then describe
@@ -58,14 +58,14 @@ class SimConfig:
     sync waits for the slowest DP rank, so with jitter more DP ranks mean longer waits (stragglers)."""
 
     def validate(self) -> None:
-        check_choice(self.schedule, PipelineSchedule, source="schedule", field="schedule")
+        check_choice(self.pp_schedule, PipelineSchedule, source="pp_schedule", field="pp_schedule")
         check_layout_fields({"dp_size": self.dp_size, "tp_size": self.tp_size, "zero_stage": self.zero_stage})
         if not is_int(self.num_chunks) \
                 or self.num_chunks < 1:
             raise InputError(f"must be a positive integer, got {self.num_chunks!r}", source="num_chunks",
                              field="num_chunks")
-        if (self.schedule == "interleaved") != (self.num_chunks > 1):
-            raise InputError(f"schedule {self.schedule!r} with {self.num_chunks} model chunks per device: only "
+        if (self.pp_schedule == "interleaved") != (self.num_chunks > 1):
+            raise InputError(f"pp_schedule {self.pp_schedule!r} with {self.num_chunks} model chunks per device: only "
                              "'interleaved' runs (and needs) more than one", source="num_chunks", field="num_chunks")
         for name in ("p2p_bandwidth", "dp_bandwidth"):
             if not getattr(self, name) > 0:
@@ -250,7 +250,7 @@ def _zero3_times(table, features, fwd_l, bwd_l, redo_l, assign, config: SimConfi
     return per_stage(fwd), per_stage(back - redo), per_stage(redo)
 
 
-def config_for_hardware(hardware, *, dp_size: int, pp_size: int, tp_size: int = 1, schedule: str = "1f1b",
+def config_for_hardware(hardware, *, dp_size: int, pp_size: int, tp_size: int = 1, pp_schedule: str = "1f1b",
                         num_chunks: int = 1, zero_stage: int = 1,
                         memory_headroom: float | None = DEFAULT_MEMORY_HEADROOM,
                         step_overhead: float = 0.0, p2p_occupancy: float | None = None,
@@ -270,7 +270,7 @@ def config_for_hardware(hardware, *, dp_size: int, pp_size: int, tp_size: int = 
     if p2p_occupancy is None:
         p2p_occupancy = 1.0 if str(getattr(hardware, "name", "")).startswith("cpu") else 0.0
     budget = None if memory_headroom is None else memory_budget(float(hardware.memory_bytes), memory_headroom)
-    config = SimConfig(schedule=schedule, num_chunks=num_chunks, dp_size=dp_size, tp_size=tp_size,
+    config = SimConfig(pp_schedule=pp_schedule, num_chunks=num_chunks, dp_size=dp_size, tp_size=tp_size,
                        zero_stage=zero_stage,
                        p2p_bandwidth=p2p_bw, p2p_latency=p2p_lat, dp_bandwidth=dp_bw, dp_latency=dp_lat,
                        memory_budget_bytes=budget, step_overhead=step_overhead, p2p_occupancy=p2p_occupancy,

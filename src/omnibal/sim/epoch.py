@@ -13,7 +13,7 @@ import numpy as np
 from omnibal.cost.table import NUM_FEATURES, RECOMPUTE_FULL, RECOMPUTE_SELECTIVE, LayerCostTable, recompute_codes
 from omnibal.errors import InputError
 from omnibal.sim.costs import SimConfig, StageCosts, stage_costs, validate_cuts
-from omnibal.sim.schedule import peak_inflight
+from omnibal.sim.pipeline_order import peak_inflight
 from omnibal.sim.step import StepTimes, ring_allreduce_time, simulate_steps
 
 SECONDS_PER_DAY = 86400.0
@@ -97,7 +97,7 @@ class EpochResult:
             "pp_size": self.num_stages,
             "tp_size": self.config.tp_size,
             "num_gpus": self.num_gpus,
-            "schedule": self.config.schedule,
+            "pp_schedule": self.config.pp_schedule,
             "num_chunks": self.config.num_chunks,
             "total_time_s": self.total_time,
             "gpu_days": self.gpu_days,
@@ -154,7 +154,7 @@ def _run(table: LayerCostTable, cuts, recompute_mask, features: np.ndarray, conf
     ar = ring_allreduce_time(costs.per_device(costs.grad_bytes, v), config.dp_size, config.dp_bandwidth,
                              config.dp_latency)
     steps = simulate_steps(
-        costs.fwd, costs.bwd, costs.recompute, costs.p2p, costs.p2p, schedule=config.schedule, num_chunks=v,
+        costs.fwd, costs.bwd, costs.recompute, costs.p2p, costs.p2p, pp_schedule=config.pp_schedule, num_chunks=v,
         allreduce_time=ar, step_overhead=config.step_overhead, act_bytes=costs.act_bytes,
         transient_bytes=costs.transient_bytes, static_bytes=costs.per_device(costs.static_bytes, v),
         memory_budget=config.memory_budget_bytes, keep_timeline=keep_timeline, jitter=config.compute_jitter)
@@ -212,7 +212,7 @@ def simulate_epoch(
         oom=None if steps0.oom is None else cat(lambda st: st.oom),
         allreduce_time=steps0.allreduce_time,
         static_bytes=costs0.per_device(costs0.static_bytes, v),
-        peak_inflight=peak_inflight(config.schedule, (len(cuts) - 1) // v, num_mb, v),
+        peak_inflight=peak_inflight(config.pp_schedule, (len(cuts) - 1) // v, num_mb, v),
         epoch_scale=float(epoch_scale),
     )
 

@@ -55,7 +55,7 @@ def totals_rows(result: EpochResult) -> list[list[str]]:
     return [
         ["quantity", "value"],
         ["GPUs (DP x PP x TP)", f"{s['num_gpus']} ({s['dp_size']} x {s['pp_size']} x {s['tp_size']})"],
-        ["schedule", s["schedule"]],
+        ["pp schedule", s["pp_schedule"]],
         ["steps", steps],
         ["step time mean / max s", f"{s['step_time_mean_s']:.4g} / {s['step_time_max_s']:.4g}"],
         ["pipeline bubble (mean)", f"{s['bubble_mean']:.1%}"],
@@ -134,7 +134,7 @@ def plot_timeline(costs: StageCosts, step: StepTimes, path: str | Path, *, ranks
     ax.invert_yaxis()
     ax.set_xlim(0, step_time * 1.01)
     ax.set_xlabel("seconds")
-    fig.suptitle(title or f"pipeline timeline of one step ({step.pipeline.schedule}, {num_mb} micro-batches, "
+    fig.suptitle(title or f"pipeline timeline of one step ({step.pipeline.pp_schedule}, {num_mb} micro-batches, "
                  f"{len(ranks)} of {num_dp} DP ranks)", fontsize=10)
     fig.text(0.99, 0.005, f"DP ranks shown: {ranks} (slowest and fastest of the step)", ha="right", fontsize=7)
     for k in range(1, len(ranks)):  # separate DP ranks
@@ -188,7 +188,7 @@ def write_report(result: EpochResult, costs: StageCosts, step: StepTimes, step_i
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     timeline = plot_timeline(costs, step, out / f"{prefix}_timeline.png",
-                             title=f"step {step_index}: pipeline timeline ({result.config.schedule}, "
+                             title=f"step {step_index}: pipeline timeline ({result.config.pp_schedule}, "
                              f"{result.busy.shape[1]} DP ranks x {result.num_stages} stages)")
     load = plot_load_histograms(result, out / f"{prefix}_load.png")
     summary = result.summary()

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from omnibal.errors import InputError
-from omnibal.sim.schedule import PipelineTimes, simulate_pipeline
+from omnibal.sim.pipeline_order import PipelineTimes, simulate_pipeline
 
 
 def ring_allreduce_time(grad_bytes, dp_size: int, bandwidth: float, latency: float) -> np.ndarray:
@@ -123,7 +123,7 @@ def simulate_steps(
     p2p_fwd: np.ndarray | None = None,
     p2p_bwd: np.ndarray | None = None,
     *,
-    schedule: str = "1f1b",
+    pp_schedule: str = "1f1b",
     num_chunks: int = 1,
     allreduce_time: np.ndarray | float = 0.0,
     step_overhead: float = 0.0,
@@ -147,7 +147,7 @@ def simulate_steps(
         raise InputError(f"fwd must be [..., D, M, P], got shape {fwd.shape}", source="fwd", field="shape")
     if step_overhead < 0:
         raise InputError(f"must be >= 0, got {step_overhead}", source="step_overhead", field="step_overhead")
-    pipe = simulate_pipeline(fwd, bwd, recompute, p2p_fwd, p2p_bwd, schedule=schedule, num_chunks=num_chunks,
+    pipe = simulate_pipeline(fwd, bwd, recompute, p2p_fwd, p2p_bwd, pp_schedule=pp_schedule, num_chunks=num_chunks,
                              act_bytes=act_bytes,
                              transient_bytes=transient_bytes, keep_timeline=keep_timeline)
     num_stages = pipe.stage_end.shape[-1]

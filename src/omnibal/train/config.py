@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 
 from omnibal.errors import InputError
 from omnibal.layout import (
-    PLANNER_SCHEDULES,
+    PLANNER_PP_SCHEDULES,
     Device,
     DpSync,
     Layout,
@@ -69,8 +69,7 @@ class TrainConfig:
     """``--mode online``: re-deal each step's draws across DP ranks. False is the control run: every sample
     runs on the rank that drew it, in online's unpadded packs and without recompute, so that comparing it
     with online isolates the balance from the padding and recompute the baseline adds."""
-    pipeline_schedule: PipelineSchedule = field(default="1f1b", metadata={"option": "schedule",
-                                                                      "choices": PLANNER_SCHEDULES})
+    pp_schedule: PipelineSchedule = field(default="1f1b", metadata={"choices": PLANNER_PP_SCHEDULES})
     """Pipeline schedule (torch.distributed.pipelining Schedule1F1B or ScheduleGPipe)."""
     dp_sync: DpSync = "flat"
     """Gradient sum over DP: ``flat`` (one all-reduce after the step; the wait for the slowest rank is
@@ -170,7 +169,7 @@ class TrainConfig:
         src = "train config"
         check_choice(self.mode, TrainMode, source=src, field="mode")
         check_choice(self.dp_sync, DpSync, source=src, field="dp_sync")
-        check_choice(self.pipeline_schedule, PLANNER_SCHEDULES, source=src, field="pipeline_schedule")
+        check_choice(self.pp_schedule, PLANNER_PP_SCHEDULES, source=src, field="pp_schedule")
         if self.layout.tp_size != 1 or self.layout.zero_stage != 0:
             raise InputError("the reference trainer has no tensor parallelism and no ZeRO: tp_size must be 1 "
                              f"and zero_stage 0, got {self.layout.tp_size} and {self.layout.zero_stage}",

@@ -216,7 +216,7 @@ class Trainer(CheckpointResume):
                 example_in, example_out = example_in[0], example_out[0]
         self.runner = StageRunner(self.stage_module, stage_index=world.pp_rank, num_stages=world.pp_size,
                                   device=world.device, num_microbatches=num_microbatches,
-                                  schedule=pipeline_schedule, pp_group=world.pp_group,
+                                  pp_schedule=pipeline_schedule, pp_group=world.pp_group,
                                   example_inputs=example_in, example_outputs=example_out,
                                   dp_group=world.dp_group, dp_size=world.dp_size, dp_sync=dp_sync,
                                   autocast=self.autocast, num_chunks=self.layout.num_chunks)

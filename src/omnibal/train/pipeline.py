@@ -120,7 +120,7 @@ class StageRunner:
     """Runs one rank's stage for a step: the pipeline schedule (pp > 1) or gradient accumulation."""
 
     def __init__(self, stage_module: nn.Module, *, stage_index: int, num_stages: int, device: torch.device,
-                 num_microbatches: int, schedule: str = "1f1b", pp_group=None,
+                 num_microbatches: int, pp_schedule: str = "1f1b", pp_group=None,
                  example_inputs: Sequence[torch.Tensor] | None = None,
                  example_outputs: Sequence[torch.Tensor] | None = None,
                  dp_group=None, dp_size: int = 1, dp_sync: str = "flat", autocast: torch.dtype | None = None,
@@ -128,7 +128,7 @@ class StageRunner:
         if dp_sync not in DP_SYNCS:
             raise InputError(f"dp_sync must be one of {', '.join(DP_SYNCS)}, got {dp_sync!r}", source="dp_sync",
                              field="dp_sync")
-        self.num_chunks = _check_chunks(stage_module, num_chunks, schedule, num_stages, dp_sync, dp_size)
+        self.num_chunks = _check_chunks(stage_module, num_chunks, pp_schedule, num_stages, dp_sync, dp_size)
         """Model chunks of this rank (``interleaved``: ``stage_module`` is an ``nn.ModuleList`` of them, chunk
         ``c`` being virtual stage ``c * num_stages + stage_index``, and the examples are per chunk)."""
         # DDP averages gradients over the DP group; the loss is normalised by the *global* target count, so
@@ -172,7 +172,7 @@ class StageRunner:
             # backward but the last micro-batch's, where DDP's buckets reduce while the backward still runs
             submods = [_wrap_ddp(guarded, dp_group, device) if self.ddp else guarded]
             examples = [(tuple(example_inputs), tuple(example_outputs))]
-        self._pipe_args = dict(group=pp_group, kind=schedule)
+        self._pipe_args = dict(group=pp_group, kind=pp_schedule)
         self._variants[1] = (submods, examples)
         self._pipe(num_microbatches)  # the common count now: its construction errors surface at start
 
@@ -290,15 +290,15 @@ class StageRunner:
         return StepResult(loss_sum=loss_sum / self._grad_multiplier, compute_s=compute)
 
 
-def _check_chunks(stage_module: nn.Module, num_chunks: int, schedule: str, num_stages: int, dp_sync: str,
+def _check_chunks(stage_module: nn.Module, num_chunks: int, pp_schedule: str, num_stages: int, dp_sync: str,
                   dp_size: int) -> int:
     """``num_chunks`` checked against the schedule and the module (an ``nn.ModuleList`` of that many chunks
     when > 1, interleaved only, across pipeline stages, with the flat gradient sync)."""
     if not is_int(num_chunks) or num_chunks < 1:
         raise InputError(f"must be a positive integer, got {num_chunks!r}", source="num_chunks", field="num_chunks")
-    if (schedule == "interleaved") != (num_chunks > 1):
-        raise InputError(f"schedule {schedule!r} with {num_chunks} model chunks per stage: only 'interleaved' runs "
-                         "(and needs) more than one", source="num_chunks", field="num_chunks")
+    if (pp_schedule == "interleaved") != (num_chunks > 1):
+        raise InputError(f"pp_schedule {pp_schedule!r} with {num_chunks} model chunks per stage: only "
+                         "'interleaved' runs (and needs) more than one", source="num_chunks", field="num_chunks")
     if num_chunks > 1:
         if num_stages < 2 or not isinstance(stage_module, nn.ModuleList) or len(stage_module) != num_chunks:
             raise InputError(f"interleaved 1F1B needs pipeline stages and one module per chunk ({num_chunks})",

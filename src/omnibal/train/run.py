@@ -5,7 +5,7 @@ Same model, same data, same world for both modes; they differ only in what the m
 
 ``baseline``  random fixed micro-batches of ``baseline_batch_size`` samples, each padded to its longest
               sample; even layer split; every layer recomputed (InternVL's defaults).
-``offline``   the balancer's packs (``--schedule`` file, else ``omnibal.data.balance.balance``), the plan's
+``offline``   the balancer's packs (``--schedule-file``, else ``omnibal.data.balance.balance``), the plan's
               (or ``--stage-layers``) partition and recompute sets.
 """
 
@@ -79,7 +79,7 @@ def load_training_stats(cfg: TrainConfig, spec):
 
 
 def build_schedule(cfg: TrainConfig, stats, stats_fingerprint: str | None = None):
-    """The run's schedule (the same on every rank: a pure function of the inputs). A ``--schedule`` file must
+    """The run's schedule (the same on every rank: a pure function of the inputs). A ``--schedule-file`` must
     have been balanced from these statistics (``stats_fingerprint``: of the rows as the stats file has them;
     default ``stats.fingerprint()``) and schedule each of their rows once."""
     groups = cfg.layout.dp_size // cfg.sp_degree  # data-parallel groups: the trainer deals each to its SP ranks
@@ -134,7 +134,7 @@ def build_data(cfg: TrainConfig, model):
 
 
 def build_inputs(cfg: TrainConfig, model, notify=None):
-    """:func:`build_data` plus the statistics as their file has them (what a ``--schedule`` file made by
+    """:func:`build_data` plus the statistics as their file has them (what a ``--schedule-file`` made by
     ``omnibal balance --stats`` was balanced from and records the fingerprint of). ``notify(line)``: told about
     skipped records."""
     spec = model.spec
@@ -200,7 +200,7 @@ def build_trainer(cfg: TrainConfig, world: World, notify=None, say=None):
     trainer = Trainer(world=world, model=model, layout=layout, schedule=schedule,
                       dataset=dataset if world.is_first_stage else None,  # the labels reach the last stage in the carry
                       mode=cfg.mode, num_microbatches=cfg.layout.num_microbatches,
-                      pipeline_schedule=cfg.pipeline_schedule, lr=cfg.lr, dp_sync=cfg.dp_sync,
+                      pipeline_schedule=cfg.pp_schedule, lr=cfg.lr, dp_sync=cfg.dp_sync,
                       weight_decay=cfg.weight_decay, buffer=buffer,
                       log_path=cfg.log_path, quiet=cfg.quiet, checkpoint_dir=cfg.checkpoint_dir,
                       checkpoint_every=cfg.checkpoint_every, run_info=info, ledger_path=cfg.ledger_path,
@@ -225,7 +225,7 @@ def build_trainer(cfg: TrainConfig, world: World, notify=None, say=None):
 def preflight(cfg: TrainConfig) -> None:
     """Checks that need no process group (model, stage layout, plan, files), run once before ranks are
     started, so a bad argument fails in a second instead of in every rank."""
-    for flag, path in (("--stats", cfg.stats_path), ("--schedule", cfg.schedule_path),
+    for flag, path in (("--stats", cfg.stats_path), ("--schedule-file", cfg.schedule_path),
                        ("--annotations", cfg.annotations_path), ("--plan", cfg.plan_path)):
         if path is not None and not Path(path).is_file():  # a FIFO or device would block or never end
             raise InputError("exists but is not a regular file" if Path(path).exists() else "no such file",

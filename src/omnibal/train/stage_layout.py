@@ -168,7 +168,7 @@ def layout_schedule(layout: StageLayout, schedule: str) -> str:
         return schedule
     if schedule == "gpipe":
         raise InputError(f"the plan runs {layout.num_chunks} model chunks per stage (interleaved 1F1B); it cannot run "
-                         "under GPipe", source="--schedule", field="schedule")
+                         "under GPipe", source="--pp-schedule", field="pp_schedule")
     return "interleaved"
 
 

@@ -14,7 +14,7 @@ the backward proper: both happen after the gradient arrived, as with PyTorch / M
 Transfers are asynchronous: they delay the receiver, not the sender.
 
 The Python loop runs once per op of the schedule (2*M*P iterations, in a fixed topological order cached per
-(schedule, P, M)); each iteration is a handful of numpy operations over all batch items at once.
+(pp_schedule, P, M)); each iteration is a handful of numpy operations over all batch items at once.
 """
 
 from __future__ import annotations
@@ -30,16 +30,16 @@ from omnibal.layout import PipelineSchedule
 FWD, BWD = 0, 1
 
 
-def _unknown(schedule: str) -> InputError:
-    return InputError(f"unknown schedule {schedule!r}; choose one of {', '.join(PipelineSchedule)}",
-                      source="schedule", field="schedule")
+def _unknown(pp_schedule: str) -> InputError:
+    return InputError(f"unknown pipeline schedule {pp_schedule!r}; choose one of {', '.join(PipelineSchedule)}",
+                      source="pp_schedule", field="pp_schedule")
 
 
-def check_layout(schedule: str, num_stages: int, num_microbatches: int, num_chunks: int) -> None:
-    """Refuse a (schedule, P, M, chunks) combination the schedule cannot run."""
-    if schedule not in tuple(PipelineSchedule):
-        raise _unknown(schedule)
-    if schedule == "interleaved":
+def check_layout(pp_schedule: str, num_stages: int, num_microbatches: int, num_chunks: int) -> None:
+    """Refuse a (pp_schedule, P, M, chunks) combination the schedule cannot run."""
+    if pp_schedule not in tuple(PipelineSchedule):
+        raise _unknown(pp_schedule)
+    if pp_schedule == "interleaved":
         if num_chunks < 2:
             raise InputError(f"interleaved 1F1B needs >= 2 model chunks per stage, got {num_chunks}",
                              source="num_chunks", field="num_chunks")
@@ -47,21 +47,21 @@ def check_layout(schedule: str, num_stages: int, num_microbatches: int, num_chun
             raise InputError(f"interleaved 1F1B needs micro-batches ({num_microbatches}) divisible by the "
                              f"pipeline stages ({num_stages})", source="num_microbatches", field="num_microbatches")
     elif num_chunks != 1:
-        raise InputError(f"{schedule} runs one model chunk per stage, got {num_chunks}", source="num_chunks",
+        raise InputError(f"{pp_schedule} runs one model chunk per stage, got {num_chunks}", source="num_chunks",
                          field="num_chunks")
 
 
-def device_op_order(schedule: str, num_stages: int, num_microbatches: int, device: int,
+def device_op_order(pp_schedule: str, num_stages: int, num_microbatches: int, device: int,
                     num_chunks: int = 1) -> tuple[tuple[int, int, int], ...]:
     """Ops of one pipeline device in execution order as ``(FWD|BWD, micro_batch, virtual_stage)``.
 
     Virtual stage ``c * P + d`` is model chunk ``c`` of device ``d`` (one chunk per device except for
     ``interleaved``, Megatron's interleaved 1F1B: micro-batches go through the chunks in groups of P)."""
     p, m, v = num_stages, num_microbatches, num_chunks
-    check_layout(schedule, p, m, v)
-    if schedule == "gpipe":
+    check_layout(pp_schedule, p, m, v)
+    if pp_schedule == "gpipe":
         return tuple((FWD, i, device) for i in range(m)) + tuple((BWD, i, device) for i in range(m))
-    if schedule == "1f1b":
+    if pp_schedule == "1f1b":
         warmup = min(p - 1 - device, m)
         fwd = [(FWD, i, device) for i in range(m)]
         bwd = [(BWD, i, device) for i in range(m)]
@@ -85,13 +85,13 @@ def device_op_order(schedule: str, num_stages: int, num_microbatches: int, devic
     return tuple(ops)
 
 
-def stage_op_order(schedule: str, num_stages: int, num_microbatches: int, stage: int) -> tuple[tuple[int, int], ...]:
+def stage_op_order(pp_schedule: str, num_stages: int, num_microbatches: int, stage: int) -> tuple[tuple[int, int], ...]:
     """Ops of one stage (one chunk per stage) in execution order as ``(FWD|BWD, micro_batch)`` pairs."""
-    return tuple((kind, mb) for kind, mb, _ in device_op_order(schedule, num_stages, num_microbatches, stage))
+    return tuple((kind, mb) for kind, mb, _ in device_op_order(pp_schedule, num_stages, num_microbatches, stage))
 
 
 @lru_cache(maxsize=256)
-def global_op_order(schedule: str, num_stages: int, num_microbatches: int,
+def global_op_order(pp_schedule: str, num_stages: int, num_microbatches: int,
                     num_chunks: int = 1) -> tuple[tuple[int, int, int, int], ...]:
     """All ops as ``(device, FWD|BWD, micro_batch, virtual_stage)`` in an order where every op follows its
     dependencies.
@@ -99,7 +99,7 @@ def global_op_order(schedule: str, num_stages: int, num_microbatches: int,
     Built by sweeping the devices round-robin and taking each device's next op once its cross-stage input
     has been produced; a sweep without progress means the per-device orders deadlock (a bug, asserted).
     """
-    per_dev = [device_op_order(schedule, num_stages, num_microbatches, d, num_chunks) for d in range(num_stages)]
+    per_dev = [device_op_order(pp_schedule, num_stages, num_microbatches, d, num_chunks) for d in range(num_stages)]
     last = num_stages * num_chunks - 1
     pos = [0] * num_stages
     done = np.zeros((2, num_microbatches, last + 1), dtype=bool)
@@ -120,12 +120,12 @@ def global_op_order(schedule: str, num_stages: int, num_microbatches: int,
                 order.append((d, kind, mb, vs))
                 pos[d] += 1
                 progressed = True
-        assert progressed, f"schedule {schedule} deadlocks at P={num_stages}, M={num_microbatches}, v={num_chunks}"
+        assert progressed, f"{pp_schedule} deadlocks at P={num_stages}, M={num_microbatches}, v={num_chunks}"
     return tuple(order)
 
 
 @lru_cache(maxsize=256)
-def inflight_masks(schedule: str, num_stages: int, num_microbatches: int,
+def inflight_masks(pp_schedule: str, num_stages: int, num_microbatches: int,
                    num_chunks: int = 1) -> tuple[np.ndarray, ...]:
     """Per device, a ``[K, M * v]`` 0/1 matrix: row k marks the (micro-batch, chunk) pairs — column
     ``mb * v + chunk`` — whose activations are held while the device runs its k-th op (forward started,
@@ -134,7 +134,7 @@ def inflight_masks(schedule: str, num_stages: int, num_microbatches: int,
     for d in range(num_stages):
         held = np.zeros(num_microbatches * num_chunks)
         rows = []
-        for kind, mb, vs in device_op_order(schedule, num_stages, num_microbatches, d, num_chunks):
+        for kind, mb, vs in device_op_order(pp_schedule, num_stages, num_microbatches, d, num_chunks):
             col = mb * num_chunks + vs // num_stages
             if kind == FWD:
                 held[col] = 1.0
@@ -147,17 +147,17 @@ def inflight_masks(schedule: str, num_stages: int, num_microbatches: int,
     return tuple(masks)
 
 
-def peak_inflight(schedule: str, num_stages: int, num_microbatches: int, num_chunks: int = 1) -> np.ndarray:
+def peak_inflight(pp_schedule: str, num_stages: int, num_microbatches: int, num_chunks: int = 1) -> np.ndarray:
     """``[P]`` most micro-batch chunks whose activations a device holds at once (1F1B: min(P - s, M))."""
     return np.array([int(m.sum(axis=1).max())
-                     for m in inflight_masks(schedule, num_stages, num_microbatches, num_chunks)])
+                     for m in inflight_masks(pp_schedule, num_stages, num_microbatches, num_chunks)])
 
 
 @dataclass(frozen=True, eq=False)
 class PipelineTimes:
     """Result of :func:`simulate_pipeline`. Arrays have the caller's batch axes ``[...]`` in front."""
 
-    schedule: str
+    pp_schedule: str
     """Schedule kind."""
     num_chunks: int
     """Model chunks per device (virtual stages = P * num_chunks; > 1 only for ``interleaved``)."""
@@ -200,7 +200,7 @@ def simulate_pipeline(
     p2p_fwd: np.ndarray | None = None,
     p2p_bwd: np.ndarray | None = None,
     *,
-    schedule: str = "1f1b",
+    pp_schedule: str = "1f1b",
     num_chunks: int = 1,
     act_bytes: np.ndarray | None = None,
     transient_bytes: np.ndarray | None = None,
@@ -219,7 +219,7 @@ def simulate_pipeline(
     fwd, bwd, rec, pf, pb = _checked_durations(fwd, bwd, recompute, p2p_fwd, p2p_bwd, num_chunks)
     num_mb, num_virtual = fwd.shape[-2:]
     num_stages = num_virtual // num_chunks
-    check_layout(schedule, num_stages, num_mb, num_chunks)
+    check_layout(pp_schedule, num_stages, num_mb, num_chunks)
 
     batch_shape = np.broadcast_shapes(fwd.shape[:-2], bwd.shape[:-2], rec.shape[:-2], pf.shape[:-2], pb.shape[:-2])
     full = batch_shape + (num_mb, num_virtual)
@@ -228,7 +228,7 @@ def simulate_pipeline(
     Bt = _front(np.broadcast_to(bwd, full) + np.broadcast_to(rec, full))  # a backward op = recompute + backward
     PF = _front(np.broadcast_to(pf, link))
     PB = _front(np.broadcast_to(pb, link))
-    free, (fs, fe, bs, be) = _run_ops(schedule, num_stages, num_mb, num_chunks, F, Bt, PF, PB, batch_shape)
+    free, (fs, fe, bs, be) = _run_ops(pp_schedule, num_stages, num_mb, num_chunks, F, Bt, PF, PB, batch_shape)
 
     stage_end = np.stack(free, axis=-1)
     makespan = stage_end.max(axis=-1)
@@ -239,14 +239,14 @@ def simulate_pipeline(
 
     peak_act = None
     if act_bytes is not None or transient_bytes is not None:
-        peak_act = _peak_activation_bytes(schedule, num_stages, num_mb, num_chunks, act_bytes, transient_bytes,
+        peak_act = _peak_activation_bytes(pp_schedule, num_stages, num_mb, num_chunks, act_bytes, transient_bytes,
                                           full, batch_shape)
     timeline = {}
     if keep_timeline:
         timeline = dict(fwd_start=_back(fs), fwd_end=_back(fe), bwd_start=_back(bs), bwd_end=_back(be))
     return PipelineTimes(
-        schedule=schedule, num_chunks=num_chunks, stage_end=stage_end, makespan=makespan, busy=busy,
-        bubble=bubble, peak_inflight=peak_inflight(schedule, num_stages, num_mb, num_chunks),
+        pp_schedule=pp_schedule, num_chunks=num_chunks, stage_end=stage_end, makespan=makespan, busy=busy,
+        bubble=bubble, peak_inflight=peak_inflight(pp_schedule, num_stages, num_mb, num_chunks),
         peak_act_bytes=peak_act, **timeline,
     )
 
@@ -278,13 +278,13 @@ def _checked_durations(fwd, bwd, recompute, p2p_fwd, p2p_bwd, num_chunks: int):
     return fwd, bwd, rec, pf, pb
 
 
-def _run_ops(schedule: str, num_stages: int, num_mb: int, num_chunks: int, F, Bt, PF, PB, batch_shape):
+def _run_ops(pp_schedule: str, num_stages: int, num_mb: int, num_chunks: int, F, Bt, PF, PB, batch_shape):
     """Play the schedule's global op order: ``(per-device free times, (fwd start, fwd end, bwd start, bwd
     end))``, each op starting when its device is free and its input (previous stage's output + link) is in."""
     fs, fe, bs, be = (np.empty_like(F) for _ in range(4))
     free = [np.zeros(batch_shape) for _ in range(num_stages)]
     last = F.shape[1] - 1
-    for d, kind, m, k in global_op_order(schedule, num_stages, num_mb, num_chunks):
+    for d, kind, m, k in global_op_order(pp_schedule, num_stages, num_mb, num_chunks):
         if kind == FWD:
             start = free[d] if k == 0 else np.maximum(free[d], fe[m, k - 1] + PF[m, k - 1])
             fs[m, k] = start
@@ -298,19 +298,19 @@ def _run_ops(schedule: str, num_stages: int, num_mb: int, num_chunks: int, F, Bt
     return free, (fs, fe, bs, be)
 
 
-def _peak_activation_bytes(schedule: str, num_stages: int, num_mb: int, num_chunks: int, act_bytes,
+def _peak_activation_bytes(pp_schedule: str, num_stages: int, num_mb: int, num_chunks: int, act_bytes,
                            transient_bytes, full, batch_shape) -> np.ndarray:
     """``[..., P]`` peak activation bytes per device: the kept activations of its in-flight micro-batches at
     every op, plus the transient bytes of the backward running then."""
     act = _front(np.broadcast_to(np.asarray(0.0 if act_bytes is None else act_bytes, np.float64), full))
     trans = None if transient_bytes is None else _front(np.broadcast_to(np.asarray(transient_bytes, np.float64), full))
     peaks = []
-    for d, mask in enumerate(inflight_masks(schedule, num_stages, num_mb, num_chunks)):
+    for d, mask in enumerate(inflight_masks(pp_schedule, num_stages, num_mb, num_chunks)):
         chunks = [c * num_stages + d for c in range(num_chunks)]
         held_act = act[:, chunks].reshape((num_mb * num_chunks,) + batch_shape)  # column mb * v + chunk
         held = np.tensordot(mask, held_act, axes=(1, 0))  # [K, ...]
         if trans is not None:
-            ops = device_op_order(schedule, num_stages, num_mb, d, num_chunks)
+            ops = device_op_order(pp_schedule, num_stages, num_mb, d, num_chunks)
             rows = [i for i, op in enumerate(ops) if op[0] == BWD]
             held[rows] += trans[[ops[i][1] for i in rows], [ops[i][2] for i in rows]]
         peaks.append(held.max(axis=0))

@@ -8,7 +8,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from omnibal.errors import InputError
-from omnibal.sim.schedule import (
+from omnibal.sim.pipeline_order import (
     BWD,
     FWD,
     device_op_order,
@@ -21,23 +21,23 @@ from omnibal.sim.step import ring_allreduce_time, simulate_steps
 SCHEDULES = ("gpipe", "1f1b")
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("pp_schedule", SCHEDULES)
 @pytest.mark.parametrize("num_mb", [1, 3, 8])
-def test_one_stage_has_no_bubble(schedule, num_mb):
+def test_one_stage_has_no_bubble(pp_schedule, num_mb):
     rng = np.random.default_rng(0)
     fwd = rng.uniform(0.1, 2.0, (5, num_mb, 1))
     bwd = rng.uniform(0.1, 2.0, (5, num_mb, 1))
     rec = rng.uniform(0.0, 1.0, (5, num_mb, 1))
-    out = simulate_pipeline(fwd, bwd, rec, schedule=schedule)
+    out = simulate_pipeline(fwd, bwd, rec, pp_schedule=pp_schedule)
     np.testing.assert_allclose(out.bubble, 0.0, atol=1e-12)
     np.testing.assert_allclose(out.makespan, (fwd + bwd + rec).sum(axis=(-2, -1)))
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("pp_schedule", SCHEDULES)
 @pytest.mark.parametrize("p,m", [(2, 1), (2, 4), (4, 4), (4, 8), (4, 2), (8, 32), (3, 7)])
 @pytest.mark.parametrize("f,b", [(1.0, 2.0), (1.0, 1.0), (0.3, 0.9)])
-def test_equal_microbatch_bubble_formula(schedule, p, m, f, b):
-    out = simulate_pipeline(np.full((m, p), f), np.full((m, p), b), schedule=schedule)
+def test_equal_microbatch_bubble_formula(pp_schedule, p, m, f, b):
+    out = simulate_pipeline(np.full((m, p), f), np.full((m, p), b), pp_schedule=pp_schedule)
     assert out.makespan == pytest.approx((m + p - 1) * (f + b))
     assert out.bubble == pytest.approx((p - 1) / (m + p - 1))
 
@@ -51,12 +51,12 @@ def test_peak_inflight_per_stage(p, m):
 def test_peak_activation_bytes_follow_inflight_microbatches():
     p, m = 4, 6
     act = np.arange(1, m + 1, dtype=float)[:, None] * np.ones((m, p))  # micro-batch i holds i+1 bytes
-    out = simulate_pipeline(np.ones((m, p)), np.ones((m, p)), act_bytes=act, schedule="1f1b")
+    out = simulate_pipeline(np.ones((m, p)), np.ones((m, p)), act_bytes=act, pp_schedule="1f1b")
     # stage s under 1F1B holds micro-batches 0..p-s-1 at its peak at first, later windows slide forward;
     # the biggest window of p-s consecutive micro-batches is the last one
     expected = [act[m - min(p - s, m):, s].sum() for s in range(p)]
     np.testing.assert_allclose(out.peak_act_bytes, expected)
-    gp = simulate_pipeline(np.ones((m, p)), np.ones((m, p)), act_bytes=act, schedule="gpipe")
+    gp = simulate_pipeline(np.ones((m, p)), np.ones((m, p)), act_bytes=act, pp_schedule="gpipe")
     np.testing.assert_allclose(gp.peak_act_bytes, act.sum(axis=0))
 
 
@@ -69,11 +69,11 @@ def test_transient_bytes_add_only_during_backward():
     np.testing.assert_allclose(out.peak_act_bytes, [12.0, 11.0])
 
 
-@pytest.mark.parametrize("schedule,chunks", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3)])
-def test_op_order_respects_dependencies_and_covers_every_op(schedule, chunks):
+@pytest.mark.parametrize("pp_schedule,chunks", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3)])
+def test_op_order_respects_dependencies_and_covers_every_op(pp_schedule, chunks):
     for p in (1, 2, 5):
         for m in (1, 2, 7) if chunks == 1 else (p, 2 * p, 3 * p):
-            order = global_op_order(schedule, p, m, chunks)
+            order = global_op_order(pp_schedule, p, m, chunks)
             v = p * chunks
             assert len(order) == len(set(order)) == 2 * v * m
             seen = set()
@@ -87,13 +87,13 @@ def test_op_order_respects_dependencies_and_covers_every_op(schedule, chunks):
                         assert (BWD, mb, k + 1) in seen
                 seen.add((kind, mb, k))
             for d in range(p):
-                assert [o[1:] for o in order if o[0] == d] == list(device_op_order(schedule, p, m, d, chunks))
+                assert [o[1:] for o in order if o[0] == d] == list(device_op_order(pp_schedule, p, m, d, chunks))
 
 
 @pytest.mark.parametrize("p,v,m", [(2, 2, 2), (2, 3, 4), (4, 2, 8), (4, 3, 4), (4, 4, 16), (8, 2, 16)])
 def test_interleaved_bubble_formula(p, v, m):
     f, b = 1.0, 2.0  # a device's whole forward / backward per micro-batch, split over its v chunks
-    out = simulate_pipeline(np.full((m, p * v), f / v), np.full((m, p * v), b / v), schedule="interleaved",
+    out = simulate_pipeline(np.full((m, p * v), f / v), np.full((m, p * v), b / v), pp_schedule="interleaved",
                             num_chunks=v)
     assert out.makespan == pytest.approx(m * (f + b) + (p - 1) * (f + b) / v)
     assert out.bubble == pytest.approx((p - 1) / (v * m + p - 1))
@@ -106,11 +106,11 @@ def test_interleaved_bubble_formula(p, v, m):
 
 def test_interleaved_layout_is_checked():
     with pytest.raises(InputError, match="divisible"):
-        simulate_pipeline(np.ones((3, 4)), np.ones((3, 4)), schedule="interleaved", num_chunks=2)
+        simulate_pipeline(np.ones((3, 4)), np.ones((3, 4)), pp_schedule="interleaved", num_chunks=2)
     with pytest.raises(InputError, match="num_chunks"):
-        simulate_pipeline(np.ones((2, 4)), np.ones((2, 4)), schedule="1f1b", num_chunks=2)
+        simulate_pipeline(np.ones((2, 4)), np.ones((2, 4)), pp_schedule="1f1b", num_chunks=2)
     with pytest.raises(InputError, match="chunks"):
-        simulate_pipeline(np.ones((2, 4)), np.ones((2, 4)), schedule="interleaved", num_chunks=1)
+        simulate_pipeline(np.ones((2, 4)), np.ones((2, 4)), pp_schedule="interleaved", num_chunks=1)
 
 
 def test_p2p_delays_receiver():
@@ -128,8 +128,8 @@ def test_recompute_runs_inside_backward_op():
 
 
 def test_bad_inputs_name_the_field():
-    with pytest.raises(InputError, match="schedule"):
-        simulate_pipeline(np.ones((2, 2)), np.ones((2, 2)), schedule="zigzag")
+    with pytest.raises(InputError, match="pp_schedule"):
+        simulate_pipeline(np.ones((2, 2)), np.ones((2, 2)), pp_schedule="zigzag")
     with pytest.raises(InputError, match="bwd"):
         simulate_pipeline(np.ones((2, 2)), np.ones((3, 2)))
     with pytest.raises(InputError, match="fwd"):
@@ -175,9 +175,9 @@ shapes = st.tuples(st.integers(1, 5), st.integers(1, 6))  # (P, M)
 @st.composite
 def pipelines(draw):
     p, m = draw(shapes)
-    schedule = draw(st.sampled_from(SCHEDULES + ("interleaved",)))
+    pp_schedule = draw(st.sampled_from(SCHEDULES + ("interleaved",)))
     chunks = 1
-    if schedule == "interleaved":
+    if pp_schedule == "interleaved":
         chunks = draw(st.integers(2, 3))
         m = p * draw(st.integers(1, 3))
         p = p * chunks  # virtual stages
@@ -191,7 +191,7 @@ def pipelines(draw):
         recompute=rng.uniform(0.0, 1.0, (batch, m, p)) * (rng.random((batch, m, p)) > 0.5),
         p2p_fwd=rng.uniform(0.0, 0.5, (batch, m, p - 1)),
         p2p_bwd=rng.uniform(0.0, 0.5, (batch, m, p - 1)),
-        schedule=schedule,
+        pp_schedule=pp_schedule,
         num_chunks=chunks,
     )
 
@@ -250,7 +250,7 @@ def test_timeline_is_consistent(case):
     v, m = case["num_chunks"], case["fwd"].shape[-2]
     p = case["fwd"].shape[-1] // v
     for d in range(p):
-        ops = device_op_order(case["schedule"], p, m, d, v)
+        ops = device_op_order(case["pp_schedule"], p, m, d, v)
         starts = np.stack([(out.fwd_start if k == FWD else out.bwd_start)[..., mb, vs] for k, mb, vs in ops], -1)
         ends = np.stack([(out.fwd_end if k == FWD else out.bwd_end)[..., mb, vs] for k, mb, vs in ops], -1)
         assert (starts[..., 1:] >= ends[..., :-1] - 1e-9).all()
