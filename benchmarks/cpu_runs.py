@@ -120,7 +120,7 @@ def rank_run(run: dict, stats, schedule):
                             recompute=run["recompute_sets"])
     buffer = Buffer(*run["buffer"]) if run["pp"] > 1 else None
     trainer = Trainer(world=world, model=model, layout=layout, schedule=schedule, dataset=dataset, mode=run["mode"],
-                      num_microbatches=run["mb"], pipeline_schedule="1f1b", lr=1e-4, buffer=buffer)
+                      num_microbatches=run["mb"], pp_schedule="1f1b", lr=1e-4, buffer=buffer)
     records, cpu = [], []
     for _ in range(run["steps"]):
         c0 = time.thread_time()  # this rank's own CPU seconds: compute runs on this thread (1 torch thread)

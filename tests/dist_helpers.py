@@ -79,7 +79,7 @@ def plain_schedule_doc(schedule) -> dict:
                        for r in range(schedule.dp_size)] for s in range(schedule.num_steps)]}
 
 
-def make_trainer(world, *, mode="offline", num_microbatches=4, num_steps=NUM_STEPS, pipeline_schedule="1f1b",
+def make_trainer(world, *, mode="offline", num_microbatches=4, num_steps=NUM_STEPS, pp_schedule="1f1b",
                  stage_layers=None, checkpoint_dir=None, checkpoint_every=0, lr=1e-3, recompute=None, log_path=None,
                  dp_sync="flat", precision="fp32", selective=None, schedule_seed=0, plan_path=None):
     from omnibal.train.feed import fixed_buffer
@@ -99,7 +99,7 @@ def make_trainer(world, *, mode="offline", num_microbatches=4, num_steps=NUM_STE
                             model_name=None if plan_path is None else spec.name)
     buffer = fixed_buffer(schedule, stats, mode=mode) if world.pp_size > 1 else None
     return Trainer(world=world, model=model, layout=layout, schedule=schedule, dataset=dataset, mode=mode,
-                   num_microbatches=num_microbatches, pipeline_schedule=pipeline_schedule, lr=lr, buffer=buffer,
+                   num_microbatches=num_microbatches, pp_schedule=pp_schedule, lr=lr, buffer=buffer,
                    checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, log_path=log_path,
                    dp_sync=dp_sync, precision=precision)
 
@@ -147,7 +147,7 @@ def rank_forward_backward(dp: int, pp: int, pp_schedule: str, dp_sync: str = "fl
     from omnibal.train.distributed import destroy_world, init_world
 
     world = init_world(dp_size=dp, pp_size=pp, timeout_s=TIMEOUT_S)
-    trainer = make_trainer(world, pipeline_schedule=pp_schedule, dp_sync=dp_sync, precision=precision,
+    trainer = make_trainer(world, pp_schedule=pp_schedule, dp_sync=dp_sync, precision=precision,
                            recompute=recompute, selective=selective)
     result = trainer.forward_backward()
     grads = {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)).numpy()
@@ -313,5 +313,5 @@ def rank_interleaved_trainer(plan_path: str, num_steps: int = 2):
     trainer.step = 0
     losses = [trainer.train_step() for _ in range(num_steps)]
     destroy_world()
-    return {"rank": world.rank, "pp_schedule": trainer.pipeline_schedule, "loss_part": result.loss_sum, "grads": grads,
+    return {"rank": world.rank, "pp_schedule": trainer.pp_schedule, "loss_part": result.loss_sum, "grads": grads,
             "records": [None if r is None else r.loss for r in losses]}

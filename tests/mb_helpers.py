@@ -31,7 +31,7 @@ def ragged_schedule(dp_size: int, level_sp: tuple[int, int], *, stats=None, reve
     return replace(sched, pack_ids=sched.pack_ids[::-1], levels=sched.levels[::-1]) if reverse else sched
 
 
-def make_ragged_trainer(world, schedule, *, pipeline_schedule="1f1b", checkpoint_dir=None, ledger_path=None,
+def make_ragged_trainer(world, schedule, *, pp_schedule="1f1b", checkpoint_dir=None, ledger_path=None,
                         lr: float = 1e-3):
     from omnibal.train.feed import fixed_buffer
     from omnibal.train.loop import Trainer
@@ -44,7 +44,7 @@ def make_ragged_trainer(world, schedule, *, pipeline_schedule="1f1b", checkpoint
     buffer = fixed_buffer(schedule, stats, mode="offline") if world.pp_size > 1 else None
     return Trainer(world=world, model=model, layout=layout, schedule=schedule,
                    dataset=tiny_dataset(spec, stats) if world.is_first_stage else None, mode="offline",
-                   num_microbatches=schedule.num_microbatches, pipeline_schedule=pipeline_schedule, lr=lr,
+                   num_microbatches=schedule.num_microbatches, pp_schedule=pp_schedule, lr=lr,
                    buffer=buffer, checkpoint_dir=checkpoint_dir, checkpoint_every=1 if checkpoint_dir else 0,
                    ledger_path=ledger_path)
 
@@ -55,7 +55,7 @@ def _grads(module) -> dict:
 
 
 def rank_ragged_epoch(dp: int, pp: int, level_sp: tuple, checkpoint_dir, ledger_path, resume: bool,
-                      grads_first: bool, reverse: bool = False, pipeline_schedule: str = "1f1b"):
+                      grads_first: bool, reverse: bool = False, pp_schedule: str = "1f1b"):
     """On ``dp x pp`` ranks: (``grads_first``) every step's forward/backward at the initial weights (loss part,
     stage gradients, the count the step ran), then the epoch through ``Trainer.run`` with a checkpoint per
     step and the ledger (``resume``: from the newest checkpoint). Rank 0 returns the logged step records."""
@@ -64,7 +64,7 @@ def rank_ragged_epoch(dp: int, pp: int, level_sp: tuple, checkpoint_dir, ledger_
 
     world = init_world(dp_size=dp, pp_size=pp, timeout_s=TIMEOUT_S)
     trainer = make_ragged_trainer(world, ragged_schedule(dp, level_sp, reverse=reverse),
-                                  pipeline_schedule=pipeline_schedule, checkpoint_dir=checkpoint_dir,
+                                  pp_schedule=pp_schedule, checkpoint_dir=checkpoint_dir,
                                   ledger_path=ledger_path)
     steps = []
     if grads_first:

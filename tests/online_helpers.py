@@ -18,7 +18,7 @@ def online_schedule(dp: int, num_samples: int = 160):
 
 def make_online_trainer(world, *, checkpoint_dir=None, lr=1e-3, num_samples=160, ledger_path=None,
                         checkpoint_every=0, precision="fp32", node_size=0, online_balance=True, stage_layers=None,
-                        pipeline_schedule="1f1b"):
+                        pp_schedule="1f1b"):
     from omnibal.train.feed import fixed_buffer
     from omnibal.train.loop import Trainer
     from omnibal.train.model import VLM
@@ -32,7 +32,7 @@ def make_online_trainer(world, *, checkpoint_dir=None, lr=1e-3, num_samples=160,
     schedule = online_schedule(world.dp_size, num_samples)
     buffer = fixed_buffer(schedule, stats, mode="online") if world.pp_size > 1 else None
     return Trainer(world=world, model=model, layout=layout, schedule=schedule, buffer=buffer,
-                   pipeline_schedule=pipeline_schedule,
+                   pp_schedule=pp_schedule,
                    dataset=tiny_dataset(spec, stats), mode="online", num_microbatches=MICRO, lr=lr,
                    checkpoint_dir=checkpoint_dir, ledger_path=ledger_path,
                    checkpoint_every=checkpoint_every, precision=precision, node_size=node_size,
@@ -65,14 +65,14 @@ def single_process_step(dp: int, step: int = 0):
 
 
 def rank_online_forward_backward(dp: int, node_size: int = 0, online_balance: bool = True, pp: int = 1,
-                                 stage_layers=None, pipeline_schedule: str = "1f1b", step: int = 0):
+                                 stage_layers=None, pp_schedule: str = "1f1b", step: int = 0):
     """Forward + backward of schedule step ``step`` (the trainer is placed at it, nothing trained before)."""
     torch.set_num_threads(1)
     from omnibal.train.distributed import destroy_world, init_world
 
     world = init_world(dp_size=dp, pp_size=pp, timeout_s=TIMEOUT_S)
     trainer = make_online_trainer(world, node_size=node_size, online_balance=online_balance,
-                                  stage_layers=stage_layers, pipeline_schedule=pipeline_schedule)
+                                  stage_layers=stage_layers, pp_schedule=pp_schedule)
     trainer.step = step
     result = trainer.forward_backward()
     grads = {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)).numpy()

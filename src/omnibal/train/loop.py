@@ -77,7 +77,7 @@ class Trainer(CheckpointResume):
     """One rank of a DP x PP run of the reference VLM (see the module docstring)."""
 
     def __init__(self, *, world: World, model, layout: StageLayout, schedule: ScheduleLike, dataset,
-                 mode: str, num_microbatches: int, pipeline_schedule: str = "1f1b", lr: float = 1e-4,
+                 mode: str, num_microbatches: int, pp_schedule: str = "1f1b", lr: float = 1e-4,
                  weight_decay: float = 0.0, buffer: Buffer | None = None, log_path: str | None = None,
                  quiet: bool = True, checkpoint_dir: str | None = None, checkpoint_every: int = 0,
                  run_info: dict | None = None, dp_sync: str = "flat", ledger_path: str | None = None,
@@ -93,7 +93,7 @@ class Trainer(CheckpointResume):
         self.dataset = dataset
         self.mode = mode
         self.num_microbatches = num_microbatches
-        self.pipeline_schedule = pipeline_schedule = layout_schedule(layout, pipeline_schedule)
+        self.pp_schedule = pp_schedule = layout_schedule(layout, pp_schedule)
         """``1f1b`` or ``gpipe`` (pp > 1); ``interleaved`` for a layout of several chunks per rank."""
         self._init_reporting(quiet=quiet, notify=notify, say=say, print_every=print_every, on_error=on_error,
                              warn=warn)
@@ -129,7 +129,7 @@ class Trainer(CheckpointResume):
         """The last step the current :meth:`run` trains (what the prefetcher may load ahead)."""
         self.autocast = {"fp32": None, "bf16-mixed": torch.bfloat16}[precision]
         """Forward dtype under ``torch.autocast`` (``precision`` bf16-mixed), None for plain fp32."""
-        self._build_stage_runner(model, buffer, pipeline_schedule=pipeline_schedule, dp_sync=dp_sync, lr=lr,
+        self._build_stage_runner(model, buffer, pp_schedule=pp_schedule, dp_sync=dp_sync, lr=lr,
                                  weight_decay=weight_decay)
         self.collate_base = base_collate_config(model, dataset)
         """The model's collate settings; a step's pack sizes replace its tile and token counts."""
@@ -193,11 +193,11 @@ class Trainer(CheckpointResume):
                              field="level_microbatches")
         check_schedule(schedule, dp_size=self.world.dp_size, num_microbatches=num_microbatches or self.num_microbatches,
                        num_samples=None if self.dataset is None else len(self.dataset), source=source,
-                       pp_size=self.world.pp_size if self.pipeline_schedule != "gpipe" else 1)
+                       pp_size=self.world.pp_size if self.pp_schedule != "gpipe" else 1)
         self.step_mbs = step_microbatches(schedule)
         """Micro-batches per rank of every step (``num_microbatches`` unless the levels have their own)."""
 
-    def _build_stage_runner(self, model, buffer: Buffer | None, *, pipeline_schedule: str, dp_sync: str,
+    def _build_stage_runner(self, model, buffer: Buffer | None, *, pp_schedule: str, dp_sync: str,
                             lr: float, weight_decay: float) -> None:
         """This rank's stage module (checkpointed as the layout says), its pipeline runner, optimizer and
         gradient sync."""
@@ -216,7 +216,7 @@ class Trainer(CheckpointResume):
                 example_in, example_out = example_in[0], example_out[0]
         self.runner = StageRunner(self.stage_module, stage_index=world.pp_rank, num_stages=world.pp_size,
                                   device=world.device, num_microbatches=num_microbatches,
-                                  pp_schedule=pipeline_schedule, pp_group=world.pp_group,
+                                  pp_schedule=pp_schedule, pp_group=world.pp_group,
                                   example_inputs=example_in, example_outputs=example_out,
                                   dp_group=world.dp_group, dp_size=world.dp_size, dp_sync=dp_sync,
                                   autocast=self.autocast, num_chunks=self.layout.num_chunks)

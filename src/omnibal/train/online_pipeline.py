@@ -142,7 +142,7 @@ class OnlinePipes:
         guarded = ShapeGuard(self.module, w.pp_rank, None if last else outputs)
         stage = _make_timed_stage_class()(guarded, w.pp_rank, w.pp_size, w.device, input_args=inputs,
                                           output_args=outputs, group=w.pp_group)
-        cls = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[self.trainer.pipeline_schedule]
+        cls = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[self.trainer.pp_schedule]
         self._pipes[shape] = (stage, cls(stage, self.count, loss_fn=self._loss_fn, scale_grads=False))
         while len(self._pipes) > MAX_PIPES:
             self._pipes.popitem(last=False)

@@ -200,7 +200,7 @@ def build_trainer(cfg: TrainConfig, world: World, notify=None, say=None):
     trainer = Trainer(world=world, model=model, layout=layout, schedule=schedule,
                       dataset=dataset if world.is_first_stage else None,  # the labels reach the last stage in the carry
                       mode=cfg.mode, num_microbatches=cfg.layout.num_microbatches,
-                      pipeline_schedule=cfg.pp_schedule, lr=cfg.lr, dp_sync=cfg.dp_sync,
+                      pp_schedule=cfg.pp_schedule, lr=cfg.lr, dp_sync=cfg.dp_sync,
                       weight_decay=cfg.weight_decay, buffer=buffer,
                       log_path=cfg.log_path, quiet=cfg.quiet, checkpoint_dir=cfg.checkpoint_dir,
                       checkpoint_every=cfg.checkpoint_every, run_info=info, ledger_path=cfg.ledger_path,
