@@ -11,8 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from omnibal.train.distributed import free_port  # noqa: F401 (the one helper; tests import it from here)
-
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_STATS = Path(os.environ.get("OMNIBAL_SHARED_STATS", ROOT.parent / "shared" / "data" / "internvl-1.2m-stats"))
 REAL_STATS_FILES = {

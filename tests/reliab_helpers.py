@@ -12,7 +12,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from conftest import free_port
+from omnibal.train.distributed import free_port
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent

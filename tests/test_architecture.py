@@ -231,3 +231,21 @@ def test_known_benchmarks_still_break_the_rule():
     fixed = sorted(name for name in KNOWN_BENCHMARKS
                    if not (BENCH / f"{name}.py").is_file() or not _benchmark_violations(BENCH / f"{name}.py"))
     assert not fixed, f"converted, remove from KNOWN_BENCHMARKS: {fixed}"
+
+
+def test_no_re_exports_no_dynamic_imports_no_duck_typed_plan():
+    """A module is imported where it lives: no name imported only to be re-exported (``noqa: F401``) in the
+    package or the tests, no ``__import__`` in the command line, no ``PlannedRun`` copy of ``Plan``."""
+    tests = Path(__file__).resolve().parent
+    bad = []
+    for path in [*sorted((SRC / PACKAGE).rglob("*.py")), *sorted(tests.glob("*.py"))]:
+        if path.name == Path(__file__).name:
+            continue
+        text = path.read_text()
+        if "noqa: F401" in text:
+            bad.append(f"{path.name}: a re-export (noqa: F401)")
+        if "class PlannedRun" in text:
+            bad.append(f"{path.name}: PlannedRun")
+        if path.is_relative_to(SRC / PACKAGE / "cli") and "__import__(" in text:
+            bad.append(f"{path.name}: __import__ in the command line")
+    assert not bad, "\n".join(bad)

@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from conftest import free_port  # noqa: E402
+from omnibal.train.distributed import free_port  # noqa: E402
 from omnibal.train.ledger import read_ledger  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -24,12 +24,12 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from conftest import free_port  # noqa: E402
 from hf_trainer_worker import IMAGE_TOKEN_ID, PatternDataset, run, synthetic, tiny_internvl, tiny_llava, varied_stats  # noqa: E402
 from omnibal.data.sampler import BalancedBatchSampler  # noqa: E402
 from omnibal.errors import InputError  # noqa: E402
 from omnibal.integrations.hf import SAMPLE_INDEX_KEY, STATE_FILE, HFPackCollator, OmnibalTrainer, block_causal_mask  # noqa: E402
 from omnibal.stats.table import SampleStats  # noqa: E402
+from omnibal.train.distributed import free_port  # noqa: E402
 from omnibal.train.ledger import final_steps, read_ledger  # noqa: E402
 
 torch.set_num_threads(1)

@@ -4,6 +4,7 @@ DP x PP steps equal the HF model's own unpacked per-sample loss and gradients, t
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -273,9 +274,7 @@ def _internvl_processor(folder: Path):
     InternVL's video processor) the same processor built from the folder's files, its video processor aside."""
     import transformers as tf
 
-    try:
-        import torchvision  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("torchvision") is None:
         from transformers.processing_utils import ProcessorMixin
 
         doc = json.loads((folder / "processor_config.json").read_text())
