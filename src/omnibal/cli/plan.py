@@ -230,11 +230,11 @@ def _print_plan(result, exports: tuple[dict, dict]) -> None:
     print(f"\nPlan: {fixed(plan.prediction.step_time_s, 2)} s per step, {fixed(plan.prediction.gpu_days, 1)} GPU days "
           f"per epoch, bubble {plan.prediction.bubble:.1%}")
     if p.num_chunks > 1:
-        print(f"schedule: interleaved 1F1B, {p.num_chunks} model chunks per device (stage s runs on device "
+        print(f"pp schedule: interleaved 1F1B, {p.num_chunks} model chunks per device (stage s runs on device "
               f"s mod {p.layout.pp_size}; planned GiB: the chunk's share of its device, simulated peak: the "
               f"device's; the reference trainer runs it with omnibal train --plan)")
     elif (result.plan.search.get("interleaved") or {}).get("candidates"):
-        print("schedule: 1F1B (interleaved 1F1B was tried and is not faster here)")
+        print("pp schedule: 1F1B (interleaved 1F1B was tried and is not faster here)")
     print(text_table(stage_rows(plan)))
     written, skipped = exports
     if plan.engine == "reference" and p.num_chunks == 1:
