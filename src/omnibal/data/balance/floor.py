@@ -6,7 +6,9 @@ For each pack count ``P`` of the window a cap is at least the mean pack and the 
 is at least ``1 - total / (P cap)``. Both at once (``larger``) and the compute pad (``compute``) also count
 the text coupling: a pack's tokens are ``c`` per tile plus its text, so the text-heavy samples' packs hold
 fewer tiles, and a tight Q_v whose spare tiles cannot absorb that needs a larger Q_t
-(``CapModel.text_loss``; the synthetic default at 128 micro-batches a step: 0.0278, not 0.0075).
+(``CapModel.text_loss``; the synthetic default at 128 micro-batches a step: 0.0278, not 0.0075); and the
+other way round, a Q_t at least the tokens the fullest packs hold (``FullPacks``: where V/P is just over an
+integer, some packs must hold its ceiling in tiles, with their samples' text).
 
 **Compute pad** (what a fixed buffer wastes, priced on a cost model): every micro-batch runs ``(Q_v, Q_t)``,
 the padding as one extra attention segment, so with ``c = vision_coef + llm_coef`` over ``(one, tiles,
