@@ -57,9 +57,13 @@ CASES = {
 # Re-pinned again (issue 35, the remaining goals): with derived caps on inputs up to FALLBACK_ROWS rows the
 # packer squeezes the token buffer (``squeeze.squeeze_tokens``) and the cap search measures a third count:
 # the derived-caps schedules here changed on purpose (the fixed-cap and ISF ones did not).
+# Re-pinned (issue 35, pad cells): the tile repair runs up to ``TILE_REPAIR_ROUNDS`` targeted rounds, and a
+# runner-up count whose least pad score beats the chosen packing's by ``FALLBACK_MARGIN`` is packed too: the
+# synthetic default at DP 32 now packs 193 steps (compute pad 0.012, was 194 steps and 0.016); the others here
+# did not change.
 PINNED = {
-    "synthetic-dp32": ("d518ec9c752883dc8d4c84bf9c05efb9",
-                       "e0b3194a1b7a427ed2a2c08be4a72624b9bdc493ee0d08080d2e8839e9bfd166"),
+    "synthetic-dp32": ("a93a1cb2d19b7bb35f01a1a67ffd1db3",
+                       "b289052e8d5f2f2fd30551e29a11dc0f04709b02b4523dc0910f38791d4481e7"),
     "tail-4x2": ("f465f5618ea24db69cb59babc037fcea",
                  "c4964e870cb9d9cac47c5641cf6264e77684478477f4658ce7f15083c44e7ace"),
     "isf+assign-dp8": ("9e137c3055c5924ec91a42b019612d4b",

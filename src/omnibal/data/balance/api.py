@@ -24,7 +24,13 @@ from omnibal.validate import is_int
 FALLBACK_ROWS = 4 * 16384
 """Rows up to which the packer packs the cap search's runners-up too when its choice needed the tail rule."""
 FALLBACKS = 2
-"""Runners-up packed at most (one after the other, while the best packing so far needed the tail rule)."""
+"""Runners-up packed at most (one after the other, while the best packing so far needed the tail rule, or while
+one's least score beats the best packed one by ``FALLBACK_MARGIN``)."""
+FALLBACK_MARGIN = 0.007
+"""Pad score a runner-up's least score (``caps.least_score``) must beat the best packing's by before it is
+packed too, when the best needed no tail rule: packings end that much over the least score or more (the
+squeeze stops a few tokens over it), so a closer one rarely pads less and costs a whole packing (measured on
+the issue-35 cells: gaps of 0.001-0.007 never paid, the synthetic default at DP 32, 193 steps (0.010), did)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -174,7 +180,9 @@ def _pack_regular(stats, regular, pack_of, llm, *, per_step, max_total, num_alon
 
     With derived caps, when the chosen count needed the tail rule (new steps, or a tile cap grown over the
     searched one: what the search's subsample did not show), the runners-up are packed too, one after the
-    other while the best so far needed it (at most ``FALLBACKS``), and the one that pads less is kept -- up to
+    other while the best so far needed it (at most ``FALLBACKS``), and the one that pads less is kept; so is a
+    runner-up whose least score beats the best packing's by ``FALLBACK_MARGIN`` (its searched Q_t is the
+    packer's room, and the squeeze can end far under it) -- up to
     ``FALLBACK_ROWS`` rows (each packing is the whole cost again), where the packer also squeezes the token
     buffer (a few more levellings: on larger inputs their cost outgrows the packing's). The search then
     measures one count more, so that two runners-up are there: the subsample can miss that the first
@@ -190,9 +198,9 @@ def _pack_regular(stats, regular, pack_of, llm, *, per_step, max_total, num_alon
     args = dict(tiles=tiles, tokens=tokens, llm=llm, per_step=per_step, max_total=max_total, num_alone=num_alone,
                 config=config, rng=rng, squeeze=fallback)
     best = _pack_at(choice.num_steps, choice.max_tiles, choice.max_tokens, **args)
-    for caps in choice.runners_up[:FALLBACKS] if fallback else ():
-        if not best[3]:
-            break
+    for caps, bound in zip(choice.runners_up[:FALLBACKS], choice.runners_up_bounds) if fallback else ():
+        if not best[3] and bound >= best[4] - FALLBACK_MARGIN:  # no tail rule, and this one cannot pad less
+            continue
         best = min(best, _pack_at(*caps, **args), key=lambda r: r[4])
     packed, q_v, q_t = best[:3]
     pack_of[regular] = packed.pack_of

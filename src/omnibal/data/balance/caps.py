@@ -38,7 +38,7 @@ import numpy as np
 
 from omnibal.data.balance.capmodel import CapModel, abs_log, feasible, round_up, window
 from omnibal.data.balance.exchange import Packs, Targets, repair_tiles
-from omnibal.data.balance.floor import least_cap
+from omnibal.data.balance.floor import least_cap, least_token_cap_for
 from omnibal.data.balance.layers import level_tokens
 from omnibal.data.balance.packer import _deal
 from omnibal.data.balance.phases import WorkBudget
@@ -71,6 +71,10 @@ class CapChoice:
     runners_up: tuple[tuple[int, int, int], ...] = ()
     """(steps, Q_v, Q_t) of the next best counts the search measured, best first: the packer falls back on
     them when the chosen one needs the tail rule (what the subsample did not show)."""
+    runners_up_bounds: tuple[float, ...] = ()
+    """Per runner-up, the lowest pad score its packing can reach (``least_score``): the packer packs one whose
+    bound beats the chosen count's packed score too (the searched Q_t is room for the packer; its token
+    squeeze often ends lower)."""
 
 
 def _fixed_cap_steps(model: CapModel, num_steps: int | None) -> np.ndarray:
@@ -277,14 +281,30 @@ def choose_caps(
             found = _candidates(model, steps, token_slack)
             if len(found[0]):
                 steps, qv, qt = found
-        return _choice(_search(model, trials, steps, qv, qt, target_samples, max_trials, min_measured), slots_per_step)
+        return _choice(_search(model, trials, steps, qv, qt, target_samples, max_trials, min_measured), model,
+                       target_samples)
     lo_s, hi_s = window(model, target_samples, samples_tolerance)
     steps, qv, qt = _candidates(model, np.arange(lo_s, hi_s + 1), token_slack)
     if not len(steps):  # no count of the window leaves room with 2 more tiles: the least caps that do
         steps, qv, qt = _least_caps(model, np.arange(lo_s, hi_s + 1))
-    return _choice(_search(model, trials, steps, qv, qt, target_samples, max_trials, min_measured), slots_per_step)
+    return _choice(_search(model, trials, steps, qv, qt, target_samples, max_trials, min_measured), model,
+                   target_samples)
 
 
-def _choice(ranked: list[tuple[int, int, int]], slots_per_step: int) -> CapChoice:
+def least_score(model: CapModel, steps: int, max_tiles: int, target_samples: float) -> float:
+    """The lowest pad score (tile pad + token pad + 0.05 |ln(samples per pack / target)|, the packer's) any
+    packing of ``steps`` steps under a tile cap ``max_tiles`` reaches: the token cap at least the mean pack,
+    the largest sample and what the text coupling needs (``floor.least_token_cap_for``)."""
+    p = int(model.packs(steps))
+    mult = model.token_multiple
+    least_t = round_up(max(model.total_t / p, float(model.t_asc[-1])), mult)
+    qt = least_token_cap_for(model, p, int(max_tiles), least_t, mult) if len(model.text_desc) else least_t
+    return (2 - model.total_v / (p * max(max_tiles, 1)) - model.total_t / (p * qt)
+            + 0.05 * abs_log(model.n / p / target_samples))
+
+
+def _choice(ranked: list[tuple[int, int, int]], model: CapModel, target_samples: float) -> CapChoice:
     (s, q, t), others = ranked[0], tuple(ranked[1:])
-    return CapChoice(num_steps=s, num_packs=s * slots_per_step, max_tiles=q, max_tokens=t, runners_up=others)
+    bounds = tuple(least_score(model, o[0], o[1], target_samples) for o in others)
+    return CapChoice(num_steps=s, num_packs=s * model.slots_per_step, max_tiles=q, max_tokens=t, runners_up=others,
+                     runners_up_bounds=bounds)

@@ -375,6 +375,11 @@ TILE_WORK_PER_ROW = 400
 """Candidate exchanges per row the tile repair may weigh (its ``WorkBudget``)."""
 LEVEL_WORK_PER_ROW = 800
 """Candidate exchanges per row the LLM levelling may weigh."""
+TILE_REPAIR_ROUNDS = 32
+"""Rounds of the targeted tile repair at most (each stops the repair when it finds no improving exchange): a
+round serves each off pack once, with one partner each, so hundreds of packs one tile over take tens of
+rounds (the two-profile mixture at 8 x 8 and 104 steps, whose 18-tile packs need an even sample count: ~600
+packs over after 4 rounds, none after 30)."""
 
 
 def repair_tiles(packs: Packs, targets: Targets, rng, budget=None) -> int:
@@ -388,8 +393,8 @@ def repair_tiles(packs: Packs, targets: Targets, rng, budget=None) -> int:
     passes = improve(packs, targets.tile_objective, targets.tile_deviation, rng, 8, budget=budget)
     for group in (1, 2):
         if (targets.tile_objective(packs.pv, packs.pt, packs.pl) > 0).any():
-            passes += _repair(packs, targets.tile_objective, targets.tile_deviation, rng, rounds=4, partners=24,
-                              group=group, budget=budget)
+            passes += _repair(packs, targets.tile_objective, targets.tile_deviation, rng, rounds=TILE_REPAIR_ROUNDS,
+                              partners=24, group=group, budget=budget)
     return passes
 
 

@@ -6,7 +6,9 @@ For each pack count ``P`` of the window a cap is at least the mean pack and the 
 is at least ``1 - total / (P cap)``. Both at once (``larger``) and the compute pad (``compute``) also count
 the text coupling: a pack's tokens are ``c`` per tile plus its text, so the text-heavy samples' packs hold
 fewer tiles, and a tight Q_v whose spare tiles cannot absorb that needs a larger Q_t
-(``CapModel.text_loss``; the synthetic default at 128 micro-batches a step: 0.0278, not 0.0075).
+(``CapModel.text_loss``; the synthetic default at 128 micro-batches a step: 0.0278, not 0.0075); and the
+other way round, a Q_t at least the tokens the fullest packs hold (``FullPacks``: where V/P is just over an
+integer, some packs must hold its ceiling in tiles, with their samples' text).
 
 **Compute pad** (what a fixed buffer wastes, priced on a cost model): every micro-batch runs ``(Q_v, Q_t)``,
 the padding as one extra attention segment, so with ``c = vision_coef + llm_coef`` over ``(one, tiles,
@@ -18,6 +20,7 @@ mean's), and the compute pad ``1 - R / buffer cost`` is at least that bound's.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -95,11 +98,76 @@ def least_cap(sorted_asc: np.ndarray, total: float, packs: int, multiple: int, *
     return hi
 
 
-def least_token_cap_for(model: CapModel, p: int, qv: int, least_t: int, multiple: int) -> int:
+class FullPacks:
+    """The tokens the fullest packs hold, at least: a lower bound of Q_t from the tile side. With ``u =
+    ceil(V/P)`` and every pack at most ``Q_v`` tiles, at least ``a = ceil((V - P (u - 1)) / (Q_v - u + 1))``
+    packs hold ``u`` tiles or more (the others hold at most ``u - 1``). Those ``a`` packs together hold
+    between ``a u`` and ``a Q_v`` tiles in at least ``a ceil(u / largest sample)`` samples, so their tokens
+    are at least the least tokens of any samples that meet these three counts -- at least the linear
+    relaxation's (``z_i`` in [0, 1] per sample), which is at least its Lagrangian dual at any multipliers
+    (weak duality; ``_dual``, maximised by nested ternary search: it is concave). One of the packs holds at
+    least their mean, so ``Q_t >= that / a`` (ai2d at 1,024 micro-batches a step: V/P = 10.05, so 150 packs
+    hold 11 tiles -- three samples at least, e.g. 5 + 3 + 3 -- about 2,930 tokens, over the mean pack's
+    2,792)."""
+
+    ITERATIONS = 40
+    """Ternary-search steps per multiplier (the bound only needs to be valid, not the dual's exact maximum)."""
+
+    def __init__(self, tiles, tokens) -> None:
+        v = np.asarray(tiles, np.int64)
+        t = np.asarray(tokens, np.int64)
+        self.total_v = float(v.sum())
+        self.v_max = int(v.max()) if len(v) else 0
+        # samples of equal (tiles, tokens) share a term of the dual: [kinds] arrays with their counts
+        pairs, self.count = np.unique(np.stack([v, t], 1), axis=0, return_counts=True)
+        self.v, self.t = pairs[:, 0].astype(np.float64), pairs[:, 1].astype(np.float64)
+        self.count = self.count.astype(np.float64)
+        self.t_max = float(t.max()) if len(t) else 0.0
+
+    def _dual(self, lam: float, mu: float, low: float, high: float, samples: float) -> float:
+        """The Lagrangian dual of the least tokens of samples with ``low``-``high`` tiles in at least
+        ``samples`` samples, at multipliers ``lam`` (the count, >= 0) and ``mu`` (the tiles: the lower
+        bound's when >= 0, the upper's when < 0)."""
+        reduced = np.minimum(self.t - lam - mu * self.v, 0.0)
+        return float(reduced @ self.count) + lam * samples + (mu * low if mu >= 0 else mu * high)
+
+    def _best_over_lambda(self, mu: float, low: float, high: float, samples: float) -> float:
+        lo, hi = 0.0, self.t_max + abs(mu) * self.v_max
+        for _ in range(self.ITERATIONS):
+            m1, m2 = lo + (hi - lo) / 3, hi - (hi - lo) / 3
+            if self._dual(m1, mu, low, high, samples) < self._dual(m2, mu, low, high, samples):
+                lo = m1
+            else:
+                hi = m2
+        return max(self._dual(x, mu, low, high, samples) for x in (lo, hi, 0.0))
+
+    def least_tokens(self, p: int, qv: int) -> float:
+        """The bound on Q_t for ``p`` packs under a tile cap ``qv`` (class docstring)."""
+        u = int(math.ceil(self.total_v / p - 1e-9))
+        if u < 1 or qv < u or self.v_max < 1:
+            return 0.0
+        a = -(-int(round(self.total_v - p * (u - 1))) // (qv - u + 1))
+        low, high, samples = float(a * u), float(a * qv), float(a * -(-u // self.v_max))
+        lo, hi = -self.t_max, self.t_max
+        for _ in range(self.ITERATIONS):
+            m1, m2 = lo + (hi - lo) / 3, hi - (hi - lo) / 3
+            if self._best_over_lambda(m1, low, high, samples) < self._best_over_lambda(m2, low, high, samples):
+                lo = m1
+            else:
+                hi = m2
+        best = max(self._best_over_lambda(x, low, high, samples) for x in (lo, hi, 0.0))
+        return max(best, 0.0) / a
+
+
+def least_token_cap_for(model: CapModel, p: int, qv: int, least_t: int, multiple: int,
+                        full: FullPacks | None = None) -> int:
     """The least Q_t >= ``least_t`` (a multiple of ``multiple``) whose ``text_loss`` at ``qv`` fits the
-    ``p qv - V`` spare tiles (bisection: the loss only falls as Q_t grows)."""
+    ``p qv - V`` spare tiles (bisection: the loss only falls as Q_t grows), and that holds the fullest
+    packs' tokens (``full``, a ``FullPacks``)."""
     spare = p * qv - model.total_v
     lo = least_t
+    if full is not None:
+        lo = max(lo, round_up(full.least_tokens(p, qv), multiple))
     if model.text_loss(qv, lo) <= spare:
         return lo
     # at r >= the largest x no sample is over r: the loss is at most 0
@@ -111,7 +179,8 @@ def least_token_cap_for(model: CapModel, p: int, qv: int, least_t: int, multiple
     return hi
 
 
-def _lowest_over_qv(model: CapModel, p: int, least: tuple[int, int], multiple: int, waste) -> float:
+def _lowest_over_qv(model: CapModel, p: int, least: tuple[int, int], multiple: int, waste,
+                    full: FullPacks | None = None) -> float:
     """The lowest ``waste(qv, qt)`` of ``p`` packs over Q_v >= the least tile cap, each Q_v with its least
     Q_t (``least_token_cap_for``); ``waste`` grows with both caps. Q_v stops rising once ``waste`` at the
     least Q_t alone reaches the best found (it does: the tile term grows without bound)."""
@@ -120,15 +189,15 @@ def _lowest_over_qv(model: CapModel, p: int, least: tuple[int, int], multiple: i
     for qv in itertools.count(cap_v):
         if waste(qv, cap_t) >= best:
             break
-        best = min(best, waste(qv, least_token_cap_for(model, p, qv, cap_t, multiple)))
+        best = min(best, waste(qv, least_token_cap_for(model, p, qv, cap_t, multiple, full)))
     return float(best)
 
 
 class _Floors:
     """Exact least caps per pack count, computed once each (``pad_floor`` asks for few of them)."""
 
-    def __init__(self, model: CapModel, packs: np.ndarray, multiple: int) -> None:
-        self.model, self.packs, self.multiple = model, packs, multiple
+    def __init__(self, model: CapModel, packs: np.ndarray, multiple: int, full: FullPacks) -> None:
+        self.model, self.packs, self.multiple, self.full = model, packs, multiple, full
         self.caps: dict[int, tuple[int, int]] = {}
 
     def least(self, k: int) -> tuple[int, int]:
@@ -145,7 +214,7 @@ class _Floors:
     def larger(self, k: int) -> float:
         m, p = self.model, int(self.packs[k])
         return _lowest_over_qv(m, p, self.least(k), self.multiple,
-                               lambda qv, qt: max(1 - m.total_v / (p * qv), 1 - m.total_t / (p * qt)))
+                               lambda qv, qt: max(1 - m.total_v / (p * qv), 1 - m.total_t / (p * qt)), self.full)
 
     def compute(self, k: int, coef: np.ndarray, real: float) -> float:
         """The compute-pad bound of the module docstring at the ``k``-th count (``real``: R less the
@@ -157,7 +226,7 @@ class _Floors:
             pad_t = p * qt - m.total_t
             return coef[1] * (p * qv - m.total_v) + coef[2] * pad_t + coef[3] * pad_t * pad_t / p
 
-        extra = _lowest_over_qv(m, p, self.least(k), self.multiple, waste)
+        extra = _lowest_over_qv(m, p, self.least(k), self.multiple, waste, self.full)
         return 1 - r / (r + extra) if r + extra > 0 else 0.0
 
 
@@ -189,7 +258,7 @@ def pad_floor(tiles, tokens, *, slots_per_step: int, target_samples: float = 4.5
     q_v = np.maximum(np.ceil(model.total_v / packs - 1e-9), model.v_asc[-1])
     q_t = np.ceil(np.maximum(model.total_t / packs, model.t_asc[-1]) / token_multiple - 1e-9) * token_multiple
     quick = np.stack([1 - model.total_v / (packs * np.maximum(q_v, 1)), 1 - model.total_t / (packs * q_t)], 1)
-    floors = _Floors(model, packs, token_multiple)
+    floors = _Floors(model, packs, token_multiple, FullPacks(tiles, tokens))
     larger, at = _lowest(quick.max(1), floors.larger)
     compute, name = float("nan"), ""
     if cost is not None:
