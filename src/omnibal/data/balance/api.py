@@ -28,9 +28,9 @@ FALLBACKS = 2
 one's least score beats the best packed one by ``FALLBACK_MARGIN``)."""
 FALLBACK_MARGIN = 0.007
 """Pad score a runner-up's least score (``caps.least_score``) must beat the best packing's by before it is
-packed too, when the best needed no tail rule: packings end that much over the least score or more (the
-squeeze stops a few tokens over it), so a closer one rarely pads less and costs a whole packing (measured on
-the issue-35 cells: gaps of 0.001-0.007 never paid, the synthetic default at DP 32, 193 steps (0.010), did)."""
+packed too, when the best needed no tail rule: packings end some way over their least score (the squeeze
+stops a few tokens over it), so a closer runner-up rarely pads less and costs a whole packing
+(``benchmarks/bench_balance.py`` measures where the margin pays)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -376,10 +376,9 @@ TILE_WORK_PER_ROW = 400
 LEVEL_WORK_PER_ROW = 800
 """Candidate exchanges per row the LLM levelling may weigh."""
 TILE_REPAIR_ROUNDS = 32
-"""Rounds of the targeted tile repair at most (each stops the repair when it finds no improving exchange): a
+"""Rounds of the targeted tile repair at most (a round that finds no improving exchange ends the repair): a
 round serves each off pack once, with one partner each, so hundreds of packs one tile over take tens of
-rounds (the two-profile mixture at 8 x 8 and 104 steps, whose 18-tile packs need an even sample count: ~600
-packs over after 4 rounds, none after 30)."""
+rounds (e.g. a mixture of 1-, 3- and 5-tile samples, whose even-tile packs need an even sample count)."""
 
 
 def repair_tiles(packs: Packs, targets: Targets, rng, budget=None) -> int:

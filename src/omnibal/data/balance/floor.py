@@ -6,9 +6,9 @@ For each pack count ``P`` of the window a cap is at least the mean pack and the 
 is at least ``1 - total / (P cap)``. Both at once (``larger``) and the compute pad (``compute``) also count
 the text coupling: a pack's tokens are ``c`` per tile plus its text, so the text-heavy samples' packs hold
 fewer tiles, and a tight Q_v whose spare tiles cannot absorb that needs a larger Q_t
-(``CapModel.text_loss``; the synthetic default at 128 micro-batches a step: 0.0278, not 0.0075); and the
-other way round, a Q_t at least the tokens the fullest packs hold (``FullPacks``: where V/P is just over an
-integer, some packs must hold its ceiling in tiles, with their samples' text).
+(``CapModel.text_loss``); and the other way round, a Q_t at least the tokens the fullest packs hold
+(``FullPacks``: where V/P is just over an integer, some packs must hold its ceiling in tiles, with their
+samples' text).
 
 **Compute pad** (what a fixed buffer wastes, priced on a cost model): every micro-batch runs ``(Q_v, Q_t)``,
 the padding as one extra attention segment, so with ``c = vision_coef + llm_coef`` over ``(one, tiles,
@@ -106,9 +106,8 @@ class FullPacks:
     are at least the least tokens of any samples that meet these three counts -- at least the linear
     relaxation's (``z_i`` in [0, 1] per sample), which is at least its Lagrangian dual at any multipliers
     (weak duality; ``_dual``, maximised by nested ternary search: it is concave). One of the packs holds at
-    least their mean, so ``Q_t >= that / a`` (ai2d at 1,024 micro-batches a step: V/P = 10.05, so 150 packs
-    hold 11 tiles -- three samples at least, e.g. 5 + 3 + 3 -- about 2,930 tokens, over the mean pack's
-    2,792)."""
+    least their mean, so ``Q_t >= that / a``: where V/P is just over an integer and the samples are small,
+    the fullest packs need several samples each and hold more text than the mean pack."""
 
     ITERATIONS = 40
     """Ternary-search steps per multiplier (the bound only needs to be valid, not the dual's exact maximum)."""
