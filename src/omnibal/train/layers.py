@@ -11,6 +11,7 @@ the whole buffer instead (a fixed-length trainer's cost).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 
@@ -34,10 +35,17 @@ try:  # optional: varlen attention kernel on CUDA
     from flash_attn import flash_attn_varlen_func  # type: ignore
 except Exception:  # pragma: no cover - not installed on CPU machines
     flash_attn_varlen_func = None
-try:  # torch's own flash-attention varlen kernel (CUDA; torch >= 2.10)
-    from torch.nn.attention.varlen import varlen_attn as torch_varlen_attn
-except Exception:  # pragma: no cover - older torch
-    torch_varlen_attn = None
+
+
+@functools.cache
+def torch_varlen_attn():
+    """torch's own flash-attention varlen kernel (CUDA; torch >= 2.10), or None. Imported on first use: the
+    module pulls in ``torch._dynamo``, seconds of import time in every rank process that never calls it."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except Exception:  # pragma: no cover - older torch
+        return None
+    return varlen_attn
 
 
 LAYER_SCALE_INIT = 0.1
@@ -212,7 +220,7 @@ def segment_lengths(segment_ids: torch.Tensor) -> list[int]:
 
 def flash_varlen_available(device: torch.device) -> bool:
     """Whether a flash-attention varlen kernel runs on ``device``: the flash-attn package or torch's own."""
-    return device.type == "cuda" and (flash_attn_varlen_func is not None or torch_varlen_attn is not None)
+    return device.type == "cuda" and (flash_attn_varlen_func is not None or torch_varlen_attn() is not None)
 
 
 def _half_dtype(t: torch.Tensor) -> torch.dtype | None:
@@ -228,7 +236,9 @@ def _half_dtype(t: torch.Tensor) -> torch.dtype | None:
 def flash_varlen_kernel() -> str:
     """Which varlen kernel ``attn_impl="flash"`` calls: ``flash_attn`` (the package, preferred), ``torch``
     (``torch.nn.attention.varlen``) or ``none``."""
-    return "flash_attn" if flash_attn_varlen_func is not None else "torch" if torch_varlen_attn is not None else "none"
+    if flash_attn_varlen_func is not None:
+        return "flash_attn"
+    return "torch" if torch_varlen_attn() is not None else "none"
 
 
 def _flash_varlen(q, k, v, segment_ids: torch.Tensor) -> torch.Tensor:
@@ -241,9 +251,10 @@ def _flash_varlen(q, k, v, segment_ids: torch.Tensor) -> torch.Tensor:
     q, k, v = (t.to(half) for t in (q, k, v))
     if flash_attn_varlen_func is not None:
         return flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len, causal=True)
-    if torch_varlen_attn is None:
+    varlen_attn = torch_varlen_attn()
+    if varlen_attn is None:
         raise RuntimeError("attn_impl='flash' needs a CUDA device and the flash-attn package or torch >= 2.10")
-    params = inspect.signature(torch_varlen_attn).parameters
+    params = inspect.signature(varlen_attn).parameters
     kw = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
     if k.shape[1] != q.shape[1]:
         if "enable_gqa" in params:
@@ -251,7 +262,7 @@ def _flash_varlen(q, k, v, segment_ids: torch.Tensor) -> torch.Tensor:
         else:  # torch < 2.12: k and v are kept at the query's head count for the backward (more memory)
             k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
             v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-    return torch_varlen_attn(q, k, v, cu, cu, max_len, max_len, **kw)
+    return varlen_attn(q, k, v, cu, cu, max_len, max_len, **kw)
 
 
 def packed_causal_attention(q, k, v, segment_ids: torch.Tensor, impl: str) -> torch.Tensor:
