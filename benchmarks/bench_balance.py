@@ -1,6 +1,6 @@
 """Benchmark of the balancers on the real InternVL-1.2M statistics (and 1.2M / 10M rows for speed).
 
-    PYTHONPATH=src python benchmarks/bench_balance.py [--stats-dir DIR] [--quick] [--skip-10m]
+    PYTHONPATH=src python benchmarks/bench_balance.py [--stats-dir DIR] [--quick] [--skip-10m] [--scale-only]
 
 Sections: every method on the real subsets (ai2d, chartqa, merged); omnibal against the issue-35 goals on
 each real subset, the merged stats, a two-subset mixture with different tile profiles (mostly 3 vs mostly 5
@@ -11,7 +11,8 @@ beside its floor (``pad_floor``: no packing pads less within the samples toleran
 (the real stats replicated; the synthetic default) in separate single-threaded processes, with a row per
 phase and the peak memory. Writes benchmarks/results/balance.json and balance.md. Not a test: it reports
 what it measured, with the machine load next to the timings (the machine is shared; CPU seconds are
-reported beside wall seconds).
+reported beside wall seconds). ``--scale-only`` reruns only the 1.2M / 10M section into the existing
+balance.json (on a quieter moment than the whole run had), recording that section's own load.
 """
 
 from __future__ import annotations
@@ -258,6 +259,8 @@ def main() -> int:
     ap.add_argument("--stats-dir", default=str(ROOT.parent / "shared" / "data" / "internvl-1.2m-stats"))
     ap.add_argument("--quick", action="store_true", help="fewer ISF iterations, no 1.2M / 10M runs")
     ap.add_argument("--skip-10m", action="store_true")
+    ap.add_argument("--scale-only", action="store_true",
+                    help="rerun only the 1.2M / 10M section into the existing balance.json, with its own load")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args()
     sd = Path(args.stats_dir)
@@ -268,6 +271,13 @@ def main() -> int:
     merged = SampleStats.concat([parts["ai2d"], parts["chartqa"]])
     subsets = {**parts, "merged": merged, "mixture-3/5": two_profile_mixture(30_000),
                "synthetic": synthetic_internvl_mixture(len(merged), seed=0)}
+    out = Path(args.out)
+    if args.scale_only:
+        result = json.loads((out / "balance.json").read_text())
+        load_before = os.getloadavg()
+        result["scale"] = scale_runs(subsets, paths, args.skip_10m)
+        result["scale_load"] = [load_before[0], os.getloadavg()[0]]
+        return _write(result, out)
     iters = 10 if args.quick else 50
     result = {"load_before": os.getloadavg(), "cpu_count": os.cpu_count(), "scale": {}}
     t_start, c_start = time.time(), time.process_time()
@@ -279,7 +289,10 @@ def main() -> int:
     result["load_after"] = os.getloadavg()
     result["bench_minutes"] = (time.time() - t_start) / 60
     result["bench_cpu_minutes_main_process"] = (time.process_time() - c_start) / 60
-    out = Path(args.out)
+    return _write(result, out)
+
+
+def _write(result: dict, out: Path) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "balance.json").write_text(json.dumps(result, indent=1))
     (out / "balance.md").write_text(render_md(result))
@@ -296,7 +309,7 @@ def render_md(result: dict) -> str:
              "against the fixed (Q_v, Q_t) buffer; random and length-grouped run padded to their longest sample.",
              ""]
     lines += _md_methods(result["table"]) + _md_goals(result["goals"]) + _md_fixed(result["fixed_caps"])
-    lines += _md_scale(result["scale"]) if result["scale"] else []
+    lines += _md_scale(result) if result["scale"] else []
     return "\n".join(lines) + "\n"
 
 
@@ -374,8 +387,13 @@ def _md_fixed(table: list[dict]) -> list[str]:
             ""] + _md_table(heads, rows)
 
 
-def _md_scale(scale: dict) -> list[str]:
-    lines = ["", "## Scale (one core per run: OMP/OPENBLAS/MKL_NUM_THREADS=1; the real stats replicated)", "",
+def _md_scale(result: dict) -> list[str]:
+    scale = result["scale"]
+    lines = ["", "## Scale (one core per run: OMP/OPENBLAS/MKL_NUM_THREADS=1; the real stats replicated)", ""]
+    if "scale_load" in result:
+        lines += [f"This section was rerun on its own (`--scale-only`): load average before "
+                  f"{result['scale_load'][0]:.1f}, after {result['scale_load'][1]:.1f}.", ""]
+    lines += [
              "| run | rows | DP x M | wall s | CPU s | peak RSS MiB | MiB per 1M rows (over the input) | "
              "vision max/mean | LLM (linear+attn) max/mean | tile pad | token pad | compute pad | compute floor |",
              "|" + "---|" * 13]
