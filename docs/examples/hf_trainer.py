@@ -25,3 +25,6 @@ trainer = OmnibalTrainer(model=model, args=args, train_dataset=data,
                          ledger_path=f"{out}/ledger-rank{{rank}}.jsonl")  # the samples each micro-batch trained
 trainer.train()  # resume a run that saved checkpoints: trainer.train(resume_from_checkpoint=True)
 trainer.save_model(out)
+if torch.distributed.is_initialized():  # leave together: a rank that exits with its process group up can abort
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
