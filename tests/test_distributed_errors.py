@@ -51,3 +51,30 @@ def test_user_errors_are_not_comm_errors():
     assert not is_comm_error(ValueError("gloo"))  # only a RuntimeError carries the backend's words
     assert not is_comm_error(RuntimeError("shape mismatch in layer 3"))
     assert is_comm_error(RuntimeError("[pair.cc:537] Read error: Connection reset by peer"))
+
+
+def _raises(kind: str) -> None:
+    from omnibal.errors import InputError
+
+    if kind == "bug":
+        raise KeyError("missing-key")
+    raise InputError("bad value", source="data.jsonl", record="line 3", field="tiles")
+
+
+@pytest.mark.multiprocess
+def test_a_ranks_exception_arrives_with_its_stack_as_its_cause():
+    """A rank's bug reaches the parent as the exception it raised, its formatted stack the exception's
+    ``RemoteTraceback`` cause (not a separate text); an omnibal error's one line needs none."""
+    from omnibal.errors import InputError
+    from omnibal.train.distributed import spawn_local
+    from omnibal.train.rank_exceptions import RemoteTraceback, remote_traceback
+
+    for kind, kind_type in (("bug", KeyError), ("input", InputError)):
+        (result,) = spawn_local(_raises, 1, args=(kind,), deadline_s=120, print_tracebacks=False)
+        assert type(result.exception) is kind_type and result.exitcode == 1
+        trace = remote_traceback(result.exception)
+        if kind == "bug":
+            assert isinstance(result.exception.__cause__, RemoteTraceback)
+            assert "in _raises" in trace and "KeyError: 'missing-key'" in trace, trace
+        else:
+            assert trace is None and result.exception.record == "line 3"

@@ -15,6 +15,7 @@ import sys
 from omnibal.cli.fields import add_config_arguments, config_from_args
 from omnibal.cli.options import check_layout_args
 from omnibal.errors import InputError, OmnibalError
+from omnibal.train.rank_exceptions import remote_traceback
 
 CUDA_ALLOC_CONF = "expandable_segments:True"
 """PyTorch's caching allocator setting of a CUDA run, unless the user set ``PYTORCH_CUDA_ALLOC_CONF``: on
@@ -105,8 +106,8 @@ def report_failures(failed) -> None:
         print(f"omnibal train: {'' if line.startswith(f'rank {r.rank} ') else f'rank {r.rank}: '}{line}",
               file=sys.stderr)
     for r in failed:
-        if r.traceback_text:
-            print(f"\nomnibal train: rank {r.rank}'s traceback:\n{r.traceback_text.rstrip()}", file=sys.stderr)
+        if trace := remote_traceback(r.exception):
+            print(f"\nomnibal train: rank {r.rank}'s traceback:\n{trace.rstrip()}", file=sys.stderr)
 
 
 def notice(line: str) -> None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-import pickle
 import queue as queue_mod
 import signal as signal_mod
 import socket
@@ -34,6 +33,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from omnibal.errors import InputError, OmnibalError
 from omnibal.train.heartbeat import Heartbeat
+from omnibal.train.rank_exceptions import one_line, sendable
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -249,9 +249,6 @@ class RankResult:
     failure: str | None = None
     """How the rank ended when it did not raise but did not return either: a non-zero exit, a signal, or
     killed after its deadline or its peer's failure."""
-    traceback_text: str | None = None
-    """The formatted traceback of what the rank raised, unless it was an :class:`OmnibalError` (whose one line
-    says it all); printed by the rank itself unless ``spawn_local(print_tracebacks=False)``."""
 
     @property
     def peer_failure(self) -> bool:
@@ -274,7 +271,7 @@ class RankResult:
     def error(self) -> str | None:
         """One line saying how the rank failed (the exception's type and message, or ``failure``); None when
         it succeeded."""
-        return _one_line(self.exception) if self.exception is not None else self.failure
+        return one_line(self.exception) if self.exception is not None else self.failure
 
     @property
     def message(self) -> str | None:
@@ -294,20 +291,6 @@ def is_path_error(exc: BaseException | None) -> bool:
     return isinstance(exc, OSError) and exc.filename is not None
 
 
-def _one_line(exc: BaseException) -> str:
-    text = str(exc)
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
-def _sendable(exc: BaseException) -> BaseException:
-    """``exc`` itself when it survives pickling (the result queue pickles it), else a RuntimeError naming it."""
-    try:
-        pickle.loads(pickle.dumps(exc))
-    except Exception:  # an exception whose constructor takes other arguments than its args, or holds a lock
-        return RuntimeError(_one_line(exc))
-    return exc
-
-
 def spawn_local(fn: Callable[..., Any], world_size: int, *, args: tuple = (), deadline_s: float = 600.0,
                 master_port: int | None = None, env: dict[str, str] | None = None,
                 start_method: str = "spawn", failure_grace_s: float = 60.0,
@@ -325,8 +308,8 @@ def spawn_local(fn: Callable[..., Any], world_size: int, *, args: tuple = (), de
 
     The ranks ignore SIGINT: a Ctrl-C reaches the whole process group, and it is the caller's to handle once
     (the parent stops the ranks and raises KeyboardInterrupt), not every rank's with a traceback of its own.
-    ``print_tracebacks=False``: a rank that raised keeps its traceback in :attr:`RankResult.traceback_text`
-    instead of printing it, so the caller can say the cause first.
+    ``print_tracebacks=False``: a rank that raised keeps its traceback in its exception's cause
+    (:func:`remote_traceback`) instead of printing it, so the caller can say the cause first.
     """
     ctx = mp.get_context(start_method)
     port = master_port or free_port()
@@ -342,7 +325,7 @@ def spawn_local(fn: Callable[..., Any], world_size: int, *, args: tuple = (), de
                                daemon=False)
             proc.start()
             procs.append(proc)
-    reported: dict[int, tuple] = {}  # rank -> (exception, value, traceback text)
+    reported: dict[int, tuple] = {}  # rank -> (exception, value)
     try:
         failed_at = _wait(procs, results, reported, time.monotonic() + deadline_s, failure_grace_s)
     except KeyboardInterrupt:
@@ -363,11 +346,11 @@ def spawn_local(fn: Callable[..., Any], world_size: int, *, args: tuple = (), de
                        f"{failed_at[1]:.0f} s after rank {failed_at[0]} failed")
             out.append(RankResult(rank, None, failure=f"rank {rank} {why}: killed"))
             continue
-        exception, value, trace = reported.get(rank, (None, None, None))
+        exception, value = reported.get(rank, (None, None))
         failure = None
         if exception is None and proc.exitcode != 0:
             failure = f"rank {rank} {describe_exit(proc.exitcode, oom_kills=oom)}"
-        out.append(RankResult(rank, proc.exitcode, exception, value, failure, trace))
+        out.append(RankResult(rank, proc.exitcode, exception, value, failure))
     results.close()
     return out
 
@@ -487,10 +470,10 @@ def _rank_main(fn: Callable[..., Any], args: tuple, env: dict[str, str], results
             trace = "".join(traceback.format_exception(exc))
             if print_tracebacks:  # where Python would print it
                 print(trace, end="", file=sys.stderr, flush=True)
-        results.put((rank, _sendable(exc), None, trace))
+        results.put((rank, sendable(exc, trace), None))
         results.close()
         results.join_thread()
         os._exit(1)  # no destroy_process_group: with a dead peer it may block; exiting frees the sockets
-    results.put((rank, None, value, None))
+    results.put((rank, None, value))
     results.close()
     results.join_thread()
