@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -315,3 +316,19 @@ def rank_interleaved_trainer(plan_path: str, num_steps: int = 2):
     destroy_world()
     return {"rank": world.rank, "pp_schedule": trainer.pp_schedule, "loss_part": result.loss_sum, "grads": grads,
             "records": [None if r is None else r.loss for r in losses]}
+
+
+def rank_pids(parent: int) -> list[int]:
+    """The ranks ``omnibal train`` started as local processes under ``parent``, first rank first: its children
+    (forked on CPU, spawned on CUDA), never multiprocessing's resource tracker. Needs /proc."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat, cmdline = (entry / "stat").read_text(), (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == parent and b"resource_tracker" not in cmdline:
+            out.append(int(entry.name))
+    return sorted(out)

@@ -18,25 +18,11 @@ from pathlib import Path
 
 import pytest
 
+from dist_helpers import rank_pids
 from omnibal.train.distributed import describe_exit, spawn_local
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.multiprocess
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"spawn_main" in cmdline:
-            out.append(int(entry.name))
-    return sorted(out)  # started rank after rank
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc to find the ranks")
@@ -59,7 +45,7 @@ def test_omnibal_train_returns_when_a_local_rank_is_stopped_and_names_it(tmp_pat
             if log.exists() and len(log.read_text().splitlines()) >= 3:  # header + two steps: training runs
                 break
             time.sleep(0.1)
-        ranks = _children(proc.pid)
+        ranks = rank_pids(proc.pid)
         assert len(ranks) == 2 and proc.poll() is None, (ranks, proc.poll())
         os.kill(ranks[1], signal.SIGSTOP)
         t0 = time.monotonic()

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from dist_helpers import rank_pids
 from omnibal.cli import main
 from omnibal.train.distributed import PeerFailure, RankResult, root_causes_first
 
@@ -88,19 +89,6 @@ def test_failures_are_reported_cause_first():
     assert [r.rank for r in root_causes_first([peer, killed, fine])] == [1, 0]
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat, cmd = (entry / "stat").read_text(), (entry / "cmdline").read_bytes()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"spawn_main" in cmd:
-                out.append(int(entry.name))
-    return sorted(out)
-
-
 def _default_sigint() -> None:
     """A terminal's Ctrl-C disposition for the child: a test run started in the background by a
     non-interactive shell inherits SIGINT ignored, and Python then installs no KeyboardInterrupt handler."""
@@ -126,7 +114,7 @@ def _start_dp2(stats: Path, *extra: str) -> subprocess.Popen:
 def test_ctrl_c_is_one_line_and_exit_130(long_stats):
     """Ctrl-C printed two KeyboardInterrupt tracebacks (64 lines), one per rank."""
     proc = _start_dp2(long_stats)
-    ranks = _children(proc.pid)
+    ranks = rank_pids(proc.pid)
     try:
         os.killpg(proc.pid, signal.SIGINT)
         _, err = proc.communicate(timeout=60)
@@ -145,7 +133,7 @@ def test_a_killed_peer_is_the_first_line(long_stats):
     """The surviving rank's 30-line traceback came first and the cause last."""
     proc = _start_dp2(long_stats, "--timeout", "5")
     try:
-        os.kill(_children(proc.pid)[1], signal.SIGKILL)
+        os.kill(rank_pids(proc.pid)[1], signal.SIGKILL)
         _, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
