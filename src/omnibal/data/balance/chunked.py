@@ -1,0 +1,135 @@
+"""The packer on very large inputs: the rows split into chunks that are packed independently, in a pool of
+worker processes, with a result that does not depend on how many processes there are.
+
+``pack_balanced`` is sequential numpy work, and its exchange phases grow faster than the rows; over
+``2 * chunk_rows`` rows (``BalanceConfig.chunk_rows``) :func:`pack_chunked` packs the rows in
+``ceil(rows / chunk_rows)`` chunks instead. Everything the result depends on is fixed before a chunk runs:
+
+- **The partition** (:func:`split_rows`): the rows sorted by size (tiles, then tokens) are dealt in blocks of
+  as many rows as there are chunks, each block's rows to the chunks in an order drawn from the epoch's
+  generator. So every chunk gets one sample of every size band -- the chunks' tile and token totals differ by
+  about one sample -- and the chunks' mean packs are those of the whole input, which the caps were searched
+  on (once, on every row).
+- **The pack counts** (:func:`split_packs`): the packs split over the chunks in proportion to their rows,
+  and the room for more packs (the tail rule adds whole steps of ``pack_step`` packs) split in whole steps:
+  the total stays a whole number of steps, and never more packs than rows.
+- **The generators**: one per chunk, spawned from a seed drawn once from the epoch's generator, so a chunk
+  draws the same numbers whichever process runs it, and in whichever order.
+
+The chunks then run in ``workers`` processes (fork where the platform has it) or, with one worker, one after
+the other in this process: the same packs either way. The derived caps are the largest over the chunks.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+
+import numpy as np
+
+from omnibal.data.balance.common import stable_order
+from omnibal.data.balance.cost import to_grid
+from omnibal.data.balance.packer import PackResult, pack_balanced
+from omnibal.data.balance.phases import add_phase_seconds, record_phases
+
+
+def num_chunks(rows: int, num_packs: int, chunk_rows: int | None) -> int:
+    """Chunks the packer splits ``rows`` rows into: 1 (no split) up to ``2 * chunk_rows`` rows (or with
+    ``chunk_rows`` None), else ``ceil(rows / chunk_rows)``; never more than there are packs. A function of
+    the input alone, never of the cores."""
+    if chunk_rows is None or rows <= 2 * chunk_rows:
+        return 1
+    return max(1, min(-(-rows // chunk_rows), num_packs))
+
+
+def split_rows(tiles: np.ndarray, tokens: np.ndarray, count: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """``count`` chunks of row indices (each ascending), sizes within one: the rows sorted by (tiles, tokens)
+    go in blocks of ``count`` to the chunks in a random order per block (a random, size-stratified split)."""
+    n = len(tiles)
+    tiles = np.asarray(tiles, np.int64)
+    tokens = np.asarray(tokens, np.int64)
+    by_size = stable_order(tiles * (int(tokens.max(initial=0)) + 1) + tokens)
+    blocks = -(-n // count)
+    deal = rng.permuted(np.broadcast_to(np.arange(count), (blocks, count)), axis=1).ravel()[:n]
+    chunk_of = np.empty(n, np.int64)
+    chunk_of[by_size] = deal
+    order = stable_order(chunk_of)
+    bounds = np.cumsum(np.bincount(chunk_of, minlength=count))[:-1]
+    return np.split(order, bounds)
+
+
+def split_packs(num_packs: int, max_packs: int, sizes: list[int], pack_step: int) -> list[tuple[int, int]]:
+    """Per chunk of ``sizes`` rows, (packs, most packs): the packs in proportion to the rows (largest
+    remainders, ties to the first chunk), and the room up to ``max_packs`` in whole ``pack_step`` steps, each
+    chunk's within its rows (the first chunks first when the room is short)."""
+    sizes_a = np.asarray(sizes, np.int64)
+    total = int(sizes_a.sum())
+    share = num_packs * sizes_a
+    packs = share // total
+    short = num_packs - int(packs.sum())
+    packs[stable_order(-(share % total) + int((share % total).max(initial=0)))[:short]] += 1
+    room = (sizes_a - packs) // pack_step
+    spare = max(max_packs - num_packs, 0) // pack_step
+    room = np.minimum(room, np.maximum(spare - (np.cumsum(room) - room), 0))
+    return [(int(p), int(p + r * pack_step)) for p, r in zip(packs, room)]
+
+
+def _pack_chunk(task) -> PackResult:
+    tiles, tokens, llm, seed, kwargs = task
+    return pack_balanced(tiles, tokens, llm, rng=np.random.default_rng(seed), **kwargs)
+
+
+def _pack_chunk_in_worker(task) -> tuple[PackResult, dict[str, float]]:
+    """One chunk's packing and the CPU seconds of its phases (a worker's own, which its parent's phase
+    records do not see)."""
+    with record_phases() as seconds:
+        packed = _pack_chunk(task)
+    return packed, seconds
+
+
+def _run(tasks: list, workers: int) -> list[tuple[PackResult, dict[str, float]]]:
+    """Every chunk's packing (and its worker's phase seconds), in the order of ``tasks``."""
+    if workers <= 1 or len(tasks) < 2:  # here the phases record themselves
+        return [(_pack_chunk(task), {}) for task in tasks]
+    methods = multiprocessing.get_all_start_methods()
+    ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+    pool = ctx.Pool(min(workers, len(tasks)))
+    try:
+        results = pool.map(_pack_chunk_in_worker, tasks, chunksize=1)
+    except BaseException:
+        pool.terminate()
+        pool.join()
+        raise
+    pool.close()
+    pool.join()  # the workers exit and are reaped: their CPU time counts as this process's children's
+    return results
+
+
+def pack_chunked(tiles: np.ndarray, tokens: np.ndarray, llm_cost: np.ndarray, *, num_packs: int, max_tiles: int,
+                 max_tokens: int, rng: np.random.Generator, chunks: int, workers: int = 1, pack_step: int = 1,
+                 max_packs: int | None = None, **kwargs) -> PackResult:
+    """:func:`~omnibal.data.balance.packer.pack_balanced` of ``chunks`` chunks of the rows (see the module
+    docstring), in ``workers`` processes; the other keywords go to every chunk's packer. The packs of chunk
+    ``k`` follow those of chunk ``k - 1``; ``llm`` per pack is in the units of ``cost.to_grid`` of all of
+    ``llm_cost``; ``passes`` the most any chunk ran."""
+    n = len(tiles)
+    max_packs = n if max_packs is None else int(max_packs)
+    parts = split_rows(tiles, tokens, chunks, rng)
+    counts = split_packs(num_packs, max_packs, [len(rows) for rows in parts], pack_step)
+    seeds = np.random.SeedSequence(rng.integers(0, 1 << 62, 2).tolist()).spawn(chunks)
+    tiles, tokens, llm_cost = np.asarray(tiles), np.asarray(tokens), np.asarray(llm_cost)
+    tasks = [(tiles[rows], tokens[rows], llm_cost[rows], seed,
+              dict(kwargs, num_packs=p, max_packs=most, max_tiles=max_tiles, max_tokens=max_tokens,
+                   pack_step=pack_step))
+             for rows, (p, most), seed in zip(parts, counts, seeds)]
+    results = _run(tasks, workers)
+    pack_of = np.empty(n, np.int64)
+    offset = 0
+    for rows, (packed, seconds) in zip(parts, results):
+        pack_of[rows] = packed.pack_of + offset
+        offset += len(packed.tiles)
+        add_phase_seconds(seconds)
+    packs = [packed for packed, _ in results]
+    return PackResult(pack_of=pack_of, tiles=np.concatenate([p.tiles for p in packs]),
+                      tokens=np.concatenate([p.tokens for p in packs]),
+                      llm=np.bincount(pack_of, weights=to_grid(llm_cost), minlength=offset),
+                      passes=tuple(int(max(p.passes[i] for p in packs)) for i in range(3)))
