@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from balance_helpers import assert_exactly_once, random_stats
 from omnibal.data.balance import BalanceConfig, balance
 from omnibal.data.balance.api import CHUNK_ROWS
-from omnibal.data.balance.chunked import num_chunks, split_packs, split_rows
+from omnibal.data.balance.chunked import num_chunks, shave_tokens, size_order, split_packs, split_rows
 from omnibal.errors import InputError
 
 SMALL = 1024
@@ -115,7 +115,7 @@ def test_pack_split_keeps_whole_steps_and_never_more_packs_than_rows(count, base
 @given(n=st.integers(10, 3000), count=st.integers(2, 9), seed=st.integers(0, 2**32 - 1))
 def test_row_split_is_a_size_stratified_partition(n, count, seed):
     stats = random_stats(n, seed=seed % 1000)
-    parts = split_rows(stats.tiles, stats.tokens, count, np.random.default_rng(seed))
+    parts = split_rows(size_order(stats.tiles, stats.tokens)[1], count, np.random.default_rng(seed))
     assert np.array_equal(np.sort(np.concatenate(parts)), np.arange(n))
     assert all((np.diff(p) > 0).all() for p in parts)
     sizes = [len(p) for p in parts]
@@ -124,3 +124,25 @@ def test_row_split_is_a_size_stratified_partition(n, count, seed):
     # one sample of each block of ``count`` rows in size order: the totals differ by at most the sum of the
     # blocks' spreads, which is at most the spread of all the rows
     assert max(tiles) - min(tiles) <= int(stats.tiles.max()) - int(stats.tiles.min())
+
+
+def test_shaving_brings_the_packs_under_the_next_token_multiple_or_leaves_them():
+    # packs of two samples each (tiles 1, 1, 2, 2): pack 0 is 3 tokens over 96, the multiple under its 104
+    tiles = np.array([1, 1, 1, 1, 2, 2, 2, 2])
+    tokens = np.array([50, 49, 40, 41, 30, 30, 20, 21])
+    pack_of = np.array([0, 0, 1, 1, 2, 2, 3, 3])
+    pack_tokens = np.bincount(pack_of, weights=tokens).astype(float)
+    assert pack_tokens.tolist() == [99, 81, 60, 41]
+    keys, by_size = size_order(tiles, tokens)
+    assert shave_tokens(pack_of, pack_tokens, tokens, keys, by_size, multiple=8)
+    assert pack_tokens.max() <= 96 and np.array_equal(pack_tokens, np.bincount(pack_of, weights=tokens))
+    assert np.array_equal(np.bincount(pack_of, weights=tiles), [2, 2, 4, 4])  # tile counts kept
+    # the least change: 50 (or 49) for 41 -> pack 0 at 90 or 91, pack 1 at 90 or 89
+    assert sorted(np.bincount(pack_of, weights=tokens)[:2].tolist()) in ([89, 91], [90, 90])
+    # all or none: pack 0 (99) can swap 49 for 46 into pack 2, which leaves no room for pack 1 (100)
+    tokens = np.array([50, 49, 50, 50, 46, 45])
+    pack_of = np.array([0, 0, 1, 1, 2, 2])
+    pack_tokens = np.bincount(pack_of, weights=tokens).astype(float)
+    keys, by_size = size_order(np.ones(6, np.int64), tokens)
+    assert not shave_tokens(pack_of, pack_tokens, tokens, keys, by_size, multiple=8)
+    assert np.array_equal(pack_of, [0, 0, 1, 1, 2, 2]) and pack_tokens.tolist() == [99, 100, 91]

@@ -240,7 +240,9 @@ def _pack_at(steps, max_tiles, max_tokens, *, tiles, tokens, llm, per_step, max_
     # with the own packs, a whole number of steps
     num_packs = min(-(-(steps * per_step + num_alone) // per_step) * per_step, max_total) - num_alone
     chunks = num_chunks(len(tiles), num_packs, config.chunk_rows)
-    pack = pack_balanced if chunks == 1 else partial(pack_chunked, chunks=chunks, workers=_workers(config))
+    pack = pack_balanced if chunks == 1 else partial(
+        pack_chunked, chunks=chunks, workers=_workers(config),
+        token_multiple=config.token_multiple if config.max_tokens is None else None)
     packed = pack(tiles, tokens, llm, num_packs=num_packs, max_tiles=max_tiles,
                            max_tokens=max_tokens, rng=rng, llm_tol=config.llm_tol, pack_step=per_step,
                            max_packs=max_total - num_alone, hard_caps=_caps_fixed(config), squeeze=squeeze)

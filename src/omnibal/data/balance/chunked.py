@@ -29,7 +29,11 @@ import numpy as np
 from omnibal.data.balance.common import stable_order
 from omnibal.data.balance.cost import to_grid
 from omnibal.data.balance.packer import PackResult, pack_balanced
-from omnibal.data.balance.phases import add_phase_seconds, record_phases
+from omnibal.data.balance.phases import add_phase_seconds, phase, record_phases
+
+SHAVE_PACKS = 1024
+"""Most packs :func:`shave_tokens` tries to bring under the next lower token multiple (a few Python steps
+each)."""
 
 
 def num_chunks(rows: int, num_packs: int, chunk_rows: int | None) -> int:
@@ -41,13 +45,20 @@ def num_chunks(rows: int, num_packs: int, chunk_rows: int | None) -> int:
     return max(1, min(-(-rows // chunk_rows), num_packs))
 
 
-def split_rows(tiles: np.ndarray, tokens: np.ndarray, count: int, rng: np.random.Generator) -> list[np.ndarray]:
-    """``count`` chunks of row indices (each ascending), sizes within one: the rows sorted by (tiles, tokens)
-    go in blocks of ``count`` to the chunks in a random order per block (a random, size-stratified split)."""
-    n = len(tiles)
+def size_order(tiles: np.ndarray, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(keys, order): a key per row that sorts by tiles, then tokens (``tiles * (most tokens + 1) + tokens``),
+    and the rows in the keys' order (equal keys in row order)."""
     tiles = np.asarray(tiles, np.int64)
     tokens = np.asarray(tokens, np.int64)
-    by_size = stable_order(tiles * (int(tokens.max(initial=0)) + 1) + tokens)
+    keys = tiles * (int(tokens.max(initial=0)) + 1) + tokens
+    return keys, stable_order(keys)
+
+
+def split_rows(by_size: np.ndarray, count: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """``count`` chunks of row indices (each ascending), sizes within one: the rows in size order
+    (``by_size``, :func:`size_order`) go in blocks of ``count`` to the chunks in a random order per block
+    (a random, size-stratified split)."""
+    n = len(by_size)
     blocks = -(-n // count)
     deal = rng.permuted(np.broadcast_to(np.arange(count), (blocks, count)), axis=1).ravel()[:n]
     chunk_of = np.empty(n, np.int64)
@@ -106,14 +117,16 @@ def _run(tasks: list, workers: int) -> list[tuple[PackResult, dict[str, float]]]
 
 def pack_chunked(tiles: np.ndarray, tokens: np.ndarray, llm_cost: np.ndarray, *, num_packs: int, max_tiles: int,
                  max_tokens: int, rng: np.random.Generator, chunks: int, workers: int = 1, pack_step: int = 1,
-                 max_packs: int | None = None, **kwargs) -> PackResult:
+                 max_packs: int | None = None, token_multiple: int | None = None, **kwargs) -> PackResult:
     """:func:`~omnibal.data.balance.packer.pack_balanced` of ``chunks`` chunks of the rows (see the module
     docstring), in ``workers`` processes; the other keywords go to every chunk's packer. The packs of chunk
     ``k`` follow those of chunk ``k - 1``; ``llm`` per pack is in the units of ``cost.to_grid`` of all of
-    ``llm_cost``; ``passes`` the most any chunk ran."""
+    ``llm_cost``; ``passes`` the most any chunk ran. ``token_multiple`` (a token cap derived from the packs,
+    rounded up to it): :func:`shave_tokens` then tries to bring the packs under the next lower multiple."""
     n = len(tiles)
     max_packs = n if max_packs is None else int(max_packs)
-    parts = split_rows(tiles, tokens, chunks, rng)
+    keys, by_size = size_order(tiles, tokens)
+    parts = split_rows(by_size, chunks, rng)
     counts = split_packs(num_packs, max_packs, [len(rows) for rows in parts], pack_step)
     seeds = np.random.SeedSequence(rng.integers(0, 1 << 62, 2).tolist()).spawn(chunks)
     tiles, tokens, llm_cost = np.asarray(tiles), np.asarray(tokens), np.asarray(llm_cost)
@@ -129,7 +142,77 @@ def pack_chunked(tiles: np.ndarray, tokens: np.ndarray, llm_cost: np.ndarray, *,
         offset += len(packed.tiles)
         add_phase_seconds(seconds)
     packs = [packed for packed, _ in results]
-    return PackResult(pack_of=pack_of, tiles=np.concatenate([p.tiles for p in packs]),
-                      tokens=np.concatenate([p.tokens for p in packs]),
+    pack_tokens = np.concatenate([p.tokens for p in packs])
+    if token_multiple:
+        with phase("shave"):
+            shave_tokens(pack_of, pack_tokens, np.asarray(tokens, np.int64), keys, by_size, token_multiple)
+    return PackResult(pack_of=pack_of, tiles=np.concatenate([p.tiles for p in packs]), tokens=pack_tokens,
                       llm=np.bincount(pack_of, weights=to_grid(llm_cost), minlength=offset),
                       passes=tuple(int(max(p.passes[i] for p in packs)) for i in range(3)))
+
+
+def shave_tokens(pack_of: np.ndarray, pack_tokens: np.ndarray, tokens: np.ndarray, keys: np.ndarray,
+                 by_size: np.ndarray, multiple: int) -> bool:
+    """Bring the few packs (at most ``SHAVE_PACKS``) over the multiple of ``multiple`` under their largest
+    one -- those the derived token cap is rounded up for -- under it, each by one swap of a sample with a
+    sample of as many tiles and fewer tokens from a pack with the room; all or none (one left over keeps
+    the cap). Each chunk levels its own tokens, so the largest pack of all is the largest of several chunks'
+    and often a token or two over what one packer reaches. ``keys``/``by_size``: :func:`size_order`. Tile
+    counts never change; ``pack_of`` and ``pack_tokens`` are updated in place. Returns whether the cap came
+    down."""
+    top = int(pack_tokens.max(initial=0))
+    target = -(-top // multiple) * multiple - multiple
+    over = np.flatnonzero(pack_tokens > target)
+    if target <= 0 or len(over) > SHAVE_PACKS:
+        return False
+    sorted_keys = keys[by_size]
+    most_room = target - int(pack_tokens.min())
+    # the rows of the packs over (no swap moves a row into one: a partner's pack is under the target)
+    rows = np.flatnonzero(np.isin(pack_of, over))
+    rows = rows[stable_order(pack_of[rows])]
+    starts = np.searchsorted(pack_of[rows], over)
+    swaps = []
+    for p, start, end in zip(over, starts, [*starts[1:], len(rows)]):  # ascending, each swap the least change
+        best = None                                                    # (ties: the row last in size order)
+        for a in rows[start:end]:
+            d_least = int(pack_tokens[p]) - target
+            if best is not None and best[2] <= d_least:
+                break
+            b = _partner(a, p, d_least, target, most_room, pack_of, pack_tokens, tokens, keys, sorted_keys, by_size)
+            if b is not None and (best is None or tokens[a] - tokens[b] < best[2]):
+                best = (a, b, int(tokens[a] - tokens[b]))
+        if best is None:
+            for a, b, d in reversed(swaps):  # undo: the cap stays
+                _swap(pack_of, pack_tokens, b, a, -d)
+            return False
+        _swap(pack_of, pack_tokens, *best)
+        swaps.append(best)
+    return True
+
+
+def _partner(a, p, d_least, target, most_room, pack_of, pack_tokens, tokens, keys, sorted_keys, by_size,
+             window=256):
+    """The row of ``a``'s tile count with the most tokens at least ``d_least`` under ``a``'s, in a pack other
+    than ``p`` with room for the difference under ``target`` (no pack has more than ``most_room``); None when
+    there is none."""
+    band = keys[a] - tokens[a]  # the key of (a's tiles, 0 tokens)
+    low = int(np.searchsorted(sorted_keys, band, side="left"))
+    hi = int(np.searchsorted(sorted_keys, keys[a] - d_least, side="right"))
+    while hi > low:
+        cand = by_size[max(low, hi - window):hi][::-1]
+        diff = tokens[a] - tokens[cand]
+        ok = (diff <= target - pack_tokens[pack_of[cand]]) & (pack_of[cand] != p)
+        if ok.any():
+            return int(cand[np.argmax(ok)])
+        if diff[-1] > most_room:
+            return None
+        hi -= window
+    return None
+
+
+def _swap(pack_of, pack_tokens, a, b, d) -> None:
+    """Swap rows ``a`` and ``b`` between their packs (``d``: ``a``'s tokens less ``b``'s)."""
+    pa, pb = pack_of[a], pack_of[b]
+    pack_of[a], pack_of[b] = pb, pa
+    pack_tokens[pa] -= d
+    pack_tokens[pb] += d
