@@ -17,7 +17,9 @@ worker processes, with a result that does not depend on how many processes there
   draws the same numbers whichever process runs it, and in whichever order.
 
 The chunks then run in ``workers`` processes (fork where the platform has it) or, with one worker, one after
-the other in this process: the same packs either way. The derived caps are the largest over the chunks.
+the other in this process: the same packs either way. The derived caps are the largest over the chunks; so
+that the token cap is not a multiple higher than one packer would reach, :func:`shave_tokens` then brings
+the few packs over the next lower multiple under it where single swaps can.
 """
 
 from __future__ import annotations
