@@ -101,7 +101,9 @@ def _pack_chunk_in_worker(task) -> tuple[PackResult, dict[str, float]]:
 
 def _run(tasks: list, workers: int) -> list[tuple[PackResult, dict[str, float]]]:
     """Every chunk's packing (and its worker's phase seconds), in the order of ``tasks``."""
-    if workers <= 1 or len(tasks) < 2:  # here the phases record themselves
+    # in this process: one worker, one chunk, or a daemon process (a pool's or a loader's worker), which may
+    # not start processes of its own; here the phases record themselves
+    if workers <= 1 or len(tasks) < 2 or multiprocessing.current_process().daemon:
         return [(_pack_chunk(task), {}) for task in tasks]
     methods = multiprocessing.get_all_start_methods()
     ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
