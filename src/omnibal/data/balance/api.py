@@ -176,9 +176,9 @@ def _balance_omnibal(stats, dp_size, num_microbatches, seed, epoch, config: Bala
     with phase("costs"):
         costs = config.cost.grid_costs(stats.tiles, stats.tokens)  # integers: exact sums on every machine
     if len(regular):
-        num_regular_packs, (q_v, q_t), passes, chunks = _pack_regular(stats, regular, pack_of, costs[1][regular],
-                                                              per_step=per_step, max_total=max_total,
-                                                              num_alone=len(alone), config=config, rng=rng)
+        num_regular_packs, (q_v, q_t), passes, chunks = _pack_regular(
+            stats, regular, pack_of, costs[1][regular], per_step=per_step, max_total=max_total,
+            num_alone=len(alone), config=config, rng=rng)
     else:
         num_regular_packs, passes, chunks = 0, (0, 0, 0), 1
         q_v, q_t = config.max_tiles or 1, config.max_tokens or 1
