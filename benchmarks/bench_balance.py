@@ -8,11 +8,12 @@ tiles) and the synthetic default mixture, at DP 8-1024 and 1-8 micro-batches: th
 beside its floor (``pad_floor``: no packing pads less within the samples tolerance) and the target
 ``max(0.01, floor + 0.002)``, balance across ranks of each named cost, CPU seconds per phase; the fixed caps
 9/4096 (InternVL's default), 12/4096, 12/4800 and 16/4352 for omnibal vs faithful ISF; 1.2M and 10M rows
-(the real stats replicated; the synthetic default) in separate single-threaded processes, with a row per
-phase and the peak memory. Writes benchmarks/results/balance.json and balance.md. Not a test: it reports
-what it measured, with the machine load next to the timings (the machine is shared; CPU seconds are
-reported beside wall seconds). ``--scale-only`` reruns only the 1.2M / 10M section into the existing
-balance.json (on a quieter moment than the whole run had), recording that section's own load.
+(the real stats replicated; the synthetic default) in separate single-threaded processes (10M rows also
+chunked across every core, and unchunked), with a row per phase and the peak memory. Writes
+benchmarks/results/balance.json and balance.md. Not a test: it reports what it measured, with the machine
+load next to the timings (the machine is shared; CPU seconds are reported beside wall seconds).
+``--scale-only`` reruns only the 1.2M / 10M section into the existing balance.json (on a quieter moment
+than the whole run had), recording that section's own load.
 """
 
 from __future__ import annotations
@@ -86,11 +87,14 @@ else:
     stats = synthetic_internvl_mixture(n, seed=0)
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 cfg = BalanceConfig(method=method, **{cfg!r})
-w0, c0 = time.perf_counter(), time.process_time()
+def children_cpu():  # the balancer's worker processes (``workers`` > 1), once they have exited
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+w0, c0, k0 = time.perf_counter(), time.process_time(), children_cpu()
 with record_phases() as phases:
     sched = balance(stats, dp_size=dp, num_microbatches=micro, config=cfg)
-wall, cpu = time.perf_counter() - w0, time.process_time() - c0
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+wall, cpu = time.perf_counter() - w0, time.process_time() - c0 + children_cpu() - k0
+peak = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
 m = schedule_metrics(sched, stats)
 fl = pad_floor(stats.tiles, stats.tokens, slots_per_step=dp * micro, samples_tolerance=cfg.samples_tolerance,
                cost=DEFAULT_COST)
@@ -248,9 +252,12 @@ def scale_runs(subsets: dict, paths: list[str], skip_10m: bool) -> dict:
     scale["omnibal_1.2M_synthetic_dp32"] = run_child("synthetic", 1_200_000, 32, "omnibal", [], {}, timeout=1800)
     print("1.2M omnibal:", {k: (v.get("cpu_s"), v.get("error")) for k, v in scale.items()}, file=sys.stderr)
     scale["isf_1.2M_dp32"] = isf_timing(subsets["merged"].replicate(1_200_000), 32, 50)
-    if not skip_10m:
-        scale["omnibal_10M_dp128"] = run_child("real", 10_000_000, 128, "omnibal", paths, {}, timeout=3600)
-        print("10M omnibal:", scale["omnibal_10M_dp128"].get("cpu_s"), file=sys.stderr)
+    if not skip_10m:  # chunked (``BalanceConfig.chunk_rows``): one core, every core (the same schedule), unchunked
+        cores = os.cpu_count() or 1
+        for name, cfg in (("omnibal_10M_dp128", {}), (f"omnibal_10M_dp128_{cores}cores", {"workers": cores}),
+                          ("omnibal_10M_dp128_unchunked", {"chunk_rows": None})):
+            scale[name] = run_child("real", 10_000_000, 128, "omnibal", paths, cfg, timeout=3600)
+            print(f"10M {name}:", scale[name].get("wall_s"), scale[name].get("cpu_s"), file=sys.stderr)
     return scale
 
 
@@ -389,7 +396,8 @@ def _md_fixed(table: list[dict]) -> list[str]:
 
 def _md_scale(result: dict) -> list[str]:
     scale = result["scale"]
-    lines = ["", "## Scale (one core per run: OMP/OPENBLAS/MKL_NUM_THREADS=1; the real stats replicated)", ""]
+    lines = ["", "## Scale (one core per run, `_Ncores`: N worker processes; OMP/OPENBLAS/MKL_NUM_THREADS=1; "
+             "the real stats replicated; CPU s include the worker processes)", ""]
     if "scale_load" in result:
         lines += [f"This section was rerun on its own (`--scale-only`): load average before "
                   f"{result['scale_load'][0]:.1f}, after {result['scale_load'][1]:.1f}.", ""]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from functools import partial
 
 import numpy as np
 
@@ -11,6 +12,7 @@ from omnibal.data.balance.assign import assign_sorted
 from omnibal.data.balance.baselines import balance_length_grouped, balance_random
 from omnibal.data.balance.capmodel import abs_log
 from omnibal.data.balance.caps import choose_caps
+from omnibal.data.balance.chunked import num_chunks, pack_chunked
 from omnibal.data.balance.common import epoch_rng, split_oversize
 from omnibal.data.balance.cost import DEFAULT_COST, BalanceCost
 from omnibal.data.balance.isf import balance_isf
@@ -31,6 +33,8 @@ FALLBACK_MARGIN = 0.007
 packed too, when the best needed no tail rule: packings end some way over their least score (the squeeze
 stops a few tokens over it), so a closer runner-up rarely pads less and costs a whole packing
 (``benchmarks/bench_balance.py`` measures where the margin pays)."""
+CHUNK_ROWS = 1 << 20
+"""Default ``BalanceConfig.chunk_rows``: inputs of more than twice as many rows are packed in chunks."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,6 +83,16 @@ class BalanceConfig:
     """ISF without fixed caps: run its own argument search over (Q_v, Q_t)."""
     progress: bool = field(default=False, metadata={"cli": False})
     """Show a progress bar (stderr) for long work (the ISF argument search)."""
+    chunk_rows: int | None = field(default=CHUNK_ROWS, metadata={"cli": False})
+    """Over twice this many rows (those under fixed caps), omnibal packs the rows in ``ceil(rows /
+    chunk_rows)`` chunks, each on its own (``chunked``), which ``workers`` processes can share; the caps are
+    still searched on every row. None: always in one piece (one core, and time growing faster than the
+    rows). Part of what the schedule depends on, unlike ``workers``."""
+    workers: int = field(default=1, metadata={"cli_default": 0})
+    """Worker processes packing the chunks of a chunked input (see ``chunk_rows``): 1 packs them in this
+    process, 0 starts one per core this process may use. The schedule is the same for every count. 1 in the
+    library since every rank of a training job balances the epoch itself (a process per core on each of a
+    node's ranks would oversubscribe it); ``omnibal balance`` uses every core."""
 
     def __post_init__(self) -> None:
         check_choice(self.method, BalanceMethod, source="method", field="method")
@@ -96,6 +110,12 @@ class BalanceConfig:
                              source="samples_tolerance", field="samples_tolerance")
         if self.batch_size < 1:
             raise InputError(f"must be >= 1, got {self.batch_size}", source="batch_size", field="batch_size")
+        if not (is_int(self.workers) and 0 <= self.workers <= 1024):
+            raise InputError(f"must be an integer in [0, 1024], got {self.workers!r}", source="workers",
+                             field="workers")
+        if self.chunk_rows is not None and not (is_int(self.chunk_rows) and self.chunk_rows >= 1024):
+            raise InputError(f"must be an integer >= 1024 or None, got {self.chunk_rows!r}", source="chunk_rows",
+                             field="chunk_rows")
         if not 0 <= self.token_slack < 0.5:
             raise InputError(f"must be in [0, 0.5), got {self.token_slack}", source="token_slack",
                              field="token_slack")
@@ -103,7 +123,10 @@ class BalanceConfig:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["cost"] = self.cost.to_dict()
-        d.pop("progress")  # display only: not part of what a schedule depends on
+        for name in ("progress", "workers"):  # not part of what a schedule depends on
+            d.pop(name)
+        if self.chunk_rows == CHUNK_ROWS:  # recorded when chosen: a config read back gets the default
+            d.pop("chunk_rows")
         return d
 
 
@@ -153,11 +176,11 @@ def _balance_omnibal(stats, dp_size, num_microbatches, seed, epoch, config: Bala
     with phase("costs"):
         costs = config.cost.grid_costs(stats.tiles, stats.tokens)  # integers: exact sums on every machine
     if len(regular):
-        num_regular_packs, (q_v, q_t), passes = _pack_regular(stats, regular, pack_of, costs[1][regular],
-                                                              per_step=per_step, max_total=max_total,
-                                                              num_alone=len(alone), config=config, rng=rng)
+        num_regular_packs, (q_v, q_t), passes, chunks = _pack_regular(
+            stats, regular, pack_of, costs[1][regular], per_step=per_step, max_total=max_total,
+            num_alone=len(alone), config=config, rng=rng)
     else:
-        num_regular_packs, passes = 0, (0, 0, 0)
+        num_regular_packs, passes, chunks = 0, (0, 0, 0), 1
         q_v, q_t = config.max_tiles or 1, config.max_tokens or 1
     num_total = num_regular_packs + len(alone)
     pack_of[alone] = num_regular_packs + np.arange(len(alone))
@@ -170,13 +193,15 @@ def _balance_omnibal(stats, dp_size, num_microbatches, seed, epoch, config: Bala
             num_microbatches=num_microbatches, caps=Caps(tiles=int(q_v), tokens=int(q_t)),
             num_samples=len(stats), padding="varlen", method="omnibal", seed=seed, epoch=epoch,
             stats_fingerprint=stats.fingerprint(), dropped=dropped,
-            meta={"config": config.to_dict(), "exchange_passes": list(passes), "own_packs": alone.tolist()},
+            meta={"config": config.to_dict(), "exchange_passes": list(passes), "own_packs": alone.tolist(),
+                  **({"chunks": chunks} if chunks > 1 else {})},
         )
 
 
 def _pack_regular(stats, regular, pack_of, llm, *, per_step, max_total, num_alone, config, rng):
     """Cap search and packing of the rows under the caps (``llm``: their LLM costs on the integer grid);
-    writes their pack labels into ``pack_of``. Returns (number of packs, (Q_v, Q_t), exchange passes).
+    writes their pack labels into ``pack_of``. Returns (number of packs, (Q_v, Q_t), exchange passes, chunks
+    packed apart: see ``chunked``).
 
     With derived caps, when the chosen count needed the tail rule (new steps, or a tile cap grown over the
     searched one: what the search's subsample did not show), the runners-up are packed too, one after the
@@ -204,16 +229,21 @@ def _pack_regular(stats, regular, pack_of, llm, *, per_step, max_total, num_alon
         best = min(best, _pack_at(*caps, **args), key=lambda r: r[4])
     packed, q_v, q_t = best[:3]
     pack_of[regular] = packed.pack_of
-    return len(packed.tiles), (q_v, q_t), packed.passes
+    return len(packed.tiles), (q_v, q_t), packed.passes, best[5]
 
 
 def _pack_at(steps, max_tiles, max_tokens, *, tiles, tokens, llm, per_step, max_total, num_alone, config, rng,
              squeeze=False):
     """Pack at one (steps, Q_v, Q_t): (packs, derived Q_v, derived Q_t, whether the tail rule changed the
-    count or the caps, pad score of the derived caps); ``squeeze``: the packer's token squeeze."""
+    count or the caps, pad score of the derived caps, chunks packed apart); ``squeeze``: the packer's token
+    squeeze. Very large inputs are packed in chunks (``chunked``: the same packs for any ``workers``)."""
     # with the own packs, a whole number of steps
     num_packs = min(-(-(steps * per_step + num_alone) // per_step) * per_step, max_total) - num_alone
-    packed = pack_balanced(tiles, tokens, llm, num_packs=num_packs, max_tiles=max_tiles,
+    chunks = num_chunks(len(tiles), num_packs, config.chunk_rows)
+    pack = pack_balanced if chunks == 1 else partial(
+        pack_chunked, chunks=chunks, workers=_workers(config),
+        token_multiple=config.token_multiple if config.max_tokens is None else None)
+    packed = pack(tiles, tokens, llm, num_packs=num_packs, max_tiles=max_tiles,
                            max_tokens=max_tokens, rng=rng, llm_tol=config.llm_tol, pack_step=per_step,
                            max_packs=max_total - num_alone, hard_caps=_caps_fixed(config), squeeze=squeeze)
     over = (packed.tiles > max_tiles) & (config.max_tiles is not None)
@@ -233,7 +263,15 @@ def _pack_at(steps, max_tiles, max_tokens, *, tiles, tokens, llm, per_step, max_
     tailed = p != num_packs or q_v > max_tiles  # new steps or a larger tile cap (a token cap grows by little)
     score = (2 - float(tiles.sum()) / (p * max(q_v, 1)) - float(tokens.sum()) / (p * q_t)
              + 0.05 * abs_log(len(tiles) / p / config.target_samples))
-    return packed, q_v, q_t, tailed, score
+    return packed, q_v, q_t, tailed, score, chunks
+
+
+def _workers(config: BalanceConfig) -> int:
+    if config.workers:
+        return config.workers
+    from omnibal.stats.annotations import available_cores  # its module is import-heavy; only needed here
+
+    return available_cores()
 
 
 def _caps_fixed(config: BalanceConfig) -> bool:

@@ -69,3 +69,10 @@ class WorkBudget:
 
 UNLIMITED = None
 """Pass as a budget to weigh without a bound (tests and small helpers)."""
+
+
+def add_phase_seconds(seconds: dict[str, float]) -> None:
+    """Add phase seconds recorded elsewhere (a worker process's) to every active :func:`record_phases`."""
+    for recorder in _RECORDERS:
+        for name, spent in seconds.items():
+            recorder[name] = recorder.get(name, 0.0) + spent
