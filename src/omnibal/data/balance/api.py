@@ -243,9 +243,9 @@ def _pack_at(steps, max_tiles, max_tokens, *, tiles, tokens, llm, per_step, max_
     pack = pack_balanced if chunks == 1 else partial(
         pack_chunked, chunks=chunks, workers=_workers(config),
         token_multiple=config.token_multiple if config.max_tokens is None else None)
-    packed = pack(tiles, tokens, llm, num_packs=num_packs, max_tiles=max_tiles,
-                           max_tokens=max_tokens, rng=rng, llm_tol=config.llm_tol, pack_step=per_step,
-                           max_packs=max_total - num_alone, hard_caps=_caps_fixed(config), squeeze=squeeze)
+    packed = pack(tiles, tokens, llm, num_packs=num_packs, max_tiles=max_tiles, max_tokens=max_tokens, rng=rng,
+                  llm_tol=config.llm_tol, pack_step=per_step, max_packs=max_total - num_alone,
+                  hard_caps=_caps_fixed(config), squeeze=squeeze)
     over = (packed.tiles > max_tiles) & (config.max_tiles is not None)
     over = int((over | (packed.tokens > max_tokens) & (config.max_tokens is not None)).sum())
     if over:  # the packer adds packs for what does not fit, unless more packs would leave some empty
