@@ -127,3 +127,21 @@ def test_many_identical_blocks_are_solved_by_counting():
     blocks = [i for i in got.checkpointed if i < 48]
     assert got.checkpointed[: len(blocks)] == tuple(range(len(blocks)))  # the first blocks of the stage
     assert got.recompute_time <= 11 * q.recompute_time[0] + q.recompute_time[48] + 1e-15
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 6), st.integers(0, 6)), min_size=1, max_size=40))
+def test_a_pruned_front_keeps_exactly_the_points_no_point_of_its_transient_beats(points):
+    """The front's pruning against a plain reference: a point goes when another of the same transient saves at
+    least as much in less time, or as much in the same time and comes first (one of equal points stays)."""
+    from omnibal.plan.recompute import _Frontier
+
+    trans, save, time = (np.array(col, float) for col in zip(*points))
+    time = time / 4  # ties, and times that are not integers
+    counts = np.arange(len(points), dtype=np.int64).reshape(-1, 1)
+    got = _Frontier(trans, save, time, counts).pruned()
+    order = np.lexsort((time, -save, trans))  # the reference walks the points in the same order
+    kept = [int(i) for n, i in enumerate(order)
+            if not any(trans[j] == trans[i] and time[j] <= time[i] for j in order[:n])]
+    kept.sort(key=lambda i: (trans[i], save[i]))
+    assert got.counts[:, 0].tolist() == kept
