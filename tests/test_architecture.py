@@ -16,7 +16,7 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = "omnibal"
 LAYERS = {
-    "errors": 0, "outputs": 0, "validate": 0, "tables": 0, "layout": 0,
+    "errors": 0, "outputs": 0, "validate": 0, "tables": 0, "layout": 0, "processes": 0,
     "stats": 1,
     "cost": 2,
     "data": 3, "sim": 3,

@@ -68,11 +68,12 @@ def run(args: argparse.Namespace) -> int:
     if nproc == 1 or torchrun:
         _finish(cfg, train_rank(cfg, notice, say))
         return 0
-    from omnibal.train.distributed import root_causes_first, spawn_local, start_method_for
+    from omnibal.processes import start_method
+    from omnibal.train.distributed import root_causes_first, spawn_local
 
     # once a rank fails, the others' collectives fail within the timeout; a rank still there after twice that
     # is stopped or hung, and is killed and named rather than waited on
-    method = start_method_for(cfg.device)
+    method = start_method(cfg.device)
     if method == "fork":  # a tokenizer the parent used cannot take its thread pool across a fork (it warns)
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     results = spawn_local(train_rank, nproc, args=(cfg, notice, say), deadline_s=7 * 24 * 3600.0,

@@ -188,11 +188,12 @@ def _train_config(result, cand_parts, rec_sets, files: dict, steps: int, device:
 def measure_candidate(cfg, *, timeout_s: float) -> tuple[float, float]:
     """``(mean wall-clock step, slowdown)`` of one trainer run (``train_rank`` on ``cfg.world_size`` local
     processes); the slowdown (see :class:`CandidateMeasurement`) is 1.0 on CUDA."""
-    from omnibal.train.distributed import spawn_local, start_method_for
+    from omnibal.processes import start_method
+    from omnibal.train.distributed import spawn_local
     from omnibal.train.run import train_rank
 
     results = spawn_local(train_rank, cfg.world_size, args=(cfg,), deadline_s=timeout_s,
-                          start_method=start_method_for(cfg.device))
+                          start_method=start_method(cfg.device))
     errors = [r.error for r in results if r.error]
     if errors:
         raise InputError("a candidate's trainer run failed: " + "; ".join(str(e) for e in errors)[:2000],

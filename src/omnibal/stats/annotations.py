@@ -40,6 +40,7 @@ from tqdm import tqdm
 
 from omnibal.errors import InputError
 from omnibal.layout import OnError
+from omnibal.processes import available_cores, start_method
 from omnibal.stats.records import IMAGE_PLACEHOLDER, RecordError, check_inside, parse_json_line, parse_record
 from omnibal.stats.table import ImageConvention, SampleStats, index_keys
 from omnibal.stats.tiles import TileConfig, count_tiles, image_size
@@ -210,14 +211,6 @@ def compute_stats(paths, config: AnnotationConfig = AnnotationConfig()) -> tuple
     return stats, report
 
 
-def available_cores() -> int:
-    """Cores this process may run on (its affinity where the OS tells it, else the machine's)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:
-        return max(1, os.cpu_count() or 1)
-
-
 def _cpu_time() -> float | None:
     try:
         import resource
@@ -276,11 +269,8 @@ def _run_chunks(lazy_pool: _LazyPool, chunks, config: AnnotationConfig):
 
 
 def _make_pool(config: AnnotationConfig):
-    # fork where there is one: no re-import of the caller's main module (spawn needs an ``if __name__ ==
-    # "__main__"`` guard in every user script) and a fast start; this process has used no tokenizer
-    # threads yet (it only loaded the tokenizer to check it), so forking is safe
-    methods = multiprocessing.get_all_start_methods()
-    ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+    # this process has used no tokenizer threads yet (it only loaded the tokenizer to check it): forking is safe
+    ctx = multiprocessing.get_context(start_method())
     return ctx.Pool(config.workers, initializer=_init_worker, initargs=(config,))
 
 

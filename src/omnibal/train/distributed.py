@@ -291,13 +291,6 @@ def is_path_error(exc: BaseException | None) -> bool:
     return isinstance(exc, OSError) and exc.filename is not None
 
 
-def start_method_for(device: str) -> str:
-    """How :func:`spawn_local` starts the ranks of a run on ``device``: ``fork`` on CPU where the platform has
-    it (each rank inherits the parent's imported torch and omnibal instead of importing them again, seconds per
-    rank), ``spawn`` for CUDA, which cannot be used in a forked child once the parent has touched it."""
-    return "fork" if device == "cpu" and "fork" in mp.get_all_start_methods() else "spawn"
-
-
 def spawn_local(fn: Callable[..., Any], world_size: int, *, args: tuple = (), deadline_s: float = 600.0,
                 master_port: int | None = None, env: dict[str, str] | None = None,
                 start_method: str = "spawn", failure_grace_s: float = 60.0,

@@ -21,6 +21,7 @@ from omnibal.data.balance.phases import phase
 from omnibal.data.balance.schedule import Caps, Schedule, build_schedule
 from omnibal.errors import InputError
 from omnibal.layout import BalanceMethod, OversizePolicy, check_choice
+from omnibal.processes import available_cores
 from omnibal.validate import is_int
 
 FALLBACK_ROWS = 4 * 16384
@@ -269,8 +270,6 @@ def _pack_at(steps, max_tiles, max_tokens, *, tiles, tokens, llm, per_step, max_
 def _workers(config: BalanceConfig) -> int:
     if config.workers:
         return config.workers
-    from omnibal.stats.annotations import available_cores  # its module is import-heavy; only needed here
-
     return available_cores()
 
 

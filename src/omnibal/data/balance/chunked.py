@@ -32,6 +32,7 @@ from omnibal.data.balance.common import stable_order
 from omnibal.data.balance.cost import to_grid
 from omnibal.data.balance.packer import PackResult, pack_balanced
 from omnibal.data.balance.phases import add_phase_seconds, phase, record_phases
+from omnibal.processes import start_method
 
 SHAVE_PACKS = 1024
 """Most packs :func:`shave_tokens` tries to bring under the next lower token multiple (a few Python steps
@@ -105,8 +106,7 @@ def _run(tasks: list, workers: int) -> list[tuple[PackResult, dict[str, float]]]
     # not start processes of its own; here the phases record themselves
     if workers <= 1 or len(tasks) < 2 or multiprocessing.current_process().daemon:
         return [(_pack_chunk(task), {}) for task in tasks]
-    methods = multiprocessing.get_all_start_methods()
-    ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+    ctx = multiprocessing.get_context(start_method())
     pool = ctx.Pool(min(workers, len(tasks)))
     try:
         results = pool.map(_pack_chunk_in_worker, tasks, chunksize=1)
